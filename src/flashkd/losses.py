@@ -1,0 +1,140 @@
+"""The distillation losses, as data, and their one pure-torch definition.
+
+Per row, with temperature τ, student logits a, teacher logits b, q = softmax(a/τ), p = softmax(b/τ):
+
+    loss          value                                   dL/da
+    forward_kl    KL(p‖q) = Σ p (log p − log q)           (q − p) / τ
+    reverse_kl    KL(q‖p) = Σ q (log q − log p)           q ∘ (log q − log p − KL(q‖p)) / τ
+    jsd (β)       β KL(p‖M) + (1−β) KL(q‖M),              (1−β) q ∘ (log(q/M) − K) / τ,   K = Σ q log(q/M)
+                  M = β p + (1−β) q
+    tvd           ½ Σ |q − p|                             ½ q ∘ (σ − Σ q σ) / τ,          σ = sign(q − p)
+    cosine        β (1 − cos(a, b))                       −β (b / (‖a‖‖b‖) − cos · a / ‖a‖²)
+    hard CE       logsumexp(a) − a_y   (untempered)       softmax(a) − onehot(y)
+
+JSD endpoints follow the Liger / TRL convention: β = 0 is forward KL(p‖q), β = 1 is reverse KL(q‖p)
+(not the limit of the formula, which is 0 at both ends). Cosine is invariant to τ.
+
+The total is  w_hard · CE + w_soft · c · soft,  c = τ² when `temperature_squared` (Hinton) else 1,
+each term summed over rows whose label is not `ignore_index` and divided by the number of such rows
+("mean", at least 1) or by 1 ("sum").
+
+`row_losses` below is the single torch definition of these formulas: the torch backend differentiates
+it chunk by chunk with autograd, the benchmark's naive provider runs it over the full logits, and the
+Triton kernel (`flashkd.kernels.rows`) implements the analytic gradients of the table above.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import torch
+
+LOSSES = ("jsd", "forward_kl", "reverse_kl", "tvd", "cosine")
+REDUCTIONS = ("mean", "sum")
+
+# Loss ids shared with the Triton kernel's constexpr switch.
+LOSS_ID = {name: i for i, name in enumerate(LOSSES)}
+
+
+@dataclasses.dataclass(frozen=True)
+class LossSpec:
+    """Everything the row math needs to know about one call; validated once, passed as one object."""
+
+    loss: str = "jsd"
+    beta: float = 0.5
+    temperature: float = 1.0
+    weight_hard: float = 0.5
+    weight_soft: float = 0.5
+    temperature_squared: bool = False
+    ignore_index: int = -100
+    reduction: str = "mean"
+    want_hard: bool = True  # compute the CE at all (weighted in, or returned for logging)
+    want_soft: bool = True  # compute the divergence at all (and the teacher's logits for it)
+
+    def __post_init__(self):
+        if self.loss not in LOSSES:
+            raise ValueError(f"loss: expected one of {', '.join(map(repr, LOSSES))}, got {self.loss!r}")
+        if self.reduction not in REDUCTIONS:
+            raise ValueError(f"reduction: expected 'mean' or 'sum', got {self.reduction!r}")
+        for name in ("beta", "temperature", "weight_hard", "weight_soft"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+                raise TypeError(f"{name}: expected a finite Python float, got {value!r}")
+        if not 0.0 <= self.beta <= 1.0:
+            raise ValueError(f"beta: expected a value in [0, 1], got {self.beta!r}")
+        if self.temperature <= 0.0:
+            raise ValueError(f"temperature: expected a value > 0, got {self.temperature!r}")
+        if isinstance(self.ignore_index, bool) or not isinstance(self.ignore_index, int):
+            raise TypeError(f"ignore_index: expected an int, got {self.ignore_index!r}")
+
+    @property
+    def kind(self) -> str:
+        """The divergence actually computed, with the JSD endpoints resolved."""
+        if self.loss == "jsd" and self.beta == 0.0:
+            return "forward_kl"
+        if self.loss == "jsd" and self.beta == 1.0:
+            return "reverse_kl"
+        return self.loss
+
+    @property
+    def soft_scale(self) -> float:
+        """Factor on the soft term inside the total: w_soft, times τ² when asked for."""
+        return self.weight_soft * (self.temperature**2 if self.temperature_squared else 1.0)
+
+    @property
+    def needs_soft(self) -> bool:
+        return self.weight_soft != 0.0
+
+
+def row_losses(s: torch.Tensor, t: torch.Tensor, labels: torch.Tensor | None, spec: LossSpec):
+    """Per-row soft and hard losses of one block of logits, in fp32; differentiable w.r.t. `s`.
+
+    s:      (R, V) student logits, any float dtype
+    t:      (R, V) teacher logits, same V (unused, may be None, when `spec.want_soft` is False)
+    labels: (R,) integer labels or None
+    Returns (soft, hard), each (R,) in fp32 (fp64 for fp64 inputs), zero on rows whose label is `ignore_index`. `soft` is the
+    unweighted divergence; `hard` the untempered CE (zeros when `spec.want_hard` is False). A label
+    outside [0, V) that is not `ignore_index` gives a NaN hard loss on its row.
+    """
+    work = torch.promote_types(s.dtype, torch.float32)
+    s = s.to(work)
+    if not spec.want_soft:
+        soft = s.new_zeros(s.shape[0])
+    elif spec.kind == "cosine":
+        t = t.to(work)
+        dot = (s * t).sum(-1)
+        norm = s.norm(dim=-1).clamp_min(_EPS) * t.norm(dim=-1).clamp_min(_EPS)
+        soft = spec.beta * (1.0 - dot / norm)
+    else:
+        log_q = torch.log_softmax(s / spec.temperature, dim=-1)
+        log_p = torch.log_softmax(t.to(work) / spec.temperature, dim=-1)
+        soft = _divergence(log_q, log_p, spec)
+    hard = torch.zeros_like(soft)
+    if labels is None:
+        return soft, hard
+    valid = labels != spec.ignore_index
+    if spec.want_hard:
+        in_range = (labels >= 0) & (labels < s.shape[-1])
+        index = torch.where(in_range, labels, 0).long().unsqueeze(-1)
+        ce = torch.logsumexp(s, dim=-1) - s.gather(-1, index).squeeze(-1)
+        hard = torch.where(in_range | ~valid, ce, torch.nan)
+    return torch.where(valid, soft, 0.0), torch.where(valid, hard, 0.0)
+
+
+# Guards the cosine norms of all-zero rows; the loss of such a row is β (cos taken as 0).
+_EPS = 1e-12
+
+
+def _divergence(log_q: torch.Tensor, log_p: torch.Tensor, spec: LossSpec) -> torch.Tensor:
+    q, p = log_q.exp(), log_p.exp()
+    kind = spec.kind
+    if kind == "forward_kl":
+        return (p * (log_p - log_q)).sum(-1)
+    if kind == "reverse_kl":
+        return (q * (log_q - log_p)).sum(-1)
+    if kind == "tvd":
+        return 0.5 * (q - p).abs().sum(-1)
+    beta = spec.beta
+    log_m = torch.logaddexp(log_p + math.log(beta), log_q + math.log1p(-beta))
+    return beta * (p * (log_p - log_m)).sum(-1) + (1.0 - beta) * (q * (log_q - log_m)).sum(-1)

@@ -1,0 +1,194 @@
+"""Bad input, edge cases and autograd behaviour of the public API."""
+
+import pytest
+import torch
+
+import flashkd
+import flashkd.distill
+from conftest import BACKENDS
+from oracle import distill_loss
+
+
+def inputs(n=6, v=9, hs=4, ht=5, vt=None, dtype=torch.float32):
+    xs = torch.randn(n, hs, dtype=dtype, requires_grad=True)
+    ws = torch.randn(v, hs, dtype=dtype, requires_grad=True)
+    xt = torch.randn(n, ht, dtype=dtype)
+    wt = torch.randn(vt or v, ht, dtype=dtype)
+    y = torch.randint(0, v, (n,))
+    return xs, ws, xt, wt, y
+
+
+@pytest.mark.parametrize(
+    "change,error,words",
+    [
+        (dict(teacher_input=torch.randn(7, 5)), ValueError, ["teacher_input", "(6,)", "(7,)"]),
+        (dict(labels=torch.zeros(5, dtype=torch.long)), ValueError, ["labels", "(6,)", "(5,)"]),
+        (dict(student_input=torch.randn(6, 3)), ValueError, ["student_input", "hidden size 4", "got 3"]),
+        (dict(teacher_input=torch.randn(6, 2)), ValueError, ["teacher_input", "hidden size 5", "got 2"]),
+        (dict(teacher_weight=torch.randn(8, 5)), ValueError, ["teacher_weight", "at least 9", "got 8"]),
+        (dict(student_bias=torch.randn(8)), ValueError, ["student_bias", "(9,)", "(8,)"]),
+        (dict(labels=torch.full((6,), 9)), ValueError, ["labels", "[0, 9)", "got 9"]),
+        (dict(labels=torch.full((6,), -1)), ValueError, ["labels", "got -1"]),
+        (dict(labels=torch.zeros(6)), TypeError, ["labels", "integer", "float32"]),
+        (dict(temperature=0.0), ValueError, ["temperature", "> 0", "0.0"]),
+        (dict(temperature=-1.0), ValueError, ["temperature", "-1.0"]),
+        (dict(beta=1.5), ValueError, ["beta", "[0, 1]", "1.5"]),
+        (dict(beta=-0.1), ValueError, ["beta", "-0.1"]),
+        (dict(beta=float("nan")), TypeError, ["beta", "nan"]),
+        (dict(beta=torch.tensor(0.5)), TypeError, ["beta", "Python float"]),
+        (dict(loss="kl"), ValueError, ["loss", "'jsd'", "'kl'"]),
+        (dict(reduction="none"), ValueError, ["reduction", "'mean'", "'none'"]),
+        (dict(backend="cuda"), ValueError, ["backend", "'cuda'"]),
+        (dict(chunk_size=0), ValueError, ["chunk_size", "0"]),
+        (dict(student_input=torch.randint(0, 3, (6, 4))), TypeError, ["student_input", "floating", "int64"]),
+        (dict(teacher_weight=torch.randn(9, 5, dtype=torch.float64)), TypeError,
+         ["teacher_weight", "torch.float32", "torch.float64"]),
+        (dict(student_weight=torch.randn(9, 4, 1)), ValueError, ["student_weight", "2-D", "(9, 4, 1)"]),
+        (dict(labels=None), ValueError, ["weight_hard_loss", "labels is None", "0.5"]),
+        (dict(teacher_input=torch.randn(6, 5, device="meta")), ValueError, ["teacher_input", "cpu", "meta"]),
+        (dict(student_input=[[1.0]]), TypeError, ["student_input", "torch.Tensor", "list"]),
+        (dict(grad_accum_dtype=torch.int32), TypeError, ["grad_accum_dtype", "torch.int32"]),
+    ],
+)
+def test_bad_input_is_named(change, error, words):
+    xs, ws, xt, wt, y = inputs()
+    args = dict(student_input=xs, student_weight=ws, teacher_input=xt, teacher_weight=wt, labels=y)
+    options = {k: change.pop(k) for k in list(change) if k not in args}
+    args.update(change)
+    with pytest.raises(error) as info:
+        flashkd.fused_linear_distill(**args, **options)
+    for word in words:
+        assert word in str(info.value), (word, str(info.value))
+
+
+def test_unchecked_bad_label_gives_nan_not_garbage():
+    xs, ws, xt, wt, y = inputs()
+    y[2] = 50
+    loss = flashkd.fused_linear_distill(xs, ws, xt, wt, y, check_labels=False)
+    assert torch.isnan(loss)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_all_rows_ignored(backend):
+    xs, ws, xt, wt, y = inputs()
+    y.fill_(-100)
+    loss = flashkd.fused_linear_distill(xs, ws, xt, wt, y, backend=backend)
+    loss.backward()
+    assert loss.item() == 0.0
+    assert xs.grad.abs().max() == 0 and ws.grad.abs().max() == 0
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("loss", flashkd.LOSSES)
+def test_single_row(backend, loss):
+    xs, ws, xt, wt, y = inputs(n=1)
+    got = flashkd.fused_linear_distill(xs, ws, xt, wt, y, loss=loss, backend=backend)
+    want, _, _ = distill_loss(xs.detach(), ws.detach(), xt, wt, y, loss=loss)
+    got.backward()
+    assert torch.isfinite(xs.grad).all() and torch.isfinite(ws.grad).all()
+    assert abs(got.item() - want.item()) <= 2e-5 * max(1.0, abs(want.item()))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_non_contiguous_inputs(backend):
+    xs, ws, xt, wt, y = inputs(n=8, hs=6)
+    xs_t = torch.randn(6, 8).t().requires_grad_()  # (8, 6), column-major
+    ws_t = torch.randn(6, 9).t().requires_grad_()  # (9, 6)
+    xt_nc = torch.randn(8, 10)[:, ::2]  # (8, 5), strided
+    loss = flashkd.fused_linear_distill(xs_t, ws_t, xt_nc, wt, y, backend=backend, chunk_size=3)
+    loss.backward()
+    ref_x, ref_w = xs_t.detach().clone().requires_grad_(), ws_t.detach().clone().requires_grad_()
+    ref, _, _ = distill_loss(ref_x, ref_w, xt_nc, wt, y)
+    ref.backward()
+    ref_x, ref_w = ref_x.grad.double(), ref_w.grad.double()
+    assert torch.allclose(loss.double(), ref, rtol=2e-5)
+    assert torch.allclose(xs_t.grad.double(), ref_x, rtol=1e-4, atol=1e-6)
+    assert torch.allclose(ws_t.grad.double(), ref_w, rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.parametrize("grad_output", [0.0, -2.5, 3.0])
+def test_grad_output_scales(grad_output):
+    xs, ws, xt, wt, y = inputs()
+    loss = flashkd.fused_linear_distill(xs, ws, xt, wt, y)
+    dx, dw = torch.autograd.grad(loss, (xs, ws))
+    xs.grad = ws.grad = None
+    (loss2 := flashkd.fused_linear_distill(xs, ws, xt, wt, y)).backward(torch.tensor(grad_output))
+    assert torch.equal(xs.grad, dx * grad_output) and torch.equal(ws.grad, dw * grad_output)
+    assert torch.isfinite(loss2)
+
+
+def test_no_gradient_work_without_grad(monkeypatch):
+    calls = []
+    real = flashkd.backends.torch_rows.rows
+    monkeypatch.setattr(flashkd.backends.torch_rows, "rows", lambda *a: calls.append(a[-1]) or real(*a))
+    monkeypatch.setattr(flashkd.distill, "_accumulate_mm", lambda *a: pytest.fail("dW GEMM under no_grad"))
+    xs, ws, xt, wt, y = inputs()
+    with torch.no_grad():
+        flashkd.fused_linear_distill(xs, ws, xt, wt, y, chunk_size=2)
+    flashkd.fused_linear_distill(xs.detach(), ws.detach(), xt, wt, y, chunk_size=2)
+    assert calls and not any(calls)
+
+
+def test_only_the_wanted_grads_are_computed(monkeypatch):
+    monkeypatch.setattr(flashkd.distill, "_accumulate_mm", lambda *a: pytest.fail("dW GEMM for a frozen head"))
+    xs, ws, xt, wt, y = inputs()
+    ws.requires_grad_(False)
+    flashkd.fused_linear_distill(xs, ws, xt, wt, y).backward()
+    assert xs.grad is not None and ws.grad is None
+
+
+def test_soft_and_hard_are_detached_terms():
+    xs, ws, xt, wt, y = inputs()
+    loss, soft, hard = flashkd.fused_linear_distill(xs, ws, xt, wt, y, weight_hard_loss=0.25,
+                                                    weight_soft_loss=2.0, return_soft_hard_loss=True)
+    assert not soft.requires_grad and not hard.requires_grad
+    assert torch.allclose(loss, 0.25 * hard + 2.0 * soft)
+
+
+def test_modules_match_the_function():
+    xs, ws, xt, wt, y = inputs()
+    for module, loss in ((flashkd.FusedLinearJSDLoss(beta=0.2), "jsd"),
+                         (flashkd.FusedLinearCosineSimilarityLoss(beta=0.2), "cosine"),
+                         (flashkd.FusedLinearDistillLoss("tvd", beta=0.2), "tvd")):
+        want = flashkd.fused_linear_distill(xs, ws, xt, wt, y, loss=loss, beta=0.2)
+        assert torch.equal(module(xs, ws, xt, wt, y), want)
+    assert "tvd" in repr(flashkd.FusedLinearDistillLoss("tvd"))
+
+
+def test_inside_torch_compile():
+    xs, ws, xt, wt, y = inputs()
+
+    @torch.compile(backend="aot_eager", fullgraph=False)
+    def step(xs, ws):
+        return 2.0 * flashkd.fused_linear_distill(xs, ws, xt, wt, y) + 1.0
+
+    out = step(xs, ws)
+    out.backward()
+    want = 2.0 * flashkd.fused_linear_distill(xs.detach(), ws.detach(), xt, wt, y) + 1.0
+    assert torch.allclose(out, want) and xs.grad is not None and torch.isfinite(ws.grad).all()
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_inputs_are_as_accurate_as_plain_torch(seed, dtype):
+    """Judged against fp32 truth: no worse than the naive formula run in the same dtype."""
+    xs, ws, xt, wt, y = inputs(n=33, v=301, hs=16, ht=24, dtype=dtype)
+    loss = flashkd.fused_linear_distill(xs, ws, xt, wt, y, chunk_size=8)
+    dx, dw = torch.autograd.grad(loss, (xs, ws))
+    truth_x, truth_w = xs.detach().double().requires_grad_(), ws.detach().double().requires_grad_()
+    truth, _, _ = distill_loss(truth_x, truth_w, xt.double(), wt.double(), y)
+    tdx, tdw = torch.autograd.grad(truth, (truth_x, truth_w))
+    # plain torch in the same dtype: logits in `dtype`, its usual fp32 upcast for the softmax
+    px, pw = xs.detach().clone().requires_grad_(), ws.detach().clone().requires_grad_()
+    s, t = (px @ pw.T).float(), (xt @ wt.T).float()
+    q, p = s.log_softmax(-1), t.log_softmax(-1)
+    m = torch.logsumexp(torch.stack([q, p]) + torch.tensor(0.5).log(), 0)
+    soft = 0.5 * (q.exp() * (q - m)).sum(-1) + 0.5 * (p.exp() * (p - m)).sum(-1)
+    plain = 0.5 * torch.nn.functional.cross_entropy(s, y) + 0.5 * soft.mean()
+    pdx, pdw = torch.autograd.grad(plain, (px, pw))
+
+    def err(a, b):
+        return ((a.double() - b).norm() / b.norm()).item()
+
+    assert abs(loss.item() - truth.item()) / abs(truth.item()) <= max(3 * abs(plain.item() - truth.item()) / abs(truth.item()), 1e-5)
+    assert err(dx, tdx) <= 1.5 * err(pdx, tdx) + 1e-4
+    assert err(dw, tdw) <= 1.5 * err(pdw, tdw) + 1e-4
