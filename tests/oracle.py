@@ -11,16 +11,23 @@ import torch.nn.functional as F
 def distill_loss(
     xs, ws, xt, wt, labels=None, *, loss="jsd", beta=0.5, temperature=1.0, weight_hard_loss=0.5,
     weight_soft_loss=0.5, ignore_index=-100, student_bias=None, teacher_bias=None, reduction="mean",
-    temperature_squared=False,
+    temperature_squared=False, plain=False,
 ):
-    """float64 loss, differentiable w.r.t. xs, ws and student_bias; also returns (soft, hard)."""
+    """float64 loss, differentiable w.r.t. xs, ws and student_bias; also returns (soft, hard).
+
+    plain=True is instead what a user would write in plain torch: GEMMs in the input dtype, the loss
+    math in fp32 — the baseline whose error the fused op must match.
+    """
     v = ws.shape[0]
-    logits_s = xs.double() @ ws.double().T
-    logits_t = xt.double() @ wt.double()[:v].T
+    up = (lambda x: x) if plain else (lambda x: x.double())
+    logits_s = up(xs) @ up(ws).T
+    logits_t = up(xt) @ up(wt)[:v].T
     if student_bias is not None:
-        logits_s = logits_s + student_bias.double()
+        logits_s = logits_s + up(student_bias)
     if teacher_bias is not None:
-        logits_t = logits_t + teacher_bias.double()[:v]
+        logits_t = logits_t + up(teacher_bias)[:v]
+    if plain:
+        logits_s, logits_t = logits_s.float(), logits_t.float()
     logits_s = logits_s.reshape(-1, v)
     logits_t = logits_t.reshape(-1, v)
     q = torch.softmax(logits_s / temperature, -1)
