@@ -20,7 +20,7 @@ each term summed over rows whose label is not `ignore_index` and divided by the 
 
 `row_losses` below is the single torch definition of these formulas: the torch backend differentiates
 it chunk by chunk with autograd, the benchmark's naive provider runs it over the full logits, and the
-Triton kernel (`flashkd.kernels.rows`) implements the analytic gradients of the table above.
+Triton kernel (`flashkd.backends.triton_rows`) implements the analytic gradients of the table above.
 """
 
 from __future__ import annotations
@@ -130,11 +130,16 @@ def _divergence(log_q: torch.Tensor, log_p: torch.Tensor, spec: LossSpec) -> tor
     q, p = log_q.exp(), log_p.exp()
     kind = spec.kind
     if kind == "forward_kl":
-        return (p * (log_p - log_q)).sum(-1)
+        return _plogr(p, log_p - log_q)
     if kind == "reverse_kl":
-        return (q * (log_q - log_p)).sum(-1)
+        return _plogr(q, log_q - log_p)
     if kind == "tvd":
         return 0.5 * (q - p).abs().sum(-1)
     beta = spec.beta
     log_m = torch.logaddexp(log_p + math.log(beta), log_q + math.log1p(-beta))
-    return beta * (p * (log_p - log_m)).sum(-1) + (1.0 - beta) * (q * (log_q - log_m)).sum(-1)
+    return beta * _plogr(p, log_p - log_m) + (1.0 - beta) * _plogr(q, log_q - log_m)
+
+
+def _plogr(w: torch.Tensor, log_ratio: torch.Tensor) -> torch.Tensor:
+    """Σ w · log_ratio with 0 · log 0 = 0: a column at −inf (probability 0) adds nothing, not NaN."""
+    return torch.where(w > 0, w * log_ratio, 0.0).sum(-1)

@@ -7,7 +7,9 @@ backend's `rows`, which returns the per-row losses and, when `grad`, overwrites 
     t:      (R, V) teacher logits of the block, same dtype (None when the soft term is not wanted)
     labels: (R,)   int labels or None
     spec:   flashkd.losses.LossSpec
-    scale:  ()     fp32 device tensor, the reduction's factor (1 / valid rows for "mean", 1 for "sum")
+    scale:  ()     device tensor, fp32 (fp64 for fp64 inputs): the reduction's factor (1 / valid rows, or 1)
     grad:   bool   write dL/ds = scale · (w_hard · dCE/ds + soft_scale · dsoft/ds); 0 on ignored rows
-    returns (soft, hard): (R,) fp32 each, unweighted and unscaled, 0 on ignored rows
+    returns (soft, hard): (R,) fp32 each (torch: fp64 for fp64 inputs), unweighted and unscaled, 0 on
+            ignored rows; without labels `hard` is 0. A label outside [0, V) that is not ignore_index
+            gives a NaN `hard` on its row and no CE gradient there.
 """

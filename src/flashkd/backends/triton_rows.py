@@ -1,0 +1,434 @@
+"""The Triton row backend: per-row distillation losses and dL/ds in one kernel, one program per row.
+
+Contract: `flashkd.backends` — `rows(s, t, labels, spec, scale, grad) -> (soft, hard)`, with the results
+of `flashkd.backends.torch_rows.rows` (autograd of `flashkd.losses.row_losses`). The loss and gradient
+formulas are the table in `flashkd.losses`; this kernel writes the analytic gradients of that table.
+
+One program owns one row of s, t: (R, V) and walks it in BLOCK_V tiles:
+
+    pass 1  read s (, t)    online max / sum-exp of s/τ and t/τ           -> (m_s, l_s), (m_t, l_t)
+                            ... of s at τ = 1 when the CE is computed     -> (m_s, l_c)
+                            Σ s², Σ t², Σ s·t for cosine                  -> ‖s‖, ‖t‖, cos
+    pass 2  read s (, t)    per-element loss terms -> soft, and the row scalars the gradient needs
+                            (KL(q‖p); K = Σ q log(q/M); for tvd the masses of q below, above and at
+                            p, which give σ − Σ q σ with no cancellation); dL/ds written over s here
+                            for forward_kl, cosine and CE-only
+    pass 3  read s, t       dL/ds written over s for reverse_kl, jsd, tvd (grad only)
+
+Rows whose label is `ignore_index` skip all three passes; with grad they get one pass writing zeros.
+
+Bytes moved per element, b = bytes of the input dtype (2 for bf16), grad / no grad:
+
+    forward_kl, cosine        2 reads of s, t + 1 write   5b / 4b (cosine 2b: pass 1 only)
+    reverse_kl, jsd, tvd      3 reads of s, t + 1 write   7b / 4b
+    CE only (no soft term)    2 reads of s + 1 write      3b / 1b
+
+The CE adds no traffic to a soft loss: it rides on the reads of s. Transcendentals per element (exp2
+unless named; one more exp2 in the pass that writes dL/ds when the CE gradient is in it):
+
+    pass 1   1 per softmax: 2 for a soft loss, +1 with the CE; cosine 0
+    pass 2   forward_kl 2, reverse_kl 1, jsd 3 + log2, tvd 2, cosine 0
+    pass 3   reverse_kl 1, jsd 2 + log2, tvd 1
+
+Numerics: every load is widened to fp32 and all math is fp32 whatever the input dtype (fp64 inputs
+included: they are computed in fp32, the losses come back in fp32 and dL/ds is rounded to fp64);
+dL/ds is rounded once, to the input dtype, at the store. The softmaxes run on exp2/log2 in units of
+log2: log2 q = (s − m_s)·log2(e)/τ − log2 l_s, one multiply by a constant prepared on the host, with
+the row max subtracted first so that the large elements, which carry the losses, have small exponents
+and small rounding errors. log q and log p are always taken this way, never as the log of a
+probability, so a probability that underflows to 0 keeps a finite log; every w·log(...) product is
+taken as 0 where w is 0 (0·log 0 = 0, which also makes columns at −inf in both s and t count as absent).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from ..losses import _EPS, LOSS_ID, LossSpec
+
+# Compiled tiles, for V ≈ 128k bf16 rows on H100 / H200: 4096 columns over 16 warps is 8 elements
+# per thread per tensor, one 16-byte load of bf16, and every loss then compiles to at most 64 registers
+# per thread on sm_90 (JSD spilling 8 bytes; 16 elements per thread over 8 warps take up to 128), so
+# two 512-thread programs share an SM and keep enough loads in flight to stream the rows. 4096 also
+# keeps the per-tile reductions of pass 1 (a max and a sum per softmax) rare: 32 tiles for V = 128256.
+# Loads are 16 bytes wide when V is a multiple of 16 (rows then start aligned), element-wise otherwise.
+# Under TRITON_INTERPRET=1 every tile op is a numpy call on the CPU: small tiles keep the tests fast
+# and make their small V span several tiles with a ragged last one.
+_INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+BLOCK_V = 256 if _INTERPRET else 4096
+NUM_WARPS = 16
+
+_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
+_LABEL_DTYPES = (torch.int32, torch.int64)
+_SCALE_DTYPES = (torch.float32, torch.float64)  # read as fp32 either way
+_LATE_GRAD = ("reverse_kl", "jsd", "tvd")  # their gradient needs a row scalar that pass 2 computes
+
+_FORWARD_KL: tl.constexpr = tl.constexpr(LOSS_ID["forward_kl"])
+_REVERSE_KL: tl.constexpr = tl.constexpr(LOSS_ID["reverse_kl"])
+_JSD: tl.constexpr = tl.constexpr(LOSS_ID["jsd"])
+_TVD: tl.constexpr = tl.constexpr(LOSS_ID["tvd"])
+_COSINE: tl.constexpr = tl.constexpr(LOSS_ID["cosine"])
+_LOG2E: tl.constexpr = tl.constexpr(math.log2(math.e))
+_LN2: tl.constexpr = tl.constexpr(math.log(2.0))
+_NORM_EPS: tl.constexpr = tl.constexpr(_EPS)
+# Start of the running max: finite, so that a tile whose logits are all −inf (masked columns first in
+# the row) gives 2^(−inf − m) = 0 instead of 2^(−inf + inf) = NaN.
+_M_START: tl.constexpr = tl.constexpr(-3.0e38)
+
+
+# ---------------------------------------------------------------------------------------------- helpers
+
+
+@triton.jit
+def _online_sum(l_i, m_i, m_new, x, k):
+    """Online sum-exp: l_i = Σ 2^((x − m_i)·k) over the tiles so far, moved from the running max m_i to
+    m_new and extended by the tile x (−inf on masked lanes, which add 2^−inf = 0). With k = log2(e)/τ,
+    l_i = Σ e^((x − m_i)/τ). The max is subtracted before scaling, so an element near the max gets an
+    exponent near 0 with no rounding error of the size of m_i·k."""
+    return l_i * tl.exp2((m_i - m_new) * k) + tl.sum(tl.exp2((x - m_new) * k), 0)
+
+
+@triton.jit
+def _times(w, d):
+    """w · d, taken as 0 where w is 0 (0·log 0 = 0; masked lanes, where d is NaN, add nothing)."""
+    return tl.where(w > 0.0, w * d, 0.0)
+
+
+@triton.jit
+def _log2_1p(x):
+    """log2(1 + x) for x in [0, 1], accurate for small x too: log2 of u = 1 + x, corrected by the
+    rounding error of u, which (u − 1) − x gives exactly."""
+    u = 1.0 + x
+    return tl.log2(u) - ((u - 1.0) - x) / u * _LOG2E
+
+
+@triton.jit
+def _log2_over_mixture(lq, lp, log2_beta, log2_1mbeta):
+    """(log2 q/M, log2 p/M), M = β p + (1 − β) q, from the logs alone, as a log-add-exp: with
+    z = log2(β p / ((1 − β) q)) and w = log2(1 + 2^−|z|), log2 M = log2((1 − β) q) + w when z ≤ 0,
+    else log2(β p) + w. No probability is formed, so nothing underflows, and log(q/M), which the
+    JSD gradient compares with its mean K, carries one rounding instead of one per exp, sum and log."""
+    d = lp - lq
+    z = d + (log2_beta - log2_1mbeta)
+    w = _log2_1p(tl.exp2(-tl.abs(z)))
+    q_side = z <= 0.0
+    lq_m = tl.where(q_side, -log2_1mbeta, -d - log2_beta) - w
+    lp_m = tl.where(q_side, d - log2_1mbeta, -log2_beta) - w
+    return lq_m, lp_m
+
+
+@triton.jit
+def _fill_zeros(ptr, V, BLOCK_V: tl.constexpr):
+    cols = tl.arange(0, BLOCK_V)
+    for start in range(0, V, BLOCK_V):
+        offs = start + cols
+        tl.store(ptr + offs, tl.zeros([BLOCK_V], tl.float32).to(ptr.dtype.element_ty), mask=offs < V)
+
+
+# ----------------------------------------------------------------------------------------------- kernel
+
+
+@triton.jit
+def _rows_kernel(
+    # data
+    s_ptr,  # (R, V) student logits; overwritten with dL/ds when GRAD_PASS != 0
+    t_ptr,  # (R, V) teacher logits, same dtype (not read unless SOFT)
+    labels_ptr,  # (R,) int32 / int64 (not read unless LABELS)
+    soft_ptr,  # (R,) fp32 out: unweighted divergence, 0 on ignored rows
+    hard_ptr,  # (R,) fp32 out: untempered CE, 0 on ignored rows, NaN for a label outside [0, V)
+    scale_ptr,  # () fp32 (or fp64): the reduction's factor, read on the device
+    # sizes
+    V,
+    ignore_index,
+    # runtime floats: a new value never recompiles
+    log2e_tau,  # log2(e) / τ: (s − max)·log2e_tau is log2 of softmax(s/τ)'s numerator
+    inv_tau,  # 1 / τ
+    beta,  # JSD mixture weight; cosine's factor
+    log2_beta,  # log2 β        (JSD only)
+    log2_1mbeta,  # log2 (1 − β)  (JSD only)
+    w_hard,  # weight of dCE/ds in dL/ds
+    w_soft,  # weight of dsoft/ds in dL/ds (spec.soft_scale)
+    # compile-time switches
+    LOSS: tl.constexpr,  # losses.LOSS_ID of spec.kind (JSD endpoints resolved)
+    SOFT: tl.constexpr,  # compute the divergence (t is read)
+    CE: tl.constexpr,  # compute the hard CE (labels given and wanted)
+    LABELS: tl.constexpr,  # labels given: rows equal to ignore_index are skipped
+    GRAD_SOFT: tl.constexpr,  # dsoft/ds enters dL/ds (grad, SOFT, w_soft != 0)
+    GRAD_CE: tl.constexpr,  # dCE/ds enters dL/ds (grad, CE, w_hard != 0)
+    GRAD_PASS: tl.constexpr,  # pass that writes dL/ds: 2, 3, or 0 for no grad
+    BLOCK_V: tl.constexpr,
+):
+    row = tl.program_id(0)
+    s_row = s_ptr + row.to(tl.int64) * V  # int64: R × V may exceed 2^31
+    t_row = t_ptr + row.to(tl.int64) * V
+    cols = tl.arange(0, BLOCK_V)
+
+    valid = True
+    label = -1
+    if LABELS:
+        label = tl.load(labels_ptr + row).to(tl.int64)
+        valid = label != ignore_index
+    soft = 0.0
+    hard = 0.0
+    if valid:
+        # -------- pass 1: row statistics
+        m_s = _M_START  # running max of s
+        l_s = 0.0  # Σ 2^((s − m_s)·log2(e)/τ)
+        l_c = 0.0  # Σ 2^((s − m_s)·log2(e)), for the untempered CE
+        m_t = _M_START  # running max of t
+        l_t = 0.0  # Σ 2^((t − m_t)·log2(e)/τ)
+        ss = tl.zeros([BLOCK_V], tl.float32)  # cosine: Σ s², Σ t², Σ s·t, per lane
+        tt = tl.zeros([BLOCK_V], tl.float32)
+        st = tl.zeros([BLOCK_V], tl.float32)
+        s_y = 0.0
+        if CE:
+            in_range = (label >= 0) & (label < V)
+            s_y = tl.load(s_row + tl.where(in_range, label, 0)).to(tl.float32)  # before s is overwritten
+        for start in range(0, V, BLOCK_V):
+            offs = start + cols
+            mask = offs < V
+            a = tl.load(s_row + offs, mask=mask, other=-float("inf")).to(tl.float32)
+            m_new = tl.maximum(m_s, tl.max(a, 0))
+            if SOFT:
+                b = tl.load(t_row + offs, mask=mask, other=-float("inf")).to(tl.float32)
+                if LOSS == _COSINE:
+                    a0 = tl.where(mask, a, 0.0)
+                    b0 = tl.where(mask, b, 0.0)
+                    ss += a0 * a0
+                    tt += b0 * b0
+                    st += a0 * b0
+                else:
+                    l_s = _online_sum(l_s, m_s, m_new, a, log2e_tau)
+                    m_t_new = tl.maximum(m_t, tl.max(b, 0))
+                    l_t = _online_sum(l_t, m_t, m_t_new, b, log2e_tau)
+                    m_t = m_t_new
+            if CE:
+                l_c = _online_sum(l_c, m_s, m_new, a, _LOG2E)
+            m_s = m_new
+        # log2 q = (s − m_s)·log2(e)/τ − log2 l_s, log2 p likewise,
+        # log2 softmax(s) = (s − m_s)·log2(e) − log2 l_c
+        log2_l_s = tl.log2(l_s)
+        log2_l_t = tl.log2(l_t)
+        log2_l_c = tl.log2(l_c)
+        if CE:
+            hard = tl.where(in_range, (m_s - s_y) + _LN2 * log2_l_c, float("nan"))  # logsumexp(s) − s_y
+
+        scale = tl.load(scale_ptr).to(tl.float32)
+        c_soft = scale * w_soft
+        c_ce = 0.0
+        if CE:
+            c_ce = tl.where(in_range, scale * w_hard, 0.0)  # out-of-range label: NaN loss, no CE gradient
+
+        inv_nn = 0.0
+        cos_aa = 0.0
+        if SOFT:
+            if LOSS == _COSINE:
+                # soft = β (1 − cos), cos = Σst / (max(‖s‖, ε) max(‖t‖, ε));
+                # dsoft/ds = −β (t / (max(‖s‖, ε) max(‖t‖, ε)) − cos · s / (max(‖s‖, ε) ‖s‖)),
+                # without the second term when ‖s‖ < ε (the clamp is then constant)
+                n_s = tl.sqrt_rn(tl.sum(ss, 0))
+                n_t = tl.sqrt_rn(tl.sum(tt, 0))
+                inv_nn = 1.0 / (tl.maximum(n_s, _NORM_EPS) * tl.maximum(n_t, _NORM_EPS))
+                cos = tl.sum(st, 0) * inv_nn
+                cos_aa = tl.where(n_s >= _NORM_EPS, cos / (tl.maximum(n_s, _NORM_EPS) * n_s), 0.0)
+                soft = beta * (1.0 - cos)
+
+        # -------- pass 2: loss terms; dL/ds for forward_kl, cosine, CE-only
+        acc = tl.zeros([BLOCK_V], tl.float32)
+        acc2 = tl.zeros([BLOCK_V], tl.float32)
+        acc3 = tl.zeros([BLOCK_V], tl.float32)
+        acc4 = tl.zeros([BLOCK_V], tl.float32)
+        if (SOFT and LOSS != _COSINE) or GRAD_PASS == 2:
+            for start in range(0, V, BLOCK_V):
+                offs = start + cols
+                mask = offs < V
+                a = tl.load(s_row + offs, mask=mask, other=-float("inf")).to(tl.float32)
+                dsoft = tl.zeros([BLOCK_V], tl.float32)
+                if SOFT:
+                    b = tl.load(t_row + offs, mask=mask, other=-float("inf")).to(tl.float32)
+                    if LOSS == _COSINE:
+                        dsoft = -beta * (b * inv_nn - a * cos_aa)
+                    else:
+                        lq = (a - m_s) * log2e_tau - log2_l_s  # log2 q
+                        lp = (b - m_t) * log2e_tau - log2_l_t  # log2 p
+                        q = tl.exp2(lq)
+                        if LOSS == _FORWARD_KL:
+                            p = tl.exp2(lp)
+                            acc += _times(p, lp - lq)
+                            dsoft = (q - p) * inv_tau
+                        elif LOSS == _REVERSE_KL:
+                            acc += _times(q, lq - lp)
+                        elif LOSS == _JSD:
+                            p = tl.exp2(lp)
+                            lq_m, lp_m = _log2_over_mixture(lq, lp, log2_beta, log2_1mbeta)
+                            acc += _times(p, lp_m)
+                            acc2 += _times(q, lq_m)
+                        else:  # _TVD: acc2, acc3, acc4 = the mass of q where q < p, q > p, q = p
+                            p = tl.exp2(lp)
+                            acc += tl.abs(q - p)
+                            acc2 += tl.where(lq < lp, q, 0.0)
+                            acc3 += tl.where(lq > lp, q, 0.0)
+                            acc4 += tl.where(lq == lp, q, 0.0)
+                if GRAD_PASS == 2:
+                    g = tl.zeros([BLOCK_V], tl.float32)
+                    if GRAD_SOFT:
+                        g += c_soft * dsoft
+                    if GRAD_CE:
+                        g += c_ce * (tl.exp2((a - m_s) * _LOG2E - log2_l_c) - tl.where(offs == label, 1.0, 0.0))
+                    tl.store(s_row + offs, g.to(s_ptr.dtype.element_ty), mask=mask)
+
+        # row scalars of the divergences (natural log units)
+        kl_qp = 0.0
+        k_jsd = 0.0
+        tvd_pos = 0.0
+        tvd_neg = 0.0
+        tvd_zero = 0.0
+        if SOFT:
+            if LOSS == _FORWARD_KL:
+                soft = _LN2 * tl.sum(acc, 0)
+            elif LOSS == _REVERSE_KL:
+                kl_qp = _LN2 * tl.sum(acc, 0)  # KL(q‖p)
+                soft = kl_qp
+            elif LOSS == _JSD:
+                k_jsd = _LN2 * tl.sum(acc2, 0)  # K = Σ q log(q/M)
+                soft = beta * _LN2 * tl.sum(acc, 0) + (1.0 - beta) * k_jsd
+            elif LOSS == _TVD:
+                soft = 0.5 * tl.sum(acc, 0)
+                # σ − Σ q σ, for σ = +1, −1, 0, from the masses below / above / at p, which sum to 1:
+                # sums of non-negative terms, accurate even when Σ q σ is close to ±1
+                mass_lo = tl.sum(acc2, 0)
+                mass_hi = tl.sum(acc3, 0)
+                mass_eq = tl.sum(acc4, 0)
+                tvd_pos = 2.0 * mass_lo + mass_eq
+                tvd_neg = -(2.0 * mass_hi + mass_eq)
+                tvd_zero = mass_lo - mass_hi
+
+        # -------- pass 3: dL/ds for reverse_kl, jsd, tvd
+        if GRAD_PASS == 3:
+            for start in range(0, V, BLOCK_V):
+                offs = start + cols
+                mask = offs < V
+                a = tl.load(s_row + offs, mask=mask, other=-float("inf")).to(tl.float32)
+                b = tl.load(t_row + offs, mask=mask, other=-float("inf")).to(tl.float32)
+                lq = (a - m_s) * log2e_tau - log2_l_s
+                lp = (b - m_t) * log2e_tau - log2_l_t
+                q = tl.exp2(lq)
+                if LOSS == _REVERSE_KL:
+                    dsoft = _times(q, _LN2 * (lq - lp) - kl_qp) * inv_tau
+                elif LOSS == _JSD:
+                    lq_m, _ = _log2_over_mixture(lq, lp, log2_beta, log2_1mbeta)
+                    dsoft = (1.0 - beta) * _times(q, _LN2 * lq_m - k_jsd) * inv_tau
+                else:  # _TVD; σ = sign(q − p) taken on the logs, as in pass 2
+                    coef = tl.where(lq > lp, tvd_pos, tl.where(lq < lp, tvd_neg, tvd_zero))
+                    dsoft = 0.5 * q * coef * inv_tau
+                g = c_soft * dsoft
+                if GRAD_CE:
+                    g += c_ce * (tl.exp2((a - m_s) * _LOG2E - log2_l_c) - tl.where(offs == label, 1.0, 0.0))
+                tl.store(s_row + offs, g.to(s_ptr.dtype.element_ty), mask=mask)
+    else:
+        if GRAD_PASS != 0:
+            _fill_zeros(s_row, V, BLOCK_V)
+    tl.store(soft_ptr + row, soft)
+    tl.store(hard_ptr + row, hard)
+
+
+# --------------------------------------------------------------------------------------------- launcher
+
+
+def rows(s, t, labels, spec: LossSpec, scale: torch.Tensor, grad: bool):
+    """Per-row (soft, hard) losses of one block, (R,) fp32 each; with `grad`, s is overwritten with
+    dL/ds = scale · (w_hard · dCE/ds + soft_scale · dsoft/ds). See `flashkd.backends` for the contract.
+
+    s:      (R, V) student logits, contiguous, bf16 / fp16 / fp32 / fp64
+    t:      (R, V) teacher logits, same dtype; None allowed when not spec.want_soft
+    labels: (R,) int32 / int64, or None (every row valid, no CE)
+    scale:  () fp32 tensor on s's device, read by the kernel (no host sync); fp64 is accepted too
+    """
+    # (1) check
+    if not isinstance(s, torch.Tensor) or s.dim() != 2:
+        raise ValueError(f"s: expected a 2-D (R, V) tensor, got {_describe(s)}")
+    if s.dtype not in _DTYPES:
+        raise TypeError(f"s: expected bfloat16, float16, float32 or float64, got {s.dtype}")
+    if not s.is_contiguous():
+        raise ValueError(f"s: expected a contiguous tensor, got strides {tuple(s.stride())}")
+    R, V = s.shape
+    if not 1 <= V < 2**31:
+        raise ValueError(f"s: expected 1 <= V < 2**31 columns, got V = {V}")
+    if spec.want_soft:
+        if not isinstance(t, torch.Tensor):
+            raise ValueError(f"t: expected the teacher logits (spec.want_soft is True), got {_describe(t)}")
+        if t.shape != s.shape:
+            raise ValueError(f"t: expected shape {tuple(s.shape)} like s, got {tuple(t.shape)}")
+        if t.dtype != s.dtype:
+            raise TypeError(f"t: expected dtype {s.dtype} like s, got {t.dtype}")
+        if t.device != s.device:
+            raise ValueError(f"t: expected device {s.device} like s, got {t.device}")
+        if not t.is_contiguous():
+            raise ValueError(f"t: expected a contiguous tensor, got strides {tuple(t.stride())}")
+    if labels is not None:
+        if not isinstance(labels, torch.Tensor) or labels.shape != (R,):
+            raise ValueError(f"labels: expected shape ({R},), got {_describe(labels)}")
+        if labels.dtype not in _LABEL_DTYPES:
+            raise TypeError(f"labels: expected int32 or int64, got {labels.dtype}")
+        if labels.device != s.device:
+            raise ValueError(f"labels: expected device {s.device} like s, got {labels.device}")
+    if not isinstance(scale, torch.Tensor) or scale.shape != () or scale.dtype not in _SCALE_DTYPES:
+        raise TypeError(f"scale: expected a 0-d float32 (or float64) tensor, got {_describe(scale)}")
+    if scale.device != s.device:
+        raise ValueError(f"scale: expected device {s.device} like s, got {scale.device}")
+
+    # (2) allocate: every program writes its row's soft and hard
+    soft = torch.empty(R, dtype=torch.float32, device=s.device)
+    hard = torch.empty(R, dtype=torch.float32, device=s.device)
+    if R == 0:
+        return soft, hard
+    if labels is not None:
+        labels = labels.contiguous()  # R integers: a strided view costs a negligible copy
+
+    # (3) launch
+    kind = spec.kind
+    use_soft = spec.want_soft
+    use_ce = spec.want_hard and labels is not None
+    grad_soft = grad and use_soft and spec.soft_scale != 0.0
+    grad_ce = grad and use_ce and spec.weight_hard != 0.0
+    grad_pass = 0 if not grad else 3 if grad_soft and kind in _LATE_GRAD else 2
+    jsd = use_soft and kind == "jsd"  # 0 < β < 1 here: the endpoints resolve to the KLs
+    _rows_kernel[(R,)](
+        s,
+        t if use_soft else s,  # never read when not SOFT
+        labels if labels is not None else s,  # never read when not LABELS
+        soft,
+        hard,
+        scale,
+        V,
+        spec.ignore_index,
+        # float(): an int weight would be specialised (and recompiled) by value
+        math.log2(math.e) / spec.temperature,
+        1.0 / spec.temperature,
+        float(spec.beta),
+        math.log2(spec.beta) if jsd else 0.0,
+        math.log1p(-spec.beta) / math.log(2.0) if jsd else 0.0,
+        float(spec.weight_hard),
+        float(spec.soft_scale),
+        LOSS=LOSS_ID[kind],
+        SOFT=use_soft,
+        CE=use_ce,
+        LABELS=labels is not None,
+        GRAD_SOFT=grad_soft,
+        GRAD_CE=grad_ce,
+        GRAD_PASS=grad_pass,
+        BLOCK_V=BLOCK_V,
+        num_warps=NUM_WARPS,
+    )
+    return soft, hard
+
+
+def _describe(x) -> str:
+    if isinstance(x, torch.Tensor):
+        return f"a {x.dtype} tensor of shape {tuple(x.shape)}"
+    return repr(x)

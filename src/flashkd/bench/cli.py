@@ -1,0 +1,207 @@
+"""The command line: `flashkd bench ...` (main, the console script) and `python -m flashkd.bench ...`
+(bench_main). Both return the exit status: 1 when a provider failed the gate or raised, else 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from ..losses import LOSSES
+from . import measure, report
+from .providers import PROVIDERS
+from .workloads import DTYPES, PRESETS, Workload, default_preset, expand
+
+USAGE = """\
+Times each provider on the same seeded inputs, after checking its loss and gradients against an fp32
+reference. Writes results.csv (Liger-Kernel's 15-column schema), errors.csv, run.json and PNG plots
+into --out, and prints a table with time ratios to the floor, liger and torch.
+
+presets:
+  seed    jsd N=8192 and cosine N=4096; H=4096 (student 2048), V=128256, bf16 (the default on CUDA)
+  sweep   jsd N=1024 2048 4096 8192 16384; H=4096, V=128256, bf16
+  small   jsd and cosine N=128 256; H=256, V=4099, fp32 (the default on CPU)
+  -n, --loss multiply the preset's workloads; --h, --v, --dtype, --beta ... replace its values.
+
+examples:
+  flashkd bench
+  flashkd bench --preset sweep --modes full no-grad-forward
+  flashkd bench -n 1024 4096 --loss jsd tvd --providers flashkd floor --out runs/a
+"""
+DEFAULT_PROVIDERS = ("flashkd", "liger", "torch", "floor")
+# Per device: (rep_ms, warmup_ms, min_reps). CUDA: long enough for a real p20–p80 spread (Liger's
+# 10 ms rep times a 60 ms call once). CPU: the small preset in seconds; wall clock is noisier anyway.
+TIMING = {"cuda": (500.0, 100.0, 10), "cpu": (100.0, 20.0, 5)}
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    preset: str
+    workloads: list[Workload]
+    providers: list[str]
+    modes: list[str]
+    settings: measure.Settings
+    out: Path
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`flashkd <command> [options]`; commands: bench."""
+    parser = argparse.ArgumentParser(prog="flashkd", description="flashkd command-line tools")
+    commands = parser.add_subparsers(dest="command", required=True, metavar="command")
+    # One subparser per command; a new command adds its parser here with set_defaults(run=...).
+    bench_parser = commands.add_parser("bench", help="time and check the fused losses", description=USAGE,
+                                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_bench_arguments(bench_parser)
+    bench_parser.set_defaults(run=bench)
+    args = parser.parse_args(argv)
+    return args.run(args)
+
+
+def bench_main(argv: list[str] | None = None) -> int:
+    """`python -m flashkd.bench [bench] [options]`: the bench command alone."""
+    return bench(parse_bench(sys.argv[1:] if argv is None else argv))
+
+
+def parse_bench(argv: list[str]) -> argparse.Namespace:
+    """The bench command's options; a leading "bench" is accepted, as `flashkd bench` spells it."""
+    argv = list(argv)
+    if argv[:1] == ["bench"]:
+        argv = argv[1:]
+    parser = argparse.ArgumentParser(prog="python -m flashkd.bench", description=USAGE,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_bench_arguments(parser)
+    return parser.parse_args(argv)
+
+
+def add_bench_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--preset", choices=sorted(PRESETS), help="workloads (default: seed on CUDA, small on CPU)")
+    p.add_argument("--device", help="cuda, cuda:1, cpu (default: cuda when available)")
+    p.add_argument("-n", "--n", type=_positive, nargs="+", metavar="N", help="rows B·T, several allowed")
+    p.add_argument("--h", type=_positive, metavar="H", help="teacher hidden size; the student's is H//2")
+    p.add_argument("--v", type=_positive, metavar="V", help="vocab size")
+    p.add_argument("--dtype", choices=list(DTYPES))
+    p.add_argument("--loss", nargs="+", choices=LOSSES, metavar="LOSS", help=f"of {', '.join(LOSSES)}")
+    p.add_argument("--modes", nargs="+", choices=measure.MODES, default=list(measure.MODES), metavar="MODE",
+                   help=f"of {', '.join(measure.MODES)} (default: all)")
+    p.add_argument("--providers", nargs="+", choices=list(PROVIDERS), default=list(DEFAULT_PROVIDERS),
+                   metavar="P", help=f"of {', '.join(PROVIDERS)} (default: {' '.join(DEFAULT_PROVIDERS)})")
+    p.add_argument("--beta", type=float, help="JSD β / cosine weight (default 0.5)")
+    p.add_argument("--weight-hard", type=float, help="weight of the CE term (default 0.5)")
+    p.add_argument("--weight-soft", type=float, help="weight of the distillation term (default 0.5)")
+    p.add_argument("--temperature", type=float, help="τ (default 1.0)")
+    p.add_argument("--seed", type=int, help="seed of the inputs (default 0)")
+    p.add_argument("--rep", type=float, metavar="MS", help="timed ms per measurement (default: 500 CUDA, 100 CPU)")
+    p.add_argument("--warmup", type=float, metavar="MS", help="warm-up ms (default: 100 CUDA, 20 CPU)")
+    p.add_argument("--min-reps", type=_positive, metavar="K", help="at least K timed calls (default: 10 CUDA, 5 CPU)")
+    p.add_argument("--threads", type=_positive, metavar="K",
+                   help="CPU threads for torch (default: torch's; 1 is steadier on a shared machine)")
+    p.add_argument("--out", type=Path, help="output folder (default: bench-YYYYmmdd-HHMMSS)")
+
+
+def _positive(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text}")
+    return value
+
+
+def plan(args: argparse.Namespace) -> Plan:
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    preset = args.preset or default_preset(device)
+    fields = {name: value for name, value in (
+        ("h", args.h), ("v", args.v), ("dtype", args.dtype and _dtype_name(args.dtype)),
+        ("beta", args.beta), ("weight_hard", args.weight_hard), ("weight_soft", args.weight_soft),
+        ("temperature", args.temperature), ("seed", args.seed),
+    ) if value is not None}
+    workloads = expand(PRESETS[preset], n=args.n, loss=args.loss, **fields)
+    for w in workloads:  # bad options fail here, before any input is made
+        try:
+            w.spec()
+        except (TypeError, ValueError) as e:
+            raise SystemExit(f"flashkd bench: {e}") from None
+        if w.h < 2:
+            raise SystemExit(f"flashkd bench: --h: expected at least 2 (the student's is H//2), got {w.h}")
+    rep, warmup, min_reps = TIMING["cuda" if device.type == "cuda" else "cpu"]
+    settings = measure.Settings(
+        device=device,
+        rep_ms=rep if args.rep is None else args.rep,
+        warmup_ms=warmup if args.warmup is None else args.warmup,
+        min_reps=min_reps if args.min_reps is None else args.min_reps,
+    )
+    out = args.out or Path(time.strftime("bench-%Y%m%d-%H%M%S"))
+    return Plan(preset, workloads, list(dict.fromkeys(args.providers)), list(dict.fromkeys(args.modes)),
+                settings, out)
+
+
+def _dtype_name(name: str) -> str:
+    return str(DTYPES[name]).removeprefix("torch.")
+
+
+def bench(args: argparse.Namespace) -> int:
+    p = plan(args)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    p.out.mkdir(parents=True, exist_ok=True)
+    env = report.environment(p.settings)
+    console = _console()
+    _say(console, f"flashkd bench: preset {p.preset}, {len(p.workloads)} workload(s) on {env['gpu_name']}, "
+                  f"torch {env['torch']}, flashkd {env['flashkd']} -> {p.out}")
+    # What was asked and what it resolved to: enough to rerun the same measurement.
+    (p.out / "run.json").write_text(json.dumps({
+        "options": {k: v for k, v in vars(args).items() if k not in ("run", "command")},
+        "preset": p.preset, "providers": p.providers, "modes": p.modes, "environment": env,
+        "workloads": [{**dataclasses.asdict(w), "kernel_name": w.kernel_name} for w in p.workloads],
+    }, indent=2, default=str))
+    total = len(p.workloads) * len(p.providers) * (1 + len(p.modes))
+    with _progress(console, total) as advance:
+        results = measure.run(p.workloads, p.providers, p.modes, p.settings, advance)
+    report.write_csv(results, p.out / "results.csv", env)
+    report.write_errors(results, p.out / "errors.csv")
+    report.print_tables(results, env, console)
+    try:
+        plots = report.write_plots(results, p.out, env)
+    except ImportError:
+        plots = []
+        _say(console, "plots: skipped, matplotlib is not installed (pip install matplotlib)")
+    _say(console, f"wrote {p.out / 'results.csv'}, {p.out / 'errors.csv'}, run.json and {len(plots)} plots")
+    bad = [r for r in results if r.check.status in ("FAILED", "error")]
+    return 1 if bad else 0
+
+
+def _console():
+    try:
+        from rich.console import Console
+    except ImportError:
+        return None
+    console = Console()
+    if not console.is_terminal:  # a log file: no terminal width to fit, keep each table row on one line
+        console.width = max(console.width, 200)
+    return console
+
+
+def _say(console, text: str) -> None:
+    if console is None:
+        print(text)
+    else:
+        console.print(text, highlight=False)
+
+
+@contextlib.contextmanager
+def _progress(console, total: int):
+    """Yields advance(label, steps): a rich progress bar on a terminal, nothing otherwise."""
+    if console is None or not console.is_terminal:
+        yield lambda label, steps: None
+        return
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    columns = (TextColumn("{task.description:<40}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
+    with Progress(*columns, console=console, transient=True) as bar:
+        task = bar.add_task("", total=total)
+        yield lambda label, steps: bar.update(task, advance=steps, description=label)

@@ -1,0 +1,280 @@
+"""What a run leaves behind: the terminal table, results.csv, errors.csv and the PNG plots.
+
+results.csv uses Liger-Kernel's 15-column benchmark schema, so our rows can be read by the same
+tools as Liger's published ones (benchmark/data/all_benchmark_data.csv there):
+    kernel_name       distill_<loss>_loss
+    kernel_provider   flashkd | torch | liger | floor
+    metric_name       speed (ms) | memory (peak, "MB" = MiB as Liger writes it) | memory_extra (peak −
+                      allocated before the call, MiB)
+    x_name, x_label   BT, "B x T"; x_value = N
+    y_value_50/20/80  the median, p20, p80 (nan: not measured, e.g. memory on CPU)
+    extra_benchmark_config_str   JSON: Liger's keys (H, V, mode, dtype, bias, weights, ignore_index),
+                      then ours: loss options, the gate's observed errors and tolerances, the timer
+    gpu_name, timestamp (UTC), liger_version = the version of the provider that ran (flashkd,
+                      liger-kernel, or torch for torch and floor)
+errors.csv has one row per (workload, provider): the gate's status, observed errors and tolerances.
+"""
+
+from __future__ import annotations
+
+import csv
+import dataclasses
+import json
+import math
+import platform
+from pathlib import Path
+
+import torch
+
+import flashkd
+from .measure import Result, Settings
+
+COLUMNS = (
+    "kernel_name", "kernel_provider", "kernel_operation_mode", "metric_name", "metric_unit", "x_name", "x_label",
+    "x_value", "y_value_50", "y_value_20", "y_value_80", "extra_benchmark_config_str", "gpu_name", "timestamp",
+    "liger_version",
+)
+ERROR_COLUMNS = (
+    "kernel_name", "kernel_provider", "x_name", "x_value", "H", "V", "dtype", "status", "loss_rel_err",
+    "dx_rel_err", "dw_rel_err", "loss_tol", "grad_tol", "provider_version", "note",
+)
+BASELINES = ("floor", "liger", "torch")  # the table's ratio columns: t / t_baseline, same workload and mode
+
+
+def environment(settings: Settings) -> dict:
+    """Where and how the run was timed; rides in every row's extra config."""
+    cuda = settings.device.type == "cuda"
+    return {
+        "device": settings.device.type,
+        "gpu_name": torch.cuda.get_device_name(settings.device) if cuda else _cpu_name(),
+        "timer": "triton.testing.do_bench" if cuda else "time.perf_counter",
+        "rep_ms": settings.rep_ms, "warmup_ms": settings.warmup_ms, "min_reps": settings.min_reps,
+        "tf32": bool(torch.backends.cuda.matmul.allow_tf32) if cuda else False,
+        "cpu_threads": torch.get_num_threads(),
+        "torch": torch.__version__, "flashkd": flashkd.__version__, "harness": "flashkd.bench",
+    }
+
+
+def _cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return f"CPU {line.split(':', 1)[1].strip()}"
+    except OSError:
+        pass
+    return f"CPU {platform.processor() or platform.machine()}"
+
+
+def _num(v: float):
+    return None if v is None or math.isnan(v) else v
+
+
+def _timed(results: list[Result]) -> list[Result]:
+    return [r for r in results if r.speed is not None]
+
+
+def csv_rows(results: list[Result], env: dict) -> list[dict]:
+    rows = []
+    for r in _timed(results):
+        w, c = r.workload, r.check
+        config = w.config()
+        config = {"H": config.pop("H"), "V": config.pop("V"), "mode": r.mode, **config, "loss": w.loss}
+        config.update(
+            status=c.status, loss_rel_err=_num(c.loss_err), dx_rel_err=_num(c.dx_err), dw_rel_err=_num(c.dw_err),
+            loss_tol=_num(c.tol[0]), grad_tol=_num(c.tol[1]),
+            **{k: v for k, v in env.items() if k != "gpu_name"},
+        )
+        if r.peak is None:
+            config["memory"] = f"not measured on {env['device']}"
+        for metric, unit, values in (
+            ("speed", "ms", r.speed), ("memory", "MB", r.peak), ("memory_extra", "MB", r.extra)
+        ):
+            p50, p20, p80 = values or (math.nan,) * 3
+            rows.append(dict(zip(COLUMNS, (
+                w.kernel_name, r.provider, r.mode, metric, unit, "BT", "B x T", w.n, p50, p20, p80,
+                json.dumps(config), env["gpu_name"], r.timestamp, r.version,
+            ))))
+    return rows
+
+
+def write_csv(results: list[Result], path: Path, env: dict) -> None:
+    with open(path, "w", newline="") as f:
+        out = csv.DictWriter(f, fieldnames=COLUMNS)
+        out.writeheader()
+        out.writerows(csv_rows(results, env))
+
+
+def write_errors(results: list[Result], path: Path) -> None:
+    first, remarks = {}, {}  # one row per (workload, provider): the gate's result, and every note
+    for r in results:
+        key = (r.workload, r.provider)
+        first.setdefault(key, r)
+        if r.check.note:
+            remarks.setdefault(key, []).append(f"{r.mode}: {r.check.note}" if r.mode else r.check.note)
+    with open(path, "w", newline="") as f:
+        out = csv.writer(f)
+        out.writerow(ERROR_COLUMNS)
+        for key, r in first.items():
+            w, c = r.workload, r.check
+            status = c.status if r.mode is None else _gate_status(c)
+            out.writerow((
+                w.kernel_name, r.provider, "BT", w.n, w.h, w.v, str(w.torch_dtype), status,
+                *(("" if math.isnan(e) else f"{e:.3e}") for e in (c.loss_err, c.dx_err, c.dw_err, *c.tol)),
+                r.version, "; ".join(dict.fromkeys(remarks.get(key, []))),
+            ))
+
+
+def _gate_status(c) -> str:
+    """What the gate said of a provider that went on to be timed (a later OOM or error is a note)."""
+    if c.status in ("OOM", "error"):
+        return "unchecked" if math.isnan(c.loss_err) else "passed"
+    return c.status
+
+
+def _groups(results: list[Result]) -> dict[tuple, list[Result]]:
+    """Results by (workload less N, mode); untimed results go into every mode of their workload."""
+    modes = list(dict.fromkeys(r.mode for r in results if r.mode is not None)) or ["not timed"]
+    groups: dict[tuple, list[Result]] = {}
+    for r in results:
+        base = dataclasses.replace(r.workload, n=0)
+        for mode in [r.mode] if r.mode is not None else modes:
+            groups.setdefault((base, mode), []).append(r)
+    return groups
+
+
+def tables(results: list[Result]) -> list[tuple[str, list[str], list[list[str]]]]:
+    """(title, header, rows) as strings, for rich or plain text: the gate once, then one table of
+    speed and memory per (loss, mode)."""
+    return [_gate_table(results), *_speed_tables(results)]
+
+
+def _gate_table(results):
+    header = ["loss", "N", "provider", "err loss", "err dX", "err dW", "tol loss/grads", "status"]
+    rows, seen = [], set()
+    for r in results:
+        if (r.workload, r.provider) in seen:
+            continue
+        seen.add((r.workload, r.provider))
+        c = r.check
+        errors = ["" if math.isnan(e) else f"{e:.1e}" for e in (c.loss_err, c.dx_err, c.dw_err)]
+        tol = "" if math.isnan(c.tol[0]) else "/".join(f"{t:.0e}".replace("e-0", "e-") for t in c.tol)
+        status = c.status if r.mode is None else _gate_status(c)
+        rows.append([r.workload.loss, str(r.workload.n), r.provider, *errors, tol, status])
+    return "correctness: relative error against the fp32 reference (TF32 off)", header, rows
+
+
+def _speed_tables(results):
+    header = ["N", "provider", "ms", "p20–p80", *(f"÷{b}" for b in BASELINES), "peak MiB", "extra MiB"]
+    p50 = {(r.workload, r.mode, r.provider): r.speed[0] for r in _timed(results)}
+    out = []
+    for (w, mode), rs in _groups(results).items():
+        rows = []
+        for r in sorted(rs, key=lambda r: r.workload.n):
+            if r.speed is None:  # not timed: say why where the time would be
+                rows.append([str(r.workload.n), r.provider, r.check.status] + [""] * (len(header) - 3))
+                continue
+            ms = r.speed[0]
+            ratios = []
+            for b in BASELINES:
+                base = p50.get((r.workload, mode, b))
+                ratios.append(f"{ms / base:.2f}" if base and b != r.provider else "")
+            rows.append([
+                str(r.workload.n), r.provider, _ms(ms), f"{_ms(r.speed[1])}–{_ms(r.speed[2])}", *ratios,
+                f"{r.peak[0]:.0f}" if r.peak else "n/m", f"{r.extra[0]:.0f}" if r.extra else "n/m",
+            ])
+        out.append((f"{w.kernel_name} · {mode} · H={w.h} (student {w.hs}) V={w.v} {w.dtype}", header, rows))
+    return out
+
+
+def _ms(v: float) -> str:
+    return f"{v:.{3 if v < 10 else 2 if v < 100 else 1}f}"  # four or five significant digits
+
+
+def notes(results: list[Result], env: dict) -> list[str]:
+    lines = list(dict.fromkeys(f"{r.provider}: {r.check.note}" for r in results if r.check.note))
+    if env["device"] != "cuda":
+        lines.append(f"memory: not measured on {env['device']} (n/m); times are wall clock ({env['timer']})")
+    lines.append("÷b: this provider's median time / provider b's, same workload and mode (< 1: faster than b)")
+    return lines
+
+
+def print_tables(results: list[Result], env: dict, console=None) -> None:
+    try:
+        from rich import box
+        from rich.console import Console
+        from rich.table import Table
+    except ImportError:  # plain text when rich is not installed
+        for title, header, rows in tables(results):
+            print(f"\n{title}")
+            widths = [max(len(x) for x in col) for col in zip(header, *rows)]
+            for row in [header, *rows]:
+                print("  ".join(x.rjust(n) for x, n in zip(row, widths)))
+        print("\n".join(notes(results, env)))
+        return
+    console = console or Console()
+    loud = {"FAILED": "bold red", "error": "bold red", "OOM": "yellow", "skipped": "dim"}
+    for title, header, rows in tables(results):
+        t = Table(title=title, title_justify="left", box=box.SIMPLE_HEAD, show_edge=False, padding=(0, 0))
+        for name in header:
+            t.add_column(name, justify="left" if name in ("loss", "provider", "status") else "right", no_wrap=True)
+        for row in rows:
+            t.add_row(*row, style=next((loud[x] for x in row if x in loud), None))
+        console.print(t)
+    for line in notes(results, env):
+        console.print(line, style="dim", highlight=False)
+
+
+def write_plots(results: list[Result], out: Path, env: dict) -> list[Path]:
+    """speed_<loss>_<mode>.png and memory_<loss>_<mode>.png: the median (p20–p80 bars) against N."""
+    import matplotlib
+    import matplotlib.ticker
+
+    matplotlib.use("Agg")  # files only, no display needed
+    import matplotlib.pyplot as plt
+
+    paths = []
+    for (w, mode), rs in _groups(_timed(results)).items():
+        providers = list(dict.fromkeys(r.provider for r in rs))
+        for metric in ("speed", "memory"):
+            fig, ax = plt.subplots(figsize=(7, 4.5))
+            measured = False
+            for i, name in enumerate(providers):
+                mine = sorted((r for r in rs if r.provider == name), key=lambda r: r.workload.n)
+                ns = [r.workload.n for r in mine]
+                color = f"C{i}"
+                if metric == "speed":
+                    mid = [r.speed[0] for r in mine]
+                    err = [[m - r.speed[1] for m, r in zip(mid, mine)], [r.speed[2] - m for m, r in zip(mid, mine)]]
+                    ax.errorbar(ns, mid, yerr=err, marker="o", capsize=3, color=color, label=name)
+                    measured = True
+                elif mine[0].peak is not None:
+                    ax.plot(ns, [r.peak[0] for r in mine], marker="o", color=color, label=f"{name} peak")
+                    ax.plot(ns, [r.extra[0] for r in mine], marker=".", ls="--", color=color, label=f"{name} extra")
+                    measured = True
+            if measured:
+                ax.set_yscale("log")
+                ax.legend(fontsize=8)
+            else:
+                ax.text(0.5, 0.5, f"memory not measured on {env['device']}", ha="center", va="center",
+                        transform=ax.transAxes)
+            ns = sorted({r.workload.n for r in rs})
+            ax.set_xscale("log", base=2)
+            ax.set_xlim(ns[0] / 1.4, ns[-1] * 1.4)
+            ax.set_xticks(ns, [str(n) for n in ns])
+            ax.xaxis.set_minor_locator(matplotlib.ticker.NullLocator())
+            plain = matplotlib.ticker.FuncFormatter(lambda y, _: f"{y:g}")  # 20, not 2×10¹
+            ax.yaxis.set_major_formatter(plain)
+            low, high = ax.get_ylim()  # label the minor ticks only when less than a decade shows
+            ax.yaxis.set_minor_formatter(plain if high < 10 * low else matplotlib.ticker.NullFormatter())
+            ax.set_xlabel("N = B x T (rows)")
+            ax.set_ylabel("ms (median, p20–p80)" if metric == "speed" else "MiB (peak; extra dashed)")
+            ax.set_title(f"{w.kernel_name} {mode}: H={w.h}, V={w.v}, {w.dtype}\n{env['gpu_name']}", fontsize=10)
+            ax.grid(True, which="both", alpha=0.3)
+            path = out / f"{metric}_{w.loss}_{mode}.png"
+            if path in paths:  # the same loss and mode at another shape or dtype
+                path = out / f"{metric}_{w.loss}_{mode}_H{w.h}_V{w.v}_{w.dtype}_{len(paths)}.png"
+            fig.tight_layout()
+            fig.savefig(path, dpi=120)
+            plt.close(fig)
+            paths.append(path)
+    return paths

@@ -1,0 +1,316 @@
+"""The Triton row kernel (`flashkd.backends.triton_rows`) against the torch row backend.
+
+The torch backend differentiates `flashkd.losses.row_losses` with autograd, so agreement here checks the
+kernel's analytic gradients as well as its losses. Without a GPU the kernel runs under Triton's
+interpreter (BLOCK_V = 256 there), on widths that are not multiples of the block: V = 257 and 1000 span
+several tiles with a ragged last one. Inputs are fresh random logits (randn · 3) on every run, from the
+`seed` fixture, which prints its seed on failure. Both backends read the same inputs in the same dtype
+and compute in fp32: the kernel must agree with the torch backend, and with the torch backend's fp64
+evaluation of the same inputs, to 1e-5 (dL/ds: to one rounding to the input dtype), or be no worse
+than the torch backend's own fp32 error where fp32 cannot reach 1e-5 (see `_assert_matches`).
+"""
+
+import os
+
+import pytest
+import torch
+
+triton = pytest.importorskip("triton")
+
+from flashkd.backends import torch_rows, triton_rows  # noqa: E402
+from flashkd.losses import LossSpec  # noqa: E402
+
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"  # set by conftest when there is no GPU
+DEVICE = "cpu" if INTERPRET else "cuda"
+if not INTERPRET and not torch.cuda.is_available():
+    pytest.skip("TRITON_INTERPRET is off and there is no CUDA device", allow_module_level=True)
+
+
+IGNORE = -100
+F32_RTOL = 1e-5  # both backends compute in fp32, in different orders
+F32_EPS = torch.finfo(torch.float32).eps
+# Every loss; β matters for jsd (0 and 1 are the KL endpoints) and cosine only.
+LOSSES = [
+    ("forward_kl", 0.3),
+    ("reverse_kl", 0.3),
+    ("tvd", 0.3),
+    ("jsd", 0.0),
+    ("jsd", 0.3),
+    ("jsd", 1.0),
+    ("cosine", 0.0),
+    ("cosine", 0.3),
+    ("cosine", 1.0),
+]
+# (R, V, labels): V = 1, a sub-tile width, a full tile + 1, several tiles with a ragged tail.
+CASES = [(1, 1, None), (3, 7, "some_ignored"), (5, 257, "out_of_range"), (3, 1000, "some_ignored")]
+
+
+def _logits(R, V, dtype, seed, scale=3.0):
+    g = torch.Generator().manual_seed(2 * seed)
+    s = torch.randn(R, V, generator=g) * scale
+    t = torch.randn(R, V, generator=g) * scale
+    return s.to(DEVICE, dtype), t.to(DEVICE, dtype)
+
+
+def _labels(kind, R, V, seed):
+    """None; "some_ignored": every other row ignored; "all_ignored"; "out_of_range": row 0 gets V and,
+    when R > 2, row 2 gets −1 (neither is ignore_index: their CE is NaN)."""
+    if kind is None:
+        return None
+    y = torch.randint(0, V, (R,), generator=torch.Generator().manual_seed(2 * seed + 1))
+    if kind == "some_ignored":
+        y[1::2] = IGNORE
+    elif kind == "all_ignored":
+        y[:] = IGNORE
+    elif kind == "out_of_range":
+        y[0] = V
+        if R > 2:
+            y[2] = -1
+    return y.to(DEVICE)
+
+
+def _kernel(s, t, labels, spec, scale, grad):
+    """(soft, hard, s after) of the Triton kernel, on a copy of s."""
+    x = s.clone()
+    soft, hard = triton_rows.rows(x, t, labels, spec, scale, grad)
+    return soft, hard, x
+
+
+def _torch(s, t, labels, spec, scale, grad):
+    """(soft, hard, s after) of the torch backend: on the same inputs, on their fp32 values (its result
+    before the rounding to the input dtype) and on their fp64 values (the truth)."""
+    out = []
+    for dtype in (s.dtype, torch.float32, torch.float64):
+        x = s.to(dtype, copy=True)
+        soft, hard = torch_rows.rows(x, None if t is None else t.to(dtype), labels, spec, scale, grad)
+        out.append((soft, hard, x))
+    return out
+
+
+def _assert_matches(got, refs, dtype, term=0.0):
+    """The kernel's (soft, hard, dL/ds) against the torch backend's.
+
+    Each must lie within rtol·|truth| + atol of the fp64 truth, and within that plus the torch
+    backend's own error of its result on the same inputs, where atol = max(1e-5 of the largest value,
+    2 × the torch backend's fp32 error): 1e-5, or no worse than torch where fp32 cannot do better (JSD
+    and TVD gradients through a cancellation). rtol is 1e-5, and for dL/ds in bf16 / fp16 the dtype's
+    eps: one rounding at the store. term: the size of the terms that dL/ds sums where they cancel far
+    below it (cosine at V = 1, exactly); dL/ds is then good to a few fp32 roundings of term.
+    """
+    assert got[0].dtype == got[1].dtype == torch.float32
+    assert got[2].dtype == refs[0][2].dtype == dtype
+    assert torch.isfinite(got[2]).all()
+    rtols = (F32_RTOL, F32_RTOL, max(F32_RTOL, torch.finfo(dtype).eps))
+    for name, x, ref, ref32, truth, rtol in zip(("soft", "hard", "dL/ds"), got, *refs, rtols):
+        truth = truth.double()
+        largest = truth.nan_to_num().abs().max().item()
+        floor = F32_RTOL * largest if name == "dL/ds" else F32_RTOL * max(largest, 1.0)
+        if name == "dL/ds":
+            floor = max(floor, 8 * F32_EPS * term)
+        err_torch = (ref32.double() - truth).nan_to_num().abs().max().item()
+        atol = max(floor, 2.0 * err_torch)
+        def msg(m, name=name):
+            return f"{name}: {m}"
+
+        torch.testing.assert_close(x.double(), truth, rtol=rtol, atol=atol, equal_nan=True, msg=msg)
+        torch.testing.assert_close(x.double(), ref.double(), rtol=rtol, atol=atol + err_torch, equal_nan=True, msg=msg)
+
+
+def _cosine_term(s, spec, scale):
+    """Largest term of the cosine gradient, scale · soft_scale · β / ‖s‖ (see `_assert_matches`)."""
+    if not spec.want_soft or spec.kind != "cosine":
+        return 0.0
+    norm = s.float().norm(dim=-1).clamp_min(1e-12).min().item()
+    return scale.item() * spec.soft_scale * spec.beta / norm
+
+
+def _check(s, t, labels, spec, scale, grad):
+    """Runs both backends on the same inputs, asserts they match, returns the kernel's outputs."""
+    got = _kernel(s, t, labels, spec, scale, grad)
+    _assert_matches(got, _torch(s, t, labels, spec, scale, grad), s.dtype, _cosine_term(s, spec, scale))
+    return got
+
+
+@pytest.mark.parametrize("grad", [True, False])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("temperature", [1.0, 0.7, 2.5])
+@pytest.mark.parametrize("loss,beta", LOSSES)
+def test_matches_torch_backend(seed, loss, beta, temperature, dtype, grad):
+    spec = LossSpec(loss=loss, beta=beta, temperature=temperature, temperature_squared=True)
+    scale = torch.tensor(1.0 / 3.0, device=DEVICE)
+    for i, (R, V, label_kind) in enumerate(CASES):
+        s, t = _logits(R, V, dtype, seed + i)
+        labels = _labels(label_kind, R, V, seed + i)
+        soft, hard, ds = _check(s, t, labels, spec, scale, grad)
+        assert not soft.isnan().any()
+        if labels is None:
+            assert (hard == 0).all()  # no labels, no CE
+        else:
+            ignored = labels == IGNORE
+            assert (soft[ignored] == 0).all() and (hard[ignored] == 0).all()
+            assert torch.equal(hard.isnan(), ~ignored & ((labels < 0) | (labels >= V)))  # NaN CE there only
+            if grad:
+                assert (ds[ignored] == 0).all()
+        if not grad:
+            assert torch.equal(ds, s)
+
+
+@pytest.mark.parametrize("grad", [True, False])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("label_kind", ["some_ignored", "out_of_range"])
+def test_hard_only(seed, label_kind, dtype, grad):
+    # no teacher at all; the CE stays untempered whatever τ
+    spec = LossSpec(temperature=2.5, want_soft=False, weight_hard=0.7)
+    scale = torch.tensor(0.25, device=DEVICE)
+    for i, (R, V, _) in enumerate(CASES):
+        s, _ = _logits(R, V, dtype, seed + i)
+        soft, _, _ = _check(s, None, _labels(label_kind, R, V, seed + i), spec, scale, grad)
+        assert (soft == 0).all()
+
+
+@pytest.mark.parametrize("grad", [True, False])
+@pytest.mark.parametrize("loss,beta", [("forward_kl", 0.3), ("jsd", 0.3), ("tvd", 0.3), ("cosine", 0.5)])
+def test_soft_only(seed, loss, beta, grad):
+    spec = LossSpec(loss=loss, beta=beta, temperature=0.7, want_hard=False)
+    s, t = _logits(5, 257, torch.float32, seed)
+    _, hard, _ = _check(s, t, _labels("some_ignored", 5, 257, seed), spec, torch.tensor(1.0, device=DEVICE), grad)
+    assert (hard == 0).all()
+
+
+@pytest.mark.parametrize(
+    "weights",
+    [
+        dict(weight_hard=0.0, weight_soft=1.0),  # CE for logging only: no CE gradient
+        dict(weight_hard=1.0, weight_soft=0.0),  # divergence for logging only: no third pass
+        dict(weight_hard=1, weight_soft=2, temperature_squared=True),  # ints, τ² factor
+    ],
+)
+@pytest.mark.parametrize("loss", ["reverse_kl", "jsd", "forward_kl", "cosine"])
+def test_weights(seed, loss, weights):
+    spec = LossSpec(loss=loss, beta=0.4, temperature=2.5, **weights)
+    s, t = _logits(3, 300, torch.float32, seed)
+    _check(s, t, _labels("some_ignored", 3, 300, seed), spec, torch.tensor(1.0, device=DEVICE), True)
+
+
+def test_neither_term(seed):
+    spec = LossSpec(want_hard=False, want_soft=False)
+    s, _ = _logits(3, 7, torch.float32, seed)
+    one = torch.tensor(1.0, device=DEVICE)
+    soft, hard = triton_rows.rows(s, None, _labels("some_ignored", 3, 7, seed), spec, one, True)
+    assert (soft == 0).all() and (hard == 0).all() and (s == 0).all()
+
+
+@pytest.mark.parametrize("loss", ["forward_kl", "reverse_kl", "jsd", "tvd", "cosine"])
+def test_all_rows_ignored(seed, loss):
+    spec = LossSpec(loss=loss, beta=0.3)
+    s, t = _logits(3, 257, torch.float32, seed)
+    s[0, 5] = float("nan")  # whatever ignored rows hold never reaches the outputs
+    t[1, 9] = float("inf")
+    labels = _labels("all_ignored", 3, 257, seed)
+    soft, hard = triton_rows.rows(s, t, labels, spec, torch.tensor(1.0, device=DEVICE), True)
+    assert (soft == 0).all() and (hard == 0).all() and (s == 0).all()
+
+
+def test_grad_false_leaves_s_untouched(seed):
+    spec = LossSpec(loss="jsd", beta=0.3)
+    s, t = _logits(3, 1000, torch.bfloat16, seed)
+    before = s.clone()
+    triton_rows.rows(s, t, _labels("some_ignored", 3, 1000, seed), spec, torch.tensor(1.0, device=DEVICE), False)
+    assert torch.equal(s, before)
+
+
+@pytest.mark.parametrize("loss", ["reverse_kl", "forward_kl", "cosine"])
+def test_scale_is_honoured(seed, loss):
+    spec = LossSpec(loss=loss, beta=0.5, temperature=0.7)
+    s, t = _logits(3, 257, torch.float32, seed)
+    labels = _labels("some_ignored", 3, 257, seed)
+    ds = {}
+    for scale in (1.0, 1.0 / 3.0):
+        ds[scale] = _check(s, t, labels, spec, torch.tensor(scale, device=DEVICE), True)[2]
+    torch.testing.assert_close(ds[1.0 / 3.0], ds[1.0] / 3.0, rtol=1e-6, atol=1e-6 * ds[1.0].abs().max().item())
+
+
+@pytest.mark.parametrize("loss,beta", [("forward_kl", 0.3), ("reverse_kl", 0.3), ("jsd", 0.3), ("tvd", 0.3)])
+def test_columns_at_minus_inf_in_both_are_absent(seed, loss, beta):
+    """0·log 0 = 0: columns where s and t are both −inf (the whole first tile) change nothing."""
+    spec = LossSpec(loss=loss, beta=beta, temperature=0.7)
+    R, V, cut = 3, 600, 300
+    s, t = _logits(R, V, torch.float32, seed)
+    s[:, :cut] = float("-inf")
+    t[:, :cut] = float("-inf")
+    labels = torch.randint(cut, V, (R,), generator=torch.Generator().manual_seed(seed)).to(DEVICE)
+    scale = torch.tensor(0.5, device=DEVICE)
+    soft, hard, ds = _kernel(s, t, labels, spec, scale, True)
+    assert (ds[:, :cut] == 0).all()
+    kept = (s[:, cut:].contiguous(), t[:, cut:].contiguous(), labels - cut)
+    _assert_matches((soft, hard, ds[:, cut:]), _torch(*kept, spec, scale, True), torch.float32)
+
+
+@pytest.mark.parametrize("loss,beta", [("forward_kl", 0.3), ("reverse_kl", 0.3), ("jsd", 0.3), ("tvd", 0.3)])
+def test_underflowing_probabilities(seed, loss, beta):
+    """Logits spread over hundreds of nats: most probabilities are exactly 0 in fp32, their logs finite."""
+    spec = LossSpec(loss=loss, beta=beta, temperature=0.7)
+    s, t = _logits(3, 1000, torch.float32, seed, scale=40.0)
+    args = (s, t, _labels("some_ignored", 3, 1000, seed), spec, torch.tensor(1.0, device=DEVICE), True)
+    got, refs = _kernel(*args), _torch(*args)
+    # reverse KL's gradient q (log(q/p) − KL) / τ subtracts terms of size KL / τ, hundreds of nats here,
+    # each carrying the fp32 rounding of log(q/p)
+    term = refs[2][0].max().item() / spec.temperature if loss == "reverse_kl" else 0.0
+    _assert_matches(got, refs, torch.float32, term)
+
+
+def test_wide_rows(seed):
+    spec = LossSpec(loss="jsd", beta=0.3, temperature=0.7)
+    s, t = _logits(2, 4099, torch.bfloat16, seed)
+    _check(s, t, _labels("out_of_range", 2, 4099, seed), spec, torch.tensor(0.5, device=DEVICE), True)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float64], ids=["fp16", "fp64"])
+def test_other_dtypes(seed, dtype):
+    # fp64 inputs are computed in fp32 by the kernel and in fp64 by the torch backend
+    spec = LossSpec(loss="jsd", beta=0.3, temperature=2.5)
+    s, t = _logits(3, 257, dtype, seed)
+    _check(s, t, _labels("some_ignored", 3, 257, seed), spec, torch.tensor(0.5, device=DEVICE), True)
+
+
+def test_int32_labels_and_fp64_scale(seed):
+    spec = LossSpec(loss="tvd", temperature=0.7)
+    s, t = _logits(5, 257, torch.float32, seed)
+    labels = _labels("out_of_range", 5, 257, seed)
+    got = _kernel(s, t, labels.to(torch.int32), spec, torch.tensor(0.5, device=DEVICE, dtype=torch.float64), True)
+    _assert_matches(got, _torch(s, t, labels, spec, torch.tensor(0.5, device=DEVICE), True), torch.float32)
+
+
+def test_rejects_bad_inputs():
+    spec = LossSpec()
+    s, t = _logits(3, 7, torch.float32, seed=0)
+    y = _labels("some_ignored", 3, 7, seed=0)
+    one = torch.tensor(1.0, device=DEVICE)
+    with pytest.raises(ValueError, match="s: expected a 2-D"):
+        triton_rows.rows(s[0], t[0], y, spec, one, True)
+    with pytest.raises(ValueError, match="s: expected a contiguous"):
+        triton_rows.rows(s.t(), t.t(), None, spec, one, True)
+    with pytest.raises(TypeError, match="s: expected bfloat16"):
+        triton_rows.rows(s.int(), t.int(), y, spec, one, True)
+    with pytest.raises(ValueError, match="t: expected the teacher"):
+        triton_rows.rows(s, None, y, spec, one, True)
+    with pytest.raises(ValueError, match="t: expected shape"):
+        triton_rows.rows(s, t[:, :5].contiguous(), y, spec, one, True)
+    with pytest.raises(TypeError, match="t: expected dtype"):
+        triton_rows.rows(s, t.bfloat16(), y, spec, one, True)
+    with pytest.raises(ValueError, match="labels: expected shape"):
+        triton_rows.rows(s, t, y[:2], spec, one, True)
+    with pytest.raises(TypeError, match="labels: expected int32 or int64"):
+        triton_rows.rows(s, t, y.float(), spec, one, True)
+    with pytest.raises(TypeError, match="scale: expected a 0-d"):
+        triton_rows.rows(s, t, y, spec, 1.0, True)
+    with pytest.raises(TypeError, match="scale: expected a 0-d"):
+        triton_rows.rows(s, t, y, spec, one.reshape(1), True)
+    with pytest.raises(ValueError, match="V < 2"):
+        triton_rows.rows(s[:, :0], t[:, :0], y, spec, one, True)
+
+
+def test_no_rows():
+    s, t = _logits(0, 7, torch.float32, seed=0)
+    soft, hard = triton_rows.rows(s, t, None, LossSpec(), torch.tensor(1.0, device=DEVICE), True)
+    assert soft.shape == hard.shape == (0,)
