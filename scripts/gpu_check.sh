@@ -18,7 +18,7 @@ git rev-parse HEAD 2>/dev/null | tee -a "$OUT/env.txt"
 for stage in $stages; do
   echo "=== $stage"
   case $stage in
-    tests) python3 -m pytest -q -m gpu tests/test_gpu.py 2>&1 | tee "$OUT/tests.log" | tail -25 || status=1 ;;
+    tests) python3 -m pytest -q -m "gpu or not gpu" tests/test_gpu.py tests/test_triton_rows.py 2>&1 | tee "$OUT/tests.log" | tail -25 || status=1 ;;
     rows) python3 benchmarks/bench_rows.py 2>&1 | tee "$OUT/rows.log" || status=1 ;;
     bench-seed) python3 -m flashkd bench --preset seed --out "$OUT/seed" 2>&1 | tee "$OUT/bench-seed.log" || status=1 ;;
     bench-sweep) python3 -m flashkd bench --preset sweep --out "$OUT/sweep" 2>&1 | tee "$OUT/bench-sweep.log" || status=1 ;;

@@ -70,10 +70,8 @@ def test_against_fp64_truth(backend, loss, dtype, vocab, opts):
 
     got = flashkd.fused_linear_distill(xs, ws, xt, wt, y, backend=backend, check_labels=True, **kw)
     got_grads = torch.autograd.grad(got, leaves)
-    plain, _, _ = distill_loss(*_fresh(leaves, xt, wt), y, plain=True, **_oracle_kw(kw, leaves))
-    plain_grads = torch.autograd.grad(plain, _last_leaves)
-    truth, _, _ = distill_loss(*_fresh(leaves, xt, wt, double=True), y, **_oracle_kw(kw, _last_leaves))
-    truth_grads = torch.autograd.grad(truth, _last_leaves)
+    plain, plain_grads = _naive(leaves, xt, wt, bt, y, kw, double=False)
+    truth, truth_grads = _naive(leaves, xt, wt, bt, y, kw, double=True)
 
     loss_err = abs(got.item() - truth.item()) / abs(truth.item())
     assert loss_err <= 5e-4, loss_err
@@ -83,22 +81,14 @@ def test_against_fp64_truth(backend, loss, dtype, vocab, opts):
         assert err <= 1.5 * base + 1e-6, (name, err, base)
 
 
-_last_leaves = []
-
-
-def _fresh(leaves, xt, wt, double=False):
-    """Detached copies of the student leaves (and the teacher tensors), upcast for the truth."""
+def _naive(leaves, xt, wt, bt, y, kw, double):
+    """The oracle's loss and grads on copies of the student leaves: plain torch, or float64 truth."""
     cast = (lambda x: x.double()) if double else (lambda x: x)
-    _last_leaves[:] = [cast(x.detach()).requires_grad_() for x in leaves]
-    return _last_leaves[0], _last_leaves[1], cast(xt), cast(wt)
-
-
-def _oracle_kw(kw, leaves):
-    kw = dict(kw)
-    if kw["student_bias"] is not None:
-        kw["student_bias"] = leaves[2]
-        kw["teacher_bias"] = kw["teacher_bias"].to(leaves[2].dtype)
-    return kw
+    copies = [cast(x.detach()).requires_grad_() for x in leaves]
+    kw = dict(kw, student_bias=copies[2] if len(copies) > 2 else None,
+              teacher_bias=None if bt is None else cast(bt))
+    loss, _, _ = distill_loss(copies[0], copies[1], cast(xt), cast(wt), y, plain=not double, **kw)
+    return loss, torch.autograd.grad(loss, copies)
 
 
 def test_memory_stays_within_the_formula():

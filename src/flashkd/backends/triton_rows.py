@@ -42,6 +42,7 @@ taken as 0 where w is 0 (0·log 0 = 0, which also makes columns at −inf in bot
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 
@@ -62,6 +63,12 @@ from ..losses import _EPS, LOSS_ID, LossSpec
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 BLOCK_V = 256 if _INTERPRET else 4096
 NUM_WARPS = 16
+# Programs resident per SM in the persistent grid (each walks rows pid, pid + G, ...); 0 launches one
+# program per row. Fewer rows in flight keep a row's tiles in L2 between its passes.
+PROGRAMS_PER_SM = 2
+# The hardware log2 (lg2.approx, abs. error ~2^-22 on [1, 2]) instead of libdevice's ~30-instruction
+# log2f; the interpreter has no inline PTX.
+_FAST_LOG2: tl.constexpr = tl.constexpr(not _INTERPRET)
 
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
 _LABEL_DTYPES = (torch.int32, torch.int64)
@@ -104,7 +111,12 @@ def _log2_1p(x):
     """log2(1 + x) for x in [0, 1], accurate for small x too: log2 of u = 1 + x, corrected by the
     rounding error of u, which (u − 1) − x gives exactly."""
     u = 1.0 + x
-    return tl.log2(u) - ((u - 1.0) - x) / u * _LOG2E
+    if _FAST_LOG2:
+        log2_u = tl.inline_asm_elementwise("lg2.approx.f32 $0, $1;", "=r,r", [u], dtype=tl.float32,
+                                           is_pure=True, pack=1)
+    else:
+        log2_u = tl.log2(u)
+    return log2_u - ((u - 1.0) - x) / u * _LOG2E
 
 
 @triton.jit
@@ -120,6 +132,14 @@ def _log2_over_mixture(lq, lp, log2_beta, log2_1mbeta):
     lq_m = tl.where(q_side, -log2_1mbeta, -d - log2_beta) - w
     lp_m = tl.where(q_side, d - log2_1mbeta, -log2_beta) - w
     return lq_m, lp_m
+
+
+@triton.jit
+def _softmax(a, m_s, log2_l_c, q, CE_IS_Q: tl.constexpr):
+    """softmax(s) of a tile for the CE gradient: q itself when τ = 1, else from the CE's statistics."""
+    if CE_IS_Q:
+        return q
+    return tl.exp2((a - m_s) * _LOG2E - log2_l_c)
 
 
 @triton.jit
@@ -143,6 +163,7 @@ def _rows_kernel(
     hard_ptr,  # (R,) fp32 out: untempered CE, 0 on ignored rows, NaN for a label outside [0, V)
     scale_ptr,  # () fp32 (or fp64): the reduction's factor, read on the device
     # sizes
+    R,
     V,
     ignore_index,
     # runtime floats: a new value never recompiles
@@ -161,17 +182,39 @@ def _rows_kernel(
     GRAD_SOFT: tl.constexpr,  # dsoft/ds enters dL/ds (grad, SOFT, w_soft != 0)
     GRAD_CE: tl.constexpr,  # dCE/ds enters dL/ds (grad, CE, w_hard != 0)
     GRAD_PASS: tl.constexpr,  # pass that writes dL/ds: 2, 3, or 0 for no grad
+    CE_IS_Q: tl.constexpr,  # τ = 1 and a softmax loss: softmax(s) is q, so the CE reuses q's statistics
     BLOCK_V: tl.constexpr,
 ):
-    row = tl.program_id(0)
-    s_row = s_ptr + row.to(tl.int64) * V  # int64: R × V may exceed 2^31
-    t_row = t_ptr + row.to(tl.int64) * V
     cols = tl.arange(0, BLOCK_V)
+    n_tiles = tl.cdiv(V, BLOCK_V)
+    # Persistent grid: program pid takes rows pid, pid + G, ... Pass 2 walks the row backwards, so it
+    # starts on the tiles pass 1 read last (the likeliest to be in L2), and pass 3 forwards again.
+    for row in range(tl.program_id(0), R, tl.num_programs(0)):
+        _one_row(
+            s_ptr + tl.cast(row, tl.int64) * V,  # int64: R × V may exceed 2^31
+            t_ptr + tl.cast(row, tl.int64) * V,
+            labels_ptr + row,
+            soft_ptr + row,
+            hard_ptr + row,
+            scale_ptr, V, n_tiles, cols, ignore_index, log2e_tau, inv_tau, beta, log2_beta, log2_1mbeta,
+            w_hard, w_soft, LOSS, SOFT, CE, LABELS, GRAD_SOFT, GRAD_CE, GRAD_PASS, CE_IS_Q, BLOCK_V,
+        )
+
+
+@triton.jit
+def _one_row(
+    s_row, t_row, label_ptr, soft_ptr, hard_ptr, scale_ptr, V, n_tiles, cols, ignore_index, log2e_tau,
+    inv_tau, beta, log2_beta, log2_1mbeta, w_hard, w_soft,
+    LOSS: tl.constexpr, SOFT: tl.constexpr, CE: tl.constexpr, LABELS: tl.constexpr,
+    GRAD_SOFT: tl.constexpr, GRAD_CE: tl.constexpr, GRAD_PASS: tl.constexpr, CE_IS_Q: tl.constexpr,
+    BLOCK_V: tl.constexpr,
+):
+    """The three passes over one row; the kernel's arguments, advanced to the row."""
 
     valid = True
     label = -1
     if LABELS:
-        label = tl.load(labels_ptr + row).to(tl.int64)
+        label = tl.load(label_ptr).to(tl.int64)
         valid = label != ignore_index
     soft = 0.0
     hard = 0.0
@@ -207,14 +250,17 @@ def _rows_kernel(
                     m_t_new = tl.maximum(m_t, tl.max(b, 0))
                     l_t = _online_sum(l_t, m_t, m_t_new, b, log2e_tau)
                     m_t = m_t_new
-            if CE:
+            if CE and not CE_IS_Q:
                 l_c = _online_sum(l_c, m_s, m_new, a, _LOG2E)
             m_s = m_new
         # log2 q = (s − m_s)·log2(e)/τ − log2 l_s, log2 p likewise,
         # log2 softmax(s) = (s − m_s)·log2(e) − log2 l_c
         log2_l_s = tl.log2(l_s)
         log2_l_t = tl.log2(l_t)
-        log2_l_c = tl.log2(l_c)
+        if CE_IS_Q:
+            log2_l_c = log2_l_s
+        else:
+            log2_l_c = tl.log2(l_c)
         if CE:
             hard = tl.where(in_range, (m_s - s_y) + _LN2 * log2_l_c, float("nan"))  # logsumexp(s) − s_y
 
@@ -244,11 +290,12 @@ def _rows_kernel(
         acc3 = tl.zeros([BLOCK_V], tl.float32)
         acc4 = tl.zeros([BLOCK_V], tl.float32)
         if (SOFT and LOSS != _COSINE) or GRAD_PASS == 2:
-            for start in range(0, V, BLOCK_V):
-                offs = start + cols
+            for i in range(0, n_tiles):
+                offs = (n_tiles - 1 - i) * BLOCK_V + cols
                 mask = offs < V
                 a = tl.load(s_row + offs, mask=mask, other=-float("inf")).to(tl.float32)
                 dsoft = tl.zeros([BLOCK_V], tl.float32)
+                q = a  # q = softmax(s/τ) of the tile where a softmax loss computes it below
                 if SOFT:
                     b = tl.load(t_row + offs, mask=mask, other=-float("inf")).to(tl.float32)
                     if LOSS == _COSINE:
@@ -279,8 +326,8 @@ def _rows_kernel(
                     if GRAD_SOFT:
                         g += c_soft * dsoft
                     if GRAD_CE:
-                        g += c_ce * (tl.exp2((a - m_s) * _LOG2E - log2_l_c) - tl.where(offs == label, 1.0, 0.0))
-                    tl.store(s_row + offs, g.to(s_ptr.dtype.element_ty), mask=mask)
+                        g += c_ce * (_softmax(a, m_s, log2_l_c, q, CE_IS_Q) - tl.where(offs == label, 1.0, 0.0))
+                    tl.store(s_row + offs, g.to(s_row.dtype.element_ty), mask=mask)
 
         # row scalars of the divergences (natural log units)
         kl_qp = 0.0
@@ -328,13 +375,13 @@ def _rows_kernel(
                     dsoft = 0.5 * q * coef * inv_tau
                 g = c_soft * dsoft
                 if GRAD_CE:
-                    g += c_ce * (tl.exp2((a - m_s) * _LOG2E - log2_l_c) - tl.where(offs == label, 1.0, 0.0))
-                tl.store(s_row + offs, g.to(s_ptr.dtype.element_ty), mask=mask)
+                    g += c_ce * (_softmax(a, m_s, log2_l_c, q, CE_IS_Q) - tl.where(offs == label, 1.0, 0.0))
+                tl.store(s_row + offs, g.to(s_row.dtype.element_ty), mask=mask)
     else:
         if GRAD_PASS != 0:
             _fill_zeros(s_row, V, BLOCK_V)
-    tl.store(soft_ptr + row, soft)
-    tl.store(hard_ptr + row, hard)
+    tl.store(soft_ptr, soft)
+    tl.store(hard_ptr, hard)
 
 
 # --------------------------------------------------------------------------------------------- launcher
@@ -398,13 +445,15 @@ def rows(s, t, labels, spec: LossSpec, scale: torch.Tensor, grad: bool):
     grad_ce = grad and use_ce and spec.weight_hard != 0.0
     grad_pass = 0 if not grad else 3 if grad_soft and kind in _LATE_GRAD else 2
     jsd = use_soft and kind == "jsd"  # 0 < β < 1 here: the endpoints resolve to the KLs
-    _rows_kernel[(R,)](
+    ce_is_q = use_ce and use_soft and kind != "cosine" and spec.temperature == 1.0
+    _rows_kernel[(_programs(R, s.device),)](
         s,
         t if use_soft else s,  # never read when not SOFT
         labels if labels is not None else s,  # never read when not LABELS
         soft,
         hard,
         scale,
+        R,
         V,
         spec.ignore_index,
         # float(): an int weight would be specialised (and recompiled) by value
@@ -422,10 +471,22 @@ def rows(s, t, labels, spec: LossSpec, scale: torch.Tensor, grad: bool):
         GRAD_SOFT=grad_soft,
         GRAD_CE=grad_ce,
         GRAD_PASS=grad_pass,
+        CE_IS_Q=ce_is_q,
         BLOCK_V=BLOCK_V,
         num_warps=NUM_WARPS,
     )
     return soft, hard
+
+
+def _programs(R: int, device: torch.device) -> int:
+    if _INTERPRET or PROGRAMS_PER_SM == 0:
+        return R
+    return min(R, PROGRAMS_PER_SM * _sm_count(device))
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def _describe(x) -> str:
