@@ -92,12 +92,15 @@ _M_START: tl.constexpr = tl.constexpr(-3.0e38)
 
 
 @triton.jit
-def _online_sum(l_i, m_i, m_new, x, k):
-    """Online sum-exp: l_i = Σ 2^((x − m_i)·k) over the tiles so far, moved from the running max m_i to
-    m_new and extended by the tile x (−inf on masked lanes, which add 2^−inf = 0). With k = log2(e)/τ,
-    l_i = Σ e^((x − m_i)/τ). The max is subtracted before scaling, so an element near the max gets an
-    exponent near 0 with no rounding error of the size of m_i·k."""
-    return l_i * tl.exp2((m_i - m_new) * k) + tl.sum(tl.exp2((x - m_new) * k), 0)
+def _lane_sum(l_i, m_i, x, k):
+    """Per-lane online sum-exp: l_i = Σ 2^((x − m_i)·k) over the lane's elements so far, m_i the lane's
+    max before x; the caller then moves m_i to max(m_i, x). One exp2 per element: of the smaller of x
+    and m_i, 2^(−|x − m_i|·k) either scales the old sum (x is the new max) or is added to it.
+    Masked lanes (x = −inf) add 2^−inf = 0. With k = log2(e)/τ, l_i = Σ e^((x − m_i)/τ); the max is
+    subtracted before scaling, so an element near the max gets an exponent near 0 with no rounding
+    error of the size of m_i·k."""
+    e = tl.exp2(-tl.abs(x - m_i) * k)
+    return tl.where(x > m_i, l_i * e + 1.0, l_i + e)
 
 
 @triton.jit
@@ -219,12 +222,13 @@ def _one_row(
     soft = 0.0
     hard = 0.0
     if valid:
-        # -------- pass 1: row statistics
-        m_s = _M_START  # running max of s
-        l_s = 0.0  # Σ 2^((s − m_s)·log2(e)/τ)
-        l_c = 0.0  # Σ 2^((s − m_s)·log2(e)), for the untempered CE
-        m_t = _M_START  # running max of t
-        l_t = 0.0  # Σ 2^((t − m_t)·log2(e)/τ)
+        # -------- pass 1: row statistics, kept per lane (no cross-lane reduction, hence no barrier,
+        # inside the loop: the warps stream the row independently) and merged once after it
+        m_s = tl.full([BLOCK_V], _M_START, tl.float32)  # running max of s, per lane
+        l_s = tl.zeros([BLOCK_V], tl.float32)  # Σ 2^((s − m_s)·log2(e)/τ), per lane
+        l_c = tl.zeros([BLOCK_V], tl.float32)  # Σ 2^((s − m_s)·log2(e)), for the untempered CE
+        m_t = tl.full([BLOCK_V], _M_START, tl.float32)  # running max of t
+        l_t = tl.zeros([BLOCK_V], tl.float32)  # Σ 2^((t − m_t)·log2(e)/τ)
         ss = tl.zeros([BLOCK_V], tl.float32)  # cosine: Σ s², Σ t², Σ s·t, per lane
         tt = tl.zeros([BLOCK_V], tl.float32)
         st = tl.zeros([BLOCK_V], tl.float32)
@@ -236,7 +240,6 @@ def _one_row(
             offs = start + cols
             mask = offs < V
             a = tl.load(s_row + offs, mask=mask, other=-float("inf")).to(tl.float32)
-            m_new = tl.maximum(m_s, tl.max(a, 0))
             if SOFT:
                 b = tl.load(t_row + offs, mask=mask, other=-float("inf")).to(tl.float32)
                 if LOSS == _COSINE:
@@ -246,13 +249,19 @@ def _one_row(
                     tt += b0 * b0
                     st += a0 * b0
                 else:
-                    l_s = _online_sum(l_s, m_s, m_new, a, log2e_tau)
-                    m_t_new = tl.maximum(m_t, tl.max(b, 0))
-                    l_t = _online_sum(l_t, m_t, m_t_new, b, log2e_tau)
-                    m_t = m_t_new
+                    l_s = _lane_sum(l_s, m_s, a, log2e_tau)
+                    l_t = _lane_sum(l_t, m_t, b, log2e_tau)
+                    m_t = tl.maximum(m_t, b)
             if CE and not CE_IS_Q:
-                l_c = _online_sum(l_c, m_s, m_new, a, _LOG2E)
-            m_s = m_new
+                l_c = _lane_sum(l_c, m_s, a, _LOG2E)
+            m_s = tl.maximum(m_s, a)
+        m_row = tl.max(m_s, 0)
+        l_s = tl.sum(l_s * tl.exp2((m_s - m_row) * log2e_tau), 0)
+        l_c = tl.sum(l_c * tl.exp2((m_s - m_row) * _LOG2E), 0)
+        m_s = m_row
+        m_row = tl.max(m_t, 0)
+        l_t = tl.sum(l_t * tl.exp2((m_t - m_row) * log2e_tau), 0)
+        m_t = m_row
         # log2 q = (s − m_s)·log2(e)/τ − log2 l_s, log2 p likewise,
         # log2 softmax(s) = (s − m_s)·log2(e) − log2 l_c
         log2_l_s = tl.log2(l_s)
