@@ -42,7 +42,6 @@ taken as 0 where w is 0 (0·log 0 = 0, which also makes columns at −inf in bot
 
 from __future__ import annotations
 
-import functools
 import math
 import os
 
@@ -61,11 +60,8 @@ from ..losses import _EPS, LOSS_ID, LossSpec
 # Under TRITON_INTERPRET=1 every tile op is a numpy call on the CPU: small tiles keep the tests fast
 # and make their small V span several tiles with a ragged last one.
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
-BLOCK_V = 256 if _INTERPRET else 4096
-NUM_WARPS = 16
-# Programs resident per SM in the persistent grid (each walks rows pid, pid + G, ...); 0 launches one
-# program per row. Fewer rows in flight keep a row's tiles in L2 between its passes.
-PROGRAMS_PER_SM = 2
+BLOCK_V = 256 if _INTERPRET else 1024
+NUM_WARPS = 4
 # The hardware log2 (lg2.approx, abs. error ~2^-22 on [1, 2]) instead of libdevice's ~30-instruction
 # log2f; the interpreter has no inline PTX.
 _FAST_LOG2: tl.constexpr = tl.constexpr(not _INTERPRET)
@@ -115,11 +111,10 @@ def _log2_1p(x):
     rounding error of u, which (u − 1) − x gives exactly."""
     u = 1.0 + x
     if _FAST_LOG2:
-        log2_u = tl.inline_asm_elementwise("lg2.approx.f32 $0, $1;", "=r,r", [u], dtype=tl.float32,
-                                           is_pure=True, pack=1)
-    else:
-        log2_u = tl.log2(u)
-    return log2_u - ((u - 1.0) - x) / u * _LOG2E
+        # lg2.approx's own error (~2^-22 absolute) exceeds the correction below: one instruction
+        return tl.inline_asm_elementwise("lg2.approx.f32 $0, $1;", "=r,r", [u], dtype=tl.float32,
+                                         is_pure=True, pack=1)
+    return tl.log2(u) - ((u - 1.0) - x) / u * _LOG2E
 
 
 @triton.jit
@@ -166,7 +161,6 @@ def _rows_kernel(
     hard_ptr,  # (R,) fp32 out: untempered CE, 0 on ignored rows, NaN for a label outside [0, V)
     scale_ptr,  # () fp32 (or fp64): the reduction's factor, read on the device
     # sizes
-    R,
     V,
     ignore_index,
     # runtime floats: a new value never recompiles
@@ -188,20 +182,19 @@ def _rows_kernel(
     CE_IS_Q: tl.constexpr,  # τ = 1 and a softmax loss: softmax(s) is q, so the CE reuses q's statistics
     BLOCK_V: tl.constexpr,
 ):
-    cols = tl.arange(0, BLOCK_V)
-    n_tiles = tl.cdiv(V, BLOCK_V)
-    # Persistent grid: program pid takes rows pid, pid + G, ... Pass 2 walks the row backwards, so it
-    # starts on the tiles pass 1 read last (the likeliest to be in L2), and pass 3 forwards again.
-    for row in range(tl.program_id(0), R, tl.num_programs(0)):
-        _one_row(
-            s_ptr + tl.cast(row, tl.int64) * V,  # int64: R × V may exceed 2^31
-            t_ptr + tl.cast(row, tl.int64) * V,
-            labels_ptr + row,
-            soft_ptr + row,
-            hard_ptr + row,
-            scale_ptr, V, n_tiles, cols, ignore_index, log2e_tau, inv_tau, beta, log2_beta, log2_1mbeta,
-            w_hard, w_soft, LOSS, SOFT, CE, LABELS, GRAD_SOFT, GRAD_CE, GRAD_PASS, CE_IS_Q, BLOCK_V,
-        )
+    # One program per row. Pass 2 walks the row backwards, so it starts on the tiles pass 1 read last
+    # (the likeliest to be in L2), and pass 3 forwards again.
+    row = tl.program_id(0)
+    _one_row(
+        s_ptr + row.to(tl.int64) * V,  # int64: R × V may exceed 2^31
+        t_ptr + row.to(tl.int64) * V,
+        labels_ptr + row,
+        soft_ptr + row,
+        hard_ptr + row,
+        scale_ptr, V, tl.cdiv(V, BLOCK_V), tl.arange(0, BLOCK_V), ignore_index, log2e_tau, inv_tau, beta,
+        log2_beta, log2_1mbeta, w_hard, w_soft, LOSS, SOFT, CE, LABELS, GRAD_SOFT, GRAD_CE, GRAD_PASS,
+        CE_IS_Q, BLOCK_V,
+    )
 
 
 @triton.jit
@@ -455,14 +448,13 @@ def rows(s, t, labels, spec: LossSpec, scale: torch.Tensor, grad: bool):
     grad_pass = 0 if not grad else 3 if grad_soft and kind in _LATE_GRAD else 2
     jsd = use_soft and kind == "jsd"  # 0 < β < 1 here: the endpoints resolve to the KLs
     ce_is_q = use_ce and use_soft and kind != "cosine" and spec.temperature == 1.0
-    _rows_kernel[(_programs(R, s.device),)](
+    _rows_kernel[(R,)](
         s,
         t if use_soft else s,  # never read when not SOFT
         labels if labels is not None else s,  # never read when not LABELS
         soft,
         hard,
         scale,
-        R,
         V,
         spec.ignore_index,
         # float(): an int weight would be specialised (and recompiled) by value
@@ -485,17 +477,6 @@ def rows(s, t, labels, spec: LossSpec, scale: torch.Tensor, grad: bool):
         num_warps=NUM_WARPS,
     )
     return soft, hard
-
-
-def _programs(R: int, device: torch.device) -> int:
-    if _INTERPRET or PROGRAMS_PER_SM == 0:
-        return R
-    return min(R, PROGRAMS_PER_SM * _sm_count(device))
-
-
-@functools.lru_cache(maxsize=None)
-def _sm_count(device: torch.device) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def _describe(x) -> str:
