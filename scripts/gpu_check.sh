@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The whole GPU check in one command, on a CUDA machine from a checkout of this repository:
-#   bash scripts/gpu_check.sh [tests] [rows] [bench-seed] [bench-sweep] [bench-losses]   (default: all)
+#   bash scripts/gpu_check.sh [tests] [rows] [bench-seed] [bench-sweep] [bench-losses] [bench-softonly] [memory]
+# (default: all of them, about 10 minutes on an H200)
 # Logs and results go to $OUT (default ./gpu-out). Liger-Kernel is installed from .whl/ when present.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -10,7 +11,7 @@ if compgen -G ".whl/*.whl" >/dev/null; then
   python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/flashkd-site .whl/*.whl \
     && export PYTHONPATH="$PYTHONPATH:/tmp/flashkd-site"
 fi
-stages=${*:-tests rows bench-seed bench-sweep bench-losses}
+stages=${*:-tests rows bench-seed bench-sweep bench-losses bench-softonly memory}
 status=0
 nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm --format=csv | tee "$OUT/env.txt"
 python3 -c "import torch, triton; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'triton', triton.__version__)" | tee -a "$OUT/env.txt"
@@ -21,9 +22,13 @@ for stage in $stages; do
     tests) python3 -m pytest -q -m "gpu or not gpu" tests/test_gpu.py tests/test_triton_rows.py 2>&1 | tee "$OUT/tests.log" | tail -25 || status=1 ;;
     rows) python3 benchmarks/bench_rows.py 2>&1 | tee "$OUT/rows.log" || status=1 ;;
     bench-seed) python3 -m flashkd bench --preset seed --out "$OUT/seed" 2>&1 | tee "$OUT/bench-seed.log" || status=1 ;;
-    bench-sweep) python3 -m flashkd bench --preset sweep --out "$OUT/sweep" 2>&1 | tee "$OUT/bench-sweep.log" || status=1 ;;
-    bench-losses) python3 -m flashkd bench --preset seed --loss forward_kl reverse_kl tvd --out "$OUT/losses" 2>&1 \
-      | tee "$OUT/bench-losses.log" || status=1 ;;
+    bench-sweep) python3 -m flashkd bench --preset sweep --providers flashkd liger floor --modes full no-grad-forward \
+      --out "$OUT/sweep" 2>&1 | tee "$OUT/bench-sweep.log" || status=1 ;;
+    bench-losses) python3 -m flashkd bench --preset seed -n 8192 --loss forward_kl reverse_kl tvd --providers flashkd floor \
+      --modes full no-grad-forward --out "$OUT/losses" 2>&1 | tee "$OUT/bench-losses.log" || status=1 ;;
+    bench-softonly) python3 -m flashkd bench --preset seed -n 8192 --loss jsd --weight-hard 0 --weight-soft 1 \
+      --providers flashkd liger floor --modes full --out "$OUT/softonly" 2>&1 | tee "$OUT/bench-softonly.log" || status=1 ;;
+    memory) python3 benchmarks/bench_memory.py 2>&1 | tee "$OUT/memory.log" || status=1 ;;
     *) echo "unknown stage $stage"; status=2 ;;
   esac
 done

@@ -172,6 +172,7 @@ def _chunk_loop(xs, ws, bs, xt, wt, bt, y, plan: _Plan, want_dx, want_dw, want_d
             _accumulate_mm(dws, s.t(), xs[c])
         if want_db:
             dbs += s.sum(0, dtype=dbs.dtype)
+        del s  # before the next chunk's GEMM allocates, and before dWs is cast below
     soft_total = soft_sum * scale * (spec.temperature**2 if spec.temperature_squared else 1.0)
     hard_total = hard_sum * scale
     loss = spec.weight_hard * hard_total + spec.weight_soft * soft_total

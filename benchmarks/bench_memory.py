@@ -1,0 +1,47 @@
+"""Speed and extra memory of flashkd at the seed JSD workload for the memory knobs (chunk rows, dW accumulator).
+
+Extra memory = max_memory_allocated during one forward+backward minus what was allocated before it.
+Usage: python benchmarks/bench_memory.py
+"""
+
+import torch
+import triton
+
+import flashkd
+from flashkd.bench.workloads import PRESETS, make_inputs
+
+SETTINGS = [  # (chunk_size, grad_accum_dtype)
+    (None, None),
+    (1024, None),
+    (4096, None),
+    (1024, torch.bfloat16),
+    (512, torch.bfloat16),
+]
+
+
+def main():
+    w = PRESETS["seed"][0]
+    x = make_inputs(w, torch.device("cuda"))
+    print(f"JSD N={w.n} H={w.h} V={w.v} {w.dtype}")
+    print(f"{'chunk':>7}{'dW accum':>12}{'ms p50':>9}{'p20':>8}{'p80':>8}{'extra MiB':>11}")
+    for chunk, accum in SETTINGS:
+        def step():
+            loss = flashkd.fused_linear_distill(x.xs, x.ws, x.xt, x.wt, x.y, chunk_size=chunk,
+                                                grad_accum_dtype=accum)
+            loss.backward()
+
+        ms = triton.testing.do_bench(step, quantiles=[0.5, 0.2, 0.8], rep=500, grad_to_none=[x.xs, x.ws])
+        x.xs.grad = x.ws.grad = None
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        before = torch.cuda.memory_allocated()
+        step()
+        torch.cuda.synchronize()
+        extra = (torch.cuda.max_memory_allocated() - before) / 2**20
+        x.xs.grad = x.ws.grad = None
+        name = "fp32" if accum is None else str(accum).removeprefix("torch.")
+        print(f"{str(chunk or 'auto'):>7}{name:>12}{ms[0]:>9.2f}{ms[1]:>8.2f}{ms[2]:>8.2f}{extra:>11.0f}")
+
+
+if __name__ == "__main__":
+    main()
