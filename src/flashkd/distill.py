@@ -11,8 +11,9 @@
 
 Extra memory, bytes, beyond the inputs (E = element size of the inputs, R = rows per chunk):
     logits:  R·V·E·2 (S and T) + backend temporaries (torch: ≈ 6·R·V·4; triton: none)
-    grads:   N·Hs·E (dXs) + V·Hs·A (dWs accumulator, A = 4 for fp32) + V·Hs·E (dWs handed to autograd
-             when A ≠ E), + 4·V with a bias.
+    grads:   N·Hs·E (dXs) + V·Hs·A (dWs accumulator, A = 4 for fp32), saved for backward, which hands
+             autograd N·Hs·E + V·Hs·E (the grads scaled by grad_output, in the inputs' dtype); + 4·V with a bias.
+    peak:    max(logits + N·Hs·E + V·Hs·A,  2·N·Hs·E + V·Hs·(A + E))
 Nothing of size N × V is ever allocated.
 """
 
@@ -126,14 +127,19 @@ class _FusedDistill(torch.autograd.Function):
         want_dx, want_dw, want_db = ctx.needs_input_grad[:3]
         loss, soft, hard, dxs, dws, dbs = _chunk_loop(xs, ws, bs, xt, wt, bt, y, plan, want_dx, want_dw, want_db)
         ctx.save_for_backward(dxs, dws, dbs)
+        ctx.dtypes = (xs.dtype, ws.dtype, None if bs is None else bs.dtype)
         ctx.mark_non_differentiable(soft, hard)
         return loss, soft, hard
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad_loss, _grad_soft, _grad_hard):
-        # grad_loss is a 0-d device tensor: scaling by it needs no host sync, whatever its value.
-        grads = tuple(None if g is None else g * grad_loss.to(g.dtype) for g in ctx.saved_tensors)
+        # grad_loss is a 0-d device tensor: scaling by it needs no host sync, whatever its value. The
+        # fp32 accumulators are scaled and rounded to the input's dtype in the same pass.
+        grads = tuple(
+            None if g is None else torch.mul(g, grad_loss, out=torch.empty(g.shape, dtype=dtype, device=g.device))
+            for g, dtype in zip(ctx.saved_tensors, ctx.dtypes)
+        )
         return (*grads, None, None, None, None, None)
 
 
@@ -156,7 +162,8 @@ def _chunk_loop(xs, ws, bs, xt, wt, bt, y, plan: _Plan, want_dx, want_dw, want_d
     soft_sum = torch.zeros((), **f32)
     hard_sum = torch.zeros((), **f32)
     dxs = torch.empty_like(xs, memory_format=torch.contiguous_format) if want_dx else None
-    dws = torch.zeros(ws.shape, device=device, dtype=plan.grad_accum_dtype) if want_dw else None
+    # Filled by the first chunk's GEMM (beta = 0); zeros only when there are no rows at all.
+    dws = (torch.empty if n else torch.zeros)(ws.shape, device=device, dtype=plan.grad_accum_dtype) if want_dw else None
     dbs = torch.zeros(v, **f32) if want_db else None
     for start in range(0, n, plan.chunk):
         c = slice(start, min(start + plan.chunk, n))
@@ -169,17 +176,13 @@ def _chunk_loop(xs, ws, bs, xt, wt, bt, y, plan: _Plan, want_dx, want_dw, want_d
         if want_dx:
             torch.mm(s, ws, out=dxs[c])
         if want_dw:
-            _accumulate_mm(dws, s.t(), xs[c])
+            _accumulate_mm(dws, s.t(), xs[c], beta=0.0 if start == 0 else 1.0)
         if want_db:
             dbs += s.sum(0, dtype=dbs.dtype)
         del s  # before the next chunk's GEMM allocates, and before dWs is cast below
     soft_total = soft_sum * scale * (spec.temperature**2 if spec.temperature_squared else 1.0)
     hard_total = hard_sum * scale
     loss = spec.weight_hard * hard_total + spec.weight_soft * soft_total
-    if dws is not None:
-        dws = dws.to(ws.dtype)
-    if dbs is not None:
-        dbs = dbs.to(bs.dtype)
     return loss, soft_total, hard_total, dxs, dws, dbs
 
 
@@ -187,14 +190,15 @@ def _linear(x, w, b):
     return x @ w.t() if b is None else torch.addmm(b, x, w.t())
 
 
-def _accumulate_mm(acc, a, b):
-    """acc += a @ b, with the product accumulated in acc's dtype (fp32 for bf16 operands on CUDA)."""
+def _accumulate_mm(acc, a, b, beta):
+    """acc = beta · acc + a @ b, accumulated in acc's dtype (fp32 for bf16 operands on CUDA).
+    beta = 0 on the first chunk: acc is then never read, so it needs no zero-fill."""
     if a.dtype == acc.dtype:
-        acc.addmm_(a, b)
+        acc.addmm_(a, b, beta=beta)
     elif acc.is_cuda:
-        torch.addmm(acc, a, b, out_dtype=acc.dtype, out=acc)
+        torch.addmm(acc, a, b, beta=beta, out_dtype=acc.dtype, out=acc)
     else:
-        acc.addmm_(a.to(acc.dtype), b.to(acc.dtype))
+        acc.addmm_(a.to(acc.dtype), b.to(acc.dtype), beta=beta)
 
 
 def _pick_backend(backend, x):
