@@ -11,7 +11,8 @@
 
 Extra memory, bytes, beyond the inputs (E = element size of the inputs, R = rows per chunk):
     logits:  R·V·E·2 (S and T) + backend temporaries (torch: ≈ 6·R·V·4; triton: none)
-    grads:   N·Hs·E (dXs) + V·Hs·A (dWs accumulator, A = 4 for fp32), rounded to V·Hs·E after the
+    grads:   N·Hs·E (dXs) + V·Hs·A (dWs accumulator, A = 4 for fp32; A = E when
+             all rows fit one chunk), rounded to V·Hs·E after the
              loop; backward hands autograd new N·Hs·E + V·Hs·E (the grads times grad_output).
     peak:    max(logits + N·Hs·E + V·Hs·A,  N·Hs·E + V·Hs·(A + E),  2·N·Hs·E + 2·V·Hs·E)
 Without a host sync backward cannot know grad_output is 1, so it returns new tensors: 2·V·Hs·E is the
@@ -159,8 +160,10 @@ def _chunk_loop(xs, ws, bs, xt, wt, bt, y, plan: _Plan, want_dx, want_dw, want_d
     soft_sum = torch.zeros((), **f32)
     hard_sum = torch.zeros((), **f32)
     dxs = torch.empty_like(xs, memory_format=torch.contiguous_format) if want_dx else None
-    # Filled by the first chunk's GEMM (beta = 0); zeros only when there are no rows at all.
-    dws = (torch.empty if n else torch.zeros)(ws.shape, device=device, dtype=plan.grad_accum_dtype) if want_dw else None
+    # Filled by the first chunk's GEMM (beta = 0); zeros only when there are no rows at all. With one
+    # chunk there is nothing to accumulate: the GEMM accumulates in fp32 and rounds once either way.
+    accum = plan.grad_accum_dtype if n > plan.chunk else ws.dtype
+    dws = (torch.empty if n else torch.zeros)(ws.shape, device=device, dtype=accum) if want_dw else None
     dbs = torch.zeros(v, **f32) if want_db else None
     for start in range(0, n, plan.chunk):
         c = slice(start, min(start + plan.chunk, n))
