@@ -6,10 +6,12 @@ formulas are the table in `flashkd.losses`; this kernel writes the analytic grad
 
 One program owns one row of s, t: (R, V) and walks it in BLOCK_V tiles:
 
-    pass 1  read s (, t)    online max / sum-exp of s/τ and t/τ           -> (m_s, l_s), (m_t, l_t)
+    pass 1  read s (, t)    online max / sum-exp of s/τ and t/τ, per lane -> (m_s, l_s), (m_t, l_t)
                             ... of s at τ = 1 when the CE is computed     -> (m_s, l_c)
                             Σ s², Σ t², Σ s·t for cosine                  -> ‖s‖, ‖t‖, cos
-    pass 2  read s (, t)    per-element loss terms -> soft, and the row scalars the gradient needs
+            (merged across lanes once, after the loop: no barrier inside it)
+    pass 2  read s (, t)    backwards over the row (the tiles pass 1 read last are likeliest in L2):
+                            per-element loss terms -> soft, and the row scalars the gradient needs
                             (KL(q‖p); K = Σ q log(q/M); for tvd the masses of q below, above and at
                             p, which give σ − Σ q σ with no cancellation); dL/ds written over s here
                             for forward_kl, cosine and CE-only
@@ -26,9 +28,14 @@ Bytes moved per element, b = bytes of the input dtype (2 for bf16), grad / no gr
 The CE adds no traffic to a soft loss: it rides on the reads of s. Transcendentals per element (exp2
 unless named; one more exp2 in the pass that writes dL/ds when the CE gradient is in it):
 
-    pass 1   1 per softmax: 2 for a soft loss, +1 with the CE; cosine 0
+    pass 1   1 per softmax: 2 for a soft loss, +1 with the CE unless τ = 1 (then softmax(s) is q); cosine 0
     pass 2   forward_kl 2, reverse_kl 1, jsd 3 + log2, tvd 2, cosine 0
     pass 3   reverse_kl 1, jsd 2 + log2, tvd 1
+    (log2 is the hardware lg2.approx on GPU)
+
+Measured on an H200 (benchmarks/bench_rows.py, 8192 × 128256 bf16, BENCHMARKS.md): JSD with CE and grad
+4.0–4.1 ms, forward KL 2.6 ms; first version (4096 × 16 tiles, a block-wide reduction per tile in pass 1)
+7.6 and 4.3 ms.
 
 Numerics: every load is widened to fp32 and all math is fp32 whatever the input dtype (fp64 inputs
 included: they are computed in fp32, the losses come back in fp32 and dL/ds is rounded to fp64);
@@ -51,12 +58,11 @@ import triton.language as tl
 
 from ..losses import _EPS, LOSS_ID, LossSpec
 
-# Compiled tiles, for V ≈ 128k bf16 rows on H100 / H200: 4096 columns over 16 warps is 8 elements
-# per thread per tensor, one 16-byte load of bf16, and every loss then compiles to at most 64 registers
-# per thread on sm_90 (JSD spilling 8 bytes; 16 elements per thread over 8 warps take up to 128), so
-# two 512-thread programs share an SM and keep enough loads in flight to stream the rows. 4096 also
-# keeps the per-tile reductions of pass 1 (a max and a sum per softmax) rare: 32 tiles for V = 128256.
-# Loads are 16 bytes wide when V is a multiple of 16 (rows then start aligned), element-wise otherwise.
+# Compiled tiles, measured on an H200 at V = 128256 bf16 (BENCHMARKS.md): 512 columns over 4 warps
+# (4 elements per thread per tensor, ~72 registers) lets ~6 small programs share an SM, which keeps
+# more loads in flight than one 16-warp program with 4096-column tiles (JSD 4.0 vs 6.9 ms, same
+# kernel). A persistent grid bounding the rows in flight, for L2 reuse between passes, was slower at
+# every size tried. Loads are 16 bytes wide only when V is a multiple of 16 (rows then start aligned).
 # Under TRITON_INTERPRET=1 every tile op is a numpy call on the CPU: small tiles keep the tests fast
 # and make their small V span several tiles with a ragged last one.
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
