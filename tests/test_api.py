@@ -79,6 +79,14 @@ def test_all_rows_ignored(backend):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
+def test_empty_batch(backend):
+    xs, ws, xt, wt, y = inputs(n=0)
+    loss = flashkd.fused_linear_distill(xs, ws, xt, wt, y, backend=backend)
+    loss.backward()
+    assert loss.item() == 0.0 and xs.grad.shape == (0, 4) and ws.grad.abs().max() == 0
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("loss", flashkd.LOSSES)
 def test_single_row(backend, loss):
     xs, ws, xt, wt, y = inputs(n=1)

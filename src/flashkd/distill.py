@@ -11,12 +11,12 @@
 
 Extra memory, bytes, beyond the inputs (E = element size of the inputs, R = rows per chunk):
     logits:  R·V·E·2 (S and T) + backend temporaries (torch: ≈ 6·R·V·4; triton: none)
-    grads:   N·Hs·E (dXs) + V·Hs·A (dWs accumulator, A = 4 for fp32; A = E when
-             all rows fit one chunk), rounded to V·Hs·E after the
-             loop; backward hands autograd new N·Hs·E + V·Hs·E (the grads times grad_output).
+    grads:   N·Hs·E (dXs) + V·Hs·A (dWs accumulator: A = 4 for fp32, A = E when all rows fit one
+             chunk), rounded to V·Hs·E after the loop; backward hands autograd new N·Hs·E + V·Hs·E
+             (the grads times grad_output)
     peak:    max(logits + N·Hs·E + V·Hs·A,  N·Hs·E + V·Hs·(A + E),  2·N·Hs·E + 2·V·Hs·E)
-Without a host sync backward cannot know grad_output is 1, so it returns new tensors: 2·V·Hs·E is the
-floor of this design (1 GiB for V = 128256, Hs = 2048, bf16).
+Without a host sync backward cannot know that grad_output is 1, so it returns new tensors: 2·V·Hs·E is
+the floor of this design (1 GiB for V = 128256, Hs = 2048, bf16).
 Nothing of size N × V is ever allocated.
 """
 
