@@ -60,6 +60,9 @@ def main(argv: list[str] | None = None) -> int:
                                        formatter_class=argparse.RawDescriptionHelpFormatter)
     add_bench_arguments(bench_parser)
     bench_parser.set_defaults(run=bench)
+    from ..records import add_records_parser
+
+    add_records_parser(commands)
     args = parser.parse_args(argv)
     return args.run(args)
 
@@ -170,7 +173,14 @@ def bench(args: argparse.Namespace) -> int:
     except ImportError:
         plots = []
         _say(console, "plots: skipped, matplotlib is not installed (pip install matplotlib)")
-    _say(console, f"wrote {p.out / 'results.csv'}, {p.out / 'errors.csv'}, run.json and {len(plots)} plots")
+    from ..records import bundles_from_results, write_bundles
+    from ..records.emit import harness_commit
+
+    bundles = bundles_from_results(results, env, device=p.settings.device, commit=harness_commit(),
+                                   logs=p.out / "results.csv")
+    records = write_bundles(bundles, p.out / "records")
+    _say(console, f"wrote {p.out / 'results.csv'}, {p.out / 'errors.csv'}, run.json, {len(plots)} plots and "
+                  f"{len(records)} KernelIndex records in {p.out / 'records'}")
     bad = [r for r in results if r.check.status in ("FAILED", "error")]
     return 1 if bad else 0
 

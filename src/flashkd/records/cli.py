@@ -1,0 +1,146 @@
+"""`flashkd records ...`: import-liger, verify, compare. Each returns the exit status."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from . import liger
+from .identity import comparison_key, primary
+from .verify import bundle_paths, check_bundle, load, verify_paths
+
+USAGE = """\
+KernelIndex (kernelindex.dev/v1alpha1) benchmark records. A bundle is one JSON file with the keys
+operation, workload, implementation, protocol, environment, run, each {"digest", "manifest"}.
+
+commands:
+  import-liger CSV --out DIR   Liger-Kernel benchmark rows -> one bundle per imported row
+  verify PATH...               recompute digests, check references and schemas; exit 1 on any problem
+  compare PATH...              runs grouped by comparison key, ranked by primary statistic (lower first)
+PATH is a bundle file or a folder of them.
+"""
+
+
+def add_records_parser(commands) -> argparse.ArgumentParser:
+    """Adds `records` to an argparse subparsers object; each command sets args.run(args) -> int."""
+    p = commands.add_parser("records", help="KernelIndex benchmark records: import, verify, compare",
+                            description=USAGE, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = p.add_subparsers(dest="records_command", required=True, metavar="command")
+    q = sub.add_parser("import-liger", help="Liger-Kernel benchmark CSV -> bundles")
+    q.add_argument("csv", type=Path, help="a CSV in Liger-Kernel's 15-column benchmark schema")
+    q.add_argument("--out", type=Path, required=True, help="folder for the bundle files")
+    q.add_argument("--liger-commit", default=liger.LIGER_COMMIT,
+                   help="Liger-Kernel commit the operations' sourceRefs cite (metadata only)")
+    q.set_defaults(run=import_liger)
+    q = sub.add_parser("verify", help="check bundles: digests, references, schemas")
+    q.add_argument("paths", nargs="+", type=Path, metavar="PATH")
+    q.set_defaults(run=verify)
+    q = sub.add_parser("compare", help="rank runs within each comparison group")
+    q.add_argument("paths", nargs="+", type=Path, metavar="PATH")
+    q.set_defaults(run=compare)
+    return p
+
+
+def write_bundle(bundle: dict, folder: Path, name: str | None = None) -> Path:
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / (name or liger.bundle_filename(bundle))
+    path.write_text(json.dumps(bundle, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
+    return path
+
+
+def write_bundles(bundles: list[dict], folder: Path) -> list[Path]:
+    return [write_bundle(b, Path(folder)) for b in bundles]
+
+
+def import_liger(args: argparse.Namespace) -> int:
+    try:
+        rows = liger.read_rows(args.csv.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as e:
+        print(f"flashkd records import-liger: {args.csv}: {e}", file=sys.stderr)
+        return 2
+    written = skipped = 0
+    for line, bundle, reason in liger.import_rows(rows, args.liger_commit):
+        if bundle is None:
+            print(f"{args.csv}:{line}: skipped: {reason}")
+            skipped += 1
+            continue
+        write_bundle(bundle, args.out)
+        written += 1
+    print(f"{written} bundle(s) written to {args.out}, {skipped} row(s) skipped")
+    return 0
+
+
+def verify(args: argparse.Namespace) -> int:
+    count, problems = verify_paths(args.paths)
+    for line in problems:
+        print(line)
+    if count == 0:
+        print("flashkd records verify: no bundle files found", file=sys.stderr)
+        return 2
+    print(f"{count} bundle(s) checked, {len(problems)} problem(s)")
+    return 1 if problems else 0
+
+
+def groups(bundles: list[tuple[Path, dict]]) -> dict[str, list[tuple[Path, dict]]]:
+    """Bundles by the comparison key of their run (each run once)."""
+    out: dict[str, list] = {}
+    seen = set()
+    for path, b in bundles:
+        if b["run"]["digest"] in seen:
+            continue
+        seen.add(b["run"]["digest"])
+        key = comparison_key(b["run"]["manifest"], b["workload"]["manifest"], b["protocol"]["manifest"],
+                             b["environment"]["manifest"])
+        out.setdefault(key, []).append((path, b))
+    return out
+
+
+def ranked(members: list[tuple[Path, dict]]) -> list[tuple[Path, dict, float | None]]:
+    """Passed runs with a primary value, lowest first, then the rest (value None)."""
+    scored = []
+    for path, b in members:
+        found = primary(b["run"]["manifest"])
+        ok = b["run"]["manifest"]["spec"]["status"] == "passed" and found is not None
+        scored.append((path, b, found[1] if ok else None))
+    return sorted(scored, key=lambda t: (t[2] is None, t[2] if t[2] is not None else 0.0))
+
+
+def compare(args: argparse.Namespace) -> int:
+    bundles = []
+    for path in bundle_paths(args.paths):
+        try:
+            bundle = load(path)
+        except (OSError, ValueError) as e:
+            print(f"flashkd records compare: {path}: {e}", file=sys.stderr)
+            return 2
+        problems = check_bundle(bundle)
+        if problems:
+            print(f"flashkd records compare: {path}: {problems[0]} (run `flashkd records verify`)", file=sys.stderr)
+            return 1
+        bundles.append((path, bundle))
+    if not bundles:
+        print("flashkd records compare: no bundle files found", file=sys.stderr)
+        return 2
+    for key, members in groups(bundles).items():
+        b = members[0][1]
+        meta = lambda name: b[name]["manifest"]["metadata"]  # noqa: E731
+        metric = (primary(b["run"]["manifest"]) or ("none",))[0]
+        print(f"\n{meta('workload').get('title', meta('workload')['name'])}")
+        print(f"  protocol {meta('protocol')['name']} · environment {meta('environment')['name']} · {metric}")
+        print(f"  comparison key {key}")
+        rows = ranked(members)
+        best = next((v for _, _, v in rows if v is not None), None)
+        unit = metric.rsplit(":", 1)[-1]
+        for i, (path, m, value) in enumerate(rows, start=1):
+            impl = m["implementation"]["manifest"]["metadata"]
+            name = impl.get("title", impl["name"])
+            if value is None:
+                status = m["run"]["manifest"]["spec"]["status"]
+                print(f"  {'-':>3}  {name:<48} {'':>14} {'':>8}  {status}  {path.name}")
+                continue
+            shown = f"{value / 1e6:.4f} ms" if unit == "ns" else f"{value:g} {unit}"
+            ratio = f"x{value / best:.2f}" if best else ""
+            print(f"  {i:>3}  {name:<48} {shown:>14} {ratio:>8}  {path.name}")
+    return 0

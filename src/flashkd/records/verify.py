@@ -1,0 +1,153 @@
+"""Checks a bundle: each manifest against KernelIndex's JSON Schema (and the rules the schema cannot
+state), each stated digest against the recomputed one, and the references between the six objects:
+
+    run.spec.{implementation,workload,protocol,environment}Digest  = those objects' digests
+    workload.spec.operationSpecDigest                                = the operation's digest
+    implementation.spec.operation.specDigest                         = the operation's digest
+"""
+
+from __future__ import annotations
+
+import json
+from functools import cache
+from importlib import resources
+from pathlib import Path
+from urllib.parse import urlparse
+
+from .identity import API_VERSION, canonical_identity, sha256_digest
+
+# Bundle key -> (kind, schema file).
+OBJECTS = {
+    "operation": ("OperationSpec", "operation-spec"),
+    "workload": ("WorkloadCase", "workload-case"),
+    "implementation": ("ImplementationRevision", "implementation-revision"),
+    "protocol": ("BenchmarkProtocol", "benchmark-protocol"),
+    "environment": ("ExecutionEnvironment", "execution-environment"),
+    "run": ("BenchmarkRun", "benchmark-run"),
+}
+
+
+@cache
+def _validator(name: str):
+    import jsonschema
+
+    text = resources.files(__package__).joinpath(f"schemas/{name}.v1alpha1.schema.json").read_text("utf-8")
+    schema = json.loads(text)
+    return jsonschema.Draft202012Validator(schema)
+
+
+def schema_errors(manifest: dict, schema: str) -> list[str]:
+    """Where the manifest breaks the kind's JSON Schema or the rules the schema cannot state."""
+    errors = [f"{'/'.join(map(str, e.absolute_path)) or '(top)'}: {e.message}"
+              for e in sorted(_validator(schema).iter_errors(manifest), key=lambda e: list(map(str, e.path)))]
+    if errors:
+        return errors
+    spec, kind = manifest["spec"], manifest["kind"]
+    for ref in manifest["metadata"].get("sourceRefs", []):
+        if urlparse(ref["url"]).scheme != "https":
+            errors.append(f"metadata/sourceRefs: expected an https URL, got {ref['url']!r}")
+    if kind == "OperationSpec":
+        for name, axis in spec["axes"].items():
+            if axis["role"] == "constant" and "value" not in axis:
+                errors.append(f"spec/axes/{name}: a constant axis requires a value")
+            if axis["role"] == "derived" and "expression" not in axis:
+                errors.append(f"spec/axes/{name}: a derived axis requires an expression")
+        for side in ("inputs", "outputs"):
+            for i, argument in enumerate(spec[side]):
+                if ("tensor" in argument) == ("scalar" in argument):
+                    errors.append(f"spec/{side}/{i}: an argument is exactly one of tensor or scalar")
+    if kind == "BenchmarkRun" and "timing" in spec:
+        latency = spec["timing"]["latencyNs"]
+        if "median" not in latency and "mean" not in latency:
+            errors.append("spec/timing/latencyNs: requires median or mean")
+    for part in ("harness", "projectRevision"):
+        url = spec.get(part, {}).get("repository")
+        if url is not None and urlparse(url).scheme != "https":
+            errors.append(f"spec/{part}/repository: expected an https URL, got {url!r}")
+    return errors
+
+
+def check_bundle(bundle) -> list[str]:
+    """Every problem with one bundle, each a line; [] when it is sound."""
+    if not isinstance(bundle, dict):
+        return ["not a JSON object"]
+    problems = []
+    missing = [k for k in OBJECTS if k not in bundle]
+    extra = [k for k in bundle if k not in OBJECTS]
+    if missing or extra:
+        return [f"expected keys {', '.join(OBJECTS)}; missing: {', '.join(missing) or '-'}; "
+                f"unexpected: {', '.join(extra) or '-'}"]
+    computed = {}
+    for key, (kind, schema) in OBJECTS.items():
+        entry = bundle[key]
+        if not isinstance(entry, dict) or set(entry) - {"digest", "manifest", "canonical"} or \
+                not {"digest", "manifest"} <= set(entry):
+            problems.append(f"{key}: expected {{digest, manifest}}")
+            continue
+        manifest = entry["manifest"]
+        if not isinstance(manifest, dict) or manifest.get("kind") != kind or manifest.get("apiVersion") != API_VERSION:
+            problems.append(f"{key}: expected a {API_VERSION} {kind} manifest, got kind "
+                            f"{manifest.get('kind') if isinstance(manifest, dict) else type(manifest).__name__!r}")
+            continue
+        errors = schema_errors(manifest, schema)
+        problems += [f"{key} ({kind}) schema: {e}" for e in errors]
+        if errors:
+            continue
+        try:
+            canonical = canonical_identity(manifest)
+        except (ValueError, TypeError) as e:
+            problems.append(f"{key} ({kind}): cannot canonicalise: {e}")
+            continue
+        computed[key] = sha256_digest(canonical)
+        if entry["digest"] != computed[key]:
+            problems.append(f"{key} ({kind}) digest: stated {entry['digest']}, computed {computed[key]}")
+        if "canonical" in entry and entry["canonical"] != canonical:
+            problems.append(f"{key} ({kind}): the stated canonical JSON is not the manifest's")
+    refs = (
+        ("run", ("implementationDigest",), "implementation"),
+        ("run", ("workloadDigest",), "workload"),
+        ("run", ("protocolDigest",), "protocol"),
+        ("run", ("environmentDigest",), "environment"),
+        ("workload", ("operationSpecDigest",), "operation"),
+        ("implementation", ("operation", "specDigest"), "operation"),
+    )
+    for holder, path, target in refs:
+        if holder not in computed or target not in computed:
+            continue
+        value = bundle[holder]["manifest"]["spec"]
+        for step in path:
+            value = value[step]
+        if value != computed[target]:
+            problems.append(f"{holder}.spec.{'.'.join(path)}: {value} is not the {target}'s digest {computed[target]}")
+    return problems
+
+
+def bundle_paths(paths) -> list[Path]:
+    """The JSON files named, a folder standing for every *.json under it."""
+    out = []
+    for p in map(Path, paths):
+        out += sorted(p.rglob("*.json")) if p.is_dir() else [p]
+    return out
+
+
+def load(path: Path):
+    return json.loads(Path(path).read_text("utf-8"), parse_constant=_reject)
+
+
+def _reject(constant):
+    raise ValueError(f"{constant} is not JSON")
+
+
+def verify_paths(paths) -> tuple[int, list[str]]:
+    """(bundles checked, problem lines prefixed by their file)."""
+    files = bundle_paths(paths)
+    problems = []
+    for path in files:
+        try:
+            bundle = load(path)
+        except (OSError, ValueError) as e:
+            problems.append(f"{path}: cannot read: {e}")
+            continue
+        problems += [f"{path}: {p}" for p in check_bundle(bundle)]
+    return len(files), problems
+
