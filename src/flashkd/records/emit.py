@@ -193,6 +193,17 @@ def _cpu_vendor() -> str | None:
     return None
 
 
+def _nvidia_driver() -> str | None:
+    """The NVIDIA driver version (e.g. "580.159.04"), from nvidia-smi; None where there is none."""
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                             capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    lines = out.stdout.split()
+    return lines[0] if out.returncode == 0 and lines else None
+
+
 def environment(env: dict, device: torch.device | None = None) -> dict:
     cuda = env["device"] == "cuda"
     if cuda:
@@ -209,6 +220,8 @@ def environment(env: dict, device: torch.device | None = None) -> dict:
         hardware = {"vendor": _cpu_vendor() or "unknown", "product": env["gpu_name"].removeprefix("CPU "),
                     "architecture": machine if machine[0].isalpha() else f"arch_{machine}"}
     software = {"operatingSystem": platform.system(), "kernel": platform.release()}
+    if cuda and (driver := _nvidia_driver()) is not None:
+        software["driver"] = driver
     if cuda and torch.version.cuda:
         software["cudaToolkit"] = torch.version.cuda
     software["framework"] = {"name": "pytorch", "version": torch.__version__}
