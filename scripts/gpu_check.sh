@@ -15,7 +15,7 @@ stages=${*:-tests rows bench-seed bench-sweep bench-losses bench-softonly memory
 status=0
 nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm --format=csv | tee "$OUT/env.txt"
 python3 -c "import torch, triton; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'triton', triton.__version__)" | tee -a "$OUT/env.txt"
-echo "commit ${FLASHKD_COMMIT:-$(git rev-parse HEAD 2>/dev/null || echo unknown)}" | tee -a "$OUT/env.txt"  # the device copy has no .git: pass FLASHKD_COMMIT
+echo "commit ${FLASHKD_COMMIT:-$(git rev-parse HEAD 2>/dev/null || echo unknown)}" | tee -a "$OUT/env.txt"  # the device copy has no .git: pass the full FLASHKD_COMMIT (records use it too)
 for stage in $stages; do
   echo "=== $stage"
   case $stage in
