@@ -51,6 +51,7 @@ def test_same_values_and_grads(seed, liger_cls, ours_cls, loss, options):
 def test_padded_teacher_vocab_differs_from_liger_by_design(seed):
     """Liger gives the teacher's extra ids a student logit of 0; flashkd drops those ids."""
     xs, ws, xt, wt, y = inputs(vt=45)
+    wt[37:] *= 4  # the padded ids get real teacher mass, so the two policies must differ visibly
     theirs = chunked.LigerFusedLinearJSDLoss(compiled=False)(xs, ws, xt, wt, y)
     ours = flashkd.FusedLinearJSDLoss()(xs, ws, xt, wt, y)
     truth, _, hard = distill_loss(xs.detach(), ws.detach(), xt, wt, y)
@@ -59,4 +60,4 @@ def test_padded_teacher_vocab_differs_from_liger_by_design(seed):
     liger_formula = 0.5 * hard + 0.5 * padded_soft
     assert abs(ours.item() - truth.item()) <= 1e-5 * abs(truth.item())
     assert abs(theirs.item() - liger_formula.item()) <= 1e-5 * abs(truth.item())
-    assert abs(truth.item() - liger_formula.item()) > 1e-4 * abs(truth.item())
+    assert abs(truth.item() - liger_formula.item()) > 1e-3 * abs(truth.item())
