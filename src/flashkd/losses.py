@@ -104,7 +104,7 @@ def row_losses(s: torch.Tensor, t: torch.Tensor, labels: torch.Tensor | None, sp
     elif spec.kind == "cosine":
         t = t.to(work)
         dot = (s * t).sum(-1)
-        norm = s.norm(dim=-1).clamp_min(_EPS) * t.norm(dim=-1).clamp_min(_EPS)
+        norm = s.norm(dim=-1).clamp_min(COSINE_EPS) * t.norm(dim=-1).clamp_min(COSINE_EPS)
         soft = spec.beta * (1.0 - dot / norm)
     else:
         log_q = torch.log_softmax(s / spec.temperature, dim=-1)
@@ -123,7 +123,7 @@ def row_losses(s: torch.Tensor, t: torch.Tensor, labels: torch.Tensor | None, sp
 
 
 # Guards the cosine norms of all-zero rows; the loss of such a row is β (cos taken as 0).
-_EPS = 1e-12
+COSINE_EPS = 1e-12
 
 
 def _divergence(log_q: torch.Tensor, log_p: torch.Tensor, spec: LossSpec) -> torch.Tensor:

@@ -56,7 +56,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..losses import _EPS, LOSS_ID, LossSpec
+from ..losses import COSINE_EPS, LOSS_ID, LossSpec
 
 # Compiled tiles, measured on an H200 at V = 128256 bf16 (BENCHMARKS.md): 512 columns over 4 warps
 # (4 elements per thread per tensor, ~72 registers) lets ~6 small programs share an SM, which keeps
@@ -84,7 +84,7 @@ _TVD: tl.constexpr = tl.constexpr(LOSS_ID["tvd"])
 _COSINE: tl.constexpr = tl.constexpr(LOSS_ID["cosine"])
 _LOG2E: tl.constexpr = tl.constexpr(math.log2(math.e))
 _LN2: tl.constexpr = tl.constexpr(math.log(2.0))
-_NORM_EPS: tl.constexpr = tl.constexpr(_EPS)
+_NORM_EPS: tl.constexpr = tl.constexpr(COSINE_EPS)
 # Start of the running max: finite, so that a tile whose logits are all −inf (masked columns first in
 # the row) gives 2^(−inf − m) = 0 instead of 2^(−inf + inf) = NaN.
 _M_START: tl.constexpr = tl.constexpr(-3.0e38)
