@@ -87,7 +87,7 @@ def _torch(s, t, labels, spec, scale, grad):
     return out
 
 
-def _assert_matches(got, refs, dtype, term=0.0):
+def _assert_matches(got, refs, dtype, term=0.0, log_terms=None):
     """The kernel's (soft, hard, dL/ds) against the torch backend's.
 
     Each must lie within rtol·|truth| + atol of the fp64 truth, and within that plus the torch
@@ -96,6 +96,10 @@ def _assert_matches(got, refs, dtype, term=0.0):
     and TVD gradients through a cancellation). rtol is 1e-5, and for dL/ds in bf16 / fp16 the dtype's
     eps: one rounding at the store. term: the size of the terms that dL/ds sums where they cancel far
     below it (cosine at V = 1, exactly); dL/ds is then good to a few fp32 roundings of term.
+    log_terms: per element, the size of what a softmax divergence's dL/ds subtracts, q·(|log q| + |log p| + 1)
+    times its factors (see `_log_terms`): log(q/M) − K and its kin are differences of logs of size |log q|,
+    so any fp32 evaluation of element j is good to a few fp32 roundings of log_terms[j], and two correct
+    ones differ by that much where the difference cancels (seen: 3–5× the torch backend's error there).
     """
     assert got[0].dtype == got[1].dtype == torch.float32
     assert got[2].dtype == refs[0][2].dtype == dtype
@@ -112,8 +116,14 @@ def _assert_matches(got, refs, dtype, term=0.0):
         def msg(m, name=name):
             return f"{name}: {m}"
 
-        torch.testing.assert_close(x.double(), truth, rtol=rtol, atol=atol, equal_nan=True, msg=msg)
-        torch.testing.assert_close(x.double(), ref.double(), rtol=rtol, atol=atol + err_torch, equal_nan=True, msg=msg)
+        if name == "dL/ds" and log_terms is not None:
+            atol = atol + 8 * F32_EPS * log_terms  # per element
+        for want, slack in ((truth, 0.0), (ref.double(), err_torch)):
+            bound = rtol * want.abs() + atol + slack
+            diff = (x.double() - want).abs()
+            bad = ~((diff <= bound) | (x.isnan() & want.isnan()))
+            assert not bad.any(), msg(f"{int(bad.sum())} element(s) off; worst excess "
+                                      f"{(diff - bound).nan_to_num(posinf=1e30).max().item():.3g}")
 
 
 def _cosine_term(s, spec, scale):
@@ -124,10 +134,21 @@ def _cosine_term(s, spec, scale):
     return scale.item() * spec.soft_scale * spec.beta / norm
 
 
+def _log_terms(s, t, spec, scale):
+    """Per element, scale · soft_scale / τ · q (|log q| + |log p| + 1) for a softmax divergence, else None."""
+    if not spec.want_soft or spec.kind == "cosine":
+        return None
+    log_q = torch.log_softmax(s.double() / spec.temperature, -1)
+    log_p = torch.log_softmax(t.double() / spec.temperature, -1)
+    factor = scale.double().abs() * abs(spec.soft_scale) / spec.temperature
+    return factor * log_q.exp() * (log_q.abs() + log_p.abs() + 1.0)
+
+
 def _check(s, t, labels, spec, scale, grad):
     """Runs both backends on the same inputs, asserts they match, returns the kernel's outputs."""
     got = _kernel(s, t, labels, spec, scale, grad)
-    _assert_matches(got, _torch(s, t, labels, spec, scale, grad), s.dtype, _cosine_term(s, spec, scale))
+    _assert_matches(got, _torch(s, t, labels, spec, scale, grad), s.dtype, _cosine_term(s, spec, scale),
+                    _log_terms(s, t, spec, scale))
     return got
 
 
