@@ -27,13 +27,9 @@ from pathlib import Path
 import torch
 
 import flashkd
+from ..records.liger import COLUMNS  # Liger-Kernel's 15-column CSV schema, which the importer reads
 from .measure import Result, Settings
 
-COLUMNS = (
-    "kernel_name", "kernel_provider", "kernel_operation_mode", "metric_name", "metric_unit", "x_name", "x_label",
-    "x_value", "y_value_50", "y_value_20", "y_value_80", "extra_benchmark_config_str", "gpu_name", "timestamp",
-    "liger_version",
-)
 ERROR_COLUMNS = (
     "kernel_name", "kernel_provider", "x_name", "x_value", "H", "V", "dtype", "status", "loss_rel_err",
     "dx_rel_err", "dw_rel_err", "loss_tol", "grad_tol", "provider_version", "note",

@@ -173,7 +173,12 @@ KERNELS = {k.csv_name: k for k in (
 
 
 def kebab(text: str) -> str:
-    return re.sub(r"^-+|-+$", "", re.sub(r"[^a-z0-9]+", "-", text.lower()))[:100]
+    """A manifest name: lower-case words joined by '-', at most 100 characters."""
+    return _slug(text)[:100]
+
+
+def _slug(text: str) -> str:
+    return re.sub(r"^-+|-+$", "", re.sub(r"[^a-z0-9]+", "-", text.lower()))
 
 
 def utc_instant(timestamp: str) -> str:
@@ -436,4 +441,4 @@ def bundle_filename(bundle: dict) -> str:
     native = run["manifest"]["spec"].get("sourceNative")
     stem = native["externalId"] if native and "externalId" in native else \
         f"{run['manifest']['metadata']['name']}-{run['digest'].removeprefix('sha256:')[:12]}"
-    return re.sub(r"^-+|-+$", "", re.sub(r"[^a-z0-9]+", "-", stem.lower())) + ".json"
+    return _slug(stem) + ".json"
