@@ -182,7 +182,7 @@ def _chunk_loop(xs, ws, bs, xt, wt, bt, y, plan: _Plan, want_dx, want_dw, want_d
         del s  # before the next chunk's GEMM allocates, and before dWs is cast below
     soft_total = soft_sum * scale * (spec.temperature**2 if spec.temperature_squared else 1.0)
     hard_total = hard_sum * scale
-    loss = spec.weight_hard * hard_total + spec.weight_soft * soft_total
+    loss = spec.total(soft_sum, hard_sum) * scale
     if dws is not None:
         dws = dws.to(ws.dtype)
     if dbs is not None:

@@ -82,9 +82,9 @@ class LossSpec:
         """Factor on the soft term inside the total: w_soft, times τ² when asked for."""
         return self.weight_soft * (self.temperature**2 if self.temperature_squared else 1.0)
 
-    @property
-    def needs_soft(self) -> bool:
-        return self.weight_soft != 0.0
+    def total(self, soft: torch.Tensor, hard: torch.Tensor) -> torch.Tensor:
+        """w_hard · hard + w_soft · c · soft, for (sums of) the per-row terms of `row_losses`."""
+        return self.weight_hard * hard + self.soft_scale * soft
 
 
 def row_losses(s: torch.Tensor, t: torch.Tensor, labels: torch.Tensor | None, spec: LossSpec):

@@ -17,7 +17,7 @@ def rows(s, t, labels, spec: LossSpec, scale: torch.Tensor, grad: bool):
     with torch.enable_grad():
         a = s.detach().to(torch.promote_types(s.dtype, torch.float32)).requires_grad_()
         soft, hard = row_losses(a, t, labels, spec)
-        total = spec.weight_hard * hard.sum() + spec.soft_scale * soft.sum()
+        total = spec.total(soft.sum(), hard.sum())
         (ds,) = torch.autograd.grad(total, a)
     s.copy_(ds.mul_(scale))
     return soft.detach(), hard.detach()

@@ -49,7 +49,7 @@ def naive_loss(xs, ws, xt, wt, y, spec: LossSpec, count=None) -> torch.Tensor:
     soft, hard = row_losses(s, t, y, spec)  # (R,) each, fp32
     if count is None:
         count = (y != spec.ignore_index).sum().clamp_min(1)
-    return (spec.weight_hard * hard.sum() + spec.soft_scale * soft.sum()) / count
+    return spec.total(soft.sum(), hard.sum()) / count
 
 
 def _flashkd(w: Workload, x: Inputs) -> LossFn:
