@@ -1,23 +1,31 @@
-"""fused_linear_distill: LM heads + distillation loss, chunked over rows, grads computed in forward.
+"""The student's LM head + a distillation loss, chunked over rows, grads computed in forward.
+
+Three input forms of the teacher share one chunk loop:
+
+    fused_linear_distill         teacher hidden states and LM head: T[c] = Xt[c] @ Wt[:V]^T (+ bt[:V])
+    fused_linear_distill_logits  precomputed dense teacher logits:  T[c] = teacher_logits[c, :V]
+    fused_linear_distill_topk    sparse teacher: (ids, logprobs)[c], K per row (losses.topk_row_losses)
 
     validate + flatten (..., H) -> (N, H)
     plan: rows per chunk from a memory budget
     for each chunk c of rows:
         S = Xs[c] @ Ws^T (+ bs)                     (R, V) in the input dtype
-        T = Xt[c] @ Wt[:V]^T (+ bt[:V])             (R, V), only when the soft term is wanted
+        T = the teacher's block for c               only when the soft term is wanted
         soft, hard = backend.rows(S, T, ...)        S is overwritten with dL/dS when grads are wanted
         dXs[c] = dS @ Ws;  dWs += dS^T @ Xs[c] (fp32);  dbs += Σ_rows dS (fp32)
     loss = scale · (w_hard Σ hard + w_soft Σ soft);   backward multiplies the saved grads by grad_output
 
 Extra memory, bytes, beyond the inputs (E = element size of the inputs, R = rows per chunk):
-    logits:  R·V·E·2 (S and T) + backend temporaries (torch: ≈ 6·R·V·4; triton: none)
+    logits:  R·V·E·B (B = 2 for S and T with teacher heads, 1 for dense teacher logits, which are
+             read in place, and for a top-k teacher) + backend temporaries (torch: ≈ 6·R·V·4;
+             triton: none beyond O(R·K))
     grads:   N·Hs·E (dXs) + V·Hs·A (dWs accumulator: A = 4 for fp32, A = E when all rows fit one
-             chunk), rounded to V·Hs·E after the loop; backward hands autograd new N·Hs·E + V·Hs·E
-             (the grads times grad_output)
-    peak:    max(logits + N·Hs·E + V·Hs·A,  N·Hs·E + V·Hs·(A + E),  2·N·Hs·E + 2·V·Hs·E)
-Without a host sync backward cannot know that grad_output is 1, so it returns new tensors: 2·V·Hs·E is
-the floor of this design (1 GiB for V = 128256, Hs = 2048, bf16).
-Nothing of size N × V is ever allocated.
+             chunk or grad_accum_dtype is the weight's dtype), rounded to V·Hs·E after the loop
+             (no copy when A = E)
+    peak:    max(logits + N·Hs·E + V·Hs·A,  N·Hs·E + V·Hs·(A + E))    (second term only when A ≠ E)
+Backward scales the saved grads by grad_output in place (no host sync, no copy); only when the graph
+is retained (retain_graph=True, create_graph, gradcheck) does it return new tensors, another
+N·Hs·E + V·Hs·E. Nothing of size N × V is ever allocated.
 """
 
 from __future__ import annotations
@@ -27,7 +35,7 @@ import os
 
 import torch
 
-from .losses import LossSpec
+from .losses import LOSSES, LossSpec
 from .backends import torch_rows
 
 # Default memory for one chunk's logits. Bigger chunks make the GEMMs more efficient; past a few
@@ -42,6 +50,7 @@ class _Plan:
     chunk: int
     backend: str
     grad_accum_dtype: torch.dtype
+    form: str  # the teacher's input form: "heads" (Xt, Wt, bt), "logits" (T,) or "topk" (ids, logprobs)
 
 
 def fused_linear_distill(
@@ -83,72 +92,184 @@ def fused_linear_distill(
     - check_labels: raise on labels outside [0, V) other than ignore_index. Default: on CPU tensors
       (no cost); off on GPU, where such a row gives a NaN loss instead (the check would be a host sync).
     """
-    spec = LossSpec(
-        loss=loss,
-        beta=beta,
-        temperature=temperature,
-        weight_hard=weight_hard_loss,
-        weight_soft=weight_soft_loss,
-        temperature_squared=temperature_squared,
-        ignore_index=ignore_index,
-        reduction=reduction,
-        want_hard=labels is not None and (weight_hard_loss != 0.0 or return_soft_hard_loss),
-        # With both weights 0 the soft term is still computed, so the loss and grads are true zeros.
-        want_soft=weight_soft_loss != 0.0 or return_soft_hard_loss or labels is None or weight_hard_loss == 0.0,
-    )
-    if labels is None and weight_hard_loss != 0.0:
+    spec = _spec(locals())
+    xs, ws, bs, y = _check_student(student_input, student_weight, student_bias, labels)
+    xt, wt, bt = _check_teacher_heads(xs, student_input, ws, teacher_input, teacher_weight, teacher_bias)
+    return _run(spec, "heads", (xt, wt, bt), xs, ws, bs, y, locals())
+
+
+def fused_linear_distill_logits(
+    student_input: torch.Tensor,  # (..., Hs)
+    student_weight: torch.Tensor,  # (V, Hs)
+    teacher_logits: torch.Tensor,  # (..., Vt), same leading dims, Vt >= V
+    labels: torch.Tensor | None = None,
+    *,
+    loss: str = "jsd",
+    beta: float = 0.5,
+    temperature: float = 1.0,
+    weight_hard_loss: float = 0.5,
+    weight_soft_loss: float = 0.5,
+    ignore_index: int = -100,
+    student_bias: torch.Tensor | None = None,
+    reduction: str = "mean",
+    chunk_size: int | None = None,
+    backend: str = "auto",
+    return_soft_hard_loss: bool = False,
+    temperature_squared: bool = False,
+    grad_accum_dtype: torch.dtype | None = None,
+    check_labels: bool | None = None,
+):
+    """`fused_linear_distill` with the teacher given as precomputed dense logits (no teacher GEMM).
+
+    Same losses, options and results as `fused_linear_distill` with teacher logits
+    Xt @ Wt^T (+ bt); `teacher_logits` has the student's dtype and is read in place, one chunk of rows
+    at a time (any strides with unit stride over the vocab; other layouts are copied per chunk). Its
+    columns >= V (a padded head) are dropped. The teacher gets no gradient.
+    """
+    spec = _spec(locals())
+    xs, ws, bs, y = _check_student(student_input, student_weight, student_bias, labels)
+    tl = _check_teacher_logits(xs, student_input, ws, teacher_logits)
+    return _run(spec, "logits", (tl,), xs, ws, bs, y, locals())
+
+
+def fused_linear_distill_topk(
+    student_input: torch.Tensor,  # (..., Hs)
+    student_weight: torch.Tensor,  # (V, Hs)
+    teacher_ids: torch.Tensor,  # (..., K) integer vocab ids, -1 marks an unused slot
+    teacher_logprobs: torch.Tensor,  # (..., K) teacher log-probs at those ids
+    labels: torch.Tensor | None = None,
+    *,
+    loss: str = "forward_kl",
+    tail: str = "bucket",
+    beta: float = 0.5,
+    temperature: float = 1.0,
+    weight_hard_loss: float = 0.0,
+    weight_soft_loss: float = 1.0,
+    ignore_index: int = -100,
+    student_bias: torch.Tensor | None = None,
+    reduction: str = "mean",
+    chunk_size: int | None = None,
+    backend: str = "auto",
+    return_soft_hard_loss: bool = False,
+    temperature_squared: bool = False,
+    grad_accum_dtype: torch.dtype | None = None,
+    check_labels: bool | None = None,
+    check_teacher: bool | None = None,
+):
+    """Distillation from a sparse teacher: its top-k log-probs (from disk, or an inference server).
+
+    The student distribution is q = softmax(student logits / τ) over the whole vocab; the teacher's
+    p is known at K ids per row. tail="bucket": both become distributions over K + 1 categories, the
+    K ids and one bucket for the rest of the vocab (p_rest = max(1 − Σ p, 0), q_rest = 1 − Σ q);
+    tail="renormalize": both are renormalised over the K ids. The loss ("forward_kl", "reverse_kl",
+    "jsd", "tvd") is the dense one over those categories; CE mixing, ignore_index, reduction and the
+    gradients are those of `fused_linear_distill`. Exact formulas: `flashkd.losses.topk_row_losses`.
+
+    Temperature: `temperature` divides the student's logits only; `teacher_logprobs` are taken as the
+    teacher's distribution at that temperature, as `flashkd.teacher_topk(..., temperature=τ)` makes
+    them. Log-probs stored at τ0 can be used at τ with tail="renormalize" by passing
+    logprobs · τ0 / τ (exact: renormalising over the K ids is all that differs); with tail="bucket"
+    the rest mass at τ is not known from them — store them at the τ you distill at.
+
+    - teacher_logprobs: any float dtype, read in fp32 (fp64 for an fp64 student); unused slots are
+      ignored (−inf is fine there).
+    - reverse_kl with tail="bucket" is infinite on a row whose teacher puts no mass outside the K ids
+      (p_rest = 0) while the student does: use "jsd" or "renormalize" for such targets.
+    - check_teacher: raise on ids outside [-1, V), duplicate ids in a row, log-probs > 0 or NaN at
+      used slots. Default: on CPU tensors; off on GPU (a host sync), where an out-of-range id gives a
+      NaN loss on its row and duplicates give wrong values.
+    """
+    spec = _spec(locals())
+    xs, ws, bs, y = _check_student(student_input, student_weight, student_bias, labels)
+    ids, lp = _check_teacher_topk(xs, student_input, ws, teacher_ids, teacher_logprobs)
+    if check_teacher is None:
+        check_teacher = xs.device.type == "cpu"
+    if check_teacher:
+        _check_topk_values(ids, lp, ws.shape[0])
+    return _run(spec, "topk", (ids, lp), xs, ws, bs, y, locals())
+
+
+def _spec(args: dict) -> LossSpec:
+    """The LossSpec of a public call, from its arguments."""
+    has_labels = args["labels"] is not None
+    w_hard, w_soft, logged = args["weight_hard_loss"], args["weight_soft_loss"], args["return_soft_hard_loss"]
+    if "tail" in args and args["loss"] not in LOSSES[:4]:
         raise ValueError(
-            f"weight_hard_loss: expected 0 when labels is None (no hard labels to train on), got {weight_hard_loss!r}"
+            f"loss: expected one of 'jsd', 'forward_kl', 'reverse_kl', 'tvd' for a top-k teacher, got {args['loss']!r}"
         )
-    xs, ws, bs, xt, wt, bt, y = _check_inputs(
-        student_input, student_weight, student_bias, teacher_input, teacher_weight, teacher_bias, labels
+    spec = LossSpec(
+        loss=args["loss"],
+        beta=args["beta"],
+        temperature=args["temperature"],
+        weight_hard=w_hard,
+        weight_soft=w_soft,
+        temperature_squared=args["temperature_squared"],
+        ignore_index=args["ignore_index"],
+        reduction=args["reduction"],
+        want_hard=has_labels and (w_hard != 0.0 or logged),
+        # With both weights 0 the soft term is still computed, so the loss and grads are true zeros.
+        want_soft=w_soft != 0.0 or logged or not has_labels or w_hard == 0.0,
+        tail=args.get("tail"),
     )
+    if not has_labels and w_hard != 0.0:
+        raise ValueError(f"weight_hard_loss: expected 0 when labels is None (no hard labels to train on), got {w_hard!r}")
+    return spec
+
+
+def _run(spec, form, teacher, xs, ws, bs, y, args):
+    """Plan and run a validated call; the shared tail of the three public functions."""
+    check_labels, grad_accum_dtype = args["check_labels"], args["grad_accum_dtype"]
     if check_labels is None:
         check_labels = xs.device.type == "cpu"
     if check_labels and y is not None:
-        _check_label_range(y, ws.shape[0], ignore_index)
+        _check_label_range(y, ws.shape[0], spec.ignore_index)
     if grad_accum_dtype is None:
         grad_accum_dtype = torch.promote_types(ws.dtype, torch.float32)
     if grad_accum_dtype not in _FLOATS:
         raise TypeError(f"grad_accum_dtype: expected a floating torch.dtype, got {grad_accum_dtype!r}")
-    plan = _Plan(spec, _chunk_rows(chunk_size, xs, ws, backend := _pick_backend(backend, xs)), backend, grad_accum_dtype)
-    loss_, soft, hard = _apply(xs, ws, bs, xt, wt, bt, y, plan)
-    return (loss_, soft, hard) if return_soft_hard_loss else loss_
+    backend = _pick_backend(args["backend"], xs)
+    chunk = _chunk_rows(args["chunk_size"], xs, ws, backend, blocks=2 if form == "heads" else 1)
+    plan = _Plan(spec, chunk, backend, grad_accum_dtype, form)
+    loss_, soft, hard = _apply(xs, ws, bs, y, plan, *teacher)
+    return (loss_, soft, hard) if args["return_soft_hard_loss"] else loss_
 
 
 @torch.compiler.disable  # one graph break: the chunk loop runs eagerly inside compiled code
-def _apply(xs, ws, bs, xt, wt, bt, y, plan):
+def _apply(xs, ws, bs, y, plan, *teacher):
     if torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in (xs, ws, bs)):
-        return _FusedDistill.apply(xs, ws, bs, xt, wt, bt, y, plan)
+        return _FusedDistill.apply(xs, ws, bs, y, plan, *teacher)
     # Evaluation: no autograd node, and no gradient work at all.
-    return _chunk_loop(xs, ws, bs, xt, wt, bt, y, plan, False, False, False)[:3]
+    return _chunk_loop(xs, ws, bs, y, teacher, plan, False, False, False)[:3]
 
 
 class _FusedDistill(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, xs, ws, bs, xt, wt, bt, y, plan: _Plan):
+    def forward(ctx, xs, ws, bs, y, plan: _Plan, *teacher):
         want_dx, want_dw, want_db = ctx.needs_input_grad[:3]
-        loss, soft, hard, dxs, dws, dbs = _chunk_loop(xs, ws, bs, xt, wt, bt, y, plan, want_dx, want_dw, want_db)
+        loss, soft, hard, dxs, dws, dbs = _chunk_loop(xs, ws, bs, y, teacher, plan, want_dx, want_dw, want_db)
         ctx.save_for_backward(dxs, dws, dbs)
+        ctx.num_teacher = len(teacher)
         ctx.mark_non_differentiable(soft, hard)
         return loss, soft, hard
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad_loss, _grad_soft, _grad_hard):
-        # grad_loss is a 0-d device tensor: scaling by it needs no host sync, whatever its value.
-        grads = tuple(None if g is None else g * grad_loss.to(g.dtype) for g in ctx.saved_tensors)
-        return (*grads, None, None, None, None, None)
+        # grad_loss is a 0-d device tensor: scaling by it needs no host sync, whatever its value. The
+        # saved grads are ours alone and freed after this call unless the graph is kept for another
+        # backward: only then must they stay unscaled, and the scaled grads be new tensors.
+        keep = getattr(torch._C._autograd, "_get_current_graph_task_keep_graph", lambda: True)()
+        grads = tuple(
+            None if g is None else g * grad_loss.to(g.dtype) if keep else g.mul_(grad_loss.to(g.dtype))
+            for g in ctx.saved_tensors
+        )
+        return (*grads, None, None, *(None,) * ctx.num_teacher)
 
 
-def _chunk_loop(xs, ws, bs, xt, wt, bt, y, plan: _Plan, want_dx, want_dw, want_db):
+def _chunk_loop(xs, ws, bs, y, teacher, plan: _Plan, want_dx, want_dw, want_db):
     spec = plan.spec
     n, v = xs.shape[0], ws.shape[0]
-    rows = torch_rows.rows
-    if plan.backend == "triton":
-        from .backends import triton_rows
-
-        rows = triton_rows.rows
+    rows = _rows(plan)
     grad = want_dx or want_dw or want_db
     device = xs.device
     # Loss math and accumulators in fp32, or fp64 for fp64 inputs (which float64 gradcheck relies on).
@@ -168,7 +289,7 @@ def _chunk_loop(xs, ws, bs, xt, wt, bt, y, plan: _Plan, want_dx, want_dw, want_d
     for start in range(0, n, plan.chunk):
         c = slice(start, min(start + plan.chunk, n))
         s = _linear(xs[c], ws, bs)
-        t = _linear(xt[c], wt, bt) if spec.want_soft else None
+        t = _teacher_block(plan.form, teacher, c) if spec.want_soft else None
         soft, hard = rows(s, t, None if y is None else y[c], spec, scale, grad)
         soft_sum += soft.sum()
         hard_sum += hard.sum()
@@ -188,6 +309,25 @@ def _chunk_loop(xs, ws, bs, xt, wt, bt, y, plan: _Plan, want_dx, want_dw, want_d
     if dbs is not None:
         dbs = dbs.to(bs.dtype)
     return loss, soft_total, hard_total, dxs, dws, dbs
+
+
+def _rows(plan: _Plan):
+    """The backend's row function for the plan's teacher form (see `flashkd.backends`)."""
+    if plan.backend == "triton":
+        from .backends import triton_rows, triton_topk
+
+        return triton_topk.topk_rows if plan.form == "topk" else triton_rows.rows
+    return torch_rows.topk_rows if plan.form == "topk" else torch_rows.rows
+
+
+def _teacher_block(form, teacher, c):
+    if form == "heads":
+        xt, wt, bt = teacher
+        return _linear(xt[c], wt, bt)
+    if form == "logits":
+        return teacher[0][c]
+    ids, lp = teacher
+    return ids[c], lp[c]
 
 
 def _linear(x, w, b):
@@ -229,79 +369,138 @@ def _has_triton() -> bool:
     return True
 
 
-def _chunk_rows(chunk_size, xs, ws, backend) -> int:
+def _chunk_rows(chunk_size, xs, ws, backend, blocks) -> int:
+    """Rows per chunk: chunk_size, or as many as fit the backend's budget for `blocks` (R, V) blocks."""
     n, v = xs.shape[0], ws.shape[0]
     if chunk_size is not None:
         if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
             raise ValueError(f"chunk_size: expected a positive int or None, got {chunk_size!r}")
         return min(chunk_size, max(n, 1))
-    per_row = v * xs.element_size() * 2 + (v * 4 * 6 if backend == "torch" else 0)
+    per_row = v * xs.element_size() * blocks + (v * 4 * 6 if backend == "torch" else 0)
     return max(1, min(n, _LOGITS_BUDGET[backend] // per_row))
 
 
-def _check_inputs(xs, ws, bs, xt, wt, bt, y):
-    named = {
-        "student_input": xs,
-        "student_weight": ws,
-        "teacher_input": xt,
-        "teacher_weight": wt,
-        "student_bias": bs,
-        "teacher_bias": bt,
-        "labels": y,
-    }
+def _check_tensors(named: dict, dtype=None, device=None):
+    """Type, dtype (when given) and device of optional tensor arguments."""
     for name, x in named.items():
-        if x is not None and not isinstance(x, torch.Tensor):
+        if x is None:
+            continue
+        if not isinstance(x, torch.Tensor):
             raise TypeError(f"{name}: expected a torch.Tensor, got {type(x).__name__}")
-    dtype = xs.dtype
-    if dtype not in _FLOATS:
-        raise TypeError(f"student_input: expected a floating dtype (float16, bfloat16, float32, float64), got {dtype}")
-    for name in ("student_weight", "teacher_input", "teacher_weight", "student_bias", "teacher_bias"):
-        x = named[name]
-        if x is not None and x.dtype != dtype:
+        if dtype is not None and x.dtype != dtype:
             raise TypeError(f"{name}: expected dtype {dtype} (the dtype of student_input), got {x.dtype}")
-    for name, x in named.items():
-        if x is not None and x.device != xs.device:
-            raise ValueError(f"{name}: expected a tensor on {xs.device} (the device of student_input), got {x.device}")
+        if device is not None and x.device != device:
+            raise ValueError(f"{name}: expected a tensor on {device} (the device of student_input), got {x.device}")
+
+
+def _check_student(xs, ws, bs, y):
+    """The student side and labels, common to every input form; returns them flattened to rows."""
+    _check_tensors({"student_input": xs})
+    if xs.dtype not in _FLOATS:
+        raise TypeError(f"student_input: expected a floating dtype (float16, bfloat16, float32, float64), got {xs.dtype}")
+    _check_tensors({"student_weight": ws, "student_bias": bs}, xs.dtype, xs.device)
+    _check_tensors({"labels": y}, device=xs.device)
     if y is not None and (y.dtype.is_floating_point or y.dtype.is_complex or y.dtype == torch.bool):
         raise TypeError(f"labels: expected an integer dtype (torch.int64), got {y.dtype}")
-    for name in ("student_weight", "teacher_weight"):
-        if named[name].dim() != 2:
-            raise ValueError(f"{name}: expected a 2-D (vocab, hidden) tensor, got shape {tuple(named[name].shape)}")
-    for name, x in (("student_input", xs), ("teacher_input", xt)):
-        if x.dim() < 1:
-            raise ValueError(f"{name}: expected a tensor of shape (..., hidden), got a 0-d tensor")
+    if ws.dim() != 2:
+        raise ValueError(f"student_weight: expected a 2-D (vocab, hidden) tensor, got shape {tuple(ws.shape)}")
+    if xs.dim() < 1:
+        raise ValueError("student_input: expected a tensor of shape (..., hidden), got a 0-d tensor")
     v, hs = ws.shape
-    vt, ht = wt.shape
     if xs.shape[-1] != hs:
         raise ValueError(
             f"student_input: expected hidden size {hs} (student_weight is {tuple(ws.shape)}), got {xs.shape[-1]}"
         )
+    if y is not None and y.shape != xs.shape[:-1]:
+        raise ValueError(f"labels: expected shape {tuple(xs.shape[:-1])} (student_input's leading dims), got {tuple(y.shape)}")
+    if bs is not None and bs.shape != (v,):
+        raise ValueError(f"student_bias: expected shape ({v},), got {tuple(bs.shape)}")
+    return xs.reshape(-1, hs), ws, bs, None if y is None else y.reshape(-1)
+
+
+def _check_leading(name, x, student_input, trailing):
+    if x.dim() < 1:
+        raise ValueError(f"{name}: expected a tensor of shape (..., {trailing}), got a 0-d tensor")
+    if x.shape[:-1] != student_input.shape[:-1]:
+        raise ValueError(
+            f"{name}: expected leading dims {tuple(student_input.shape[:-1])} (those of student_input), "
+            f"got {tuple(x.shape[:-1])}"
+        )
+
+
+def _check_vocab(name, vt, v):
+    if vt < v:
+        raise ValueError(
+            f"{name}: expected a vocab of at least {v} (the student's), got {vt}; a teacher vocab "
+            "smaller than the student's is not a padded head of the same tokenizer"
+        )
+
+
+def _check_teacher_heads(xs, student_input, ws, xt, wt, bt):
+    _check_tensors({"teacher_input": xt, "teacher_weight": wt, "teacher_bias": bt}, xs.dtype, xs.device)
+    if wt.dim() != 2:
+        raise ValueError(f"teacher_weight: expected a 2-D (vocab, hidden) tensor, got shape {tuple(wt.shape)}")
+    _check_leading("teacher_input", xt, student_input, "hidden")
+    v = ws.shape[0]
+    vt, ht = wt.shape
     if xt.shape[-1] != ht:
         raise ValueError(
             f"teacher_input: expected hidden size {ht} (teacher_weight is {tuple(wt.shape)}), got {xt.shape[-1]}"
         )
-    if xs.shape[:-1] != xt.shape[:-1]:
-        raise ValueError(
-            f"teacher_input: expected leading dims {tuple(xs.shape[:-1])} (those of student_input), "
-            f"got {tuple(xt.shape[:-1])}"
-        )
-    if y is not None and y.shape != xs.shape[:-1]:
-        raise ValueError(f"labels: expected shape {tuple(xs.shape[:-1])} (student_input's leading dims), got {tuple(y.shape)}")
-    if vt < v:
-        raise ValueError(
-            f"teacher_weight: expected a vocab of at least {v} rows (the student's), got {vt}; a teacher vocab "
-            "smaller than the student's is not a padded head of the same tokenizer"
-        )
-    for name, b, size in (("student_bias", bs, v), ("teacher_bias", bt, vt)):
-        if b is not None and b.shape != (size,):
-            raise ValueError(f"{name}: expected shape ({size},), got {tuple(b.shape)}")
+    _check_vocab("teacher_weight", vt, v)
+    if bt is not None and bt.shape != (vt,):
+        raise ValueError(f"teacher_bias: expected shape ({vt},), got {tuple(bt.shape)}")
     # A padded teacher head: its extra ids (>= V) are not tokens of the student's vocab; drop them.
-    wt = wt[:v]
-    bt = None if bt is None else bt[:v]
-    xs = xs.reshape(-1, hs)
-    xt = xt.reshape(-1, ht)
-    y = None if y is None else y.reshape(-1)
-    return xs, ws, bs, xt, wt, bt, y
+    return xt.reshape(-1, ht), wt[:v], None if bt is None else bt[:v]
+
+
+def _check_teacher_logits(xs, student_input, ws, tl):
+    _check_tensors({"teacher_logits": tl}, xs.dtype, xs.device)
+    _check_leading("teacher_logits", tl, student_input, "vocab")
+    v = ws.shape[0]
+    _check_vocab("teacher_logits", tl.shape[-1], v)
+    try:
+        flat = tl.view(-1, tl.shape[-1])
+    except RuntimeError:
+        raise ValueError(
+            f"teacher_logits: expected leading dims that flatten without a copy (e.g. a contiguous tensor), "
+            f"got strides {tuple(tl.stride())} for shape {tuple(tl.shape)}"
+        ) from None
+    return flat[:, :v]  # a padded teacher head's ids >= V are dropped, as for teacher_weight
+
+
+def _check_teacher_topk(xs, student_input, ws, ids, lp):
+    _check_tensors({"teacher_ids": ids, "teacher_logprobs": lp}, device=xs.device)
+    if ids.dtype not in (torch.int64, torch.int32):
+        raise TypeError(f"teacher_ids: expected an integer dtype (torch.int64 or torch.int32), got {ids.dtype}")
+    if lp.dtype not in _FLOATS:
+        raise TypeError(f"teacher_logprobs: expected a floating dtype (float16, bfloat16, float32, float64), got {lp.dtype}")
+    _check_leading("teacher_ids", ids, student_input, "k")
+    if ids.shape[-1] < 1:
+        raise ValueError(f"teacher_ids: expected at least one slot per row (K >= 1), got shape {tuple(ids.shape)}")
+    if lp.shape != ids.shape:
+        raise ValueError(f"teacher_logprobs: expected shape {tuple(ids.shape)} (that of teacher_ids), got {tuple(lp.shape)}")
+    k = ids.shape[-1]
+    return ids.reshape(-1, k), lp.reshape(-1, k)
+
+
+def _check_topk_values(ids, lp, v):
+    """Value checks of a top-k teacher (host syncs: run by default on CPU only)."""
+    bad = (ids < -1) | (ids >= v)
+    if bad.any():
+        raise ValueError(f"teacher_ids: expected ids in [0, {v}) or -1 (unused slot), got {ids[bad][0].item()}")
+    used = ids >= 0
+    bad = used & ~(lp <= 0)
+    if bad.any():
+        raise ValueError(
+            f"teacher_logprobs: expected log-probabilities <= 0 (not NaN) at used slots, got {lp[bad][0].item()}"
+        )
+    ordered = torch.where(used, ids, -1 - torch.arange(ids.shape[-1], device=ids.device)).sort(-1).values
+    dup = (ordered[:, 1:] == ordered[:, :-1]).any(-1)
+    if dup.any():
+        row = int(dup.nonzero()[0, 0])
+        dups = ordered[row, 1:][ordered[row, 1:] == ordered[row, :-1]]
+        raise ValueError(f"teacher_ids: expected distinct ids within a row, got id {dups[0].item()} twice in row {row}")
 
 
 def _check_label_range(y, v, ignore_index):

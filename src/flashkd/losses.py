@@ -32,6 +32,7 @@ import torch
 
 LOSSES = ("jsd", "forward_kl", "reverse_kl", "tvd", "cosine")
 REDUCTIONS = ("mean", "sum")
+TAILS = ("bucket", "renormalize")  # sparse teacher: what happens to the mass outside the K ids
 
 # Loss ids shared with the Triton kernel's constexpr switch.
 LOSS_ID = {name: i for i, name in enumerate(LOSSES)}
@@ -51,6 +52,7 @@ class LossSpec:
     reduction: str = "mean"
     want_hard: bool = True  # compute the CE at all (weighted in, or returned for logging)
     want_soft: bool = True  # compute the divergence at all (and the teacher's logits for it)
+    tail: str | None = None  # sparse (top-k) teacher: one of TAILS; None for a dense teacher
 
     def __post_init__(self):
         if self.loss not in LOSSES:
@@ -67,6 +69,11 @@ class LossSpec:
             raise ValueError(f"temperature: expected a value > 0, got {self.temperature!r}")
         if isinstance(self.ignore_index, bool) or not isinstance(self.ignore_index, int):
             raise TypeError(f"ignore_index: expected an int, got {self.ignore_index!r}")
+        if self.tail is not None:
+            if self.tail not in TAILS:
+                raise ValueError(f"tail: expected 'bucket' or 'renormalize', got {self.tail!r}")
+            if self.loss == "cosine":
+                raise ValueError("loss: expected a divergence for a top-k teacher (cosine needs dense logits), got 'cosine'")
 
     @property
     def kind(self) -> str:
@@ -110,6 +117,64 @@ def row_losses(s: torch.Tensor, t: torch.Tensor, labels: torch.Tensor | None, sp
         log_q = torch.log_softmax(s / spec.temperature, dim=-1)
         log_p = torch.log_softmax(t.to(work) / spec.temperature, dim=-1)
         soft = _divergence(log_q, log_p, spec)
+    return _with_hard(s, soft, labels, spec)
+
+
+def topk_row_losses(s: torch.Tensor, t, labels: torch.Tensor | None, spec: LossSpec):
+    """`row_losses` for a sparse teacher: p is given at K ids per row (`spec.tail` says how).
+
+    t = (ids, logprobs), or None when `spec.want_soft` is False:
+      ids:      (R, K) integer vocab ids, −1 for an unused slot (no duplicates among the used ones)
+      logprobs: (R, K) teacher log-probs at those ids (ignored in unused slots)
+    The divergence is the dense one of the table above over categories: with tail "bucket" the K ids
+    plus one category for the rest of the vocab (q_rest = Σ q off the ids, p_rest = max(1 − Σ p, 0),
+    and p_rest = 0 when the ids cover the vocab); with "renormalize" the K ids, q and p each
+    renormalised over them. p is renormalised over its categories either way, which changes nothing
+    unless the given probabilities sum past 1 (rounding). A row without used slots has loss 0 under
+    "renormalize" (no teacher information); under "bucket" it is one category on both sides: 0 too.
+    An id outside [0, V) gives a NaN soft loss on its row.
+    """
+    work = torch.promote_types(s.dtype, torch.float32)
+    s = s.to(work)
+    if spec.want_soft:
+        ids, logprobs = t
+        log_q, log_p = topk_categories(s / spec.temperature, ids, logprobs.to(work), spec.tail)
+        soft = _divergence(log_q, log_p, spec)
+        bad = ((ids >= s.shape[-1]) | (ids < -1)).any(-1)
+        soft = torch.where(bad, torch.nan, soft)
+    else:
+        soft = s.new_zeros(s.shape[0])
+    return _with_hard(s, soft, labels, spec)
+
+
+def topk_categories(z: torch.Tensor, ids: torch.Tensor, logprobs: torch.Tensor, tail: str):
+    """(log q, log p) over the categories of `topk_row_losses`, (R, K + 1) for "bucket" (the rest
+    last) or (R, K) for "renormalize", from the tempered student logits z = s/τ. Unused slots are
+    −inf on both sides: absent categories. Differentiable w.r.t. z with finite gradients."""
+    neg_inf = torch.tensor(-torch.inf, dtype=z.dtype, device=z.device)
+    used = (ids >= 0) & (ids < z.shape[-1])
+    idx = torch.where(used, ids, 0).long()
+    z_k = torch.where(used, z.gather(-1, idx), neg_inf)
+    lp_k = torch.where(used, logprobs, neg_inf)
+    if tail == "bucket":
+        # counts, not a scattered bool: unused slots point at column 0 too
+        on_ids = torch.zeros_like(z).scatter_add_(-1, idx, used.to(z.dtype)) > 0
+        rest_empty = on_ids.all(-1, keepdim=True)
+        # keep the logsumexp of an empty rest finite: its backward would be 0 · NaN
+        z_rest = torch.logsumexp(torch.where(on_ids & ~rest_empty, neg_inf, z), -1, keepdim=True)
+        p_rest = (1.0 - lp_k.exp().sum(-1, keepdim=True)).clamp_min(0.0)
+        a = torch.cat([z_k, torch.where(rest_empty, neg_inf, z_rest)], -1)
+        b = torch.cat([lp_k, torch.where(rest_empty, neg_inf, p_rest.log())], -1)
+    else:
+        # no used slot: uniform against uniform, loss and gradient 0
+        none = ~used.any(-1, keepdim=True)
+        a = torch.where(none, 0.0, z_k)
+        b = torch.where(none, 0.0, lp_k)
+    return torch.log_softmax(a, -1), torch.log_softmax(b, -1)
+
+
+def _with_hard(s, soft, labels, spec: LossSpec):
+    """(soft, hard) with the untempered CE of s, both zeroed on rows whose label is ignore_index."""
     hard = torch.zeros_like(soft)
     if labels is None:
         return soft, hard
@@ -136,7 +201,12 @@ def _divergence(log_q: torch.Tensor, log_p: torch.Tensor, spec: LossSpec) -> tor
     if kind == "tvd":
         return 0.5 * (q - p).abs().sum(-1)
     beta = spec.beta
-    log_m = torch.logaddexp(log_p + math.log(beta), log_q + math.log1p(-beta))
+    # A category at −inf on both sides is absent; logaddexp(−inf, −inf) would backpropagate NaN.
+    absent = (log_p == -torch.inf) & (log_q == -torch.inf)
+    log_m = torch.logaddexp(
+        torch.where(absent, 0.0, log_p) + math.log(beta), torch.where(absent, 0.0, log_q) + math.log1p(-beta)
+    )
+    log_m = torch.where(absent, -torch.inf, log_m)
     return beta * _plogr(p, log_p - log_m) + (1.0 - beta) * _plogr(q, log_q - log_m)
 
 

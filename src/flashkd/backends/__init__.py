@@ -1,10 +1,13 @@
-"""Row backends: each exposes `rows(s, t, labels, spec, scale, grad) -> (soft, hard)`.
+"""Row backends: each exposes `rows` (dense teacher) and `topk_rows` (sparse teacher), both
+`(s, t, labels, spec, scale, grad) -> (soft, hard)`.
 
 The chunk loop in `flashkd.distill` computes one block of logits with two GEMMs and hands it to a
 backend's `rows`, which returns the per-row losses and, when `grad`, overwrites `s` with dL/ds:
 
     s:      (R, V) student logits of the block, contiguous; overwritten with dL/ds when `grad`
-    t:      (R, V) teacher logits of the block, same dtype (None when the soft term is not wanted)
+    t:      (R, V) teacher logits of the block, same dtype, unit stride over V (None when the soft term
+            is not wanted); for a top-k teacher (spec.tail set, `topk_rows`) the pair (ids, logprobs),
+            (R, K) each
     labels: (R,)   int labels or None
     spec:   flashkd.losses.LossSpec
     scale:  ()     device tensor, fp32 (fp64 for fp64 inputs): the reduction's factor (1 / valid rows, or 1)

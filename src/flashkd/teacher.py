@@ -1,0 +1,82 @@
+"""teacher_topk: a teacher's top-k log-probs, one chunk of logits at a time (for offline targets)."""
+
+from __future__ import annotations
+
+import torch
+
+from .distill import _FLOATS, _LOGITS_BUDGET, _check_tensors, _pick_backend
+
+
+@torch.no_grad()
+def teacher_topk(
+    teacher_input: torch.Tensor,  # (..., H)
+    teacher_weight: torch.Tensor,  # (Vt, H)
+    k: int,
+    *,
+    temperature: float = 1.0,
+    teacher_bias: torch.Tensor | None = None,  # (Vt,)
+    vocab_size: int | None = None,
+    chunk_size: int | None = None,
+    backend: str = "auto",
+):
+    """The teacher's k most likely ids per row and their log-probs at `temperature`.
+
+    Returns (ids, logprobs): (..., k) int64 and (..., k) float32, sorted by decreasing log-prob,
+    log p = logit/τ − logsumexp(logits/τ) over the whole vocab — the targets of
+    `fused_linear_distill_topk(..., temperature=τ)`. Never holds more than one chunk of logits
+    (R·Vt·E bytes, R rows per chunk, plus fp32 temporaries of the same size on the torch backend).
+
+    vocab_size: the student's vocab V when the teacher head is padded (Vt > V): ids >= V are
+    dropped before the softmax, as in `fused_linear_distill`.
+    """
+    _check_tensors({"teacher_input": teacher_input})
+    x, w, b = teacher_input, teacher_weight, teacher_bias
+    if x.dtype not in _FLOATS:
+        raise TypeError(f"teacher_input: expected a floating dtype (float16, bfloat16, float32, float64), got {x.dtype}")
+    _check_tensors({"teacher_weight": w, "teacher_bias": b}, x.dtype, x.device)
+    if w.dim() != 2:
+        raise ValueError(f"teacher_weight: expected a 2-D (vocab, hidden) tensor, got shape {tuple(w.shape)}")
+    if x.dim() < 1 or x.shape[-1] != w.shape[1]:
+        raise ValueError(
+            f"teacher_input: expected shape (..., {w.shape[1]}) (teacher_weight is {tuple(w.shape)}), got {tuple(x.shape)}"
+        )
+    if b is not None and b.shape != (w.shape[0],):
+        raise ValueError(f"teacher_bias: expected shape ({w.shape[0]},), got {tuple(b.shape)}")
+    v = w.shape[0]
+    if vocab_size is not None:
+        if isinstance(vocab_size, bool) or not isinstance(vocab_size, int) or not 1 <= vocab_size <= v:
+            raise ValueError(f"vocab_size: expected an int in [1, {v}] (teacher_weight's vocab), got {vocab_size!r}")
+        v = vocab_size
+        w, b = w[:v], None if b is None else b[:v]
+    if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= v:
+        raise ValueError(f"k: expected an int in [1, {v}] (the vocab size), got {k!r}")
+    if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not temperature > 0:
+        raise ValueError(f"temperature: expected a float > 0, got {temperature!r}")
+    backend = _pick_backend(backend, x)
+    if chunk_size is not None and (isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1):
+        raise ValueError(f"chunk_size: expected a positive int or None, got {chunk_size!r}")
+
+    lead = x.shape[:-1]
+    x = x.reshape(-1, x.shape[-1])
+    n = x.shape[0]
+    per_row = v * x.element_size() + (v * 4 * 2 if backend == "torch" else 0)
+    chunk = chunk_size or max(1, _LOGITS_BUDGET[backend] // per_row)
+    work = torch.promote_types(x.dtype, torch.float32)
+    ids = torch.empty(n, k, dtype=torch.int64, device=x.device)
+    logprobs = torch.empty(n, k, dtype=work, device=x.device)
+    for start in range(0, n, chunk):
+        c = slice(start, min(start + chunk, n))
+        logits = x[c] @ w.t() if b is None else torch.addmm(b, x[c], w.t())
+        top, ids[c] = torch.topk(logits, k, dim=-1)
+        logprobs[c] = top.to(work) / temperature - _logsumexp(logits, temperature, backend)[:, None]
+        del logits
+    return ids.reshape(*lead, k), logprobs.reshape(*lead, k)
+
+
+def _logsumexp(logits, temperature, backend):
+    """Row logsumexp of logits/τ in fp32 (fp64 for fp64 logits)."""
+    if backend == "triton":
+        from .backends import triton_topk
+
+        return triton_topk.row_logsumexp(logits, temperature)
+    return torch.logsumexp(logits.to(torch.promote_types(logits.dtype, torch.float32)) / temperature, dim=-1)
