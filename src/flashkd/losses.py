@@ -151,20 +151,28 @@ def topk_categories(z: torch.Tensor, ids: torch.Tensor, logprobs: torch.Tensor, 
     """(log q, log p) over the categories of `topk_row_losses`, (R, K + 1) for "bucket" (the rest
     last) or (R, K) for "renormalize", from the tempered student logits z = s/τ. Unused slots are
     −inf on both sides: absent categories. Differentiable w.r.t. z with finite gradients."""
-    neg_inf = torch.tensor(-torch.inf, dtype=z.dtype, device=z.device)
     used = (ids >= 0) & (ids < z.shape[-1])
     idx = torch.where(used, ids, 0).long()
-    z_k = torch.where(used, z.gather(-1, idx), neg_inf)
-    lp_k = torch.where(used, logprobs, neg_inf)
+    z_k = torch.where(used, z.gather(-1, idx), -torch.inf)
+    z_rest = rest_empty = None
     if tail == "bucket":
         # counts, not a scattered bool: unused slots point at column 0 too
         on_ids = torch.zeros_like(z).scatter_add_(-1, idx, used.to(z.dtype)) > 0
         rest_empty = on_ids.all(-1, keepdim=True)
         # keep the logsumexp of an empty rest finite: its backward would be 0 · NaN
-        z_rest = torch.logsumexp(torch.where(on_ids & ~rest_empty, neg_inf, z), -1, keepdim=True)
+        z_rest = torch.logsumexp(torch.where(on_ids & ~rest_empty, -torch.inf, z), -1, keepdim=True)
+    return category_logprobs(z_k, z_rest, logprobs, used, rest_empty, tail)
+
+
+def category_logprobs(z_k, z_rest, logprobs, used, rest_empty, tail: str):
+    """The categories of `topk_categories` from their parts: z_k (R, K) the tempered student logits
+    at the ids (−inf where unused), z_rest (R, 1) the logsumexp of z off the ids and rest_empty (R, 1)
+    whether the ids cover the vocab (both None for "renormalize"), used (R, K)."""
+    lp_k = torch.where(used, logprobs, -torch.inf)
+    if tail == "bucket":
         p_rest = (1.0 - lp_k.exp().sum(-1, keepdim=True)).clamp_min(0.0)
-        a = torch.cat([z_k, torch.where(rest_empty, neg_inf, z_rest)], -1)
-        b = torch.cat([lp_k, torch.where(rest_empty, neg_inf, p_rest.log())], -1)
+        a = torch.cat([z_k, torch.where(rest_empty, -torch.inf, z_rest)], -1)
+        b = torch.cat([lp_k, torch.where(rest_empty, -torch.inf, p_rest.log())], -1)
     else:
         # no used slot: uniform against uniform, loss and gradient 0
         none = ~used.any(-1, keepdim=True)
@@ -212,4 +220,5 @@ def _divergence(log_q: torch.Tensor, log_p: torch.Tensor, spec: LossSpec) -> tor
 
 def _plogr(w: torch.Tensor, log_ratio: torch.Tensor) -> torch.Tensor:
     """Σ w · log_ratio with 0 · log 0 = 0: a column at −inf (probability 0) adds nothing, not NaN."""
-    return torch.where(w > 0, w * log_ratio, 0.0).sum(-1)
+    # the ratio is masked before the product too: its NaN (−inf − −inf) would reach w's gradient
+    return (w * torch.where(w > 0, log_ratio, 0.0)).sum(-1)

@@ -161,13 +161,14 @@ def _fill_zeros(ptr, V, BLOCK_V: tl.constexpr):
 def _rows_kernel(
     # data
     s_ptr,  # (R, V) student logits; overwritten with dL/ds when GRAD_PASS != 0
-    t_ptr,  # (R, V) teacher logits, same dtype (not read unless SOFT)
+    t_ptr,  # (R, V) teacher logits, same dtype, rows stride_t apart (not read unless SOFT)
     labels_ptr,  # (R,) int32 / int64 (not read unless LABELS)
     soft_ptr,  # (R,) fp32 out: unweighted divergence, 0 on ignored rows
     hard_ptr,  # (R,) fp32 out: untempered CE, 0 on ignored rows, NaN for a label outside [0, V)
     scale_ptr,  # () fp32 (or fp64): the reduction's factor, read on the device
     # sizes
     V,
+    stride_t,
     ignore_index,
     # runtime floats: a new value never recompiles
     log2e_tau,  # log2(e) / τ: (s − max)·log2e_tau is log2 of softmax(s/τ)'s numerator
@@ -193,7 +194,7 @@ def _rows_kernel(
     row = tl.program_id(0)
     _one_row(
         s_ptr + row.to(tl.int64) * V,  # int64: R × V may exceed 2^31
-        t_ptr + row.to(tl.int64) * V,
+        t_ptr + row.to(tl.int64) * stride_t,
         labels_ptr + row,
         soft_ptr + row,
         hard_ptr + row,
@@ -400,7 +401,8 @@ def rows(s, t, labels, spec: LossSpec, scale: torch.Tensor, grad: bool):
     dL/ds = scale · (w_hard · dCE/ds + soft_scale · dsoft/ds). See `flashkd.backends` for the contract.
 
     s:      (R, V) student logits, contiguous, bf16 / fp16 / fp32 / fp64
-    t:      (R, V) teacher logits, same dtype; None allowed when not spec.want_soft
+    t:      (R, V) teacher logits, same dtype, any row stride (copied if the vocab stride is not 1);
+            None allowed when not spec.want_soft
     labels: (R,) int32 / int64, or None (every row valid, no CE)
     scale:  () fp32 tensor on s's device, read by the kernel (no host sync); fp64 is accepted too
     """
@@ -423,8 +425,8 @@ def rows(s, t, labels, spec: LossSpec, scale: torch.Tensor, grad: bool):
             raise TypeError(f"t: expected dtype {s.dtype} like s, got {t.dtype}")
         if t.device != s.device:
             raise ValueError(f"t: expected device {s.device} like s, got {t.device}")
-        if not t.is_contiguous():
-            raise ValueError(f"t: expected a contiguous tensor, got strides {tuple(t.stride())}")
+        if t.stride(1) != 1 and V > 1:
+            t = t.contiguous()  # the kernel steps through a row with unit stride; rows may be apart
     if labels is not None:
         if not isinstance(labels, torch.Tensor) or labels.shape != (R,):
             raise ValueError(f"labels: expected shape ({R},), got {_describe(labels)}")
@@ -462,6 +464,7 @@ def rows(s, t, labels, spec: LossSpec, scale: torch.Tensor, grad: bool):
         hard,
         scale,
         V,
+        t.stride(0) if use_soft else V,
         spec.ignore_index,
         # float(): an int weight would be specialised (and recompiled) by value
         math.log2(math.e) / spec.temperature,
