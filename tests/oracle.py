@@ -11,17 +11,21 @@ import torch.nn.functional as F
 def distill_loss(
     xs, ws, xt, wt, labels=None, *, loss="jsd", beta=0.5, temperature=1.0, weight_hard_loss=0.5,
     weight_soft_loss=0.5, ignore_index=-100, student_bias=None, teacher_bias=None, reduction="mean",
-    temperature_squared=False, plain=False,
+    temperature_squared=False, plain=False, teacher_logits=None,
 ):
     """float64 loss, differentiable w.r.t. xs, ws and student_bias; also returns (soft, hard).
 
     plain=True is instead what a user would write in plain torch: GEMMs in the input dtype, the loss
-    math in fp32 — the baseline whose error the fused op must match.
+    math in fp32 — the baseline whose error the fused op must match. teacher_logits (..., Vt), when
+    given, replaces xt @ wt^T (xt, wt are then ignored).
     """
     v = ws.shape[0]
     up = (lambda x: x) if plain else (lambda x: x.double())
     logits_s = up(xs) @ up(ws).T
-    logits_t = up(xt) @ up(wt)[:v].T
+    if teacher_logits is not None:
+        logits_t = up(teacher_logits)[..., :v]
+    else:
+        logits_t = up(xt) @ up(wt)[:v].T
     if student_bias is not None:
         logits_s = logits_s + up(student_bias)
     if teacher_bias is not None:
@@ -33,25 +37,74 @@ def distill_loss(
     q = torch.softmax(logits_s / temperature, -1)
     p = torch.softmax(logits_t / temperature, -1)
 
+    if loss == "cosine":
+        soft = beta * (1 - F.cosine_similarity(logits_s, logits_t, dim=-1))
+    else:
+        soft = _divergence(q, p, loss, beta)
+    if temperature_squared:
+        soft = soft * temperature**2
+
+    return _reduce(soft, logits_s, labels, ignore_index, reduction, weight_hard_loss, weight_soft_loss)
+
+
+def topk_loss(
+    xs, ws, ids, logprobs, labels=None, *, loss="forward_kl", tail="bucket", beta=0.5, temperature=1.0,
+    weight_hard_loss=0.0, weight_soft_loss=1.0, ignore_index=-100, student_bias=None, reduction="mean",
+    temperature_squared=False,
+):
+    """float64 loss of a sparse teacher, row by row from the definition: the categories are the used
+    ids (+ the rest of the vocab for tail="bucket"), probabilities summed explicitly."""
+    v = ws.shape[0]
+    logits_s = xs.double() @ ws.double().T
+    if student_bias is not None:
+        logits_s = logits_s + student_bias.double()
+    logits_s = logits_s.reshape(-1, v)
+    q = torch.softmax(logits_s / temperature, -1)
+    ids = ids.reshape(-1, ids.shape[-1])
+    logprobs = logprobs.reshape(ids.shape).double()
+    soft = []
+    for r in range(q.shape[0]):
+        slots = [j for j in range(ids.shape[1]) if ids[r, j] >= 0]
+        on = [int(ids[r, j]) for j in slots]
+        q_ids = q[r, on]
+        p_ids = logprobs[r, slots].exp()
+        if tail == "bucket":
+            rest = torch.ones(v, dtype=torch.bool)
+            rest[on] = False
+            if rest.any():
+                q_ids = torch.cat([q_ids, q[r, rest].sum().reshape(1)])
+                p_ids = torch.cat([p_ids, (1 - p_ids.sum()).clamp_min(0).reshape(1)])
+        elif not on:  # renormalize without teacher ids: no information, loss 0
+            soft.append(q[r].sum() * 0)
+            continue
+        else:
+            q_ids = q_ids / q_ids.sum()
+        soft.append(_divergence(q_ids, p_ids / p_ids.sum(), loss, beta))
+    soft = torch.stack(soft) if soft else q.new_zeros(0)
+    if temperature_squared:
+        soft = soft * temperature**2
+    return _reduce(soft, logits_s, labels, ignore_index, reduction, weight_hard_loss, weight_soft_loss)
+
+
+def _divergence(q, p, loss, beta):
+    """The soft term between distributions q (student) and p (teacher) over the last dim."""
+
     def kl(a, b):  # Σ a log(a / b)
         return (torch.xlogy(a, a) - torch.xlogy(a, b)).sum(-1)
 
     if loss == "forward_kl" or (loss == "jsd" and beta == 0):
-        soft = kl(p, q)
-    elif loss == "reverse_kl" or (loss == "jsd" and beta == 1):
-        soft = kl(q, p)
-    elif loss == "jsd":
+        return kl(p, q)
+    if loss == "reverse_kl" or (loss == "jsd" and beta == 1):
+        return kl(q, p)
+    if loss == "jsd":
         m = beta * p + (1 - beta) * q
-        soft = beta * kl(p, m) + (1 - beta) * kl(q, m)
-    elif loss == "tvd":
-        soft = 0.5 * (q - p).abs().sum(-1)
-    elif loss == "cosine":
-        soft = beta * (1 - F.cosine_similarity(logits_s, logits_t, dim=-1))
-    else:
-        raise AssertionError(loss)
-    if temperature_squared:
-        soft = soft * temperature**2
+        return beta * kl(p, m) + (1 - beta) * kl(q, m)
+    if loss == "tvd":
+        return 0.5 * (q - p).abs().sum(-1)
+    raise AssertionError(loss)
 
+
+def _reduce(soft, logits_s, labels, ignore_index, reduction, weight_hard_loss, weight_soft_loss):
     if labels is None:
         valid = torch.ones(soft.shape, dtype=torch.bool)
         hard = torch.zeros_like(soft)

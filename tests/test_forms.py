@@ -1,0 +1,323 @@
+"""The teacher's other input forms against the float64 oracle: top-k (sparse), dense logits, teacher_topk."""
+
+import itertools
+import math
+
+import pytest
+import torch
+
+import flashkd
+from conftest import BACKENDS
+from oracle import distill_loss, topk_loss
+
+V, HS, HT, K = 37, 11, 6, 7  # odd sizes; V spans several kernel tiles only under the kernel tests' own V
+
+
+def rel_err(a, b):
+    return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30)).item()
+
+
+def make_student(lead, dtype, *, bias=False, ignore="some", ignore_index=-100):
+    xs = torch.randn(*lead, HS, dtype=dtype, requires_grad=True)
+    ws = (0.5 * torch.randn(V, HS, dtype=dtype)).requires_grad_()
+    bs = (0.3 * torch.randn(V, dtype=dtype)).requires_grad_() if bias else None
+    labels = torch.randint(0, V, lead)
+    if ignore == "some":
+        labels[torch.rand(lead) < 0.3] = ignore_index
+        labels.view(-1)[0] = ignore_index
+    elif ignore == "all":
+        labels.fill_(ignore_index)
+    return xs, ws, bs, labels
+
+
+def make_topk(lead, k=K, *, temperature=1.0, unused=True):
+    """Targets as a teacher would give them: top-k of random logits at τ, slots shuffled, some slots
+    unused (id −1 with −inf or junk log-prob), one row with no used slot at all."""
+    logits = 2.0 * torch.randn(*lead, V, dtype=torch.float64)
+    ids, logprobs = flashkd.teacher_topk(logits, torch.eye(V, dtype=torch.float64), k, temperature=temperature)
+    perm = torch.argsort(torch.rand(*lead, k), -1)
+    ids, logprobs = ids.gather(-1, perm), logprobs.gather(-1, perm)
+    if unused:
+        drop = torch.rand(*lead, k) < 0.25
+        ids = ids.masked_fill(drop, -1)
+        junk = torch.where(torch.rand(*lead, k) < 0.5, -math.inf, 0.7)  # anything goes in an unused slot
+        logprobs = torch.where(drop, junk.to(logprobs.dtype), logprobs)
+        ids.view(-1, k)[-1] = -1
+    return ids, logprobs
+
+
+def check_topk(backend, dtype, lead, *, tol, bias=False, ignore="some", chunk_size=None, k=K, unused=True,
+               **options):
+    ignore_index = options.get("ignore_index", -100)
+    xs, ws, bs, labels = make_student(lead, dtype, bias=bias, ignore=ignore, ignore_index=ignore_index)
+    ids, logprobs = make_topk(lead, k, temperature=options.get("temperature", 1.0), unused=unused)
+    logprobs = logprobs.to(dtype)
+    loss, soft, hard = flashkd.fused_linear_distill_topk(
+        xs, ws, ids, logprobs, labels, student_bias=bs, chunk_size=chunk_size, backend=backend,
+        return_soft_hard_loss=True, **options,
+    )
+    leaves = [xs, ws] + ([bs] if bias else [])
+    grads = torch.autograd.grad(loss, leaves)
+    ref_leaves = [x.detach().double().requires_grad_() for x in leaves]
+    ref = topk_loss(ref_leaves[0], ref_leaves[1], ids, logprobs, labels, student_bias=ref_leaves[2] if bias else None,
+                    **options)
+    ref_grads = torch.autograd.grad(ref[0], ref_leaves, allow_unused=True)
+    assert loss.dim() == 0 and torch.isfinite(loss)
+    for name, got, want in zip(("loss", "soft", "hard"), (loss, soft, hard), ref):
+        assert abs(got.item() - want.item()) <= tol * max(abs(want.item()), 1.0), (name, got.item(), want.item())
+    for name, g, rg, x in zip(("dXs", "dWs", "dbs"), grads, ref_grads, leaves):
+        assert g.shape == x.shape and g.dtype == x.dtype and torch.isfinite(g).all(), name
+        if rg.abs().max() == 0:
+            assert g.abs().max() == 0, name
+        else:
+            assert rel_err(g, rg) <= tol, (name, rel_err(g, rg))
+    if ignore != "none":
+        ignored = (labels == ignore_index).reshape(-1)
+        assert grads[0].reshape(-1, HS)[ignored].abs().max() == 0
+
+
+def _tolerance(backend):
+    # torch backend in float64: exact up to rounding; the kernel computes in fp32 whatever the input
+    return (torch.float64, 1e-9) if backend == "torch" else (torch.float32, 2e-5)
+
+
+# Every loss × tail × τ × weights; bias, shape, reduction and ignore pattern cycle through the cases.
+TOPK_GRID = [
+    (loss, tail, tau, weights, i)
+    for i, (loss, tail, tau, weights) in enumerate(
+        itertools.product(
+            ["forward_kl", "reverse_kl", "jsd", "tvd"],
+            ["bucket", "renormalize"],
+            [1.0, 0.6, 2.3],
+            [(0.0, 1.0), (0.4, 0.7)],
+        )
+    )
+]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("loss,tail,tau,weights,i", TOPK_GRID)
+def test_topk_matches_oracle(backend, loss, tail, tau, weights, i, seed):
+    dtype, tol = _tolerance(backend)
+    check_topk(
+        backend, dtype, [(23,), (3, 7)][i % 2], tol=tol, bias=i % 3 == 0, ignore=["some", "none", "all"][i % 3],
+        chunk_size=[None, 5][i % 2], loss=loss, tail=tail, temperature=tau, weight_hard_loss=weights[0],
+        weight_soft_loss=weights[1], beta=0.35, reduction=["mean", "sum"][(i // 2) % 2],
+    )
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("tail", ["bucket", "renormalize"])
+@pytest.mark.parametrize(
+    "options",
+    [
+        dict(loss="jsd", beta=0.0),
+        dict(loss="jsd", beta=1.0),
+        dict(loss="forward_kl", temperature_squared=True, temperature=2.0),
+        dict(loss="tvd", ignore_index=5, weight_hard_loss=1.0),
+        dict(loss="jsd", weight_hard_loss=0.0, weight_soft_loss=0.0),
+        dict(loss="forward_kl", weight_hard_loss=1.0, weight_soft_loss=0.0),
+    ],
+)
+def test_topk_options(backend, tail, options, seed):
+    dtype, tol = _tolerance(backend)
+    check_topk(backend, dtype, (19,), tol=tol, tail=tail, **options)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("loss", ["forward_kl", "jsd", "reverse_kl", "tvd"])
+def test_topk_covering_the_vocab_is_the_dense_loss(backend, loss, seed):
+    """K = V, every slot used: the bucket is empty and the loss is the dense one on the teacher's logits."""
+    dtype, tol = _tolerance(backend)
+    check_topk(backend, dtype, (9,), tol=tol, k=V, unused=False, loss=loss, tail="bucket")
+    xs, ws, _, labels = make_student((9,), dtype)
+    logits_t = torch.randn(9, V, dtype=dtype)
+    ids, logprobs = flashkd.teacher_topk(logits_t, torch.eye(V, dtype=dtype), V)
+    options = dict(loss=loss, weight_hard_loss=0.3, weight_soft_loss=0.7, backend=backend)
+    sparse = flashkd.fused_linear_distill_topk(xs, ws, ids, logprobs, labels, **options)
+    dense = flashkd.fused_linear_distill_logits(xs, ws, logits_t, labels, **options)
+    assert abs(sparse.item() - dense.item()) <= tol * max(abs(dense.item()), 1.0)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_topk_without_labels_and_edge_rows(backend, seed):
+    dtype, tol = _tolerance(backend)
+    xs, ws, _, _ = make_student((1,), dtype)  # N = 1
+    ids, logprobs = make_topk((1,), unused=False)
+    loss = flashkd.fused_linear_distill_topk(xs, ws, ids, logprobs, backend=backend)
+    ref = topk_loss(xs.detach(), ws.detach(), ids, logprobs)[0]
+    assert abs(loss.item() - ref.item()) <= tol * max(ref.item(), 1.0)
+    # grad_output 0 and negative: finite, scaled
+    (g1,) = torch.autograd.grad(flashkd.fused_linear_distill_topk(xs, ws, ids, logprobs, backend=backend), [xs])
+    (g0,) = torch.autograd.grad(0 * flashkd.fused_linear_distill_topk(xs, ws, ids, logprobs, backend=backend), [xs])
+    (gn,) = torch.autograd.grad(-2.5 * flashkd.fused_linear_distill_topk(xs, ws, ids, logprobs, backend=backend), [xs])
+    assert g0.abs().max() == 0 and torch.allclose(gn, -2.5 * g1)
+    # N = 0
+    empty = flashkd.fused_linear_distill_topk(xs[:0], ws, ids[:0], logprobs[:0], backend=backend)
+    assert empty.item() == 0
+
+
+def test_topk_reverse_kl_is_infinite_when_the_teacher_has_no_tail(seed):
+    """p_rest = 0 (the teacher's K probabilities sum to 1) while q_rest > 0: KL(q‖p) is +inf, as defined."""
+    xs, ws, _, _ = make_student((2,), torch.float64)
+    ids = torch.tensor([[0, 1], [2, 3]])
+    logprobs = torch.log(torch.tensor([[0.5, 0.5], [0.25, 0.75]], dtype=torch.float64))
+    loss = flashkd.fused_linear_distill_topk(xs, ws, ids, logprobs, loss="reverse_kl")
+    assert loss.item() == math.inf
+    assert torch.isfinite(flashkd.fused_linear_distill_topk(xs, ws, ids, logprobs, loss="jsd"))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("ids_dtype", [torch.int32, torch.int64])
+def test_topk_dtypes(backend, ids_dtype, seed):
+    """int32 ids and log-probs of another float dtype than the student's are read as they are."""
+    xs, ws, _, labels = make_student((11,), torch.float32)
+    ids, logprobs = make_topk((11,))
+    a = flashkd.fused_linear_distill_topk(xs, ws, ids.to(ids_dtype), logprobs.to(torch.bfloat16), labels,
+                                          backend=backend)
+    b = flashkd.fused_linear_distill_topk(xs, ws, ids, logprobs.to(torch.bfloat16).float(), labels, backend=backend)
+    assert torch.allclose(a, b, rtol=1e-6)
+
+
+def test_topk_bad_input():
+    xs, ws, _, labels = make_student((4,), torch.float32)
+    ids, logprobs = make_topk((4,), unused=False)
+    run = flashkd.fused_linear_distill_topk
+    cases = [
+        (dict(teacher_ids=ids.masked_fill(ids == ids[0, 0], V)), ValueError, r"teacher_ids: expected ids in \[0, 37\) or -1"),
+        (dict(teacher_ids=ids.masked_fill(ids == ids[0, 0], -2)), ValueError, "teacher_ids: expected ids .* got -2"),
+        (dict(teacher_ids=torch.cat([ids[:, :1], ids[:, :-1]], 1)), ValueError, "teacher_ids: expected distinct ids"),
+        (dict(teacher_logprobs=logprobs[:, :-1]), ValueError, r"teacher_logprobs: expected shape \(4, 7\)"),
+        (dict(teacher_logprobs=logprobs.abs() + 0.1), ValueError, "teacher_logprobs: expected log-probabilities <= 0"),
+        (dict(teacher_logprobs=logprobs.masked_fill(ids == ids[1, 2], math.nan)), ValueError, "not NaN"),
+        (dict(teacher_ids=ids.float()), TypeError, "teacher_ids: expected an integer dtype"),
+        (dict(teacher_logprobs=logprobs.long()), TypeError, "teacher_logprobs: expected a floating dtype"),
+        (dict(teacher_ids=ids[:3], teacher_logprobs=logprobs[:3]), ValueError, r"teacher_ids: expected leading dims \(4,\)"),
+        (dict(teacher_ids=ids[:, :0], teacher_logprobs=logprobs[:, :0]), ValueError, "K >= 1"),
+        (dict(loss="cosine"), ValueError, "loss: expected one of 'jsd', 'forward_kl', 'reverse_kl', 'tvd'"),
+        (dict(tail="drop"), ValueError, "tail: expected 'bucket' or 'renormalize', got 'drop'"),
+        (dict(teacher_ids=ids.tolist()), TypeError, "teacher_ids: expected a torch.Tensor"),
+    ]
+    for change, error, message in cases:
+        args = dict(teacher_ids=ids, teacher_logprobs=logprobs, loss="forward_kl", tail="bucket")
+        args.update(change)
+        with pytest.raises(error, match=message):
+            run(xs, ws, args.pop("teacher_ids"), args.pop("teacher_logprobs"), labels, **args)
+    # on request the value checks are skipped (as on GPU): an out-of-range id gives NaN, not a bad read
+    bad = ids.masked_fill(ids == ids[0, 0], V + 5)
+    out = run(xs, ws, bad, logprobs, check_teacher=False, reduction="sum", return_soft_hard_loss=True)
+    assert math.isnan(out[1].item())
+
+
+# ------------------------------------------------------------------------------------------ dense logits
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("loss", ["jsd", "forward_kl", "reverse_kl", "tvd", "cosine"])
+@pytest.mark.parametrize("layout", ["contiguous", "padded", "row-strided", "3-d"])
+def test_logits_matches_oracle(backend, loss, layout, seed):
+    dtype, tol = _tolerance(backend)
+    lead = (3, 5) if layout == "3-d" else (17,)
+    xs, ws, bs, labels = make_student(lead, dtype, bias=layout == "padded")
+    if layout == "padded":  # a padded teacher head: columns >= V are dropped
+        logits_t = torch.randn(*lead, V + 4, dtype=dtype)
+    elif layout == "row-strided":  # rows of a bigger buffer: read in place
+        logits_t = torch.randn(*lead, V + 9, dtype=dtype)[:, 3 : 3 + V]
+    else:
+        logits_t = torch.randn(*lead, V, dtype=dtype)
+    options = dict(loss=loss, beta=0.35, temperature=0.8, weight_hard_loss=0.3, weight_soft_loss=0.9)
+    loss_, soft, hard = flashkd.fused_linear_distill_logits(
+        xs, ws, logits_t, labels, student_bias=bs, backend=backend, chunk_size=4, return_soft_hard_loss=True,
+        **options,
+    )
+    leaves = [xs, ws] + ([bs] if bs is not None else [])
+    grads = torch.autograd.grad(loss_, leaves)
+    ref_leaves = [x.detach().double().requires_grad_() for x in leaves]
+    ref = distill_loss(ref_leaves[0], ref_leaves[1], None, None, labels, teacher_logits=logits_t,
+                       student_bias=ref_leaves[2] if bs is not None else None, **options)
+    ref_grads = torch.autograd.grad(ref[0], ref_leaves)
+    for name, got, want in zip(("loss", "soft", "hard"), (loss_, soft, hard), ref):
+        assert abs(got.item() - want.item()) <= tol * max(abs(want.item()), 1.0), (name, got.item(), want.item())
+    for name, g, rg in zip(("dXs", "dWs", "dbs"), grads, ref_grads):
+        assert rel_err(g, rg) <= tol, (name, rel_err(g, rg))
+
+
+def test_logits_bad_input():
+    xs, ws, _, labels = make_student((4,), torch.float32)
+    run = flashkd.fused_linear_distill_logits
+    cases = [
+        (torch.randn(4, V, dtype=torch.float64), TypeError, "teacher_logits: expected dtype torch.float32"),
+        (torch.randn(5, V), ValueError, r"teacher_logits: expected leading dims \(4,\)"),
+        (torch.randn(4, V - 1), ValueError, "teacher_logits: expected a vocab of at least 37"),
+        (torch.randn(V, 4).t(), None, None),  # column-major: read per chunk with a copy, fine
+        (torch.randn(2, 4, V).transpose(0, 1)[:, 0], None, None),
+        (torch.randn(4, 2, V).transpose(0, 1), ValueError, r"teacher_logits: expected leading dims \(4,\)"),
+        (torch.randn(()), ValueError, "teacher_logits: expected a tensor of shape"),
+    ]
+    for logits_t, error, message in cases:
+        if error is None:
+            ref = run(xs, ws, logits_t.contiguous(), labels)
+            assert torch.allclose(run(xs, ws, logits_t, labels), ref)
+        else:
+            with pytest.raises(error, match=message):
+                run(xs, ws, logits_t, labels)
+    xs3 = torch.randn(2, 3, HS)
+    t3 = torch.randn(3, 2, V).transpose(0, 1)  # leading dims that cannot flatten without a copy
+    with pytest.raises(ValueError, match="teacher_logits: expected leading dims that flatten without a copy"):
+        run(xs3, ws, t3, weight_hard_loss=0.0)
+
+
+# ----------------------------------------------------------------------------------------- teacher_topk
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_teacher_topk(backend, temperature, seed):
+    x = torch.randn(3, 9, HT)
+    w = torch.randn(V + 3, HT)
+    b = torch.randn(V + 3)
+    ids, logprobs = flashkd.teacher_topk(x, w, 5, temperature=temperature, teacher_bias=b, vocab_size=V,
+                                         chunk_size=4, backend=backend)
+    assert ids.shape == (3, 9, 5) and ids.dtype == torch.int64 and logprobs.dtype == torch.float32
+    ref = torch.log_softmax((x.double() @ w[:V].double().T + b[:V].double()) / temperature, -1)
+    top = ref.topk(5, -1)
+    assert torch.equal(ids, top.indices)
+    assert (logprobs.double() - top.values).abs().max() < 1e-5
+    assert (logprobs[..., :-1] >= logprobs[..., 1:]).all()
+
+
+def test_teacher_topk_bad_input():
+    x, w = torch.randn(4, HT), torch.randn(V, HT)
+    cases = [
+        (dict(k=0), "k: expected an int in"),
+        (dict(k=V + 1), r"k: expected an int in \[1, 37\]"),
+        (dict(vocab_size=V + 1), "vocab_size: expected an int in"),
+        (dict(temperature=0.0), "temperature: expected a float > 0"),
+        (dict(teacher_bias=torch.randn(V - 1)), r"teacher_bias: expected shape \(37,\)"),
+        (dict(teacher_input=torch.randn(4, HT + 1)), "teacher_input: expected shape"),
+        (dict(teacher_weight=torch.randn(V, HT, dtype=torch.float64)), "teacher_weight: expected dtype torch.float32"),
+        (dict(chunk_size=0), "chunk_size: expected a positive int"),
+    ]
+    for change, message in cases:
+        args = dict(teacher_input=x, teacher_weight=w, k=3)
+        args.update(change)
+        with pytest.raises((ValueError, TypeError), match=message):
+            flashkd.teacher_topk(args.pop("teacher_input"), args.pop("teacher_weight"), args.pop("k"), **args)
+
+
+# ------------------------------------------------------------------------------------------------- backward
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_backward_twice_with_retained_graph(backend, seed):
+    """Backward scales the saved grads in place unless the graph is kept: a second backward through a
+    retained graph must still see them unscaled."""
+    xs, ws, _, labels = make_student((13,), torch.float32)
+    ids, logprobs = make_topk((13,))
+    loss = flashkd.fused_linear_distill_topk(xs, ws, ids, logprobs, labels, backend=backend)
+    (once,) = torch.autograd.grad(loss, [xs], retain_graph=True)
+    (scaled,) = torch.autograd.grad(3.0 * loss, [xs], retain_graph=True)
+    (last,) = torch.autograd.grad(loss, [xs])
+    assert torch.allclose(scaled, 3.0 * once) and torch.equal(last, once)
+    with pytest.raises(RuntimeError):  # the graph is freed now, as for any autograd op
+        torch.autograd.grad(loss, [xs])
