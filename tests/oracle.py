@@ -63,13 +63,13 @@ def topk_loss(
     ids = ids.reshape(-1, ids.shape[-1])
     logprobs = logprobs.reshape(ids.shape).double()
     soft = []
-    for r in range(q.shape[0]):
-        slots = [j for j in range(ids.shape[1]) if ids[r, j] >= 0]
-        on = [int(ids[r, j]) for j in slots]
+    for r, row in enumerate(ids.tolist()):
+        slots = [j for j, i in enumerate(row) if i >= 0]
+        on = [row[j] for j in slots]
         q_ids = q[r, on]
         p_ids = logprobs[r, slots].exp()
         if tail == "bucket":
-            rest = torch.ones(v, dtype=torch.bool)
+            rest = torch.ones(v, dtype=torch.bool, device=q.device)
             rest[on] = False
             if rest.any():
                 q_ids = torch.cat([q_ids, q[r, rest].sum().reshape(1)])
