@@ -114,13 +114,14 @@ def test_non_contiguous_inputs(backend):
     assert torch.allclose(ws_t.grad.double(), ref_w, rtol=1e-4, atol=1e-6)
 
 
-@pytest.mark.parametrize("grad_output", [0.0, -2.5, 3.0])
-def test_grad_output_scales(grad_output):
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("grad_output", [0.0, -2.5, 3.0, 1.0])
+def test_grad_output_scales(grad_output, backend):
     xs, ws, xt, wt, y = inputs()
-    loss = flashkd.fused_linear_distill(xs, ws, xt, wt, y)
+    loss = flashkd.fused_linear_distill(xs, ws, xt, wt, y, backend=backend)
     dx, dw = torch.autograd.grad(loss, (xs, ws))
     xs.grad = ws.grad = None
-    (loss2 := flashkd.fused_linear_distill(xs, ws, xt, wt, y)).backward(torch.tensor(grad_output))
+    (loss2 := flashkd.fused_linear_distill(xs, ws, xt, wt, y, backend=backend)).backward(torch.tensor(grad_output))
     assert torch.equal(xs.grad, dx * grad_output) and torch.equal(ws.grad, dw * grad_output)
     assert torch.isfinite(loss2)
 

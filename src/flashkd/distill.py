@@ -249,6 +249,7 @@ class _FusedDistill(torch.autograd.Function):
         loss, soft, hard, dxs, dws, dbs = _chunk_loop(xs, ws, bs, y, teacher, plan, want_dx, want_dw, want_db)
         ctx.save_for_backward(dxs, dws, dbs)
         ctx.num_teacher = len(teacher)
+        ctx.backend = plan.backend
         ctx.mark_non_differentiable(soft, hard)
         return loss, soft, hard
 
@@ -259,10 +260,14 @@ class _FusedDistill(torch.autograd.Function):
         # saved grads are ours alone and freed after this call unless the graph is kept for another
         # backward: only then must they stay unscaled, and the scaled grads be new tensors.
         keep = getattr(torch._C._autograd, "_get_current_graph_task_keep_graph", lambda: True)()
-        grads = tuple(
-            None if g is None else g * grad_loss.to(g.dtype) if keep else g.mul_(grad_loss.to(g.dtype))
-            for g in ctx.saved_tensors
-        )
+        if keep:
+            grads = tuple(None if g is None else g * grad_loss.to(g.dtype) for g in ctx.saved_tensors)
+        elif ctx.backend == "triton":
+            from .backends import triton_rows
+
+            grads = tuple(None if g is None else triton_rows.scale_(g, grad_loss) for g in ctx.saved_tensors)
+        else:
+            grads = tuple(None if g is None else g.mul_(grad_loss.to(g.dtype)) for g in ctx.saved_tensors)
         return (*grads, None, None, *(None,) * ctx.num_teacher)
 
 
