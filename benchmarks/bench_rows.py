@@ -1,7 +1,9 @@
-"""The row kernel alone: ms per block and effective bandwidth, for each loss, bf16, V = 128256.
+"""The row kernels alone: ms per block and effective bandwidth, for each loss, bf16, V = 128256.
 
 Bytes counted as the kernel's minimum traffic: one read of s and t and one write of dS (grad), or one
-read of s and t (no grad). Usage: python benchmarks/bench_rows.py [--rows 8192] [--vocab 128256]
+read of s and t (no grad); for a top-k teacher (K = 64) one read of s and one write of dS, or one read.
+Then the two halves of teacher_topk on a block of logits: torch.topk and the row logsumexp.
+Usage: python benchmarks/bench_rows.py [--rows 8192] [--vocab 128256] [--loss ...] [--k 64]
 """
 
 import argparse
@@ -9,7 +11,7 @@ import argparse
 import torch
 import triton
 
-from flashkd.backends import triton_rows
+from flashkd.backends import triton_rows, triton_topk
 from flashkd.losses import LossSpec
 
 
@@ -21,6 +23,7 @@ def main():
                     help="BLOCK_VxNUM_WARPS tile configurations to compare, e.g. 4096x16 1024x4")
     ap.add_argument("--loss", nargs="+", default=["jsd", "forward_kl", "reverse_kl", "tvd", "cosine"])
     ap.add_argument("--temperature", type=float, default=1.0)
+    ap.add_argument("--k", type=int, default=64)
     args = ap.parse_args()
     r, v = args.rows, args.vocab
     s0 = torch.randn(r, v, device="cuda", dtype=torch.bfloat16) * 3
@@ -42,6 +45,27 @@ def main():
                 nbytes = (3 if grad else 2) * s.numel() * 2
                 print(f"{loss:<12}{str(grad):>6}{w_hard:>8}{config:>9}{ms:>9.3f}{nbytes / ms / 1e6:>8.0f}")
                 s.copy_(s0)
+
+    # top-k teacher: ids / log-probs of the block's t, shuffled slots
+    lp_full = torch.log_softmax(t.float() / args.temperature, -1)
+    top = lp_full.topk(args.k, -1)
+    ids, logprobs = top.indices, top.values
+    del lp_full
+    for loss in ("forward_kl", "jsd"):
+        for tail in ("bucket", "renormalize"):
+            for grad, w_hard in ((True, 0.0), (True, 0.5), (False, 0.0)):
+                spec = LossSpec(loss=loss, beta=0.5, weight_hard=w_hard, weight_soft=1.0, want_hard=w_hard != 0,
+                                temperature=args.temperature, tail=tail)
+                ms = triton.testing.do_bench(
+                    lambda: (s.copy_(s0), triton_topk.topk_rows(s, (ids, logprobs), y, spec, scale, grad)), rep=200)
+                ms -= copy_ms  # the copy restores the −inf the stats kernel writes over the ids
+                nbytes = (3 if grad else 1) * s.numel() * 2
+                print(f"{'topk-' + loss + '-' + tail:<28}{str(grad):>6}{w_hard:>8}{ms:>9.3f}{nbytes / ms / 1e6:>8.0f}")
+    s.copy_(s0)
+    ms = triton.testing.do_bench(lambda: torch.topk(s, args.k, dim=-1), rep=200)
+    print(f"teacher_topk parts: torch.topk k={args.k}: {ms:.3f} ms", end="; ")
+    ms = triton.testing.do_bench(lambda: triton_topk.row_logsumexp(s, args.temperature), rep=200)
+    print(f"row_logsumexp: {ms:.3f} ms ({s.numel() * 2 / ms / 1e6:.0f} GB/s)")
 
 
 if __name__ == "__main__":
