@@ -286,6 +286,26 @@ def test_teacher_topk(backend, temperature, seed):
     assert (logprobs[..., :-1] >= logprobs[..., 1:]).all()
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_teacher_topk_with_ties(backend, dtype, seed):
+    """Low-precision logits tie often: any of the tied ids may be chosen, but every chosen logit is at
+    least every other one, the ids are distinct, and the log-probs are the float64 log-softmax."""
+    k, n = 9, 6
+    x = torch.randn(n, V, dtype=torch.float64)
+    x[0] = 0.0  # one value everywhere
+    x[1, ::2] = x[1].max()  # the max many times over
+    x[2, 5:] = -1e4  # masked after 5 ids (not −inf: the GEMM with the identity would make 0 · −inf)
+    x = x.to(dtype)
+    ids, logprobs = flashkd.teacher_topk(x, torch.eye(V, dtype=dtype), k, temperature=0.9, backend=backend)
+    chosen = x.gather(1, ids).double()
+    others = x.double().scatter(1, ids, -math.inf)
+    assert (chosen.min(1).values >= others.max(1).values).all()
+    assert all(len(set(row.tolist())) == k for row in ids)
+    truth = torch.log_softmax(x.double() / 0.9, -1).gather(1, ids)
+    assert ((logprobs.double() - truth).abs() <= 1e-5 * truth.abs().clamp_min(1.0)).all()
+
+
 def test_teacher_topk_bad_input():
     x, w = torch.randn(4, HT), torch.randn(V, HT)
     cases = [

@@ -67,16 +67,16 @@ def teacher_topk(
     for start in range(0, n, chunk):
         c = slice(start, min(start + chunk, n))
         logits = x[c] @ w.t() if b is None else torch.addmm(b, x[c], w.t())
-        top, ids[c] = torch.topk(logits, k, dim=-1)
-        logprobs[c] = top.to(work) / temperature - _logsumexp(logits, temperature, backend)[:, None]
+        ids[c], logprobs[c] = _topk(logits, k, temperature, backend)
         del logits
     return ids.reshape(*lead, k), logprobs.reshape(*lead, k)
 
 
-def _logsumexp(logits, temperature, backend):
-    """Row logsumexp of logits/τ in fp32 (fp64 for fp64 logits)."""
-    if backend == "triton":
+def _topk(logits, k, temperature, backend):
+    if backend == "triton" and logits.dtype != torch.float64:
         from .backends import triton_topk
 
-        return triton_topk.row_logsumexp(logits, temperature)
-    return torch.logsumexp(logits.to(torch.promote_types(logits.dtype, torch.float32)) / temperature, dim=-1)
+        return triton_topk.row_topk(logits, k, temperature)  # one kernel: 3 reads of the logits in bf16
+    work = torch.promote_types(logits.dtype, torch.float32)
+    top, ids = torch.topk(logits, k, dim=-1)
+    return ids, top.to(work) / temperature - torch.logsumexp(logits.to(work) / temperature, dim=-1, keepdim=True)

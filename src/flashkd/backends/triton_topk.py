@@ -1,4 +1,4 @@
-"""The Triton row backend for a sparse (top-k) teacher: `topk_rows`, and `row_logsumexp` for teacher_topk.
+"""The Triton row backend for a sparse (top-k) teacher: `topk_rows`; and `row_topk` for teacher_topk.
 
 Contract: `flashkd.backends`, t = (ids, logprobs); results of `torch_rows.topk_rows` (autograd of
 `flashkd.losses.topk_row_losses`). The loss lives on K (+ 1) categories, so the work splits into two
@@ -40,7 +40,7 @@ _LN2 = math.log(2.0)
 @triton.jit
 def _stats_kernel(
     s_ptr,  # (R, V) student logits; −inf written over the ids when STREAM
-    ids_ptr,  # (R, K) int32 / int64 ids, −1 unused (not read unless IDS)
+    ids_ptr,  # (R, K) int32 / int64 ids, −1 unused
     s_k_ptr,  # (R, K) fp32 out: s at the ids, −inf in unused slots
     m_ptr,  # (R,) fp32 out: max of s off the ids (−3e38 if none)
     l_tau_ptr,  # (R,) fp32 out: log2 Σ_off-ids 2^((s − m)·log2(e)/τ)
@@ -48,7 +48,6 @@ def _stats_kernel(
     V,
     K,
     log2e_tau,
-    IDS: tl.constexpr,
     STREAM: tl.constexpr,  # stream the row (else only gather)
     ONE: tl.constexpr,  # also the sum at τ = 1 (the CE's, when τ ≠ 1)
     BLOCK_V: tl.constexpr,
@@ -56,15 +55,14 @@ def _stats_kernel(
 ):
     row = tl.program_id(0)
     s_row = s_ptr + row.to(tl.int64) * V
-    if IDS:
-        kk = tl.arange(0, BLOCK_K)
-        ids = tl.load(ids_ptr + row.to(tl.int64) * K + kk, mask=kk < K, other=-1).to(tl.int64)
-        used = (ids >= 0) & (ids < V)
-        s_k = tl.load(s_row + tl.where(used, ids, 0), mask=used, other=-float("inf")).to(tl.float32)
-        tl.store(s_k_ptr + row.to(tl.int64) * K + kk, s_k, mask=kk < K)
-        if STREAM:
-            tl.store(s_row + ids, tl.full([BLOCK_K], -float("inf"), tl.float32).to(s_row.dtype.element_ty), mask=used)
-            tl.debug_barrier()  # the row's other threads read those columns below
+    kk = tl.arange(0, BLOCK_K)
+    ids = tl.load(ids_ptr + row.to(tl.int64) * K + kk, mask=kk < K, other=-1).to(tl.int64)
+    used = (ids >= 0) & (ids < V)
+    s_k = tl.load(s_row + tl.where(used, ids, 0), mask=used, other=-float("inf")).to(tl.float32)
+    tl.store(s_k_ptr + row.to(tl.int64) * K + kk, s_k, mask=kk < K)
+    if STREAM:
+        tl.store(s_row + ids, tl.full([BLOCK_K], -float("inf"), tl.float32).to(s_row.dtype.element_ty), mask=used)
+        tl.debug_barrier()  # the row's other threads read those columns below
     if STREAM:
         cols = tl.arange(0, BLOCK_V)
         m = tl.full([BLOCK_V], _M_START, tl.float32)
@@ -175,7 +173,7 @@ def topk_rows(s, t, labels, spec: LossSpec, scale: torch.Tensor, grad: bool):
     block_k = triton.next_power_of_2(K)
     _stats_kernel[(R,)](
         s, ids, s_k, m, l_tau, l_one, V, K, math.log2(math.e) / tau,
-        IDS=True, STREAM=stream, ONE=one, BLOCK_V=triton_rows.BLOCK_V, BLOCK_K=block_k,
+        STREAM=stream, ONE=one, BLOCK_V=triton_rows.BLOCK_V, BLOCK_K=block_k,
         num_warps=triton_rows.NUM_WARPS,
     )
 
@@ -224,15 +222,102 @@ def topk_rows(s, t, labels, spec: LossSpec, scale: torch.Tensor, grad: bool):
     return soft, hard
 
 
-def row_logsumexp(x: torch.Tensor, temperature: float) -> torch.Tensor:
-    """logsumexp(x / τ) per row of a contiguous (R, V) tensor, in fp32, with one read of x."""
+# ------------------------------------------------------------------------------------------ teacher top-k
+
+
+@triton.jit
+def _order_key(x, KEY_BITS: tl.constexpr):
+    """An unsigned integer that orders like the float x: sign bit flipped for x >= 0, all bits for x < 0."""
+    if KEY_BITS == 16:
+        u = x.to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
+        return tl.where(u >= 0x8000, u ^ 0xFFFF, u | 0x8000)
+    else:
+        u = x.to(tl.int32, bitcast=True).to(tl.int64) & 0xFFFFFFFF
+        return tl.where(u >= 0x80000000, u ^ 0xFFFFFFFF, u | 0x80000000)
+
+
+@triton.jit
+def _topk_kernel(
+    x_ptr,  # (R, V) logits, bf16 / fp16 / fp32
+    ids_ptr,  # (R, k) int64 out, unordered
+    vals_ptr,  # (R, k) out, x's dtype
+    lse_ptr,  # (R,) fp32 out: logsumexp(x / τ)
+    V,
+    k,
+    log2e_tau,
+    KEY_BITS: tl.constexpr,  # 16 for bf16 / fp16, 32 for fp32
+    BLOCK_V: tl.constexpr,
+):
+    """Radix select, one program per row: the k-th largest key found 8 bits at a time (a 256-bin
+    histogram per pass over the row, restricted to the keys that share the digits found so far), then
+    one pass that keeps the keys above it and as many equal to it as needed. The first pass also takes
+    the row's logsumexp. bf16 / fp16: 3 passes; fp32: 5. Exact, whatever the ties."""
+    row = tl.program_id(0)
+    x_row = x_ptr + row.to(tl.int64) * V
+    cols = tl.arange(0, BLOCK_V)
+    bins = tl.arange(0, 256)
+    m = tl.full([BLOCK_V], _M_START, tl.float32)
+    l = tl.zeros([BLOCK_V], tl.float32)
+    prefix = tl.full([], 0, tl.int64)  # the digits of the k-th largest key found so far
+    need = k  # how many of the k largest have the key prefix found so far
+    for level in tl.static_range(KEY_BITS // 8):
+        shift: tl.constexpr = KEY_BITS - 8 * (level + 1)
+        hist = tl.zeros([256], tl.int32)
+        for start in range(0, V, BLOCK_V):
+            offs = start + cols
+            mask = offs < V
+            x = tl.load(x_row + offs, mask=mask, other=0.0)
+            key = _order_key(x, KEY_BITS)
+            if level == 0:
+                a = tl.where(mask, x.to(tl.float32), -float("inf"))
+                l = triton_rows._lane_sum(l, m, a, log2e_tau)
+                m = tl.maximum(m, a)
+            else:
+                mask = mask & ((key >> (shift + 8)).to(tl.int64) == prefix)
+            hist += tl.histogram(((key >> shift) & 0xFF).to(tl.int32), 256, mask=mask)
+        # the digit: the largest bin with at least `need` keys at or above it
+        at_or_above = tl.sum(hist, 0) - tl.cumsum(hist, 0) + hist
+        digit = tl.max(tl.where(at_or_above >= need, bins, -1), 0)
+        need -= tl.sum(tl.where(bins == digit, at_or_above - hist, 0), 0)
+        prefix = (prefix << 8) | digit.to(tl.int64)
+    m_row = tl.max(m, 0)
+    l_row = tl.sum(l * tl.exp2((m - m_row) * log2e_tau), 0)
+    tl.store(lse_ptr + row, (m_row * log2e_tau + tl.log2(l_row)) * 0.6931471805599453)
+
+    out = row.to(tl.int64) * k
+    n_above = 0
+    n_equal = 0
+    for start in range(0, V, BLOCK_V):
+        offs = start + cols
+        mask = offs < V
+        x = tl.load(x_row + offs, mask=mask, other=0.0)
+        key = _order_key(x, KEY_BITS).to(tl.int64)
+        above = mask & (key > prefix)
+        equal = mask & (key == prefix)
+        if tl.sum((above | equal).to(tl.int32), 0) > 0:  # most tiles hold none of the k
+            pos = n_above + tl.cumsum(above.to(tl.int32), 0) - 1
+            tl.store(ids_ptr + out + pos, offs.to(tl.int64), mask=above)
+            tl.store(vals_ptr + out + pos, x, mask=above)
+            pos = (k - need) + n_equal + tl.cumsum(equal.to(tl.int32), 0) - 1
+            take = equal & (pos < k)
+            tl.store(ids_ptr + out + pos, offs.to(tl.int64), mask=take)
+            tl.store(vals_ptr + out + pos, x, mask=take)
+            n_above += tl.sum(above.to(tl.int32), 0)
+            n_equal += tl.sum(equal.to(tl.int32), 0)
+
+
+def row_topk(x: torch.Tensor, k: int, temperature: float):
+    """The k largest entries per row of a contiguous (R, V) bf16 / fp16 / fp32 tensor and their
+    log-probs log softmax(x/τ): (ids (R, k) int64, logprobs (R, k) fp32), sorted by decreasing value."""
     R, V = x.shape
-    m = torch.empty(R, device=x.device, dtype=torch.float32)
-    l_tau = torch.empty_like(m)
+    ids = torch.empty(R, k, dtype=torch.int64, device=x.device)
+    vals = torch.empty(R, k, dtype=x.dtype, device=x.device)
+    lse = torch.empty(R, dtype=torch.float32, device=x.device)
     if R:
-        _stats_kernel[(R,)](
-            x, x, m, m, l_tau, l_tau, V, 0, math.log2(math.e) / temperature,
-            IDS=False, STREAM=True, ONE=False, BLOCK_V=triton_rows.BLOCK_V, BLOCK_K=16,
+        _topk_kernel[(R,)](
+            x, ids, vals, lse, V, k, math.log2(math.e) / temperature,
+            KEY_BITS=32 if x.dtype == torch.float32 else 16, BLOCK_V=triton_rows.BLOCK_V,
             num_warps=triton_rows.NUM_WARPS,
         )
-    return m / temperature + _LN2 * l_tau
+    vals, order = vals.sort(dim=-1, descending=True)
+    return ids.gather(1, order), vals.to(torch.float32) / temperature - lse[:, None]
