@@ -315,7 +315,7 @@ def test_teacher_topk_bad_input():
         (dict(temperature=0.0), "temperature: expected a float > 0"),
         (dict(teacher_bias=torch.randn(V - 1)), r"teacher_bias: expected shape \(37,\)"),
         (dict(teacher_input=torch.randn(4, HT + 1)), "teacher_input: expected shape"),
-        (dict(teacher_weight=torch.randn(V, HT, dtype=torch.float64)), "teacher_weight: expected dtype torch.float32"),
+        (dict(teacher_weight=torch.randn(V, HT, dtype=torch.float64)), r"teacher_weight: expected dtype torch.float32 \(the dtype of teacher_input\)"),
         (dict(chunk_size=0), "chunk_size: expected a positive int"),
     ]
     for change, message in cases:

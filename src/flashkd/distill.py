@@ -385,17 +385,17 @@ def _chunk_rows(chunk_size, xs, ws, backend, blocks) -> int:
     return max(1, min(n, _LOGITS_BUDGET[backend] // per_row))
 
 
-def _check_tensors(named: dict, dtype=None, device=None):
-    """Type, dtype (when given) and device of optional tensor arguments."""
+def _check_tensors(named: dict, dtype=None, device=None, like="student_input"):
+    """Type, dtype (when given) and device of optional tensor arguments, against the tensor `like`."""
     for name, x in named.items():
         if x is None:
             continue
         if not isinstance(x, torch.Tensor):
             raise TypeError(f"{name}: expected a torch.Tensor, got {type(x).__name__}")
         if dtype is not None and x.dtype != dtype:
-            raise TypeError(f"{name}: expected dtype {dtype} (the dtype of student_input), got {x.dtype}")
+            raise TypeError(f"{name}: expected dtype {dtype} (the dtype of {like}), got {x.dtype}")
         if device is not None and x.device != device:
-            raise ValueError(f"{name}: expected a tensor on {device} (the device of student_input), got {x.device}")
+            raise ValueError(f"{name}: expected a tensor on {device} (the device of {like}), got {x.device}")
 
 
 def _check_student(xs, ws, bs, y):

@@ -33,7 +33,7 @@ def teacher_topk(
     x, w, b = teacher_input, teacher_weight, teacher_bias
     if x.dtype not in _FLOATS:
         raise TypeError(f"teacher_input: expected a floating dtype (float16, bfloat16, float32, float64), got {x.dtype}")
-    _check_tensors({"teacher_weight": w, "teacher_bias": b}, x.dtype, x.device)
+    _check_tensors({"teacher_weight": w, "teacher_bias": b}, x.dtype, x.device, like="teacher_input")
     if w.dim() != 2:
         raise ValueError(f"teacher_weight: expected a 2-D (vocab, hidden) tensor, got shape {tuple(w.shape)}")
     if x.dim() < 1 or x.shape[-1] != w.shape[1]:
