@@ -56,16 +56,23 @@ def main():
             for grad, w_hard in ((True, 0.0), (True, 0.5), (False, 0.0)):
                 spec = LossSpec(loss=loss, beta=0.5, weight_hard=w_hard, weight_soft=1.0, want_hard=w_hard != 0,
                                 temperature=args.temperature, tail=tail)
-                ms = triton.testing.do_bench(
-                    lambda: (s.copy_(s0), triton_topk.topk_rows(s, (ids, logprobs), y, spec, scale, grad)), rep=200)
-                ms -= copy_ms  # the copy restores the −inf the stats kernel writes over the ids
-                nbytes = (3 if grad else 1) * s.numel() * 2
-                print(f"{'topk-' + loss + '-' + tail:<28}{str(grad):>6}{w_hard:>8}{ms:>9.3f}{nbytes / ms / 1e6:>8.0f}")
+                for config in args.configs:
+                    triton_rows.BLOCK_V, triton_rows.NUM_WARPS = map(int, config.split("x"))
+                    ms = triton.testing.do_bench(
+                        lambda: (s.copy_(s0), triton_topk.topk_rows(s, (ids, logprobs), y, spec, scale, grad)),
+                        rep=200)
+                    ms -= copy_ms  # the copy restores the −inf the stats kernel writes over the ids
+                    nbytes = (3 if grad else 1) * s.numel() * 2
+                    print(f"{'topk-' + loss + '-' + tail:<28}{str(grad):>6}{w_hard:>8}{config:>9}{ms:>9.3f}"
+                          f"{nbytes / ms / 1e6:>8.0f}")
     s.copy_(s0)
     ms = triton.testing.do_bench(lambda: torch.topk(s, args.k, dim=-1), rep=200)
-    print(f"teacher_topk parts: torch.topk k={args.k}: {ms:.3f} ms", end="; ")
-    ms = triton.testing.do_bench(lambda: triton_topk.row_topk(s, args.k, args.temperature), rep=200)
-    print(f"row_topk (ids, log-probs): {ms:.3f} ms ({3 * s.numel() * 2 / ms / 1e6:.0f} GB/s over 3 reads)")
+    print(f"teacher_topk: torch.topk k={args.k}: {ms:.3f} ms")
+    for config in args.configs:
+        triton_rows.BLOCK_V, triton_rows.NUM_WARPS = map(int, config.split("x"))
+        ms = triton.testing.do_bench(lambda: triton_topk.row_topk(s, args.k, args.temperature), rep=200)
+        print(f"teacher_topk: row_topk {config} (ids, log-probs): {ms:.3f} ms "
+              f"({3 * s.numel() * 2 / ms / 1e6:.0f} GB/s over 3 reads)")
 
 
 if __name__ == "__main__":
