@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The whole GPU check in one command, on a CUDA machine from a checkout of this repository:
 #   bash scripts/gpu_check.sh [tests] [rows] [bench-seed] [bench-sweep] [bench-losses] [bench-softonly] [memory]
-# (default: all of them, about 10 minutes on an H200)
+#                             [bench-topk] [bench-logits] [bench-teacher-topk]
+# (default: all of them, about 13 minutes on an H200; each of the last three a minute or two)
 # Logs and results go to $OUT (default ./gpu-out). Liger-Kernel is installed from .whl/ when present.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -11,7 +12,7 @@ if compgen -G ".whl/*.whl" >/dev/null; then
   python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/flashkd-site .whl/*.whl \
     && export PYTHONPATH="$PYTHONPATH:/tmp/flashkd-site"
 fi
-stages=${*:-tests rows bench-seed bench-sweep bench-losses bench-softonly memory}
+stages=${*:-tests rows bench-seed bench-sweep bench-losses bench-softonly memory bench-topk bench-logits bench-teacher-topk}
 status=0
 nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm --format=csv | tee "$OUT/env.txt"
 python3 -c "import torch, triton; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'triton', triton.__version__)" | tee -a "$OUT/env.txt"
@@ -29,6 +30,10 @@ for stage in $stages; do
     bench-softonly) python3 -m flashkd bench --preset seed -n 8192 --loss jsd --weight-hard 0 --weight-soft 1 \
       --providers flashkd liger floor --modes full --out "$OUT/softonly" 2>&1 | tee "$OUT/bench-softonly.log" || status=1 ;;
     memory) python3 benchmarks/bench_memory.py 2>&1 | tee "$OUT/memory.log" || status=1 ;;
+    bench-topk) python3 -m flashkd bench --preset topk --out "$OUT/topk" 2>&1 | tee "$OUT/bench-topk.log" || status=1 ;;
+    bench-logits) python3 -m flashkd bench --preset logits --out "$OUT/logits" 2>&1 | tee "$OUT/bench-logits.log" || status=1 ;;
+    bench-teacher-topk) python3 -m flashkd bench --preset teacher-topk --modes no-grad-forward --out "$OUT/teacher-topk" \
+      2>&1 | tee "$OUT/bench-teacher-topk.log" || status=1 ;;
     *) echo "unknown stage $stage"; status=2 ;;
   esac
 done

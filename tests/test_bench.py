@@ -1,6 +1,7 @@
 """The benchmark harness on CPU at tiny shapes: CSV schema, correctness gate, presets, plots, CLI."""
 
 import csv
+import dataclasses
 import json
 import math
 import os
@@ -15,7 +16,7 @@ import torch
 import flashkd
 from flashkd.bench import cli, measure, report
 from flashkd.bench.providers import PROVIDERS, Provider
-from flashkd.bench.workloads import PRESETS, Workload, make_inputs
+from flashkd.bench.workloads import PRESETS, Workload, expand, make_inputs
 
 LIGER_COLUMNS = [
     "kernel_name", "kernel_provider", "kernel_operation_mode", "metric_name", "metric_unit", "x_name", "x_label",
@@ -192,3 +193,206 @@ def test_python_dash_m_help():
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([src, os.environ.get("PYTHONPATH", "")])}
     done = subprocess.run([sys.executable, "-m", "flashkd.bench", "--help"], capture_output=True, text=True, env=env)
     assert done.returncode == 0 and "--preset" in done.stdout and "--providers" in done.stdout
+
+
+# -- the teacher's forms: dense logits, top-k, and teacher_topk ---------------------------------------
+
+TINY_TOPK = Workload("forward_kl", 11, h=12, v=37, dtype="float32", weight_hard=0.0, weight_soft=1.0, form="topk", k=5)
+TINY_LOGITS = Workload("jsd", 11, h=12, v=37, dtype="float32", form="logits")
+TINY_TEACHER_TOPK = Workload(n=11, h=12, v=37, dtype="float32", form="teacher_topk", k=5)
+FORMS = {
+    "topk-bucket": TINY_TOPK,
+    "topk-renormalize-jsd-hard": dataclasses.replace(TINY_TOPK, loss="jsd", tail="renormalize", weight_hard=0.5,
+                                                     temperature=2.0),
+    "logits": TINY_LOGITS,
+    "teacher_topk": TINY_TEACHER_TOPK,
+}
+
+
+@pytest.mark.parametrize("w", FORMS.values(), ids=FORMS.keys())
+def test_forms_run_end_to_end(w):
+    results = measure.run([w], ["flashkd", "torch", "liger", "floor"], list(measure.MODES), FAST)
+    by = {}
+    for r in results:
+        by.setdefault(r.provider, []).append(r)
+    timed_modes = list(measure.MODES) if w.has_grad else ["no-grad-forward"]
+    for name in ("flashkd", "torch", "floor"):
+        assert [r.mode for r in by[name]] == timed_modes and all(r.speed is not None for r in by[name])
+    assert {r.check.status for r in by["flashkd"] + by["torch"]} == {"passed"}
+    assert {r.check.status for r in by["floor"]} == {"unchecked"}
+    [liger] = by["liger"]
+    assert liger.check.status == "skipped" and liger.check.note.startswith("liger has no ")
+    if w.has_grad:
+        assert all(r.check.dx_err <= 1e-4 and math.isnan(r.check.ids_err) for r in by["flashkd"])
+    else:  # ids and probabilities checked; no gradients
+        assert all(r.check.ids_err <= 1e-4 and r.check.loss_err <= 1e-4 for r in by["flashkd"] + by["torch"])
+        assert math.isnan(by["flashkd"][0].check.dx_err)
+
+
+def _form_wrong_providers():
+    """Per new form, providers with a plausible bug: each must fail the gate."""
+    def topk_other_tail(w, x):
+        other = "renormalize" if w.tail == "bucket" else "bucket"
+        return PROVIDERS["flashkd"].make(dataclasses.replace(w, tail=other), x)
+
+    def logits_rows_shifted(w, x):  # the teacher's logits one row off from the student's
+        return PROVIDERS["flashkd"].make(w, x._replace(tl=x.tl.roll(1, dims=0)))
+
+    def teacher_topk_ranks_2_to_k1(w, x):  # an off-by-one in the ranking: the top id dropped
+        def fn():
+            ids, lp = PROVIDERS["torch"].make(dataclasses.replace(w, k=w.k + 1), x)()
+            return ids[:, 1:], lp[:, 1:]
+        return fn
+
+    def teacher_topk_unnormalised(w, x):  # logits/τ instead of log-probs (no logsumexp)
+        def fn():
+            ids, _ = PROVIDERS["torch"].make(w, x)()
+            return ids, (x.xt @ x.wt.t()).gather(1, ids) / w.temperature
+        return fn
+
+    def teacher_topk_repeated(w, x):  # the top id twice, the k-th dropped: values nearly right
+        def fn():
+            ids, lp = PROVIDERS["torch"].make(w, x)()
+            ids[:, -1], lp[:, -1] = ids[:, 0], lp[:, 0]
+            return ids, lp
+        return fn
+
+    return [
+        (TINY_TOPK, _scaled(1.1)), (TINY_TOPK, Provider(_wrong_grads, lambda: "0")),
+        (TINY_TOPK, Provider(topk_other_tail, lambda: "0")),
+        (TINY_LOGITS, _scaled(1.1)), (TINY_LOGITS, Provider(_wrong_grads, lambda: "0")),
+        (TINY_LOGITS, Provider(logits_rows_shifted, lambda: "0")),
+        (TINY_TEACHER_TOPK, Provider(teacher_topk_ranks_2_to_k1, lambda: "0")),
+        (TINY_TEACHER_TOPK, Provider(teacher_topk_unnormalised, lambda: "0")),
+        (TINY_TEACHER_TOPK, Provider(teacher_topk_repeated, lambda: "0")),
+    ]
+
+
+@pytest.mark.parametrize("w, wrong", _form_wrong_providers(), ids=[
+    "topk-loss*1.1", "topk-grads", "topk-other-tail", "logits-loss*1.1", "logits-grads", "logits-rows-shifted",
+    "teacher_topk-off-by-one", "teacher_topk-unnormalised", "teacher_topk-repeated-id"])
+def test_gate_fails_a_wrong_provider_of_each_form(monkeypatch, w, wrong):
+    monkeypatch.setitem(PROVIDERS, "wrong", wrong)
+    results = measure.run([w], ["flashkd", "wrong"], ["full", "no-grad-forward"], FAST)
+    ours = [r for r in results if r.provider == "flashkd"]
+    [bad] = [r for r in results if r.provider == "wrong"]
+    assert ours and {r.check.status for r in ours} == {"passed"}
+    assert bad.check.status == "FAILED" and bad.speed is None
+
+
+def test_topk_gate_tolerates_ties_within_rounding_only():
+    """teacher_topk's ids are a set; at the k-th place any id tied with the k-th value within the
+    tolerance (relative to the row's max |logit|) is as right as the reference's own pick."""
+    w = dataclasses.replace(TINY_TEACHER_TOPK, n=3)
+    x = make_inputs(w, torch.device("cpu"))
+    xt = x.xt[:1].expand(3, -1).contiguous()  # one row thrice: one ranking
+    z = xt[0] @ x.wt.t()  # (V,)
+    order = z.argsort(descending=True)
+    kth, twin = order[w.k - 1], order[w.v // 2]  # a middling id (not the row's max |z|) becomes the k-th's twin
+    tol = measure.TOLERANCE[torch.float32][0]
+    for gap, ok in ((0.0, True), (0.3 * tol, True), (10 * tol, False)):
+        wt = x.wt.clone()
+        # z_twin = z_kth − gap · max|z|, exactly up to fp32 rounding
+        wt[twin] = wt[kth] - gap * z.abs().max() * xt[0] / xt[0].square().sum()
+        ids = torch.cat([order[: w.k - 1].flip(0), twin[None]])[None].expand(3, -1).contiguous()  # any order
+        lp = torch.log_softmax(xt @ wt.t(), dim=-1).gather(1, ids)
+        x2 = x._replace(xt=xt, wt=wt)
+        check = measure._gate_topk(lambda: (ids, lp), x2, measure.reference(w, x2), w)
+        assert (check.status == "passed") == ok, (gap, check)
+        assert check.ids_err == pytest.approx(gap, abs=1e-6)
+
+
+def test_forms_have_their_own_kernel_names_and_identity():
+    heads = Workload("jsd", 7, h=12, v=37, dtype="float32")
+    # The heads form is exactly what it was: Liger's kernel name and config keys.
+    assert heads.kernel_name == "distill_jsd_loss" and Workload("cosine").kernel_name == "distill_cosine_loss"
+    assert heads.config() == {
+        "H": 12, "V": 37, "dtype": "torch.float32", "bias": False, "weight_hard_loss": 0.5, "weight_soft_loss": 0.5,
+        "ignore_index": -100, "beta": 0.5, "temperature": 1.0, "student_H": 6, "seed": 0, "loss": "jsd"}
+    forms = [heads, dataclasses.replace(heads, form="logits"), dataclasses.replace(heads, form="topk", k=5),
+             dataclasses.replace(heads, form="topk", k=5, tail="renormalize"),
+             dataclasses.replace(heads, form="topk", k=6), dataclasses.replace(heads, form="teacher_topk", k=5)]
+    assert [w.kernel_name for w in forms] == [
+        "distill_jsd_loss", "distill_logits_jsd_loss", "distill_topk_jsd_loss", "distill_topk_jsd_loss",
+        "distill_topk_jsd_loss", "teacher_topk"]
+    assert TINY_TOPK.kernel_name == "distill_topk_forward_kl_loss"
+    configs = [json.dumps(w.config(), sort_keys=True) for w in forms]
+    assert len(set(configs)) == len(forms)  # each form (and K, tail) is its own case
+    assert forms[3].config()["tail"] == "renormalize" and forms[4].config()["k"] == 6
+    assert "loss" not in forms[-1].config()
+    from flashkd.records import digest
+    from flashkd.records.emit import operation, workload
+
+    digests = [digest(workload(w, digest(operation(w)))) for w in forms]
+    assert len(set(digests)) == len(forms)
+    with pytest.raises(ValueError, match="form: expected one of"):
+        Workload(form="dense")
+    with pytest.raises(ValueError, match="k: expected 1 <= k <= V = 37"):
+        Workload(v=37, form="topk", k=38)
+
+
+def test_expand_gives_each_form_its_case_once():
+    base = (Workload("jsd", 8, form="teacher_topk", k=64), Workload("jsd", 8, form="topk", k=64))
+    out = expand(base, loss=["jsd", "tvd"], v=37)
+    # teacher_topk has no loss to multiply; the preset's K is cut to the smaller V
+    assert [(w.tag, w.k) for w in out] == [("teacher_topk", 37), ("topk_jsd", 37), ("topk_tvd", 37)]
+    assert expand((Workload("jsd", 8, k=5),), v=37) == [Workload("jsd", 8, v=37)]  # K means nothing to heads
+
+
+def test_gpu_presets_of_the_forms():
+    shape = dict(n=8192, h=4096, v=128256, dtype="bfloat16")
+    [topk] = PRESETS["topk"]
+    assert topk == Workload("forward_kl", weight_hard=0.0, weight_soft=1.0, form="topk", k=64, tail="bucket", **shape)
+    [logits] = PRESETS["logits"]
+    assert logits == Workload("jsd", weight_hard=0.5, weight_soft=0.5, form="logits", **shape)
+    [teacher] = PRESETS["teacher-topk"]
+    assert teacher == Workload(form="teacher_topk", k=64, **shape) and teacher.hs == 2048
+
+
+def test_cli_teacher_topk_times_no_grad_forward_only(tmp_path, capsys):
+    out = tmp_path / "run"
+    argv = ["bench", "--device", "cpu", "--preset", "teacher-topk", "-n", "7", "--k", "5", "--dtype", "fp32",
+            "--providers", "flashkd", "torch", *FAST_ARGS, "--out", str(out)]
+    assert cli.main(argv) == 0
+    said = capsys.readouterr().out
+    assert "teacher_topk: no gradient, so only no-grad-forward applies; not timed: full, forward, backward" in said
+    rows = _read(out / "results.csv")[1:]
+    assert {(r[0], r[2]) for r in rows} == {("teacher_topk", "no-grad-forward")}
+    config = json.loads(rows[0][11])
+    assert (config["form"], config["k"], config["ids_err"] <= config["loss_tol"]) == ("teacher_topk", 5, True)
+    assert [r[7] for r in _read(out / "errors.csv")[1:]] == ["passed", "passed"]
+    # nothing that applies: checked, reported, not timed, no crash
+    argv[argv.index("--out") + 1] = str(tmp_path / "none")
+    assert cli.main([*argv, "--modes", "full"]) == 0
+    assert _read(tmp_path / "none" / "results.csv")[1:] == []
+    assert [r[7] for r in _read(tmp_path / "none" / "errors.csv")[1:]] == ["passed", "passed"]
+
+
+def test_records_of_the_forms_verify(tmp_path, capsys, monkeypatch):
+    from flashkd.records import bundles_from_results, check_bundle, write_bundles
+
+    monkeypatch.setitem(PROVIDERS, "wrong", _scaled(1.1))
+    workloads = [TINY_TOPK, dataclasses.replace(TINY_TOPK, tail="renormalize"), TINY_LOGITS, TINY_TEACHER_TOPK]
+    results = measure.run(workloads, ["flashkd", "torch", "floor", "wrong"], ["full", "no-grad-forward"], FAST)
+    env = report.environment(FAST)
+    report.write_csv(results, tmp_path / "results.csv", env)
+    bundles = bundles_from_results(results, env, logs=tmp_path / "results.csv")
+    assert [check_bundle(b) for b in bundles] == [[]] * len(bundles)
+    kinds = {}
+    for b in bundles:
+        run = b["run"]["manifest"]
+        kinds.setdefault(run["metadata"]["title"].split(" · ")[0], set()).add(run["spec"]["status"])
+    assert kinds == {"distill_topk_forward_kl_loss": {"passed", "incorrect_numerical"},
+                     "distill_logits_jsd_loss": {"passed", "incorrect_numerical"},
+                     "teacher_topk": {"passed", "runtime_error"}}
+    # teacher_topk: each provider in its one mode; "wrong" scales a loss and so raises on its (ids, logprobs)
+    teacher = [b for b in bundles if b["workload"]["manifest"]["spec"]["correctness"]["comparator"]
+               == "fp32_reference_topk_ids_up_to_ties"]
+    assert len(teacher) == 3 and all("no-grad-forward" in b["protocol"]["manifest"]["metadata"]["name"]
+                                     for b in teacher)
+    tails = {b["workload"]["digest"] for b in bundles if "topk_forward_kl" in b["run"]["manifest"]["metadata"]["title"]}
+    assert len(tails) == 2  # bucket and renormalize are different cases
+    write_bundles(bundles, tmp_path / "records")
+    capsys.readouterr()
+    assert cli.main(["records", "verify", str(tmp_path / "records")]) == 0
+    assert capsys.readouterr().out.splitlines()[-1] == f"{len(bundles)} bundle(s) checked, 0 problem(s)"

@@ -14,10 +14,10 @@ from pathlib import Path
 
 import torch
 
-from ..losses import LOSSES
+from ..losses import LOSSES, TAILS
 from . import measure, report
 from .providers import PROVIDERS
-from .workloads import DTYPES, PRESETS, Workload, default_preset, expand
+from .workloads import DTYPES, FORMS, PRESETS, Workload, default_preset, expand
 
 USAGE = """\
 Times each provider on the same seeded inputs, after checking its loss and gradients against an fp32
@@ -25,10 +25,15 @@ reference. Writes results.csv (Liger-Kernel's 15-column schema), errors.csv, run
 into --out, and prints a table with time ratios to the floor, liger and torch.
 
 presets:
-  seed    jsd N=8192 and cosine N=4096; H=4096 (student 2048), V=128256, bf16 (the default on CUDA)
-  sweep   jsd N=1024 2048 4096 8192 16384; H=4096, V=128256, bf16
-  small   jsd and cosine N=128 256; H=256, V=4099, fp32 (the default on CPU)
-  -n, --loss multiply the preset's workloads; --h, --v, --dtype, --beta ... replace its values.
+  seed          jsd N=8192 and cosine N=4096; H=4096 (student 2048), V=128256, bf16 (the default on CUDA)
+  sweep         jsd N=1024 2048 4096 8192 16384; H=4096, V=128256, bf16
+  topk          top-k teacher: forward_kl (soft only), K=64, tail bucket; N=8192, H=4096, V=128256, bf16
+  logits        dense teacher logits: jsd, N=8192, H=4096, V=128256, bf16
+  teacher-topk  teacher_topk (no gradient: no-grad-forward only), K=64; N=8192, H=4096, V=128256, bf16
+  small         jsd and cosine N=128 256, topk forward_kl and logits jsd N=256; H=256, V=4099, fp32
+                (the default on CPU)
+  -n, --loss multiply the preset's workloads; --h, --v, --dtype, --beta, --form ... replace its values.
+  forms: heads (the teacher's hidden states and head), logits, topk (--k, --tail), teacher_topk.
 
 examples:
   flashkd bench
@@ -91,6 +96,9 @@ def add_bench_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--v", type=_positive, metavar="V", help="vocab size")
     p.add_argument("--dtype", choices=list(DTYPES))
     p.add_argument("--loss", nargs="+", choices=LOSSES, metavar="LOSS", help=f"of {', '.join(LOSSES)}")
+    p.add_argument("--form", choices=FORMS, help=f"the teacher's form, of {', '.join(FORMS)} (default: the preset's)")
+    p.add_argument("--k", type=_positive, metavar="K", help="teacher ids per row (forms topk, teacher_topk)")
+    p.add_argument("--tail", choices=TAILS, help="mass outside the K ids (form topk; default bucket)")
     p.add_argument("--modes", nargs="+", choices=measure.MODES, default=list(measure.MODES), metavar="MODE",
                    help=f"of {', '.join(measure.MODES)} (default: all)")
     p.add_argument("--providers", nargs="+", choices=list(PROVIDERS), default=list(DEFAULT_PROVIDERS),
@@ -121,14 +129,16 @@ def plan(args: argparse.Namespace) -> Plan:
     fields = {name: value for name, value in (
         ("h", args.h), ("v", args.v), ("dtype", args.dtype and _dtype_name(args.dtype)),
         ("beta", args.beta), ("weight_hard", args.weight_hard), ("weight_soft", args.weight_soft),
-        ("temperature", args.temperature), ("seed", args.seed),
+        ("temperature", args.temperature), ("seed", args.seed), ("form", args.form), ("k", args.k),
+        ("tail", args.tail),
     ) if value is not None}
-    workloads = expand(PRESETS[preset], n=args.n, loss=args.loss, **fields)
-    for w in workloads:  # bad options fail here, before any input is made
-        try:
+    try:  # bad options fail here, before any input is made
+        workloads = expand(PRESETS[preset], n=args.n, loss=args.loss, **fields)
+        for w in workloads:
             w.spec()
-        except (TypeError, ValueError) as e:
-            raise SystemExit(f"flashkd bench: {e}") from None
+    except (TypeError, ValueError) as e:
+        raise SystemExit(f"flashkd bench: {e}") from None
+    for w in workloads:
         if w.h < 2:
             raise SystemExit(f"flashkd bench: --h: expected at least 2 (the student's is H//2), got {w.h}")
     rep, warmup, min_reps = TIMING["cuda" if device.type == "cuda" else "cpu"]
@@ -162,6 +172,10 @@ def bench(args: argparse.Namespace) -> int:
         "preset": p.preset, "providers": p.providers, "modes": p.modes, "environment": env,
         "workloads": [{**dataclasses.asdict(w), "kernel_name": w.kernel_name} for w in p.workloads],
     }, indent=2, default=str))
+    for tag, skipped in dict.fromkeys(
+            (w.tag, tuple(m for m in p.modes if m not in measure.applicable(w, p.modes))) for w in p.workloads):
+        if skipped:
+            _say(console, f"{tag}: no gradient, so only no-grad-forward applies; not timed: {', '.join(skipped)}")
     total = len(p.workloads) * len(p.providers) * (1 + len(p.modes))
     with _progress(console, total) as advance:
         results = measure.run(p.workloads, p.providers, p.modes, p.settings, advance)

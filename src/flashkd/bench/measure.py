@@ -9,6 +9,8 @@ Modes (what the timed call does):
     backward          loss.backward()        on one loss computed before timing (retain_graph=True)
     full              fn().backward()
     no-grad-forward   fn() under torch.no_grad()
+teacher_topk has no gradient: only no-grad-forward applies to it, its other modes are not timed
+(`applicable`). Its gate compares top-k ids and log-probs instead of a loss (`_gate_topk`).
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from typing import Callable
 
 import torch
 
-from .providers import PROVIDERS, LossFn, Skip, naive_loss
+from .providers import PROVIDERS, LossFn, Skip, naive_loss, teacher_block
 from .workloads import Inputs, Workload, make_inputs
 
 MODES = ("full", "forward", "backward", "no-grad-forward")
@@ -48,6 +50,11 @@ _REFERENCE_BLOCK_BYTES = 4 << 30
 _MEMORY_REPS = 5  # peaks repeat exactly from call to call; Liger takes 10
 
 
+def applicable(w: Workload, modes: list[str]) -> list[str]:
+    """The modes that apply to w: all for a loss; for teacher_topk (no gradient) only no-grad-forward."""
+    return list(modes) if w.has_grad else [m for m in modes if m == "no-grad-forward"]
+
+
 @dataclasses.dataclass(frozen=True)
 class Settings:
     device: torch.device
@@ -59,11 +66,12 @@ class Settings:
 @dataclasses.dataclass(frozen=True)
 class Check:
     status: str  # passed | FAILED | unchecked (no loss to check) | skipped | OOM | error
-    loss_err: float = math.nan  # |a − b| / |b|
+    loss_err: float = math.nan  # |a − b| / |b|; teacher_topk: ‖a − b‖ / ‖b‖ of its top-k probabilities
     dx_err: float = math.nan  # ‖a − b‖ / ‖b‖
     dw_err: float = math.nan
-    tol: tuple[float, float] = (math.nan, math.nan)  # (loss, grads)
+    tol: tuple[float, float] = (math.nan, math.nan)  # (loss, grads); teacher_topk: (probabilities, ids)
     note: str = ""
+    ids_err: float = math.nan  # teacher_topk: how far its ids fall short of the true top k (see _gate_topk)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -95,8 +103,10 @@ def run(
         x = make_inputs(w, settings.device)
         ref = reference(w, x) if any(PROVIDERS[p].has_loss for p in providers) else None
         _free(settings.device)
+        timed = applicable(w, modes)
         for name in providers:
-            results += _one_provider(w, x, ref, name, modes, settings, advance)
+            results += _one_provider(w, x, ref, name, timed, settings, advance)
+            advance(f"{w.tag} N={w.n} {name}", len(modes) - len(timed))
             _free(settings.device)
         del x, ref
         _free(settings.device)
@@ -105,12 +115,17 @@ def run(
 
 def _one_provider(w, x, ref, name, modes, settings, advance) -> list[Result]:
     provider = PROVIDERS[name]
-    label = f"{w.loss} N={w.n} {name}"
+    label = f"{w.tag} N={w.n} {name}"
     version = provider.version()
     advance(f"{label} check", 0)
     try:
         fn = provider.make(w, x)
-        check = gate(fn, x, ref, "no-grad-forward" in modes) if provider.has_loss else Check("unchecked")
+        if not provider.has_loss:
+            check = Check("unchecked")
+        elif w.has_grad:
+            check = gate(fn, x, ref, "no-grad-forward" in modes)
+        else:
+            check = _gate_topk(fn, x, ref, w)
     except Skip as e:
         check = Check("skipped", note=str(e))
     except Exception as e:  # an OOM or a crash in one provider must not lose the others' results
@@ -119,6 +134,8 @@ def _one_provider(w, x, ref, name, modes, settings, advance) -> list[Result]:
         advance(f"{label} {check.status}", 1 + len(modes))
         return [Result(w, name, version, check)]
     advance(f"{label} {check.status}", 1)
+    if not modes:  # checked, but none of the modes asked for applies (teacher_topk without no-grad-forward)
+        return [Result(w, name, version, check)]
     out = []
     for mode in modes:
         advance(f"{label} {mode}", 0)
@@ -140,23 +157,74 @@ class Reference:
     dws: torch.Tensor  # (V, Hs) fp32
 
 
-def reference(w: Workload, x: Inputs) -> Reference:
-    """The naive formula (providers.naive_loss) in fp32 with TF32 off, on the inputs upcast to fp32."""
+@dataclasses.dataclass(frozen=True)
+class TopkReference:
+    top: torch.Tensor  # (N, K) fp32: each row's k largest log-probs, decreasing
+    lse: torch.Tensor  # (N,) fp32: logsumexp of the row's logits / τ
+    scale: torch.Tensor  # (N,) fp32: max |logit| / τ, the size of the row's rounding errors
+
+
+def reference(w: Workload, x: Inputs) -> Reference | TopkReference:
+    """The naive formula (providers.naive_loss) in fp32 with TF32 off, on the inputs upcast to fp32.
+
+    The teacher's targets of the logits and topk forms are inputs like the others: upcast, not
+    recomputed, so the reference and the providers distill the same (rounded) teacher.
+    """
+    if not w.has_grad:
+        return _topk_reference(w, x)
     work = torch.promote_types(x.xs.dtype, torch.float32)
     xs = x.xs.detach().to(work).requires_grad_()  # (N, Hs)
     ws = x.ws.detach().to(work).requires_grad_()  # (V, Hs)
-    xt, wt = x.xt.to(work), x.wt.to(work)  # (N, Ht), (V, Ht)
+    # Teacher logits and log-probs are upcast block by block, inside the row losses.
+    teacher = x._replace(xt=None if x.xt is None else x.xt.to(work), wt=None if x.wt is None else x.wt.to(work))
     spec = w.spec()
     count = (x.y != w.ignore_index).sum().clamp_min(1)
-    rows = max(1, _REFERENCE_BLOCK_BYTES // (w.v * 4))
+    rows = _reference_rows(w.v * 4)
     total = torch.zeros((), device=xs.device, dtype=work)
     with _ieee_fp32():
         for start in range(0, w.n, rows):
             c = slice(start, start + rows)
-            loss = naive_loss(xs[c], ws, xt[c], wt, x.y[c], spec, count)
+            loss = naive_loss(xs[c], ws, teacher_block(teacher, c), x.y[c], spec, count)
             loss.backward()
             total += loss.detach()
     return Reference(total, xs.grad, ws.grad)
+
+
+def _reference_rows(bytes_per_row: int) -> int:
+    return max(1, _REFERENCE_BLOCK_BYTES // bytes_per_row)
+
+
+def _topk_reference(w: Workload, x: Inputs) -> TopkReference:
+    """teacher_topk's truth: the fp32 (TF32 off) logits of the inputs upcast, block by block."""
+    work = torch.promote_types(x.xt.dtype, torch.float32)
+    wt = x.wt.to(work)  # (V, Ht)
+    top = torch.empty(w.n, w.k, device=wt.device, dtype=work)
+    lse = torch.empty(w.n, device=wt.device, dtype=work)
+    scale = torch.empty(w.n, device=wt.device, dtype=work)
+    rows = _reference_rows(w.v * 4 * 3)  # logits, logits / τ and one temporary
+    with _ieee_fp32(), torch.no_grad():
+        for start in range(0, w.n, rows):
+            c = slice(start, start + rows)
+            z = (x.xt[c].to(work) @ wt.t()) / w.temperature  # (R, V)
+            lse[c] = torch.logsumexp(z, dim=-1)
+            top[c] = z.topk(w.k, dim=-1).values - lse[c, None]
+            scale[c] = z.abs().amax(dim=-1)
+            del z
+    return TopkReference(top, lse, scale.clamp_min(torch.finfo(work).tiny))
+
+
+def _logprobs_at(w: Workload, x: Inputs, ref: TopkReference, ids: torch.Tensor) -> torch.Tensor:
+    """The reference log-probs (N, K) at the given ids (each in [0, V)), block by block: only the
+    K rows of Wt a row asks for are multiplied, in fp32 with TF32 off."""
+    work = ref.top.dtype
+    out = torch.empty(ids.shape, device=ids.device, dtype=work)
+    rows = _reference_rows(w.k * w.h * 4 * 2)  # the gathered (R, K, H) rows of Wt, and their upcast
+    with _ieee_fp32(), torch.no_grad():
+        for start in range(0, w.n, rows):
+            c = slice(start, start + rows)
+            z = torch.einsum("rh,rkh->rk", x.xt[c].to(work), x.wt[ids[c]].to(work))  # (R, K)
+            out[c] = z / w.temperature - ref.lse[c, None]
+    return out
 
 
 @contextlib.contextmanager
@@ -186,6 +254,42 @@ def gate(fn: LossFn, x: Inputs, ref: Reference, no_grad_too: bool) -> Check:
     tol = TOLERANCE[x.xs.dtype]
     ok = loss_err <= tol[0] and dx_err <= tol[1] and dw_err <= tol[1]  # False on NaN
     return Check("passed" if ok else "FAILED", loss_err, dx_err, dw_err, tol)
+
+
+def _gate_topk(fn, x: Inputs, ref: TopkReference, w: Workload) -> Check:
+    """teacher_topk against the reference: its ids as a set per row, and its log-probs at them.
+
+    ids: the reference log-probs at the provider's ids, sorted, must equal the reference's own k
+    largest place by place, up to ties. Ties are what a rounded input cannot order: the provider
+    ranks logits rounded to its dtype (bf16: each within 2^-9 · max|z| of the truth), so two logits
+    closer than 2^-8 · max|z| may come out either way round, and at the k-th place either may be in
+    its set, equally right. `ids_err` is the largest shortfall relative to the row's max|z|/τ, held
+    to the loss tolerance (bf16 1e-2, 2.5× that window; fp32 1e-4, far above fp32 sums in another
+    order). A wrong id falls short by its gap to the k-th value, which ties alone keep small. Ids
+    outside [0, V) or repeated in a row fail outright.
+    log-probs: at the provider's own ids (so swapped ties cannot count against them), compared as
+    probabilities, relative L2: the error of p is what a distillation loss sees; a relative error
+    of log p, near −log V, would be ~log V times more lenient.
+    """
+    with torch.no_grad():
+        ids, lp = fn()
+    tol = TOLERANCE[x.xt.dtype]
+    if tuple(ids.shape) != tuple(ref.top.shape) or tuple(lp.shape) != tuple(ref.top.shape):
+        note = f"expected ids and logprobs of shape {tuple(ref.top.shape)}, got {tuple(ids.shape)}, {tuple(lp.shape)}"
+        return Check("FAILED", tol=(tol[0], tol[0]), note=note)
+    ids = ids.long()
+    valid = ((ids >= 0) & (ids < w.v)).all().item()
+    sorted_ids = ids.sort(dim=-1).values
+    distinct = not (sorted_ids[:, 1:] == sorted_ids[:, :-1]).any().item()
+    if not (valid and distinct):
+        note = "ids outside [0, V)" if not valid else "an id repeated within a row"
+        return Check("FAILED", math.inf, ids_err=math.inf, tol=(tol[0], tol[0]), note=note)
+    at = _logprobs_at(w, x, ref, ids)  # (N, K)
+    shortfall = (ref.top - at.sort(dim=-1, descending=True).values).abs().amax(dim=-1) / ref.scale
+    ids_err = shortfall.max().item() if shortfall.numel() else 0.0
+    probs_err = _rel(lp.to(at.dtype).exp(), at.exp())
+    ok = probs_err <= tol[0] and ids_err <= tol[0]  # False on NaN
+    return Check("passed" if ok else "FAILED", probs_err, ids_err=ids_err, tol=(tol[0], tol[0]))
 
 
 def _worst(*errors: float) -> float:
@@ -218,7 +322,7 @@ def measure(fn: LossFn, x: Inputs, mode: str, settings: Settings):
                 return fn()
     else:
         raise ValueError(f"mode: expected one of {', '.join(MODES)}, got {mode!r}")
-    grads = [x.xs, x.ws]
+    grads = [g for g in (x.xs, x.ws) if g is not None]  # teacher_topk has no student
     if settings.device.type == "cuda":
         speed = _time_cuda(step, grads, settings)
         peak, extra = _memory_cuda(step, grads)

@@ -1,13 +1,18 @@
 """The providers: each a `make(workload, inputs)` that returns a zero-argument closure computing the loss.
 
 The closure is all that is timed: it returns a scalar loss whose `.backward()` fills `xs.grad` and
-`ws.grad`. Setup (imports, preallocation) happens in `make`, outside the timed region. A provider
-that does not cover a workload raises `Skip` with a one-line reason.
+`ws.grad` (for teacher_topk: the (ids, logprobs) pair, run without autograd). Setup (imports,
+preallocation) happens in `make`, outside the timed region. A provider that does not cover a
+workload raises `Skip` with a one-line reason.
 
-    flashkd   flashkd.fused_linear_distill, backend "auto" (the Triton row kernel on CUDA)
-    torch     the naive formula: both full (N, V) logits, flashkd.losses.row_losses, autograd
-    liger     Liger-Kernel 0.8.5 chunked losses (jsd, cosine), torch.compile'd on CUDA as Liger runs them
-    floor     the GEMMs alone: both logits forward, dX and dW backward; no loss math at all
+    flashkd   the flashkd function of the workload's form, backend "auto" (the Triton kernels on CUDA):
+              fused_linear_distill, fused_linear_distill_logits, fused_linear_distill_topk, teacher_topk
+    torch     the naive formula: the full (N, V) student logits, flashkd.losses.row_losses (or
+              topk_row_losses), autograd; teacher_topk: full logits, log_softmax in fp32, torch.topk
+    liger     Liger-Kernel 0.8.5 chunked losses (jsd, cosine; heads form only), torch.compile'd on CUDA
+              as Liger runs them
+    floor     the GEMMs alone, no loss math at all: student logits forward, dX and dW backward, plus the
+              teacher's share (its logits GEMM, or one read of its dense logits); teacher_topk: its GEMM
 
 PROVIDERS is a plain dict: a test (or a user) adds a provider with `PROVIDERS["name"] = Provider(...)`.
 """
@@ -21,7 +26,7 @@ from typing import Callable
 import torch
 
 import flashkd
-from ..losses import LossSpec, row_losses
+from ..losses import LossSpec, row_losses, topk_row_losses
 from .workloads import Inputs, Workload
 
 LossFn = Callable[[], torch.Tensor]
@@ -35,37 +40,66 @@ class Skip(Exception):
 class Provider:
     make: Callable[[Workload, Inputs], LossFn]
     version: Callable[[], str]  # written to the CSV's last column
-    has_loss: bool = True  # False: its value is not a loss, so it is not held to the reference
+    has_loss: bool = True  # False: its value is not the operation's result, so it is not held to the reference
 
 
-def naive_loss(xs, ws, xt, wt, y, spec: LossSpec, count=None) -> torch.Tensor:
+def teacher_block(x: Inputs, c: slice = slice(None)):
+    """The teacher's part for rows c as the row losses take it: (R, V) logits (heads: Xt[c] @ Wt^T,
+    computed here; logits: a view of T[c]), or (ids, logprobs), (R, K) each, for a top-k teacher."""
+    if x.ids is not None:
+        return x.ids[c], x.lp[c]
+    if x.tl is not None:
+        return x.tl[c]
+    return x.xt[c] @ x.wt.t()
+
+
+def naive_loss(xs, ws, t, y, spec: LossSpec, count=None) -> torch.Tensor:
     """The loss over full logits, differentiable w.r.t. xs and ws; `count` is the mean's divisor.
 
-    xs (R, Hs), ws (V, Hs), xt (R, Ht), wt (V, Ht), y (R,). count defaults to the valid rows of y;
-    the reference passes the global count when it goes block by block.
+    xs (R, Hs), ws (V, Hs), t the teacher's block (see teacher_block), y (R,). count defaults to the
+    valid rows of y; the reference passes the global count when it goes block by block.
     """
     s = xs @ ws.t()  # (R, V), input dtype
-    t = xt @ wt.t()  # (R, V), input dtype, no grad (the teacher is a constant)
-    soft, hard = row_losses(s, t, y, spec)  # (R,) each, fp32
+    row_fn = row_losses if spec.tail is None else topk_row_losses
+    soft, hard = row_fn(s, t, y, spec)  # (R,) each, fp32
     if count is None:
         count = (y != spec.ignore_index).sum().clamp_min(1)
     return spec.total(soft.sum(), hard.sum()) / count
 
 
+def naive_teacher_topk(xt, wt, k: int, temperature: float):
+    """teacher_topk over the full logits: (ids, logprobs), (N, K) int64 and fp32, by decreasing log-prob."""
+    logits = xt @ wt.t()  # (N, V), input dtype
+    logprobs = torch.log_softmax(logits.float() / temperature, dim=-1)  # (N, V) fp32
+    values, ids = torch.topk(logprobs, k, dim=-1)
+    return ids, values
+
+
 def _flashkd(w: Workload, x: Inputs) -> LossFn:
+    if w.form == "teacher_topk":
+        return lambda: flashkd.teacher_topk(x.xt, x.wt, w.k, temperature=w.temperature, backend="auto")
     options = dict(
         loss=w.loss, beta=w.beta, temperature=w.temperature, weight_hard_loss=w.weight_hard,
         weight_soft_loss=w.weight_soft, ignore_index=w.ignore_index, backend="auto",
     )
+    if w.form == "logits":
+        return lambda: flashkd.fused_linear_distill_logits(x.xs, x.ws, x.tl, x.y, **options)
+    if w.form == "topk":
+        return lambda: flashkd.fused_linear_distill_topk(x.xs, x.ws, x.ids, x.lp, x.y, tail=w.tail, **options)
     return lambda: flashkd.fused_linear_distill(x.xs, x.ws, x.xt, x.wt, x.y, **options)
 
 
 def _torch(w: Workload, x: Inputs) -> LossFn:
+    if w.form == "teacher_topk":
+        return lambda: naive_teacher_topk(x.xt, x.wt, w.k, w.temperature)
     spec = w.spec()
-    return lambda: naive_loss(x.xs, x.ws, x.xt, x.wt, x.y, spec)
+    return lambda: naive_loss(x.xs, x.ws, teacher_block(x), x.y, spec)
 
 
 def _liger(w: Workload, x: Inputs) -> LossFn:
+    if w.form != "heads":
+        what = {"logits": "dense-logits teacher", "topk": "top-k teacher", "teacher_topk": "teacher_topk"}[w.form]
+        raise Skip(f"liger has no {what} (its distillation losses take the teacher's hidden states and head)")
     try:
         from liger_kernel.chunked_loss import cosine_similarity_loss, jsd_loss
     except ImportError as e:
@@ -87,27 +121,43 @@ def _liger(w: Workload, x: Inputs) -> LossFn:
 
 
 class _Floor(torch.autograd.Function):
-    """The four GEMMs of a fused distillation step and nothing else: the time no loss can beat."""
+    """The GEMMs of a fused distillation step and nothing else: the time no loss can beat.
+
+    Forward: the student's logits and `teacher()`, the teacher's share. Backward: dX and dW from a
+    stand-in dL/dS.
+    """
 
     @staticmethod
-    def forward(ctx, xs, ws, xt, wt, ds):
+    def forward(ctx, xs, ws, ds, teacher):
         ctx.save_for_backward(xs, ws, ds)
         s = xs @ ws.t()  # (N, V)
-        t = xt @ wt.t()  # (N, V), made while s is alive, as a loss needs both: the peak counts both
+        t = teacher()  # made while s is alive, as a loss needs both: the peak counts both
         del s, t
         return xs.new_zeros(())
 
     @staticmethod
     def backward(ctx, _grad):
         xs, ws, ds = ctx.saved_tensors
-        return ds @ ws, ds.t() @ xs, None, None, None  # dX (N, Hs), dW (V, Hs)
+        return ds @ ws, ds.t() @ xs, None, None  # dX (N, Hs), dW (V, Hs)
 
 
 def _floor(w: Workload, x: Inputs) -> LossFn:
+    """heads: 4 GEMMs (both logits, dX, dW). topk: the 3 student GEMMs; its (N, K) targets are too
+    small to count. logits: the 3 student GEMMs plus one read of the dense teacher logits (an amax
+    over them): a fused loss must read each of those N·V values once, and at N·V·E bytes that read
+    is a real share of the time, so the target is "≤ 1.10× its 3-GEMM floor plus one read of the
+    teacher logits". teacher_topk: its one GEMM, the teacher's logits (no grad)."""
+    if w.form == "teacher_topk":
+        return lambda: x.xt @ x.wt.t()
+    teacher = {
+        "heads": lambda: x.xt @ x.wt.t(),  # (N, V)
+        "logits": lambda: x.tl.amax(),
+        "topk": lambda: None,
+    }[w.form]
     # A stand-in for dL/dS, allocated once outside the timed region (a fused loss writes dS over
     # its logits). Random rather than zero: GPU clocks under load depend on the data multiplied.
     ds = torch.randn(w.n, w.v, device=x.xs.device, dtype=x.xs.dtype) * 1e-3  # (N, V)
-    return lambda: _Floor.apply(x.xs, x.ws, x.xt, x.wt, ds)
+    return lambda: _Floor.apply(x.xs, x.ws, ds, teacher)
 
 
 def _liger_version() -> str:

@@ -2,14 +2,17 @@
 
 results.csv uses Liger-Kernel's 15-column benchmark schema, so our rows can be read by the same
 tools as Liger's published ones (benchmark/data/all_benchmark_data.csv there):
-    kernel_name       distill_<loss>_loss
+    kernel_name       distill_<loss>_loss (teacher heads: Liger's names), distill_logits_<loss>_loss,
+                      distill_topk_<loss>_loss, teacher_topk
     kernel_provider   flashkd | torch | liger | floor
     metric_name       speed (ms) | memory (peak, "MB" = MiB as Liger writes it) | memory_extra (peak −
                       allocated before the call, MiB)
     x_name, x_label   BT, "B x T"; x_value = N
     y_value_50/20/80  the median, p20, p80 (nan: not measured, e.g. memory on CPU)
     extra_benchmark_config_str   JSON: Liger's keys (H, V, mode, dtype, bias, weights, ignore_index),
-                      then ours: loss options, the gate's observed errors and tolerances, the timer
+                      then ours: loss options, the teacher's form (form, k, tail; absent for heads),
+                      the gate's observed errors and tolerances, the timer. teacher_topk: loss_rel_err
+                      is the error of its top-k probabilities, ids_err that of its ids (measure._gate_topk)
     gpu_name, timestamp (UTC), liger_version = the version of the provider that ran (flashkd,
                       liger-kernel, or torch for torch and floor)
 errors.csv has one row per (workload, provider): the gate's status, observed errors and tolerances.
@@ -32,7 +35,7 @@ from .measure import Result, Settings
 
 ERROR_COLUMNS = (
     "kernel_name", "kernel_provider", "x_name", "x_value", "H", "V", "dtype", "status", "loss_rel_err",
-    "dx_rel_err", "dw_rel_err", "loss_tol", "grad_tol", "provider_version", "note",
+    "dx_rel_err", "dw_rel_err", "ids_err", "loss_tol", "grad_tol", "provider_version", "note",
 )
 BASELINES = ("floor", "liger", "torch")  # the table's ratio columns: t / t_baseline, same workload and mode
 
@@ -74,12 +77,13 @@ def csv_rows(results: list[Result], env: dict) -> list[dict]:
     for r in _timed(results):
         w, c = r.workload, r.check
         config = w.config()
-        config = {"H": config.pop("H"), "V": config.pop("V"), "mode": r.mode, **config, "loss": w.loss}
-        config.update(
-            status=c.status, loss_rel_err=_num(c.loss_err), dx_rel_err=_num(c.dx_err), dw_rel_err=_num(c.dw_err),
-            loss_tol=_num(c.tol[0]), grad_tol=_num(c.tol[1]),
-            **{k: v for k, v in env.items() if k != "gpu_name"},
-        )
+        config = {"H": config.pop("H"), "V": config.pop("V"), "mode": r.mode, **config}
+        config.update(status=c.status, loss_rel_err=_num(c.loss_err), dx_rel_err=_num(c.dx_err),
+                      dw_rel_err=_num(c.dw_err))
+        if not math.isnan(c.ids_err):
+            config["ids_err"] = c.ids_err
+        config.update(loss_tol=_num(c.tol[0]), grad_tol=_num(c.tol[1]),
+                      **{k: v for k, v in env.items() if k != "gpu_name"})
         if r.peak is None:
             config["memory"] = f"not measured on {env['device']}"
         for metric, unit, values in (
@@ -115,7 +119,7 @@ def write_errors(results: list[Result], path: Path) -> None:
             status = c.status if r.mode is None else _gate_status(c)
             out.writerow((
                 w.kernel_name, r.provider, "BT", w.n, w.h, w.v, str(w.torch_dtype), status,
-                *(("" if math.isnan(e) else f"{e:.3e}") for e in (c.loss_err, c.dx_err, c.dw_err, *c.tol)),
+                *(("" if math.isnan(e) else f"{e:.3e}") for e in (c.loss_err, c.dx_err, c.dw_err, c.ids_err, *c.tol)),
                 r.version, "; ".join(dict.fromkeys(remarks.get(key, []))),
             ))
 
@@ -140,22 +144,26 @@ def _groups(results: list[Result]) -> dict[tuple, list[Result]]:
 
 def tables(results: list[Result]) -> list[tuple[str, list[str], list[list[str]]]]:
     """(title, header, rows) as strings, for rich or plain text: the gate once, then one table of
-    speed and memory per (loss, mode)."""
+    speed and memory per (workload less N, mode)."""
     return [_gate_table(results), *_speed_tables(results)]
 
 
 def _gate_table(results):
-    header = ["loss", "N", "provider", "err loss", "err dX", "err dW", "tol loss/grads", "status"]
+    # teacher_topk's errors: "err loss" holds its probabilities', "err ids" (shown only then) its ids'.
+    ids = any(not math.isnan(r.check.ids_err) for r in results)
+    header = ["workload", "N", "provider", "err loss", "err dX", "err dW", *(["err ids"] if ids else []),
+              "tol loss/grads", "status"]
     rows, seen = [], set()
     for r in results:
         if (r.workload, r.provider) in seen:
             continue
         seen.add((r.workload, r.provider))
         c = r.check
-        errors = ["" if math.isnan(e) else f"{e:.1e}" for e in (c.loss_err, c.dx_err, c.dw_err)]
+        errors = ["" if math.isnan(e) else f"{e:.1e}" for e in (c.loss_err, c.dx_err, c.dw_err,
+                                                                 *([c.ids_err] if ids else []))]
         tol = "" if math.isnan(c.tol[0]) else "/".join(f"{t:.0e}".replace("e-0", "e-") for t in c.tol)
         status = c.status if r.mode is None else _gate_status(c)
-        rows.append([r.workload.loss, str(r.workload.n), r.provider, *errors, tol, status])
+        rows.append([r.workload.tag, str(r.workload.n), r.provider, *errors, tol, status])
     return "correctness: relative error against the fp32 reference (TF32 off)", header, rows
 
 
@@ -178,7 +186,7 @@ def _speed_tables(results):
                 str(r.workload.n), r.provider, _ms(ms), f"{_ms(r.speed[1])}–{_ms(r.speed[2])}", *ratios,
                 f"{r.peak[0]:.0f}" if r.peak else "n/m", f"{r.extra[0]:.0f}" if r.extra else "n/m",
             ])
-        out.append((f"{w.kernel_name} · {mode} · H={w.h} (student {w.hs}) V={w.v} {w.dtype}", header, rows))
+        out.append((f"{w.kernel_name} · {mode} · {w.describe()}", header, rows))
     return out
 
 
@@ -188,6 +196,9 @@ def _ms(v: float) -> str:
 
 def notes(results: list[Result], env: dict) -> list[str]:
     lines = list(dict.fromkeys(f"{r.provider}: {r.check.note}" for r in results if r.check.note))
+    if any(not r.workload.has_grad for r in results):
+        lines.append("teacher_topk: err loss is the error of its top-k probabilities, err ids how far its ids fall "
+                     "short of the true top k (ties within rounding pass); tol probabilities/ids")
     if env["device"] != "cuda":
         lines.append(f"memory: not measured on {env['device']} (n/m); times are wall clock ({env['timer']})")
     lines.append("÷b: this provider's median time / provider b's, same workload and mode (< 1: faster than b)")
@@ -212,7 +223,7 @@ def print_tables(results: list[Result], env: dict, console=None) -> None:
     for title, header, rows in tables(results):
         t = Table(title=title, title_justify="left", box=box.SIMPLE_HEAD, show_edge=False, padding=(0, 0))
         for name in header:
-            t.add_column(name, justify="left" if name in ("loss", "provider", "status") else "right", no_wrap=True)
+            t.add_column(name, justify="left" if name in ("workload", "provider", "status") else "right", no_wrap=True)
         for row in rows:
             t.add_row(*row, style=next((loud[x] for x in row if x in loud), None))
         console.print(t)
@@ -221,7 +232,8 @@ def print_tables(results: list[Result], env: dict, console=None) -> None:
 
 
 def write_plots(results: list[Result], out: Path, env: dict) -> list[Path]:
-    """speed_<loss>_<mode>.png and memory_<loss>_<mode>.png: the median (p20–p80 bars) against N."""
+    """speed_<tag>_<mode>.png and memory_<tag>_<mode>.png (tag: the loss, or form_loss, or teacher_topk):
+    the median (p20–p80 bars) against N."""
     import matplotlib
     import matplotlib.ticker
 
@@ -264,11 +276,11 @@ def write_plots(results: list[Result], out: Path, env: dict) -> list[Path]:
             ax.yaxis.set_minor_formatter(plain if high < 10 * low else matplotlib.ticker.NullFormatter())
             ax.set_xlabel("N = B x T (rows)")
             ax.set_ylabel("ms (median, p20–p80)" if metric == "speed" else "MiB (peak; extra dashed)")
-            ax.set_title(f"{w.kernel_name} {mode}: H={w.h}, V={w.v}, {w.dtype}\n{env['gpu_name']}", fontsize=10)
+            ax.set_title(f"{w.kernel_name} {mode}: {w.describe()}\n{env['gpu_name']}", fontsize=10)
             ax.grid(True, which="both", alpha=0.3)
-            path = out / f"{metric}_{w.loss}_{mode}.png"
+            path = out / f"{metric}_{w.tag}_{mode}.png"
             if path in paths:  # the same loss and mode at another shape or dtype
-                path = out / f"{metric}_{w.loss}_{mode}_H{w.h}_V{w.v}_{w.dtype}_{len(paths)}.png"
+                path = out / f"{metric}_{w.tag}_{mode}_H{w.h}_V{w.v}_{w.dtype}_{len(paths)}.png"
             fig.tight_layout()
             fig.savefig(path, dpi=120)
             plt.close(fig)

@@ -2,6 +2,16 @@
 
 Inputs follow Liger-Kernel's distillation benchmark, so our numbers sit beside its published rows:
 Xs = rand(N, H//2), Xt = rand(N, H), LM heads with nn.Linear's default init, labels randint(0, V).
+
+A workload's `form` says how the teacher reaches the loss, and so which flashkd function is timed:
+
+    heads          teacher hidden states and LM head (Xt, Wt)        fused_linear_distill
+    logits         dense teacher logits Xt @ Wt^T, (N, V)              fused_linear_distill_logits
+    topk           the teacher's top-k ids and log-probs, (N, K) each  fused_linear_distill_topk
+    teacher_topk   not a loss: the op that makes those top-k targets   teacher_topk (no gradient)
+
+Every form draws the same seeded Xs, Xt, Ws, Wt, labels; the logits and top-k targets are made from
+them before anything is timed, so all forms of one seed distill the very same teacher.
 """
 
 from __future__ import annotations
@@ -11,13 +21,15 @@ from typing import NamedTuple
 
 import torch
 
-from ..losses import LossSpec
+import flashkd
+from ..losses import TAILS, LossSpec
 
 DTYPES = {
     "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
     "float16": torch.float16, "fp16": torch.float16,
     "float32": torch.float32, "fp32": torch.float32,
 }
+FORMS = ("heads", "logits", "topk", "teacher_topk")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -33,6 +45,17 @@ class Workload:
     temperature: float = 1.0
     ignore_index: int = -100
     seed: int = 0
+    form: str = "heads"  # one of FORMS, see the module docstring
+    k: int = 64  # teacher ids per row (forms topk and teacher_topk)
+    tail: str = "bucket"  # the mass outside the K ids (form topk): one of losses.TAILS
+
+    def __post_init__(self):
+        if self.form not in FORMS:
+            raise ValueError(f"form: expected one of {', '.join(FORMS)}, got {self.form!r}")
+        if self.tail not in TAILS:
+            raise ValueError(f"tail: expected one of {', '.join(TAILS)}, got {self.tail!r}")
+        if self.form in ("topk", "teacher_topk") and not 1 <= self.k <= self.v:
+            raise ValueError(f"k: expected 1 <= k <= V = {self.v}, got {self.k}")
 
     @property
     def hs(self) -> int:
@@ -43,45 +66,101 @@ class Workload:
         return DTYPES[self.dtype]
 
     @property
+    def has_grad(self) -> bool:
+        """False for teacher_topk: it returns targets, not a loss, and is only ever run without autograd."""
+        return self.form != "teacher_topk"
+
+    @property
     def kernel_name(self) -> str:
-        return f"distill_{self.loss}_loss"  # Liger's names: distill_jsd_loss, distill_cosine_loss
+        # The heads form keeps Liger's names (distill_jsd_loss, distill_cosine_loss), so its rows sit
+        # beside Liger's published ones; the other forms are other operations and say so.
+        if self.form == "teacher_topk":
+            return "teacher_topk"
+        return f"distill_{'' if self.form == 'heads' else self.form + '_'}{self.loss}_loss"
+
+    @property
+    def tag(self) -> str:
+        """A short name for tables, progress and file names: the loss alone for the heads form."""
+        return {"heads": self.loss, "teacher_topk": "teacher_topk"}.get(self.form, f"{self.form}_{self.loss}")
+
+    def describe(self) -> str:
+        """The shape part of a table or plot title."""
+        if self.form == "teacher_topk":
+            return f"H={self.h} V={self.v} K={self.k} {self.dtype}"
+        topk = f" K={self.k} tail={self.tail}" if self.form == "topk" else ""
+        return f"H={self.h} (student {self.hs}) V={self.v}{topk} {self.dtype}"
+
+    def canonical(self) -> Workload:
+        """The same case with the fields its form does not read at their defaults: equal cases compare equal."""
+        base = Workload()
+        unused = {
+            "heads": ("k", "tail"), "logits": ("k", "tail"), "topk": (),
+            "teacher_topk": ("loss", "beta", "weight_hard", "weight_soft", "ignore_index", "tail"),
+        }[self.form]
+        return dataclasses.replace(self, **{name: getattr(base, name) for name in unused})
 
     def spec(self) -> LossSpec:
-        """The LossSpec that `fused_linear_distill` builds for this call (labels given, terms not returned)."""
+        """The LossSpec that flashkd builds for this call (labels given, terms not returned)."""
         return LossSpec(
             loss=self.loss, beta=self.beta, temperature=self.temperature, weight_hard=self.weight_hard,
             weight_soft=self.weight_soft, ignore_index=self.ignore_index,
             want_hard=self.weight_hard != 0.0, want_soft=self.weight_soft != 0.0 or self.weight_hard == 0.0,
+            tail=self.tail if self.form == "topk" else None,
         )
 
     def config(self) -> dict:
-        """The workload part of `extra_benchmark_config_str`: Liger's keys first, in Liger's order."""
-        return {
+        """The workload part of `extra_benchmark_config_str`: Liger's keys first, in Liger's order.
+
+        The heads form writes exactly the keys it always has (its rows stay comparable with Liger's
+        and with earlier runs); the other forms add theirs at the end.
+        """
+        if self.form == "teacher_topk":
+            return {"H": self.h, "V": self.v, "dtype": str(self.torch_dtype), "bias": False,
+                    "temperature": self.temperature, "seed": self.seed, "form": self.form, "k": self.k}
+        config = {
             "H": self.h, "V": self.v, "dtype": str(self.torch_dtype), "bias": False,
             "weight_hard_loss": self.weight_hard, "weight_soft_loss": self.weight_soft,
             "ignore_index": self.ignore_index, "beta": self.beta, "temperature": self.temperature,
-            "student_H": self.hs, "seed": self.seed,
+            "student_H": self.hs, "seed": self.seed, "loss": self.loss,
         }
+        if self.form == "logits":
+            config["form"] = self.form
+        elif self.form == "topk":
+            config.update(form=self.form, k=self.k, tail=self.tail)
+        return config
 
 
 class Inputs(NamedTuple):
-    xs: torch.Tensor  # (N, Hs) student hidden, requires grad
-    ws: torch.Tensor  # (V, Hs) student head, requires grad
-    xt: torch.Tensor  # (N, Ht) teacher hidden
-    wt: torch.Tensor  # (V, Ht) teacher head
-    y: torch.Tensor  # (N,) int64 labels
+    xs: torch.Tensor | None  # (N, Hs) student hidden, requires grad; None for teacher_topk
+    ws: torch.Tensor | None  # (V, Hs) student head, requires grad; None for teacher_topk
+    xt: torch.Tensor | None  # (N, Ht) teacher hidden; None where the teacher comes precomputed
+    wt: torch.Tensor | None  # (V, Ht) teacher head; idem
+    y: torch.Tensor | None  # (N,) int64 labels; None for teacher_topk
+    tl: torch.Tensor | None = None  # (N, V) teacher logits in the workload's dtype (form logits)
+    ids: torch.Tensor | None = None  # (N, K) int64 teacher top-k ids (form topk)
+    lp: torch.Tensor | None = None  # (N, K) fp32 their log-probs at the workload's temperature (form topk)
 
 
 _SEED_SHAPE = dict(h=4096, v=128256, dtype="bfloat16")
+_SMALL_SHAPE = dict(h=256, v=4099, dtype="float32")
 PRESETS: dict[str, tuple[Workload, ...]] = {
     # The design notes' seed workloads, both among Liger's published rows (distill_jsd_loss,
     # distill_cosine_loss), so every ratio there can be re-measured.
     "seed": (Workload("jsd", 8192, **_SEED_SHAPE), Workload("cosine", 4096, **_SEED_SHAPE)),
     # Liger's x axis, one step further: where the ratio to the floor moves with N.
     "sweep": tuple(Workload("jsd", n, **_SEED_SHAPE) for n in (1024, 2048, 4096, 8192, 16384)),
-    # A laptop CPU: every provider, mode and plot in seconds. V = 4099 is prime, so no size is a
-    # multiple of any block or chunk.
-    "small": tuple(Workload(loss, n, h=256, v=4099, dtype="float32") for loss in ("jsd", "cosine") for n in (128, 256)),
+    # The teacher forms' targets: a sparse top-k teacher (soft forward KL alone, as offline top-k
+    # distillation is usually run), dense precomputed teacher logits, and making the top-k targets.
+    "topk": (Workload("forward_kl", 8192, weight_hard=0.0, weight_soft=1.0, form="topk", k=64, **_SEED_SHAPE),),
+    "logits": (Workload("jsd", 8192, form="logits", **_SEED_SHAPE),),
+    "teacher-topk": (Workload(n=8192, form="teacher_topk", k=64, **_SEED_SHAPE),),
+    # A laptop CPU: every provider, mode and plot in seconds. V = 4099 and K = 61 are prime, so no
+    # size is a multiple of any block or chunk.
+    "small": (
+        *(Workload(loss, n, **_SMALL_SHAPE) for loss in ("jsd", "cosine") for n in (128, 256)),
+        Workload("forward_kl", 256, weight_hard=0.0, weight_soft=1.0, form="topk", k=61, **_SMALL_SHAPE),
+        Workload("jsd", 256, form="logits", **_SMALL_SHAPE),
+    ),
 }
 
 
@@ -90,21 +169,26 @@ def default_preset(device: torch.device) -> str:
 
 
 def expand(base: tuple[Workload, ...], n=None, loss=None, **fields) -> list[Workload]:
-    """The preset's workloads with fields replaced; `n` and `loss` (lists) multiply each workload.
+    """The preset's workloads with fields replaced; `n` and `loss` (lists) multiply each workload
+    (`loss` not teacher_topk, which has none).
 
-    Sorted by loss (in the order given) then N, duplicates dropped.
+    Sorted by tag (loss and form, in the order given) then N, duplicates dropped. A preset's K is
+    cut to a smaller V given (a K given too must fit).
     """
     out = []
     for w in base:
-        for one_loss in loss or [w.loss]:
+        cap = {"k": min(w.k, fields["v"])} if "k" not in fields and "v" in fields else {}
+        w = dataclasses.replace(w, **fields, **cap)
+        for one_loss in [w.loss] if w.form == "teacher_topk" else loss or [w.loss]:
             for one_n in n or [w.n]:
-                out.append(dataclasses.replace(w, loss=one_loss, n=one_n, **fields))
-    order = list(dict.fromkeys(w.loss for w in out))
-    return sorted(dict.fromkeys(out), key=lambda w: (order.index(w.loss), w.n))
+                out.append(dataclasses.replace(w, loss=one_loss, n=one_n).canonical())
+    order = list(dict.fromkeys(w.tag for w in out))
+    return sorted(dict.fromkeys(out), key=lambda w: (order.index(w.tag), w.n))
 
 
 def make_inputs(w: Workload, device: torch.device) -> Inputs:
-    """Seeded inputs: drawn in fp32 and rounded to the workload's dtype, so every dtype sees the same values."""
+    """Seeded inputs: drawn in fp32 and rounded to the workload's dtype, so every dtype sees the same
+    values; then the form's teacher targets from them (not timed)."""
     torch.manual_seed(w.seed)
     dt = w.torch_dtype
     xs = torch.rand(w.n, w.hs, device=device).to(dt).requires_grad_()  # (N, Hs)
@@ -112,4 +196,13 @@ def make_inputs(w: Workload, device: torch.device) -> Inputs:
     ws = torch.nn.Linear(w.hs, w.v, bias=False, device=device).weight.detach().to(dt).requires_grad_()  # (V, Hs)
     wt = torch.nn.Linear(w.h, w.v, bias=False, device=device).weight.detach().to(dt)  # (V, Ht)
     y = torch.randint(0, w.v, (w.n,), device=device)  # (N,)
-    return Inputs(xs, ws, xt, wt, y)
+    if w.form == "heads":
+        return Inputs(xs, ws, xt, wt, y)
+    if w.form == "teacher_topk":
+        return Inputs(None, None, xt, wt, None)
+    # The teacher head is no input of these forms: dropped, so it counts in no provider's memory.
+    with torch.no_grad():
+        if w.form == "logits":
+            return Inputs(xs, ws, None, None, y, tl=xt @ wt.t())  # (N, V), the workload's dtype
+        ids, lp = flashkd.teacher_topk(xt, wt, w.k, temperature=w.temperature)  # (N, K) each
+    return Inputs(xs, ws, None, None, y, ids=ids, lp=lp)

@@ -1,11 +1,15 @@
 """The bench harness's results as KernelIndex bundles, in flashkd's own protocol family.
 
     OperationSpec           the distillation loss's tensor signature; for jsd and cosine the very spec
-                            KernelIndex holds for Liger's distill_jsd_loss / distill_cosine_loss
-    WorkloadCase            the bound case: shapes, dtype, loss options, seeded inputs, and the gate's
+                            KernelIndex holds for Liger's distill_jsd_loss / distill_cosine_loss. The
+                            teacher's other forms (dense logits, top-k with its tail) and teacher_topk
+                            are operations of their own: their signature and a semantics expression
+    WorkloadCase            the bound case: shapes, dtype, loss options, seeded inputs (and how the
+                            teacher's logits or top-k targets were made from them), and the gate's
                             policy: relative L2 error against the fp32 reference (TF32 off) within
                             measure.TOLERANCE (loss and gradients; maxRelativeError is the looser one,
-                            the exact pair is in metadata.description)
+                            the exact pair is in metadata.description); teacher_topk: its ids up to
+                            ties and its probabilities (measure._gate_topk)
     ImplementationRevision  per provider (flashkd, torch = the naive formula, liger); "floor" is not an
                             implementation of the loss and has no record
     BenchmarkProtocol       harness "flashkd-bench": warm-up, rep and minimum calls, quantiles, timer
@@ -39,6 +43,7 @@ from .identity import API_VERSION, digest, js_round
 
 HARNESS = "flashkd-bench"
 COMPARATOR = "fp32_reference_relative_l2"
+TOPK_COMPARATOR = "fp32_reference_topk_ids_up_to_ties"
 _DTYPE_TOKENS = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
 _STATUS = {"passed": "passed", "FAILED": "incorrect_numerical", "OOM": "resource_exceeded", "error": "runtime_error"}
 _MODE_TEXT = {
@@ -60,18 +65,66 @@ def _version(package: str) -> str | None:
         return None
 
 
+# The signatures of the teacher's other forms, as liger.Kernel states Liger's: (name, shape in axis
+# names, dtype; "cfg" = the case's float dtype).
+_STUDENT = (("student_input", ("tokens", "student_hidden"), "cfg"),
+            ("student_weight", ("vocab", "student_hidden"), "cfg"))
+_TARGET = (("target", ("tokens",), "int64"),)
+_LOSS = (("loss", (1,), "fp32"),)
+_TOPK = (("teacher_ids", ("tokens", "k"), "int64"), ("teacher_logprobs", ("tokens", "k"), "fp32"))
+_SIGNATURES = {
+    "logits": (_STUDENT + (("teacher_logits", ("tokens", "vocab"), "cfg"),) + _TARGET, _LOSS),
+    "topk": (_STUDENT + _TOPK + _TARGET, _LOSS),
+    "teacher_topk": ((("teacher_input", ("tokens", "hidden"), "cfg"), ("teacher_weight", ("vocab", "hidden"), "cfg")),
+                     (("ids", ("tokens", "k"), "int64"), ("logprobs", ("tokens", "k"), "fp32"))),
+}
+_TAIL_TEXT = {
+    "bucket": "over K + 1 categories, the K teacher ids and one bucket for the rest of the vocab "
+              "(p_rest = max(1 − Σ p, 0), q_rest = 1 − Σ q)",
+    "renormalize": "over the K teacher ids, q and p each renormalised over them",
+}
+
+
+def _expression(w: measure.Workload) -> str:
+    """What the operation computes, in one line: the identity of the forms that Liger has no spec for."""
+    if w.form == "teacher_topk":
+        return ("ids, logprobs = topk(log_softmax((teacher_input @ teacher_weight^T) / τ), k) per row, by "
+                "decreasing log-prob")
+    student = "S = student_input @ student_weight^T, q = softmax(S / τ)"
+    if w.form == "logits":
+        soft = f"{w.loss}(q, p), p = softmax(teacher_logits / τ)"
+    else:
+        soft = f"{w.loss}(q, p) {_TAIL_TEXT[w.tail]}, p = exp(teacher_logprobs) at teacher_ids (−1: unused)"
+    return (f"loss = (w_hard · Σ CE(S, target) + w_soft · Σ {soft}) / rows whose target is not ignore_index; "
+            f"{student}; flashkd.losses")
+
+
 def operation(w: measure.Workload) -> dict:
     kernel = liger.KERNELS.get(w.kernel_name)
     if kernel is not None:
         spec = liger.operation(kernel)["spec"]
-    else:
+    elif w.form == "heads":
         spec = liger.operation(liger.KERNELS["distill_jsd_loss"])["spec"]
         spec["family"] = liger.kebab(w.loss)
+    else:
+        inputs, outputs = _SIGNATURES[w.form]
+        family = "top-k" if w.form == "teacher_topk" else liger.kebab(w.loss)
+        spec = liger.operation(liger.Kernel(w.kernel_name, "", family, "", "", inputs, outputs, None))["spec"]
+        spec["semantics"]["expression"] = _expression(w)
+    if w.form == "teacher_topk":
+        title = "A teacher's top-k log-probs"
+        description = ("The k most likely ids of each row of a teacher's LM-head logits and their log-probs at "
+                       "temperature τ: the targets of a top-k distillation loss.")
+    else:
+        teacher = {"heads": "a hidden teacher projected through its own LM head",
+                   "logits": "a teacher given as precomputed dense logits",
+                   "topk": f"a teacher given as its top-k ids and log-probs (tail {w.tail})"}[w.form]
+        title = f"Fused linear distillation loss · {w.loss}" + ("" if w.form == "heads" else f" · {w.form} teacher")
+        description = (f"Hard cross-entropy plus the soft {w.loss} term between a hidden/2 student (through its "
+                       f"LM head) and {teacher}; mean over non-ignored rows.")
     return _manifest("OperationSpec", {
-        "name": liger.kebab(f"flashkd-{w.kernel_name}"),
-        "title": f"Fused linear distillation loss · {w.loss}",
-        "description": f"Hard cross-entropy plus the soft {w.loss} term between a hidden/2 student and a hidden "
-                       "teacher, each projected through its own LM head; mean over non-ignored rows.",
+        "name": liger.kebab(f"flashkd-{w.kernel_name}" + (f"-{w.tail}" if w.form == "topk" else "")),
+        "title": title, "description": description,
     }, spec)
 
 
@@ -79,35 +132,65 @@ def workload(w: measure.Workload, operation_digest: str) -> dict:
     dtype = _DTYPE_TOKENS[w.torch_dtype]
     loss_tol, grad_tol = measure.TOLERANCE[w.torch_dtype]
 
-    def tensor(shape, dt, generator):
-        return {"shape": list(shape), "dtype": dt, "data": {"generator": generator, "seed": w.seed}}
+    def tensor(shape, dt, generator, **parameters):
+        data = {"generator": generator, "seed": w.seed, **({"parameters": parameters} if parameters else {})}
+        return {"shape": list(shape), "dtype": dt, "data": data}
 
+    drawn = ("Inputs drawn in this order from torch.manual_seed(seed): student_input, teacher_input (torch.rand in "
+             "fp32, then rounded), student_weight, teacher_weight (nn.Linear default init), target "
+             "(randint(0, vocab))")
+    student = {"student_input": tensor((w.n, w.hs), dtype, "torch_rand"),
+               "student_weight": tensor((w.v, w.hs), dtype, "torch_linear_init")}
+    teacher = {"teacher_input": tensor((w.n, w.h), dtype, "torch_rand"),
+               "teacher_weight": tensor((w.v, w.h), dtype, "torch_linear_init")}
+    target = {"target": tensor((w.n,), "int64", "torch_randint")}
+    scalars = {
+        "weight_hard_loss": {"dtype": "fp32", "value": w.weight_hard},
+        "weight_soft_loss": {"dtype": "fp32", "value": w.weight_soft},
+        "beta": {"dtype": "fp32", "value": w.beta},
+        "temperature": {"dtype": "fp32", "value": w.temperature},
+        "ignore_index": {"dtype": "int64", "value": w.ignore_index},
+    }
+    gate = (f"Gate: relative error against the fp32 reference (TF32 off) of the loss at most {loss_tol:g}, "
+            f"of dX and dW at most {grad_tol:g}. ")
+    correctness = {"comparator": COMPARATOR, "maxRelativeError": max(loss_tol, grad_tol), "nanPolicy": "reject"}
+    name = f"flashkd-{w.kernel_name}-hidden{w.h}-tokens{w.n}-vocab{w.v}"
+    if w.form == "heads":
+        axes, tensors = {"tokens": w.n, "hidden": w.h, "vocab": w.v}, {**student, **teacher, **target}
+        made = "."
+    elif w.form == "logits":
+        axes = {"tokens": w.n, "student_hidden": w.hs, "vocab": w.v}
+        tensors = {**student, "teacher_logits": tensor((w.n, w.v), dtype, "teacher_input_at_teacher_weight",
+                                                       hidden=w.h), **target}
+        made = f"; teacher_logits = teacher_input @ teacher_weight^T in {dtype}, teacher hidden = {w.h}."
+    elif w.form == "topk":
+        axes = {"tokens": w.n, "student_hidden": w.hs, "vocab": w.v, "k": w.k}
+        made_by = dict(hidden=w.h, temperature=w.temperature)
+        tensors = {**student, "teacher_ids": tensor((w.n, w.k), "int64", "flashkd_teacher_topk", **made_by),
+                   "teacher_logprobs": tensor((w.n, w.k), "fp32", "flashkd_teacher_topk", **made_by), **target}
+        made = (f"; teacher_ids, teacher_logprobs = flashkd.teacher_topk(teacher_input, teacher_weight, {w.k}, "
+                f"temperature={w.temperature:g}), teacher hidden = {w.h}.")
+        name += f"-k{w.k}-{w.tail}"
+    else:
+        axes, tensors = {"tokens": w.n, "hidden": w.h, "vocab": w.v, "k": w.k}, teacher
+        scalars = {"temperature": scalars["temperature"]}
+        gate = (f"Gate (measure._gate_topk): ids are the fp32 reference's (TF32 off) top-k set up to ties within "
+                f"{loss_tol:g} of the row's max|logit|/τ, and probabilities at them within relative L2 error "
+                f"{loss_tol:g}. ")
+        correctness = {"comparator": TOPK_COMPARATOR, "maxRelativeError": loss_tol, "nanPolicy": "reject"}
+        made = " (the student's tensors and target are drawn and unused, so the teacher is every form's)."
+        name += f"-k{w.k}"
     return _manifest("WorkloadCase", {
-        "name": liger.kebab(f"flashkd-{w.kernel_name}-hidden{w.h}-tokens{w.n}-vocab{w.v}-{dtype}-seed{w.seed}"),
-        "title": f"{w.kernel_name} · tokens={w.n}, hidden={w.h}, vocab={w.v} · {dtype}",
-        "description": f"Gate: relative error against the fp32 reference (TF32 off) of the loss at most {loss_tol:g}, "
-                       f"of dX and dW at most {grad_tol:g}. Inputs drawn in this order from torch.manual_seed(seed): "
-                       "student_input, teacher_input (torch.rand in fp32, then rounded), student_weight, "
-                       "teacher_weight (nn.Linear default init), target (randint(0, vocab)).",
+        "name": liger.kebab(f"{name}-{dtype}-seed{w.seed}"),
+        "title": f"{w.kernel_name} · tokens={w.n}, hidden={w.h}, vocab={w.v}"
+                 + (f", k={w.k}" if w.form in ("topk", "teacher_topk") else "") + f" · {dtype}",
+        "description": gate + drawn + made,
     }, {
         "operationSpecDigest": operation_digest,
-        "axes": {"tokens": w.n, "hidden": w.h, "vocab": w.v},
-        "tensors": {
-            "student_input": tensor((w.n, w.hs), dtype, "torch_rand"),
-            "student_weight": tensor((w.v, w.hs), dtype, "torch_linear_init"),
-            "teacher_input": tensor((w.n, w.h), dtype, "torch_rand"),
-            "teacher_weight": tensor((w.v, w.h), dtype, "torch_linear_init"),
-            "target": tensor((w.n,), "int64", "torch_randint"),
-        },
-        "scalars": {
-            "weight_hard_loss": {"dtype": "fp32", "value": w.weight_hard},
-            "weight_soft_loss": {"dtype": "fp32", "value": w.weight_soft},
-            "beta": {"dtype": "fp32", "value": w.beta},
-            "temperature": {"dtype": "fp32", "value": w.temperature},
-            "ignore_index": {"dtype": "int64", "value": w.ignore_index},
-        },
-        "correctness": {"comparator": COMPARATOR, "maxRelativeError": max(loss_tol, grad_tol),
-                        "nanPolicy": "reject"},
+        "axes": axes,
+        "tensors": tensors,
+        "scalars": scalars,
+        "correctness": correctness,
     })
 
 
@@ -117,12 +200,14 @@ def implementation(provider: str, version: str, w: measure.Workload, operation_d
             **({"commit": commit} if commit else {})}
     if provider == "flashkd":
         title, project, licence = "flashkd", ours, "Apache-2.0"
-        callable_ = {"language": "triton" if cuda else "python", "path": "flashkd",
-                     "symbol": "fused_linear_distill"}
+        symbol = {"heads": "fused_linear_distill", "logits": "fused_linear_distill_logits",
+                  "topk": "fused_linear_distill_topk", "teacher_topk": "teacher_topk"}[w.form]
+        callable_ = {"language": "triton" if cuda else "python", "path": "flashkd", "symbol": symbol}
         variants = None
     elif provider == "torch":
         title, project, licence = "naive PyTorch formula", ours, "Apache-2.0"
-        callable_ = {"language": "python", "path": "flashkd.bench.providers", "symbol": "naive_loss"}
+        symbol = "naive_loss" if w.has_grad else "naive_teacher_topk"
+        callable_ = {"language": "python", "path": "flashkd.bench.providers", "symbol": symbol}
         variants = None
     elif provider == "liger":
         symbol = {"jsd": "jsd_loss.LigerFusedLinearJSDFunction",
@@ -239,10 +324,12 @@ def _run(r: measure.Result, mode: str, digests: dict, observed_at: str, logs: di
     c, w = r.check, r.workload
     spec = {**{f"{k}Digest": digests[k] for k in ("implementation", "workload", "protocol", "environment")},
             "status": _STATUS.get(c.status, "runtime_error")}
-    errors = [(name, e) for name, e in (("loss", c.loss_err), ("dx", c.dx_err), ("dw", c.dw_err)) if not math.isnan(e)]
+    named = (("loss", c.loss_err), ("dx", c.dx_err), ("dw", c.dw_err)) if w.has_grad else (("probs", c.loss_err),)
+    errors = [(name, e) for name, e in (*named, ("ids", c.ids_err)) if not math.isnan(e)]
     finite = [e for _, e in errors if math.isfinite(e)]
     if finite:
-        spec["correctness"] = {"comparator": COMPARATOR, "maximumRelativeError": max(finite)}
+        spec["correctness"] = {"comparator": COMPARATOR if w.has_grad else TOPK_COMPARATOR,
+                               "maximumRelativeError": max(finite)}
     measurements = []
     if r.speed is not None:
         p50, p20, p80 = r.speed
@@ -318,7 +405,7 @@ def bundles_from_results(results: list[measure.Result], env: dict, *, device: to
             "environment": environment_m,
         }
         observed = liger.utc_instant(r.timestamp) if r.timestamp else now
-        for mode in [r.mode] if r.mode is not None else modes:
+        for mode in [r.mode] if r.mode is not None else measure.applicable(r.workload, modes):
             objects = {**shared, "protocol": protocol(mode, env, repository, commit)}
             digests = {k: digest(m) for k, m in objects.items()}
             objects["run"] = _run(r, mode, digests, observed, evidence)
