@@ -261,7 +261,7 @@ def _topk_kernel(
     prefix = tl.full([], 0, tl.int64)  # the digits of the k-th largest key found so far
     need = k  # how many of the k largest have the key prefix found so far
     for level in tl.static_range(KEY_BITS // 8):
-        shift: tl.constexpr = KEY_BITS - 8 * (level + 1)
+        shift = KEY_BITS - 8 * (level + 1)
         hist = tl.zeros([256], tl.int32)
         for start in range(0, V, BLOCK_V):
             offs = start + cols
