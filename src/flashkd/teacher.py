@@ -28,6 +28,9 @@ def teacher_topk(
 
     vocab_size: the student's vocab V when the teacher head is padded (Vt > V): ids >= V are
     dropped before the softmax, as in `fused_linear_distill`.
+
+    On the Triton backend each chunk costs the GEMM, two reads of its logits and one host sync (rows
+    whose top-k candidates overflowed, normally none, are redone with torch.topk).
     """
     _check_tensors({"teacher_input": teacher_input})
     x, w, b = teacher_input, teacher_weight, teacher_bias
@@ -76,7 +79,7 @@ def _topk(logits, k, temperature, backend):
     if backend == "triton" and logits.dtype != torch.float64:
         from .backends import triton_topk
 
-        return triton_topk.row_topk(logits, k, temperature)  # one kernel: 3 reads of the logits in bf16
+        return triton_topk.row_topk(logits, k, temperature)  # two reads of the logits, one host sync
     work = torch.promote_types(logits.dtype, torch.float32)
     top, ids = torch.topk(logits, k, dim=-1)
     return ids, top.to(work) / temperature - torch.logsumexp(logits.to(work) / temperature, dim=-1, keepdim=True)

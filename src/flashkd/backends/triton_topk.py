@@ -1,4 +1,4 @@
-"""The Triton row backend for a sparse (top-k) teacher: `topk_rows`; and `row_topk` for teacher_topk.
+"""The Triton row backend for a sparse (top-k) teacher, `topk_rows`; and teacher_topk's `row_topk`.
 
 Contract: `flashkd.backends`, t = (ids, logprobs); results of `torch_rows.topk_rows` (autograd of
 `flashkd.losses.topk_row_losses`). The loss lives on K (+ 1) categories, so the work splits into two
@@ -32,6 +32,10 @@ import triton.language as tl
 from ..losses import LossSpec, category_logprobs
 from . import triton_rows
 
+# Tiles of the kernels here (measured on an H200, benchmarks/bench_rows.py: the top-k row kernels at
+# 8192 × 128256 bf16 take 1.85 ms with 1024 columns over 4 warps, 1.97 with 512, 1.92 with 2048 over 8).
+BLOCK_V = 256 if triton_rows._INTERPRET else 1024
+NUM_WARPS = 4
 _LOG2E: tl.constexpr = tl.constexpr(math.log2(math.e))
 _M_START: tl.constexpr = tl.constexpr(-3.0e38)  # finite start of a running max (see triton_rows)
 _LN2 = math.log(2.0)
@@ -173,8 +177,7 @@ def topk_rows(s, t, labels, spec: LossSpec, scale: torch.Tensor, grad: bool):
     block_k = triton.next_power_of_2(K)
     _stats_kernel[(R,)](
         s, ids, s_k, m, l_tau, l_one, V, K, math.log2(math.e) / tau,
-        STREAM=stream, ONE=one, BLOCK_V=triton_rows.BLOCK_V, BLOCK_K=block_k,
-        num_warps=triton_rows.NUM_WARPS,
+        STREAM=stream, ONE=one, BLOCK_V=BLOCK_V, BLOCK_K=block_k, num_warps=NUM_WARPS,
     )
 
     # the categories, in the loss math's precision, with the torch definition's code
@@ -216,108 +219,87 @@ def topk_rows(s, t, labels, spec: LossSpec, scale: torch.Tensor, grad: bool):
         s, ids, id_grad.contiguous(), coef if bucket else m, m, l_tau,
         c_ce if grad_ce else m, m1 if grad_ce else m, l_one_full if grad_ce else m,
         labels if grad_ce else ids, V, K, math.log2(math.e) / tau,
-        REST=bucket, CE=grad_ce, BLOCK_V=triton_rows.BLOCK_V, BLOCK_K=block_k,
-        num_warps=triton_rows.NUM_WARPS,
+        REST=bucket, CE=grad_ce, BLOCK_V=BLOCK_V, BLOCK_K=block_k, num_warps=NUM_WARPS,
     )
     return soft, hard
 
 
 # ------------------------------------------------------------------------------------------ teacher top-k
 
-
-@triton.jit
-def _order_key(x, KEY_BITS: tl.constexpr):
-    """An unsigned integer that orders like the float x: sign bit flipped for x >= 0, all bits for x < 0."""
-    if KEY_BITS == 16:
-        u = x.to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
-        return tl.where(u >= 0x8000, u ^ 0xFFFF, u | 0x8000)
-    else:
-        u = x.to(tl.int32, bitcast=True).to(tl.int64) & 0xFFFFFFFF
-        return tl.where(u >= 0x80000000, u ^ 0xFFFFFFFF, u | 0x80000000)
+# Candidate slots per row for teacher_topk: the elements at or above the k-th largest of the BLOCK_V
+# per-lane maxima (at least k of them, ~k + a few for logits in no particular order of id).
+_CANDIDATES = 512
 
 
 @triton.jit
-def _topk_kernel(
-    x_ptr,  # (R, V) logits, bf16 / fp16 / fp32
-    ids_ptr,  # (R, k) int64 out, unordered
-    vals_ptr,  # (R, k) out, x's dtype
+def _topk_candidates_kernel(
+    x_ptr,  # (R, V) logits, any float dtype
+    cand_ptr,  # (R, C) fp32 out: candidate values (−inf ones as −3e38, so that unfilled −inf slots rank last)
+    cand_ids_ptr,  # (R, C) int32 out: their ids
+    count_ptr,  # (R,) int32 out: number of candidates (may exceed C)
     lse_ptr,  # (R,) fp32 out: logsumexp(x / τ)
     V,
     k,
     log2e_tau,
-    KEY_BITS: tl.constexpr,  # 16 for bf16 / fp16, 32 for fp32
+    C: tl.constexpr,
     BLOCK_V: tl.constexpr,
 ):
-    """Radix select, one program per row: the k-th largest key found 8 bits at a time (a 256-bin
-    histogram per pass over the row, restricted to the keys that share the digits found so far), then
-    one pass that keeps the keys above it and as many equal to it as needed. The first pass also takes
-    the row's logsumexp. bf16 / fp16: 3 passes; fp32: 5. Exact, whatever the ties."""
+    """Pass 1: per-lane max (and the row's logsumexp). The k-th largest lane max θ is a lower bound on
+    the row's k-th largest value: the k lanes whose maxima are >= θ hold k distinct elements >= θ.
+    Pass 2: every element >= θ is a candidate, stored in order of id. The top k are among them."""
     row = tl.program_id(0)
     x_row = x_ptr + row.to(tl.int64) * V
     cols = tl.arange(0, BLOCK_V)
-    bins = tl.arange(0, 256)
     m = tl.full([BLOCK_V], _M_START, tl.float32)
     l = tl.zeros([BLOCK_V], tl.float32)
-    prefix = tl.full([], 0, tl.int64)  # the digits of the k-th largest key found so far
-    need = k  # how many of the k largest have the key prefix found so far
-    for level in tl.static_range(KEY_BITS // 8):
-        shift = KEY_BITS - 8 * (level + 1)
-        hist = tl.zeros([256], tl.int32)
-        for start in range(0, V, BLOCK_V):
-            offs = start + cols
-            mask = offs < V
-            x = tl.load(x_row + offs, mask=mask, other=0.0)
-            key = _order_key(x, KEY_BITS)
-            if level == 0:
-                a = tl.where(mask, x.to(tl.float32), -float("inf"))
-                l = triton_rows._lane_sum(l, m, a, log2e_tau)
-                m = tl.maximum(m, a)
-            else:
-                mask = mask & ((key >> (shift + 8)).to(tl.int64) == prefix)
-            hist += tl.histogram(((key >> shift) & 0xFF).to(tl.int32), 256, mask=mask)
-        # the digit: the largest bin with at least `need` keys at or above it
-        at_or_above = tl.sum(hist, 0) - tl.cumsum(hist, 0) + hist
-        digit = tl.max(tl.where(at_or_above >= need, bins, -1), 0)
-        need -= tl.sum(tl.where(bins == digit, at_or_above - hist, 0), 0)
-        prefix = (prefix << 8) | digit.to(tl.int64)
+    for start in range(0, V, BLOCK_V):
+        offs = start + cols
+        a = tl.load(x_row + offs, mask=offs < V, other=-float("inf")).to(tl.float32)
+        l = triton_rows._lane_sum(l, m, a, log2e_tau)
+        m = tl.maximum(m, a)
     m_row = tl.max(m, 0)
     l_row = tl.sum(l * tl.exp2((m - m_row) * log2e_tau), 0)
     tl.store(lse_ptr + row, (m_row * log2e_tau + tl.log2(l_row)) * 0.6931471805599453)
+    theta = tl.sum(tl.where(cols == k - 1, tl.sort(m, descending=True), 0.0), 0)
 
-    out = row.to(tl.int64) * k
-    n_above = 0
-    n_equal = 0
+    out = row.to(tl.int64) * C
+    n = 0
     for start in range(0, V, BLOCK_V):
         offs = start + cols
-        mask = offs < V
-        x = tl.load(x_row + offs, mask=mask, other=0.0)
-        key = _order_key(x, KEY_BITS).to(tl.int64)
-        above = mask & (key > prefix)
-        equal = mask & (key == prefix)
-        if tl.sum((above | equal).to(tl.int32), 0) > 0:  # most tiles hold none of the k
-            pos = n_above + tl.cumsum(above.to(tl.int32), 0) - 1
-            tl.store(ids_ptr + out + pos, offs.to(tl.int64), mask=above)
-            tl.store(vals_ptr + out + pos, x, mask=above)
-            pos = (k - need) + n_equal + tl.cumsum(equal.to(tl.int32), 0) - 1
-            take = equal & (pos < k)
-            tl.store(ids_ptr + out + pos, offs.to(tl.int64), mask=take)
-            tl.store(vals_ptr + out + pos, x, mask=take)
-            n_above += tl.sum(above.to(tl.int32), 0)
-            n_equal += tl.sum(equal.to(tl.int32), 0)
+        a = tl.load(x_row + offs, mask=offs < V, other=-float("inf")).to(tl.float32)
+        keep = (offs < V) & (a >= theta)
+        if tl.sum(keep.to(tl.int32), 0) > 0:  # most tiles hold no candidate
+            pos = n + tl.cumsum(keep.to(tl.int32), 0) - 1
+            tl.store(cand_ptr + out + pos, tl.maximum(a, _M_START), mask=keep & (pos < C))
+            tl.store(cand_ids_ptr + out + pos, offs, mask=keep & (pos < C))
+            n += tl.sum(keep.to(tl.int32), 0)
+    tl.store(count_ptr + row, n)
 
 
 def row_topk(x: torch.Tensor, k: int, temperature: float):
-    """The k largest entries per row of a contiguous (R, V) bf16 / fp16 / fp32 tensor and their
-    log-probs log softmax(x/τ): (ids (R, k) int64, logprobs (R, k) fp32), sorted by decreasing value."""
+    """The k largest entries per row of a contiguous (R, V) tensor and their log-probs
+    log softmax(x/τ): (ids (R, k) int64, logprobs (R, k) fp32), sorted by decreasing value.
+
+    Two reads of x in one kernel leave at most C candidates per row; torch.topk picks among them. A row
+    whose candidates did not fit (many ties at the threshold) or that has fewer than k finite values
+    is redone with torch.topk over the full row: finding out costs one host sync per call.
+    """
     R, V = x.shape
-    ids = torch.empty(R, k, dtype=torch.int64, device=x.device)
-    vals = torch.empty(R, k, dtype=x.dtype, device=x.device)
+    if k > BLOCK_V:  # the threshold needs k lanes
+        top, ids = torch.topk(x, k, dim=-1)
+        return ids, top.float() / temperature - torch.logsumexp(x.float() / temperature, -1, keepdim=True)
+    cand = torch.full((R, _CANDIDATES), -float("inf"), dtype=torch.float32, device=x.device)
+    cand_ids = torch.empty(R, _CANDIDATES, dtype=torch.int32, device=x.device)
+    count = torch.empty(R, dtype=torch.int32, device=x.device)
     lse = torch.empty(R, dtype=torch.float32, device=x.device)
     if R:
-        _topk_kernel[(R,)](
-            x, ids, vals, lse, V, k, math.log2(math.e) / temperature,
-            KEY_BITS=32 if x.dtype == torch.float32 else 16, BLOCK_V=triton_rows.BLOCK_V,
-            num_warps=triton_rows.NUM_WARPS,
+        _topk_candidates_kernel[(R,)](
+            x, cand, cand_ids, count, lse, V, k, math.log2(math.e) / temperature,
+            C=_CANDIDATES, BLOCK_V=BLOCK_V, num_warps=NUM_WARPS,
         )
-    vals, order = vals.sort(dim=-1, descending=True)
-    return ids.gather(1, order), vals.to(torch.float32) / temperature - lse[:, None]
+    slots = cand.topk(k, dim=-1).indices
+    ids = cand_ids.gather(1, slots).long()
+    redo = ((count > _CANDIDATES) | (count < k)).nonzero()[:, 0]
+    if redo.numel():
+        ids[redo] = torch.topk(x[redo], k, dim=-1).indices
+    return ids, x.gather(1, ids).float() / temperature - lse[:, None]
