@@ -226,27 +226,40 @@ def topk_rows(s, t, labels, spec: LossSpec, scale: torch.Tensor, grad: bool):
 
 # ------------------------------------------------------------------------------------------ teacher top-k
 
-# Candidate slots per row for teacher_topk: the elements at or above the k-th largest of the BLOCK_V
-# per-lane maxima (at least k of them, ~k + a few for logits in no particular order of id).
-_CANDIDATES = 512
+# Candidate slots per lane for teacher_topk: a lane holds BLOCK_V-th of the row; the ~k candidates
+# (elements at or above the k-th largest lane max) rarely put more than one in a lane.
+_SLOTS = 4
 
 
 @triton.jit
-def _topk_candidates_kernel(
+def _packed_key(x, ids):
+    """An int64 that orders like the fp32 x (ties by id): the float's bits as a signed int with the
+    magnitude bits flipped for negative x, in the high half; the id in the low half."""
+    i = x.to(tl.int32, bitcast=True)
+    return ((i ^ ((i >> 31) & 0x7FFFFFFF)).to(tl.int64) << 32) | ids.to(tl.int64)
+
+
+_EMPTY: tl.constexpr = tl.constexpr(-(2**63))  # below every packed key: an unused slot
+
+
+@triton.jit
+def _topk_kernel(
     x_ptr,  # (R, V) logits, any float dtype
-    cand_ptr,  # (R, C) fp32 out: candidate values (−inf ones as −3e38, so that unfilled −inf slots rank last)
-    cand_ids_ptr,  # (R, C) int32 out: their ids
-    count_ptr,  # (R,) int32 out: number of candidates (may exceed C)
+    ids_ptr,  # (R, k) int64 out: the k largest, by decreasing value
+    redo_ptr,  # (R,) int8 out: 1 where the candidates could not hold the top k (the row is redone)
     lse_ptr,  # (R,) fp32 out: logsumexp(x / τ)
+    scratch_ptr,  # (R, SLOTS, BLOCK_V) int64: candidates, value key << 32 | id
     V,
     k,
     log2e_tau,
-    C: tl.constexpr,
+    SLOTS: tl.constexpr,
     BLOCK_V: tl.constexpr,
 ):
-    """Pass 1: per-lane max (and the row's logsumexp). The k-th largest lane max θ is a lower bound on
-    the row's k-th largest value: the k lanes whose maxima are >= θ hold k distinct elements >= θ.
-    Pass 2: every element >= θ is a candidate, stored in order of id. The top k are among them."""
+    """Pass 1: per-lane max (and the row's logsumexp). The k-th largest lane max θ bounds the row's k-th
+    largest value from below: the k lanes whose maxima are >= θ hold k distinct elements >= θ.
+    Pass 2: each lane keeps its elements >= θ (up to SLOTS) with no cross-lane work in the loop.
+    Then one sort of the candidates on chip gives the top k. A lane with more than SLOTS candidates,
+    or fewer than k candidates in all (fewer than k values above −3e38), flags the row."""
     row = tl.program_id(0)
     x_row = x_ptr + row.to(tl.int64) * V
     cols = tl.arange(0, BLOCK_V)
@@ -262,44 +275,51 @@ def _topk_candidates_kernel(
     tl.store(lse_ptr + row, (m_row * log2e_tau + tl.log2(l_row)) * 0.6931471805599453)
     theta = tl.sum(tl.where(cols == k - 1, tl.sort(m, descending=True), 0.0), 0)
 
-    out = row.to(tl.int64) * C
-    n = 0
+    buf = scratch_ptr + row.to(tl.int64) * (SLOTS * BLOCK_V) + cols
+    c = tl.zeros([BLOCK_V], tl.int32)  # candidates seen per lane
     for start in range(0, V, BLOCK_V):
         offs = start + cols
         a = tl.load(x_row + offs, mask=offs < V, other=-float("inf")).to(tl.float32)
         keep = (offs < V) & (a >= theta)
-        if tl.sum(keep.to(tl.int32), 0) > 0:  # most tiles hold no candidate
-            pos = n + tl.cumsum(keep.to(tl.int32), 0) - 1
-            tl.store(cand_ptr + out + pos, tl.maximum(a, _M_START), mask=keep & (pos < C))
-            tl.store(cand_ids_ptr + out + pos, offs, mask=keep & (pos < C))
-            n += tl.sum(keep.to(tl.int32), 0)
-    tl.store(count_ptr + row, n)
+        tl.store(buf + c * BLOCK_V, _packed_key(a, offs), mask=keep & (c < SLOTS))
+        c += keep.to(tl.int32)
+    # each thread reads back the slots it wrote (same layout): no barrier needed; unused slots sort last
+    tl.static_assert(SLOTS == 4)
+    cand = tl.join(
+        tl.join(tl.load(buf, mask=c > 0, other=_EMPTY), tl.load(buf + BLOCK_V, mask=c > 1, other=_EMPTY)),
+        tl.join(tl.load(buf + 2 * BLOCK_V, mask=c > 2, other=_EMPTY),
+                tl.load(buf + 3 * BLOCK_V, mask=c > 3, other=_EMPTY)),
+    )
+    cand = tl.sort(tl.reshape(cand, [SLOTS * BLOCK_V]), descending=True)
+    pos = tl.arange(0, SLOTS * BLOCK_V)
+    tl.store(ids_ptr + row.to(tl.int64) * k + pos, cand & 0xFFFFFFFF, mask=pos < k)
+    tl.store(redo_ptr + row, ((tl.max(c, 0) > SLOTS) | (tl.sum(c, 0) < k)).to(tl.int8))
 
 
 def row_topk(x: torch.Tensor, k: int, temperature: float):
     """The k largest entries per row of a contiguous (R, V) tensor and their log-probs
     log softmax(x/τ): (ids (R, k) int64, logprobs (R, k) fp32), sorted by decreasing value.
 
-    Two reads of x in one kernel leave at most C candidates per row; torch.topk picks among them. A row
-    whose candidates did not fit (many ties at the threshold) or that has fewer than k finite values
-    is redone with torch.topk over the full row: finding out costs one host sync per call.
+    One kernel, two reads of x. A row whose candidates did not fit (many ties at the threshold, or
+    top values clustered in a few lanes) or that has fewer than k finite values is redone with
+    torch.topk over the full row: finding out costs one host sync per call.
     """
     R, V = x.shape
-    if k > BLOCK_V:  # the threshold needs k lanes
+    # The interpreter runs the on-chip sort of SLOTS · block candidates as numpy steps: small there.
+    block = 64 if triton_rows._INTERPRET else BLOCK_V
+    if k > block:  # the threshold needs k lanes
         top, ids = torch.topk(x, k, dim=-1)
         return ids, top.float() / temperature - torch.logsumexp(x.float() / temperature, -1, keepdim=True)
-    cand = torch.full((R, _CANDIDATES), -float("inf"), dtype=torch.float32, device=x.device)
-    cand_ids = torch.empty(R, _CANDIDATES, dtype=torch.int32, device=x.device)
-    count = torch.empty(R, dtype=torch.int32, device=x.device)
+    ids = torch.empty(R, k, dtype=torch.int64, device=x.device)
+    redo = torch.empty(R, dtype=torch.int8, device=x.device)
     lse = torch.empty(R, dtype=torch.float32, device=x.device)
+    scratch = torch.empty(R, _SLOTS * block, dtype=torch.int64, device=x.device)
     if R:
-        _topk_candidates_kernel[(R,)](
-            x, cand, cand_ids, count, lse, V, k, math.log2(math.e) / temperature,
-            C=_CANDIDATES, BLOCK_V=BLOCK_V, num_warps=NUM_WARPS,
+        _topk_kernel[(R,)](
+            x, ids, redo, lse, scratch, V, k, math.log2(math.e) / temperature,
+            SLOTS=_SLOTS, BLOCK_V=block, num_warps=NUM_WARPS,
         )
-    slots = cand.topk(k, dim=-1).indices
-    ids = cand_ids.gather(1, slots).long()
-    redo = ((count > _CANDIDATES) | (count < k)).nonzero()[:, 0]
-    if redo.numel():
-        ids[redo] = torch.topk(x[redo], k, dim=-1).indices
+    rows = redo.nonzero()[:, 0]
+    if rows.numel():
+        ids[rows] = torch.topk(x[rows], k, dim=-1).indices
     return ids, x.gather(1, ids).float() / temperature - lse[:, None]
