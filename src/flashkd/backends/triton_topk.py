@@ -243,12 +243,21 @@ _EMPTY: tl.constexpr = tl.constexpr(-(2**63))  # below every packed key: an unus
 
 
 @triton.jit
+def _candidate(x_row, buf, c, slot: tl.constexpr, BLOCK_V: tl.constexpr):
+    """The packed keys of each lane's candidate in `slot` (re-read from the row: a few per row)."""
+    used = c > slot
+    col = tl.load(buf + slot * BLOCK_V, mask=used, other=0)
+    a = tl.load(x_row + col, mask=used, other=0.0).to(tl.float32)
+    return tl.where(used, _packed_key(a, col), _EMPTY)
+
+
+@triton.jit
 def _topk_kernel(
     x_ptr,  # (R, V) logits, any float dtype
     ids_ptr,  # (R, k) int64 out: the k largest, by decreasing value
     redo_ptr,  # (R,) int8 out: 1 where the candidates could not hold the top k (the row is redone)
     lse_ptr,  # (R,) fp32 out: logsumexp(x / τ)
-    scratch_ptr,  # (R, SLOTS, BLOCK_V) int64: candidates, value key << 32 | id
+    scratch_ptr,  # (R, SLOTS, BLOCK_V) int32: the candidates' columns
     V,
     k,
     log2e_tau,
@@ -275,20 +284,19 @@ def _topk_kernel(
     tl.store(lse_ptr + row, (m_row * log2e_tau + tl.log2(l_row)) * 0.6931471805599453)
     theta = tl.sum(tl.where(cols == k - 1, tl.sort(m, descending=True), 0.0), 0)
 
-    buf = scratch_ptr + row.to(tl.int64) * (SLOTS * BLOCK_V) + cols
+    buf = scratch_ptr + row.to(tl.int64) * (SLOTS * BLOCK_V) + cols  # the column of each candidate
     c = tl.zeros([BLOCK_V], tl.int32)  # candidates seen per lane
     for start in range(0, V, BLOCK_V):
         offs = start + cols
         a = tl.load(x_row + offs, mask=offs < V, other=-float("inf")).to(tl.float32)
         keep = (offs < V) & (a >= theta)
-        tl.store(buf + c * BLOCK_V, _packed_key(a, offs), mask=keep & (c < SLOTS))
+        tl.store(buf + c * BLOCK_V, offs, mask=keep & (c < SLOTS))
         c += keep.to(tl.int32)
     # each thread reads back the slots it wrote (same layout): no barrier needed; unused slots sort last
     tl.static_assert(SLOTS == 4)
     cand = tl.join(
-        tl.join(tl.load(buf, mask=c > 0, other=_EMPTY), tl.load(buf + BLOCK_V, mask=c > 1, other=_EMPTY)),
-        tl.join(tl.load(buf + 2 * BLOCK_V, mask=c > 2, other=_EMPTY),
-                tl.load(buf + 3 * BLOCK_V, mask=c > 3, other=_EMPTY)),
+        tl.join(_candidate(x_row, buf, c, 0, BLOCK_V), _candidate(x_row, buf, c, 1, BLOCK_V)),
+        tl.join(_candidate(x_row, buf, c, 2, BLOCK_V), _candidate(x_row, buf, c, 3, BLOCK_V)),
     )
     cand = tl.sort(tl.reshape(cand, [SLOTS * BLOCK_V]), descending=True)
     pos = tl.arange(0, SLOTS * BLOCK_V)
@@ -313,7 +321,7 @@ def row_topk(x: torch.Tensor, k: int, temperature: float):
     ids = torch.empty(R, k, dtype=torch.int64, device=x.device)
     redo = torch.empty(R, dtype=torch.int8, device=x.device)
     lse = torch.empty(R, dtype=torch.float32, device=x.device)
-    scratch = torch.empty(R, _SLOTS * block, dtype=torch.int64, device=x.device)
+    scratch = torch.empty(R, _SLOTS * block, dtype=torch.int32, device=x.device)
     if R:
         _topk_kernel[(R,)](
             x, ids, redo, lse, scratch, V, k, math.log2(math.e) / temperature,
