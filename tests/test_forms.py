@@ -306,6 +306,23 @@ def test_teacher_topk_with_ties(backend, dtype, seed):
     assert ((logprobs.double() - truth).abs() <= 1e-5 * truth.abs().clamp_min(1.0)).all()
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_teacher_topk_hard_rows(backend, seed):
+    """Rows the Triton kernel cannot finish alone (its top values crowded into one lane of a tile, or a
+    threshold tied by the whole row) come out exact too."""
+    v, k = 1000, 12
+    x = torch.randn(4, v)
+    x[0, 3::64] += 8.0  # the largest values all in lane 3 of every 64-column tile (and of 256 too)
+    x[1] = 1.5  # every value tied
+    x[2, :40] = 9.0  # 40 ties at the top, k of them to pick
+    ids, logprobs = flashkd.teacher_topk(x, torch.eye(v), k, backend=backend)
+    chosen, others = x.gather(1, ids), x.scatter(1, ids, -math.inf)
+    assert (chosen.min(1).values >= others.max(1).values).all()
+    assert all(len(set(row.tolist())) == k for row in ids)
+    truth = torch.log_softmax(x.double(), -1).gather(1, ids)
+    assert (logprobs.double() - truth).abs().max() < 1e-5
+
+
 def test_teacher_topk_bad_input():
     x, w = torch.randn(4, HT), torch.randn(V, HT)
     cases = [

@@ -226,9 +226,11 @@ def topk_rows(s, t, labels, spec: LossSpec, scale: torch.Tensor, grad: bool):
 
 # ------------------------------------------------------------------------------------------ teacher top-k
 
-# Candidate slots per lane for teacher_topk: a lane holds BLOCK_V-th of the row; the ~k candidates
-# (elements at or above the k-th largest lane max) rarely put more than one in a lane.
+# Candidate slots per lane for teacher_topk (a lane holds BLOCK_V-th of the row; the ~k candidates,
+# elements at or above the k-th largest lane max, rarely put more than one in a lane), and the most
+# candidates per row that are sorted on chip.
 _SLOTS = 4
+_CAP = 256
 
 
 @triton.jit
@@ -243,10 +245,9 @@ _EMPTY: tl.constexpr = tl.constexpr(-(2**63))  # below every packed key: an unus
 
 
 @triton.jit
-def _candidate(x_row, buf, c, slot: tl.constexpr, BLOCK_V: tl.constexpr):
+def _candidate(x_row, col, c, slot: tl.constexpr):
     """The packed keys of each lane's candidate in `slot` (re-read from the row: a few per row)."""
     used = c > slot
-    col = tl.load(buf + slot * BLOCK_V, mask=used, other=0)
     a = tl.load(x_row + col, mask=used, other=0.0).to(tl.float32)
     return tl.where(used, _packed_key(a, col), _EMPTY)
 
@@ -257,18 +258,20 @@ def _topk_kernel(
     ids_ptr,  # (R, k) int64 out: the k largest, by decreasing value
     redo_ptr,  # (R,) int8 out: 1 where the candidates could not hold the top k (the row is redone)
     lse_ptr,  # (R,) fp32 out: logsumexp(x / τ)
-    scratch_ptr,  # (R, SLOTS, BLOCK_V) int32: the candidates' columns
+    scratch_ptr,  # (R, CAP) int64: the row's candidates, packed, compacted
     V,
     k,
     log2e_tau,
     SLOTS: tl.constexpr,
+    CAP: tl.constexpr,
     BLOCK_V: tl.constexpr,
 ):
     """Pass 1: per-lane max (and the row's logsumexp). The k-th largest lane max θ bounds the row's k-th
     largest value from below: the k lanes whose maxima are >= θ hold k distinct elements >= θ.
-    Pass 2: each lane keeps its elements >= θ (up to SLOTS) with no cross-lane work in the loop.
-    Then one sort of the candidates on chip gives the top k. A lane with more than SLOTS candidates,
-    or fewer than k candidates in all (fewer than k values above −3e38), flags the row."""
+    Pass 2: each lane keeps the columns of its first SLOTS elements >= θ in registers (no cross-lane
+    work in the loop). Then the candidates are packed as (value, id) keys, compacted to CAP and sorted
+    on chip. A lane with more than SLOTS candidates, more than CAP in the row, or fewer than k (fewer
+    than k values above −3e38) flags the row."""
     row = tl.program_id(0)
     x_row = x_ptr + row.to(tl.int64) * V
     cols = tl.arange(0, BLOCK_V)
@@ -284,24 +287,36 @@ def _topk_kernel(
     tl.store(lse_ptr + row, (m_row * log2e_tau + tl.log2(l_row)) * 0.6931471805599453)
     theta = tl.sum(tl.where(cols == k - 1, tl.sort(m, descending=True), 0.0), 0)
 
-    buf = scratch_ptr + row.to(tl.int64) * (SLOTS * BLOCK_V) + cols  # the column of each candidate
+    tl.static_assert(SLOTS == 4)
     c = tl.zeros([BLOCK_V], tl.int32)  # candidates seen per lane
+    col0 = tl.zeros([BLOCK_V], tl.int32)
+    col1 = tl.zeros([BLOCK_V], tl.int32)
+    col2 = tl.zeros([BLOCK_V], tl.int32)
+    col3 = tl.zeros([BLOCK_V], tl.int32)
     for start in range(0, V, BLOCK_V):
         offs = start + cols
         a = tl.load(x_row + offs, mask=offs < V, other=-float("inf")).to(tl.float32)
         keep = (offs < V) & (a >= theta)
-        tl.store(buf + c * BLOCK_V, offs, mask=keep & (c < SLOTS))
+        col0 = tl.where(keep & (c == 0), offs, col0)
+        col1 = tl.where(keep & (c == 1), offs, col1)
+        col2 = tl.where(keep & (c == 2), offs, col2)
+        col3 = tl.where(keep & (c == 3), offs, col3)
         c += keep.to(tl.int32)
-    # each thread reads back the slots it wrote (same layout): no barrier needed; unused slots sort last
-    tl.static_assert(SLOTS == 4)
-    cand = tl.join(
-        tl.join(_candidate(x_row, buf, c, 0, BLOCK_V), _candidate(x_row, buf, c, 1, BLOCK_V)),
-        tl.join(_candidate(x_row, buf, c, 2, BLOCK_V), _candidate(x_row, buf, c, 3, BLOCK_V)),
+    keys = tl.reshape(
+        tl.join(tl.join(_candidate(x_row, col0, c, 0), _candidate(x_row, col1, c, 1)),
+                tl.join(_candidate(x_row, col2, c, 2), _candidate(x_row, col3, c, 3))),
+        [SLOTS * BLOCK_V],
     )
-    cand = tl.sort(tl.reshape(cand, [SLOTS * BLOCK_V]), descending=True)
-    pos = tl.arange(0, SLOTS * BLOCK_V)
-    tl.store(ids_ptr + row.to(tl.int64) * k + pos, cand & 0xFFFFFFFF, mask=pos < k)
-    tl.store(redo_ptr + row, ((tl.max(c, 0) > SLOTS) | (tl.sum(c, 0) < k)).to(tl.int8))
+    used = keys != _EMPTY
+    n = tl.sum(used.to(tl.int32), 0)
+    pos = tl.cumsum(used.to(tl.int32), 0) - 1
+    buf = scratch_ptr + row.to(tl.int64) * CAP
+    tl.store(buf + pos, keys, mask=used & (pos < CAP))
+    tl.debug_barrier()  # the sort below reads what other threads stored
+    slots = tl.arange(0, CAP)
+    top = tl.sort(tl.load(buf + slots, mask=slots < n, other=_EMPTY), descending=True)
+    tl.store(ids_ptr + row.to(tl.int64) * k + slots, top & 0xFFFFFFFF, mask=slots < k)
+    tl.store(redo_ptr + row, ((tl.max(c, 0) > SLOTS) | (n > CAP) | (n < k)).to(tl.int8))
 
 
 def row_topk(x: torch.Tensor, k: int, temperature: float):
@@ -315,17 +330,17 @@ def row_topk(x: torch.Tensor, k: int, temperature: float):
     R, V = x.shape
     # The interpreter runs the on-chip sort of SLOTS · block candidates as numpy steps: small there.
     block = 64 if triton_rows._INTERPRET else BLOCK_V
-    if k > block:  # the threshold needs k lanes
+    if k > min(block, _CAP):  # the threshold needs k lanes, the sort k slots
         top, ids = torch.topk(x, k, dim=-1)
         return ids, top.float() / temperature - torch.logsumexp(x.float() / temperature, -1, keepdim=True)
     ids = torch.empty(R, k, dtype=torch.int64, device=x.device)
     redo = torch.empty(R, dtype=torch.int8, device=x.device)
     lse = torch.empty(R, dtype=torch.float32, device=x.device)
-    scratch = torch.empty(R, _SLOTS * block, dtype=torch.int32, device=x.device)
+    scratch = torch.empty(R, _CAP, dtype=torch.int64, device=x.device)
     if R:
         _topk_kernel[(R,)](
             x, ids, redo, lse, scratch, V, k, math.log2(math.e) / temperature,
-            SLOTS=_SLOTS, BLOCK_V=block, num_warps=NUM_WARPS,
+            SLOTS=_SLOTS, CAP=_CAP, BLOCK_V=block, num_warps=NUM_WARPS,
         )
     rows = redo.nonzero()[:, 0]
     if rows.numel():
