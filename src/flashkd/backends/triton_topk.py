@@ -253,6 +253,15 @@ def _candidate(x_row, col, c, slot: tl.constexpr):
 
 
 @triton.jit
+def _compact(buf, keys, n, CAP: tl.constexpr):
+    """Store the used keys at buf[n:], in lane order (up to CAP); returns n + their number."""
+    used = keys != _EMPTY
+    pos = n + tl.cumsum(used.to(tl.int32), 0) - 1
+    tl.store(buf + pos, keys, mask=used & (pos < CAP))
+    return n + tl.sum(used.to(tl.int32), 0)
+
+
+@triton.jit
 def _topk_kernel(
     x_ptr,  # (R, V) logits, any float dtype
     ids_ptr,  # (R, k) int64 out: the k largest, by decreasing value
@@ -302,16 +311,12 @@ def _topk_kernel(
         col2 = tl.where(keep & (c == 2), offs, col2)
         col3 = tl.where(keep & (c == 3), offs, col3)
         c += keep.to(tl.int32)
-    keys = tl.reshape(
-        tl.join(tl.join(_candidate(x_row, col0, c, 0), _candidate(x_row, col1, c, 1)),
-                tl.join(_candidate(x_row, col2, c, 2), _candidate(x_row, col3, c, 3))),
-        [SLOTS * BLOCK_V],
-    )
-    used = keys != _EMPTY
-    n = tl.sum(used.to(tl.int32), 0)
-    pos = tl.cumsum(used.to(tl.int32), 0) - 1
+    # compacted slot by slot: four scans of BLOCK_V keys (one SLOTS·BLOCK_V tensor would spill)
     buf = scratch_ptr + row.to(tl.int64) * CAP
-    tl.store(buf + pos, keys, mask=used & (pos < CAP))
+    n = _compact(buf, _candidate(x_row, col0, c, 0), 0, CAP)
+    n = _compact(buf, _candidate(x_row, col1, c, 1), n, CAP)
+    n = _compact(buf, _candidate(x_row, col2, c, 2), n, CAP)
+    n = _compact(buf, _candidate(x_row, col3, c, 3), n, CAP)
     tl.debug_barrier()  # the sort below reads what other threads stored
     slots = tl.arange(0, CAP)
     top = tl.sort(tl.load(buf + slots, mask=slots < n, other=_EMPTY), descending=True)
@@ -328,8 +333,9 @@ def row_topk(x: torch.Tensor, k: int, temperature: float):
     torch.topk over the full row: finding out costs one host sync per call.
     """
     R, V = x.shape
-    # The interpreter runs the on-chip sort of SLOTS · block candidates as numpy steps: small there.
-    block = 64 if triton_rows._INTERPRET else BLOCK_V
+    # 512 lanes: 64 registers a thread on sm_90 (1024: 110), so twice the programs share an SM. The
+    # interpreter runs the on-chip sorts as numpy steps: small tiles there.
+    block = 64 if triton_rows._INTERPRET else 512
     if k > min(block, _CAP):  # the threshold needs k lanes, the sort k slots
         top, ids = torch.topk(x, k, dim=-1)
         return ids, top.float() / temperature - torch.logsumexp(x.float() / temperature, -1, keepdim=True)
