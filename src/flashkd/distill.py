@@ -35,7 +35,7 @@ import os
 
 import torch
 
-from .losses import LOSSES, LossSpec
+from .losses import LossSpec
 from .backends import torch_rows
 
 # Default memory for one chunk's logits. Bigger chunks make the GEMMs more efficient; past a few
@@ -193,10 +193,6 @@ def _spec(args: dict) -> LossSpec:
     """The LossSpec of a public call, from its arguments."""
     has_labels = args["labels"] is not None
     w_hard, w_soft, logged = args["weight_hard_loss"], args["weight_soft_loss"], args["return_soft_hard_loss"]
-    if "tail" in args and args["loss"] not in LOSSES[:4]:
-        raise ValueError(
-            f"loss: expected one of 'jsd', 'forward_kl', 'reverse_kl', 'tvd' for a top-k teacher, got {args['loss']!r}"
-        )
     spec = LossSpec(
         loss=args["loss"],
         beta=args["beta"],
@@ -209,7 +205,7 @@ def _spec(args: dict) -> LossSpec:
         want_hard=has_labels and (w_hard != 0.0 or logged),
         # With both weights 0 the soft term is still computed, so the loss and grads are true zeros.
         want_soft=w_soft != 0.0 or logged or not has_labels or w_hard == 0.0,
-        tail=args.get("tail"),
+        tail=args.get("tail"),  # only the top-k form has one
     )
     if not has_labels and w_hard != 0.0:
         raise ValueError(f"weight_hard_loss: expected 0 when labels is None (no hard labels to train on), got {w_hard!r}")

@@ -31,6 +31,7 @@ import math
 import torch
 
 LOSSES = ("jsd", "forward_kl", "reverse_kl", "tvd", "cosine")
+DIVERGENCES = LOSSES[:4]  # the losses between distributions: the ones a top-k teacher allows
 REDUCTIONS = ("mean", "sum")
 TAILS = ("bucket", "renormalize")  # sparse teacher: what happens to the mass outside the K ids
 
@@ -55,8 +56,9 @@ class LossSpec:
     tail: str | None = None  # sparse (top-k) teacher: one of TAILS; None for a dense teacher
 
     def __post_init__(self):
-        if self.loss not in LOSSES:
-            raise ValueError(f"loss: expected one of {', '.join(map(repr, LOSSES))}, got {self.loss!r}")
+        allowed, teacher = (LOSSES, "") if self.tail is None else (DIVERGENCES, " for a top-k teacher")
+        if self.loss not in allowed:
+            raise ValueError(f"loss: expected one of {', '.join(map(repr, allowed))}{teacher}, got {self.loss!r}")
         if self.reduction not in REDUCTIONS:
             raise ValueError(f"reduction: expected 'mean' or 'sum', got {self.reduction!r}")
         for name in ("beta", "temperature", "weight_hard", "weight_soft"):
@@ -69,11 +71,8 @@ class LossSpec:
             raise ValueError(f"temperature: expected a value > 0, got {self.temperature!r}")
         if isinstance(self.ignore_index, bool) or not isinstance(self.ignore_index, int):
             raise TypeError(f"ignore_index: expected an int, got {self.ignore_index!r}")
-        if self.tail is not None:
-            if self.tail not in TAILS:
-                raise ValueError(f"tail: expected 'bucket' or 'renormalize', got {self.tail!r}")
-            if self.loss == "cosine":
-                raise ValueError("loss: expected a divergence for a top-k teacher (cosine needs dense logits), got 'cosine'")
+        if self.tail is not None and self.tail not in TAILS:
+            raise ValueError(f"tail: expected 'bucket' or 'renormalize', got {self.tail!r}")
 
     @property
     def kind(self) -> str:
