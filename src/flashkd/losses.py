@@ -18,9 +18,16 @@ The total is  w_hard · CE + w_soft · c · soft,  c = τ² when `temperature_sq
 each term summed over rows whose label is not `ignore_index` and divided by the number of such rows
 ("mean", at least 1) or by 1 ("sum").
 
-`row_losses` below is the single torch definition of these formulas: the torch backend differentiates
-it chunk by chunk with autograd, the benchmark's naive provider runs it over the full logits, and the
-Triton kernel (`flashkd.backends.triton_rows`) implements the analytic gradients of the table above.
+A top-k teacher gives p at K ids per row only. The divergences above (not cosine) are then taken
+over categories: the K ids and one bucket for the rest of the vocab (tail "bucket": q_rest = Σ q off
+the ids, p_rest = max(1 − Σ p, 0)), or the K ids with q and p renormalised over them ("renormalize").
+q over the categories is softmax(z) of z = (a_ids/τ, logsumexp(a_rest/τ)), so dL/da follows from the
+table through dz_rest/da_j = softmax(a_rest/τ)_j / τ.
+
+`row_losses` and `topk_row_losses` below are the single torch definition of these formulas: the torch
+backend differentiates them chunk by chunk with autograd, the benchmark's naive provider runs them over
+the full logits, and the Triton kernels (`flashkd.backends.triton_rows`, `triton_topk`) implement the
+analytic gradients.
 """
 
 from __future__ import annotations
