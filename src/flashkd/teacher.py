@@ -79,7 +79,8 @@ def _topk(logits, k, temperature, backend):
     if backend == "triton" and logits.dtype != torch.float64:
         from .backends import triton_topk
 
-        return triton_topk.row_topk(logits, k, temperature)  # two reads of the logits, one host sync
+        if k <= triton_topk.TOPK_MAX_K:
+            return triton_topk.row_topk(logits, k, temperature)  # two reads of the logits, one host sync
     work = torch.promote_types(logits.dtype, torch.float32)
     top, ids = torch.topk(logits, k, dim=-1)
     return ids, top.to(work) / temperature - torch.logsumexp(logits.to(work) / temperature, dim=-1, keepdim=True)

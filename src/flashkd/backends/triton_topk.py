@@ -231,6 +231,10 @@ def topk_rows(s, t, labels, spec: LossSpec, scale: torch.Tensor, grad: bool):
 # candidates per row that are sorted on chip.
 _SLOTS = 4
 _CAP = 256
+# 512 lanes: 64 registers a thread on sm_90 (1024: 110), so twice the programs share an SM. The
+# interpreter runs the on-chip sorts as numpy steps: small tiles there.
+_TOPK_LANES = 64 if triton_rows._INTERPRET else 512
+TOPK_MAX_K = min(_TOPK_LANES, _CAP)  # the threshold needs k lanes, the sort k slots
 
 
 @triton.jit
@@ -326,19 +330,16 @@ def _topk_kernel(
 
 def row_topk(x: torch.Tensor, k: int, temperature: float):
     """The k largest entries per row of a contiguous (R, V) tensor and their log-probs
-    log softmax(x/τ): (ids (R, k) int64, logprobs (R, k) fp32), sorted by decreasing value.
+    log softmax(x/τ): (ids (R, k) int64, logprobs (R, k) fp32), sorted by decreasing value;
+    k <= TOPK_MAX_K.
 
     One kernel, two reads of x. A row whose candidates did not fit (many ties at the threshold, or
     top values clustered in a few lanes) or that has fewer than k finite values is redone with
     torch.topk over the full row: finding out costs one host sync per call.
     """
     R, V = x.shape
-    # 512 lanes: 64 registers a thread on sm_90 (1024: 110), so twice the programs share an SM. The
-    # interpreter runs the on-chip sorts as numpy steps: small tiles there.
-    block = 64 if triton_rows._INTERPRET else 512
-    if k > min(block, _CAP):  # the threshold needs k lanes, the sort k slots
-        top, ids = torch.topk(x, k, dim=-1)
-        return ids, top.float() / temperature - torch.logsumexp(x.float() / temperature, -1, keepdim=True)
+    if not 1 <= k <= TOPK_MAX_K:
+        raise ValueError(f"k: expected 1 <= k <= {TOPK_MAX_K} for the kernel, got {k}")
     ids = torch.empty(R, k, dtype=torch.int64, device=x.device)
     redo = torch.empty(R, dtype=torch.int8, device=x.device)
     lse = torch.empty(R, dtype=torch.float32, device=x.device)
@@ -346,7 +347,7 @@ def row_topk(x: torch.Tensor, k: int, temperature: float):
     if R:
         _topk_kernel[(R,)](
             x, ids, redo, lse, scratch, V, k, math.log2(math.e) / temperature,
-            SLOTS=_SLOTS, CAP=_CAP, BLOCK_V=block, num_warps=NUM_WARPS,
+            SLOTS=_SLOTS, CAP=_CAP, BLOCK_V=_TOPK_LANES, num_warps=NUM_WARPS,
         )
     rows = redo.nonzero()[:, 0]
     if rows.numel():
