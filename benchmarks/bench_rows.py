@@ -20,13 +20,16 @@ def main():
     ap.add_argument("--rows", type=int, default=8192)
     ap.add_argument("--vocab", type=int, default=128256)
     ap.add_argument("--configs", nargs="+", default=None,
-                    help="BLOCK_VxNUM_WARPS tile configurations to compare, e.g. 4096x16 1024x4 "
-                         "(default: each module's own)")
+                    help="BLOCK_VxNUM_WARPS[xSEG_TILES] configurations to compare, e.g. 512x4x16 512x4x1000 "
+                         "(default: each module's own; SEG_TILES for the dense kernel only)")
     ap.add_argument("--loss", nargs="+", default=["jsd", "forward_kl", "reverse_kl", "tvd", "cosine"])
     ap.add_argument("--temperature", type=float, default=1.0)
-    ap.add_argument("--k", type=int, default=64)
+    ap.add_argument("--k", type=int, nargs="+", default=[64], help="top-k sizes (the first for the top-k losses)")
+    ap.add_argument("--lanes", type=int, nargs="+", default=None, help="teacher_topk kernel widths to compare")
+    ap.add_argument("--parts", nargs="+", default=["dense", "topk", "teacher"], choices=["dense", "topk", "teacher"])
     args = ap.parse_args()
-    dense_configs = args.configs or [f"{triton_rows.BLOCK_V}x{triton_rows.NUM_WARPS}"]
+    dense_default = (triton_rows.BLOCK_V, triton_rows.NUM_WARPS, triton_rows.SEG_TILES)
+    dense_configs = args.configs or [f"{triton_rows.BLOCK_V}x{triton_rows.NUM_WARPS}x{triton_rows.SEG_TILES}"]
     topk_configs = args.configs or [f"{triton_topk.BLOCK_V}x{triton_topk.NUM_WARPS}"]
     r, v = args.rows, args.vocab
     s0 = torch.randn(r, v, device="cuda", dtype=torch.bfloat16) * 3
@@ -37,30 +40,32 @@ def main():
     copy_ms = triton.testing.do_bench(lambda: s.copy_(s0), rep=300)
     print(f"copy s <- s0 ({2 * s.numel() * 2 / 1e9:.2f} GB): {copy_ms:.3f} ms, "
           f"{2 * s.numel() * 2 / copy_ms / 1e6:.0f} GB/s")
-    print(f"{'loss':<12}{'grad':>6}{'w_hard':>8}{'config':>9}{'ms':>9}{'GB/s':>8}")
-    for loss in args.loss:
+    print(f"{'loss':<12}{'grad':>6}{'w_hard':>8}{'config':>12}{'ms':>9}{'GB/s':>8}")
+    for loss in args.loss if "dense" in args.parts else ():
         for grad, w_hard in ((True, 0.5), (True, 0.0), (False, 0.5)):
             spec = LossSpec(loss=loss, beta=0.5, weight_hard=w_hard, want_hard=w_hard != 0,
                             temperature=args.temperature)
             for config in dense_configs:
-                triton_rows.BLOCK_V, triton_rows.NUM_WARPS = map(int, config.split("x"))
+                triton_rows.BLOCK_V, triton_rows.NUM_WARPS, triton_rows.SEG_TILES = map(int, (config + "x16").split("x")[:3])
                 ms = triton.testing.do_bench(lambda: triton_rows.rows(s, t, y, spec, scale, grad), rep=200)
                 nbytes = (3 if grad else 2) * s.numel() * 2
-                print(f"{loss:<12}{str(grad):>6}{w_hard:>8}{config:>9}{ms:>9.3f}{nbytes / ms / 1e6:>8.0f}")
+                print(f"{loss:<12}{str(grad):>6}{w_hard:>8}{config:>12}{ms:>9.3f}{nbytes / ms / 1e6:>8.0f}")
                 s.copy_(s0)
+
+    triton_rows.BLOCK_V, triton_rows.NUM_WARPS, triton_rows.SEG_TILES = dense_default
 
     # top-k teacher: ids / log-probs of the block's t, shuffled slots
     lp_full = torch.log_softmax(t.float() / args.temperature, -1)
-    top = lp_full.topk(args.k, -1)
+    top = lp_full.topk(args.k[0], -1)
     ids, logprobs = top.indices, top.values
     del lp_full
-    for loss in ("forward_kl", "jsd"):
+    for loss in ("forward_kl", "jsd") if "topk" in args.parts else ():
         for tail in ("bucket", "renormalize"):
             for grad, w_hard in ((True, 0.0), (True, 0.5), (False, 0.0)):
                 spec = LossSpec(loss=loss, beta=0.5, weight_hard=w_hard, weight_soft=1.0, want_hard=w_hard != 0,
                                 temperature=args.temperature, tail=tail)
                 for config in topk_configs:
-                    triton_topk.BLOCK_V, triton_topk.NUM_WARPS = map(int, config.split("x"))
+                    triton_topk.BLOCK_V, triton_topk.NUM_WARPS = map(int, config.split("x")[:2])
                     ms = triton.testing.do_bench(
                         lambda: (s.copy_(s0), triton_topk.topk_rows(s, (ids, logprobs), y, spec, scale, grad)),
                         rep=200)
@@ -69,13 +74,23 @@ def main():
                     print(f"{'topk-' + loss + '-' + tail:<28}{str(grad):>6}{w_hard:>8}{config:>9}{ms:>9.3f}"
                           f"{nbytes / ms / 1e6:>8.0f}")
     s.copy_(s0)
-    ms = triton.testing.do_bench(lambda: torch.topk(s, args.k, dim=-1), rep=200)
-    print(f"teacher_topk: torch.topk k={args.k}: {ms:.3f} ms")
-    for config in topk_configs:
-        triton_topk.BLOCK_V, triton_topk.NUM_WARPS = map(int, config.split("x"))
-        ms = triton.testing.do_bench(lambda: triton_topk.row_topk(s, args.k, args.temperature), rep=200)
-        print(f"teacher_topk: row_topk {config} (ids, log-probs): {ms:.3f} ms "
-              f"({2 * s.numel() * 2 / ms / 1e6:.0f} GB/s over 2 reads)")
+    if "teacher" not in args.parts:
+        return
+    for k in args.k:
+        ms = triton.testing.do_bench(lambda: torch.topk(s, k, dim=-1), rep=200)
+        print(f"teacher_topk: torch.topk k={k}: {ms:.3f} ms")
+        for lanes in args.lanes or [triton_topk._TOPK_LANES]:
+            triton_topk._TOPK_LANES = lanes
+            ms = triton.testing.do_bench(lambda: triton_topk.row_topk(s, k, args.temperature), rep=200)
+            print(f"teacher_topk: row_topk k={k}, {lanes} lanes (ids, log-probs): {ms:.3f} ms "
+                  f"({2 * s.numel() * 2 / ms / 1e6:.0f} GB/s over 2 reads)")
+            # the kernel alone: without the redo check (a host sync) and the gather of the log-probs
+            out = [torch.empty(r, k, dtype=torch.int64, device="cuda"), torch.empty(r, dtype=torch.int8, device="cuda"),
+                   torch.empty(r, device="cuda"), torch.empty(r, triton_topk._CAP, dtype=torch.int64, device="cuda")]
+            ms = triton.testing.do_bench(lambda: triton_topk._topk_kernel[(r,)](
+                s, *out, v, k, 1.4426950408889634 / args.temperature, SLOTS=triton_topk._SLOTS, CAP=triton_topk._CAP,
+                BLOCK_V=lanes, num_warps=triton_topk.NUM_WARPS), rep=200)
+            print(f"teacher_topk: its kernel alone: {ms:.3f} ms")
 
 
 if __name__ == "__main__":
