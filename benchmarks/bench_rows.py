@@ -20,16 +20,16 @@ def main():
     ap.add_argument("--rows", type=int, default=8192)
     ap.add_argument("--vocab", type=int, default=128256)
     ap.add_argument("--configs", nargs="+", default=None,
-                    help="BLOCK_VxNUM_WARPS[xSEG_TILES] configurations to compare, e.g. 512x4x16 512x4x1000 "
-                         "(default: each module's own; SEG_TILES for the dense kernel only)")
+                    help="BLOCK_VxNUM_WARPS tile configurations to compare, e.g. 4096x16 1024x4 "
+                         "(default: each module's own)")
     ap.add_argument("--loss", nargs="+", default=["jsd", "forward_kl", "reverse_kl", "tvd", "cosine"])
     ap.add_argument("--temperature", type=float, default=1.0)
     ap.add_argument("--k", type=int, nargs="+", default=[64], help="top-k sizes (the first for the top-k losses)")
     ap.add_argument("--lanes", type=int, nargs="+", default=None, help="teacher_topk kernel widths to compare")
     ap.add_argument("--parts", nargs="+", default=["dense", "topk", "teacher"], choices=["dense", "topk", "teacher"])
     args = ap.parse_args()
-    dense_default = (triton_rows.BLOCK_V, triton_rows.NUM_WARPS, triton_rows.SEG_TILES)
-    dense_configs = args.configs or [f"{triton_rows.BLOCK_V}x{triton_rows.NUM_WARPS}x{triton_rows.SEG_TILES}"]
+    dense_default = (triton_rows.BLOCK_V, triton_rows.NUM_WARPS)
+    dense_configs = args.configs or [f"{triton_rows.BLOCK_V}x{triton_rows.NUM_WARPS}"]
     topk_configs = args.configs or [f"{triton_topk.BLOCK_V}x{triton_topk.NUM_WARPS}"]
     r, v = args.rows, args.vocab
     s0 = torch.randn(r, v, device="cuda", dtype=torch.bfloat16) * 3
@@ -46,13 +46,13 @@ def main():
             spec = LossSpec(loss=loss, beta=0.5, weight_hard=w_hard, want_hard=w_hard != 0,
                             temperature=args.temperature)
             for config in dense_configs:
-                triton_rows.BLOCK_V, triton_rows.NUM_WARPS, triton_rows.SEG_TILES = map(int, (config + "x16").split("x")[:3])
+                triton_rows.BLOCK_V, triton_rows.NUM_WARPS = map(int, config.split("x"))
                 ms = triton.testing.do_bench(lambda: triton_rows.rows(s, t, y, spec, scale, grad), rep=200)
                 nbytes = (3 if grad else 2) * s.numel() * 2
                 print(f"{loss:<12}{str(grad):>6}{w_hard:>8}{config:>12}{ms:>9.3f}{nbytes / ms / 1e6:>8.0f}")
                 s.copy_(s0)
 
-    triton_rows.BLOCK_V, triton_rows.NUM_WARPS, triton_rows.SEG_TILES = dense_default
+    triton_rows.BLOCK_V, triton_rows.NUM_WARPS = dense_default
 
     # top-k teacher: ids / log-probs of the block's t, shuffled slots
     lp_full = torch.log_softmax(t.float() / args.temperature, -1)

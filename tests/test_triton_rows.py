@@ -3,7 +3,7 @@
 The torch backend differentiates `flashkd.losses.row_losses` with autograd, so agreement here checks the
 kernel's analytic gradients as well as its losses. Without a GPU the kernel runs under Triton's
 interpreter (BLOCK_V = 256 there), on widths that are not multiples of the block: V = 257 and 1000 span
-several tiles with a ragged last one, and several segments (see the `seg_tiles` fixture). Inputs are fresh random logits (randn · 3) on every run, from the
+several tiles with a ragged last one. Inputs are fresh random logits (randn · 3) on every run, from the
 `seed` fixture, which prints its seed on failure. Both backends read the same inputs in the same dtype
 and compute in fp32: the kernel must agree with the torch backend, and with the torch backend's fp64
 evaluation of the same inputs, to 1e-5 (dL/ds: to one rounding to the input dtype), or be no worse
@@ -43,15 +43,6 @@ LOSSES = [
 ]
 # (R, V, labels): V = 1, a sub-tile width, a full tile + 1, several tiles with a ragged tail.
 CASES = [(1, 1, None), (3, 7, "some_ignored"), (5, 257, "out_of_range"), (3, 1000, "some_ignored")]
-
-
-@pytest.fixture(autouse=True, params=[None] if INTERPRET else [None, 1], ids=lambda v: f"seg{v or 'default'}")
-def seg_tiles(request, monkeypatch):
-    """Rows split into segments of SEG_TILES tiles, one program each, meeting at barriers. The
-    interpreter runs one tile per segment (so V = 257 and 1000 span 2 and 4 segments); on a GPU the
-    default segment is wider than these rows, so every test also runs at one tile per segment."""
-    if request.param is not None:
-        monkeypatch.setattr(triton_rows, "SEG_TILES", request.param)
 
 
 def _logits(R, V, dtype, seed, scale=3.0):

@@ -378,7 +378,24 @@ def _chunk_rows(chunk_size, xs, ws, backend, blocks) -> int:
             raise ValueError(f"chunk_size: expected a positive int or None, got {chunk_size!r}")
         return min(chunk_size, max(n, 1))
     per_row = v * xs.element_size() * blocks + (v * 4 * 6 if backend == "torch" else 0)
-    return max(1, min(n, _LOGITS_BUDGET[backend] // per_row))
+    return _even_chunks(n, _LOGITS_BUDGET[backend] // per_row)
+
+
+# Chunks of a multiple of this many rows fill the GEMMs' row tiles (128 or 256 rows on an H200):
+# at N = 8192 with teacher heads, 4 × 2048 rows instead of 3 × 2092 + 1916 (BENCHMARKS.md).
+_ROW_TILE = 256
+
+
+def _even_chunks(n: int, fit: int) -> int:
+    """Rows per chunk for n rows when at most `fit` fit: as few chunks as fit allows, of equal size
+    rounded up to a multiple of _ROW_TILE where that still fits."""
+    if n <= fit:
+        return max(n, 1)
+    rows = -(-n // -(-n // max(fit, 1)))  # ceil(n / count), count = ceil(n / fit)
+    aligned = -(-rows // _ROW_TILE) * _ROW_TILE
+    if aligned <= fit:
+        return aligned
+    return fit // _ROW_TILE * _ROW_TILE or max(fit, 1)
 
 
 def _check_tensors(named: dict, dtype=None, device=None, like="student_input"):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from .distill import _FLOATS, _LOGITS_BUDGET, _check_tensors, _pick_backend
+from .distill import _FLOATS, _LOGITS_BUDGET, _check_tensors, _even_chunks, _pick_backend
 
 
 @torch.no_grad()
@@ -63,7 +63,7 @@ def teacher_topk(
     x = x.reshape(-1, x.shape[-1])
     n = x.shape[0]
     per_row = v * x.element_size() + (v * 4 * 2 if backend == "torch" else 0)
-    chunk = chunk_size or max(1, _LOGITS_BUDGET[backend] // per_row)
+    chunk = chunk_size or _even_chunks(n, _LOGITS_BUDGET[backend] // per_row)
     work = torch.promote_types(x.dtype, torch.float32)
     ids = torch.empty(n, k, dtype=torch.int64, device=x.device)
     logprobs = torch.empty(n, k, dtype=work, device=x.device)

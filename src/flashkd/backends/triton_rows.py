@@ -68,7 +68,6 @@ from ..losses import COSINE_EPS, LOSS_ID, LossSpec
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 BLOCK_V = 256 if _INTERPRET else 512
 NUM_WARPS = 4
-SEG_TILES = 1 if _INTERPRET else 16
 # The hardware log2 (lg2.approx, abs. error ~2^-22 on [1, 2]) instead of libdevice's ~30-instruction
 # log2f; the interpreter has no inline PTX.
 _FAST_LOG2: tl.constexpr = tl.constexpr(not _INTERPRET)
@@ -148,22 +147,14 @@ def _softmax(a, m_s, log2_l_c, q, CE_IS_Q: tl.constexpr):
 
 
 @triton.jit
-def _fill_zeros(ptr, lo, hi, BLOCK_V: tl.constexpr):
+def _fill_zeros(ptr, V, BLOCK_V: tl.constexpr):
     cols = tl.arange(0, BLOCK_V)
-    for start in range(lo, hi, BLOCK_V):
+    for start in range(0, V, BLOCK_V):
         offs = start + cols
-        tl.store(ptr + offs, tl.zeros([BLOCK_V], tl.float32).to(ptr.dtype.element_ty), mask=offs < hi)
+        tl.store(ptr + offs, tl.zeros([BLOCK_V], tl.float32).to(ptr.dtype.element_ty), mask=offs < V)
 
 
 # ----------------------------------------------------------------------------------------------- kernel
-
-# The partials scratch: _NPART fp32 slots per segment. Pass 1 writes m_s, l_s, l_c, m_t, l_t (0–4),
-# cosine's Σs², Σt², Σst (5–7) and s at the label (12, by the segment holding it); pass 2 the four
-# loss sums (8–11).
-_NPART: tl.constexpr = tl.constexpr(16)
-_SLOT_COS: tl.constexpr = tl.constexpr(5)
-_SLOT_SUMS: tl.constexpr = tl.constexpr(8)
-_SLOT_SY: tl.constexpr = tl.constexpr(12)
 
 
 @triton.jit
@@ -175,11 +166,8 @@ def _rows_kernel(
     soft_ptr,  # (R,) fp32 out: unweighted divergence, 0 on ignored rows
     hard_ptr,  # (R,) fp32 out: untempered CE, 0 on ignored rows, NaN for a label outside [0, V)
     scale_ptr,  # () fp32 (or fp64): the reduction's factor, read on the device
-    part_ptr,  # (R, SPLIT, _NPART) fp32 scratch: each segment's partial statistics and sums
-    sync_ptr,  # (1 + R,) int32 zeros: [0] numbers the programs in start order, [1 + r] counts row r's arrivals
     # sizes
     V,
-    SPLIT,  # segments per row, cdiv(V, SEG_TILES · BLOCK_V)
     stride_t,
     ignore_index,
     # runtime floats: a new value never recompiles
@@ -199,293 +187,210 @@ def _rows_kernel(
     GRAD_CE: tl.constexpr,  # dCE/ds enters dL/ds (grad, CE, w_hard != 0)
     GRAD_PASS: tl.constexpr,  # pass that writes dL/ds: 2, 3, or 0 for no grad
     CE_IS_Q: tl.constexpr,  # τ = 1 and a softmax loss: softmax(s) is q, so the CE reuses q's statistics
-    PASSES: tl.constexpr,  # passes the row needs: 1, 2 or 3
-    PHASE: tl.constexpr,  # 0: every pass in this launch, the segments of a row meeting at barriers; k: pass k only
-    SPLIT_P2: tl.constexpr,  # SPLIT rounded up to a power of 2
-    SEG_TILES: tl.constexpr,
     BLOCK_V: tl.constexpr,
 ):
-    # One program per segment of SEG_TILES·BLOCK_V columns of a row. With PHASE = 0 a program takes its
-    # number from a counter, so it only ever waits at a barrier for segments that started before it or
-    # that the next free slot starts: the grid cannot deadlock however many programs fit on the GPU.
-    if PHASE == 0:
-        pid = tl.atomic_add(sync_ptr, 1)
-    else:
-        pid = tl.program_id(0)
-    row = pid // SPLIT
-    seg = pid - row * SPLIT
-    lo = seg * (SEG_TILES * BLOCK_V)
-    hi = tl.minimum(lo + SEG_TILES * BLOCK_V, V)
-    s_row = s_ptr + row.to(tl.int64) * V  # int64: R × V may exceed 2^31
-    t_row = t_ptr + row.to(tl.int64) * stride_t
-    part_row = part_ptr + row.to(tl.int64) * SPLIT * _NPART
-    part = part_row + seg * _NPART
-    count = sync_ptr + 1 + row
-    cols = tl.arange(0, BLOCK_V)
+    # One program per row. Pass 2 walks the row backwards, so it starts on the tiles pass 1 read last
+    # (the likeliest to be in L2), and pass 3 forwards again.
+    row = tl.program_id(0)
+    _one_row(
+        s_ptr + row.to(tl.int64) * V,  # int64: R × V may exceed 2^31
+        t_ptr + row.to(tl.int64) * stride_t,
+        labels_ptr + row,
+        soft_ptr + row,
+        hard_ptr + row,
+        scale_ptr, V, tl.cdiv(V, BLOCK_V), tl.arange(0, BLOCK_V), ignore_index, log2e_tau, inv_tau, beta,
+        log2_beta, log2_1mbeta, w_hard, w_soft, LOSS, SOFT, CE, LABELS, GRAD_SOFT, GRAD_CE, GRAD_PASS,
+        CE_IS_Q, BLOCK_V,
+    )
+
+
+@triton.jit
+def _one_row(
+    s_row, t_row, label_ptr, soft_ptr, hard_ptr, scale_ptr, V, n_tiles, cols, ignore_index, log2e_tau,
+    inv_tau, beta, log2_beta, log2_1mbeta, w_hard, w_soft,
+    LOSS: tl.constexpr, SOFT: tl.constexpr, CE: tl.constexpr, LABELS: tl.constexpr,
+    GRAD_SOFT: tl.constexpr, GRAD_CE: tl.constexpr, GRAD_PASS: tl.constexpr, CE_IS_Q: tl.constexpr,
+    BLOCK_V: tl.constexpr,
+):
+    """The three passes over one row; the kernel's arguments, advanced to the row."""
 
     valid = True
     label = -1
     if LABELS:
-        label = tl.load(labels_ptr + row).to(tl.int64)
+        label = tl.load(label_ptr).to(tl.int64)
         valid = label != ignore_index
-    in_range = (label >= 0) & (label < V)
+    soft = 0.0
+    hard = 0.0
     if valid:
-        arrived = -1  # arrivals at the row's counter before this program's last one
-        # -------- pass 1: the segment's statistics, kept per lane (no cross-lane reduction, hence no
-        # barrier, inside the loop: the warps stream the segment independently), merged once after it
-        if PHASE == 0 or PHASE == 1:
-            m_s = tl.full([BLOCK_V], _M_START, tl.float32)  # running max of s, per lane
-            l_s = tl.zeros([BLOCK_V], tl.float32)  # Σ 2^((s − m_s)·log2(e)/τ), per lane
-            l_c = tl.zeros([BLOCK_V], tl.float32)  # Σ 2^((s − m_s)·log2(e)), for the untempered CE
-            m_t = tl.full([BLOCK_V], _M_START, tl.float32)  # running max of t
-            l_t = tl.zeros([BLOCK_V], tl.float32)  # Σ 2^((t − m_t)·log2(e)/τ)
-            ss = tl.zeros([BLOCK_V], tl.float32)  # cosine: Σ s², Σ t², Σ s·t, per lane
-            tt = tl.zeros([BLOCK_V], tl.float32)
-            st = tl.zeros([BLOCK_V], tl.float32)
-            for start in range(lo, hi, BLOCK_V):
-                offs = start + cols
-                mask = offs < hi
+        # -------- pass 1: row statistics, kept per lane (no cross-lane reduction, hence no barrier,
+        # inside the loop: the warps stream the row independently) and merged once after it
+        m_s = tl.full([BLOCK_V], _M_START, tl.float32)  # running max of s, per lane
+        l_s = tl.zeros([BLOCK_V], tl.float32)  # Σ 2^((s − m_s)·log2(e)/τ), per lane
+        l_c = tl.zeros([BLOCK_V], tl.float32)  # Σ 2^((s − m_s)·log2(e)), for the untempered CE
+        m_t = tl.full([BLOCK_V], _M_START, tl.float32)  # running max of t
+        l_t = tl.zeros([BLOCK_V], tl.float32)  # Σ 2^((t − m_t)·log2(e)/τ)
+        ss = tl.zeros([BLOCK_V], tl.float32)  # cosine: Σ s², Σ t², Σ s·t, per lane
+        tt = tl.zeros([BLOCK_V], tl.float32)
+        st = tl.zeros([BLOCK_V], tl.float32)
+        s_y = 0.0
+        if CE:
+            in_range = (label >= 0) & (label < V)
+            s_y = tl.load(s_row + tl.where(in_range, label, 0)).to(tl.float32)  # before s is overwritten
+        for start in range(0, V, BLOCK_V):
+            offs = start + cols
+            mask = offs < V
+            a = tl.load(s_row + offs, mask=mask, other=-float("inf")).to(tl.float32)
+            if SOFT:
+                b = tl.load(t_row + offs, mask=mask, other=-float("inf")).to(tl.float32)
+                if LOSS == _COSINE:
+                    a0 = tl.where(mask, a, 0.0)
+                    b0 = tl.where(mask, b, 0.0)
+                    ss += a0 * a0
+                    tt += b0 * b0
+                    st += a0 * b0
+                else:
+                    l_s = _lane_sum(l_s, m_s, a, log2e_tau)
+                    l_t = _lane_sum(l_t, m_t, b, log2e_tau)
+                    m_t = tl.maximum(m_t, b)
+            if CE and not CE_IS_Q:
+                l_c = _lane_sum(l_c, m_s, a, _LOG2E)
+            m_s = tl.maximum(m_s, a)
+        m_row = tl.max(m_s, 0)
+        l_s = tl.sum(l_s * tl.exp2((m_s - m_row) * log2e_tau), 0)
+        l_c = tl.sum(l_c * tl.exp2((m_s - m_row) * _LOG2E), 0)
+        m_s = m_row
+        m_row = tl.max(m_t, 0)
+        l_t = tl.sum(l_t * tl.exp2((m_t - m_row) * log2e_tau), 0)
+        m_t = m_row
+        # log2 q = (s − m_s)·log2(e)/τ − log2 l_s, log2 p likewise,
+        # log2 softmax(s) = (s − m_s)·log2(e) − log2 l_c
+        log2_l_s = tl.log2(l_s)
+        log2_l_t = tl.log2(l_t)
+        if CE_IS_Q:
+            log2_l_c = log2_l_s
+        else:
+            log2_l_c = tl.log2(l_c)
+        if CE:
+            hard = tl.where(in_range, (m_s - s_y) + _LN2 * log2_l_c, float("nan"))  # logsumexp(s) − s_y
+
+        scale = tl.load(scale_ptr).to(tl.float32)
+        c_soft = scale * w_soft
+        c_ce = 0.0
+        if CE:
+            c_ce = tl.where(in_range, scale * w_hard, 0.0)  # out-of-range label: NaN loss, no CE gradient
+
+        inv_nn = 0.0
+        cos_aa = 0.0
+        if SOFT:
+            if LOSS == _COSINE:
+                # soft = β (1 − cos), cos = Σst / (max(‖s‖, ε) max(‖t‖, ε));
+                # dsoft/ds = −β (t / (max(‖s‖, ε) max(‖t‖, ε)) − cos · s / (max(‖s‖, ε) ‖s‖)),
+                # without the second term when ‖s‖ < ε (the clamp is then constant)
+                n_s = tl.sqrt_rn(tl.sum(ss, 0))
+                n_t = tl.sqrt_rn(tl.sum(tt, 0))
+                inv_nn = 1.0 / (tl.maximum(n_s, _NORM_EPS) * tl.maximum(n_t, _NORM_EPS))
+                cos = tl.sum(st, 0) * inv_nn
+                cos_aa = tl.where(n_s >= _NORM_EPS, cos / (tl.maximum(n_s, _NORM_EPS) * n_s), 0.0)
+                soft = beta * (1.0 - cos)
+
+        # -------- pass 2: loss terms; dL/ds for forward_kl, cosine, CE-only
+        acc = tl.zeros([BLOCK_V], tl.float32)
+        acc2 = tl.zeros([BLOCK_V], tl.float32)
+        acc3 = tl.zeros([BLOCK_V], tl.float32)
+        acc4 = tl.zeros([BLOCK_V], tl.float32)
+        if (SOFT and LOSS != _COSINE) or GRAD_PASS == 2:
+            for i in range(0, n_tiles):
+                offs = (n_tiles - 1 - i) * BLOCK_V + cols
+                mask = offs < V
                 a = tl.load(s_row + offs, mask=mask, other=-float("inf")).to(tl.float32)
+                dsoft = tl.zeros([BLOCK_V], tl.float32)
+                q = a  # q = softmax(s/τ) of the tile where a softmax loss computes it below
                 if SOFT:
                     b = tl.load(t_row + offs, mask=mask, other=-float("inf")).to(tl.float32)
                     if LOSS == _COSINE:
-                        a0 = tl.where(mask, a, 0.0)
-                        b0 = tl.where(mask, b, 0.0)
-                        ss += a0 * a0
-                        tt += b0 * b0
-                        st += a0 * b0
+                        dsoft = -beta * (b * inv_nn - a * cos_aa)
                     else:
-                        l_s = _lane_sum(l_s, m_s, a, log2e_tau)
-                        l_t = _lane_sum(l_t, m_t, b, log2e_tau)
-                        m_t = tl.maximum(m_t, b)
-                if CE and not CE_IS_Q:
-                    l_c = _lane_sum(l_c, m_s, a, _LOG2E)
-                m_s = tl.maximum(m_s, a)
-            m_seg = tl.max(m_s, 0)
-            tl.store(part + 0, m_seg)
-            tl.store(part + 1, tl.sum(l_s * tl.exp2((m_s - m_seg) * log2e_tau), 0))
-            tl.store(part + 2, tl.sum(l_c * tl.exp2((m_s - m_seg) * _LOG2E), 0))
-            m_seg = tl.max(m_t, 0)
-            tl.store(part + 3, m_seg)
-            tl.store(part + 4, tl.sum(l_t * tl.exp2((m_t - m_seg) * log2e_tau), 0))
-            if SOFT and LOSS == _COSINE:
-                tl.store(part + _SLOT_COS + 0, tl.sum(ss, 0))
-                tl.store(part + _SLOT_COS + 1, tl.sum(tt, 0))
-                tl.store(part + _SLOT_COS + 2, tl.sum(st, 0))
-            if CE:
-                if (label >= lo) & (label < hi):  # read before any segment overwrites s
-                    tl.store(part + _SLOT_SY, tl.load(s_row + label).to(tl.float32))
-            arrived = _arrive(count)
-
-        # -------- pass 2: loss terms; dL/ds for forward_kl, cosine, CE-only. Walks the segment
-        # backwards, starting on the tiles pass 1 read last
-        if PASSES >= 2:
-            if PHASE == 0 or PHASE == 2:
-                if PHASE == 0:
-                    _wait(count, SPLIT)
-                m_s, log2_l_s, log2_l_c, m_t, log2_l_t, inv_nn, cos_aa = _row_stats(
-                    part_row, SPLIT, log2e_tau, LOSS, SOFT, CE_IS_Q, SPLIT_P2)
-                scale = tl.load(scale_ptr).to(tl.float32)
-                c_soft = scale * w_soft
-                c_ce = tl.where(in_range, scale * w_hard, 0.0)  # out-of-range label: NaN loss, no CE gradient
-                acc = tl.zeros([BLOCK_V], tl.float32)
-                acc2 = tl.zeros([BLOCK_V], tl.float32)
-                acc3 = tl.zeros([BLOCK_V], tl.float32)
-                acc4 = tl.zeros([BLOCK_V], tl.float32)
-                n_tiles = tl.cdiv(hi - lo, BLOCK_V)
-                for i in range(0, n_tiles):
-                    offs = lo + (n_tiles - 1 - i) * BLOCK_V + cols
-                    mask = offs < hi
-                    a = tl.load(s_row + offs, mask=mask, other=-float("inf")).to(tl.float32)
-                    dsoft = tl.zeros([BLOCK_V], tl.float32)
-                    q = a  # q = softmax(s/τ) of the tile where a softmax loss computes it below
-                    if SOFT:
-                        b = tl.load(t_row + offs, mask=mask, other=-float("inf")).to(tl.float32)
-                        if LOSS == _COSINE:
-                            dsoft = -beta * (b * inv_nn - a * cos_aa)
-                        else:
-                            lq = (a - m_s) * log2e_tau - log2_l_s  # log2 q
-                            lp = (b - m_t) * log2e_tau - log2_l_t  # log2 p
-                            q = tl.exp2(lq)
-                            if LOSS == _FORWARD_KL:
-                                p = tl.exp2(lp)
-                                acc += _times(p, lp - lq)
-                                dsoft = (q - p) * inv_tau
-                            elif LOSS == _REVERSE_KL:
-                                acc += _times(q, lq - lp)
-                            elif LOSS == _JSD:
-                                p = tl.exp2(lp)
-                                lq_m, lp_m = _log2_over_mixture(lq, lp, log2_beta, log2_1mbeta)
-                                acc += _times(p, lp_m)
-                                acc2 += _times(q, lq_m)
-                            else:  # _TVD: acc2, acc3, acc4 = the mass of q where q < p, q > p, q = p
-                                p = tl.exp2(lp)
-                                acc += tl.abs(q - p)
-                                acc2 += tl.where(lq < lp, q, 0.0)
-                                acc3 += tl.where(lq > lp, q, 0.0)
-                                acc4 += tl.where(lq == lp, q, 0.0)
-                    if GRAD_PASS == 2:
-                        g = tl.zeros([BLOCK_V], tl.float32)
-                        if GRAD_SOFT:
-                            g += c_soft * dsoft
-                        if GRAD_CE:
-                            g += c_ce * (_softmax(a, m_s, log2_l_c, q, CE_IS_Q) - tl.where(offs == label, 1.0, 0.0))
-                        tl.store(s_row + offs, g.to(s_row.dtype.element_ty), mask=mask)
-                tl.store(part + _SLOT_SUMS + 0, tl.sum(acc, 0))
-                tl.store(part + _SLOT_SUMS + 1, tl.sum(acc2, 0))
-                tl.store(part + _SLOT_SUMS + 2, tl.sum(acc3, 0))
-                tl.store(part + _SLOT_SUMS + 3, tl.sum(acc4, 0))
-                arrived = _arrive(count)
-
-        # -------- pass 3: dL/ds for reverse_kl, jsd, tvd
-        if PASSES == 3:
-            if PHASE == 0 or PHASE == 3:
-                if PHASE == 0:
-                    _wait(count, 2 * SPLIT)
-                m_s, log2_l_s, log2_l_c, m_t, log2_l_t, inv_nn, cos_aa = _row_stats(
-                    part_row, SPLIT, log2e_tau, LOSS, SOFT, CE_IS_Q, SPLIT_P2)
-                _soft, kl_qp, k_jsd, tvd_pos, tvd_neg, tvd_zero = _row_sums(part_row, SPLIT, beta, LOSS, SPLIT_P2)
-                scale = tl.load(scale_ptr).to(tl.float32)
-                c_soft = scale * w_soft
-                c_ce = tl.where(in_range, scale * w_hard, 0.0)
-                for start in range(lo, hi, BLOCK_V):
-                    offs = start + cols
-                    mask = offs < hi
-                    a = tl.load(s_row + offs, mask=mask, other=-float("inf")).to(tl.float32)
-                    b = tl.load(t_row + offs, mask=mask, other=-float("inf")).to(tl.float32)
-                    lq = (a - m_s) * log2e_tau - log2_l_s
-                    lp = (b - m_t) * log2e_tau - log2_l_t
-                    q = tl.exp2(lq)
-                    if LOSS == _REVERSE_KL:
-                        dsoft = _times(q, _LN2 * (lq - lp) - kl_qp) * inv_tau
-                    elif LOSS == _JSD:
-                        lq_m, _ = _log2_over_mixture(lq, lp, log2_beta, log2_1mbeta)
-                        dsoft = (1.0 - beta) * _times(q, _LN2 * lq_m - k_jsd) * inv_tau
-                    else:  # _TVD; σ = sign(q − p) taken on the logs, as in pass 2
-                        coef = tl.where(lq > lp, tvd_pos, tl.where(lq < lp, tvd_neg, tvd_zero))
-                        dsoft = 0.5 * q * coef * inv_tau
-                    g = c_soft * dsoft
+                        lq = (a - m_s) * log2e_tau - log2_l_s  # log2 q
+                        lp = (b - m_t) * log2e_tau - log2_l_t  # log2 p
+                        q = tl.exp2(lq)
+                        if LOSS == _FORWARD_KL:
+                            p = tl.exp2(lp)
+                            acc += _times(p, lp - lq)
+                            dsoft = (q - p) * inv_tau
+                        elif LOSS == _REVERSE_KL:
+                            acc += _times(q, lq - lp)
+                        elif LOSS == _JSD:
+                            p = tl.exp2(lp)
+                            lq_m, lp_m = _log2_over_mixture(lq, lp, log2_beta, log2_1mbeta)
+                            acc += _times(p, lp_m)
+                            acc2 += _times(q, lq_m)
+                        else:  # _TVD: acc2, acc3, acc4 = the mass of q where q < p, q > p, q = p
+                            p = tl.exp2(lp)
+                            acc += tl.abs(q - p)
+                            acc2 += tl.where(lq < lp, q, 0.0)
+                            acc3 += tl.where(lq > lp, q, 0.0)
+                            acc4 += tl.where(lq == lp, q, 0.0)
+                if GRAD_PASS == 2:
+                    g = tl.zeros([BLOCK_V], tl.float32)
+                    if GRAD_SOFT:
+                        g += c_soft * dsoft
                     if GRAD_CE:
                         g += c_ce * (_softmax(a, m_s, log2_l_c, q, CE_IS_Q) - tl.where(offs == label, 1.0, 0.0))
                     tl.store(s_row + offs, g.to(s_row.dtype.element_ty), mask=mask)
-                arrived = _arrive(count)
 
-        # -------- the row's losses, from the segment that arrives last after its last pass
-        if arrived == PASSES * SPLIT - 1:
-            m_s, log2_l_s, log2_l_c, m_t, log2_l_t, inv_nn, cos_aa = _row_stats(
-                part_row, SPLIT, log2e_tau, LOSS, SOFT, CE_IS_Q, SPLIT_P2)
-            soft = 0.0
-            if SOFT:
-                if LOSS == _COSINE:
-                    soft = beta * (1.0 - _row_sum(part_row, _SLOT_COS + 2, SPLIT, SPLIT_P2) * inv_nn)
-                else:
-                    soft, _, _, _, _, _ = _row_sums(part_row, SPLIT, beta, LOSS, SPLIT_P2)
-            hard = 0.0
-            if CE:
-                s_y = tl.load(part_row + (label // (SEG_TILES * BLOCK_V)) * _NPART + _SLOT_SY, mask=in_range,
-                              other=0.0, cache_modifier=".cg")
-                hard = tl.where(in_range, (m_s - s_y) + _LN2 * log2_l_c, float("nan"))  # logsumexp(s) − s_y
-            tl.store(soft_ptr + row, soft)
-            tl.store(hard_ptr + row, hard)
+        # row scalars of the divergences (natural log units)
+        kl_qp = 0.0
+        k_jsd = 0.0
+        tvd_pos = 0.0
+        tvd_neg = 0.0
+        tvd_zero = 0.0
+        if SOFT:
+            if LOSS == _FORWARD_KL:
+                soft = _LN2 * tl.sum(acc, 0)
+            elif LOSS == _REVERSE_KL:
+                kl_qp = _LN2 * tl.sum(acc, 0)  # KL(q‖p)
+                soft = kl_qp
+            elif LOSS == _JSD:
+                k_jsd = _LN2 * tl.sum(acc2, 0)  # K = Σ q log(q/M)
+                soft = beta * _LN2 * tl.sum(acc, 0) + (1.0 - beta) * k_jsd
+            elif LOSS == _TVD:
+                soft = 0.5 * tl.sum(acc, 0)
+                # σ − Σ q σ, for σ = +1, −1, 0, from the masses below / above / at p, which sum to 1:
+                # sums of non-negative terms, accurate even when Σ q σ is close to ±1
+                mass_lo = tl.sum(acc2, 0)
+                mass_hi = tl.sum(acc3, 0)
+                mass_eq = tl.sum(acc4, 0)
+                tvd_pos = 2.0 * mass_lo + mass_eq
+                tvd_neg = -(2.0 * mass_hi + mass_eq)
+                tvd_zero = mass_lo - mass_hi
+
+        # -------- pass 3: dL/ds for reverse_kl, jsd, tvd
+        if GRAD_PASS == 3:
+            for start in range(0, V, BLOCK_V):
+                offs = start + cols
+                mask = offs < V
+                a = tl.load(s_row + offs, mask=mask, other=-float("inf")).to(tl.float32)
+                b = tl.load(t_row + offs, mask=mask, other=-float("inf")).to(tl.float32)
+                lq = (a - m_s) * log2e_tau - log2_l_s
+                lp = (b - m_t) * log2e_tau - log2_l_t
+                q = tl.exp2(lq)
+                if LOSS == _REVERSE_KL:
+                    dsoft = _times(q, _LN2 * (lq - lp) - kl_qp) * inv_tau
+                elif LOSS == _JSD:
+                    lq_m, _ = _log2_over_mixture(lq, lp, log2_beta, log2_1mbeta)
+                    dsoft = (1.0 - beta) * _times(q, _LN2 * lq_m - k_jsd) * inv_tau
+                else:  # _TVD; σ = sign(q − p) taken on the logs, as in pass 2
+                    coef = tl.where(lq > lp, tvd_pos, tl.where(lq < lp, tvd_neg, tvd_zero))
+                    dsoft = 0.5 * q * coef * inv_tau
+                g = c_soft * dsoft
+                if GRAD_CE:
+                    g += c_ce * (_softmax(a, m_s, log2_l_c, q, CE_IS_Q) - tl.where(offs == label, 1.0, 0.0))
+                tl.store(s_row + offs, g.to(s_row.dtype.element_ty), mask=mask)
     else:
-        if PHASE == 0 or PHASE == 1:
-            if GRAD_PASS != 0:
-                _fill_zeros(s_row, lo, hi, BLOCK_V)
-            if seg == 0:
-                tl.store(soft_ptr + row, 0.0)
-                tl.store(hard_ptr + row, 0.0)
-
-
-@triton.jit
-def _arrive(count_ptr):
-    """Count this program in at its row's barrier, after all its stores (the release orders them
-    before the count for whoever reads it with acquire); returns the count before."""
-    tl.debug_barrier()
-    return tl.atomic_add(count_ptr, 1, sem="acq_rel", scope="gpu")
-
-
-@triton.jit
-def _wait(count_ptr, target):
-    """Spin until `target` programs have arrived at the row's barrier."""
-    n = tl.atomic_add(count_ptr, 0, sem="acquire", scope="gpu")
-    while n < target:
-        n = tl.atomic_add(count_ptr, 0, sem="acquire", scope="gpu")
-    tl.debug_barrier()
-
-
-@triton.jit
-def _row_sum(part_row, slot, SPLIT, SPLIT_P2: tl.constexpr):
-    """Σ over the row's segments of one partial (read from L2: other SMs wrote them)."""
-    j = tl.arange(0, SPLIT_P2)
-    return tl.sum(tl.load(part_row + j * _NPART + slot, mask=j < SPLIT, other=0.0, cache_modifier=".cg"), 0)
-
-
-@triton.jit
-def _row_stats(part_row, SPLIT, log2e_tau, LOSS: tl.constexpr, SOFT: tl.constexpr, CE_IS_Q: tl.constexpr,
-               SPLIT_P2: tl.constexpr):
-    """The row's statistics from its segments' pass-1 partials:
-    (m_s, log2 l_s, log2 l_c, m_t, log2 l_t) — log2 q = (s − m_s)·log2(e)/τ − log2 l_s, log2 p likewise,
-    log2 softmax(s) = (s − m_s)·log2(e) − log2 l_c — and for cosine 1/(max(‖s‖, ε) max(‖t‖, ε)) and
-    cos / (max(‖s‖, ε) ‖s‖) (0 when ‖s‖ < ε: the clamp is then constant)."""
-    j = tl.arange(0, SPLIT_P2)
-    ok = j < SPLIT
-    p = part_row + j * _NPART
-    m_j = tl.load(p + 0, mask=ok, other=_M_START, cache_modifier=".cg")
-    m_s = tl.max(m_j, 0)
-    l_s = tl.sum(tl.load(p + 1, mask=ok, other=0.0, cache_modifier=".cg") * tl.exp2((m_j - m_s) * log2e_tau), 0)
-    l_c = tl.sum(tl.load(p + 2, mask=ok, other=0.0, cache_modifier=".cg") * tl.exp2((m_j - m_s) * _LOG2E), 0)
-    m_j = tl.load(p + 3, mask=ok, other=_M_START, cache_modifier=".cg")
-    m_t = tl.max(m_j, 0)
-    l_t = tl.sum(tl.load(p + 4, mask=ok, other=0.0, cache_modifier=".cg") * tl.exp2((m_j - m_t) * log2e_tau), 0)
-    log2_l_s = tl.log2(l_s)
-    log2_l_t = tl.log2(l_t)
-    if CE_IS_Q:
-        log2_l_c = log2_l_s
-    else:
-        log2_l_c = tl.log2(l_c)
-    inv_nn = 0.0
-    cos_aa = 0.0
-    if SOFT and LOSS == _COSINE:
-        # soft = β (1 − cos), cos = Σst / (max(‖s‖, ε) max(‖t‖, ε));
-        # dsoft/ds = −β (t / (max(‖s‖, ε) max(‖t‖, ε)) − cos · s / (max(‖s‖, ε) ‖s‖))
-        n_s = tl.sqrt_rn(_row_sum(part_row, _SLOT_COS + 0, SPLIT, SPLIT_P2))
-        n_t = tl.sqrt_rn(_row_sum(part_row, _SLOT_COS + 1, SPLIT, SPLIT_P2))
-        inv_nn = 1.0 / (tl.maximum(n_s, _NORM_EPS) * tl.maximum(n_t, _NORM_EPS))
-        cos = _row_sum(part_row, _SLOT_COS + 2, SPLIT, SPLIT_P2) * inv_nn
-        cos_aa = tl.where(n_s >= _NORM_EPS, cos / (tl.maximum(n_s, _NORM_EPS) * n_s), 0.0)
-    return m_s, log2_l_s, log2_l_c, m_t, log2_l_t, inv_nn, cos_aa
-
-
-@triton.jit
-def _row_sums(part_row, SPLIT, beta, LOSS: tl.constexpr, SPLIT_P2: tl.constexpr):
-    """The row's divergence and the row scalars its gradient needs, from the pass-2 partials, in
-    natural log units: (soft, KL(q‖p), K = Σ q log(q/M), and for tvd σ − Σ q σ for σ = +1, −1, 0)."""
-    s1 = _row_sum(part_row, _SLOT_SUMS + 0, SPLIT, SPLIT_P2)
-    s2 = _row_sum(part_row, _SLOT_SUMS + 1, SPLIT, SPLIT_P2)
-    s3 = _row_sum(part_row, _SLOT_SUMS + 2, SPLIT, SPLIT_P2)
-    s4 = _row_sum(part_row, _SLOT_SUMS + 3, SPLIT, SPLIT_P2)
-    soft = 0.0
-    kl_qp = 0.0
-    k_jsd = 0.0
-    tvd_pos = 0.0
-    tvd_neg = 0.0
-    tvd_zero = 0.0
-    if LOSS == _FORWARD_KL:
-        soft = _LN2 * s1
-    elif LOSS == _REVERSE_KL:
-        kl_qp = _LN2 * s1
-        soft = kl_qp
-    elif LOSS == _JSD:
-        k_jsd = _LN2 * s2
-        soft = beta * _LN2 * s1 + (1.0 - beta) * k_jsd
-    elif LOSS == _TVD:
-        soft = 0.5 * s1
-        # σ − Σ q σ, for σ = +1, −1, 0, from the masses below / above / at p, which sum to 1:
-        # sums of non-negative terms, accurate even when Σ q σ is close to ±1
-        tvd_pos = 2.0 * s2 + s4
-        tvd_neg = -(2.0 * s3 + s4)
-        tvd_zero = s2 - s3
-    return soft, kl_qp, k_jsd, tvd_pos, tvd_neg, tvd_zero
+        if GRAD_PASS != 0:
+            _fill_zeros(s_row, V, BLOCK_V)
+    tl.store(soft_ptr, soft)
+    tl.store(hard_ptr, hard)
 
 
 # --------------------------------------------------------------------------------------------- launcher
@@ -551,49 +456,35 @@ def rows(s, t, labels, spec: LossSpec, scale: torch.Tensor, grad: bool):
     grad_pass = 0 if not grad else 3 if grad_soft and kind in _LATE_GRAD else 2
     jsd = use_soft and kind == "jsd"  # 0 < β < 1 here: the endpoints resolve to the KLs
     ce_is_q = use_ce and use_soft and kind != "cosine" and spec.temperature == 1.0
-    passes = 3 if grad_pass == 3 else 2 if (use_soft and kind != "cosine") or grad_pass == 2 else 1
-    split = triton.cdiv(V, SEG_TILES * BLOCK_V)
-    part = torch.empty(R, split, _NPART, dtype=torch.float32, device=s.device)
-    sync = torch.zeros(1 + R, dtype=torch.int32, device=s.device)
-    # Under the interpreter the programs run one after another, so none may wait for another: one
-    # launch per pass there (the launch boundary is the barrier), all passes in one launch on a GPU.
-    for phase in range(1, passes + 1) if _INTERPRET else (0,):
-        _rows_kernel[(R * split,)](
-            s,
-            t if use_soft else s,  # never read when not SOFT
-            labels if labels is not None else s,  # never read when not LABELS
-            soft,
-            hard,
-            scale,
-            part,
-            sync,
-            V,
-            split,
-            t.stride(0) if use_soft else V,
-            spec.ignore_index,
-            # float(): an int weight would be specialised (and recompiled) by value
-            math.log2(math.e) / spec.temperature,
-            1.0 / spec.temperature,
-            float(spec.beta),
-            math.log2(spec.beta) if jsd else 0.0,
-            math.log1p(-spec.beta) / math.log(2.0) if jsd else 0.0,
-            float(spec.weight_hard),
-            float(spec.soft_scale),
-            LOSS=LOSS_ID[kind],
-            SOFT=use_soft,
-            CE=use_ce,
-            LABELS=labels is not None,
-            GRAD_SOFT=grad_soft,
-            GRAD_CE=grad_ce,
-            GRAD_PASS=grad_pass,
-            CE_IS_Q=ce_is_q,
-            PASSES=passes,
-            PHASE=phase,
-            SPLIT_P2=triton.next_power_of_2(split),
-            SEG_TILES=SEG_TILES,
-            BLOCK_V=BLOCK_V,
-            num_warps=NUM_WARPS,
-        )
+    _rows_kernel[(R,)](
+        s,
+        t if use_soft else s,  # never read when not SOFT
+        labels if labels is not None else s,  # never read when not LABELS
+        soft,
+        hard,
+        scale,
+        V,
+        t.stride(0) if use_soft else V,
+        spec.ignore_index,
+        # float(): an int weight would be specialised (and recompiled) by value
+        math.log2(math.e) / spec.temperature,
+        1.0 / spec.temperature,
+        float(spec.beta),
+        math.log2(spec.beta) if jsd else 0.0,
+        math.log1p(-spec.beta) / math.log(2.0) if jsd else 0.0,
+        float(spec.weight_hard),
+        float(spec.soft_scale),
+        LOSS=LOSS_ID[kind],
+        SOFT=use_soft,
+        CE=use_ce,
+        LABELS=labels is not None,
+        GRAD_SOFT=grad_soft,
+        GRAD_CE=grad_ce,
+        GRAD_PASS=grad_pass,
+        CE_IS_Q=ce_is_q,
+        BLOCK_V=BLOCK_V,
+        num_warps=NUM_WARPS,
+    )
     return soft, hard
 
 
