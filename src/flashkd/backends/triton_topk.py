@@ -235,6 +235,7 @@ _CAP = 256
 # interpreter runs the on-chip sorts as numpy steps: small tiles there.
 _TOPK_LANES = 64 if triton_rows._INTERPRET else 512
 TOPK_MAX_K = min(_TOPK_LANES, _CAP)  # the threshold needs k lanes, the sort k slots
+_TOPK_UNROLL = 4  # tiles loaded per loop step
 
 
 @triton.jit
@@ -266,6 +267,22 @@ def _compact(buf, keys, n, CAP: tl.constexpr):
 
 
 @triton.jit
+def _load_tile(x_row, offs, V):
+    return tl.load(x_row + offs, mask=offs < V, other=-float("inf")).to(tl.float32)
+
+
+@triton.jit
+def _keep(a, offs, theta, c, col0, col1, col2, col3):
+    """Each lane's columns of its first four elements >= θ (a is −inf past V: never kept)."""
+    keep = a >= theta
+    col0 = tl.where(keep & (c == 0), offs, col0)
+    col1 = tl.where(keep & (c == 1), offs, col1)
+    col2 = tl.where(keep & (c == 2), offs, col2)
+    col3 = tl.where(keep & (c == 3), offs, col3)
+    return c + keep.to(tl.int32), col0, col1, col2, col3
+
+
+@triton.jit
 def _topk_kernel(
     x_ptr,  # (R, V) logits, any float dtype
     ids_ptr,  # (R, k) int64 out: the k largest, by decreasing value
@@ -277,6 +294,7 @@ def _topk_kernel(
     log2e_tau,
     SLOTS: tl.constexpr,
     CAP: tl.constexpr,
+    UNROLL: tl.constexpr,
     BLOCK_V: tl.constexpr,
 ):
     """Pass 1: per-lane max (and the row's logsumexp). The k-th largest lane max θ bounds the row's k-th
@@ -290,11 +308,22 @@ def _topk_kernel(
     cols = tl.arange(0, BLOCK_V)
     m = tl.full([BLOCK_V], _M_START, tl.float32)
     l = tl.zeros([BLOCK_V], tl.float32)
-    for start in range(0, V, BLOCK_V):
-        offs = start + cols
-        a = tl.load(x_row + offs, mask=offs < V, other=-float("inf")).to(tl.float32)
-        l = triton_rows._lane_sum(l, m, a, log2e_tau)
-        m = tl.maximum(m, a)
+    tl.static_assert(UNROLL == 4)
+    for start in range(0, V, 4 * BLOCK_V):
+        # four tiles' loads issued before their use: more bytes in flight per thread
+        o = start + cols
+        a0 = _load_tile(x_row, o, V)
+        a1 = _load_tile(x_row, o + BLOCK_V, V)
+        a2 = _load_tile(x_row, o + 2 * BLOCK_V, V)
+        a3 = _load_tile(x_row, o + 3 * BLOCK_V, V)
+        l = triton_rows._lane_sum(l, m, a0, log2e_tau)
+        m = tl.maximum(m, a0)
+        l = triton_rows._lane_sum(l, m, a1, log2e_tau)
+        m = tl.maximum(m, a1)
+        l = triton_rows._lane_sum(l, m, a2, log2e_tau)
+        m = tl.maximum(m, a2)
+        l = triton_rows._lane_sum(l, m, a3, log2e_tau)
+        m = tl.maximum(m, a3)
     m_row = tl.max(m, 0)
     l_row = tl.sum(l * tl.exp2((m - m_row) * log2e_tau), 0)
     tl.store(lse_ptr + row, (m_row * log2e_tau + tl.log2(l_row)) * 0.6931471805599453)
@@ -306,15 +335,16 @@ def _topk_kernel(
     col1 = tl.zeros([BLOCK_V], tl.int32)
     col2 = tl.zeros([BLOCK_V], tl.int32)
     col3 = tl.zeros([BLOCK_V], tl.int32)
-    for start in range(0, V, BLOCK_V):
-        offs = start + cols
-        a = tl.load(x_row + offs, mask=offs < V, other=-float("inf")).to(tl.float32)
-        keep = (offs < V) & (a >= theta)
-        col0 = tl.where(keep & (c == 0), offs, col0)
-        col1 = tl.where(keep & (c == 1), offs, col1)
-        col2 = tl.where(keep & (c == 2), offs, col2)
-        col3 = tl.where(keep & (c == 3), offs, col3)
-        c += keep.to(tl.int32)
+    for start in range(0, V, 4 * BLOCK_V):
+        o = start + cols
+        a0 = _load_tile(x_row, o, V)
+        a1 = _load_tile(x_row, o + BLOCK_V, V)
+        a2 = _load_tile(x_row, o + 2 * BLOCK_V, V)
+        a3 = _load_tile(x_row, o + 3 * BLOCK_V, V)
+        c, col0, col1, col2, col3 = _keep(a0, o, theta, c, col0, col1, col2, col3)
+        c, col0, col1, col2, col3 = _keep(a1, o + BLOCK_V, theta, c, col0, col1, col2, col3)
+        c, col0, col1, col2, col3 = _keep(a2, o + 2 * BLOCK_V, theta, c, col0, col1, col2, col3)
+        c, col0, col1, col2, col3 = _keep(a3, o + 3 * BLOCK_V, theta, c, col0, col1, col2, col3)
     # compacted slot by slot: four scans of BLOCK_V keys (one SLOTS·BLOCK_V tensor would spill)
     buf = scratch_ptr + row.to(tl.int64) * CAP
     n = _compact(buf, _candidate(x_row, col0, c, 0), 0, CAP)
@@ -347,7 +377,7 @@ def row_topk(x: torch.Tensor, k: int, temperature: float):
     if R:
         _topk_kernel[(R,)](
             x, ids, redo, lse, scratch, V, k, math.log2(math.e) / temperature,
-            SLOTS=_SLOTS, CAP=_CAP, BLOCK_V=_TOPK_LANES, num_warps=NUM_WARPS,
+            SLOTS=_SLOTS, CAP=_CAP, UNROLL=_TOPK_UNROLL, BLOCK_V=_TOPK_LANES, num_warps=NUM_WARPS,
         )
     rows = redo.nonzero()[:, 0]
     if rows.numel():
