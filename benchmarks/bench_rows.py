@@ -79,9 +79,11 @@ def main():
     for k in args.k:
         ms = triton.testing.do_bench(lambda: torch.topk(s, k, dim=-1), rep=200)
         print(f"teacher_topk: torch.topk k={k}: {ms:.3f} ms")
-        for lanes in args.lanes or [triton_topk._TOPK_LANES]:
-            triton_topk._TOPK_LANES = lanes
+        default = triton_topk._topk_lanes
+        for lanes in args.lanes or [default(k)]:
+            triton_topk._topk_lanes = lambda _k, lanes=lanes: lanes
             ms = triton.testing.do_bench(lambda: triton_topk.row_topk(s, k, args.temperature), rep=200)
+            triton_topk._topk_lanes = default
             print(f"teacher_topk: row_topk k={k}, {lanes} lanes (ids, log-probs): {ms:.3f} ms "
                   f"({2 * s.numel() * 2 / ms / 1e6:.0f} GB/s over 2 reads)")
             # the kernel alone: without the redo check (a host sync) and the gather of the log-probs

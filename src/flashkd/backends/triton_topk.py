@@ -67,7 +67,6 @@ def _stats_kernel(
     if STREAM:
         tl.store(s_row + ids, tl.full([BLOCK_K], -float("inf"), tl.float32).to(s_row.dtype.element_ty), mask=used)
         tl.debug_barrier()  # the row's other threads read those columns below
-    if STREAM:
         cols = tl.arange(0, BLOCK_V)
         m = tl.full([BLOCK_V], _M_START, tl.float32)
         l_tau = tl.zeros([BLOCK_V], tl.float32)
@@ -231,10 +230,20 @@ def topk_rows(s, t, labels, spec: LossSpec, scale: torch.Tensor, grad: bool):
 # candidates per row that are sorted on chip.
 _SLOTS = 4
 _CAP = 256
-# 512 lanes: 64 registers a thread on sm_90 (1024: 110), so twice the programs share an SM. The
-# interpreter runs the on-chip sorts as numpy steps: small tiles there.
-_TOPK_LANES = 64 if triton_rows._INTERPRET else 512
-TOPK_MAX_K = min(_TOPK_LANES, _CAP)  # the threshold needs k lanes, the sort k slots
+# Lanes (BLOCK_V) of the teacher top-k kernel by k: the threshold needs at least k lanes, and with
+# about 4 lanes per wanted id few rows overflow a lane's slots. Fewer lanes are faster (H200, 8192 ×
+# 128256 bf16, k = 64: 256 lanes 1.69 ms, 512 lanes 1.97 ms; 48 and 64 registers a thread on sm_90).
+# The interpreter runs the on-chip sorts as numpy steps: small tiles there.
+_INTERPRET_LANES = 64
+
+
+def _topk_lanes(k: int) -> int:
+    if triton_rows._INTERPRET:
+        return _INTERPRET_LANES
+    return 256 if k <= 64 else 512 if k <= 128 else 1024
+
+
+TOPK_MAX_K = _INTERPRET_LANES if triton_rows._INTERPRET else _CAP  # the sort keeps CAP candidates
 _TOPK_UNROLL = 4  # tiles loaded per loop step
 
 
@@ -326,7 +335,7 @@ def _topk_kernel(
         m = tl.maximum(m, a3)
     m_row = tl.max(m, 0)
     l_row = tl.sum(l * tl.exp2((m - m_row) * log2e_tau), 0)
-    tl.store(lse_ptr + row, (m_row * log2e_tau + tl.log2(l_row)) * 0.6931471805599453)
+    tl.store(lse_ptr + row, (m_row * log2e_tau + tl.log2(l_row)) * triton_rows._LN2)
     theta = tl.sum(tl.where(cols == k - 1, tl.sort(m, descending=True), 0.0), 0)
 
     tl.static_assert(SLOTS == 4)
@@ -377,7 +386,7 @@ def row_topk(x: torch.Tensor, k: int, temperature: float):
     if R:
         _topk_kernel[(R,)](
             x, ids, redo, lse, scratch, V, k, math.log2(math.e) / temperature,
-            SLOTS=_SLOTS, CAP=_CAP, UNROLL=_TOPK_UNROLL, BLOCK_V=_TOPK_LANES, num_warps=NUM_WARPS,
+            SLOTS=_SLOTS, CAP=_CAP, UNROLL=_TOPK_UNROLL, BLOCK_V=_topk_lanes(k), num_warps=NUM_WARPS,
         )
     rows = redo.nonzero()[:, 0]
     if rows.numel():
