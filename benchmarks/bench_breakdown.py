@@ -7,6 +7,7 @@ Each item is timed in this process (median, p20–p80):
                       dW accumulated in fp32 and cast to bf16 once at the end; no row kernel
     chunked, bf16     the same with a bf16 dW accumulator: the cost of accumulating in fp32
     k chunks          the chunked fp32 GEMMs over k chunks of equal rows (--chunks, default 2 and 3)
+    each GEMM         alone, over all rows in one call and chunk by chunk
     row kernel        triton_rows.rows on the chunks' (R, V) logits, summed over the chunks
     whole op          flashkd.fused_linear_distill forward + backward
 then the whole op's time over the floor in parts (chunking the GEMMs, the row kernel, the rest), and a
@@ -120,7 +121,20 @@ def main():
         r = -(-n // chunks)
         ms = bench(lambda: chunked(xs, ws, xt, wt, ds, r, torch.float32))
         line(f"chunked GEMMs, {len(sizes(n, r))}×{r}, dW {'fp32' if n > r else 'bf16'}", ms)
-    del ds
+    # each GEMM alone: all rows in one call, then chunk by chunk (the dW one into an fp32 accumulator)
+    acc, dx = torch.empty(ws.shape, device=ws.device, dtype=torch.float32), torch.empty_like(xs)
+    chunks = [slice(a, min(a + rows, n)) for a in range(0, n, rows)]
+    for name, whole, part in (
+        ("S = Xs Ws^T", lambda: xs @ ws.t(), lambda c: xs[c] @ ws.t()),
+        ("T = Xt Wt^T", lambda: xt @ wt.t(), lambda c: xt[c] @ wt.t()),
+        ("dX = dS Ws", lambda: ds @ ws, lambda c: torch.mm(ds[c], ws, out=dx[c])),
+        ("dW = dS^T Xs", lambda: ds.t() @ xs,
+         lambda c: _accumulate_mm(acc, ds[c].t(), xs[c], beta=0.0 if c.start == 0 else 1.0)),
+    ):
+        one, per_chunk = bench(whole), bench(lambda: [part(c) for c in chunks])
+        line(f"{name}, all rows", one)
+        line(f"{name}, {k} chunks (+{per_chunk[0] - one[0]:.3f})", per_chunk)
+    del ds, acc, dx
     torch.cuda.empty_cache()
     ms_rows, split = row_kernel(xs, ws, xt, wt, y, rows)
     line(f"row kernel, {split} rows", ms_rows)
