@@ -3,10 +3,12 @@
 Bytes counted as the kernel's minimum traffic: one read of s and t and one write of dS (grad), or one
 read of s and t (no grad); for a top-k teacher (K = 64) one read of s and one write of dS, or one read.
 Then teacher_topk's work on a block of logits: torch.topk alone, and flashkd's top-k + log-softmax kernel.
-Usage: python benchmarks/bench_rows.py [--rows 8192] [--vocab 128256] [--loss ...] [--k 64]
+Usage: python benchmarks/bench_rows.py [--rows 8192] [--vocab 128256] [--loss ...] [--k 64 ...]
+       [--parts dense topk teacher] [--configs BLOCK_VxNUM_WARPS ...] [--lanes 256 512 ...]
 """
 
 import argparse
+import math
 
 import torch
 import triton
@@ -90,7 +92,7 @@ def main():
             out = [torch.empty(r, k, dtype=torch.int64, device="cuda"), torch.empty(r, dtype=torch.int8, device="cuda"),
                    torch.empty(r, device="cuda"), torch.empty(r, triton_topk._CAP, dtype=torch.int64, device="cuda")]
             ms = triton.testing.do_bench(lambda: triton_topk._topk_kernel[(r,)](
-                s, *out, v, k, 1.4426950408889634 / args.temperature, SLOTS=triton_topk._SLOTS, CAP=triton_topk._CAP,
+                s, *out, v, k, math.log2(math.e) / args.temperature, SLOTS=triton_topk._SLOTS, CAP=triton_topk._CAP,
                 UNROLL=triton_topk._TOPK_UNROLL, BLOCK_V=lanes, num_warps=triton_topk.NUM_WARPS), rep=200)
             print(f"teacher_topk: its kernel alone: {ms:.3f} ms")
 
