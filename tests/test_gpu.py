@@ -200,12 +200,13 @@ def test_logits_against_fp64_truth(loss, dtype):
         assert err <= 1.5 * base + 1e-6, (name, err, base)
 
 
+@pytest.mark.parametrize("k", [64, 100, 200])  # the kernel's 256, 512 and 1024 lanes
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_teacher_topk_on_gpu(dtype):
+def test_teacher_topk_on_gpu(dtype, k):
     """ids are a top-k of the logits the GEMM made (ties in bf16 allow any of the tied ids), log-probs
     are the float64 log-softmax of those logits at the ids."""
     torch.manual_seed(0)
-    n, h, v, k, dev = 999, 768, 151936, 64, "cuda"
+    n, h, v, dev = 999, 768, 151936, "cuda"
     x = torch.rand(n, h, device=dev, dtype=dtype)
     w = torch.nn.Linear(h, v, bias=False, device=dev, dtype=dtype).weight.detach()
     ids, lp = flashkd.teacher_topk(x, w, k, temperature=0.8, chunk_size=300)
