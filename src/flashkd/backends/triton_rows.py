@@ -34,7 +34,7 @@ unless named; one more exp2 in the pass that writes dL/ds when the CE gradient i
     (log2 is the hardware lg2.approx on GPU)
 
 Measured on an H200 (benchmarks/bench_rows.py, 8192 × 128256 bf16, BENCHMARKS.md): JSD with CE and grad
-4.0–4.1 ms, forward KL 2.6 ms; first version (4096 × 16 tiles, a block-wide reduction per tile in pass 1)
+3.9–4.1 ms, forward KL 2.6 ms; first version (4096 × 16 tiles, a block-wide reduction per tile in pass 1)
 7.6 and 4.3 ms.
 
 Numerics: every load is widened to fp32 and all math is fp32 whatever the input dtype (fp64 inputs
@@ -58,16 +58,19 @@ import triton.language as tl
 
 from ..losses import COSINE_EPS, LOSS_ID, LossSpec
 
-# Compiled tiles, measured on an H200 at V = 128256 bf16 (BENCHMARKS.md): 512 columns over 4 warps
-# (4 elements per thread per tensor, ~72 registers) lets ~6 small programs share an SM, which keeps
-# more loads in flight than one 16-warp program with 4096-column tiles (JSD 4.0 vs 6.9 ms, same
-# kernel). A persistent grid bounding the rows in flight, for L2 reuse between passes, was slower at
-# every size tried. Loads are 16 bytes wide only when V is a multiple of 16 (rows then start aligned).
-# Under TRITON_INTERPRET=1 every tile op is a numpy call on the CPU: small tiles keep the tests fast
-# and make their small V span several tiles with a ragged last one.
+# Compiled tiles, measured on an H200 at V = 128256 bf16 (BENCHMARKS.md): 1024 columns over 8 warps
+# (4 elements per thread per tensor, 40 registers, 6 programs an SM). At the chunk loop's 1024–4096
+# rows a block is a few waves of programs, and the last, partial one runs with the GPU part idle:
+# against 512 × 4 tiles (13 programs an SM: 2048 rows are 1.2 waves) JSD takes 5 % less at 2048 rows,
+# 14 % less at 1024, the same at 8192; 4096 × 16 tiles took 6.9 ms against 4.0 at 8192 rows. A
+# persistent grid bounding the rows in flight, for L2 reuse between passes, was slower at every size
+# tried, and so were rows split across programs meeting at barriers. Loads are 16 bytes wide only
+# when V is a multiple of 16 (rows then start aligned). Under TRITON_INTERPRET=1 every tile op is a
+# numpy call on the CPU: small tiles keep the tests fast and make their small V span several tiles
+# with a ragged last one.
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
-BLOCK_V = 256 if _INTERPRET else 512
-NUM_WARPS = 4
+BLOCK_V = 256 if _INTERPRET else 1024
+NUM_WARPS = 8
 # The hardware log2 (lg2.approx, abs. error ~2^-22 on [1, 2]) instead of libdevice's ~30-instruction
 # log2f; the interpreter has no inline PTX.
 _FAST_LOG2: tl.constexpr = tl.constexpr(not _INTERPRET)
@@ -456,6 +459,9 @@ def rows(s, t, labels, spec: LossSpec, scale: torch.Tensor, grad: bool):
     grad_pass = 0 if not grad else 3 if grad_soft and kind in _LATE_GRAD else 2
     jsd = use_soft and kind == "jsd"  # 0 < β < 1 here: the endpoints resolve to the KLs
     ce_is_q = use_ce and use_soft and kind != "cosine" and spec.temperature == 1.0
+    # rows narrower than a tile (a top-k teacher's K + 1 categories) get a tile of their width, with
+    # as many warps as keep 4 elements a thread
+    block = max(128, min(BLOCK_V, triton.next_power_of_2(V)))
     _rows_kernel[(R,)](
         s,
         t if use_soft else s,  # never read when not SOFT
@@ -482,8 +488,8 @@ def rows(s, t, labels, spec: LossSpec, scale: torch.Tensor, grad: bool):
         GRAD_CE=grad_ce,
         GRAD_PASS=grad_pass,
         CE_IS_Q=ce_is_q,
-        BLOCK_V=BLOCK_V,
-        num_warps=NUM_WARPS,
+        BLOCK_V=block,
+        num_warps=max(1, min(NUM_WARPS, block // 128)),
     )
     return soft, hard
 
