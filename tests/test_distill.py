@@ -141,6 +141,26 @@ def test_chunk_size_does_not_change_result(seed, backend, chunk_size):
                          chunk_size=chunk_size)
 
 
+def test_default_chunks_fit_the_budget_and_are_even(seed):
+    """The planned rows per chunk never exceed what fits, take no more chunks than needed, split n rows
+    evenly, and are a multiple of 256 whenever that costs no extra chunk."""
+    from flashkd.distill import _even_chunks
+
+    g = torch.Generator().manual_seed(seed)
+    cases = [(8192, 2092), (16384, 2092), (8192, 4186), (1, 5), (0, 5), (10, 3), (5000, 2092), (257, 256)]
+    cases += [tuple(torch.randint(1, 20000, (2,), generator=g).tolist()) for _ in range(200)]
+    for n, fit in cases:
+        rows = _even_chunks(n, fit)
+        count = -(-n // rows)
+        assert 1 <= rows <= max(fit, 1) and (n <= fit) == (rows >= n), (n, fit, rows)
+        if n > fit:
+            assert count == -(-n // fit), (n, fit, rows)
+            even = -(-n // count)
+            assert rows - even < 256 and n - (count - 1) * rows > 0, (n, fit, rows)  # no chunk near empty
+            assert (rows % 256 == 0) == (-(-even // 256) * 256 <= fit), (n, fit, rows)
+    assert _even_chunks(8192, 2092) == 2048 and _even_chunks(8192, 4186) == 4096
+
+
 @pytest.mark.parametrize("loss", LOSS_NAMES)
 def test_gradcheck(seed, loss):
     xs = torch.randn(4, 3, dtype=torch.float64, requires_grad=True)

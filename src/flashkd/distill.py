@@ -387,15 +387,13 @@ _ROW_TILE = 256
 
 
 def _even_chunks(n: int, fit: int) -> int:
-    """Rows per chunk for n rows when at most `fit` fit: as few chunks as fit allows, of equal size
+    """Rows per chunk for n rows when at most `fit` fit: as few chunks as fit allows, of equal size,
     rounded up to a multiple of _ROW_TILE where that still fits."""
     if n <= fit:
         return max(n, 1)
     rows = -(-n // -(-n // max(fit, 1)))  # ceil(n / count), count = ceil(n / fit)
     aligned = -(-rows // _ROW_TILE) * _ROW_TILE
-    if aligned <= fit:
-        return aligned
-    return fit // _ROW_TILE * _ROW_TILE or max(fit, 1)
+    return aligned if aligned <= fit else rows
 
 
 def _check_tensors(named: dict, dtype=None, device=None, like="student_input"):
