@@ -244,7 +244,6 @@ def _topk_lanes(k: int) -> int:
 
 
 TOPK_MAX_K = _INTERPRET_LANES if triton_rows._INTERPRET else _CAP  # the sort keeps CAP candidates
-_TOPK_UNROLL = 4  # tiles loaded per loop step
 
 
 @triton.jit
@@ -303,7 +302,6 @@ def _topk_kernel(
     log2e_tau,
     SLOTS: tl.constexpr,
     CAP: tl.constexpr,
-    UNROLL: tl.constexpr,
     BLOCK_V: tl.constexpr,
 ):
     """Pass 1: per-lane max (and the row's logsumexp). The k-th largest lane max θ bounds the row's k-th
@@ -317,9 +315,8 @@ def _topk_kernel(
     cols = tl.arange(0, BLOCK_V)
     m = tl.full([BLOCK_V], _M_START, tl.float32)
     l = tl.zeros([BLOCK_V], tl.float32)
-    tl.static_assert(UNROLL == 4)
     for start in range(0, V, 4 * BLOCK_V):
-        # four tiles' loads issued before their use: more bytes in flight per thread
+        # four tiles a step, their loads issued before their use: more bytes in flight per thread
         o = start + cols
         a0 = _load_tile(x_row, o, V)
         a1 = _load_tile(x_row, o + BLOCK_V, V)
@@ -386,7 +383,7 @@ def row_topk(x: torch.Tensor, k: int, temperature: float):
     if R:
         _topk_kernel[(R,)](
             x, ids, redo, lse, scratch, V, k, math.log2(math.e) / temperature,
-            SLOTS=_SLOTS, CAP=_CAP, UNROLL=_TOPK_UNROLL, BLOCK_V=_topk_lanes(k), num_warps=NUM_WARPS,
+            SLOTS=_SLOTS, CAP=_CAP, BLOCK_V=_topk_lanes(k), num_warps=NUM_WARPS,
         )
     rows = redo.nonzero()[:, 0]
     if rows.numel():
