@@ -280,6 +280,14 @@ def _load_tile(x_row, offs, V):
 
 
 @triton.jit
+def _four_tiles(x_row, o, V, BLOCK_V: tl.constexpr):
+    """The tiles at o, o + BLOCK_V, ... o + 3·BLOCK_V, loaded before any is used: more bytes in flight
+    per thread than one tile a loop step (−inf past V)."""
+    return (_load_tile(x_row, o, V), _load_tile(x_row, o + BLOCK_V, V), _load_tile(x_row, o + 2 * BLOCK_V, V),
+            _load_tile(x_row, o + 3 * BLOCK_V, V))
+
+
+@triton.jit
 def _keep(a, offs, theta, c, col0, col1, col2, col3):
     """Each lane's columns of its first four elements >= θ (a is −inf past V: never kept)."""
     keep = a >= theta
@@ -316,12 +324,8 @@ def _topk_kernel(
     m = tl.full([BLOCK_V], _M_START, tl.float32)
     l = tl.zeros([BLOCK_V], tl.float32)
     for start in range(0, V, 4 * BLOCK_V):
-        # four tiles a step, their loads issued before their use: more bytes in flight per thread
         o = start + cols
-        a0 = _load_tile(x_row, o, V)
-        a1 = _load_tile(x_row, o + BLOCK_V, V)
-        a2 = _load_tile(x_row, o + 2 * BLOCK_V, V)
-        a3 = _load_tile(x_row, o + 3 * BLOCK_V, V)
+        a0, a1, a2, a3 = _four_tiles(x_row, o, V, BLOCK_V)
         l = triton_rows._lane_sum(l, m, a0, log2e_tau)
         m = tl.maximum(m, a0)
         l = triton_rows._lane_sum(l, m, a1, log2e_tau)
@@ -343,10 +347,7 @@ def _topk_kernel(
     col3 = tl.zeros([BLOCK_V], tl.int32)
     for start in range(0, V, 4 * BLOCK_V):
         o = start + cols
-        a0 = _load_tile(x_row, o, V)
-        a1 = _load_tile(x_row, o + BLOCK_V, V)
-        a2 = _load_tile(x_row, o + 2 * BLOCK_V, V)
-        a3 = _load_tile(x_row, o + 3 * BLOCK_V, V)
+        a0, a1, a2, a3 = _four_tiles(x_row, o, V, BLOCK_V)
         c, col0, col1, col2, col3 = _keep(a0, o, theta, c, col0, col1, col2, col3)
         c, col0, col1, col2, col3 = _keep(a1, o + BLOCK_V, theta, c, col0, col1, col2, col3)
         c, col0, col1, col2, col3 = _keep(a2, o + 2 * BLOCK_V, theta, c, col0, col1, col2, col3)
@@ -373,9 +374,18 @@ def row_topk(x: torch.Tensor, k: int, temperature: float):
     top values clustered in a few lanes) or that has fewer than k finite values is redone with
     torch.topk over the full row: finding out costs one host sync per call.
     """
-    R, V = x.shape
     if not 1 <= k <= TOPK_MAX_K:
         raise ValueError(f"k: expected 1 <= k <= {TOPK_MAX_K} for the kernel, got {k}")
+    ids, redo, lse = _kernel_topk(x, k, temperature)
+    rows = redo.nonzero()[:, 0]
+    if rows.numel():
+        ids[rows] = torch.topk(x[rows], k, dim=-1).indices
+    return ids, x.gather(1, ids).float() / temperature - lse[:, None]
+
+
+def _kernel_topk(x: torch.Tensor, k: int, temperature: float):
+    """The kernel alone on a contiguous (R, V) x: (ids (R, k) int64, redo (R,) int8, lse (R,) fp32)."""
+    R, V = x.shape
     ids = torch.empty(R, k, dtype=torch.int64, device=x.device)
     redo = torch.empty(R, dtype=torch.int8, device=x.device)
     lse = torch.empty(R, dtype=torch.float32, device=x.device)
@@ -385,7 +395,4 @@ def row_topk(x: torch.Tensor, k: int, temperature: float):
             x, ids, redo, lse, scratch, V, k, math.log2(math.e) / temperature,
             SLOTS=_SLOTS, CAP=_CAP, BLOCK_V=_topk_lanes(k), num_warps=NUM_WARPS,
         )
-    rows = redo.nonzero()[:, 0]
-    if rows.numel():
-        ids[rows] = torch.topk(x[rows], k, dim=-1).indices
-    return ids, x.gather(1, ids).float() / temperature - lse[:, None]
+    return ids, redo, lse
