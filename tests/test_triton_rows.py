@@ -251,10 +251,13 @@ def test_scale_is_honoured(seed, loss):
     torch.testing.assert_close(ds[1.0 / 3.0], ds[1.0] / 3.0, rtol=1e-6, atol=1e-6 * ds[1.0].abs().max().item())
 
 
-@pytest.mark.parametrize("loss,beta", [("forward_kl", 0.3), ("reverse_kl", 0.3), ("jsd", 0.3), ("tvd", 0.3)])
-def test_columns_at_minus_inf_in_both_are_absent(seed, loss, beta):
+@pytest.mark.parametrize("loss,beta,options", [
+    ("forward_kl", 0.3, {}), ("reverse_kl", 0.3, {}), ("jsd", 0.3, {}), ("tvd", 0.3, {}),
+    ("jsd", 0.3, dict(temperature=1.0, weight_soft=0.0)),  # the CE's gradient from JSD's pass-2 q
+])
+def test_columns_at_minus_inf_in_both_are_absent(seed, loss, beta, options):
     """0·log 0 = 0: columns where s and t are both −inf (the whole first tile) change nothing."""
-    spec = LossSpec(loss=loss, beta=beta, temperature=0.7)
+    spec = LossSpec(loss=loss, beta=beta, **{"temperature": 0.7, **options})
     R, V, cut = 3, 600, 300
     s, t = _logits(R, V, torch.float32, seed)
     s[:, :cut] = float("-inf")
