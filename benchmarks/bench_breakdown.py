@@ -12,7 +12,10 @@ Each item is timed in this process (median, p20–p80):
     whole op          flashkd.fused_linear_distill forward + backward
 then the whole op's time over the floor in parts (chunking the GEMMs, the row kernel, the rest), and a
 bytes model of the fp32 accumulator's extra traffic at the measured copy bandwidth.
+With --plans R:Rt ..., only the floor and the whole op under each plan (R rows per chunk, teacher
+logits Rt rows at a time), for --loss, with each plan's peak extra memory.
 Usage: python benchmarks/bench_breakdown.py [--rows 8192] [--vocab 128256] [--hidden 4096] [--chunks 2 3]
+       python benchmarks/bench_breakdown.py --plans 2048:2048 4096:2048 [--loss cosine] [--rows 4096]
 """
 
 import argparse
@@ -24,6 +27,7 @@ import triton
 import flashkd
 from flashkd.backends import triton_rows
 from flashkd.bench.workloads import Workload, make_inputs
+from flashkd import distill
 from flashkd.distill import _accumulate_mm, _chunk_rows, _linear
 from flashkd.losses import LossSpec
 
@@ -84,6 +88,34 @@ def row_kernel(xs, ws, xt, wt, y, rows):
     return total, " + ".join(f"{count}×{r}" for r, count in counts.items())
 
 
+def plans(x, loss, specs):
+    """The floor, then the whole op (forward + backward) under each plan "R:Rt", in one process."""
+    xs, ws, xt, wt, y = x.xs, x.ws, x.xt, x.wt, x.y
+    ds = torch.randn(xs.shape[0], ws.shape[0], device=xs.device, dtype=xs.dtype) * 1e-3
+    line("floor: 4 GEMMs, all rows", bench(lambda: floor(xs.detach(), ws.detach(), xt, wt, ds)))
+    del ds
+    torch.cuda.empty_cache()
+    args = dict(labels=y, loss=loss, beta=0.5, temperature=1.0, weight_hard_loss=0.5, weight_soft_loss=0.5,
+                return_soft_hard_loss=False, temperature_squared=False, ignore_index=-100, reduction="mean")
+    for text in specs:
+        rows, teacher = (int(part) for part in text.split(":"))
+        plan = distill._Plan(distill._spec(args), rows, "triton", torch.float32, "heads", teacher)
+
+        def step():
+            distill._apply(xs, ws, None, y, plan, xt, wt, None).backward()
+
+        ms = bench(step, grad_to_none=[xs, ws])
+        xs.grad = ws.grad = None
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        before = torch.cuda.memory_allocated()
+        step()
+        torch.cuda.synchronize()
+        extra = (torch.cuda.max_memory_allocated() - before) / 2**20
+        xs.grad = ws.grad = None
+        line(f"plan {rows}:{teacher} ({extra:.0f} MiB)", ms)
+
+
 def copy_bandwidth():
     """GB/s of dst.copy_(src), bf16, read + write bytes over time."""
     src = torch.randn(COPY_BYTES // 2, device=DEVICE, dtype=torch.bfloat16)
@@ -99,11 +131,17 @@ def main():
     ap.add_argument("--hidden", type=int, default=4096, help="teacher hidden size; the student's is half")
     ap.add_argument("--chunks", type=int, nargs="+", default=[2, 3],
                     help="chunk counts (of equal rows) to time the chunked GEMMs at")
+    ap.add_argument("--plans", nargs="+", metavar="R:Rt", help="time the whole op under these plans only")
+    ap.add_argument("--loss", default="jsd", help="the loss of --plans")
     args = ap.parse_args()
-    x = make_inputs(Workload("jsd", args.rows, h=args.hidden, v=args.vocab), torch.device(DEVICE))
+    x = make_inputs(Workload(args.loss, args.rows, h=args.hidden, v=args.vocab), torch.device(DEVICE))
+    if args.plans:
+        print(f"N={args.rows} Ht={args.hidden} V={args.vocab} bf16, {args.loss}; plans R:Rt")
+        plans(x, args.loss, args.plans)
+        return
     xs, ws, xt, wt, y = x.xs.detach(), x.ws.detach(), x.xt, x.wt, x.y  # GEMM items: no autograd
     n, (v, hs) = xs.shape[0], ws.shape
-    rows = _chunk_rows(None, xs, ws, "triton", blocks=2)
+    rows, _ = _chunk_rows(None, xs, ws, "triton", "heads", 2)  # the chunked plan: as without grad
     k = len(sizes(n, rows))
     print(f"N={n} Hs={hs} Ht={xt.shape[1]} V={v} bf16; chunk loop: R={rows} rows per chunk, {k} chunks")
     print(f"{'item':<40}{'ms p50':>9}{'p20':>9}{'p80':>9}")

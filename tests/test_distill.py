@@ -161,6 +161,47 @@ def test_default_chunks_fit_the_budget_and_are_even(seed):
     assert _even_chunks(8192, 2092) == 2048 and _even_chunks(8192, 4186) == 4096
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("loss", ["jsd", "cosine"])
+def test_teacher_blocks_inside_a_chunk(seed, backend, loss, monkeypatch):
+    """A chunk's teacher logits computed a few rows at a time (blocks not dividing the chunk) give the
+    oracle's results."""
+    monkeypatch.setattr(flashkd.distill, "_chunk_rows", lambda *args: (7, 3))
+    check_against_oracle(backend, torch.float32, (3, 7), ignore="some", bias=True, padded=True, tol=2e-5,
+                         chunk_size=None, loss=loss, temperature=1.3)
+
+
+def test_default_plan_one_chunk_when_no_higher(seed):
+    """The default (triton) plan: 1 GiB of logits in equal chunks, or all rows in one chunk with the
+    teacher in two blocks when that chunk's peak (no dW accumulator) is no higher than the chunked one's."""
+    from flashkd.distill import _LOGITS_BUDGET, _chunk_rows
+
+    def plan(n, v, hs, form="heads", accum=4, dtype=torch.bfloat16):
+        xs, ws = torch.empty(n, hs, device="meta", dtype=dtype), torch.empty(v, hs, device="meta", dtype=dtype)
+        return _chunk_rows(None, xs, ws, "triton", form, accum)
+
+    assert plan(8192, 128256, 2048) == (2048, 2048)
+    assert plan(4096, 128256, 2048) == (4096, 2048)  # the cosine seed: one chunk, no accumulator
+    assert plan(4096, 128256, 2048, accum=2) == (2048, 2048)  # no grad, or a bf16 accumulator: no gain
+    assert plan(2048, 128256, 2048) == (2048, 2048)
+    assert plan(6000, 128256, 2048, form="topk") == (6000, 6000)
+    assert plan(8192, 128256, 2048, form="logits") == (4096, 4096)
+    g = torch.Generator().manual_seed(seed)
+    for _ in range(300):
+        n, v, hs = (int(torch.randint(lo, hi, (), generator=g)) for lo, hi in ((1, 40000), (1000, 260000), (64, 8192)))
+        form = ("heads", "logits", "topk")[int(torch.randint(0, 3, (), generator=g))]
+        accum = (2, 4)[int(torch.randint(0, 2, (), generator=g))]
+        rows, teacher = plan(n, v, hs, form, accum)
+        blocks, row = (2 if form == "heads" else 1), v * 2
+        chunked = _LOGITS_BUDGET["triton"] + v * hs * accum  # the peak of 1 GiB chunks and an accumulator
+        if rows >= n:
+            peak = (rows + (teacher if form == "heads" else 0)) * row + v * hs * 2
+            assert peak <= chunked or n * row * blocks <= _LOGITS_BUDGET["triton"], (n, v, hs, form, accum)
+            assert teacher in (rows, -(-rows // 2)), (n, rows, teacher)
+        else:
+            assert teacher == rows and rows * row * blocks <= _LOGITS_BUDGET["triton"], (n, v, hs, form, accum)
+
+
 @pytest.mark.parametrize("loss", LOSS_NAMES)
 def test_gradcheck(seed, loss):
     xs = torch.randn(4, 3, dtype=torch.float64, requires_grad=True)

@@ -7,22 +7,27 @@ Three input forms of the teacher share one chunk loop:
     fused_linear_distill_topk    sparse teacher: (ids, logprobs)[c], K per row (losses.topk_row_losses)
 
     validate + flatten (..., H) -> (N, H)
-    plan: rows per chunk from a memory budget
+    plan: rows per chunk R, and teacher rows at a time Rt <= R, from a memory budget
     for each chunk c of rows:
         S = Xs[c] @ Ws^T (+ bs)                     (R, V) in the input dtype
-        T = the teacher's block for c               only when the soft term is wanted
-        soft, hard = backend.rows(S, T, ...)        S is overwritten with dL/dS when grads are wanted
+        for each block b of Rt rows of c:
+            T = the teacher's block for b           only when the soft term is wanted
+            soft, hard = backend.rows(S[b], T, ...) S[b] is overwritten with dL/dS when grads are wanted
         dXs[c] = dS @ Ws;  dWs += dS^T @ Xs[c] (fp32);  dbs += Σ_rows dS (fp32)
     loss = scale · (w_hard Σ hard + w_soft Σ soft);   backward multiplies the saved grads by grad_output
 
-Extra memory, bytes, beyond the inputs (E = element size of the inputs, R = rows per chunk):
-    logits:  R·V·E·B (B = 2 for S and T with teacher heads, 1 for dense teacher logits, which are
-             read in place, and for a top-k teacher) + backend temporaries (torch: ≈ 6·R·V·4;
-             triton: none beyond O(R·K))
+Extra memory, bytes, beyond the inputs (E = element size of the inputs):
+    logits:  R·V·E + Rt·V·E with teacher heads (Rt = R unless the plan splits a chunk's teacher
+             logits); R·V·E for dense teacher logits, which are read in place, and for a top-k
+             teacher; + backend temporaries (torch: ≈ 6·R·V·4; triton: none beyond O(R·K))
     grads:   N·Hs·E (dXs) + V·Hs·A (dWs accumulator: A = 4 for fp32, A = E when all rows fit one
              chunk or grad_accum_dtype is the weight's dtype), rounded to V·Hs·E after the loop
              (no copy when A = E)
     peak:    max(logits + N·Hs·E + V·Hs·A,  N·Hs·E + V·Hs·(A + E))    (second term only when A ≠ E)
+The default plan (triton) keeps the logits within 1 GiB, with R = Rt; or, when that takes more than one
+chunk and the weight's gradient is wanted, all N rows in one chunk if that chunk's logits fit in 1 GiB
+plus the accumulator's V·Hs·(A − E) bytes it does without (Rt = ceil(N/2) with teacher heads): one
+chunk's peak is then no higher than the chunked plan's, and its dW is one GEMM, with no accumulation.
 Backward scales the saved grads by grad_output in place (no host sync, no copy); only when the graph
 is retained (retain_graph=True, create_graph, gradcheck) does it return new tensors, another
 N·Hs·E + V·Hs·E. Nothing of size N × V is ever allocated.
@@ -51,6 +56,7 @@ class _Plan:
     backend: str
     grad_accum_dtype: torch.dtype
     form: str  # the teacher's input form: "heads" (Xt, Wt, bt), "logits" (T,) or "topk" (ids, logprobs)
+    teacher_chunk: int  # rows of teacher logits computed at a time within a chunk (heads only)
 
 
 def fused_linear_distill(
@@ -224,8 +230,10 @@ def _run(spec, form, teacher, xs, ws, bs, y, args):
     if grad_accum_dtype not in _FLOATS:
         raise TypeError(f"grad_accum_dtype: expected a floating torch.dtype, got {grad_accum_dtype!r}")
     backend = _pick_backend(args["backend"], xs)
-    chunk = _chunk_rows(args["chunk_size"], xs, ws, backend, blocks=2 if form == "heads" else 1)
-    plan = _Plan(spec, chunk, backend, grad_accum_dtype, form)
+    want_dw = torch.is_grad_enabled() and ws.requires_grad
+    accum_bytes = torch.empty((), dtype=grad_accum_dtype).element_size() if want_dw else xs.element_size()
+    chunk, teacher_chunk = _chunk_rows(args["chunk_size"], xs, ws, backend, form, accum_bytes)
+    plan = _Plan(spec, chunk, backend, grad_accum_dtype, form, teacher_chunk)
     loss_, soft, hard = _apply(xs, ws, bs, y, plan, *teacher)
     return (loss_, soft, hard) if args["return_soft_hard_loss"] else loss_
 
@@ -290,11 +298,13 @@ def _chunk_loop(xs, ws, bs, y, teacher, plan: _Plan, want_dx, want_dw, want_db):
     for start in range(0, n, plan.chunk):
         c = slice(start, min(start + plan.chunk, n))
         s = _linear(xs[c], ws, bs)
-        t = _teacher_block(plan.form, teacher, c) if spec.want_soft else None
-        soft, hard = rows(s, t, None if y is None else y[c], spec, scale, grad)
-        soft_sum += soft.sum()
-        hard_sum += hard.sum()
-        del t
+        for sub in range(c.start, c.stop, plan.teacher_chunk):
+            b = slice(sub, min(sub + plan.teacher_chunk, c.stop))
+            t = _teacher_block(plan.form, teacher, b) if spec.want_soft else None
+            soft, hard = rows(s[b.start - c.start : b.stop - c.start], t, None if y is None else y[b], spec, scale, grad)
+            soft_sum += soft.sum()
+            hard_sum += hard.sum()
+            del t
         if want_dx:
             torch.mm(s, ws, out=dxs[c])
         if want_dw:
@@ -370,15 +380,30 @@ def _has_triton() -> bool:
     return True
 
 
-def _chunk_rows(chunk_size, xs, ws, backend, blocks) -> int:
-    """Rows per chunk: chunk_size, or as many as fit the backend's budget for `blocks` (R, V) blocks."""
-    n, v = xs.shape[0], ws.shape[0]
+def _chunk_rows(chunk_size, xs, ws, backend, form, accum_bytes) -> tuple[int, int]:
+    """(rows per chunk, teacher rows at a time): chunk_size for both, or the plan in the module's doc.
+    accum_bytes: element size of the dW accumulator; the input's when dW is not wanted."""
+    n, (v, hs) = xs.shape[0], ws.shape
     if chunk_size is not None:
         if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
             raise ValueError(f"chunk_size: expected a positive int or None, got {chunk_size!r}")
-        return min(chunk_size, max(n, 1))
-    per_row = v * xs.element_size() * blocks + (v * 4 * 6 if backend == "torch" else 0)
-    return _even_chunks(n, _LOGITS_BUDGET[backend] // per_row)
+        rows = min(chunk_size, max(n, 1))
+        return rows, rows
+    row = v * xs.element_size()  # one row of logits
+    blocks = 2 if form == "heads" else 1
+    budget = _LOGITS_BUDGET[backend]
+    if backend == "torch":
+        rows = _even_chunks(n, budget // (row * blocks + v * 4 * 6))
+        return rows, rows
+    if n * row * blocks <= budget:
+        return max(n, 1), max(n, 1)
+    # One chunk needs no accumulator: the logits may have its bytes beyond dW's own (the GEMM rounds once)
+    one_chunk = budget + v * hs * (accum_bytes - xs.element_size())
+    teacher = -(-n // 2) if form == "heads" else 0
+    if (n + teacher) * row <= one_chunk:
+        return n, teacher or n
+    rows = _even_chunks(n, budget // (row * blocks))
+    return rows, rows
 
 
 # Chunks of a multiple of this many rows fill the GEMMs' row tiles (128 or 256 rows on an H200):
