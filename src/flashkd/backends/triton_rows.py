@@ -29,7 +29,7 @@ The CE adds no traffic to a soft loss: it rides on the reads of s. Transcendenta
 unless named; one more exp2 in the pass that writes dL/ds when the CE gradient is in it):
 
     pass 1   1 per softmax: 2 for a soft loss, +1 with the CE unless τ = 1 (then softmax(s) is q); cosine 0
-    pass 2   forward_kl 2, reverse_kl 1, jsd 2 + log2, tvd 2, cosine 0
+    pass 2   forward_kl 2, reverse_kl 1, jsd 3 + log2, tvd 2, cosine 0
     pass 3   reverse_kl 1, jsd 2 + log2, tvd 1
     (log2 is the hardware lg2.approx on GPU)
 
@@ -128,31 +128,17 @@ def _log2_1p(x):
 
 @triton.jit
 def _log2_over_mixture(lq, lp, log2_beta, log2_1mbeta):
-    """(log2 q/M, log2 p/M, 2^−|z|, z ≤ 0), M = β p + (1 − β) q, from the logs alone, as a log-add-exp:
-    with z = log2(β p / ((1 − β) q)) and w = log2(1 + 2^−|z|), log2 M = log2((1 − β) q) + w when z ≤ 0,
+    """(log2 q/M, log2 p/M), M = β p + (1 − β) q, from the logs alone, as a log-add-exp: with
+    z = log2(β p / ((1 − β) q)) and w = log2(1 + 2^−|z|), log2 M = log2((1 − β) q) + w when z ≤ 0,
     else log2(β p) + w. No probability is formed, so nothing underflows, and log(q/M), which the
     JSD gradient compares with its mean K, carries one rounding instead of one per exp, sum and log."""
     d = lp - lq
     z = d + (log2_beta - log2_1mbeta)
-    e = tl.exp2(-tl.abs(z))
-    w = _log2_1p(e)
+    w = _log2_1p(tl.exp2(-tl.abs(z)))
     q_side = z <= 0.0
     lq_m = tl.where(q_side, -log2_1mbeta, -d - log2_beta) - w
     lp_m = tl.where(q_side, d - log2_1mbeta, -log2_beta) - w
-    return lq_m, lp_m, e, q_side
-
-
-@triton.jit
-def _jsd_terms(lq, lp, log2_beta, log2_1mbeta, r_qp, r_pq):
-    """(q, p, log2 q/M, log2 p/M) with two exp2 and one log2 instead of three exp2 and one log2: of
-    (1 − β) q and β p, the larger is 2^(its log), the smaller that times the log-add-exp's 2^−|z|.
-    r_qp = (1 − β)/β, r_pq = β/(1 − β). The smaller of the two carries one more rounding."""
-    lq_m, lp_m, e, q_side = _log2_over_mixture(lq, lp, log2_beta, log2_1mbeta)
-    big = tl.exp2(tl.where(q_side, lq, lp))
-    small = tl.where(e > 0.0, big * e * tl.where(q_side, r_qp, r_pq), 0.0)  # 0, not NaN, where both are −inf
-    q = tl.where(q_side, big, small)
-    p = tl.where(q_side, small, big)
-    return q, p, lq_m, lp_m
+    return lq_m, lp_m
 
 
 @triton.jit
@@ -311,8 +297,6 @@ def _one_row(
                 soft = beta * (1.0 - cos)
 
         # -------- pass 2: loss terms; dL/ds for forward_kl, cosine, CE-only
-        r_qp = tl.exp2(log2_1mbeta - log2_beta)  # JSD: (1 − β)/β and its inverse
-        r_pq = tl.exp2(log2_beta - log2_1mbeta)
         acc = tl.zeros([BLOCK_V], tl.float32)
         acc2 = tl.zeros([BLOCK_V], tl.float32)
         acc3 = tl.zeros([BLOCK_V], tl.float32)
@@ -331,25 +315,24 @@ def _one_row(
                     else:
                         lq = (a - m_s) * log2e_tau - log2_l_s  # log2 q
                         lp = (b - m_t) * log2e_tau - log2_l_t  # log2 p
-                        if LOSS == _JSD:
-                            # bound by its transcendentals here: 2 exp2 + 1 log2 rather than 3 + 1
-                            q, p, lq_m, lp_m = _jsd_terms(lq, lp, log2_beta, log2_1mbeta, r_qp, r_pq)
+                        q = tl.exp2(lq)
+                        if LOSS == _FORWARD_KL:
+                            p = tl.exp2(lp)
+                            acc += _times(p, lp - lq)
+                            dsoft = (q - p) * inv_tau
+                        elif LOSS == _REVERSE_KL:
+                            acc += _times(q, lq - lp)
+                        elif LOSS == _JSD:
+                            p = tl.exp2(lp)
+                            lq_m, lp_m = _log2_over_mixture(lq, lp, log2_beta, log2_1mbeta)
                             acc += _times(p, lp_m)
                             acc2 += _times(q, lq_m)
-                        else:
-                            q = tl.exp2(lq)
-                            if LOSS == _FORWARD_KL:
-                                p = tl.exp2(lp)
-                                acc += _times(p, lp - lq)
-                                dsoft = (q - p) * inv_tau
-                            elif LOSS == _REVERSE_KL:
-                                acc += _times(q, lq - lp)
-                            else:  # _TVD: acc2, acc3, acc4 = the mass of q where q < p, q > p, q = p
-                                p = tl.exp2(lp)
-                                acc += tl.abs(q - p)
-                                acc2 += tl.where(lq < lp, q, 0.0)
-                                acc3 += tl.where(lq > lp, q, 0.0)
-                                acc4 += tl.where(lq == lp, q, 0.0)
+                        else:  # _TVD: acc2, acc3, acc4 = the mass of q where q < p, q > p, q = p
+                            p = tl.exp2(lp)
+                            acc += tl.abs(q - p)
+                            acc2 += tl.where(lq < lp, q, 0.0)
+                            acc3 += tl.where(lq > lp, q, 0.0)
+                            acc4 += tl.where(lq == lp, q, 0.0)
                 if GRAD_PASS == 2:
                     g = tl.zeros([BLOCK_V], tl.float32)
                     if GRAD_SOFT:
@@ -397,7 +380,7 @@ def _one_row(
                 if LOSS == _REVERSE_KL:
                     dsoft = _times(q, _LN2 * (lq - lp) - kl_qp) * inv_tau
                 elif LOSS == _JSD:
-                    lq_m, _, _, _ = _log2_over_mixture(lq, lp, log2_beta, log2_1mbeta)
+                    lq_m, _ = _log2_over_mixture(lq, lp, log2_beta, log2_1mbeta)
                     dsoft = (1.0 - beta) * _times(q, _LN2 * lq_m - k_jsd) * inv_tau
                 else:  # _TVD; σ = sign(q − p) taken on the logs, as in pass 2
                     coef = tl.where(lq > lp, tvd_pos, tl.where(lq < lp, tvd_neg, tvd_zero))
