@@ -117,6 +117,44 @@ def test_a_provider_that_raises_is_reported_and_the_rest_still_run(monkeypatch):
     assert results[1].speed is not None
 
 
+def test_providers_are_timed_in_turn_and_their_calls_pooled(monkeypatch):
+    """rounds = 3: per mode, each provider timed 3 times, in turn, every other round reversed; its
+    quantiles are those of all its calls; a provider whose timing raises is reported, the rest kept."""
+    turns = []
+
+    def fake_time(fn, x, mode, settings):
+        name = fn.__name__
+        turns.append((mode, name, settings.rep_ms, settings.min_reps))
+        if name == "flaky" and len([t for t in turns if t[1] == "flaky"]) == 2:
+            raise RuntimeError("lost the GPU")
+        return [len(turns) + 0.0] * 2  # each turn's calls: distinct per turn
+
+    def named(name):
+        def make(w, x):
+            def loss():
+                return PROVIDERS["flashkd"].make(w, x)()
+            loss.__name__ = name
+            return loss
+        return Provider(make, lambda: "0")
+
+    for name in ("a", "b", "flaky"):
+        monkeypatch.setitem(PROVIDERS, name, named(name))
+    monkeypatch.setattr(measure, "_time", fake_time)
+    settings = dataclasses.replace(FAST, rep_ms=30.0, min_reps=5, rounds=3)
+    results = measure.run(TINY[:1], ["a", "b", "flaky"], ["full", "forward"], settings)
+    order = [(mode, name) for mode, name, _, _ in turns]
+    rounds = ["a", "b", "flaky"], ["flaky", "b", "a"], ["a", "b", "flaky"]
+    assert order == [("full", n) for n in rounds[0] + rounds[1] + rounds[2][:2]] + [  # flaky failed in round 2
+        ("forward", n) for n in rounds[0] + rounds[1] + rounds[2]]
+    assert {(rep, k) for _, _, rep, k in turns} == {(10.0, 2)}  # rep_ms and min_reps split over the rounds
+    by = {(r.provider, r.mode): r for r in results}
+    assert by["a", "full"].speed == pytest.approx(tuple(torch.quantile(
+        torch.tensor([1.0, 1, 6, 6, 7, 7], dtype=torch.float64), torch.tensor(measure.QUANTILES, dtype=torch.float64)).tolist()))
+    assert by["flaky", "full"].check.status == "error" and by["flaky", "full"].speed is None
+    assert by["flaky", "forward"].check.status == "passed" and by["flaky", "forward"].speed is not None
+    assert [r.provider for r in results] == ["a", "a", "b", "b", "flaky", "flaky"]
+
+
 def test_gate_tolerance_is_tighter_for_fp32_than_bf16():
     assert measure.TOLERANCE[torch.float32][1] < measure.TOLERANCE[torch.bfloat16][1] <= 5e-2
 

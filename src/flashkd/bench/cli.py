@@ -41,9 +41,10 @@ examples:
   flashkd bench -n 1024 4096 --loss jsd tvd --providers flashkd floor --out runs/a
 """
 DEFAULT_PROVIDERS = ("flashkd", "liger", "torch", "floor")
-# Per device: (rep_ms, warmup_ms, min_reps). CUDA: long enough for a real p20–p80 spread (Liger's
+# Per device: (rep_ms, warmup_ms, min_reps, rounds). CUDA: long enough for a real p20–p80 spread (Liger's
 # 10 ms rep times a 60 ms call once). CPU: the small preset in seconds; wall clock is noisier anyway.
-TIMING = {"cuda": (500.0, 100.0, 10), "cpu": (100.0, 20.0, 5)}
+# CUDA: providers in turn 5 times over, so that a drift of the clocks during a workload falls on all.
+TIMING = {"cuda": (500.0, 100.0, 10, 5), "cpu": (100.0, 20.0, 5, 1)}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -111,6 +112,8 @@ def add_bench_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--rep", type=float, metavar="MS", help="timed ms per measurement (default: 500 CUDA, 100 CPU)")
     p.add_argument("--warmup", type=float, metavar="MS", help="warm-up ms (default: 100 CUDA, 20 CPU)")
     p.add_argument("--min-reps", type=_positive, metavar="K", help="at least K timed calls (default: 10 CUDA, 5 CPU)")
+    p.add_argument("--rounds", type=_positive, metavar="K",
+                   help="time the providers in turn K times over, pooling their calls (default: 5 CUDA, 1 CPU)")
     p.add_argument("--threads", type=_positive, metavar="K",
                    help="CPU threads for torch (default: torch's; 1 is steadier on a shared machine)")
     p.add_argument("--out", type=Path, help="output folder (default: bench-YYYYmmdd-HHMMSS)")
@@ -141,12 +144,13 @@ def plan(args: argparse.Namespace) -> Plan:
     for w in workloads:
         if w.h < 2:
             raise SystemExit(f"flashkd bench: --h: expected at least 2 (the student's is H//2), got {w.h}")
-    rep, warmup, min_reps = TIMING["cuda" if device.type == "cuda" else "cpu"]
+    rep, warmup, min_reps, rounds = TIMING["cuda" if device.type == "cuda" else "cpu"]
     settings = measure.Settings(
         device=device,
         rep_ms=rep if args.rep is None else args.rep,
         warmup_ms=warmup if args.warmup is None else args.warmup,
         min_reps=min_reps if args.min_reps is None else args.min_reps,
+        rounds=rounds if args.rounds is None else args.rounds,
     )
     out = args.out or Path(time.strftime("bench-%Y%m%d-%H%M%S"))
     return Plan(preset, workloads, list(dict.fromkeys(args.providers)), list(dict.fromkeys(args.modes)),

@@ -2,7 +2,8 @@
 
 Per workload: seeded inputs; the fp32 reference (loss, dXs, dWs), then freed down to its three
 results; then per provider: one checked forward+backward against the reference (a provider outside
-the gate is FAILED and not timed), then per mode: speed, then memory.
+the gate is FAILED and not timed); then per mode the speed of the providers that passed, timed in
+turn (`_time_in_turn`); then each one's memory.
 
 Modes (what the timed call does):
     forward           loss = fn()            (grad enabled: a graph is built, and fused losses compute grads here)
@@ -61,6 +62,7 @@ class Settings:
     rep_ms: float = 500.0  # timed repetitions per measurement (do_bench's rep)
     warmup_ms: float = 100.0
     min_reps: int = 10  # rep_ms is raised to fit this many calls, so slow calls get a real spread
+    rounds: int = 1  # providers timed in turn this many times over, rep_ms and min_reps split among them
 
 
 @dataclasses.dataclass(frozen=True)
@@ -104,16 +106,36 @@ def run(
         ref = reference(w, x) if any(PROVIDERS[p].has_loss for p in providers) else None
         _free(settings.device)
         timed = applicable(w, modes)
+        gated = {}  # name -> (version, check, fn or None when it is not timed)
         for name in providers:
-            results += _one_provider(w, x, ref, name, timed, settings, advance)
-            advance(f"{w.tag} N={w.n} {name}", len(modes) - len(timed))
+            gated[name] = _gate_provider(w, x, ref, name, timed, advance)
             _free(settings.device)
-        del x, ref
+        ready = {name: fn for name, (_, _, fn) in gated.items() if fn is not None}
+        speeds = _time_in_turn(w, x, ready, timed, settings, advance)
+        for name, (version, check, fn) in gated.items():
+            if fn is None:
+                results.append(Result(w, name, version, check))
+            for mode in timed if fn is not None else ():
+                speed = speeds[name, mode]
+                try:
+                    if isinstance(speed, Exception):
+                        raise speed
+                    peak, extra = _memory(fn, x, mode, settings)
+                    results.append(Result(w, name, version, check, mode, speed, peak, extra, _utc_now()))
+                except Exception as e:
+                    failed = dataclasses.replace(check, status=_failure(e), note=_one_line(e))
+                    results.append(Result(w, name, version, failed, mode))
+                    _free(settings.device)
+                advance(f"{w.tag} N={w.n} {name} {mode}", 1)
+            advance(f"{w.tag} N={w.n} {name}", len(modes) - len(timed))
+        del x, ref, ready
         _free(settings.device)
     return results
 
 
-def _one_provider(w, x, ref, name, modes, settings, advance) -> list[Result]:
+def _gate_provider(w, x, ref, name, modes, advance):
+    """(version, check, fn): fn is None when the provider is not to be timed (failed, skipped, or no
+    mode applies); its progress steps are then all reported here."""
     provider = PROVIDERS[name]
     label = f"{w.tag} N={w.n} {name}"
     version = provider.version()
@@ -132,22 +154,82 @@ def _one_provider(w, x, ref, name, modes, settings, advance) -> list[Result]:
         check = Check(_failure(e), note=_one_line(e))
     if check.status != "passed" and check.status != "unchecked":
         advance(f"{label} {check.status}", 1 + len(modes))
-        return [Result(w, name, version, check)]
+        return version, check, None
     advance(f"{label} {check.status}", 1)
-    if not modes:  # checked, but none of the modes asked for applies (teacher_topk without no-grad-forward)
-        return [Result(w, name, version, check)]
-    out = []
+    return version, check, fn if modes else None
+
+
+def _time_in_turn(w, x, ready, modes, settings: Settings, advance) -> dict:
+    """{(provider, mode): ms at QUANTILES, or the exception its timing raised}. Per mode the providers
+    are timed in turn, settings.rounds times over (every other round in reverse order), each turn for
+    1/rounds of the repetitions, and each one's samples are pooled: a drift of the GPU's clocks while
+    the workload runs then falls on every provider alike, and the ratios taken between them are fair."""
+    out = {}
+    turn = dataclasses.replace(settings, rep_ms=settings.rep_ms / settings.rounds,
+                               min_reps=-(-settings.min_reps // settings.rounds))
     for mode in modes:
-        advance(f"{label} {mode}", 0)
-        try:
-            speed, peak, extra = measure(fn, x, mode, settings)
-            out.append(Result(w, name, version, check, mode, speed, peak, extra, _utc_now()))
-        except Exception as e:
-            failed = dataclasses.replace(check, status=_failure(e), note=_one_line(e))
-            out.append(Result(w, name, version, failed, mode))
-            _free(settings.device)
-        advance(f"{label} {mode}", 1)
+        samples = {name: [] for name in ready}
+        for r in range(settings.rounds):
+            for name in list(ready)[:: 1 if r % 2 == 0 else -1]:
+                if (name, mode) in out:
+                    continue  # its timing failed in an earlier round
+                advance(f"{w.tag} N={w.n} {name} {mode} {r + 1}/{settings.rounds}", 0)
+                try:
+                    samples[name] += _time(ready[name], x, mode, turn)
+                except Exception as e:
+                    out[name, mode] = e
+                    _free(settings.device)
+        for name, times in samples.items():
+            out.setdefault((name, mode), _quantiles(times))
     return out
+
+
+def _step(fn: LossFn, x: Inputs, mode: str):
+    """The timed call of a mode."""
+    if mode == "backward":
+        x.xs.grad = x.ws.grad = None
+        loss = fn()
+
+        def step():
+            loss.backward(retain_graph=True)
+    elif mode == "forward":
+        step = fn
+    elif mode == "full":
+        def step():
+            fn().backward()
+    elif mode == "no-grad-forward":
+        def step():
+            with torch.no_grad():
+                return fn()
+    else:
+        raise ValueError(f"mode: expected one of {', '.join(MODES)}, got {mode!r}")
+    return step
+
+
+def _grads(x: Inputs) -> list[torch.Tensor]:
+    return [g for g in (x.xs, x.ws) if g is not None]  # teacher_topk has no student
+
+
+def _time(fn: LossFn, x: Inputs, mode: str, settings: Settings) -> list[float]:
+    """ms of each timed call of one turn (settings: the turn's share of the repetitions)."""
+    step, grads = _step(fn, x, mode), _grads(x)
+    try:
+        return (_time_cuda if settings.device.type == "cuda" else _time_cpu)(step, grads, settings)
+    finally:
+        for g in grads:
+            g.grad = None
+
+
+def _memory(fn: LossFn, x: Inputs, mode: str, settings: Settings):
+    """(peak MiB, extra MiB) of one mode at QUANTILES; None on CPU."""
+    if settings.device.type != "cuda":
+        return None, None
+    grads = _grads(x)
+    try:
+        return _memory_cuda(_step(fn, x, mode), grads)
+    finally:
+        for g in grads:
+            g.grad = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -303,36 +385,6 @@ def _rel(a: torch.Tensor | None, b: torch.Tensor) -> float:
     return ((a.double() - b).norm() / b.norm()).item()
 
 
-def measure(fn: LossFn, x: Inputs, mode: str, settings: Settings):
-    """(speed ms, peak MiB, extra MiB) of one mode, each at QUANTILES; memory None on CPU."""
-    if mode == "backward":
-        x.xs.grad = x.ws.grad = None
-        loss = fn()
-
-        def step():
-            loss.backward(retain_graph=True)
-    elif mode == "forward":
-        step = fn
-    elif mode == "full":
-        def step():
-            fn().backward()
-    elif mode == "no-grad-forward":
-        def step():
-            with torch.no_grad():
-                return fn()
-    else:
-        raise ValueError(f"mode: expected one of {', '.join(MODES)}, got {mode!r}")
-    grads = [g for g in (x.xs, x.ws) if g is not None]  # teacher_topk has no student
-    if settings.device.type == "cuda":
-        speed = _time_cuda(step, grads, settings)
-        peak, extra = _memory_cuda(step, grads)
-    else:
-        speed, peak, extra = _time_cpu(step, grads, settings), None, None
-    for g in grads:
-        g.grad = None
-    return speed, peak, extra
-
-
 def _time_cuda(step, grads, settings: Settings):
     import triton.testing
 
@@ -344,10 +396,8 @@ def _time_cuda(step, grads, settings: Settings):
     end.record()
     torch.cuda.synchronize()
     rep = max(settings.rep_ms, settings.min_reps * start.elapsed_time(end))
-    ms = triton.testing.do_bench(
-        step, warmup=settings.warmup_ms, rep=rep, grad_to_none=grads, quantiles=list(QUANTILES)
-    )
-    return tuple(float(m) for m in ms)
+    times = triton.testing.do_bench(step, warmup=settings.warmup_ms, rep=rep, grad_to_none=grads, return_mode="all")
+    return [float(t) for t in times]
 
 
 def _memory_cuda(step, grads):
@@ -382,7 +432,7 @@ def _time_cpu(step, grads, settings: Settings):
         t0 = time.perf_counter()
         step()
         times.append((time.perf_counter() - t0) * 1e3)
-    return _quantiles(times)
+    return times
 
 
 def _quantiles(values) -> tuple[float, float, float]:

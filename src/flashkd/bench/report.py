@@ -48,6 +48,7 @@ def environment(settings: Settings) -> dict:
         "gpu_name": torch.cuda.get_device_name(settings.device) if cuda else _cpu_name(),
         "timer": "triton.testing.do_bench" if cuda else "time.perf_counter",
         "rep_ms": settings.rep_ms, "warmup_ms": settings.warmup_ms, "min_reps": settings.min_reps,
+        "rounds": settings.rounds,
         "tf32": bool(torch.backends.cuda.matmul.allow_tf32) if cuda else False,
         "cpu_threads": torch.get_num_threads(),
         "torch": torch.__version__, "flashkd": flashkd.__version__, "harness": "flashkd.bench",

@@ -239,6 +239,10 @@ def protocol(mode: str, env: dict, repository: str | None, commit: str | None) -
              f"gradients set to None between calls, TF32 matmul {'on' if env['tf32'] else 'off'}") if cuda else \
             (f"time.perf_counter around each call until {env['rep_ms']:g} ms and at least {env['min_reps']} calls, "
              f"{env['cpu_threads']} CPU threads")
+    rounds = env.get("rounds", 1)  # a results.csv without the key was timed in one round
+    if rounds > 1:
+        timed += (f"; the providers timed in turn {rounds} times over (every other round reversed), "
+                  "rep and calls split among the rounds, each provider's calls pooled")
     harness = {"name": HARNESS, "version": flashkd.__version__}
     if repository:
         harness["repository"] = repository
