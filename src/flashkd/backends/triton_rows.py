@@ -44,7 +44,9 @@ log2: log2 q = (s − m_s)·log2(e)/τ − log2 l_s, one multiply by a constant 
 the row max subtracted first so that the large elements, which carry the losses, have small exponents
 and small rounding errors. log q and log p are always taken this way, never as the log of a
 probability, so a probability that underflows to 0 keeps a finite log; every w·log(...) product is
-taken as 0 where w is 0 (0·log 0 = 0, which also makes columns at −inf in both s and t count as absent).
+taken as 0 where w is 0 (0·log 0 = 0, which also makes columns at −inf in both s and t count as absent):
+by a guard in the KLs and TVD, which keep an infinite divergence infinite, and in the JSD, which is
+bounded, by logs that are finite wherever a probability is 0 (`_log2_over_mixture`).
 """
 
 from __future__ import annotations
@@ -88,6 +90,7 @@ _COSINE: tl.constexpr = tl.constexpr(LOSS_ID["cosine"])
 _LOG2E: tl.constexpr = tl.constexpr(math.log2(math.e))
 _LN2: tl.constexpr = tl.constexpr(math.log(2.0))
 _NORM_EPS: tl.constexpr = tl.constexpr(COSINE_EPS)
+_LOG2_MIN: tl.constexpr = tl.constexpr(-(2.0**100))  # see _log2_over_mixture
 # Start of the running max: finite, so that a tile whose logits are all −inf (masked columns first in
 # the row) gives 2^(−inf − m) = 0 instead of 2^(−inf + inf) = NaN.
 _M_START: tl.constexpr = tl.constexpr(-3.0e38)
@@ -129,15 +132,19 @@ def _log2_1p(x):
 @triton.jit
 def _log2_over_mixture(lq, lp, log2_beta, log2_1mbeta):
     """(log2 q/M, log2 p/M), M = β p + (1 − β) q, from the logs alone, as a log-add-exp: with
-    z = log2(β p / ((1 − β) q)) and w = log2(1 + 2^−|z|), log2 M = log2((1 − β) q) + w when z ≤ 0,
-    else log2(β p) + w. No probability is formed, so nothing underflows, and log(q/M), which the
-    JSD gradient compares with its mean K, carries one rounding instead of one per exp, sum and log."""
-    d = lp - lq
-    z = d + (log2_beta - log2_1mbeta)
+    z = log2(β p / ((1 − β) q)) and w = log2(1 + 2^−|z|), log2 M = log2((1 − β) q) + w + max(z, 0), so
+    log2 q/M = −(log2(1 − β) + w) − max(z, 0) and log2 p/M = min(z, 0) − (log2 β + w). No probability
+    is formed, so nothing underflows, and log(q/M), which the JSD gradient compares with its mean K,
+    carries one rounding where q is the larger side instead of one per exp, sum and log. log2 q and
+    log2 p are raised to −2^100 first, where the probability is 0 anyway: z and both results are then
+    finite wherever q or p is 0 (a column at −inf in s, t or both), so that the JSD's sums can take
+    them times q and p with no guard for 0 · log 0."""
+    lq = tl.maximum(lq, _LOG2_MIN)
+    lp = tl.maximum(lp, _LOG2_MIN)
+    z = (lp - lq) + (log2_beta - log2_1mbeta)
     w = _log2_1p(tl.exp2(-tl.abs(z)))
-    q_side = z <= 0.0
-    lq_m = tl.where(q_side, -log2_1mbeta, -d - log2_beta) - w
-    lp_m = tl.where(q_side, d - log2_1mbeta, -log2_beta) - w
+    lq_m = -(w + log2_1mbeta) - tl.maximum(z, 0.0)
+    lp_m = tl.minimum(z, 0.0) - (w + log2_beta)
     return lq_m, lp_m
 
 
@@ -325,8 +332,8 @@ def _one_row(
                         elif LOSS == _JSD:
                             p = tl.exp2(lp)
                             lq_m, lp_m = _log2_over_mixture(lq, lp, log2_beta, log2_1mbeta)
-                            acc += _times(p, lp_m)
-                            acc2 += _times(q, lq_m)
+                            acc += p * lp_m  # finite logs: no guard for 0 · log 0 (this pass is bound by its instructions)
+                            acc2 += q * lq_m
                         else:  # _TVD: acc2, acc3, acc4 = the mass of q where q < p, q > p, q = p
                             p = tl.exp2(lp)
                             acc += tl.abs(q - p)
@@ -381,7 +388,7 @@ def _one_row(
                     dsoft = _times(q, _LN2 * (lq - lp) - kl_qp) * inv_tau
                 elif LOSS == _JSD:
                     lq_m, _ = _log2_over_mixture(lq, lp, log2_beta, log2_1mbeta)
-                    dsoft = (1.0 - beta) * _times(q, _LN2 * lq_m - k_jsd) * inv_tau
+                    dsoft = (1.0 - beta) * (q * (_LN2 * lq_m - k_jsd)) * inv_tau
                 else:  # _TVD; σ = sign(q − p) taken on the logs, as in pass 2
                     coef = tl.where(lq > lp, tvd_pos, tl.where(lq < lp, tvd_neg, tvd_zero))
                     dsoft = 0.5 * q * coef * inv_tau
