@@ -31,6 +31,8 @@ from flashkd import distill
 from flashkd.distill import _accumulate_mm, _chunk_rows, _linear
 from flashkd.losses import LossSpec
 
+from bench_memory import time_and_extra  # this folder is on sys.path when a script here runs
+
 DEVICE = "cuda"
 COPY_BYTES = 2 << 30  # size of each tensor of the bandwidth copy
 LOSS = dict(loss="jsd", beta=0.5, weight_hard_loss=0.5, weight_soft_loss=0.5)
@@ -104,15 +106,7 @@ def plans(x, loss, specs):
         def step():
             distill._apply(xs, ws, None, y, plan, xt, wt, None)[0].backward()
 
-        ms = bench(step, grad_to_none=[xs, ws])
-        xs.grad = ws.grad = None
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-        before = torch.cuda.memory_allocated()
-        step()
-        torch.cuda.synchronize()
-        extra = (torch.cuda.max_memory_allocated() - before) / 2**20
-        xs.grad = ws.grad = None
+        ms, extra = time_and_extra(step, [xs, ws])
         line(f"plan {rows}:{teacher} ({extra:.0f} MiB)", ms)
 
 
