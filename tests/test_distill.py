@@ -173,8 +173,8 @@ def test_teacher_blocks_inside_a_chunk(seed, backend, loss, monkeypatch):
 
 def test_default_plan_one_chunk_when_no_higher(seed):
     """The default (triton) plan: 1 GiB of logits in equal chunks, or all rows in one chunk with the
-    teacher in two blocks when that chunk's peak (no dW accumulator) is no higher than the chunked one's."""
-    from flashkd.distill import _LOGITS_BUDGET, _chunk_rows
+    teacher in two blocks when that chunk's peak (no dW accumulator) is no higher than the chunks' one."""
+    from flashkd.distill import _LOGITS_BUDGET, _chunk_rows, _even_chunks
 
     def plan(n, v, hs, form="heads", accum=4, dtype=torch.bfloat16):
         xs, ws = torch.empty(n, hs, device="meta", dtype=dtype), torch.empty(v, hs, device="meta", dtype=dtype)
@@ -184,7 +184,8 @@ def test_default_plan_one_chunk_when_no_higher(seed):
     assert plan(4096, 128256, 2048) == (4096, 2048)  # the cosine seed: one chunk, no accumulator
     assert plan(4096, 128256, 2048, accum=2) == (2048, 2048)  # no grad, or a bf16 accumulator: no gain
     assert plan(2048, 128256, 2048) == (2048, 2048)
-    assert plan(6000, 128256, 2048, form="topk") == (6000, 6000)
+    assert plan(5000, 128256, 2048, form="topk") == (2560, 2560)  # one chunk would peak higher
+    assert plan(6000, 128256, 4096, form="topk") == (6000, 6000)  # a wider head: its accumulator pays
     assert plan(8192, 128256, 2048, form="logits") == (4096, 4096)
     g = torch.Generator().manual_seed(seed)
     for _ in range(300):
@@ -193,13 +194,14 @@ def test_default_plan_one_chunk_when_no_higher(seed):
         accum = (2, 4)[int(torch.randint(0, 2, (), generator=g))]
         rows, teacher = plan(n, v, hs, form, accum)
         blocks, row = (2 if form == "heads" else 1), v * 2
-        chunked = _LOGITS_BUDGET["triton"] + v * hs * accum  # the peak of 1 GiB chunks and an accumulator
-        if rows >= n:
+        even = _even_chunks(n, _LOGITS_BUDGET["triton"] // (row * blocks))
+        assert even * row * blocks <= _LOGITS_BUDGET["triton"] or even == 1, (n, v, hs, form)
+        if rows >= n and even < n:  # one chunk where the budget wanted several: never a higher peak
             peak = (rows + (teacher if form == "heads" else 0)) * row + v * hs * 2
-            assert peak <= chunked or n * row * blocks <= _LOGITS_BUDGET["triton"], (n, v, hs, form, accum)
-            assert teacher in (rows, -(-rows // 2)), (n, rows, teacher)
+            assert peak <= even * row * blocks + v * hs * accum, (n, v, hs, form, accum)
+            assert accum > 2 and teacher == (-(-n // 2) if form == "heads" else n), (n, rows, teacher)
         else:
-            assert teacher == rows and rows * row * blocks <= _LOGITS_BUDGET["triton"], (n, v, hs, form, accum)
+            assert (rows, teacher) == (even, even), (n, v, hs, form, accum, rows, teacher)
 
 
 @pytest.mark.parametrize("loss", LOSS_NAMES)

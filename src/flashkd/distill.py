@@ -24,10 +24,10 @@ Extra memory, bytes, beyond the inputs (E = element size of the inputs):
              chunk or grad_accum_dtype is the weight's dtype), rounded to V·Hs·E after the loop
              (no copy when A = E)
     peak:    max(logits + N·Hs·E + V·Hs·A,  N·Hs·E + V·Hs·(A + E))    (second term only when A ≠ E)
-The default plan (triton) keeps the logits within 1 GiB, with R = Rt; or, when that takes more than one
-chunk and the weight's gradient is wanted, all N rows in one chunk if that chunk's logits fit in 1 GiB
-plus the accumulator's V·Hs·(A − E) bytes it does without (Rt = ceil(N/2) with teacher heads): one
-chunk's peak is then no higher than the chunked plan's, and its dW is one GEMM, with no accumulation.
+The default plan (triton) keeps the logits within 1 GiB, in equal chunks with R = Rt; or, when that
+takes more than one chunk and the weight's gradient is wanted, all N rows in one chunk if its logits
+(Rt = ceil(N/2) with teacher heads) fit in the chunks' logits plus the V·Hs·(A − E) bytes of
+accumulator it does without: its peak is then no higher, and its dW is one GEMM, with no accumulation.
 Backward scales the saved grads by grad_output in place (no host sync, no copy); only when the graph
 is retained (retain_graph=True, create_graph, gradcheck) does it return new tensors, another
 N·Hs·E + V·Hs·E. Nothing of size N × V is ever allocated.
@@ -395,14 +395,14 @@ def _chunk_rows(chunk_size, xs, ws, backend, form, accum_bytes) -> tuple[int, in
     if backend == "torch":
         rows = _even_chunks(n, budget // (row * blocks + v * 4 * 6))
         return rows, rows
-    if n * row * blocks <= budget:
-        return max(n, 1), max(n, 1)
-    # One chunk needs no accumulator: the logits may have its bytes beyond dW's own (the GEMM rounds once)
-    one_chunk = budget + v * hs * (accum_bytes - xs.element_size())
-    teacher = -(-n // 2) if form == "heads" else 0
-    if (n + teacher) * row <= one_chunk:
-        return n, teacher or n
     rows = _even_chunks(n, budget // (row * blocks))
+    if rows < n:
+        # One chunk needs no dW accumulator (its GEMM rounds once, into dW's dtype): taken when its
+        # logits fit in those of the chunks plus the accumulator's bytes beyond dW's, i.e. when its peak
+        # is no higher. The teacher's logits then come in two blocks.
+        teacher = -(-n // 2) if form == "heads" else 0
+        if (n + teacher) * row <= rows * row * blocks + v * hs * (accum_bytes - xs.element_size()):
+            return n, teacher or n
     return rows, rows
 
 
