@@ -148,8 +148,9 @@ def test_providers_are_timed_in_turn_and_their_calls_pooled(monkeypatch):
         ("forward", n) for n in rounds[0] + rounds[1] + rounds[2]]
     assert {(rep, k) for _, _, rep, k in turns} == {(10.0, 2)}  # rep_ms and min_reps split over the rounds
     by = {(r.provider, r.mode): r for r in results}
-    assert by["a", "full"].speed == pytest.approx(tuple(torch.quantile(
-        torch.tensor([1.0, 1, 6, 6, 7, 7], dtype=torch.float64), torch.tensor(measure.QUANTILES, dtype=torch.float64)).tolist()))
+    pooled = torch.tensor([1.0, 1, 6, 6, 7, 7], dtype=torch.float64)  # a's calls in turns 1, 6 and 7
+    quantiles = torch.quantile(pooled, torch.tensor(measure.QUANTILES, dtype=torch.float64))
+    assert by["a", "full"].speed == pytest.approx(tuple(quantiles.tolist()))
     assert by["flaky", "full"].check.status == "error" and by["flaky", "full"].speed is None
     assert by["flaky", "forward"].check.status == "passed" and by["flaky", "forward"].speed is not None
     assert [r.provider for r in results] == ["a", "a", "b", "b", "flaky", "flaky"]

@@ -231,7 +231,7 @@ def _run(spec, form, teacher, xs, ws, bs, y, args):
         raise TypeError(f"grad_accum_dtype: expected a floating torch.dtype, got {grad_accum_dtype!r}")
     backend = _pick_backend(args["backend"], xs)
     want_dw = torch.is_grad_enabled() and ws.requires_grad
-    accum_bytes = torch.empty((), dtype=grad_accum_dtype).element_size() if want_dw else xs.element_size()
+    accum_bytes = grad_accum_dtype.itemsize if want_dw else xs.element_size()
     chunk, teacher_chunk = _chunk_rows(args["chunk_size"], xs, ws, backend, form, accum_bytes)
     plan = _Plan(spec, chunk, backend, grad_accum_dtype, form, teacher_chunk)
     loss_, soft, hard = _apply(xs, ws, bs, y, plan, *teacher)
@@ -301,7 +301,8 @@ def _chunk_loop(xs, ws, bs, y, teacher, plan: _Plan, want_dx, want_dw, want_db):
         for sub in range(c.start, c.stop, plan.teacher_chunk):
             b = slice(sub, min(sub + plan.teacher_chunk, c.stop))
             t = _teacher_block(plan.form, teacher, b) if spec.want_soft else None
-            soft, hard = rows(s[b.start - c.start : b.stop - c.start], t, None if y is None else y[b], spec, scale, grad)
+            s_b = s[b.start - c.start : b.stop - c.start]  # rows of s: contiguous
+            soft, hard = rows(s_b, t, None if y is None else y[b], spec, scale, grad)
             soft_sum += soft.sum()
             hard_sum += hard.sum()
             del t
