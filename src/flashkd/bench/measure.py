@@ -115,18 +115,19 @@ def run(
         for name, (version, check, fn) in gated.items():
             if fn is None:
                 results.append(Result(w, name, version, check))
-            for mode in timed if fn is not None else ():
-                speed = speeds[name, mode]
-                try:
-                    if isinstance(speed, Exception):
-                        raise speed
-                    peak, extra = _memory(fn, x, mode, settings)
-                    results.append(Result(w, name, version, check, mode, speed, peak, extra, _utc_now()))
-                except Exception as e:
-                    failed = dataclasses.replace(check, status=_failure(e), note=_one_line(e))
-                    results.append(Result(w, name, version, failed, mode))
-                    _free(settings.device)
-                advance(f"{w.tag} N={w.n} {name} {mode}", 1)
+            else:
+                for mode in timed:
+                    speed = speeds[name, mode]
+                    try:
+                        if isinstance(speed, Exception):
+                            raise speed
+                        peak, extra = _memory(fn, x, mode, settings)
+                        results.append(Result(w, name, version, check, mode, speed, peak, extra, _utc_now()))
+                    except Exception as e:
+                        failed = dataclasses.replace(check, status=_failure(e), note=_one_line(e))
+                        results.append(Result(w, name, version, failed, mode))
+                        _free(settings.device)
+                    advance(f"{w.tag} N={w.n} {name} {mode}", 1)
             advance(f"{w.tag} N={w.n} {name}", len(modes) - len(timed))
         del x, ref, ready
         _free(settings.device)
