@@ -135,7 +135,7 @@ def main():
         return
     xs, ws, xt, wt, y = x.xs.detach(), x.ws.detach(), x.xt, x.wt, x.y  # GEMM items: no autograd
     n, (v, hs) = xs.shape[0], ws.shape
-    rows, _ = _chunk_rows(None, xs, ws, "triton", "heads", 2)  # the chunked plan: as without grad
+    rows, _ = _chunk_rows(None, xs, ws, "triton", "heads", 0)  # the chunked plan: as without grad
     k = len(sizes(n, rows))
     print(f"N={n} Hs={hs} Ht={xt.shape[1]} V={v} bf16; chunk loop: R={rows} rows per chunk, {k} chunks")
     print(f"{'item':<40}{'ms p50':>9}{'p20':>9}{'p80':>9}")

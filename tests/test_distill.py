@@ -173,8 +173,8 @@ def test_teacher_blocks_inside_a_chunk(seed, backend, loss, monkeypatch):
 
 def test_default_plan_one_chunk_when_no_higher(seed):
     """The default (triton) plan: 1 GiB of logits in equal chunks, or all rows in one chunk with the
-    teacher in two blocks when that chunk's peak (no dW accumulator) is no higher than the chunks' one."""
-    from flashkd.distill import _LOGITS_BUDGET, _chunk_rows, _even_chunks
+    teacher in two blocks when dW is wanted and that chunk's peak (no dW accumulator) is no higher."""
+    from flashkd.distill import _LOGITS_BUDGET, _chunk_rows, _even_chunks, _peak_bytes
 
     def plan(n, v, hs, form="heads", accum=4, dtype=torch.bfloat16):
         xs, ws = torch.empty(n, hs, device="meta", dtype=dtype), torch.empty(v, hs, device="meta", dtype=dtype)
@@ -182,26 +182,49 @@ def test_default_plan_one_chunk_when_no_higher(seed):
 
     assert plan(8192, 128256, 2048) == (2048, 2048)
     assert plan(4096, 128256, 2048) == (4096, 2048)  # the cosine seed: one chunk, no accumulator
-    assert plan(4096, 128256, 2048, accum=2) == (2048, 2048)  # no grad, or a bf16 accumulator: no gain
+    assert plan(4096, 128256, 2048, accum=2) == (4096, 2048)  # a bf16 accumulator: the same peak, one GEMM
+    assert plan(4096, 128256, 2048, accum=0) == (2048, 2048)  # no dW: nothing to save
+    assert plan(5400, 128256, 2048) == (5400, 2700)
+    assert plan(5600, 128256, 2048) == (2048, 2048)  # one chunk's logits would peak higher
     assert plan(2048, 128256, 2048) == (2048, 2048)
-    assert plan(5000, 128256, 2048, form="topk") == (2560, 2560)  # one chunk would peak higher
+    assert plan(5000, 128256, 2048, form="topk") == (2560, 2560)  # S + dW of 5000 rows > 2560 rows + accumulator
     assert plan(6000, 128256, 4096, form="topk") == (6000, 6000)  # a wider head: its accumulator pays
     assert plan(8192, 128256, 2048, form="logits") == (4096, 4096)
     g = torch.Generator().manual_seed(seed)
     for _ in range(300):
         n, v, hs = (int(torch.randint(lo, hi, (), generator=g)) for lo, hi in ((1, 40000), (1000, 260000), (64, 8192)))
         form = ("heads", "logits", "topk")[int(torch.randint(0, 3, (), generator=g))]
-        accum = (2, 4)[int(torch.randint(0, 2, (), generator=g))]
+        accum = (0, 2, 4)[int(torch.randint(0, 3, (), generator=g))]
         rows, teacher = plan(n, v, hs, form, accum)
         blocks, row = (2 if form == "heads" else 1), v * 2
         even = _even_chunks(n, _LOGITS_BUDGET["triton"] // (row * blocks))
         assert even * row * blocks <= _LOGITS_BUDGET["triton"] or even == 1, (n, v, hs, form)
-        if rows >= n and even < n:  # one chunk where the budget wanted several: never a higher peak
-            peak = (rows + (teacher if form == "heads" else 0)) * row + v * hs * 2
-            assert peak <= even * row * blocks + v * hs * accum, (n, v, hs, form, accum)
-            assert accum > 2 and teacher == (-(-n // 2) if form == "heads" else n), (n, rows, teacher)
+        one = -(-n // 2) if form == "heads" else n
+        peak_one, peak_even = (_peak_bytes(n, v, hs, 2, r, t, form=form, accum_bytes=accum) for r, t in ((n, one), (even, even)))
+        if even < n and accum and peak_one <= peak_even:  # one chunk where the budget wanted several
+            assert (rows, teacher) == (n, one), (n, v, hs, form, accum, rows, teacher)
         else:
             assert (rows, teacher) == (even, even), (n, v, hs, form, accum, rows, teacher)
+
+
+def test_peak_bytes_formula():
+    """The peak formula against the sizes the chunk loop holds at once, worked by hand for the seed head
+    (V = 128256, Hs = 2048, bf16; MiB): S of R rows 0.2446·R, dX 16·N/4096, dW 501, fp32 accumulator 1002."""
+    from flashkd.distill import _peak_bytes
+
+    v, hs, mib = 128256, 2048, 2**20
+    row, dw = v * 2 / mib, v * hs * 2 / mib
+    peak = lambda n, r, rt, accum, form="heads": _peak_bytes(n, v, hs, 2, r, rt, form=form, accum_bytes=accum) / mib
+    # one chunk, teacher in halves: S + T (1.5 N rows) or S + dW after T is freed, whichever is more
+    assert peak(4096, 4096, 2048, 4) == pytest.approx(16 + 1.5 * 4096 * row)
+    assert peak(4096, 4096, 1024, 4) == pytest.approx(16 + 4096 * row + dw)
+    # chunks with an fp32 accumulator: S + T + accumulator, or accumulator + its bf16 copy at the end
+    assert peak(8192, 2048, 2048, 4) == pytest.approx(32 + 4096 * row + 2 * dw)
+    assert peak(8192, 512, 512, 4) == pytest.approx(32 + 3 * dw)
+    # a bf16 accumulator is dW itself: no copy; no dW wanted: the logits alone
+    assert peak(8192, 512, 512, 2) == pytest.approx(32 + 1024 * row + dw)
+    assert peak(8192, 2048, 2048, 0) == pytest.approx(32 + 4096 * row)
+    assert peak(8192, 2048, 0, 4, form="topk") == pytest.approx(32 + 2048 * row + 2 * dw)
 
 
 @pytest.mark.parametrize("loss", LOSS_NAMES)

@@ -21,13 +21,15 @@ Extra memory, bytes, beyond the inputs (E = element size of the inputs):
              logits); R·V·E for dense teacher logits, which are read in place, and for a top-k
              teacher; + backend temporaries (torch: ≈ 6·R·V·4; triton: none beyond O(R·K))
     grads:   N·Hs·E (dXs) + V·Hs·A (dWs accumulator: A = 4 for fp32, A = E when all rows fit one
-             chunk or grad_accum_dtype is the weight's dtype), rounded to V·Hs·E after the loop
-             (no copy when A = E)
-    peak:    max(logits + N·Hs·E + V·Hs·A,  N·Hs·E + V·Hs·(A + E))    (second term only when A ≠ E)
+             chunk or grad_accum_dtype is the weight's dtype), made for the first chunk's dW GEMM,
+             once its teacher logits are freed; rounded to V·Hs·E after the loop (no copy when A = E)
+    peak:    one chunk   N·Hs·E + max(logits, R·V·E + V·Hs·E)
+             chunks      N·Hs·E + max(logits + V·Hs·A,  V·Hs·(A + E))    (second term only when A ≠ E)
+             (`_peak_bytes`; without dW wanted, V·Hs terms are 0)
 The default plan (triton) keeps the logits within 1 GiB, in equal chunks with R = Rt; or, when that
-takes more than one chunk and the weight's gradient is wanted, all N rows in one chunk if its logits
-(Rt = ceil(N/2) with teacher heads) fit in the chunks' logits plus the V·Hs·(A − E) bytes of
-accumulator it does without: its peak is then no higher, and its dW is one GEMM, with no accumulation.
+takes more than one chunk and the weight's gradient is wanted, all N rows in one chunk (with teacher
+heads, their logits in two blocks of ceil(N/2) rows) if its peak is no higher: its dW is then one
+GEMM, with no accumulation.
 Backward scales the saved grads by grad_output in place (no host sync, no copy); only when the graph
 is retained (retain_graph=True, create_graph, gradcheck) does it return new tensors, another
 N·Hs·E + V·Hs·E. Nothing of size N × V is ever allocated.
@@ -36,6 +38,7 @@ N·Hs·E + V·Hs·E. Nothing of size N × V is ever allocated.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 
 import torch
@@ -231,7 +234,7 @@ def _run(spec, form, teacher, xs, ws, bs, y, args):
         raise TypeError(f"grad_accum_dtype: expected a floating torch.dtype, got {grad_accum_dtype!r}")
     backend = _pick_backend(args["backend"], xs)
     want_dw = torch.is_grad_enabled() and ws.requires_grad
-    accum_bytes = grad_accum_dtype.itemsize if want_dw else xs.element_size()
+    accum_bytes = grad_accum_dtype.itemsize if want_dw else 0
     chunk, teacher_chunk = _chunk_rows(args["chunk_size"], xs, ws, backend, form, accum_bytes)
     plan = _Plan(spec, chunk, backend, grad_accum_dtype, form, teacher_chunk)
     loss_, soft, hard = _apply(xs, ws, bs, y, plan, *teacher)
@@ -290,10 +293,11 @@ def _chunk_loop(xs, ws, bs, y, teacher, plan: _Plan, want_dx, want_dw, want_db):
     soft_sum = torch.zeros((), **f32)
     hard_sum = torch.zeros((), **f32)
     dxs = torch.empty_like(xs, memory_format=torch.contiguous_format) if want_dx else None
-    # Filled by the first chunk's GEMM (beta = 0); zeros only when there are no rows at all. With one
-    # chunk there is nothing to accumulate: the GEMM accumulates in fp32 and rounds once either way.
+    # With one chunk there is nothing to accumulate: the GEMM accumulates in fp32 and rounds once either
+    # way. dWs is made for the first chunk's GEMM (beta = 0 fills it), after that chunk's teacher logits
+    # are freed: one chunk then peaks at max(S + T, S + dWs), not S + T + dWs.
     accum = plan.grad_accum_dtype if n > plan.chunk else ws.dtype
-    dws = (torch.empty if n else torch.zeros)(ws.shape, device=device, dtype=accum) if want_dw else None
+    dws = torch.zeros(ws.shape, device=device, dtype=ws.dtype) if want_dw and n == 0 else None
     dbs = torch.zeros(v, **f32) if want_db else None
     for start in range(0, n, plan.chunk):
         c = slice(start, min(start + plan.chunk, n))
@@ -309,6 +313,8 @@ def _chunk_loop(xs, ws, bs, y, teacher, plan: _Plan, want_dx, want_dw, want_db):
         if want_dx:
             torch.mm(s, ws, out=dxs[c])
         if want_dw:
+            if start == 0:
+                dws = torch.empty(ws.shape, device=device, dtype=accum)
             _accumulate_mm(dws, s.t(), xs[c], beta=0.0 if start == 0 else 1.0)
         if want_db:
             dbs += s.sum(0, dtype=dbs.dtype)
@@ -383,7 +389,7 @@ def _has_triton() -> bool:
 
 def _chunk_rows(chunk_size, xs, ws, backend, form, accum_bytes) -> tuple[int, int]:
     """(rows per chunk, teacher rows at a time): chunk_size for both, or the plan in the module's doc.
-    accum_bytes: element size of the dW accumulator; the input's when dW is not wanted."""
+    accum_bytes: element size of the dW accumulator; 0 when dW is not wanted."""
     n, (v, hs) = xs.shape[0], ws.shape
     if chunk_size is not None:
         if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
@@ -397,14 +403,25 @@ def _chunk_rows(chunk_size, xs, ws, backend, form, accum_bytes) -> tuple[int, in
         rows = _even_chunks(n, budget // (row * blocks + v * 4 * 6))
         return rows, rows
     rows = _even_chunks(n, budget // (row * blocks))
-    if rows < n:
-        # One chunk needs no dW accumulator (its GEMM rounds once, into dW's dtype): taken when its
-        # logits fit in those of the chunks plus the accumulator's bytes beyond dW's, i.e. when its peak
-        # is no higher. The teacher's logits then come in two blocks.
-        teacher = -(-n // 2) if form == "heads" else 0
-        if (n + teacher) * row <= rows * row * blocks + v * hs * (accum_bytes - xs.element_size()):
-            return n, teacher or n
+    if rows < n and accum_bytes:
+        # One chunk needs no dW accumulator (its GEMM rounds once, into dW's dtype): taken when that
+        # makes the peak no higher.
+        teacher = -(-n // 2) if form == "heads" else n
+        peak = functools.partial(_peak_bytes, n, v, hs, xs.element_size(), form=form, accum_bytes=accum_bytes)
+        if peak(n, teacher) <= peak(rows, rows):
+            return n, teacher
     return rows, rows
+
+
+def _peak_bytes(n, v, hs, e, rows, teacher_rows, *, form, accum_bytes) -> int:
+    """Peak extra bytes of a plan, as the module's doc gives them (e: bytes of an input element,
+    accum_bytes: of a dW accumulator element, 0 when dW is not wanted; the bias grad's V fp32 left out)."""
+    logits = rows * v * e + (teacher_rows * v * e if form == "heads" else 0)
+    dw = v * hs * e if accum_bytes else 0
+    if rows >= n:
+        return n * hs * e + max(logits, rows * v * e + dw)
+    acc = v * hs * accum_bytes
+    return n * hs * e + max(logits + acc, acc + dw if accum_bytes != e else 0)
 
 
 # Chunks of a multiple of this many rows fill the GEMMs' row tiles (128 or 256 rows on an H200):
