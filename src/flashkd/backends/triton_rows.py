@@ -47,7 +47,7 @@ and small rounding errors. log q and log p are always taken this way, never as t
 probability, so a probability that underflows to 0 keeps a finite log; every w·log(...) product is
 taken as 0 where w is 0 (0·log 0 = 0, which also makes columns at −inf in both s and t count as absent):
 by a guard in the KLs and TVD, which keep an infinite divergence infinite, and in the JSD, which is
-bounded, by logs that are finite wherever a probability is 0 (`_log2_over_mixture`).
+bounded, by logs that are finite wherever a probability is 0 (`_mixture`).
 """
 
 from __future__ import annotations
@@ -91,7 +91,7 @@ _COSINE: tl.constexpr = tl.constexpr(LOSS_ID["cosine"])
 _LOG2E: tl.constexpr = tl.constexpr(math.log2(math.e))
 _LN2: tl.constexpr = tl.constexpr(math.log(2.0))
 _NORM_EPS: tl.constexpr = tl.constexpr(COSINE_EPS)
-_LOG2_MIN: tl.constexpr = tl.constexpr(-(2.0**100))  # see _log2_over_mixture
+_LOG2_MIN: tl.constexpr = tl.constexpr(-(2.0**100))  # see _mixture
 # Start of the running max: finite, so that a tile whose logits are all −inf (masked columns first in
 # the row) gives 2^(−inf − m) = 0 instead of 2^(−inf + inf) = NaN.
 _M_START: tl.constexpr = tl.constexpr(-3.0e38)
@@ -131,22 +131,17 @@ def _log2_1p(x):
 
 
 @triton.jit
-def _log2_over_mixture(lq, lp, log2_beta, log2_1mbeta):
-    """(log2 q/M, log2 p/M), M = β p + (1 − β) q, from the logs alone, as a log-add-exp: with
-    z = log2(β p / ((1 − β) q)) and w = log2(1 + 2^−|z|), log2 M = log2((1 − β) q) + w + max(z, 0), so
-    log2 q/M = −(log2(1 − β) + w) − max(z, 0) and log2 p/M = min(z, 0) − (log2 β + w). No probability
-    is formed, so nothing underflows, and log(q/M), which the JSD gradient compares with its mean K,
-    carries one rounding where q is the larger side instead of one per exp, sum and log. log2 q and
-    log2 p are raised to −2^100 first, where the probability is 0 anyway: z and both results are then
+def _mixture(lq, lp, log2_beta, log2_1mbeta):
+    """(z, w) with which log2 q/M = −(log2(1 − β) + w) − max(z, 0) and log2 p/M = min(z, 0) − (log2 β + w),
+    M = β p + (1 − β) q: a log-add-exp of the logs alone, z = log2(β p / ((1 − β) q)),
+    w = log2(1 + 2^−|z|), so log2 M = log2((1 − β) q) + w + max(z, 0). No probability is formed, so
+    nothing underflows, and log(q/M), which the JSD gradient compares with its mean K, carries one
+    rounding where q is the larger side instead of one per exp, sum and log. log2 q and log2 p are
+    raised to −2^100 first, where the probability is 0 anyway: z and w, and so both logs, are then
     finite wherever q or p is 0 (a column at −inf in s, t or both), so that the JSD's sums can take
     them times q and p with no guard for 0 · log 0."""
-    lq = tl.maximum(lq, _LOG2_MIN)
-    lp = tl.maximum(lp, _LOG2_MIN)
-    z = (lp - lq) + (log2_beta - log2_1mbeta)
-    w = _log2_1p(tl.exp2(-tl.abs(z)))
-    lq_m = -(w + log2_1mbeta) - tl.maximum(z, 0.0)
-    lp_m = tl.minimum(z, 0.0) - (w + log2_beta)
-    return lq_m, lp_m
+    z = (tl.maximum(lp, _LOG2_MIN) - tl.maximum(lq, _LOG2_MIN)) + (log2_beta - log2_1mbeta)
+    return z, _log2_1p(tl.exp2(-tl.abs(z)))
 
 
 @triton.jit
@@ -304,7 +299,15 @@ def _one_row(
                 cos_aa = tl.where(n_s >= _NORM_EPS, cos / (tl.maximum(n_s, _NORM_EPS) * n_s), 0.0)
                 soft = beta * (1.0 - cos)
 
-        # -------- pass 2: loss terms; dL/ds for forward_kl, cosine, CE-only
+        # -------- pass 2: loss terms; dL/ds for forward_kl, cosine, CE-only, its soft part with the
+        # row's factors folded in (and the CE's softmax(s) term, when that is q: `fold_q`)
+        fold_q = GRAD_SOFT and GRAD_CE and CE_IS_Q
+        f_q = c_soft * inv_tau  # forward_kl: c_soft (q − p) / τ
+        f_p = -f_q
+        if fold_q:
+            f_q += c_ce
+        f_a = c_soft * beta * cos_aa  # cosine: c_soft · dsoft/ds above
+        f_b = -c_soft * beta * inv_nn
         acc = tl.zeros([BLOCK_V], tl.float32)
         acc2 = tl.zeros([BLOCK_V], tl.float32)
         acc3 = tl.zeros([BLOCK_V], tl.float32)
@@ -314,12 +317,13 @@ def _one_row(
                 offs = (n_tiles - 1 - i) * BLOCK_V + cols
                 mask = offs < V
                 a = tl.load(s_row + offs, mask=mask, other=-float("inf")).to(tl.float32)
-                dsoft = tl.zeros([BLOCK_V], tl.float32)
+                g = tl.zeros([BLOCK_V], tl.float32)  # dL/ds when GRAD_PASS == 2
                 q = a  # q = softmax(s/τ) of the tile where a softmax loss computes it below
                 if SOFT:
                     b = tl.load(t_row + offs, mask=mask, other=-float("inf")).to(tl.float32)
                     if LOSS == _COSINE:
-                        dsoft = -beta * (b * inv_nn - a * cos_aa)
+                        if GRAD_SOFT:
+                            g = a * f_a + b * f_b
                     else:
                         lq = (a - m_s) * log2e_tau - log2_l_s  # log2 q
                         lp = (b - m_t) * log2e_tau - log2_l_t  # log2 p
@@ -327,15 +331,18 @@ def _one_row(
                         if LOSS == _FORWARD_KL:
                             p = tl.exp2(lp)
                             acc += _times(p, lp - lq)
-                            dsoft = (q - p) * inv_tau
+                            if GRAD_SOFT:
+                                g = q * f_q + p * f_p
                         elif LOSS == _REVERSE_KL:
                             acc += _times(q, lq - lp)
                         elif LOSS == _JSD:
                             p = tl.exp2(lp)
-                            lq_m, lp_m = _log2_over_mixture(lq, lp, log2_beta, log2_1mbeta)
-                            # finite logs: no 0·log 0 guard, in a pass bound by its instruction count
-                            acc += p * lp_m
-                            acc2 += q * lq_m
+                            z, w = _mixture(lq, lp, log2_beta, log2_1mbeta)
+                            # p log2(p/M) and q log2(q/M) without their constant parts −p log2 β and
+                            # −q log2(1 − β), added once a row, as Σ p = Σ q = 1 times them. Finite logs:
+                            # no 0·log 0 guard. (This pass is bound by its instruction count.)
+                            acc += p * (tl.minimum(z, 0.0) - w)
+                            acc2 -= q * (w + tl.maximum(z, 0.0))
                         else:  # _TVD: acc2, acc3, acc4 = the mass of q where q < p, q > p, q = p
                             p = tl.exp2(lp)
                             acc += tl.abs(q - p)
@@ -343,10 +350,9 @@ def _one_row(
                             acc3 += tl.where(lq > lp, q, 0.0)
                             acc4 += tl.where(lq == lp, q, 0.0)
                 if GRAD_PASS == 2:
-                    g = tl.zeros([BLOCK_V], tl.float32)
-                    if GRAD_SOFT:
-                        g += c_soft * dsoft
-                    if GRAD_CE:
+                    if fold_q:
+                        g -= tl.where(offs == label, c_ce, 0.0)
+                    elif GRAD_CE:
                         g += c_ce * (_softmax(a, m_s, log2_l_c, q, CE_IS_Q) - tl.where(offs == label, 1.0, 0.0))
                     tl.store(s_row + offs, g.to(s_row.dtype.element_ty), mask=mask)
 
@@ -363,8 +369,8 @@ def _one_row(
                 kl_qp = _LN2 * tl.sum(acc, 0)  # KL(q‖p)
                 soft = kl_qp
             elif LOSS == _JSD:
-                k_jsd = _LN2 * tl.sum(acc2, 0)  # K = Σ q log(q/M)
-                soft = beta * _LN2 * tl.sum(acc, 0) + (1.0 - beta) * k_jsd
+                k_jsd = _LN2 * (tl.sum(acc2, 0) - log2_1mbeta)  # K = Σ q log(q/M)
+                soft = beta * _LN2 * (tl.sum(acc, 0) - log2_beta) + (1.0 - beta) * k_jsd
             elif LOSS == _TVD:
                 soft = 0.5 * tl.sum(acc, 0)
                 # σ − Σ q σ, for σ = +1, −1, 0, from the masses below / above / at p, which sum to 1:
@@ -376,8 +382,29 @@ def _one_row(
                 tvd_neg = -(2.0 * mass_hi + mass_eq)
                 tvd_zero = mass_lo - mass_hi
 
-        # -------- pass 3: dL/ds for reverse_kl, jsd, tvd
+        # -------- pass 3: dL/ds for reverse_kl, jsd, tvd, as q · (f1 · x + f0) with x the element's
+        # log-ratio (or TVD's sign) and the row's factors (scale, weight, 1/τ, units, its scalar, and the
+        # CE's when softmax(s) is q) folded into f1, f0 here: the pass is bound by its instruction count
         if GRAD_PASS == 3:
+            c_q = 0.0  # the CE gradient's softmax(s) term when it is q
+            if GRAD_CE and CE_IS_Q:
+                c_q = c_ce
+            c_st = c_soft * inv_tau
+            f1 = 0.0
+            f0 = 0.0
+            f_lo = 0.0
+            f_hi = 0.0
+            f_eq = 0.0
+            if LOSS == _REVERSE_KL:  # c_st q (log(q/p) − KL(q‖p))
+                f1 = c_st * _LN2
+                f0 = c_q - c_st * kl_qp
+            elif LOSS == _JSD:  # c_st (1 − β) q (log(q/M) − K), log2(q/M) = −(w + max(z, 0)) − log2(1 − β)
+                f1 = -c_st * (1.0 - beta) * _LN2
+                f0 = c_q + f1 * log2_1mbeta - c_st * (1.0 - beta) * k_jsd
+            else:  # _TVD: c_st q (σ − Σ q σ) / 2
+                f_lo = c_q + 0.5 * c_st * tvd_neg
+                f_hi = c_q + 0.5 * c_st * tvd_pos
+                f_eq = c_q + 0.5 * c_st * tvd_zero
             for start in range(0, V, BLOCK_V):
                 offs = start + cols
                 mask = offs < V
@@ -387,16 +414,17 @@ def _one_row(
                 lp = (b - m_t) * log2e_tau - log2_l_t
                 q = tl.exp2(lq)
                 if LOSS == _REVERSE_KL:
-                    dsoft = _times(q, _LN2 * (lq - lp) - kl_qp) * inv_tau
+                    g = _times(q, f1 * (lq - lp) + f0)
                 elif LOSS == _JSD:
-                    lq_m, _ = _log2_over_mixture(lq, lp, log2_beta, log2_1mbeta)
-                    dsoft = (1.0 - beta) * (q * (_LN2 * lq_m - k_jsd)) * inv_tau
-                else:  # _TVD; σ = sign(q − p) taken on the logs, as in pass 2
-                    coef = tl.where(lq > lp, tvd_pos, tl.where(lq < lp, tvd_neg, tvd_zero))
-                    dsoft = 0.5 * q * coef * inv_tau
-                g = c_soft * dsoft
+                    z, w = _mixture(lq, lp, log2_beta, log2_1mbeta)
+                    g = q * (f1 * (w + tl.maximum(z, 0.0)) + f0)
+                else:  # σ = sign(q − p) taken on the logs, as in pass 2
+                    g = q * tl.where(lq > lp, f_hi, tl.where(lq < lp, f_lo, f_eq))
                 if GRAD_CE:
-                    g += c_ce * (_softmax(a, m_s, log2_l_c, q, CE_IS_Q) - tl.where(offs == label, 1.0, 0.0))
+                    if CE_IS_Q:
+                        g -= tl.where(offs == label, c_ce, 0.0)
+                    else:
+                        g += c_ce * (_softmax(a, m_s, log2_l_c, q, CE_IS_Q) - tl.where(offs == label, 1.0, 0.0))
                 tl.store(s_row + offs, g.to(s_row.dtype.element_ty), mask=mask)
     else:
         if GRAD_PASS != 0:

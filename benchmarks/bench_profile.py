@@ -1,0 +1,83 @@
+"""Kernel by kernel, where one step of the fused op spends its GPU time, next to its GEMM floor.
+
+For each item (the op forward + backward, its no-grad forward, and their GEMM floors), --steps
+steps are profiled after warm-up (torch.profiler); printed per step: every kernel's calls and ms
+(the GEMMs under their cuBLAS names), the GPU's busy time (the union of its kernels' intervals) and
+the step's span from first kernel start to last kernel end. Span − busy is the time the GPU waited
+for the host. Workload: the seed shape (bf16, V = 128256, Hs = 2048, Ht = 4096).
+Usage: python benchmarks/bench_profile.py [--loss jsd] [--rows 8192] [--steps 10] [--top 12]
+"""
+
+import argparse
+import collections
+
+import torch
+from torch.autograd import DeviceType
+from torch.profiler import ProfilerActivity, profile
+
+import flashkd
+from flashkd.bench.workloads import Workload, make_inputs
+
+
+def kernels(step, steps):
+    """[(name, start µs, end µs)] of the GPU kernels, copies and fills of `steps` calls of step."""
+    for _ in range(3):
+        step()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            step()
+        torch.cuda.synchronize()
+    return [(e.name, e.time_range.start, e.time_range.end) for e in prof.events() if e.device_type == DeviceType.CUDA]
+
+
+def report(title, events, steps, top):
+    per = collections.defaultdict(lambda: [0, 0.0])
+    for name, start, end in events:
+        per[name][0] += 1
+        per[name][1] += end - start
+    busy, reach = 0.0, float("-inf")  # union of the intervals
+    for _, start, end in sorted(events, key=lambda e: e[1]):
+        busy += max(0.0, end - max(start, reach))
+        reach = max(reach, end)
+    span = max(e for _, _, e in events) - min(s for _, s, _ in events)
+    print(f"\n{title}: busy {busy / steps / 1e3:.3f} ms a step, span {span / steps / 1e3:.3f} ms")
+    for name, (calls, us) in sorted(per.items(), key=lambda kv: -kv[1][1])[:top]:
+        print(f"  {us / steps / 1e3:8.3f} ms {calls / steps:6.1f}×  {name[:110]}")
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--loss", default="jsd")
+    ap.add_argument("--rows", type=int, default=8192)
+    ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--top", type=int, default=12)
+    args = ap.parse_args()
+    x = make_inputs(Workload(args.loss, args.rows), torch.device("cuda"))
+    xs, ws, xt, wt, y = x.xs, x.ws, x.xt, x.wt, x.y
+    kw = dict(loss=args.loss, beta=0.5, weight_hard_loss=0.5, weight_soft_loss=0.5)
+    ds = torch.randn(xs.shape[0], ws.shape[0], device="cuda", dtype=xs.dtype) * 1e-3  # the floor's stand-in dS
+    xs0, ws0 = xs.detach(), ws.detach()
+
+    def op():
+        xs.grad = ws.grad = None
+        flashkd.fused_linear_distill(xs, ws, xt, wt, y, **kw).backward()
+
+    def op_eval():
+        with torch.no_grad():
+            flashkd.fused_linear_distill(xs, ws, xt, wt, y, **kw)
+
+    items = {
+        "floor: 4 GEMMs": lambda: (xs0 @ ws0.t(), xt @ wt.t(), ds @ ws0, ds.t() @ xs0),
+        "fused op, forward + backward": op,
+        "floor: 2 GEMMs": lambda: (xs0 @ ws0.t(), xt @ wt.t()),
+        "fused op, no-grad forward": op_eval,
+    }
+    print(f"{args.loss}, N={args.rows}, {args.steps} steps each; {torch.cuda.get_device_name()}")
+    for title, step in items.items():
+        report(title, kernels(step, args.steps), args.steps, args.top)
+        torch.cuda.empty_cache()
+
+
+if __name__ == "__main__":
+    main()
