@@ -171,6 +171,31 @@ def test_teacher_blocks_inside_a_chunk(seed, backend, loss, monkeypatch):
                          chunk_size=None, loss=loss, temperature=1.3)
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_logits_freed_before_the_next_are_made(seed, backend, monkeypatch):
+    """The memory formula's premise: when a chunk's student logits are made, no earlier logits are alive,
+    and when a teacher block's are, only the chunk's own student logits."""
+    import weakref
+
+    made, linear = [], flashkd.distill._linear
+
+    def tracked(x, w, b):
+        alive = [student for student, ref in made if ref() is not None]
+        student = w is ws
+        assert alive == ([] if student else [True]), (student, alive)
+        out = linear(x, w, b)
+        made.append((student, weakref.ref(out)))
+        return out
+
+    monkeypatch.setattr(flashkd.distill, "_linear", tracked)
+    xs, ws = torch.randn(11, 4, requires_grad=True), torch.randn(13, 4, requires_grad=True)
+    xt, wt, y = torch.randn(11, 6), torch.randn(13, 6), torch.randint(0, 13, (11,))
+    for chunk, teacher in ((4, 4), (4, 3), (11, 6)):
+        monkeypatch.setattr(flashkd.distill, "_chunk_rows", lambda *args: (chunk, teacher))
+        flashkd.fused_linear_distill(xs, ws, xt, wt, y, backend=backend).backward()
+    assert len(made) == (3 + 3) + (3 + 5) + (1 + 2)  # chunks + teacher blocks of each plan
+
+
 def test_default_plan_one_chunk_when_no_higher(seed):
     """The default (triton) plan: 1 GiB of logits in equal chunks, or all rows in one chunk with the
     teacher in two blocks when dW is wanted and that chunk's peak (no dW accumulator) is no higher."""

@@ -309,7 +309,7 @@ def _chunk_loop(xs, ws, bs, y, teacher, plan: _Plan, want_dx, want_dw, want_db):
             soft, hard = rows(s_b, t, None if y is None else y[b], spec, scale, grad)
             soft_sum += soft.sum()
             hard_sum += hard.sum()
-            del t
+            del t, s_b  # a view left alive would keep this chunk's logits past `del s`
         if want_dx:
             torch.mm(s, ws, out=dxs[c])
         if want_dw:
