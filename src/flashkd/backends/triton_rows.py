@@ -34,9 +34,10 @@ unless named; one more exp2 in the pass that writes dL/ds when the CE gradient i
     (log2 is the hardware lg2.approx on GPU)
 
 Measured on an H200 (benchmarks/bench_rows.py, 8192 × 128256 bf16, BENCHMARKS.md): JSD with CE and grad
-3.8 ms, forward KL 2.6 ms; first version (4096 × 16 tiles, a block-wide reduction per tile in pass 1)
-7.6 and 4.3 ms. Its passes are bound by their bytes and their instruction issue about equally (JSD's
-pass 2: ~30 instructions an element): fewer instructions, not fewer transcendentals, make it faster.
+3.6 ms, reverse KL 3.4 ms (its 7 bytes an element at copy speed: 3.46 ms), forward KL 2.5 ms; first
+version (4096 × 16 tiles, a block-wide reduction per tile in pass 1) 7.6 and 4.3 ms. Its passes are
+bound by their bytes and their instruction issue about equally (JSD's passes: 25–30 sm_90 instructions
+an element): fewer instructions, not fewer transcendentals, make it faster.
 
 Numerics: every load is widened to fp32 and all math is fp32 whatever the input dtype (fp64 inputs
 included: they are computed in fp32, the losses come back in fp32 and dL/ds is rounded to fp64);
@@ -62,7 +63,7 @@ import triton.language as tl
 from ..losses import COSINE_EPS, LOSS_ID, LossSpec
 
 # Compiled tiles, measured on an H200 at V = 128256 bf16 (BENCHMARKS.md): 1024 columns over 8 warps
-# (4 elements per thread per tensor, 40 registers, 6 programs an SM). At the chunk loop's 1024–4096
+# (4 elements per thread per tensor, 32 registers, 8 programs an SM). At the chunk loop's 1024–4096
 # rows a block is a few waves of programs, and the last, partial one runs with the GPU part idle:
 # against 512 × 4 tiles (13 programs an SM: 2048 rows are 1.2 waves) JSD takes 5 % less at 2048 rows,
 # 14 % less at 1024, the same at 8192; 4096 × 16 tiles took 6.9 ms against 4.0 at 8192 rows. A
@@ -75,7 +76,8 @@ _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 BLOCK_V = 256 if _INTERPRET else 1024
 NUM_WARPS = 8
 # Registers a thread may use: at 32, 8 programs of 8 warps fill an SM's 64 K registers; at the 36–37
-# the compiler picks for TVD, and for forward KL and cosine with the CE, only 6 fit.
+# the compiler picks for TVD, and for forward KL and cosine with the CE, only 6 fit (those kernels took
+# 4–6 % longer; TVD's 4 bytes of spill cost less than the 2 programs).
 MAX_REGS = 32
 # The hardware log2 (lg2.approx, abs. error ~2^-22 on [1, 2]) instead of libdevice's ~30-instruction
 # log2f; the interpreter has no inline PTX.
