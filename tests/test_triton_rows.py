@@ -36,6 +36,7 @@ LOSSES = [
     ("tvd", 0.3),
     ("jsd", 0.0),
     ("jsd", 0.3),
+    ("jsd", 0.97),  # log2(1 − β) = −5: the constant log parts the kernel adds once a row are large
     ("jsd", 1.0),
     ("cosine", 0.0),
     ("cosine", 0.3),
