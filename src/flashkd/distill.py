@@ -98,7 +98,7 @@ def fused_linear_distill(
     - temperature_squared: multiply the soft term by τ² (Hinton).
     - grad_accum_dtype: dtype of the dWs accumulator; None means fp32 (fp64 for fp64 weights).
       Passing the weight's own dtype saves V·Hs·(4 − E) bytes, and rounds dWs once per chunk: its
-      error grows with the number of chunks (bf16, 8 chunks: 2–5× that of one fp32-accumulated GEMM).
+      error grows with the number of chunks (bf16, 8 chunks: 1.8–4.6× that of fp32, BENCHMARKS.md).
     - check_labels: raise on labels outside [0, V) other than ignore_index. Default: on CPU tensors
       (no cost); off on GPU, where such a row gives a NaN loss instead (the check would be a host sync).
     """
