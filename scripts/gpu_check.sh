@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The whole GPU check in one command, on a CUDA machine from a checkout of this repository:
-#   bash scripts/gpu_check.sh [tests] [rows] [breakdown] [bench-seed] [bench-sweep] [bench-losses] [bench-softonly] [memory]
-#                             [bench-topk] [bench-logits] [bench-teacher-topk]
+#   bash scripts/gpu_check.sh [tests] [rows] [breakdown] [profile] [bench-seed] [bench-sweep] [bench-losses]
+#                             [bench-softonly] [memory] [bench-topk] [bench-logits] [bench-teacher-topk]
 # (default: all of them, about 13 minutes on an H200; each of the last three a minute or two)
 # Logs and results go to $OUT (default ./gpu-out). Liger-Kernel is installed from .whl/ when present.
 set -uo pipefail
@@ -12,7 +12,7 @@ if compgen -G ".whl/*.whl" >/dev/null; then
   python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/flashkd-site .whl/*.whl \
     && export PYTHONPATH="$PYTHONPATH:/tmp/flashkd-site"
 fi
-stages=${*:-tests rows breakdown bench-seed bench-sweep bench-losses bench-softonly memory bench-topk bench-logits bench-teacher-topk}
+stages=${*:-tests rows breakdown profile bench-seed bench-sweep bench-losses bench-softonly memory bench-topk bench-logits bench-teacher-topk}
 status=0
 nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm --format=csv | tee "$OUT/env.txt"
 python3 -c "import torch, triton; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'triton', triton.__version__)" | tee -a "$OUT/env.txt"
@@ -23,6 +23,7 @@ for stage in $stages; do
     tests) python3 -m pytest -q -m "gpu or not gpu" tests/test_gpu.py tests/test_triton_rows.py 2>&1 | tee "$OUT/tests.log" | tail -25 || status=1 ;;
     rows) python3 benchmarks/bench_rows.py 2>&1 | tee "$OUT/rows.log" || status=1 ;;
     breakdown) python3 benchmarks/bench_breakdown.py 2>&1 | tee "$OUT/breakdown.log" || status=1 ;;
+    profile) python3 benchmarks/bench_profile.py 2>&1 | tee "$OUT/profile.log" || status=1 ;;
     bench-seed) python3 -m flashkd bench --preset seed --out "$OUT/seed" 2>&1 | tee "$OUT/bench-seed.log" || status=1 ;;
     bench-sweep) python3 -m flashkd bench --preset sweep --providers flashkd liger floor --modes full no-grad-forward \
       --out "$OUT/sweep" 2>&1 | tee "$OUT/bench-sweep.log" || status=1 ;;
