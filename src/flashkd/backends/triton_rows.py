@@ -391,8 +391,8 @@ def _one_row(
         # log-ratio (or TVD's sign) and the row's factors (scale, weight, 1/τ, units, its scalar, and the
         # CE's when softmax(s) is q) folded into f1, f0 here: the pass is bound by its instruction count
         if GRAD_PASS == 3:
-            c_q = 0.0  # the CE gradient's softmax(s) term when it is q
-            if GRAD_CE and CE_IS_Q:
+            c_q = 0.0  # the CE gradient's softmax(s) term when it is q (GRAD_SOFT holds here)
+            if fold_q:
                 c_q = c_ce
             c_st = c_soft * inv_tau
             f1 = 0.0
@@ -425,11 +425,10 @@ def _one_row(
                     g = q * (f1 * (w + tl.maximum(z, 0.0)) + f0)
                 else:  # σ = sign(q − p) taken on the logs, as in pass 2
                     g = q * tl.where(lq > lp, f_hi, tl.where(lq < lp, f_lo, f_eq))
-                if GRAD_CE:
-                    if CE_IS_Q:
-                        g -= tl.where(offs == label, c_ce, 0.0)
-                    else:
-                        g += c_ce * (_softmax(a, m_s, log2_l_c, q, CE_IS_Q) - tl.where(offs == label, 1.0, 0.0))
+                if fold_q:
+                    g -= tl.where(offs == label, c_ce, 0.0)
+                elif GRAD_CE:
+                    g += c_ce * (_softmax(a, m_s, log2_l_c, q, CE_IS_Q) - tl.where(offs == label, 1.0, 0.0))
                 tl.store(s_row + offs, g.to(s_row.dtype.element_ty), mask=mask)
     else:
         if GRAD_PASS != 0:
