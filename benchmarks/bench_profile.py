@@ -4,7 +4,8 @@ For each item (the op forward + backward, its no-grad forward, and their GEMM fl
 steps are profiled after warm-up (torch.profiler); printed per step: every kernel's calls and ms
 (the GEMMs under their cuBLAS names), the GPU's busy time (the union of its kernels' intervals) and
 the step's span from first kernel start to last kernel end. Span − busy is the time the GPU waited
-for the host. Workload: the seed shape (bf16, V = 128256, Hs = 2048, Ht = 4096).
+for the host. The calls are `flashkd bench`'s own (its flashkd and floor providers, its modes), on the
+seed shape (bf16, V = 128256, Hs = 2048, Ht = 4096).
 Usage: python benchmarks/bench_profile.py [--loss jsd] [--rows 8192] [--steps 10] [--top 12]
 """
 
@@ -15,7 +16,8 @@ import torch
 from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile
 
-import flashkd
+from flashkd.bench import measure
+from flashkd.bench.providers import PROVIDERS
 from flashkd.bench.workloads import Workload, make_inputs
 
 
@@ -53,30 +55,19 @@ def main():
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--top", type=int, default=12)
     args = ap.parse_args()
-    x = make_inputs(Workload(args.loss, args.rows), torch.device("cuda"))
-    xs, ws, xt, wt, y = x.xs, x.ws, x.xt, x.wt, x.y
-    kw = dict(loss=args.loss, beta=0.5, weight_hard_loss=0.5, weight_soft_loss=0.5)
-    ds = torch.randn(xs.shape[0], ws.shape[0], device="cuda", dtype=xs.dtype) * 1e-3  # the floor's stand-in dS
-    xs0, ws0 = xs.detach(), ws.detach()
-
-    def op():
-        xs.grad = ws.grad = None
-        flashkd.fused_linear_distill(xs, ws, xt, wt, y, **kw).backward()
-
-    def op_eval():
-        with torch.no_grad():
-            flashkd.fused_linear_distill(xs, ws, xt, wt, y, **kw)
-
-    items = {
-        "floor: 4 GEMMs": lambda: (xs0 @ ws0.t(), xt @ wt.t(), ds @ ws0, ds.t() @ xs0),
-        "fused op, forward + backward": op,
-        "floor: 2 GEMMs": lambda: (xs0 @ ws0.t(), xt @ wt.t()),
-        "fused op, no-grad forward": op_eval,
-    }
+    w = Workload(args.loss, args.rows)
+    x = make_inputs(w, torch.device("cuda"))
     print(f"{args.loss}, N={args.rows}, {args.steps} steps each; {torch.cuda.get_device_name()}")
-    for title, step in items.items():
-        report(title, kernels(step, args.steps), args.steps, args.top)
-        torch.cuda.empty_cache()
+    for mode in ("full", "no-grad-forward"):
+        for name in ("floor", "flashkd"):
+            call = measure._step(PROVIDERS[name].make(w, x), x, mode)
+
+            def step():
+                x.xs.grad = x.ws.grad = None  # as the bench times it
+                call()
+
+            report(f"{name}, {mode}", kernels(step, args.steps), args.steps, args.top)
+            torch.cuda.empty_cache()
 
 
 if __name__ == "__main__":
