@@ -9,28 +9,31 @@ One program owns one row of s, t: (R, V) and walks it in BLOCK_V tiles:
     pass 1  read s (, t)    online max / sum-exp of s/τ and t/τ, per lane -> (m_s, l_s), (m_t, l_t)
                             ... of s at τ = 1 when the CE is computed     -> (m_s, l_c)
                             Σ s², Σ t², Σ s·t for cosine                  -> ‖s‖, ‖t‖, cos
+                            a KL online, on the same rescalings: reverse_kl always, forward_kl
+                            without grad -> soft (KL(q‖p) = E_q[s − t]/τ − lse(s/τ) + lse(t/τ))
             (merged across lanes once, after the loop: no barrier inside it)
     pass 2  read s (, t)    backwards over the row (the tiles pass 1 read last are likeliest in L2):
                             per-element loss terms -> soft, and the row scalars the gradient needs
-                            (KL(q‖p); K = Σ q log(q/M); for tvd the masses of q below, above and at
-                            p, which give σ − Σ q σ with no cancellation); dL/ds written over s here
-                            for forward_kl, cosine and CE-only
-    pass 3  read s, t       dL/ds written over s for reverse_kl, jsd, tvd (grad only)
+                            (K = Σ q log(q/M); for tvd the masses of q below, above and at p, which
+                            give σ − Σ q σ with no cancellation); dL/ds written over s here for
+                            forward_kl, reverse_kl, cosine and CE-only
+    pass 3  read s, t       dL/ds written over s for jsd, tvd (grad only)
 
 Rows whose label is `ignore_index` skip all three passes; with grad they get one pass writing zeros.
 
 Bytes moved per element, b = bytes of the input dtype (2 for bf16), grad / no grad:
 
-    forward_kl, cosine        2 reads of s, t + 1 write   5b / 4b (cosine 2b: pass 1 only)
-    reverse_kl, jsd, tvd      3 reads of s, t + 1 write   7b / 4b
+    forward_kl, reverse_kl    2 reads of s, t + 1 write   5b / 2b (pass 1 only)
+    cosine                    2 reads of s, t + 1 write   5b / 2b
+    jsd, tvd                  3 reads of s, t + 1 write   7b / 4b
     CE only (no soft term)    2 reads of s + 1 write      3b / 1b
 
 The CE adds no traffic to a soft loss: it rides on the reads of s. Transcendentals per element (exp2
 unless named; one more exp2 in the pass that writes dL/ds when the CE gradient is in it):
 
     pass 1   1 per softmax: 2 for a soft loss, +1 with the CE unless τ = 1 (then softmax(s) is q); cosine 0
-    pass 2   forward_kl 2, reverse_kl 1, jsd 3 + log2, tvd 2, cosine 0
-    pass 3   reverse_kl 1, jsd 2 + log2, tvd 1
+    pass 2   forward_kl 2, reverse_kl 1 (grad only), jsd 3 + log2, tvd 2, cosine 0
+    pass 3   jsd 2 + log2, tvd 1
     (log2 is the hardware lg2.approx on GPU)
 
 Measured on an H200 (benchmarks/bench_rows.py, 8192 × 128256 bf16, BENCHMARKS.md): JSD with CE and grad
@@ -86,7 +89,7 @@ _FAST_LOG2: tl.constexpr = tl.constexpr(not _INTERPRET)
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
 _LABEL_DTYPES = (torch.int32, torch.int64)
 _SCALE_DTYPES = (torch.float32, torch.float64)  # read as fp32 either way
-_LATE_GRAD = ("reverse_kl", "jsd", "tvd")  # their gradient needs a row scalar that pass 2 computes
+_LATE_GRAD = ("jsd", "tvd")  # their gradient needs a row scalar that pass 2 computes
 
 _FORWARD_KL: tl.constexpr = tl.constexpr(LOSS_ID["forward_kl"])
 _REVERSE_KL: tl.constexpr = tl.constexpr(LOSS_ID["reverse_kl"])
@@ -115,6 +118,16 @@ def _lane_sum(l_i, m_i, x, k):
     error of the size of m_i·k."""
     e = tl.exp2(tl.abs(x - m_i) * -k)  # −k, not −|·|: the abs folds into the multiply (one instruction fewer)
     return tl.where(x > m_i, l_i * e + 1.0, l_i + e)
+
+
+@triton.jit
+def _lane_sums(l_i, r_i, m_i, x, d, k):
+    """_lane_sum, and beside it r_i = Σ 2^((x − m_i)·k)·d on the same rescalings: a softmax(x/τ)-weighted
+    sum of d, unnormalised, in one more multiply-add an element. d = ±inf adds ±inf where the weight is
+    not 0 (a KL that is infinite stays so); a weight of 0 adds nothing, also to a NaN d (masked lanes)."""
+    e = tl.exp2(tl.abs(x - m_i) * -k)
+    new = x > m_i
+    return tl.where(new, l_i * e + 1.0, l_i + e), tl.where(new, _times(e, r_i) + d, r_i + _times(e, d))
 
 
 @triton.jit
@@ -198,6 +211,7 @@ def _rows_kernel(
     GRAD_CE: tl.constexpr,  # dCE/ds enters dL/ds (grad, CE, w_hard != 0)
     GRAD_PASS: tl.constexpr,  # pass that writes dL/ds: 2, 3, or 0 for no grad
     CE_IS_Q: tl.constexpr,  # τ = 1 and a softmax loss: softmax(s) is q, so the CE reuses q's statistics
+    ONLINE_KL: tl.constexpr,  # a KL whose loss pass 1 takes online (reverse_kl; forward_kl without grad)
     BLOCK_V: tl.constexpr,
 ):
     # One program per row. Pass 2 walks the row backwards, so it starts on the tiles pass 1 read last
@@ -211,7 +225,7 @@ def _rows_kernel(
         hard_ptr + row,
         scale_ptr, V, tl.cdiv(V, BLOCK_V), tl.arange(0, BLOCK_V), ignore_index, log2e_tau, inv_tau, beta,
         log2_beta, log2_1mbeta, w_hard, w_soft, LOSS, SOFT, CE, LABELS, GRAD_SOFT, GRAD_CE, GRAD_PASS,
-        CE_IS_Q, BLOCK_V,
+        CE_IS_Q, ONLINE_KL, BLOCK_V,
     )
 
 
@@ -221,7 +235,7 @@ def _one_row(
     inv_tau, beta, log2_beta, log2_1mbeta, w_hard, w_soft,
     LOSS: tl.constexpr, SOFT: tl.constexpr, CE: tl.constexpr, LABELS: tl.constexpr,
     GRAD_SOFT: tl.constexpr, GRAD_CE: tl.constexpr, GRAD_PASS: tl.constexpr, CE_IS_Q: tl.constexpr,
-    BLOCK_V: tl.constexpr,
+    ONLINE_KL: tl.constexpr, BLOCK_V: tl.constexpr,
 ):
     """The three passes over one row; the kernel's arguments, advanced to the row."""
 
@@ -240,6 +254,8 @@ def _one_row(
         l_c = tl.zeros([BLOCK_V], tl.float32)  # Σ 2^((s − m_s)·log2(e)), for the untempered CE
         m_t = tl.full([BLOCK_V], _M_START, tl.float32)  # running max of t
         l_t = tl.zeros([BLOCK_V], tl.float32)  # Σ 2^((t − m_t)·log2(e)/τ)
+        r_kl = tl.zeros([BLOCK_V], tl.float32)  # ONLINE_KL: Σ 2^((s − m_s)·log2(e)/τ)·(s − t) (reverse),
+        # Σ 2^((t − m_t)·log2(e)/τ)·(t − s) (forward): E_q[s − t], E_p[t − s] times l_s, l_t
         ss = tl.zeros([BLOCK_V], tl.float32)  # cosine: Σ s², Σ t², Σ s·t, per lane
         tt = tl.zeros([BLOCK_V], tl.float32)
         st = tl.zeros([BLOCK_V], tl.float32)
@@ -259,6 +275,14 @@ def _one_row(
                     ss += a0 * a0
                     tt += b0 * b0
                     st += a0 * b0
+                elif ONLINE_KL and LOSS == _REVERSE_KL:
+                    l_s, r_kl = _lane_sums(l_s, r_kl, m_s, a, a - b, log2e_tau)
+                    l_t = _lane_sum(l_t, m_t, b, log2e_tau)
+                    m_t = tl.maximum(m_t, b)
+                elif ONLINE_KL:  # forward KL
+                    l_s = _lane_sum(l_s, m_s, a, log2e_tau)
+                    l_t, r_kl = _lane_sums(l_t, r_kl, m_t, b, b - a, log2e_tau)
+                    m_t = tl.maximum(m_t, b)
                 else:
                     l_s = _lane_sum(l_s, m_s, a, log2e_tau)
                     l_t = _lane_sum(l_t, m_t, b, log2e_tau)
@@ -267,11 +291,17 @@ def _one_row(
                 l_c = _lane_sum(l_c, m_s, a, _LOG2E)
             m_s = tl.maximum(m_s, a)
         m_row = tl.max(m_s, 0)
-        l_s = tl.sum(l_s * tl.exp2((m_s - m_row) * log2e_tau), 0)
+        f = tl.exp2((m_s - m_row) * log2e_tau)
+        l_s = tl.sum(l_s * f, 0)
+        if ONLINE_KL and LOSS == _REVERSE_KL:
+            r_kl = tl.sum(_times(f, r_kl), 0)
         l_c = tl.sum(l_c * tl.exp2((m_s - m_row) * _LOG2E), 0)
         m_s = m_row
         m_row = tl.max(m_t, 0)
-        l_t = tl.sum(l_t * tl.exp2((m_t - m_row) * log2e_tau), 0)
+        f = tl.exp2((m_t - m_row) * log2e_tau)
+        l_t = tl.sum(l_t * f, 0)
+        if ONLINE_KL and LOSS == _FORWARD_KL:
+            r_kl = tl.sum(_times(f, r_kl), 0)
         m_t = m_row
         # log2 q = (s − m_s)·log2(e)/τ − log2 l_s, log2 p likewise,
         # log2 softmax(s) = (s − m_s)·log2(e) − log2 l_c
@@ -292,7 +322,14 @@ def _one_row(
 
         inv_nn = 0.0
         cos_aa = 0.0
+        kl_qp = 0.0
         if SOFT:
+            # KL(q‖p) = E_q[s − t]/τ − (m_s − m_t)/τ + log(l_t / l_s), and KL(p‖q) with s and t swapped
+            if ONLINE_KL and LOSS == _REVERSE_KL:
+                kl_qp = (r_kl / l_s - (m_s - m_t)) * inv_tau + _LN2 * (log2_l_t - log2_l_s)
+                soft = kl_qp
+            elif ONLINE_KL:
+                soft = (r_kl / l_t - (m_t - m_s)) * inv_tau + _LN2 * (log2_l_s - log2_l_t)
             if LOSS == _COSINE:
                 # soft = β (1 − cos), cos = Σst / (max(‖s‖, ε) max(‖t‖, ε));
                 # dsoft/ds = −β (t / (max(‖s‖, ε) max(‖t‖, ε)) − cos · s / (max(‖s‖, ε) ‖s‖)),
@@ -304,20 +341,24 @@ def _one_row(
                 cos_aa = tl.where(n_s >= _NORM_EPS, cos / (tl.maximum(n_s, _NORM_EPS) * n_s), 0.0)
                 soft = beta * (1.0 - cos)
 
-        # -------- pass 2: loss terms; dL/ds for forward_kl, cosine, CE-only, its soft part with the
-        # row's factors folded in (and the CE's softmax(s) term, when that is q: `fold_q`)
+        # -------- pass 2: loss terms; dL/ds for forward_kl, reverse_kl, cosine, CE-only, its soft part
+        # with the row's factors folded in (and the CE's softmax(s) term, when that is q: `fold_q`)
         fold_q = GRAD_SOFT and GRAD_CE and CE_IS_Q
-        f_q = c_soft * inv_tau  # forward_kl: c_soft (q − p) / τ
-        f_p = -f_q
+        c_q = 0.0  # the CE gradient's softmax(s) term when it is q (GRAD_SOFT holds then)
         if fold_q:
-            f_q += c_ce
+            c_q = c_ce
+        c_st = c_soft * inv_tau
+        f_q = c_st + c_q  # forward_kl: c_soft (q − p) / τ
+        f_p = -c_st
+        f1 = c_st * _LN2  # reverse_kl: c_soft q (log(q/p) − KL(q‖p)) / τ, log(q/p) = ln 2 · (lq − lp)
+        f0 = c_q - c_st * kl_qp
         f_a = c_soft * beta * cos_aa  # cosine: c_soft · dsoft/ds above
         f_b = -c_soft * beta * inv_nn
         acc = tl.zeros([BLOCK_V], tl.float32)
         acc2 = tl.zeros([BLOCK_V], tl.float32)
         acc3 = tl.zeros([BLOCK_V], tl.float32)
         acc4 = tl.zeros([BLOCK_V], tl.float32)
-        if (SOFT and LOSS != _COSINE) or GRAD_PASS == 2:
+        if (SOFT and LOSS != _COSINE and not ONLINE_KL) or GRAD_PASS == 2:
             for i in range(0, n_tiles):
                 offs = (n_tiles - 1 - i) * BLOCK_V + cols
                 mask = offs < V
@@ -339,7 +380,8 @@ def _one_row(
                             if GRAD_SOFT:
                                 g = q * f_q + p * f_p
                         elif LOSS == _REVERSE_KL:
-                            acc += _times(q, lq - lp)
+                            if GRAD_SOFT:
+                                g = _times(q, f1 * (lq - lp) + f0)
                         elif LOSS == _JSD:
                             p = tl.exp2(lp)
                             z, w = _mixture(lq, lp, log2_beta, log2_1mbeta)
@@ -362,17 +404,13 @@ def _one_row(
                     tl.store(s_row + offs, g.to(s_row.dtype.element_ty), mask=mask)
 
         # row scalars of the divergences (natural log units)
-        kl_qp = 0.0
         k_jsd = 0.0
         tvd_pos = 0.0
         tvd_neg = 0.0
         tvd_zero = 0.0
         if SOFT:
-            if LOSS == _FORWARD_KL:
+            if LOSS == _FORWARD_KL and not ONLINE_KL:
                 soft = _LN2 * tl.sum(acc, 0)
-            elif LOSS == _REVERSE_KL:
-                kl_qp = _LN2 * tl.sum(acc, 0)  # KL(q‖p)
-                soft = kl_qp
             elif LOSS == _JSD:
                 k_jsd = _LN2 * (tl.sum(acc2, 0) - log2_1mbeta)  # K = Σ q log(q/M)
                 soft = beta * _LN2 * (tl.sum(acc, 0) - log2_beta) + (1.0 - beta) * k_jsd
@@ -387,23 +425,14 @@ def _one_row(
                 tvd_neg = -(2.0 * mass_hi + mass_eq)
                 tvd_zero = mass_lo - mass_hi
 
-        # -------- pass 3: dL/ds for reverse_kl, jsd, tvd, as q · (f1 · x + f0) with x the element's
-        # log-ratio (or TVD's sign) and the row's factors (scale, weight, 1/τ, units, its scalar, and the
-        # CE's when softmax(s) is q) folded into f1, f0 here: the pass is bound by its instruction count
+        # -------- pass 3: dL/ds for jsd, tvd, as q · (f1 · x + f0) with x the element's log-ratio (or
+        # TVD's sign) and the row's factors (scale, weight, 1/τ, units, its scalar, and the CE's when
+        # softmax(s) is q) folded into f1, f0 here: the pass is bound by its instruction count
         if GRAD_PASS == 3:
-            c_q = 0.0  # the CE gradient's softmax(s) term when it is q (GRAD_SOFT holds here)
-            if fold_q:
-                c_q = c_ce
-            c_st = c_soft * inv_tau
-            f1 = 0.0
-            f0 = 0.0
             f_lo = 0.0
             f_hi = 0.0
             f_eq = 0.0
-            if LOSS == _REVERSE_KL:  # c_st q (log(q/p) − KL(q‖p))
-                f1 = c_st * _LN2
-                f0 = c_q - c_st * kl_qp
-            elif LOSS == _JSD:  # c_st (1 − β) q (log(q/M) − K), log2(q/M) = −(w + max(z, 0)) − log2(1 − β)
+            if LOSS == _JSD:  # c_st (1 − β) q (log(q/M) − K), log2(q/M) = −(w + max(z, 0)) − log2(1 − β)
                 f1 = -c_st * (1.0 - beta) * _LN2
                 f0 = c_q + f1 * log2_1mbeta - c_st * (1.0 - beta) * k_jsd
             else:  # _TVD: c_st q (σ − Σ q σ) / 2
@@ -418,9 +447,7 @@ def _one_row(
                 lq = (a - m_s) * log2e_tau - log2_l_s
                 lp = (b - m_t) * log2e_tau - log2_l_t
                 q = tl.exp2(lq)
-                if LOSS == _REVERSE_KL:
-                    g = _times(q, f1 * (lq - lp) + f0)
-                elif LOSS == _JSD:
+                if LOSS == _JSD:
                     z, w = _mixture(lq, lp, log2_beta, log2_1mbeta)
                     g = q * (f1 * (w + tl.maximum(z, 0.0)) + f0)
                 else:  # σ = sign(q − p) taken on the logs, as in pass 2
@@ -500,6 +527,8 @@ def rows(s, t, labels, spec: LossSpec, scale: torch.Tensor, grad: bool):
     grad_pass = 0 if not grad else 3 if grad_soft and kind in _LATE_GRAD else 2
     jsd = use_soft and kind == "jsd"  # 0 < β < 1 here: the endpoints resolve to the KLs
     ce_is_q = use_ce and use_soft and kind != "cosine" and spec.temperature == 1.0
+    # pass 1 takes a KL online when that spares a pass: forward KL's gradient pass computes its loss anyway
+    online_kl = use_soft and (kind == "reverse_kl" or (kind == "forward_kl" and grad_pass != 2))
     # rows narrower than a tile (a top-k teacher's K + 1 categories) get a tile of their width, with
     # as many warps as keep 4 elements a thread
     block = max(128, min(BLOCK_V, triton.next_power_of_2(V)))
@@ -529,6 +558,7 @@ def rows(s, t, labels, spec: LossSpec, scale: torch.Tensor, grad: bool):
         GRAD_CE=grad_ce,
         GRAD_PASS=grad_pass,
         CE_IS_Q=ce_is_q,
+        ONLINE_KL=online_kl,
         BLOCK_V=block,
         num_warps=max(1, min(NUM_WARPS, block // 128)),
         maxnreg=MAX_REGS,
