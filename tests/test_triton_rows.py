@@ -271,6 +271,25 @@ def test_columns_at_minus_inf_in_both_are_absent(seed, loss, beta, options):
     _assert_matches((soft, hard, ds[:, cut:]), _torch(*kept, spec, scale, True), torch.float32)
 
 
+@pytest.mark.parametrize("grad", [True, False])
+@pytest.mark.parametrize("loss", ["forward_kl", "reverse_kl"])
+def test_kl_is_infinite_where_its_second_distribution_has_no_mass(seed, loss, grad):
+    """KL(p‖q) is infinite where p > 0 = q, KL(q‖p) where q > 0 = p: one column at −inf, in the first
+    tile, a middle one, the ragged last one, or the whole row but one column, of the second argument's
+    logits. Pass 1 takes both KLs online when it can (reverse KL, forward KL without grad); the other
+    rows keep their finite values."""
+    spec = LossSpec(loss=loss, temperature=0.7)
+    R, V = 5, 700
+    s, t = _logits(R, V, torch.float32, seed)
+    second = t if loss == "reverse_kl" else s  # KL(q‖p): p's logits; KL(p‖q): q's
+    second[0, 3] = second[1, 300] = second[2, V - 1] = float("-inf")
+    second[3, 1:] = float("-inf")
+    soft, _, _ = _kernel(s, t, None, spec, torch.tensor(1.0, device=DEVICE), grad)
+    assert torch.equal(soft[:4], torch.full((4,), float("inf"), device=DEVICE))
+    truth = _torch(s[4:].contiguous(), t[4:].contiguous(), None, spec, torch.tensor(1.0, device=DEVICE), grad)[2][0]
+    torch.testing.assert_close(soft[4:].double(), truth, rtol=F32_RTOL, atol=0.0)
+
+
 @pytest.mark.parametrize("loss,beta", [("forward_kl", 0.3), ("reverse_kl", 0.3), ("jsd", 0.3), ("tvd", 0.3)])
 def test_underflowing_probabilities(seed, loss, beta):
     """Logits spread over hundreds of nats: most probabilities are exactly 0 in fp32, their logs finite."""

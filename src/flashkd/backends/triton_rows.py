@@ -23,8 +23,8 @@ Rows whose label is `ignore_index` skip all three passes; with grad they get one
 
 Bytes moved per element, b = bytes of the input dtype (2 for bf16), grad / no grad:
 
-    forward_kl, reverse_kl    2 reads of s, t + 1 write   5b / 2b (pass 1 only)
-    cosine                    2 reads of s, t + 1 write   5b / 2b
+    forward_kl, reverse_kl,   2 reads of s, t + 1 write   5b / 2b (no grad: pass 1 only)
+    cosine
     jsd, tvd                  3 reads of s, t + 1 write   7b / 4b
     CE only (no soft term)    2 reads of s + 1 write      3b / 1b
 
@@ -37,8 +37,9 @@ unless named; one more exp2 in the pass that writes dL/ds when the CE gradient i
     (log2 is the hardware lg2.approx on GPU)
 
 Measured on an H200 (benchmarks/bench_rows.py, 8192 × 128256 bf16, BENCHMARKS.md): JSD with CE and grad
-3.6 ms, reverse KL 3.4 ms (its 7 bytes an element at copy speed: 3.46 ms), forward KL 2.5 ms; first
-version (4096 × 16 tiles, a block-wide reduction per tile in pass 1) 7.6 and 4.3 ms. Its passes are
+3.7 ms (its 7 bytes an element at copy speed: 3.46 ms), forward KL 2.5 ms, reverse KL 2.6 ms (3.5 in
+three passes), without grad forward and reverse KL 1.4 ms (2.0 in two); first version (4096 × 16 tiles,
+a block-wide reduction per tile in pass 1) 7.6 and 4.3 ms. Its passes are
 bound by their bytes and their instruction issue about equally (JSD's passes: 25–30 sm_90 instructions
 an element): fewer instructions, not fewer transcendentals, make it faster.
 
