@@ -22,6 +22,8 @@ import hashlib
 import math
 import re
 
+import rfc8785
+
 API_VERSION = "kernelindex.dev/v1alpha1"
 KINDS = ("OperationSpec", "WorkloadCase", "ImplementationRevision", "BenchmarkProtocol",
          "ExecutionEnvironment", "BenchmarkRun")
@@ -35,8 +37,6 @@ _SET_LIKE = ("hardwareArchitectures", "productsTested", "axes", "dtypes", "layou
 
 def canonical_json(value) -> str:
     """RFC 8785 canonical JSON of a JSON value (dicts, lists, str, int, float, bool, None)."""
-    import rfc8785  # here, so that `flashkd bench` runs without it
-
     return rfc8785.dumps(value).decode("utf-8")
 
 
