@@ -61,6 +61,28 @@ def test_bad_input_is_named(change, error, words):
         assert word in str(info.value), (word, str(info.value))
 
 
+@pytest.mark.skipif(not torch.distributed.is_available(), reason="torch without torch.distributed")
+def test_sharded_weight_is_named_and_its_full_tensor_works():
+    """A DTensor (an FSDP2 parameter outside its module's forward) is an error naming the argument, not a
+    failure inside a GEMM; its full_tensor(), as the message suggests, gives the local call's loss and
+    gradients, which flow back to the sharded parameter."""
+    from torch import distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        xs, ws, xt, wt, y = inputs()
+        sharded = distribute_tensor(ws.detach(), init_device_mesh("cpu", (1,)), [Shard(0)]).requires_grad_()
+        with pytest.raises(TypeError, match="student_weight: expected a local torch.Tensor, got a DTensor"):
+            flashkd.fused_linear_distill(xs, sharded, xt, wt, y)
+        flashkd.fused_linear_distill(xs, sharded.full_tensor(), xt, wt, y).backward()
+        flashkd.fused_linear_distill(xs, ws, xt, wt, y).backward()
+        torch.testing.assert_close(sharded.grad.full_tensor(), ws.grad)
+    finally:
+        dist.destroy_process_group()
+
+
 def test_unchecked_bad_label_gives_nan_not_garbage():
     xs, ws, xt, wt, y = inputs()
     y[2] = 50

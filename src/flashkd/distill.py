@@ -40,6 +40,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import os
+import sys
 
 import torch
 
@@ -447,6 +448,12 @@ def _check_tensors(named: dict, dtype=None, device=None, like="student_input"):
             continue
         if not isinstance(x, torch.Tensor):
             raise TypeError(f"{name}: expected a torch.Tensor, got {type(x).__name__}")
+        dtensor = sys.modules.get("torch.distributed.tensor")  # not imported: x cannot be one
+        if dtensor is not None and isinstance(x, dtensor.DTensor):
+            # FSDP2's parameters outside the module's forward: the GEMMs would fail deep inside
+            raise TypeError(f"{name}: expected a local torch.Tensor, got a DTensor ({x.placements} over "
+                            f"{x.device_mesh}); call where FSDP has gathered it (inside the module's forward), "
+                            f"or pass {name}.full_tensor()")
         if dtype is not None and x.dtype != dtype:
             raise TypeError(f"{name}: expected dtype {dtype} (the dtype of {like}), got {x.dtype}")
         if device is not None and x.device != device:
