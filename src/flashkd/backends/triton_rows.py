@@ -276,17 +276,15 @@ def _one_row(
                     ss += a0 * a0
                     tt += b0 * b0
                     st += a0 * b0
-                elif ONLINE_KL and LOSS == _REVERSE_KL:
-                    l_s, r_kl = _lane_sums(l_s, r_kl, m_s, a, a - b, log2e_tau)
-                    l_t = _lane_sum(l_t, m_t, b, log2e_tau)
-                    m_t = tl.maximum(m_t, b)
-                elif ONLINE_KL:  # forward KL
-                    l_s = _lane_sum(l_s, m_s, a, log2e_tau)
-                    l_t, r_kl = _lane_sums(l_t, r_kl, m_t, b, b - a, log2e_tau)
-                    m_t = tl.maximum(m_t, b)
                 else:
-                    l_s = _lane_sum(l_s, m_s, a, log2e_tau)
-                    l_t = _lane_sum(l_t, m_t, b, log2e_tau)
+                    if ONLINE_KL and LOSS == _REVERSE_KL:
+                        l_s, r_kl = _lane_sums(l_s, r_kl, m_s, a, a - b, log2e_tau)
+                    else:
+                        l_s = _lane_sum(l_s, m_s, a, log2e_tau)
+                    if ONLINE_KL and LOSS == _FORWARD_KL:
+                        l_t, r_kl = _lane_sums(l_t, r_kl, m_t, b, b - a, log2e_tau)
+                    else:
+                        l_t = _lane_sum(l_t, m_t, b, log2e_tau)
                     m_t = tl.maximum(m_t, b)
             if CE and not CE_IS_Q:
                 l_c = _lane_sum(l_c, m_s, a, _LOG2E)
