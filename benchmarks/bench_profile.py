@@ -5,12 +5,14 @@ steps are profiled after warm-up (torch.profiler); printed per step: every kerne
 (the GEMMs under their cuBLAS names), the GPU's busy time (the union of its kernels' intervals) and
 the step's span from first kernel start to last kernel end. Span − busy is the time the GPU waited
 for the host. The calls are `flashkd bench`'s own (its flashkd and floor providers, its modes), on the
-seed shape (bf16, V = 128256, Hs = 2048, Ht = 4096).
-Usage: python benchmarks/bench_profile.py [--loss jsd] [--rows 8192] [--steps 10] [--top 12]
+first workload of a bench preset (seed: JSD, N = 8192, bf16, V = 128256, Hs = 2048, Ht = 4096; topk,
+logits: the top-k and dense-logits teachers), its loss and rows replaced by --loss and --rows.
+Usage: python benchmarks/bench_profile.py [--preset seed] [--loss jsd] [--rows 8192] [--steps 10] [--top 12]
 """
 
 import argparse
 import collections
+import dataclasses
 
 import torch
 from torch.autograd import DeviceType
@@ -18,7 +20,7 @@ from torch.profiler import ProfilerActivity, profile
 
 from flashkd.bench import measure
 from flashkd.bench.providers import PROVIDERS
-from flashkd.bench.workloads import Workload, make_inputs
+from flashkd.bench.workloads import PRESETS, make_inputs
 
 
 def kernels(step, steps):
@@ -50,14 +52,16 @@ def report(title, events, steps, top):
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--loss", default="jsd")
-    ap.add_argument("--rows", type=int, default=8192)
+    ap.add_argument("--preset", default="seed", choices=[p for p in PRESETS if p != "teacher-topk"])
+    ap.add_argument("--loss", default=None, help="default: the preset's")
+    ap.add_argument("--rows", type=int, default=None, help="default: the preset's")
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--top", type=int, default=12)
     args = ap.parse_args()
-    w = Workload(args.loss, args.rows)
+    w = PRESETS[args.preset][0]
+    w = dataclasses.replace(w, loss=args.loss or w.loss, n=args.rows or w.n)
     x = make_inputs(w, torch.device("cuda"))
-    print(f"{args.loss}, N={args.rows}, {args.steps} steps each; {torch.cuda.get_device_name()}")
+    print(f"{w.tag}, N={w.n}, {w.describe()}; {args.steps} steps each; {torch.cuda.get_device_name()}")
     for mode in ("full", "no-grad-forward"):
         for name in ("floor", "flashkd"):
             call = measure._step(PROVIDERS[name].make(w, x), x, mode)
