@@ -8,12 +8,12 @@ that a bf16 accumulator's roundings of dW show against the fp32 one's.
 Usage: python benchmarks/bench_memory.py
 """
 
-import itertools
 
 import torch
 import triton
 
 import flashkd
+from flashkd.bench.measure import cuda_peak
 from flashkd.bench.workloads import PRESETS, make_inputs
 
 SETTINGS = [  # (chunk_size, grad_accum_dtype)
@@ -66,12 +66,8 @@ def time_and_extra(step, grads, keep_grads=False):
     ms = triton.testing.do_bench(step, quantiles=[0.5, 0.2, 0.8], rep=500, grad_to_none=grads)
     for g in grads:
         g.grad = None
-    torch.cuda.synchronize()
-    torch.cuda.reset_peak_memory_stats()
-    before = torch.cuda.memory_allocated()
-    step()
-    torch.cuda.synchronize()
-    extra = (torch.cuda.max_memory_allocated() - before) / 2**20
+    peak, before = cuda_peak(step)
+    extra = (peak - before) / 2**20
     if not keep_grads:
         for g in grads:
             g.grad = None

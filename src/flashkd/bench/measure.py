@@ -401,19 +401,26 @@ def _time_cuda(step, grads, settings: Settings):
     return [float(t) for t in times]
 
 
+def cuda_peak(step) -> tuple[int, int]:
+    """(peak bytes allocated during step(), bytes allocated before it), on the current CUDA device:
+    Liger's measure (reset the peak, run, read max_memory_allocated), step's result kept until then."""
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    before = torch.cuda.memory_allocated()
+    out = step()
+    torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated()
+    del out
+    return peak, before
+
+
 def _memory_cuda(step, grads):
-    # Liger's measure: reset the peak, run, read max_memory_allocated; in MiB (its "MB").
+    # in MiB (Liger's "MB")
     peaks, extras = [], []
     for _ in range(_MEMORY_REPS):
         for g in grads:
             g.grad = None  # grads of the last call are not part of this call's baseline
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-        before = torch.cuda.memory_allocated()
-        out = step()
-        torch.cuda.synchronize()
-        peak = torch.cuda.max_memory_allocated()
-        del out
+        peak, before = cuda_peak(step)
         peaks.append(peak / 2**20)
         extras.append((peak - before) / 2**20)
     return _quantiles(peaks), _quantiles(extras)
