@@ -1,6 +1,7 @@
 """The benchmark harness on CPU at tiny shapes: CSV schema, correctness gate, presets, plots, CLI."""
 
 import csv
+import io
 import dataclasses
 import json
 import math
@@ -17,13 +18,13 @@ import flashkd
 from flashkd.bench import cli, measure, report
 from flashkd.bench.providers import PROVIDERS, Provider
 from flashkd.bench.workloads import PRESETS, Workload, expand, make_inputs
+from flashkd.records import liger
 
 LIGER_COLUMNS = [
     "kernel_name", "kernel_provider", "kernel_operation_mode", "metric_name", "metric_unit", "x_name", "x_label",
     "x_value", "y_value_50", "y_value_20", "y_value_80", "extra_benchmark_config_str", "gpu_name", "timestamp",
     "liger_version",
 ]
-LIGER_ROWS = Path(__file__).resolve().parents[2] / "shared/data/liger/distill_benchmark_rows.csv"
 FAST = measure.Settings(torch.device("cpu"), rep_ms=1.0, warmup_ms=0.0, min_reps=2)
 # N = 7, 11 and V = 37 are primes: no size is a multiple of a block or chunk.
 TINY = [Workload("jsd", 7, h=12, v=37, dtype="float32"), Workload("jsd", 11, h=12, v=37, dtype="float32")]
@@ -59,8 +60,7 @@ def test_results_csv_has_liger_schema(tmp_path):
     report.write_csv(results, tmp_path / "results.csv", env)
     header, *rows = _read(tmp_path / "results.csv")
     assert header == LIGER_COLUMNS
-    if LIGER_ROWS.exists():  # the published file itself, where the shared folder is beside the repository
-        assert _read(LIGER_ROWS)[0] == header
+    assert next(csv.reader(io.StringIO(liger.bundled_csv()))) == header  # Liger's published file's header
     # 2 workloads x 3 providers x 2 modes x (speed, memory, memory_extra)
     assert len(rows) == 2 * 3 * 2 * 3 and all(len(r) == 15 for r in rows)
     versions = {"flashkd": flashkd.__version__, "torch": torch.__version__, "floor": torch.__version__}

@@ -4,6 +4,7 @@ importer, verify, compare, and emit -> verify on a tiny CPU bench run."""
 import copy
 import hashlib
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -18,9 +19,10 @@ from flashkd.records import (
 from flashkd.records.cli import add_records_parser, groups, ranked, write_bundles
 from flashkd.records.emit import harness_commit
 
-SHARED = Path(__file__).resolve().parents[2] / "shared/data"
-VECTOR = json.loads((SHARED / "kernelindex/liger-distill-jsd-forward-h100-bt8192.json").read_text())
-CSV_TEXT = (SHARED / "liger/distill_benchmark_rows.csv").read_text()
+# KernelIndex's test vector (tests/data/kernelindex/NOTICE) and Liger-Kernel's published rows, which
+# flashkd ships as package data (src/flashkd/records/data/NOTICE).
+VECTOR = json.loads((Path(__file__).parent / "data/kernelindex/liger-distill-jsd-forward-h100-bt8192.json").read_text())
+CSV_TEXT = liger.bundled_csv()
 VECTOR_ID = VECTOR["run"]["manifest"]["spec"]["sourceNative"]["externalId"]
 OBJECTS = ("operation", "workload", "implementation", "protocol", "environment", "run")
 
@@ -135,23 +137,131 @@ def test_import_skips_with_reason():
         ({"kernel_provider": "triton_magic"}, "unknown provider 'triton_magic'"),
         ({"gpu_name": "NVIDIA H200"}, "unknown GPU 'NVIDIA H200'"),
         ({"kernel_operation_mode": "sideways"}, "unknown timed pass 'sideways'"),
-        ({"x_name": "V"}, "config not understood"),
-        ({"y_value_50": "nan"}, "invalid median 'nan'"),
+        ({"x_name": "V"}, "x_value or config not understood for jsd with x_name 'V'"),
+        ({"y_value_50": "nan"}, "invalid median: expected a positive finite number of ms"),
+        ({"timestamp": "garbage"}, "timestamp not understood"),
     ):
         with pytest.raises(liger.Skipped, match=reason):
             liger.bundle_from_row({**row, **change})
 
 
 def test_import_cli(tmp_path, capsys):
-    assert _cli(["records", "import-liger", str(SHARED / "liger/distill_benchmark_rows.csv"), "--out",
-                 str(tmp_path)]) == 0
+    """Without a CSV the shipped rows are imported; a path to the same rows gives the same bundles."""
+    assert _cli(["records", "import-liger", "--out", str(tmp_path / "bundled")]) == 0
     out = capsys.readouterr().out.splitlines()
-    assert out[-1] == f"96 bundle(s) written to {tmp_path}, 44 row(s) skipped"
-    assert sum("skipped: memory row" in line for line in out) == 44
-    files = sorted(tmp_path.glob("*.json"))
+    assert out == ["skipped 44 row(s) (lines 2-13, 54-61, 78-85, 102-109, 134-141): memory row: only speed rows are imported",
+                   f"96 bundle(s) from Liger-Kernel's published rows (shipped with flashkd) written to "
+                   f"{tmp_path / 'bundled'}, 44 row(s) skipped"]
+    files = sorted((tmp_path / "bundled").glob("*.json"))
     assert len(files) == 96
-    vector = json.loads((tmp_path / liger.bundle_filename(VECTOR)).read_text())
+    vector = json.loads((tmp_path / "bundled" / liger.bundle_filename(VECTOR)).read_text())
     assert {k: v["digest"] for k, v in vector.items()} == {k: VECTOR[k]["digest"] for k in OBJECTS}
+    csv_path = tmp_path / "rows.csv"
+    csv_path.write_text(CSV_TEXT)
+    assert _cli(["records", "import-liger", str(csv_path), "--out", str(tmp_path / "named")]) == 0
+    assert capsys.readouterr().out.splitlines()[-1].startswith(f"96 bundle(s) from {csv_path} written to")
+    assert [p.read_text() for p in sorted((tmp_path / "named").glob("*.json"))] == [p.read_text() for p in files]
+
+
+def test_bundled_rows_and_notice():
+    """The shipped rows keep Liger-Kernel's copyright and licence notice beside them."""
+    from importlib import resources
+
+    data = resources.files("flashkd.records").joinpath("data")
+    notice = data.joinpath("LICENSE.liger-kernel").read_text("utf-8")
+    assert notice.startswith("BSD 2-CLAUSE LICENSE\nCopyright 2024 LinkedIn Corporation")
+    assert "THIS SOFTWARE IS PROVIDED BY THE COPYRIGHT HOLDERS AND CONTRIBUTORS" in notice
+    assert "LICENSE.liger-kernel" in data.joinpath("NOTICE").read_text("utf-8")
+    rows = liger.read_rows(CSV_TEXT)
+    assert len(rows) == 140 and {r["kernel_name"] for r in rows} == set(liger.KERNELS)
+
+
+def _one_row(tmp_path, **change):
+    """A CSV of one speed row of the shipped data (the test vector's), with fields changed."""
+    import csv
+
+    row = next(r for r in liger.read_rows(CSV_TEXT) if r["kernel_name"] == "distill_jsd_loss"
+               and r["metric_name"] == "speed")
+    path = tmp_path / "row.csv"
+    with open(path, "w", newline="") as f:
+        out = csv.DictWriter(f, fieldnames=liger.COLUMNS)
+        out.writeheader()
+        out.writerow({**row, **change})
+    return path
+
+
+def _one_line_error(capsys, prefix):
+    err = capsys.readouterr().err
+    assert err.startswith(prefix) and err.count("\n") == 1 and "Traceback" not in err, err
+
+
+@pytest.mark.parametrize("change, reason", [
+    ({"x_value": "9007199254740993"}, "x_value or config not understood"),  # past 2^53 − 1
+    ({"x_value": "1e400"}, "x_value or config not understood"),  # Infinity
+    ({"x_value": "Infinity"}, "x_value or config not understood"),
+    ({"y_value_50": "1e10"}, "latency over 2^53 − 1 ns"),
+    ({"y_value_80": "1e300"}, "latency over 2^53 − 1 ns"),
+    ({"y_value_50": "Infinity"}, "invalid median"),
+    ({"extra_benchmark_config_str": '{"H": 4096, "V": 1e400, "dtype": "torch.bfloat16", "bias": false, '
+                                    '"weight_hard_loss": 0.5, "weight_soft_loss": 0.5}'}, "config not understood"),
+    ({"extra_benchmark_config_str": '{"H": 4096, "V": 128256, "dtype": "torch.bfloat16", "bias": false, '
+                                    '"weight_hard_loss": 1e400, "weight_soft_loss": 0.5}'}, "config not understood"),
+    ({"extra_benchmark_config_str": '{"H": 4096, "V": 128256, "dtype": "torch.bfloat16", "bias": false, '
+                                    '"weight_hard_loss": 100000000000000000000, "weight_soft_loss": 0.5}'},
+     "a number outside what JSON carries exactly"),
+    ({"liger_version": "9" * 3000}, "its bundle would not verify: run (BenchmarkRun) schema: "
+                                    "metadata/labels/liger_version: '999999999999999999999999…' is too long"),
+])
+def test_import_never_writes_what_verify_refuses(tmp_path, capsys, change, reason):
+    """Numbers outside JSON's safe range, infinities and an over-long version skip the row (with one
+    summary line) instead of a traceback or a bundle that `records verify` would then reject."""
+    assert _cli(["records", "import-liger", str(_one_row(tmp_path)), "--out", str(tmp_path / "ok")]) == 0
+    capsys.readouterr()
+    assert _cli(["records", "verify", str(tmp_path / "ok")]) == 0  # the unchanged row imports and verifies
+    capsys.readouterr()
+    changed = _one_row(tmp_path, **change)
+    assert _cli(["records", "import-liger", str(changed), "--out", str(tmp_path / "out")]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert len(out) == 2 and out[0].startswith("skipped 1 row(s) (line 2): ") and reason in out[0], out
+    assert out[1] == f"0 bundle(s) from {changed} written to {tmp_path / 'out'}, 1 row(s) skipped"
+    assert not list((tmp_path / "out").glob("*.json"))
+
+
+def test_import_out_not_a_writable_folder(tmp_path, capsys, monkeypatch):
+    afile = tmp_path / "afile"
+    afile.write_text("")
+    for out in (afile, afile / "under"):
+        assert _cli(["records", "import-liger", "--out", str(out)]) == 2
+        _one_line_error(capsys, f"flashkd records import-liger: --out {out}: ")
+    assert afile.read_text() == ""
+    locked = tmp_path / "locked"
+    locked.mkdir(mode=0o500)
+    if os.access(locked, os.W_OK):  # root writes anywhere: make the write fail as it would for a user
+        def refuse(self, *args, **kwargs):
+            raise PermissionError(13, "Permission denied", str(self))
+        monkeypatch.setattr(Path, "write_text", refuse)
+    assert _cli(["records", "import-liger", "--out", str(locked / "x")]) == 2
+    _one_line_error(capsys, f"flashkd records import-liger: --out {locked / 'x'}: Permission denied: ")
+
+
+def test_import_missing_csv(tmp_path, capsys):
+    assert _cli(["records", "import-liger", str(tmp_path / "nope.csv"), "--out", str(tmp_path / "o")]) == 2
+    _one_line_error(capsys, f"flashkd records import-liger: {tmp_path / 'nope.csv'}: ")
+    assert not (tmp_path / "o").exists()
+
+
+@pytest.mark.parametrize("text", ["[" * 100_000 + "]" * 100_000, '{"a":' * 5000 + "1" + "}" * 5000,
+                                  '{"run":' + "[" * 200 + "]" * 200 + "}", '{"x": 1e400}'])
+@pytest.mark.parametrize("command", ["verify", "compare"])
+def test_verify_and_compare_refuse_deep_or_non_json_numbers(tmp_path, capsys, text, command):
+    """Deeply nested JSON and numbers past a double's range: a one-line problem and a non-zero exit."""
+    path = tmp_path / "deep.json"
+    path.write_text(text)
+    assert _cli(["records", command, str(path)]) != 0
+    captured = capsys.readouterr()
+    assert "Traceback" not in captured.err and "RecursionError" not in captured.out + captured.err
+    lines = [line for line in (captured.out + captured.err).splitlines() if str(path) in line]
+    assert len(lines) == 1 and ("nested deeper than 64 levels" in lines[0] or "outside the range" in lines[0]), lines
 
 
 # -- verify -----------------------------------------------------------------------------------------
@@ -231,8 +341,7 @@ def test_verify_cli(tmp_path, capsys):
 # -- compare ----------------------------------------------------------------------------------------
 
 def test_compare_groups_liger_and_torch(tmp_path, capsys):
-    assert _cli(["records", "import-liger", str(SHARED / "liger/distill_benchmark_rows.csv"), "--out",
-                 str(tmp_path)]) == 0
+    assert _cli(["records", "import-liger", "--out", str(tmp_path)]) == 0
     bundles = [(p, json.loads(p.read_text())) for p in sorted(tmp_path.glob("*.json"))]
     grouped = groups(bundles)
     assert len(grouped) == 48 and all(len(m) == 2 for m in grouped.values())  # liger and torch, every case

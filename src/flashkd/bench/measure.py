@@ -25,35 +25,15 @@ from typing import Callable
 
 import torch
 
+from ..records.protocol import MODES, QUANTILES, TOLERANCE, applicable  # noqa: F401 (measure.MODES, ...)
 from .providers import PROVIDERS, LossFn, Skip, naive_loss, teacher_block
 from .workloads import Inputs, Workload, make_inputs
-
-MODES = ("full", "forward", "backward", "no-grad-forward")
-QUANTILES = (0.5, 0.2, 0.8)  # Liger's columns y_value_50, y_value_20, y_value_80
-
-# The gate on relative error against the fp32 reference: (loss, grads). It catches wrong results (a
-# wrong term, β or scale moves the loss or a gradient by 1e-2 and more); it does not rank precision,
-# which the reported errors do. The provider's inputs are the reference's inputs before upcasting,
-# so its error is its own arithmetic only. fp32: sums over V and H in another order differ by ~1e-6,
-# so 1e-4 leaves 100x. bf16/fp16: logits and dX/dW rounded to 8 (11) bits give ~2e-3 (torch),
-# and Liger's bf16 loss math gives 4e-3 on the loss and 1.5e-2 on dX (measured on an H200), so
-# 1e-2 / 5e-2 passes every correct implementation known and still fails a 10% error.
-TOLERANCE = {
-    torch.float32: (1e-4, 1e-4),
-    torch.bfloat16: (1e-2, 5e-2),
-    torch.float16: (1e-2, 5e-2),
-}
 
 # The reference keeps ~10 fp32 (R, V) tensors for autograd. With at most 4 GiB of logits per block
 # that is ~50 GB: the seed workload (N=8192, V=128256) is one block, i.e. the naive formula as it
 # stands; larger N go block by block, which changes only the order of fp32 sums.
 _REFERENCE_BLOCK_BYTES = 4 << 30
 _MEMORY_REPS = 5  # peaks repeat exactly from call to call; Liger takes 10
-
-
-def applicable(w: Workload, modes: list[str]) -> list[str]:
-    """The modes that apply to w: all for a loss; for teacher_topk (no gradient) only no-grad-forward."""
-    return list(modes) if w.has_grad else [m for m in modes if m == "no-grad-forward"]
 
 
 @dataclasses.dataclass(frozen=True)

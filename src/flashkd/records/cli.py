@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -16,7 +17,8 @@ KernelIndex (kernelindex.dev/v1alpha1) benchmark records. A bundle is one JSON f
 operation, workload, implementation, protocol, environment, run, each {"digest", "manifest"}.
 
 commands:
-  import-liger CSV --out DIR   Liger-Kernel benchmark rows -> one bundle per imported row
+  import-liger [CSV] --out DIR Liger-Kernel benchmark rows -> one bundle per imported row; without CSV,
+                               Liger-Kernel's published rows that flashkd ships (BSD-2-Clause)
   verify PATH...               recompute digests, check references and schemas; exit 1 on any problem
   compare PATH...              runs grouped by comparison key, ranked by primary statistic (lower first)
 PATH is a bundle file or a folder of them.
@@ -29,7 +31,9 @@ def add_records_parser(commands) -> argparse.ArgumentParser:
                             description=USAGE, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="records_command", required=True, metavar="command")
     q = sub.add_parser("import-liger", help="Liger-Kernel benchmark CSV -> bundles")
-    q.add_argument("csv", type=Path, help="a CSV in Liger-Kernel's 15-column benchmark schema")
+    q.add_argument("csv", type=Path, nargs="?", default=None,
+                   help="a CSV in Liger-Kernel's 15-column benchmark schema (default: the published rows "
+                        "of its distillation and JSD kernels shipped with flashkd)")
     q.add_argument("--out", type=Path, required=True, help="folder for the bundle files")
     q.add_argument("--liger-commit", default=liger.LIGER_COMMIT,
                    help="Liger-Kernel commit the operations' sourceRefs cite (metadata only)")
@@ -55,21 +59,54 @@ def write_bundles(bundles: list[dict], folder: Path) -> list[Path]:
 
 
 def import_liger(args: argparse.Namespace) -> int:
+    source = args.csv or "Liger-Kernel's published rows (shipped with flashkd)"
     try:
-        rows = liger.read_rows(args.csv.read_text(encoding="utf-8"))
+        rows = liger.read_rows(args.csv.read_text(encoding="utf-8") if args.csv else liger.bundled_csv())
     except (OSError, ValueError) as e:
-        print(f"flashkd records import-liger: {args.csv}: {e}", file=sys.stderr)
+        print(f"flashkd records import-liger: {source}: {e}", file=sys.stderr)
         return 2
-    written = skipped = 0
-    for line, bundle, reason in liger.import_rows(rows, args.liger_commit):
+    imported = list(liger.import_rows(rows, args.liger_commit))  # every row checked before anything is written
+    try:
+        prepare_folder(args.out)
+        for _, bundle, _ in imported:
+            if bundle is not None:
+                write_bundle(bundle, args.out)
+    except OSError as e:
+        print(f"flashkd records import-liger: --out {args.out}: {_os_error(e)}", file=sys.stderr)
+        return 2
+    skipped: dict[str, list[int]] = {}
+    for line, bundle, reason in imported:
         if bundle is None:
-            print(f"{args.csv}:{line}: skipped: {reason}")
-            skipped += 1
-            continue
-        write_bundle(bundle, args.out)
-        written += 1
-    print(f"{written} bundle(s) written to {args.out}, {skipped} row(s) skipped")
+            skipped.setdefault(reason, []).append(line)
+    for reason, lines in skipped.items():
+        print(f"skipped {len(lines)} row(s) ({'line' if len(lines) == 1 else 'lines'} {_spans(lines)}): {reason}")
+    written = len(imported) - sum(map(len, skipped.values()))
+    print(f"{written} bundle(s) from {source} written to {args.out}, {len(imported) - written} row(s) skipped")
     return 0
+
+
+def prepare_folder(folder: Path) -> None:
+    """Creates `folder` (and its parents) or checks that it is a writable folder; raises OSError."""
+    if folder.exists() and not folder.is_dir():
+        raise NotADirectoryError("exists and is not a folder")
+    folder.mkdir(parents=True, exist_ok=True)
+    if not os.access(folder, os.W_OK | os.X_OK):
+        raise PermissionError("not writable")
+
+
+def _os_error(e: OSError) -> str:
+    """An OSError in one line: "Permission denied: out/x.json"."""
+    return f"{e.strerror}: {e.filename}" if e.strerror and e.filename else str(e)
+
+
+def _spans(lines: list[int]) -> str:
+    """[2, 3, 4, 9] -> "2-4, 9"."""
+    out, start = [], lines[0]
+    for prev, cur in zip(lines, lines[1:] + [None]):
+        if cur != prev + 1:
+            out.append(str(start) if start == prev else f"{start}-{prev}")
+            start = cur
+    return ", ".join(out)
 
 
 def verify(args: argparse.Namespace) -> int:

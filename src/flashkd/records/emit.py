@@ -7,9 +7,9 @@
     WorkloadCase            the bound case: shapes, dtype, loss options, seeded inputs (and how the
                             teacher's logits or top-k targets were made from them), and the gate's
                             policy: relative L2 error against the fp32 reference (TF32 off) within
-                            measure.TOLERANCE (loss and gradients; maxRelativeError is the looser one,
+                            protocol.TOLERANCE (loss and gradients; maxRelativeError is the looser one,
                             the exact pair is in metadata.description); teacher_topk: its ids up to
-                            ties and its probabilities (measure._gate_topk)
+                            ties and its probabilities (bench.measure._gate_topk)
     ImplementationRevision  per provider (flashkd, torch = the naive formula, liger); "floor" is not an
                             implementation of the loss and has no record
     BenchmarkProtocol       harness "flashkd-bench": warm-up, rep and minimum calls, quantiles, timer
@@ -19,7 +19,9 @@
                             peak and extra memory in bytes (CUDA)
 
 Every provider of one bench process shares operation, workload, protocol and environment, so their
-runs fall into one comparison group.
+runs fall into one comparison group. The functions read flashkd.bench's Workload and Result objects by
+their attributes; this module imports nothing from the bench, which sits above the records (what both
+need, the modes, quantiles and tolerances, is in records.protocol).
 """
 
 from __future__ import annotations
@@ -37,8 +39,8 @@ from pathlib import Path
 import torch
 
 import flashkd
-from ..bench import measure
 from . import liger
+from .protocol import QUANTILES, TOLERANCE, applicable
 from .identity import API_VERSION, digest, js_round
 
 HARNESS = "flashkd-bench"
@@ -85,7 +87,7 @@ _TAIL_TEXT = {
 }
 
 
-def _expression(w: measure.Workload) -> str:
+def _expression(w) -> str:
     """What the operation computes, in one line: the identity of the forms that Liger has no spec for."""
     if w.form == "teacher_topk":
         return ("ids, logprobs = topk(log_softmax((teacher_input @ teacher_weight^T) / τ), k) per row, by "
@@ -99,7 +101,7 @@ def _expression(w: measure.Workload) -> str:
             f"{student}; flashkd.losses")
 
 
-def operation(w: measure.Workload) -> dict:
+def operation(w) -> dict:
     kernel = liger.KERNELS.get(w.kernel_name)
     if kernel is not None:
         spec = liger.operation(kernel)["spec"]
@@ -128,9 +130,9 @@ def operation(w: measure.Workload) -> dict:
     }, spec)
 
 
-def workload(w: measure.Workload, operation_digest: str) -> dict:
+def workload(w, operation_digest: str) -> dict:
     dtype = _DTYPE_TOKENS[w.torch_dtype]
-    loss_tol, grad_tol = measure.TOLERANCE[w.torch_dtype]
+    loss_tol, grad_tol = TOLERANCE[w.torch_dtype]
 
     def tensor(shape, dt, generator, **parameters):
         data = {"generator": generator, "seed": w.seed, **({"parameters": parameters} if parameters else {})}
@@ -194,7 +196,7 @@ def workload(w: measure.Workload, operation_digest: str) -> dict:
     })
 
 
-def implementation(provider: str, version: str, w: measure.Workload, operation_digest: str, cuda: bool,
+def implementation(provider: str, version: str, w, operation_digest: str, cuda: bool,
                    repository: str | None, commit: str | None) -> dict:
     ours = {"version": flashkd.__version__, **({"repository": repository} if repository else {}),
             **({"commit": commit} if commit else {})}
@@ -234,7 +236,7 @@ def implementation(provider: str, version: str, w: measure.Workload, operation_d
 
 def protocol(mode: str, env: dict, repository: str | None, commit: str | None) -> dict:
     cuda = env["device"] == "cuda"
-    quantiles = "/".join(f"{q:g}" for q in measure.QUANTILES)
+    quantiles = "/".join(f"{q:g}" for q in QUANTILES)
     timed = (f"triton.testing.do_bench, rep {env['rep_ms']:g} ms raised to fit at least {env['min_reps']} calls, "
              f"gradients set to None between calls, TF32 matmul {'on' if env['tf32'] else 'off'}") if cuda else \
             (f"time.perf_counter around each call until {env['rep_ms']:g} ms and at least {env['min_reps']} calls, "
@@ -324,7 +326,7 @@ def environment(env: dict, device: torch.device | None = None) -> dict:
     }, {"hardware": hardware, "software": software})
 
 
-def _run(r: measure.Result, mode: str, digests: dict, observed_at: str, logs: dict | None) -> dict:
+def _run(r, mode: str, digests: dict, observed_at: str, logs: dict | None) -> dict:
     c, w = r.check, r.workload
     spec = {**{f"{k}Digest": digests[k] for k in ("implementation", "workload", "protocol", "environment")},
             "status": _STATUS.get(c.status, "runtime_error")}
@@ -381,7 +383,7 @@ def _artifact(path: Path) -> dict:
     return {"uri": path.name, "digest": "sha256:" + hashlib.sha256(path.read_bytes()).hexdigest()}
 
 
-def bundles_from_results(results: list[measure.Result], env: dict, *, device: torch.device | None = None,
+def bundles_from_results(results: list, env: dict, *, device: torch.device | None = None,
                          repository: str | None = None, commit: str | None = None,
                          logs: Path | None = None) -> list[dict]:
     """One bundle per (workload, provider, mode) of `results`; `env` is report.environment(settings).
@@ -409,7 +411,7 @@ def bundles_from_results(results: list[measure.Result], env: dict, *, device: to
             "environment": environment_m,
         }
         observed = liger.utc_instant(r.timestamp) if r.timestamp else now
-        for mode in [r.mode] if r.mode is not None else measure.applicable(r.workload, modes):
+        for mode in [r.mode] if r.mode is not None else applicable(r.workload, modes):
             objects = {**shared, "protocol": protocol(mode, env, repository, commit)}
             digests = {k: digest(m) for k, m in objects.items()}
             objects["run"] = _run(r, mode, digests, observed, evidence)

@@ -30,7 +30,7 @@ KINDS = ("OperationSpec", "WorkloadCase", "ImplementationRevision", "BenchmarkPr
 
 _DURATION = re.compile(r"^([0-9]+(?:\.[0-9]+)?)\s?(ns|us|µs|ms|s)$")
 _NS_PER = {"ns": 1, "us": 1e3, "µs": 1e3, "ms": 1e6, "s": 1e9}
-_MAX_SAFE_INTEGER = 2**53 - 1
+MAX_SAFE_INTEGER = 2**53 - 1
 _LATENCY_FIELDS = ("median", "mean", "p05", "p95", "minimum", "maximum", "mad")
 _SET_LIKE = ("hardwareArchitectures", "productsTested", "axes", "dtypes", "layouts")
 
@@ -56,7 +56,7 @@ def duration_ns(value) -> int:
     if match is None:
         raise ValueError(f"duration: expected integer ns or '<number> ns|us|ms|s', got {value!r}")
     ns = float(match.group(1)) * _NS_PER[match.group(2)]
-    if not (ns.is_integer() and ns <= _MAX_SAFE_INTEGER):
+    if not (ns.is_integer() and ns <= MAX_SAFE_INTEGER):
         raise ValueError(f"ambiguous duration: {value} is not an integer nanosecond count")
     return int(ns)
 

@@ -10,8 +10,13 @@ One speed row becomes six manifests:
                             the CSV timestamp read as UTC, liger_version in metadata.labels
 
 Rows KernelIndex does not import are skipped with a reason: memory rows, kernels outside the curated
-set below, unknown providers, GPUs or passes, and config shapes a kernel's binder does not recognise.
-Liger-Kernel is BSD-2-Clause (github.com/linkedin/Liger-Kernel).
+set below, unknown providers, GPUs or passes, and config shapes a kernel's binder does not recognise;
+so is a row whose bundle `flashkd records verify` would refuse (verify.check_bundle runs on every
+bundle before it is returned), e.g. a number outside JSON's safe range or an over-long version.
+
+`bundled_csv()` is Liger-Kernel's published benchmark data for the kernels mapped here, shipped in
+data/ (BSD-2-Clause: Liger-Kernel's copyright and licence notice is data/LICENSE.liger-kernel, where
+data/NOTICE says where the rows come from).
 """
 
 from __future__ import annotations
@@ -25,7 +30,8 @@ import re
 from datetime import datetime, timezone
 from typing import Callable
 
-from .identity import API_VERSION, digest, js_round
+from .identity import API_VERSION, MAX_SAFE_INTEGER, digest, js_round
+from .verify import check_bundle
 
 LIGER_REPO_URL = "https://github.com/linkedin/Liger-Kernel"
 SOURCE = "liger-kernel-bench"
@@ -95,14 +101,16 @@ class Kernel:
 
 
 def _int(value):
-    """A positive integer JSON number, else None (JSON true is not a number)."""
+    """A positive integer JSON number that JSON carries exactly (at most 2^53 − 1), else None (JSON
+    true is not a number)."""
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         return None
-    return int(value) if float(value).is_integer() and value > 0 else None
+    return int(value) if float(value).is_integer() and 0 < value <= MAX_SAFE_INTEGER else None
 
 
 def _number(value) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
+    """A finite JSON number (json.loads reads 1e400 as inf, which JSON cannot write back)."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
 def _bind_jsd(x, x_name, config):
@@ -328,7 +336,9 @@ def environment(gpu_name: str) -> dict:
 def run(row: dict, kernel: Kernel, binding: Binding, digests: dict) -> dict:
     ms50, ms20, ms80 = (_js_number(row[c]) for c in ("y_value_50", "y_value_20", "y_value_80"))
     if not (math.isfinite(ms50) and ms50 > 0):
-        raise ValueError(f"invalid median '{row['y_value_50']}'")
+        raise Skipped("invalid median: expected a positive finite number of ms")
+    if max(ms50, *(v for v in (ms20, ms80) if math.isfinite(v))) * 1e6 > MAX_SAFE_INTEGER:
+        raise Skipped("latency over 2^53 − 1 ns, JSON's safe integer range")
     spread = math.isfinite(ms20) and math.isfinite(ms80)
     mode, provider, gpu, stamp = (row[c] for c in ("kernel_operation_mode", "kernel_provider", "gpu_name",
                                                     "timestamp"))
@@ -359,7 +369,8 @@ def run(row: dict, kernel: Kernel, binding: Binding, digests: dict) -> dict:
 
 
 class Skipped(Exception):
-    """A row KernelIndex does not import; the message says why, in one line."""
+    """A row KernelIndex does not import; the message says why, in one line, the same for every row
+    skipped for that reason (so that a summary can count them), never quoting a whole row."""
 
 
 def bundle_from_row(row: dict, commit: str = LIGER_COMMIT) -> dict:
@@ -378,31 +389,55 @@ def bundle_from_row(row: dict, commit: str = LIGER_COMMIT) -> dict:
         config = json.loads(row["extra_benchmark_config_str"], parse_constant=_reject)
     except ValueError:
         raise Skipped("extra_benchmark_config_str is not JSON") from None
+    except RecursionError:
+        raise Skipped("extra_benchmark_config_str is nested too deeply") from None
     binding = None
-    if isinstance(config, dict) and x.is_integer() and x > 0:
+    if isinstance(config, dict) and _int(x):
         binding = kernel.bind(int(x), row["x_name"], config)
     if binding is None:
-        raise Skipped(f"config not understood for {kernel.csv_name} (x_name {row['x_name']}, "
-                      f"x_value {row['x_value']}, config {row['extra_benchmark_config_str']})")
+        raise Skipped(f"x_value or config not understood for {kernel.csv_name} with x_name {row['x_name']!r}")
     if row["gpu_name"] not in HARDWARE:
         raise Skipped(f"unknown GPU '{row['gpu_name']}'")
-    out = {"operation": operation(kernel, commit)}
-    op = digest(out["operation"])
-    out["workload"] = workload(kernel, op, binding)
-    out["implementation"] = implementation(kernel, row["kernel_provider"], op)
-    out["protocol"] = protocol(row["kernel_operation_mode"])
-    out["environment"] = environment(row["gpu_name"])
-    digests = {name: digest(m) for name, m in out.items()}
     try:
+        utc_instant(row["timestamp"])
+    except ValueError:
+        raise Skipped("timestamp not understood (expected 'YYYY-MM-DD HH:MM:SS', UTC)") from None
+    out = {"operation": operation(kernel, commit)}
+    try:  # rfc8785 refuses integers past 2^53 − 1 and non-finite floats (ValueErrors) that got this far
+        op = digest(out["operation"])
+        out["workload"] = workload(kernel, op, binding)
+        out["implementation"] = implementation(kernel, row["kernel_provider"], op)
+        out["protocol"] = protocol(row["kernel_operation_mode"])
+        out["environment"] = environment(row["gpu_name"])
+        digests = {name: digest(m) for name, m in out.items()}
         out["run"] = run(row, kernel, binding, digests)
-    except ValueError as e:
-        raise Skipped(str(e)) from None
-    digests["run"] = digest(out["run"])
-    return {name: {"digest": digests[name], "manifest": m} for name, m in out.items()}
+        digests["run"] = digest(out["run"])
+    except ValueError:
+        raise Skipped("a number outside what JSON carries exactly (integers up to 2^53 − 1, finite floats)") from None
+    bundle = {name: {"digest": digests[name], "manifest": m} for name, m in out.items()}
+    problems = check_bundle(bundle)  # never hand on what `records verify` refuses
+    if problems:
+        raise Skipped(f"its bundle would not verify: {_short(problems[0])}")
+    return bundle
+
+
+def _short(problem: str) -> str:
+    """A verify problem with long quoted values cut, so that rows skipped for one reason read alike."""
+    return re.sub(r"'([^']{24})[^']{8,}'", r"'\1…'", problem)[:300]
 
 
 def _reject(constant):
     raise ValueError(f"{constant} is not JSON")
+
+
+BUNDLED_CSV = "data/liger_distill_benchmark_rows.csv"
+
+
+def bundled_csv() -> str:
+    """The text of Liger-Kernel's published benchmark rows shipped with flashkd (see data/NOTICE)."""
+    from importlib import resources
+
+    return resources.files(__package__).joinpath(BUNDLED_CSV).read_text("utf-8")
 
 
 def read_rows(text: str) -> list[dict]:
@@ -429,7 +464,7 @@ def import_rows(rows: list[dict], commit: str = LIGER_COMMIT):
             continue
         external = bundle["run"]["manifest"]["spec"]["sourceNative"]["externalId"]
         if external in seen:
-            yield line, None, f"duplicate of an earlier row ({external})"
+            yield line, None, "duplicate of an earlier row (same kernel, pass, provider, GPU, case and timestamp)"
             continue
         seen.add(external)
         yield line, bundle, None

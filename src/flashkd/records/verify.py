@@ -9,6 +9,7 @@ state), each stated digest against the recomputed one, and the references betwee
 from __future__ import annotations
 
 import json
+import math
 from functools import cache
 from importlib import resources
 from pathlib import Path
@@ -130,12 +131,45 @@ def bundle_paths(paths) -> list[Path]:
     return out
 
 
+# A bundle is about eight levels deep; a deeper document is refused before any check walks it (the
+# checks and the JSON parser recurse, and a RecursionError is no answer).
+MAX_DEPTH = 64
+
+
 def load(path: Path):
-    return json.loads(Path(path).read_text("utf-8"), parse_constant=_reject)
+    """A bundle file's JSON; ValueError where it is not strict JSON (NaN, Infinity, a number past
+    float range) or nests deeper than MAX_DEPTH; OSError where it cannot be read."""
+    text = Path(path).read_text("utf-8")
+    try:
+        value = json.loads(text, parse_constant=_reject, parse_float=_float)
+    except RecursionError:
+        raise ValueError(f"nested deeper than {MAX_DEPTH} levels") from None
+    if _depth(value) > MAX_DEPTH:
+        raise ValueError(f"nested deeper than {MAX_DEPTH} levels")
+    return value
+
+
+def _depth(value) -> int:
+    """Nesting depth of a JSON value, without recursion."""
+    deepest, stack = 0, [(value, 1)]
+    while stack:
+        node, depth = stack.pop()
+        if isinstance(node, (dict, list)):
+            deepest = max(deepest, depth)
+            if depth <= MAX_DEPTH:  # past it the answer is known
+                stack += [(child, depth + 1) for child in (node.values() if isinstance(node, dict) else node)]
+    return deepest
 
 
 def _reject(constant):
     raise ValueError(f"{constant} is not JSON")
+
+
+def _float(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):
+        raise ValueError(f"{text[:40]} is outside the range of a JSON number (an IEEE double)")
+    return value
 
 
 def verify_paths(paths) -> tuple[int, list[str]]:
