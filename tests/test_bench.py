@@ -193,12 +193,58 @@ def test_overrides_multiply_the_preset():
 
 
 def test_plots_written(tmp_path):
+    """Speed plots; memory plots only where memory was measured (not on CPU); a workload at one N too."""
     pytest.importorskip("matplotlib")
-    results = measure.run(TINY, ["torch", "floor"], ["full"], FAST)
+    results = measure.run([*TINY, Workload("cosine", 5, h=12, v=37, dtype="float32")], ["torch", "floor"],
+                          ["full"], FAST)
     paths = report.write_plots(results, tmp_path, report.environment(FAST))
-    assert sorted(p.name for p in paths) == ["memory_jsd_full.png", "speed_jsd_full.png"]
+    assert sorted(p.name for p in paths) == ["speed_cosine_full.png", "speed_jsd_full.png"]
+    measured = [dataclasses.replace(r, peak=(2.0, 1.0, 3.0), extra=(1.0, 0.5, 1.5)) for r in results]
+    paths = report.write_plots(measured, tmp_path, {**report.environment(FAST), "device": "cuda"})
+    assert sorted(p.name for p in paths) == ["memory_cosine_full.png", "memory_jsd_full.png",
+                                             "speed_cosine_full.png", "speed_jsd_full.png"]
     for p in paths:
         assert p.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_plot_styles_are_one_per_provider():
+    styles = [tuple(report._style(name).values()) for name in PROVIDERS]
+    assert len(set(styles)) == len(styles)
+    assert report._style("flashkd") == report._style("flashkd") and report._style("unregistered")
+
+
+def test_warm_up_before_the_first_timed_workload(monkeypatch):
+    """A provider's first calls (lazy initialisation, compilation) are slow: they must not be timed.
+    On a clock of its own (a shared CPU's wall clock is too noisy): a call takes 1 ms, the first five
+    take 200 ms."""
+    import types
+
+    now, calls = [0.0], []
+
+    def make(w, x):
+        fn = PROVIDERS["flashkd"].make(w, x)
+
+        def loss():
+            calls.append(w.n)
+            now[0] += 0.2 if len(calls) <= 5 else 0.001
+            return fn()
+        return loss
+    monkeypatch.setattr(measure, "time", types.SimpleNamespace(perf_counter=lambda: now[0], strftime=time.strftime,
+                                                               gmtime=time.gmtime))
+    monkeypatch.setitem(PROVIDERS, "slow_start", Provider(make, lambda: "0"))
+    first, second = measure.run(TINY, ["slow_start"], ["full"], FAST)
+    assert first.speed == second.speed == pytest.approx((1.0, 1.0, 1.0))  # ms: no slow call timed
+    # Warmed up once, before its first workload: its gate call, 3 warm-up calls, the measurement's own
+    # warm-up call, then the timed ones; the second workload has the gate and its own warm-up call only.
+    assert calls.count(7) == 1 + 3 + 1 + FAST.min_reps and calls.count(11) == 1 + 1 + FAST.min_reps
+
+
+def test_backward_tables_say_where_gradients_are_computed():
+    results = measure.run(TINY[:1], ["flashkd", "torch", "floor"], ["backward", "full"], FAST)
+    titles = [title for title, _, _ in report.tables(results)]
+    backward = next(t for t in titles if " · backward · " in t)
+    assert "flashkd computes gradients in forward: its backward only scales them" in backward
+    assert not any("gradients in forward" in t for t in titles if " · backward · " not in t)
 
 
 def test_cli_end_to_end(tmp_path, capsys):
@@ -211,13 +257,17 @@ def test_cli_end_to_end(tmp_path, capsys):
     if "speed_jsd_full.png" not in names:  # plots need matplotlib
         assert "matplotlib is not installed" in capsys.readouterr().out
     else:
-        assert {"speed_tvd_no-grad-forward.png", "memory_jsd_full.png"} <= names
+        assert "speed_tvd_no-grad-forward.png" in names and not any(n.startswith("memory_") for n in names)
     errors = {(r[0], r[1], r[3]): r[7] for r in _read(out / "errors.csv")[1:]}
     assert errors[("distill_jsd_loss", "flashkd", "7")] == "passed"
     assert errors[("distill_tvd_loss", "liger", "7")] == "skipped"  # Liger has no TVD
     providers = {r[1] for r in _read(out / "results.csv")[1:]}
     assert {"flashkd", "torch", "floor"} <= providers
-    assert "liger has no fused tvd loss" in capsys.readouterr().out
+    said = capsys.readouterr().out
+    assert "liger has no fused tvd loss" in said
+    last = said.strip().splitlines()[-1]  # every file, where it is
+    assert last.startswith(f"wrote {out / 'results.csv'}, {out / 'errors.csv'}, {out / 'run.json'}, ")
+    assert last.endswith(f" KernelIndex records {out / 'records' / '*.json'}")
 
 
 def test_cli_exit_status_is_1_when_a_provider_fails(monkeypatch, tmp_path):
@@ -225,6 +275,64 @@ def test_cli_exit_status_is_1_when_a_provider_fails(monkeypatch, tmp_path):
     argv = ["--device", "cpu", "-n", "7", "--loss", "jsd", "--modes", "full", "--providers", "flashkd", "wrong",
             *FAST_ARGS, "--out", str(tmp_path / "run")]
     assert cli.bench_main(argv) == 1
+
+
+def _refused(capsys, argv, message):
+    """The bench exits with one line naming the problem, and leaves no folder behind."""
+    with pytest.raises(SystemExit) as e:
+        cli.main(["bench", *argv])
+    said = str(e.value.code) if not isinstance(e.value.code, int) else capsys.readouterr().err.strip().splitlines()[-1]
+    assert message in said and "\n" not in said, said
+    return said
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--rep", "inf"], "argument --rep: expected a finite number of ms above 0, got inf"),
+    (["--rep", "0"], "argument --rep: expected a finite number of ms above 0, got 0"),
+    (["--rep", "nan"], "argument --rep: expected a finite number of ms above 0, got nan"),
+    (["--warmup", "inf"], "argument --warmup: expected a finite number of ms, 0 or more, got inf"),
+    (["--warmup", "-1"], "argument --warmup: expected a finite number of ms, 0 or more, got -1"),
+    (["--device", "nope"], "flashkd bench: --device: expected cpu, cuda or cuda:N, got 'nope'"),
+    (["--device", "mps"], "flashkd bench: --device: expected cpu, cuda or cuda:N, got 'mps'"),
+])
+def test_bench_refuses_bad_options(tmp_path, capsys, argv, message):
+    _refused(capsys, [*argv, "-n", "7", *FAST_ARGS[:4], "--out", str(tmp_path / "run")], message)
+    assert not (tmp_path / "run").exists()
+
+
+def test_bench_refuses_a_cuda_device_it_does_not_have(tmp_path, capsys, monkeypatch):
+    out = ["--out", str(tmp_path / "run")]
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    _refused(capsys, ["--device", "cuda", *out], "flashkd bench: --device cuda: CUDA is not available")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    _refused(capsys, ["--device", "cuda:3", *out], "--device cuda:3: this machine has 1 CUDA device(s)")
+    assert not (tmp_path / "run").exists()
+
+
+def test_bench_refuses_an_out_it_cannot_use(tmp_path, capsys, monkeypatch):
+    afile = tmp_path / "afile"
+    afile.write_text("keep")
+    _refused(capsys, ["--device", "cpu", "--out", str(afile)], f"--out {afile}: exists and is not a folder")
+    _refused(capsys, ["--device", "cpu", "--out", str(afile / "run")], f"--out {afile / 'run'}: {afile} is not a folder")
+    assert afile.read_text() == "keep"
+    monkeypatch.setattr(os, "access", lambda path, mode: False)  # as an unwritable folder answers (root writes anywhere)
+    _refused(capsys, ["--device", "cpu", "--out", str(tmp_path / "new" / "run")], f"{tmp_path} is not writable")
+    assert not (tmp_path / "new").exists()
+
+
+def test_bench_refuses_a_reused_out(tmp_path, capsys):
+    """A second run into the same --out would mix its records/ with the first's: refused, nothing touched."""
+    out = tmp_path / "run"
+    argv = ["bench", "--device", "cpu", "-n", "7", "--loss", "jsd", "--modes", "full", "--providers", "flashkd",
+            *FAST_ARGS, "--out", str(out)]
+    assert cli.main(argv) == 0
+    before = {p: p.read_bytes() for p in out.rglob("*") if p.is_file()}
+    _refused(capsys, argv[1:], f"--out {out}: not empty")
+    assert {p: p.read_bytes() for p in out.rglob("*") if p.is_file()} == before
+    (tmp_path / "empty").mkdir()  # an empty folder is fine
+    argv[-1] = str(tmp_path / "empty")
+    assert cli.main(argv) == 0
 
 
 def test_python_dash_m_help():

@@ -8,6 +8,8 @@ import argparse
 import contextlib
 import dataclasses
 import json
+import math
+import os
 import sys
 import time
 from pathlib import Path
@@ -109,14 +111,18 @@ def add_bench_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--weight-soft", type=float, help="weight of the distillation term (default 0.5)")
     p.add_argument("--temperature", type=float, help="τ (default 1.0)")
     p.add_argument("--seed", type=int, help="seed of the inputs (default 0)")
-    p.add_argument("--rep", type=float, metavar="MS", help="timed ms per measurement (default: 500 CUDA, 100 CPU)")
-    p.add_argument("--warmup", type=float, metavar="MS", help="warm-up ms (default: 100 CUDA, 20 CPU)")
+    p.add_argument("--rep", type=_ms(0.0, "a finite number of ms above 0"), metavar="MS",
+                   help="timed ms per measurement (default: 500 CUDA, 100 CPU)")
+    p.add_argument("--warmup", type=_ms(None, "a finite number of ms, 0 or more"), metavar="MS",
+                   help="warm-up ms (default: 100 CUDA, 20 CPU)")
     p.add_argument("--min-reps", type=_positive, metavar="K", help="at least K timed calls (default: 10 CUDA, 5 CPU)")
     p.add_argument("--rounds", type=_positive, metavar="K",
                    help="time the providers in turn K times over, pooling their calls (default: 5 CUDA, 1 CPU)")
     p.add_argument("--threads", type=_positive, metavar="K",
                    help="CPU threads for torch (default: torch's; 1 is steadier on a shared machine)")
-    p.add_argument("--out", type=Path, help="output folder (default: bench-YYYYmmdd-HHMMSS)")
+    p.add_argument("--out", type=Path,
+                   help="output folder, new or empty: a run never mixes its files with another's "
+                        "(default: bench-YYYYmmdd-HHMMSS)")
 
 
 def _positive(text: str) -> int:
@@ -126,8 +132,60 @@ def _positive(text: str) -> int:
     return value
 
 
+def _ms(low: float | None, expected: str):
+    """An argparse type: a finite float of ms, above `low` (None: 0 or more)."""
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            value = math.nan
+        if not math.isfinite(value) or (value <= low if low is not None else value < 0):
+            raise argparse.ArgumentTypeError(f"expected {expected}, got {text}")
+        return value
+    return parse
+
+
+def _device(name: str | None) -> torch.device:
+    """--device as a torch.device that this machine has; SystemExit with one line otherwise."""
+    if name is None:
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        device = torch.device(name)
+    except (RuntimeError, ValueError):
+        device = None
+    if device is None or device.type not in ("cpu", "cuda"):
+        raise SystemExit(f"flashkd bench: --device: expected cpu, cuda or cuda:N, got {name!r}")
+    if device.type == "cuda" and not torch.cuda.is_available():
+        why = "this torch is built without CUDA" if torch.version.cuda is None else "no CUDA device is visible"
+        raise SystemExit(f"flashkd bench: --device {name}: CUDA is not available ({why}); use --device cpu")
+    if device.type == "cuda" and device.index is not None and device.index >= torch.cuda.device_count():
+        raise SystemExit(f"flashkd bench: --device {name}: this machine has {torch.cuda.device_count()} CUDA "
+                         f"device(s), cuda:0 to cuda:{torch.cuda.device_count() - 1}")
+    return device
+
+
+def _check_out(out: Path) -> None:
+    """--out must be a new or empty folder that can be made and written: SystemExit with one line otherwise.
+
+    A non-empty folder is refused rather than added to: its records/ would mix the bundles of two
+    runs, and its plots and CSVs would be partly overwritten.
+    """
+    if out.exists() and not out.is_dir():
+        raise SystemExit(f"flashkd bench: --out {out}: exists and is not a folder")
+    if out.is_dir() and any(out.iterdir()):
+        raise SystemExit(f"flashkd bench: --out {out}: not empty (it holds an earlier run?); "
+                         "name a new folder or remove this one")
+    parent = out if out.is_dir() else next((p for p in out.absolute().parents if p.exists()), None)
+    if parent is None or not parent.is_dir():
+        raise SystemExit(f"flashkd bench: --out {out}: {parent} is not a folder")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise SystemExit(f"flashkd bench: --out {out}: {parent} is not writable")
+
+
 def plan(args: argparse.Namespace) -> Plan:
-    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    """The run that args ask for, every option checked before anything is made: a bad option is a
+    SystemExit with a one-line message."""
+    device = _device(args.device)
     preset = args.preset or default_preset(device)
     fields = {name: value for name, value in (
         ("h", args.h), ("v", args.v), ("dtype", args.dtype and _dtype_name(args.dtype)),
@@ -153,6 +211,7 @@ def plan(args: argparse.Namespace) -> Plan:
         rounds=rounds if args.rounds is None else args.rounds,
     )
     out = args.out or Path(time.strftime("bench-%Y%m%d-%H%M%S"))
+    _check_out(out)
     return Plan(preset, workloads, list(dict.fromkeys(args.providers)), list(dict.fromkeys(args.modes)),
                 settings, out)
 
@@ -165,7 +224,10 @@ def bench(args: argparse.Namespace) -> int:
     p = plan(args)
     if args.threads:
         torch.set_num_threads(args.threads)
-    p.out.mkdir(parents=True, exist_ok=True)
+    try:
+        p.out.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise SystemExit(f"flashkd bench: --out {p.out}: {e.strerror or e}") from None
     env = report.environment(p.settings)
     console = _console()
     _say(console, f"flashkd bench: preset {p.preset}, {len(p.workloads)} workload(s) on {env['gpu_name']}, "
@@ -197,10 +259,19 @@ def bench(args: argparse.Namespace) -> int:
     bundles = bundles_from_results(results, env, device=p.settings.device, commit=harness_commit(),
                                    logs=p.out / "results.csv")
     records = write_bundles(bundles, p.out / "records")
-    _say(console, f"wrote {p.out / 'results.csv'}, {p.out / 'errors.csv'}, run.json, {len(plots)} plots and "
-                  f"{len(records)} KernelIndex records in {p.out / 'records'}")
+    _say(console, _wrote(p.out, plots, records))
     bad = [r for r in results if r.check.status in ("FAILED", "error")]
     return 1 if bad else 0
+
+
+def _wrote(out: Path, plots: list[Path], records: list[Path]) -> str:
+    """The run's last line: every file written, by path (a pattern for the plots and records)."""
+    kinds = sorted({p.name.split("_", 1)[0] for p in plots})
+    shown = [str(out / name) for name in ("results.csv", "errors.csv", "run.json")]
+    if plots:
+        shown.append(f"{len(plots)} plots {' '.join(str(out / f'{k}_*.png') for k in kinds)}")
+    shown.append(f"{len(records)} KernelIndex records {out / 'records' / '*.json'}")
+    return "wrote " + ", ".join(shown)
 
 
 def _console():
@@ -218,7 +289,7 @@ def _say(console, text: str) -> None:
     if console is None:
         print(text)
     else:
-        console.print(text, highlight=False)
+        console.print(text, highlight=False, soft_wrap=True)  # a path is never broken across lines
 
 
 @contextlib.contextmanager

@@ -2,8 +2,9 @@
 
 Per workload: seeded inputs; the fp32 reference (loss, dXs, dWs), then freed down to its three
 results; then per provider: one checked forward+backward against the reference (a provider outside
-the gate is FAILED and not timed); then per mode the speed of the providers that passed, timed in
-turn (`_time_in_turn`); then each one's memory.
+the gate is FAILED and not timed); a provider's first workload then warms it up in every mode
+(`_warm_up`); then per mode the speed of the providers that passed, timed in turn (`_time_in_turn`);
+then each one's memory.
 
 Modes (what the timed call does):
     forward           loss = fn()            (grad enabled: a graph is built, and fused losses compute grads here)
@@ -81,6 +82,7 @@ def run(
     if settings.device.type == "cuda" and settings.device.index is not None:
         torch.cuda.set_device(settings.device)  # do_bench, events and memory stats use the current device
     results = []
+    warm: set[str] = set()  # providers warmed up: see _warm_up
     for w in workloads:
         x = make_inputs(w, settings.device)
         ref = reference(w, x) if any(PROVIDERS[p].has_loss for p in providers) else None
@@ -91,6 +93,12 @@ def run(
             gated[name] = _gate_provider(w, x, ref, name, timed, advance)
             _free(settings.device)
         ready = {name: fn for name, (_, _, fn) in gated.items() if fn is not None}
+        for name in [n for n in ready if n not in warm]:
+            advance(f"{w.tag} N={w.n} {name} warm-up", 0)
+            with contextlib.suppress(Exception):  # a failing call fails again where it is timed, and says so
+                _warm_up(ready[name], x, timed, settings)
+            warm.add(name)
+            _free(settings.device)
         speeds = _time_in_turn(w, x, ready, timed, settings, advance)
         for name, (version, check, fn) in gated.items():
             if fn is None:
@@ -138,6 +146,40 @@ def _gate_provider(w, x, ref, name, modes, advance):
         return version, check, None
     advance(f"{label} {check.status}", 1)
     return version, check, fn if modes else None
+
+
+# A provider's first timed workload starts only after each of its modes has run this many calls and
+# _WARM_UP_FACTOR · warmup_ms beyond the first call (see _warm_up).
+_WARM_UP_CALLS = 3
+_WARM_UP_FACTOR = 5
+
+
+def _warm_up(fn: LossFn, x: Inputs, modes: list[str], settings: Settings) -> None:
+    """Runs each mode's call of a provider before its first workload is timed.
+
+    The first calls of a provider in a process pay one-time costs of unbounded length: lazy imports
+    and initialisation, the allocator growing its pools, kernel compilation and autotuning, CPU
+    thread pools starting. The gate's one call pays only part of them, and each measurement's own
+    warm-up (warmup_ms) is too short for the rest; without this the first workload's times, and
+    every ratio taken against them, would carry them (on CPU, the first workload measured 3× its
+    next one). Later workloads of the same provider pay at most a new shape's costs, which the
+    measurement's warm-up absorbs."""
+    for mode in modes:
+        step, grads = _step(fn, x, mode), _grads(x)
+        try:
+            step()  # the one-time costs: not counted in the time below
+            if settings.device.type == "cuda":
+                torch.cuda.synchronize()
+            t_end = time.perf_counter() + _WARM_UP_FACTOR * settings.warmup_ms / 1e3
+            for _ in range(_WARM_UP_CALLS - 1):
+                step()
+            while time.perf_counter() < t_end:
+                step()
+                if settings.device.type == "cuda":
+                    torch.cuda.synchronize()
+        finally:
+            for g in grads:
+                g.grad = None
 
 
 def _time_in_turn(w, x, ready, modes, settings: Settings, advance) -> dict:
@@ -407,10 +449,11 @@ def _memory_cuda(step, grads):
 
 
 def _time_cpu(step, grads, settings: Settings):
-    # Wall clock: warm up for warmup_ms (at least one call), then time calls one by one until both
-    # rep_ms have passed and min_reps calls were made.
-    t_end = time.perf_counter() + settings.warmup_ms / 1e3
+    # Wall clock: warm up with one call and then warmup_ms more (a first call on a new shape can take
+    # longer than all of warmup_ms), then time calls one by one until both rep_ms have passed and
+    # min_reps calls were made.
     step()
+    t_end = time.perf_counter() + settings.warmup_ms / 1e3
     while time.perf_counter() < t_end:
         step()
     times = []

@@ -41,6 +41,9 @@ class Provider:
     make: Callable[[Workload, Inputs], LossFn]
     version: Callable[[], str]  # written to the CSV's last column
     has_loss: bool = True  # False: its value is not the operation's result, so it is not held to the reference
+    # True: the loss computes its gradients in the forward call (as flashkd and Liger's fused losses do),
+    # so its "backward" mode only scales saved gradients and its cost shows in "forward" and "full".
+    grads_in_forward: bool = False
 
 
 def teacher_block(x: Inputs, c: slice = slice(None)):
@@ -168,8 +171,8 @@ def _liger_version() -> str:
 
 
 PROVIDERS: dict[str, Provider] = {
-    "flashkd": Provider(_flashkd, lambda: flashkd.__version__),
+    "flashkd": Provider(_flashkd, lambda: flashkd.__version__, grads_in_forward=True),
     "torch": Provider(_torch, lambda: torch.__version__),
-    "liger": Provider(_liger, _liger_version),
+    "liger": Provider(_liger, _liger_version, grads_in_forward=True),
     "floor": Provider(_floor, lambda: torch.__version__, has_loss=False),
 }

@@ -25,6 +25,7 @@ import dataclasses
 import json
 import math
 import platform
+import zlib
 from pathlib import Path
 
 import torch
@@ -32,6 +33,7 @@ import torch
 import flashkd
 from ..records.liger import COLUMNS  # Liger-Kernel's 15-column CSV schema, which the importer reads
 from .measure import Result, Settings
+from .providers import PROVIDERS
 
 ERROR_COLUMNS = (
     "kernel_name", "kernel_provider", "x_name", "x_value", "H", "V", "dtype", "status", "loss_rel_err",
@@ -187,7 +189,8 @@ def _speed_tables(results):
                 str(r.workload.n), r.provider, _ms(ms), f"{_ms(r.speed[1])}–{_ms(r.speed[2])}", *ratios,
                 f"{r.peak[0]:.0f}" if r.peak else "n/m", f"{r.extra[0]:.0f}" if r.extra else "n/m",
             ])
-        out.append((f"{w.kernel_name} · {mode} · {w.describe()}", header, rows))
+        note = backward_note(r.provider for r in rs if r.speed is not None) if mode == "backward" else ""
+        out.append((f"{w.kernel_name} · {mode} · {w.describe()}" + (f"\n{note}" if note else ""), header, rows))
     return out
 
 
@@ -232,11 +235,45 @@ def print_tables(results: list[Result], env: dict, console=None) -> None:
         console.print(line, style="dim", highlight=False)
 
 
+_MARKERS = "osD^vPX*ph"
+
+
+def _style(provider: str) -> dict:
+    """One colour and marker per provider, the same in every plot (of every run): by its place in
+    PROVIDERS, or from its name for one that is not registered."""
+    names = list(PROVIDERS)
+    i = names.index(provider) if provider in names else len(names) + zlib.crc32(provider.encode()) % 6
+    return {"color": f"C{i % 10}", "marker": _MARKERS[i % len(_MARKERS)]}
+
+
+def backward_note(providers) -> str:
+    """What a backward time means for the providers that compute their gradients in the forward call."""
+    fused = [p for p in dict.fromkeys(providers) if getattr(PROVIDERS.get(p), "grads_in_forward", False)]
+    if not fused:
+        return ""
+    return (f"{' and '.join(fused)} compute{'s' if len(fused) == 1 else ''} gradients in forward: "
+            f"{'its' if len(fused) == 1 else 'their'} backward only scales them (≈ 0), see full")
+
+
+def _log_labels(axis, low: float, high: float) -> None:
+    """Labels on a log axis dense enough to read a value off: every 1-9 within a decade, 1-2-5 up
+    up to four decades, decades beyond; plain numbers (20, not 2×10¹)."""
+    import matplotlib.ticker as ticker
+
+    decades = math.log10(high / low) if low > 0 and high > low else 0.0
+    subs = tuple(range(1, 10)) if decades <= 1 else (1, 2, 5) if decades <= 4 else (1,)
+    axis.set_major_locator(ticker.LogLocator(base=10, subs=subs))
+    axis.set_major_formatter(ticker.FuncFormatter(lambda y, _: f"{y:g}"))
+    axis.set_minor_locator(ticker.NullLocator() if len(subs) == 9 else ticker.LogLocator(base=10, subs=range(2, 10)))
+    axis.set_minor_formatter(ticker.NullFormatter())
+
+
 def write_plots(results: list[Result], out: Path, env: dict) -> list[Path]:
-    """speed_<tag>_<mode>.png and memory_<tag>_<mode>.png (tag: the loss, or form_loss, or teacher_topk):
-    the median (p20–p80 bars) against N."""
+    """speed_<tag>_<mode>.png and, where memory was measured (CUDA), memory_<tag>_<mode>.png (tag: the
+    loss, or form_loss, or teacher_topk): the median with p20–p80 bars against N on log axes, or,
+    for a workload timed at one N, one bar per provider. Each provider keeps its colour and marker
+    in every plot (`_style`)."""
     import matplotlib
-    import matplotlib.ticker
 
     matplotlib.use("Agg")  # files only, no display needed
     import matplotlib.pyplot as plt
@@ -244,41 +281,47 @@ def write_plots(results: list[Result], out: Path, env: dict) -> list[Path]:
     paths = []
     for (w, mode), rs in _groups(_timed(results)).items():
         providers = list(dict.fromkeys(r.provider for r in rs))
+        ns = sorted({r.workload.n for r in rs})
         for metric in ("speed", "memory"):
+            if metric == "memory" and all(r.peak is None for r in rs):
+                continue  # not measured (CPU): no empty plot
             fig, ax = plt.subplots(figsize=(7, 4.5))
-            measured = False
-            for i, name in enumerate(providers):
+            series = []  # (provider, label, ns, medians, p20s, p80s, dashed)
+            for name in providers:
                 mine = sorted((r for r in rs if r.provider == name), key=lambda r: r.workload.n)
-                ns = [r.workload.n for r in mine]
-                color = f"C{i}"
                 if metric == "speed":
-                    mid = [r.speed[0] for r in mine]
-                    err = [[m - r.speed[1] for m, r in zip(mid, mine)], [r.speed[2] - m for m, r in zip(mid, mine)]]
-                    ax.errorbar(ns, mid, yerr=err, marker="o", capsize=3, color=color, label=name)
-                    measured = True
+                    series.append((name, name, mine, [r.speed for r in mine], False))
                 elif mine[0].peak is not None:
-                    ax.plot(ns, [r.peak[0] for r in mine], marker="o", color=color, label=f"{name} peak")
-                    ax.plot(ns, [r.extra[0] for r in mine], marker=".", ls="--", color=color, label=f"{name} extra")
-                    measured = True
-            if measured:
-                ax.set_yscale("log")
-                ax.legend(fontsize=8)
+                    series.append((name, f"{name} peak", mine, [r.peak for r in mine], False))
+                    series.append((name, f"{name} extra", mine, [r.extra for r in mine], True))
+            unit = "ms" if metric == "speed" else "MiB"
+            if len(ns) == 1:
+                _bars(ax, series, unit)
+                ax.set_xlabel(f"N = B x T = {ns[0]} rows")
             else:
-                ax.text(0.5, 0.5, f"memory not measured on {env['device']}", ha="center", va="center",
-                        transform=ax.transAxes)
-            ns = sorted({r.workload.n for r in rs})
-            ax.set_xscale("log", base=2)
-            ax.set_xlim(ns[0] / 1.4, ns[-1] * 1.4)
-            ax.set_xticks(ns, [str(n) for n in ns])
-            ax.xaxis.set_minor_locator(matplotlib.ticker.NullLocator())
-            plain = matplotlib.ticker.FuncFormatter(lambda y, _: f"{y:g}")  # 20, not 2×10¹
-            ax.yaxis.set_major_formatter(plain)
-            low, high = ax.get_ylim()  # label the minor ticks only when less than a decade shows
-            ax.yaxis.set_minor_formatter(plain if high < 10 * low else matplotlib.ticker.NullFormatter())
-            ax.set_xlabel("N = B x T (rows)")
-            ax.set_ylabel("ms (median, p20–p80)" if metric == "speed" else "MiB (peak; extra dashed)")
-            ax.set_title(f"{w.kernel_name} {mode}: {w.describe()}\n{env['gpu_name']}", fontsize=10)
-            ax.grid(True, which="both", alpha=0.3)
+                values = []
+                for name, label, mine, q, dashed in series:
+                    mid = [v[0] for v in q]
+                    err = [[m - v[1] for m, v in zip(mid, q)], [v[2] - m for m, v in zip(mid, q)]]
+                    style = _style(name)
+                    ax.errorbar([r.workload.n for r in mine], mid, yerr=err, capsize=3, label=label,
+                                ls="--" if dashed else "-", mfc="none" if dashed else style["color"], **style)
+                    values += [v for t in q for v in t if v > 0]
+                ax.set_xscale("log", base=2)
+                ax.set_xlim(ns[0] / 1.4, ns[-1] * 1.4)
+                ax.set_xticks(ns, [str(n) for n in ns])
+                ax.xaxis.set_minor_locator(matplotlib.ticker.NullLocator())
+                ax.set_yscale("log")
+                if values:
+                    ax.set_ylim(min(values) / 1.25, max(values) * 1.25)
+                    _log_labels(ax.yaxis, *ax.get_ylim())
+                ax.set_xlabel("N = B x T (rows)")
+                ax.legend(fontsize=8)
+            ax.set_ylabel(f"{unit} (median, p20–p80)" if metric == "speed" else "MiB (peak; extra hollow, dashed)")
+            note = backward_note(providers) if mode == "backward" and metric == "speed" else ""
+            ax.set_title(f"{w.kernel_name} {mode}: {w.describe()}\n{env['gpu_name']}" + (f"\n{note}" if note else ""),
+                         fontsize=10 if not note else 8)
+            ax.grid(True, which="both", axis="y" if len(ns) == 1 else "both", alpha=0.3)
             path = out / f"{metric}_{w.tag}_{mode}.png"
             if path in paths:  # the same loss and mode at another shape or dtype
                 path = out / f"{metric}_{w.tag}_{mode}_H{w.h}_V{w.v}_{w.dtype}_{len(paths)}.png"
@@ -287,3 +330,19 @@ def write_plots(results: list[Result], out: Path, env: dict) -> list[Path]:
             plt.close(fig)
             paths.append(path)
     return paths
+
+
+def _bars(ax, series, unit: str) -> None:
+    """One bar per series (a provider, or its peak and extra memory) at a single N, each with its
+    p20–p80 bar and its median written above it."""
+    at = list(range(len(series)))
+    for i, (name, label, mine, q, dashed) in zip(at, series):
+        p50, p20, p80 = q[0]
+        style = _style(name)
+        ax.bar(i, p50, color=style["color"], alpha=0.45 if dashed else 0.85, hatch="//" if dashed else None,
+               edgecolor=style["color"])
+        ax.errorbar(i, p50, yerr=[[p50 - p20], [p80 - p50]], fmt=style["marker"], color="black", capsize=4, ms=4)
+        ax.annotate(f"{_ms(p50)} {unit}" if unit == "ms" else f"{p50:.0f} {unit}", (i, p80), ha="center",
+                    va="bottom", fontsize=8, xytext=(0, 3), textcoords="offset points")
+    ax.set_xticks(at, [label for _, label, _, _, _ in series], rotation=20 if len(series) > 5 else 0)
+    ax.set_ylim(0, max(q[0][2] for *_, q, _ in series) * 1.15 if series else 1)
