@@ -61,3 +61,42 @@ def test_padded_teacher_vocab_differs_from_liger_by_design(seed):
     assert abs(ours.item() - truth.item()) <= 1e-5 * abs(truth.item())
     assert abs(theirs.item() - liger_formula.item()) <= 1e-5 * abs(truth.item())
     assert abs(truth.item() - liger_formula.item()) > 1e-3 * abs(truth.item())
+
+
+LIGER_ATTRIBUTES = ("beta", "temperature", "weight_hard_loss", "weight_soft_loss", "ignore_index", "chunk_size",
+                    "compiled", "return_soft_hard_loss")
+
+
+@pytest.mark.parametrize("liger_cls,ours_cls,loss", PAIRS)
+def test_liger_attributes(liger_cls, ours_cls, loss):
+    """Code that reads Liger's module attributes reads the same from the drop-ins."""
+    options = dict(weight_hard_loss=0.3, weight_soft_loss=0.7, beta=0.2, ignore_index=-1, temperature=2.0,
+                   compiled=False, chunk_size=8, return_soft_hard_loss=True)
+    theirs, ours = liger_cls(**options), ours_cls(**options)
+    assert {a: getattr(ours, a) for a in LIGER_ATTRIBUTES} == {a: getattr(theirs, a) for a in LIGER_ATTRIBUTES}
+    defaults = ours_cls()
+    for name in LIGER_ATTRIBUTES:
+        if name != "chunk_size":  # flashkd plans it (None); Liger's default is 1024
+            assert getattr(defaults, name) == getattr(liger_cls(), name), name
+
+
+@pytest.mark.parametrize("liger_cls,ours_cls,loss", PAIRS)
+def test_setting_an_attribute_changes_the_next_forward(seed, liger_cls, ours_cls, loss):
+    """As with Liger's modules: no copy that silently diverges from what forward uses."""
+    xs, ws, xt, wt, y = inputs()
+    y = torch.where(y == -100, 5, y)  # ignore_index becomes 5 below
+    ours, theirs = ours_cls(chunk_size=8), liger_cls(compiled=False, chunk_size=8)
+    for module in (ours, theirs):
+        module.beta, module.temperature, module.weight_hard_loss, module.weight_soft_loss = 0.8, 3.0, 0.1, 0.9
+        module.ignore_index = 5
+        module.return_soft_hard_loss = True
+    assert ours.options["beta"] == 0.8 and ours.options["ignore_index"] == 5
+    got, want = ours(xs, ws, xt, wt, y), theirs(xs, ws, xt, wt, y)
+    assert isinstance(got, tuple) and len(got) == 3
+    for a, b in zip(got, want):
+        assert torch.allclose(a, b.float(), rtol=1e-5, atol=1e-6), (a, b)
+    fresh = ours_cls(beta=0.8, temperature=3.0, weight_hard_loss=0.1, weight_soft_loss=0.9, ignore_index=5,
+                     chunk_size=8)(xs, ws, xt, wt, y)
+    assert torch.equal(got[0], fresh)
+    ours.options["beta"] = 0.4  # and the other way round
+    assert ours.beta == 0.4

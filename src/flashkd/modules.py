@@ -1,4 +1,9 @@
-"""nn.Module holders of config over `fused_linear_distill`, including drop-ins for Liger-Kernel's losses."""
+"""nn.Module holders of config over `fused_linear_distill`, including drop-ins for Liger-Kernel's losses.
+
+    FusedLinearDistillLoss(loss="jsd", **options)   any keyword of fused_linear_distill, kept in .options
+    FusedLinearJSDLoss(...)                         LigerFusedLinearJSDLoss's keywords, attributes, forward
+    FusedLinearCosineSimilarityLoss(...)            LigerFusedLinearCosineSimilarityLoss's, idem
+"""
 
 from __future__ import annotations
 
@@ -24,6 +29,10 @@ class FusedLinearDistillLoss(torch.nn.Module):
         student_bias=None,  # (V,)
         teacher_bias=None,  # (Vt,)
     ):
+        """`fused_linear_distill(student_input, student_weight, teacher_input, teacher_weight, labels,
+        student_bias=, teacher_bias=, **self.options)`: the scalar fp32 loss, or `(loss, soft, hard)`
+        with `return_soft_hard_loss=True`. Leading dims are flattened; gradients flow to the student's
+        input, weight and bias, whose grads are computed here, in the forward call."""
         return fused_linear_distill(
             student_input,
             student_weight,
@@ -39,10 +48,34 @@ class FusedLinearDistillLoss(torch.nn.Module):
         return ", ".join(f"{k}={v!r}" for k, v in self.options.items())
 
 
+def _option(name: str) -> property:
+    """A Liger-style attribute that reads and writes `self.options[name]`: setting it changes the
+    next forward, as setting the attribute of Liger's module does."""
+
+    def get(self):
+        return self.options[name]
+
+    def set(self, value):
+        self.options[name] = value
+
+    return property(get, set, doc=f"The `{name}` option of every forward call (`self.options[{name!r}]`).")
+
+
 class _LigerDropIn(FusedLinearDistillLoss):
-    """Liger-Kernel's constructor keywords; `compiled` is accepted and ignored (nothing here needs it)."""
+    """Liger-Kernel's constructor keywords, and its attributes: `.beta`, `.temperature`,
+    `.weight_hard_loss`, `.weight_soft_loss`, `.ignore_index`, `.chunk_size` and
+    `.return_soft_hard_loss` are views of `.options` (reading one reads the option, setting one
+    sets it for the next forward); `.compiled` is kept as given and changes nothing (nothing here
+    is compiled)."""
 
     _loss = ""
+    beta = _option("beta")
+    temperature = _option("temperature")
+    weight_hard_loss = _option("weight_hard_loss")
+    weight_soft_loss = _option("weight_soft_loss")
+    ignore_index = _option("ignore_index")
+    chunk_size = _option("chunk_size")
+    return_soft_hard_loss = _option("return_soft_hard_loss")
 
     def __init__(
         self,
@@ -65,17 +98,21 @@ class _LigerDropIn(FusedLinearDistillLoss):
             chunk_size=chunk_size,
             return_soft_hard_loss=return_soft_hard_loss,
         )
+        self.compiled = compiled
 
     def forward(
         self,
-        student_input,
-        student_weight,
-        teacher_input,
-        teacher_weight,
-        true_labels,
-        student_bias=None,
-        teacher_bias=None,
+        student_input,  # (..., Hs)
+        student_weight,  # (V, Hs)
+        teacher_input,  # (..., Ht)
+        teacher_weight,  # (Vt, Ht), Vt >= V
+        true_labels,  # (...) integer, ignore_index marks rows without loss
+        student_bias=None,  # (V,)
+        teacher_bias=None,  # (Vt,)
     ):
+        """Liger's forward signature (`true_labels` positional, as Liger names it): the loss of
+        `fused_linear_distill` with this module's options; `(loss, soft, hard)` with
+        `return_soft_hard_loss`."""
         return super().forward(
             student_input, student_weight, teacher_input, teacher_weight, true_labels, student_bias, teacher_bias
         )
