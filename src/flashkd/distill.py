@@ -88,6 +88,14 @@ def fused_linear_distill(
 ):
     """Distillation loss between a student and a teacher LM head, without materialising the logits.
 
+    Shapes: student_input (..., Hs) and teacher_input (..., Ht) with the same leading dims (B, T or
+    N; flattened to N rows, gradients come back in the input's shape), student_weight (V, Hs),
+    teacher_weight (Vt, Ht) with Vt >= V, labels (...) integer or None, biases (V,) and (Vt,). All
+    float tensors share one dtype (fp16, bf16, fp32, fp64).
+    loss=: "jsd" (β-weighted JSD, β = 0 forward KL, β = 1 reverse KL), "forward_kl" (KL(p‖q)),
+    "reverse_kl" (KL(q‖p)), "tvd" (½ Σ|q − p|) or "cosine" (β (1 − cos) of the logits); q and p are
+    the student's and teacher's softmax at temperature τ.
+
     Returns the scalar fp32 loss  w_hard · CE + w_soft · soft  (see `flashkd.losses` for every
     formula), or `(loss, soft, hard)` with `return_soft_hard_loss` — `soft` and `hard` are the two
     terms before their weights, detached, for logging. Gradients flow to `student_input`,

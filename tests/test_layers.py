@@ -1,0 +1,68 @@
+"""The package's layers import only downwards: core (the losses, their functions and modules, the
+backends, flashkd.data) < records (KernelIndex bundles) < bench (the harness and the `flashkd`
+command). Checked on the source, so an import inside a function counts too."""
+
+import ast
+from pathlib import Path
+
+import flashkd
+
+ROOT = Path(flashkd.__file__).resolve().parent
+LAYERS = {"core": 0, "records": 1, "bench": 2}
+
+
+def _layer(module: str) -> str | None:
+    """The layer of a flashkd module ("flashkd.records.emit" -> "records"); None outside these layers."""
+    parts = module.split(".")
+    if parts[0] != "flashkd":
+        return None
+    if len(parts) > 1 and parts[1] in ("records", "bench"):
+        return parts[1]
+    if len(parts) > 1 and parts[1] in ("__main__", "integrations"):
+        return None  # the console entry point and the integrations sit above every layer here
+    return "core"
+
+
+def _imports(path: Path) -> set[str]:
+    module = ".".join(("flashkd", *path.relative_to(ROOT).with_suffix("").parts))
+    package = module if path.name == "__init__.py" else module.rsplit(".", 1)[0]
+    return _imported(path.read_text("utf-8"), package)
+
+
+def _imported(source: str, package: str) -> set[str]:
+    """The flashkd modules (and names) that source, a module of `package`, imports."""
+    found = set()
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            found |= {a.name for a in node.names}
+        elif isinstance(node, ast.ImportFrom):
+            base = package.split(".")
+            if node.level:
+                base = base[: len(base) - node.level + 1]
+            target = ".".join(base + ([node.module] if node.module else [])) if node.level else node.module
+            found.add(target)
+            found |= {f"{target}.{a.name}" for a in node.names}  # `from . import liger`
+    return {name for name in found if name and name.split(".")[0] == "flashkd"}
+
+
+def test_no_layer_imports_a_higher_one():
+    wrong = []
+    for path in sorted(ROOT.rglob("*.py")):
+        module = ".".join(("flashkd", *path.relative_to(ROOT).with_suffix("").parts)).removesuffix(".__init__")
+        own = _layer(module)
+        if own is None:
+            continue
+        for target in _imports(path):
+            theirs = _layer(target)
+            if theirs is not None and LAYERS[theirs] > LAYERS[own]:
+                wrong.append(f"{module} ({own}) imports {target} ({theirs})")
+    assert wrong == []
+
+
+def test_the_checker_sees_an_upward_import():
+    """The check above can fail: a records module importing the bench, even inside a function, is found."""
+    names = _imports(ROOT / "records" / "emit.py")
+    assert "flashkd.records.protocol" in names and "flashkd.records.liger" in names
+    assert _layer("flashkd.bench.measure") == "bench" and _layer("flashkd.distill") == "core"
+    assert "flashkd.bench.measure" in _imported("def f():\n    from ..bench import measure\n", "flashkd.records")
+    assert "flashkd.bench" in _imported("import flashkd.bench\n", "flashkd.records")
