@@ -66,3 +66,11 @@ def test_the_checker_sees_an_upward_import():
     assert _layer("flashkd.bench.measure") == "bench" and _layer("flashkd.distill") == "core"
     assert "flashkd.bench.measure" in _imported("def f():\n    from ..bench import measure\n", "flashkd.records")
     assert "flashkd.bench" in _imported("import flashkd.bench\n", "flashkd.records")
+
+
+def test_nothing_reads_a_folder_beside_the_repository():
+    """A clone has nothing beside it: tests, examples and the README's commands use only its own files."""
+    repo = Path(__file__).resolve().parents[1]
+    beside = "shared" + "/data"  # spelled so that this file does not match itself
+    files = [*repo.glob("tests/**/*.py"), *repo.glob("examples/**/*.py"), repo / "README.md"]
+    assert [str(p.relative_to(repo)) for p in files if beside in p.read_text("utf-8")] == []
