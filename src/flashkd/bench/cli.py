@@ -199,6 +199,11 @@ def bench(args: argparse.Namespace) -> int:
     records = write_bundles(bundles, p.out / "records")
     _say(console, f"wrote {p.out / 'results.csv'}, {p.out / 'errors.csv'}, run.json, {len(plots)} plots and "
                   f"{len(records)} KernelIndex records in {p.out / 'records'}")
+    from ..records.site import build as build_site
+
+    site = build_site([p.out / "records"], p.out / "site")
+    _say(console, f"records site ({len(site.runs)} runs, {len(site.groups)} comparison groups): "
+                  f"{p.out / 'site' / 'index.html'}")
     bad = [r for r in results if r.check.status in ("FAILED", "error")]
     return 1 if bad else 0
 
