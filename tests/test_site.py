@@ -400,17 +400,38 @@ def test_out_folder_and_arguments(tmp_path, capsys):
     assert code == 2 and "--compare abcdef12: expected one sound run" in err
 
 
+def _restamp(bundle: dict) -> dict:
+    """The bundle with its implementation and run digests recomputed (after an edit of their specs)."""
+    for name in ("implementation", "run"):
+        if name == "run":
+            bundle["run"]["manifest"]["spec"]["implementationDigest"] = bundle["implementation"]["digest"]
+        bundle[name].pop("canonical", None)
+        bundle[name]["digest"] = digest(bundle[name]["manifest"])
+    return bundle
+
+
 def test_metadata_is_escaped(tmp_path, capsys):
-    bundle = copy.deepcopy(VECTOR)
-    bundle["implementation"]["manifest"]["metadata"]["title"] = '<script>alert("x")</script> & co'
-    bundle["run"]["manifest"]["metadata"]["title"] = "<img src=x onerror=alert(1)>"
-    assert check_bundle(bundle) == []  # metadata is not identity
-    (tmp_path / "b.json").write_text(json.dumps(bundle))
-    assert _cli(["records", "site", str(tmp_path / "b.json"), "--out", str(tmp_path / "site")], capsys)[0] == 0
+    hostile = '<script>alert("x")</script> & co'
+    first = copy.deepcopy(VECTOR)
+    first["implementation"]["manifest"]["metadata"]["title"] = f"op · {hostile}"
+    first["run"]["manifest"]["metadata"]["title"] = "<img src=x onerror=alert(1)>"
+    second = copy.deepcopy(first)
+    second["implementation"]["manifest"]["spec"]["callable"]["language"] = "python"
+    second["run"]["manifest"]["spec"]["timing"]["latencyNs"]["median"] = 70000000
+    second["implementation"]["manifest"]["metadata"]["title"] = "op · </text><script>alert(2)</script>"
+    _restamp(second)
+    assert check_bundle(first) == [] and check_bundle(second) == []  # metadata is not identity
+    (tmp_path / "a.json").write_text(json.dumps(first))
+    (tmp_path / "b.json").write_text(json.dumps(second))
+    assert _cli(["records", "site", str(tmp_path / "a.json"), str(tmp_path / "b.json"), "--out",
+                 str(tmp_path / "site")], capsys)[0] == 0
     for page in _pages(tmp_path / "site"):
         text = page.read_text("utf-8")
         assert "<script" not in text and "<img" not in text, page
-    run = next((tmp_path / "site" / "runs").glob("*.html")).read_text("utf-8")
+        assert _parse(page).errors == [], page
+    group = next((tmp_path / "site" / "groups").glob("*.html")).read_text("utf-8")
+    assert "<svg" in group and "&lt;/text&gt;&lt;script&gt;alert(2)" in group  # the chart's label, escaped
+    run = (tmp_path / "site" / "runs" / f"{first['run']['digest'].removeprefix('sha256:')[:16]}.html").read_text()
     assert "&lt;script&gt;alert(&#34;x&#34;)&lt;/script&gt; &amp; co" in run
 
 

@@ -537,7 +537,8 @@ def write(site: Site, out: Path) -> int:
         same = a.key == b.key
         objects = [(name, a.bundle[name]["digest"] == b.bundle[name]["digest"], flatten(a[name]["spec"]),
                     flatten(b[name]["spec"])) for name in OBJECTS]
-        page(f"compare/{compare_name(a, b)}", "compare.html", a=a, b=b, same=same, objects=objects,
+        alike = {name: {k for k, v in x.items() if y.get(k) == v} for name, _, x, y in objects}
+        page(f"compare/{compare_name(a, b)}", "compare.html", a=a, b=b, same=same, objects=objects, alike=alike,
              unit=a.metric.rsplit(":", 1)[-1],
              b_over_a=b.primary_value / a.primary_value if a.primary_value and b.primary_value is not None
              and a.metric == b.metric else None)
