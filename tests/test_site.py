@@ -514,6 +514,8 @@ class Chromium:
         return errors
 
     def screenshot(self, path: Path, width=1280):
+        self.call("Emulation.setDeviceMetricsOverride", session=True, width=width, height=800, deviceScaleFactor=1,
+                  mobile=False)  # the page's own height, not the last page's
         height = self.call("Runtime.evaluate", session=True, returnByValue=True,
                            expression="document.documentElement.scrollHeight")["result"]["value"]
         self.call("Emulation.setDeviceMetricsOverride", session=True, width=width, height=min(int(height), 6000),
