@@ -506,7 +506,8 @@ class Chromium:
         for e in self.events:
             p = e.get("params", {})
             if e.get("method") == "Runtime.exceptionThrown":
-                errors.append(f"exception: {p['exceptionDetails'].get('exception', {}).get('description') or p['exceptionDetails']['text']}")
+                details = p["exceptionDetails"]
+                errors.append(f"exception: {details.get('exception', {}).get('description') or details['text']}")
             elif e.get("method") == "Runtime.consoleAPICalled" and p["type"] in ("error", "assert"):
                 errors.append(f"console.{p['type']}: {[a.get('value') for a in p['args']]}")
             elif e.get("method") == "Log.entryAdded" and p["entry"]["level"] == "error":

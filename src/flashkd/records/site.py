@@ -155,7 +155,7 @@ class Sweep:
         out: dict[str, tuple[str, list]] = {}
         for g in self.groups:
             for r in g.runs:
-                if r.rank is not None:
+                if r.rank is not None and r.value > 0:  # a log axis
                     out.setdefault(r.bundle["implementation"]["digest"], (r.short, []))[1].append(
                         (r["workload"]["spec"]["axes"][self.axis], r))
         return list(out.values())
@@ -169,7 +169,6 @@ class Rejected:
 
 @dataclasses.dataclass
 class Site:
-    out: Path
     runs: list[Run]
     groups: list[Group]
     sweeps: list[Sweep]
@@ -229,7 +228,7 @@ def read(paths, compare_pairs=()) -> Site:
             raise ValueError(f"--compare {spelled[0]} {spelled[1]}: the same run twice")
         if (a, b) not in pairs and (b, a) not in pairs:
             pairs.append((a, b))
-    return Site(Path(), runs, all_groups, _sweeps(all_groups), pairs, rejected, len(files))
+    return Site(runs, all_groups, _sweeps(all_groups), pairs, rejected, len(files))
 
 
 def _find(runs: list[Run], spelled: str) -> Run:
@@ -393,8 +392,13 @@ def line_chart(series: list[tuple[str, list[tuple[float, float]]]], axis: str, u
     shown = {"ns": "ms", "bytes": "MiB"}.get(unit, unit)
     y_lo, y_hi = min(ys) / scale_y / 1.25, max(ys) / scale_y * 1.25
     x_lo, x_hi = xs[0] / 1.15, xs[-1] * 1.15
-    X = lambda x: left + (math.log(x) - math.log(x_lo)) / (math.log(x_hi) - math.log(x_lo)) * plot_w  # noqa: E731
-    Y = lambda y: top + plot_h - (math.log(y) - math.log(y_lo)) / (math.log(y_hi) - math.log(y_lo)) * plot_h  # noqa: E731
+
+    def X(x):
+        return left + math.log(x / x_lo) / math.log(x_hi / x_lo) * plot_w
+
+    def Y(y):
+        return top + plot_h - math.log(y / y_lo) / math.log(y_hi / y_lo) * plot_h
+
     height = top + plot_h + 44
     parts = [f'<svg xmlns="http://www.w3.org/2000/svg" class="chart" viewBox="0 0 {left + plot_w + right} {height}" '
              f'role="img" aria-label="{_esc(title)}">', f'<title>{_esc(title)}</title>',
@@ -433,7 +437,8 @@ def _environment():
             return False
 
     env = jinja2.Environment(loader=jinja2.PackageLoader("flashkd.records", "templates"),
-                             autoescape=jinja2.select_autoescape(["html"], default=True), undefined=Missing, trim_blocks=True, lstrip_blocks=True)
+                             autoescape=jinja2.select_autoescape(["html"], default=True), undefined=Missing,
+                             trim_blocks=True, lstrip_blocks=True)
     env.filters.update(quantity=quantity, ratio=ratio, flatten=flatten, shape=shape, hex=_hex, scalar=_scalar)
     env.globals.update(OBJECTS=OBJECTS)
     return env
@@ -446,7 +451,8 @@ def _artifacts(run: Run, out: Path) -> list[dict]:
     for kind, ref in sorted(run.spec.get("evidence", {}).items()):
         if not isinstance(ref, dict) or "uri" not in ref:
             continue
-        item = {"kind": kind, "uri": ref["uri"], "digest": ref.get("digest"), "href": None, "note": "not found beside the bundle"}
+        item = {"kind": kind, "uri": ref["uri"], "digest": ref.get("digest"), "href": None,
+                "note": "not found beside the bundle"}
         name = ref["uri"]
         if re.fullmatch(r"[A-Za-z0-9._-]+", name) and name not in (".", ".."):
             for folder in (run.path.parent, run.path.parent.parent):
@@ -493,7 +499,6 @@ def write(site: Site, out: Path) -> int:
     for sub in ("runs", "groups", "compare", "sweeps", "bundles"):
         (out / sub).mkdir(parents=True)
     (out / MARKER).write_text("written by flashkd records site; rebuilt in place\n")
-    site.out = out
     env = _environment()
     static = resources.files(__package__).joinpath("templates")
     for name in STATIC:
