@@ -259,18 +259,22 @@ def bench(args: argparse.Namespace) -> int:
     bundles = bundles_from_results(results, env, device=p.settings.device, commit=harness_commit(),
                                    logs=p.out / "results.csv")
     records = write_bundles(bundles, p.out / "records")
-    _say(console, _wrote(p.out, plots, records))
+    from ..records.site import build as build_site
+
+    site = build_site([p.out / "records"], p.out / "site")
+    _say(console, _wrote(p.out, plots, records, site))
     bad = [r for r in results if r.check.status in ("FAILED", "error")]
     return 1 if bad else 0
 
 
-def _wrote(out: Path, plots: list[Path], records: list[Path]) -> str:
+def _wrote(out: Path, plots: list[Path], records: list[Path], site) -> str:
     """The run's last line: every file written, by path (a pattern for the plots and records)."""
     kinds = sorted({p.name.split("_", 1)[0] for p in plots})
     shown = [str(out / name) for name in ("results.csv", "errors.csv", "run.json")]
     if plots:
         shown.append(f"{len(plots)} plots {' '.join(str(out / f'{k}_*.png') for k in kinds)}")
     shown.append(f"{len(records)} KernelIndex records {out / 'records' / '*.json'}")
+    shown.append(f"their site ({len(site.runs)} runs, {len(site.groups)} comparison groups) {out / 'site' / 'index.html'}")
     return "wrote " + ", ".join(shown)
 
 

@@ -21,6 +21,7 @@ commands:
                                Liger-Kernel's published rows that flashkd ships (BSD-2-Clause)
   verify PATH...               recompute digests, check references and schemas; exit 1 on any problem
   compare PATH...              runs grouped by comparison key, ranked by primary statistic (lower first)
+  site PATH... --out DIR       static HTML pages (run, group, compare, index) that open from disk
 PATH is a bundle file or a folder of them.
 """
 
@@ -44,7 +45,19 @@ def add_records_parser(commands) -> argparse.ArgumentParser:
     q = sub.add_parser("compare", help="rank runs within each comparison group")
     q.add_argument("paths", nargs="+", type=Path, metavar="PATH")
     q.set_defaults(run=compare)
+    q = sub.add_parser("site", help="static HTML pages of the runs, ranked, that open from disk")
+    q.add_argument("paths", nargs="+", type=Path, metavar="PATH")
+    q.add_argument("--out", type=Path, required=True, help="folder for the site (index.html)")
+    q.add_argument("--compare", nargs=2, action="append", default=[], metavar=("RUN", "RUN"),
+                   help="also a compare page for these two runs (bundle files or run digest prefixes)")
+    q.set_defaults(run=site)
     return p
+
+
+def site(args: argparse.Namespace) -> int:
+    from .site import main  # imports jinja2; site imports this module's ranking
+
+    return main(args)
 
 
 def write_bundle(bundle: dict, folder: Path, name: str | None = None) -> Path:

@@ -1,0 +1,584 @@
+"""`flashkd records site`: bundles as a static site that opens from disk (no server, no script, nothing fetched).
+
+    index.html                    runs by operation, workload and GPU; the sweeps; every run; the rejected files
+    runs/<id>.html                one run: primary measurement with p20/p80, its rank in its comparison group,
+                                  identity, correctness, tensors, measurements, protocol, environment,
+                                  artifacts, the canonical manifests, how to cite it
+    runs/<id>.canonical.json      the run's canonical JSON: the exact bytes its digest hashes
+    bundles/<id>.json             the input bundle file, byte for byte
+    groups/<key>.html             one comparison group ranked, each run's ratio to #1, a latency chart
+    sweeps/<id>.html              groups that differ only in one axis (N): latency against it per implementation
+    compare/<a>-vs-<b>.html       two runs side by side: every pair within a comparison group, and the pairs
+                                  asked for with --compare (any two runs, e.g. ours against a published one)
+    artifacts/<digest>/<name>     evidence files a run cites, found beside its bundle with the stated digest
+
+<id> is the first 16 hex digits of the run's digest. Every bundle is checked with verify.check_bundle first;
+a file that fails is not rendered: the index lists it with its problems and build() reports it (the
+command exits 1). Ranks are records compare's (cli.groups and cli.ranked). Links to other sites are shown
+as text, so every link in the site resolves to a file in it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import itertools
+import math
+import re
+import shutil
+import sys
+from importlib import resources
+from pathlib import Path
+
+from .cli import groups, ranked
+from .identity import canonical_identity, canonical_json, primary
+from .verify import OBJECTS, bundle_paths, check_bundle, load
+
+MARKER = ".flashkd-site"  # marks a folder this module wrote, so a rebuild may replace it
+STATIC = ("style.css",)
+
+
+@dataclasses.dataclass
+class Run:
+    id: str
+    bundle: dict
+    path: Path
+    key: str
+    value: float | None = None  # the primary value when ranked
+    rank: int | None = None
+    group: "Group | None" = None
+
+    def __getitem__(self, name):  # run["workload"] -> that object's manifest
+        return self.bundle[name]["manifest"]
+
+    @property
+    def digest(self) -> str:
+        return self.bundle["run"]["digest"]
+
+    @property
+    def spec(self) -> dict:
+        return self["run"]["spec"]
+
+    @property
+    def title(self) -> str:
+        return _title(self["run"])
+
+    @property
+    def implementation(self) -> str:
+        return _title(self["implementation"])
+
+    @property
+    def short(self) -> str:
+        """The implementation's title without the operation it shares with its group ("jsd · flashkd" -> "flashkd")."""
+        return self.implementation.rsplit(" · ", 1)[-1]
+
+    @property
+    def case(self) -> str:
+        """The workload in a few words: its axes and the float dtypes of its tensors."""
+        dtypes = sorted({t["dtype"] for t in self["workload"]["spec"]["tensors"].values()
+                         if not t["dtype"].startswith(("int", "uint", "bool"))})
+        return self.axes_text + (f" · {'/'.join(dtypes)}" if dtypes else "")
+
+    @property
+    def operation_title(self) -> str:
+        return _title(self["operation"])
+
+    @property
+    def gpu(self) -> str:
+        return self["environment"]["spec"]["hardware"]["product"]
+
+    @property
+    def axes_text(self) -> str:
+        return ", ".join(f"{k}={v}" for k, v in self["workload"]["spec"]["axes"].items())
+
+    @property
+    def refs(self) -> list[tuple[str, str]]:
+        """(object, url) of every sourceRef in the six manifests' metadata."""
+        return [(name, ref["url"]) for name in OBJECTS for ref in self[name]["metadata"].get("sourceRefs", [])]
+
+    @property
+    def metric(self) -> str:
+        found = primary(self["run"])
+        return found[0] if found else "none"
+
+    @property
+    def primary_value(self) -> float | None:
+        found = primary(self["run"])
+        return found[1] if found else None
+
+    @property
+    def spread(self) -> tuple[float | None, float | None]:
+        """(p20, p80) of the primary metric where the run states them."""
+        metric, _, unit = (self.metric.split(":") + ["", ""])[:3]
+        found = {m["statistic"]: m["value"] for m in self.spec.get("measurements", [])
+                 if m["metric"] == metric and m["unit"] == unit}
+        return found.get("p20"), found.get("p80")
+
+    @property
+    def ratio(self) -> float | None:
+        best = self.group.best if self.group else None
+        return self.value / best.value if self.value is not None and best is not None and best.value else None
+
+
+@dataclasses.dataclass
+class Group:
+    id: str
+    key: str
+    runs: list[Run]  # in rank order; unranked (failed, untimed) last
+
+    @property
+    def best(self) -> Run | None:
+        return self.runs[0] if self.runs and self.runs[0].rank == 1 else None
+
+    @property
+    def first(self) -> Run:
+        return self.runs[0]
+
+    @property
+    def ranked_count(self) -> int:
+        return sum(r.rank is not None for r in self.runs)
+
+
+@dataclasses.dataclass
+class Sweep:
+    id: str
+    axis: str
+    fixed: dict  # the other axes
+    groups: list[Group]  # by axis value
+
+    @property
+    def first(self) -> Run:
+        return self.groups[0].first
+
+    def series(self) -> list[tuple[str, list[tuple[float, Run]]]]:
+        """(implementation title, [(axis value, run)]) per implementation with a ranked run."""
+        out: dict[str, tuple[str, list]] = {}
+        for g in self.groups:
+            for r in g.runs:
+                if r.rank is not None and r.value > 0:  # a log axis
+                    out.setdefault(r.bundle["implementation"]["digest"], (r.short, []))[1].append(
+                        (r["workload"]["spec"]["axes"][self.axis], r))
+        return list(out.values())
+
+
+@dataclasses.dataclass
+class Rejected:
+    path: Path
+    problems: list[str]
+
+
+@dataclasses.dataclass
+class Site:
+    runs: list[Run]
+    groups: list[Group]
+    sweeps: list[Sweep]
+    compares: list[tuple[Run, Run]]
+    rejected: list[Rejected]
+    files: int
+    pages: int = 0
+
+
+def _title(manifest: dict) -> str:
+    return manifest["metadata"].get("title") or manifest["metadata"]["name"]
+
+
+def _hex(digest: str, n: int = 16) -> str:
+    return digest.removeprefix("sha256:")[:n]
+
+
+# -- reading ----------------------------------------------------------------------------------------
+
+def read(paths, compare_pairs=()) -> Site:
+    """Loads and checks every bundle under `paths`, groups and ranks the sound ones; `compare_pairs` are
+    (run, run) spellings (a bundle file, or a run digest or its first hex digits) that get compare pages.
+    Raises ValueError when a pair names no run or several."""
+    files = bundle_paths(paths)
+    good, rejected = [], []
+    for path in files:
+        try:
+            bundle = load(path)
+        except (OSError, ValueError) as e:
+            rejected.append(Rejected(path, [f"cannot read: {e}"]))
+            continue
+        problems = check_bundle(bundle)
+        if problems:
+            rejected.append(Rejected(path, problems))
+        else:
+            good.append((path, bundle))
+    runs, all_groups = [], []
+    for key, members in groups(good).items():
+        group = Group(_hex(key), key, [])
+        rank = 0
+        for path, bundle, value in ranked(members):
+            rank += value is not None
+            run = Run(_hex(bundle["run"]["digest"]), bundle, path, key, value, rank if value is not None else None,
+                      group)
+            group.runs.append(run)
+            runs.append(run)
+        all_groups.append(group)
+    for kind, items in (("run", runs), ("comparison group", all_groups)):
+        if len({x.id for x in items}) != len(items):
+            raise ValueError(f"two {kind}s share the first 16 hex digits of their digest")
+    all_groups.sort(key=_group_order)
+    runs = [r for g in all_groups for r in g.runs]
+    pairs = [(a, b) for g in all_groups for a, b in itertools.combinations(g.runs, 2)]
+    for spelled in compare_pairs:
+        a, b = (_find(runs, s) for s in spelled)
+        if a is b:
+            raise ValueError(f"--compare {spelled[0]} {spelled[1]}: the same run twice")
+        if (a, b) not in pairs and (b, a) not in pairs:
+            pairs.append((a, b))
+    return Site(runs, all_groups, _sweeps(all_groups), pairs, rejected, len(files))
+
+
+def _find(runs: list[Run], spelled: str) -> Run:
+    path = Path(spelled)
+    if path.is_file():
+        try:
+            digest = load(path)["run"]["digest"]
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            raise ValueError(f"--compare {spelled}: not a bundle ({e})") from None
+        found = [r for r in runs if r.digest == digest]
+    else:
+        prefix = spelled.removeprefix("sha256:").lower()
+        found = [r for r in runs if re.fullmatch(r"[0-9a-f]{6,64}", prefix) and _hex(r.digest, 64).startswith(prefix)]
+    if len(found) != 1:
+        raise ValueError(f"--compare {spelled}: expected one sound run (a bundle file or a run digest prefix of at "
+                         f"least 6 hex digits), found {len(found)}")
+    return found[0]
+
+
+def _axes_order(run: Run) -> tuple:
+    return tuple(sorted((k, v) for k, v in run["workload"]["spec"]["axes"].items()))
+
+
+def _group_order(g: Group) -> tuple:
+    r = g.first
+    return (_title(r["operation"]), _axes_order(r), _title(r["workload"]),
+            r["environment"]["spec"]["hardware"]["product"], _title(r["environment"]), _title(r["protocol"]), g.key)
+
+
+def _sweeps(all_groups: list[Group]) -> list[Sweep]:
+    """Groups alike in everything but their workload's axes, split so that one axis varies: "tokens"
+    when it does, else the first that does."""
+    families: dict[str, list[Group]] = {}
+    for g in all_groups:
+        r = g.first
+        workload = {k: v for k, v in r["workload"]["spec"].items() if k not in ("axes", "tensors")}
+        families.setdefault(canonical_json({
+            "operation": r.bundle["operation"]["digest"], "protocol": r.bundle["protocol"]["digest"],
+            "environment": r.bundle["environment"]["digest"], "workload": workload, "metric": r.metric,
+        }), []).append(g)
+    sweeps = []
+    for members in families.values():
+        axes = lambda g: g.first["workload"]["spec"]["axes"]  # noqa: E731
+        names = sorted({a for g in members for a in axes(g)})
+        varying = [a for a in names if len({repr(axes(g).get(a)) for g in members}) > 1]
+        if not varying:
+            continue
+        axis = "tokens" if "tokens" in varying else varying[0]
+        split: dict[str, list[Group]] = {}
+        for g in members:
+            fixed = {a: axes(g).get(a) for a in names if a != axis}
+            split.setdefault(canonical_json(fixed), []).append(g)
+        for fixed_text, gs in split.items():
+            gs = [g for g in gs if g.best is not None]  # a sweep of runs none of which is ranked says nothing
+            values = [axes(g).get(axis) for g in gs]
+            if len(set(values)) < 2 or not all(isinstance(v, (int, float)) and v > 0 for v in values):
+                continue
+            gs.sort(key=lambda g: axes(g)[axis])
+            ident = hashlib.sha256("|".join(g.key for g in gs).encode()).hexdigest()[:16]
+            fixed = {a: v for a, v in axes(gs[0]).items() if a != axis}
+            sweeps.append(Sweep(ident, axis, fixed, gs))
+    return sweeps
+
+
+# -- formatting -------------------------------------------------------------------------------------
+
+def quantity(value, unit: str) -> str:
+    """A measured value as records compare prints it: ns as ms with 4 decimals, bytes as MiB."""
+    if value is None:
+        return "—"
+    if unit == "ns":
+        return f"{value / 1e6:.4f} ms"
+    if unit == "bytes":
+        return f"{value / 2**20:.2f} MiB"
+    if unit == "ratio":
+        return f"{value:g}"
+    return f"{value:g} {unit}" if isinstance(value, (int, float)) else f"{value} {unit}"
+
+
+def ratio(value: float | None) -> str:
+    return "" if value is None else f"×{value:.2f}"
+
+
+def flatten(value, prefix: str = "") -> dict[str, str]:
+    """A JSON value as {dotted path: scalar text}; lists of scalars joined."""
+    if isinstance(value, dict):
+        out = {}
+        for k, v in value.items():
+            out.update(flatten(v, f"{prefix}.{k}" if prefix else k))
+        return out or {prefix: "{}"}
+    if isinstance(value, list):
+        if all(not isinstance(v, (dict, list)) for v in value):
+            return {prefix: ", ".join(map(_scalar, value)) if value else "[]"}
+        out = {}
+        for i, v in enumerate(value):
+            out.update(flatten(v, f"{prefix}[{i}]"))
+        return out
+    return {prefix: _scalar(value)}
+
+
+def _scalar(v) -> str:
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, str):
+        return v
+    return canonical_json(v)
+
+
+def shape(tensor_shape) -> str:
+    return " × ".join(map(str, tensor_shape)) if tensor_shape else "scalar"
+
+
+# -- charts (inline SVG) ----------------------------------------------------------------------------
+
+PALETTE = ("#2f6db5", "#d8772a", "#3a9a5b", "#b8405e", "#7a5ab8", "#8a6d3b", "#4a9fb0", "#666666")
+
+
+def _esc(text: str) -> str:
+    return str(text).replace("&", "&amp;").replace("<", "&lt;").replace(">", "&gt;").replace('"', "&quot;")
+
+
+def bar_chart(rows: list[tuple[str, float, float | None, float | None]], unit: str, title: str) -> str:
+    """Horizontal bars (label, value, low, high), low–high drawn as a whisker; values in `unit`."""
+    label_w, bar_w, row_h, top = 260, 420, 26, 28
+    hi = max(max(v, h or v) for _, v, _, h in rows) or 1.0
+    height = top + row_h * len(rows) + 24
+    parts = [f'<svg xmlns="http://www.w3.org/2000/svg" class="chart" viewBox="0 0 {label_w + bar_w + 120} {height}" '
+             f'role="img" aria-label="{_esc(title)}">', f'<title>{_esc(title)}</title>',
+             f'<text x="0" y="16" class="chart-title">{_esc(title)}</text>']
+    for i, (label, v, lo, up) in enumerate(rows):
+        y = top + i * row_h
+        w = max(v / hi * bar_w, 1)
+        parts.append(f'<text x="{label_w - 8}" y="{y + 17}" text-anchor="end">{_esc(label[:40])}</text>')
+        parts.append(f'<rect x="{label_w}" y="{y + 4}" width="{w:.1f}" height="{row_h - 8}" '
+                     f'fill="{PALETTE[0] if i else PALETTE[2]}"/>')
+        if lo is not None and up is not None:
+            x0, x1, ym = label_w + lo / hi * bar_w, label_w + up / hi * bar_w, y + row_h / 2
+            parts.append(f'<path d="M{x0:.1f} {ym - 5}v10M{x0:.1f} {ym}H{x1:.1f}M{x1:.1f} {ym - 5}v10" '
+                         f'class="whisker"/>')
+        parts.append(f'<text x="{label_w + max(w, (up or 0) / hi * bar_w) + 6:.1f}" y="{y + 17}">'
+                     f'{_esc(quantity(v, unit))}</text>')
+    parts.append(f'<text x="{label_w}" y="{height - 6}" class="axis-note">bar: {_esc(title.split(" ")[0].lower())}; '
+                 'whisker: p20–p80</text>')
+    return "".join(parts) + "</svg>"
+
+
+def _ticks(lo: float, hi: float) -> list[float]:
+    """1-2-5 ticks covering [lo, hi] on a log scale."""
+    out = []
+    for e in range(math.floor(math.log10(lo)) - 1, math.ceil(math.log10(hi)) + 1):
+        out += [m * 10.0 ** e for m in (1, 2, 5) if lo <= m * 10.0 ** e <= hi]
+    return out or [lo, hi]
+
+
+def line_chart(series: list[tuple[str, list[tuple[float, float]]]], axis: str, unit: str, title: str) -> str:
+    """Log–log lines, one per (label, [(x, y)]), x ticks at the data's x values."""
+    left, right, top, plot_w, plot_h = 70, 220, 28, 460, 260
+    xs = sorted({x for _, pts in series for x, _ in pts})
+    ys = [y for _, pts in series for _, y in pts]
+    scale_y = 1e6 if unit == "ns" else 2**20 if unit == "bytes" else 1.0
+    shown = {"ns": "ms", "bytes": "MiB"}.get(unit, unit)
+    y_lo, y_hi = min(ys) / scale_y / 1.25, max(ys) / scale_y * 1.25
+    x_lo, x_hi = xs[0] / 1.15, xs[-1] * 1.15
+
+    def X(x):
+        return left + math.log(x / x_lo) / math.log(x_hi / x_lo) * plot_w
+
+    def Y(y):
+        return top + plot_h - math.log(y / y_lo) / math.log(y_hi / y_lo) * plot_h
+
+    height = top + plot_h + 44
+    parts = [f'<svg xmlns="http://www.w3.org/2000/svg" class="chart" viewBox="0 0 {left + plot_w + right} {height}" '
+             f'role="img" aria-label="{_esc(title)}">', f'<title>{_esc(title)}</title>',
+             f'<text x="0" y="16" class="chart-title">{_esc(title)}</text>',
+             f'<rect x="{left}" y="{top}" width="{plot_w}" height="{plot_h}" class="frame"/>']
+    for t in _ticks(y_lo, y_hi):
+        parts.append(f'<path d="M{left} {Y(t):.1f}h{plot_w}" class="grid"/>'
+                     f'<text x="{left - 6}" y="{Y(t) + 4:.1f}" text-anchor="end">{t:g}</text>')
+    for x in xs:
+        parts.append(f'<path d="M{X(x):.1f} {top}v{plot_h}" class="grid"/>'
+                     f'<text x="{X(x):.1f}" y="{top + plot_h + 16}" text-anchor="middle">{x:g}</text>')
+    parts.append(f'<text x="{left + plot_w / 2}" y="{height - 6}" text-anchor="middle">{_esc(axis)} (log)</text>')
+    parts.append(f'<text x="12" y="{top + plot_h / 2}" transform="rotate(-90 12 {top + plot_h / 2})" '
+                 f'text-anchor="middle">{_esc(shown)} (log)</text>')
+    for i, (label, pts) in enumerate(series):
+        color = PALETTE[i % len(PALETTE)]
+        pts = sorted(pts)
+        path = "M" + "L".join(f"{X(x):.1f} {Y(y / scale_y):.1f}" for x, y in pts)
+        parts.append(f'<path d="{path}" fill="none" stroke="{color}" stroke-width="2"/>')
+        parts += [f'<circle cx="{X(x):.1f}" cy="{Y(y / scale_y):.1f}" r="3.5" fill="{color}"/>' for x, y in pts]
+        ly = top + 10 + i * 18
+        parts.append(f'<path d="M{left + plot_w + 12} {ly}h18" stroke="{color}" stroke-width="3"/>'
+                     f'<text x="{left + plot_w + 36}" y="{ly + 4}">{_esc(label[:28])}</text>')
+    return "".join(parts) + "</svg>"
+
+
+# -- writing ----------------------------------------------------------------------------------------
+
+def _environment():
+    import jinja2
+
+    class Missing(jinja2.StrictUndefined):
+        """An absent optional field tests false (`{% if x.notes %}`, `x.labels or {}`); printing one raises."""
+
+        def __bool__(self):
+            return False
+
+    env = jinja2.Environment(loader=jinja2.PackageLoader("flashkd.records", "templates"),
+                             autoescape=jinja2.select_autoescape(["html"], default=True), undefined=Missing,
+                             trim_blocks=True, lstrip_blocks=True)
+    env.filters.update(quantity=quantity, ratio=ratio, flatten=flatten, shape=shape, hex=_hex, scalar=_scalar)
+    env.globals.update(OBJECTS=OBJECTS)
+    return env
+
+
+def _artifacts(run: Run, out: Path) -> list[dict]:
+    """Each evidence file the run cites: copied into the site when a file of that name with the stated
+    digest lies beside the bundle (or one folder up), else listed as not found."""
+    found = []
+    for kind, ref in sorted(run.spec.get("evidence", {}).items()):
+        if not isinstance(ref, dict) or "uri" not in ref:
+            continue
+        item = {"kind": kind, "uri": ref["uri"], "digest": ref.get("digest"), "href": None,
+                "note": "not found beside the bundle"}
+        name = ref["uri"]
+        if re.fullmatch(r"[A-Za-z0-9._-]+", name) and name not in (".", ".."):
+            for folder in (run.path.parent, run.path.parent.parent):
+                candidate = folder / name
+                if not candidate.is_file():
+                    continue
+                data = candidate.read_bytes()
+                if "sha256:" + hashlib.sha256(data).hexdigest() != ref.get("digest"):
+                    item["note"] = f"a file {name} lies beside the bundle, but its digest differs"
+                    continue
+                target = out / "artifacts" / _hex(ref["digest"], 64) / name
+                target.parent.mkdir(parents=True, exist_ok=True)
+                target.write_bytes(data)
+                item["href"] = f"../artifacts/{_hex(ref['digest'], 64)}/{name}"
+                item["note"] = "digest checked"
+                break
+        elif ref.get("uri"):
+            item["note"] = "not a file name beside the bundle"
+        found.append(item)
+    return found
+
+
+def _cite(run: Run) -> str:
+    year = run.spec["observedAt"][:4]
+    native = run.spec.get("sourceNative", {})
+    source = f" Source: {native['source']}, {native['externalId']}." if "externalId" in native else ""
+    return (f"{run.implementation}. {_title(run['workload'])}; {_title(run['protocol'])}; "
+            f"{_title(run['environment'])}. Benchmark run, observed {run.spec['observedAt']} ({year}). "
+            f"KernelIndex record {run.digest} (kernelindex.dev/v1alpha1), comparison key {run.key}.{source}")
+
+
+def compare_name(a: Run, b: Run) -> str:
+    return f"{a.id}-vs-{b.id}.html"
+
+
+def write(site: Site, out: Path) -> int:
+    """Writes the site into `out` (created; a folder this module wrote before is replaced, any other
+    non-empty folder is refused with ValueError). Returns the number of pages."""
+    out = Path(out)
+    if out.exists():
+        if not out.is_dir() or (any(out.iterdir()) and not (out / MARKER).exists()):
+            raise ValueError(f"--out {out}: exists and is not a site written by flashkd records site")
+        shutil.rmtree(out)
+    for sub in ("runs", "groups", "compare", "sweeps", "bundles"):
+        (out / sub).mkdir(parents=True)
+    (out / MARKER).write_text("written by flashkd records site; rebuilt in place\n")
+    env = _environment()
+    static = resources.files(__package__).joinpath("templates")
+    for name in STATIC:
+        (out / name).write_text(static.joinpath(name).read_text("utf-8"), encoding="utf-8")
+    compares = {}
+    for a, b in site.compares:
+        compares.setdefault(a.id, {})[b.id] = compare_name(a, b)
+        compares.setdefault(b.id, {})[a.id] = compare_name(a, b)
+    sweep_of = {g.id: s for s in site.sweeps for g in s.groups}
+    pages = 0
+
+    def page(path: str, template: str, **context):
+        nonlocal pages
+        root = "../" * path.count("/")
+        html = env.get_template(template).render(root=root, site=site, **context)
+        (out / path).write_text(html, encoding="utf-8")
+        pages += 1
+
+    for run in site.runs:
+        (out / "bundles" / f"{run.id}.json").write_bytes(run.path.read_bytes())
+        canonical = {name: canonical_identity(run.bundle[name]["manifest"]) for name in OBJECTS}
+        (out / "runs" / f"{run.id}.canonical.json").write_text(canonical["run"], encoding="utf-8")
+        p20, p80 = run.spread
+        page(f"runs/{run.id}.html", "run.html", run=run, p20=p20, p80=p80, canonical=canonical,
+             compares=compares.get(run.id, {}), artifacts=_artifacts(run, out), cite=_cite(run),
+             sweep=sweep_of.get(run.group.id), unit=run.metric.rsplit(":", 1)[-1])
+    for g in site.groups:
+        unit = g.first.metric.rsplit(":", 1)[-1]
+        rows = [(r.short, r.value, *r.spread) for r in g.runs if r.value is not None]
+        chart = bar_chart(rows, unit, f"{g.first.metric.split(':')[0].capitalize()} per implementation, "
+                                      f"{g.first.metric.split(':')[1]}") if len(rows) >= 2 else None
+        page(f"groups/{g.id}.html", "group.html", group=g, chart=chart, compares=compares,
+             sweep=sweep_of.get(g.id), unit=unit)
+    for s in site.sweeps:
+        unit = s.first.metric.rsplit(":", 1)[-1]
+        series = [(label, [(x, r.value) for x, r in pts]) for label, pts in s.series()]
+        chart = line_chart(series, s.axis, unit, f"{s.first.metric.split(':')[1].capitalize()} "
+                                                 f"{s.first.metric.split(':')[0]} against {s.axis}") if series else None
+        page(f"sweeps/{s.id}.html", "sweep.html", sweep=s, chart=chart, unit=unit)
+    for a, b in site.compares:
+        same = a.key == b.key
+        objects = [(name, a.bundle[name]["digest"] == b.bundle[name]["digest"], flatten(a[name]["spec"]),
+                    flatten(b[name]["spec"])) for name in OBJECTS]
+        alike = {name: {k for k, v in x.items() if y.get(k) == v} for name, _, x, y in objects}
+        page(f"compare/{compare_name(a, b)}", "compare.html", a=a, b=b, same=same, objects=objects, alike=alike,
+             unit=a.metric.rsplit(":", 1)[-1],
+             b_over_a=b.primary_value / a.primary_value if a.primary_value and b.primary_value is not None
+             and a.metric == b.metric else None)
+    page("index.html", "index.html", compares=compares)
+    return pages
+
+
+def build(paths, out, compare_pairs=()) -> Site:
+    """read() then write(); the Site says what was rendered and what was rejected. Raises ValueError
+    when no bundle file is found, a --compare pair is not two runs, or `out` is another folder."""
+    site = read(paths, compare_pairs)
+    if not site.files:
+        raise ValueError("no bundle files found")
+    site.pages = write(site, out)
+    return site
+
+
+def main(args) -> int:
+    """`flashkd records site PATH... --out DIR [--compare RUN RUN]...`: 0, 1 when a file was rejected
+    (the site is still written, the file listed on its index), 2 when nothing could be written."""
+    try:
+        site = build(args.paths, args.out, [tuple(p) for p in args.compare])
+    except ValueError as e:
+        print(f"flashkd records site: {e}", file=sys.stderr)
+        return 2
+    for x in site.rejected:
+        for problem in x.problems:
+            print(f"{x.path}: {problem}", file=sys.stderr)
+    print(f"{len(site.runs)} run(s) in {len(site.groups)} comparison group(s), {site.pages} pages: "
+          f"{Path(args.out) / 'index.html'}")
+    if site.rejected:
+        print(f"flashkd records site: {len(site.rejected)} file(s) rejected, not rendered (listed on the index)",
+              file=sys.stderr)
+        return 1
+    return 0
+
+
+__all__ = ["build", "read", "write", "Site", "Run", "Group", "Sweep", "Rejected"]
