@@ -267,7 +267,8 @@ def test_cli_end_to_end(tmp_path, capsys):
     assert "liger has no fused tvd loss" in said
     last = said.strip().splitlines()[-1]  # every file, where it is
     assert last.startswith(f"wrote {out / 'results.csv'}, {out / 'errors.csv'}, {out / 'run.json'}, ")
-    assert last.endswith(f" KernelIndex records {out / 'records' / '*.json'}")
+    assert f" KernelIndex records {out / 'records' / '*.json'}, their site (" in last
+    assert last.endswith(f" {out / 'site' / 'index.html'}") and (out / "site" / "index.html").is_file()
 
 
 def test_cli_exit_status_is_1_when_a_provider_fails(monkeypatch, tmp_path):
