@@ -50,10 +50,10 @@ that each shard is a regular file of the listed size), a shard's SHA-256 and its
 (exactly the tensors, shapes and dtypes the index lists) the first time the shard is opened, and
 each example's ids and log-probs (the ranges above) when it is read. A failure raises `TargetsError`
 (a ValueError) naming the file and the field or key; no other error comes out of a damaged
-directory. The digest costs one extra read of each shard per process that opens it (SHA-256 runs
-at about 1-2 GB/s on one core; DataLoader workers each check the shards they open, again every
-epoch unless persistent_workers=True); `check_digests=False` skips it where `verify()` (every shard
-and every example, one read of the whole directory) has been run once and the files are trusted
+directory. The digest costs one extra read of each shard per process that opens it (SHA-256 runs at
+roughly 0.5-2 GB/s on one core, by CPU; DataLoader workers each check the shards they open, again
+every epoch unless persistent_workers=True); `check_digests=False` skips it where `verify()` (every
+shard and every example, one read of the whole directory) has been run once and the files are trusted
 from then on. A shard changed after it was checked and memory-mapped is not noticed.
 
 Writing is safe against concurrent writers, crashes and failed overwrites. For out_dir ".../NAME"
@@ -62,10 +62,11 @@ the writer uses three siblings of it:
     .NAME.flashkd-lock       a lock file, held with flock(LOCK_EX) for the whole write, so a second
                              writer of the same out_dir is refused at once; it is removed when the
                              write ends (a killed writer's lock file is released by the kernel and
-                             taken over). flock is advisory and works between processes of one
-                             machine; on NFS, Linux maps it to NFS byte-range locks, which hold
-                             across clients only where the server supports locking (not with the
-                             "nolock" mount option).
+                             taken over). flock (POSIX; the writer needs fcntl) is advisory: it
+                             keeps out other writers, on one machine; on NFS, Linux maps it to NFS
+                             byte-range locks, which hold across clients only where the server
+                             supports locking (not with the "nolock" mount option); some network
+                             and FUSE file systems ignore it.
     .NAME.flashkd-partial    the directory the targets are built in: each shard written as .tmp,
                              fsynced and renamed, then a line appended to progress.jsonl (the
                              shard's file, size, digest and examples, in order); index.json last
@@ -73,6 +74,8 @@ the writer uses three siblings of it:
                              renamed to out_dir.
     .NAME.flashkd-old        with overwrite=True, the old targets between the two renames that swap
                              the new ones in; removed right after.
+
+(An empty out_dir is replaced by the new directory: its permissions are not carried over.)
 
 So out_dir only ever holds nothing, the old targets or the complete new ones: a write that is killed
 or fails (the examples raise, the disk fills) leaves out_dir as it was, and TopKTargets refuses a
