@@ -491,6 +491,26 @@ def test_failed_overwrite_loses_nothing(tmp_path, reference):
     assert files(out) == reference[1] and siblings(out) == []
 
 
+def test_overwrite_that_fails_in_the_swap_loses_nothing(tmp_path, reference, monkeypatch):
+    out = tmp_path / "t"
+    write(out, seed=1)
+    old = files(out)
+    rename = os.rename
+
+    def failing(src, dst):
+        if Path(src).name == ".t.flashkd-partial":
+            raise OSError(28, "No space left on device")
+        rename(src, dst)
+
+    monkeypatch.setattr(os, "rename", failing)
+    with pytest.raises(OSError, match="No space left"):
+        write(out, overwrite=True)
+    assert files(out) == old and siblings(out) == [".t.flashkd-partial"]
+    monkeypatch.setattr(os, "rename", rename)
+    write(out, overwrite=True, resume=True)  # the finished write, swapped in
+    assert files(out) == reference[1] and siblings(out) == []
+
+
 def test_overwrite_replaces(tmp_path, reference):
     out = tmp_path / "t"
     write(out, seed=1)
@@ -617,7 +637,7 @@ first = os.path.join(base, "first", "t")
 shutil.copytree(os.path.join(base, "old"), first)
 assert run(first, None, True) == 0
 total = int(open(first + ".calls").read())
-rng = random.Random(0)
+rng = random.Random(int(sys.argv[4]))  # the points: 4 at random (the seed is printed on failure), the last 6
 chosen = sorted(set(rng.sample(range(1, total + 1), points) + list(range(total - 5, total + 1))))
 report = []
 for point in chosen:
@@ -631,9 +651,9 @@ print(json.dumps({"total": total, "report": report}))
 """
 
 
-def test_killed_writer_leaves_old_or_new_and_resumes(tmp_path, reference, monkeypatch):
+def test_killed_writer_leaves_old_or_new_and_resumes(tmp_path, reference, monkeypatch, seed):
     result = subprocess.run(
-        [sys.executable, "-c", CHILD, str(tmp_path / "runs"), str(Path(__file__).parent), "4"],
+        [sys.executable, "-c", CHILD, str(tmp_path / "runs"), str(Path(__file__).parent), "4", str(seed)],
         capture_output=True, text=True, timeout=300, env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)},
     )
     assert result.returncode == 0, result.stderr

@@ -706,7 +706,11 @@ def _swap(partial: Path, out: Path, overwrite: bool):
         shutil.rmtree(old)
     if out.exists() and any(out.iterdir()):
         os.rename(out, old)
-        os.rename(partial, out)
+        try:
+            os.rename(partial, out)
+        except BaseException:
+            os.rename(old, out)  # the old targets back: a failed overwrite loses nothing
+            raise
         _fsync(out.parent)
         shutil.rmtree(old)
     else:
