@@ -3,39 +3,94 @@
 A teacher run once over a corpus, its top-k log-probs kept, and the student distilled from them later
 (`fused_linear_distill_topk`) without the teacher in memory.
 
-Format "flashkd.topk", version 1 — a directory:
+Format "flashkd.topk", version 2 — a directory:
 
     index.json
     shard-00000.safetensors
     shard-00001.safetensors
     ...
 
-index.json, one JSON object:
+index.json, one JSON object with exactly these fields:
 
     "format":              "flashkd.topk"
-    "version":             1
-    "k":                   K, slots per position
-    "temperature":         τ the log-probs were taken at (distill at this τ: `fused_linear_distill_topk`)
-    "vocab_size":          V; every id lies in [0, V) (the student's vocab when the teacher head is padded)
+    "version":             2
+    "k":                   K, slots per position, an int in [1, vocab_size]
+    "temperature":         τ the log-probs were taken at, a finite number > 0 (distill at this τ)
+    "vocab_size":          V, an int in [1, 2^31); every id lies in [0, V) (the student's vocab when
+                           the teacher head is padded)
     "logprob_dtype":       "float32", "float16" or "bfloat16", the dtype of every logprobs tensor
     "teacher_description": free-form text (model name, revision, ...) or null
-    "shards":              the shard file names, in order
+    "shards":              [{"file": "shard-NNNNN.safetensors", "bytes": size, "sha256": hex digest
+                           of the file}, ...], shard i named shard-{i:05d}.safetensors (ASCII digits)
     "examples":            {key: {"shard": i, "length": L}}, i an index into "shards", L positions
+                           (an int in [0, 2^31)); the order is the order they were written in
+    "sha256":              hex SHA-256 of index.json's bytes with the 64 digits of this value
+                           replaced by 64 "0"s (so every byte of the file is covered)
 
-Each shard is a safetensors file (metadata {"format": "flashkd.topk", "version": "1"}) holding, for
-each example stored in it,
+No NaN or Infinity, no duplicate keys in any object, no other fields. Version 1 (shards listed by
+name, no digests) is refused: its targets must be written again.
 
-    <key>.ids        (L, K) int32           vocab ids; -1 marks an unused slot
+Each shard is a regular file (not a symbolic link) in the directory, a safetensors file with metadata
+{"format": "flashkd.topk/2"} (one key: safetensors writes several in a random order, and a write's
+bytes are meant to be reproducible) holding, for each example the index places in it, and nothing else,
+
+    <key>.ids        (L, K) int32           vocab ids in [0, V); -1 marks an unused slot
     <key>.logprobs   (L, K) logprob_dtype   log p at those ids, log p = logit/τ − logsumexp(logits/τ)
-                                            over the whole vocab (−inf at unused slots)
+                                            over the whole vocab: <= 0, never NaN, −inf at unused slots
 
 The writer here fills all K slots of every row, sorted by decreasing log-prob; -1 slots exist for
-targets that come from elsewhere (a served teacher that returned fewer than K). index.json is written
-last, so a directory without it is a write that did not finish.
+targets that come from elsewhere (a served teacher that returned fewer than K).
 
 Keys: strings of 1 to 200 characters from A-Z a-z 0-9 _ - . : / — the key prefixes its tensor names
 and appears in JSON, file listings and error messages, so whitespace, quotes and control characters
 are kept out.
+
+Integrity. `TopKTargets` checks index.json in full when it opens a directory (its digest, every field,
+that each shard is a regular file of the listed size), a shard's SHA-256 and its safetensors header
+(exactly the tensors, shapes and dtypes the index lists) the first time the shard is opened, and
+each example's ids and log-probs (the ranges above) when it is read. A failure raises `TargetsError`
+(a ValueError) naming the file and the field or key; no other error comes out of a damaged
+directory. The digest costs one extra read of each shard per process that opens it (SHA-256 runs at
+roughly 0.5-2 GB/s on one core, by CPU; DataLoader workers each check the shards they open, again
+every epoch unless persistent_workers=True); `check_digests=False` skips it where `verify()` (every
+shard and every example, one read of the whole directory) has been run once and the files are trusted
+from then on. A shard changed after it was checked and memory-mapped is not noticed.
+
+Writing is safe against concurrent writers, crashes and failed overwrites. For out_dir ".../NAME"
+the writer uses three siblings of it:
+
+    .NAME.flashkd-lock       a lock file, held with flock(LOCK_EX) for the whole write, so a second
+                             writer of the same out_dir is refused at once; it is removed when the
+                             write ends (a killed writer's lock file is released by the kernel and
+                             taken over). flock (POSIX; the writer needs fcntl) is advisory: it
+                             keeps out other writers, on one machine; on NFS, Linux maps it to NFS
+                             byte-range locks, which hold across clients only where the server
+                             supports locking (not with the "nolock" mount option); some network
+                             and FUSE file systems ignore it.
+    .NAME.flashkd-partial    the directory the targets are built in: each shard written as .tmp,
+                             fsynced and renamed, then a line appended to progress.jsonl (the
+                             shard's file, size, digest and examples, in order); index.json last
+                             (.tmp, fsync, rename); then progress.jsonl removed and the directory
+                             renamed to out_dir.
+    .NAME.flashkd-old        with overwrite=True, the old targets between the two renames that swap
+                             the new ones in; removed right after.
+
+(An empty out_dir is replaced by the new directory: its permissions are not carried over.)
+
+So out_dir only ever holds nothing, the old targets or the complete new ones: a write that is killed
+or fails (the examples raise, the disk fills) leaves out_dir as it was, and TopKTargets refuses a
+directory without index.json as unfinished, naming the partial directory where there is one. A crash
+between the two renames of an overwrite (two system calls) leaves out_dir absent, the old targets in
+.NAME.flashkd-old and the new ones complete in .NAME.flashkd-partial, which resume=True swaps in.
+`write_topk_targets(..., resume=True)` continues a write from the shards it finished: it checks their
+digests, iterates the examples again, checks that the first ones are the finished keys in their order,
+skips them (a zero-argument callable in place of the hidden states is then not called: no teacher
+forward) and writes the rest as the interrupted write would have; the result is byte for byte that of
+an uninterrupted write with the same examples and options (the options must match: k, temperature,
+vocab_size, logprob_dtype, teacher_description, shard_bytes, chunk_size, backend and the teacher
+weight's hidden size and dtype; a mismatch is refused). Examples held in memory for the shard
+being filled are computed again. A write refuses to start over an unfinished one unless resume=True;
+a partial directory with no finished shard is simply removed.
 
 Alignment: row t of an example is the teacher's distribution at position t, over the token at t + 1,
 computed from the teacher's hidden state at t; it lines up with the student's hidden state h at t.
@@ -64,9 +119,14 @@ K·6 in float16 or bfloat16.
 from __future__ import annotations
 
 import collections.abc
+import contextlib
+import hashlib
 import json
+import math
 import os
 import re
+import shutil
+import stat
 from pathlib import Path
 
 import torch
@@ -74,16 +134,28 @@ import torch
 from .teacher import teacher_topk
 
 FORMAT = "flashkd.topk"
-VERSION = 1
+VERSION = 2
 _INDEX = "index.json"
-_SHARD = re.compile(r"shard-\d{5}\.safetensors")
+_PROGRESS = "progress.jsonl"
+_FIELDS = ("format", "version", "k", "temperature", "vocab_size", "logprob_dtype", "teacher_description",
+           "shards", "examples", "sha256")
+_OPTIONS = _FIELDS[2:7]  # the fields a resumed write must be given alike
+_SHARD = re.compile(r"shard-[0-9]{5,}\.safetensors")  # [0-9], not \d: \d also matches '٠' and the like
 _KEY = re.compile(r"[A-Za-z0-9_.:/-]{1,200}")
+_HEX = re.compile(r"[0-9a-f]{64}")
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+_HEADER_DTYPES = {"float32": "F32", "float16": "F16", "bfloat16": "BF16"}  # safetensors' names
+_MAX_INT = 2**31  # vocab ids are int32; lengths are bounded alike
+
+
+class TargetsError(ValueError):
+    """A target directory that cannot be read as format flashkd.topk: unfinished, damaged, or not
+    written in it. The message names the file and the field or example key."""
 
 
 def write_topk_targets(
     out_dir: str | os.PathLike,
-    examples,  # iterable of (key, hidden_states (L, H))
+    examples,  # iterable of (key, hidden_states (L, H) or a callable returning them)
     teacher_weight: torch.Tensor,  # (Vt, H)
     k: int,
     *,
@@ -96,6 +168,7 @@ def write_topk_targets(
     backend: str = "auto",
     teacher_description: str | None = None,
     overwrite: bool = False,
+    resume: bool = False,
 ) -> "TopKTargets":
     """Write a teacher's top-k targets for `examples` into `out_dir` (format: this module's docstring).
 
@@ -103,14 +176,16 @@ def write_topk_targets(
     sequence — what its LM head sees, i.e. after the final norm. In HF transformers that is
     `model(input_ids, output_hidden_states=True).hidden_states[-1]` (checked for Llama in transformers
     4.56 to 5.24: the last element is `last_hidden_state`, the final RMSNorm's output, and `lm_head` of
-    it gives `.logits`; tests/test_data.py holds it).
-    A generator keeps one sequence in memory at a time:
+    it gives `.logits`; tests/test_data.py holds it). In place of the tensor, a zero-argument callable
+    that returns it: it is called before the next pair is drawn, and not at all for an example that
+    resume=True skips. A generator keeps one sequence in memory at a time:
 
         def examples():
             for key, input_ids in corpus:                       # input_ids (1, L), no padding
-                with torch.no_grad():
-                    out = teacher(input_ids, output_hidden_states=True)
-                yield key, out.hidden_states[-1][0]
+                def hidden(input_ids=input_ids):
+                    with torch.no_grad():
+                        return teacher(input_ids, output_hidden_states=True).hidden_states[-1][0]
+                yield key, hidden
 
     Each sequence goes through `flashkd.teacher_topk(hidden_states, teacher_weight, k, temperature=...,
     teacher_bias=..., vocab_size=..., chunk_size=..., backend=...)` (one chunk of logits at a time);
@@ -119,8 +194,13 @@ def write_topk_targets(
     `shard_bytes` (ids + log-probs), then go to the next shard file: the writer never holds more than
     one shard's worth, or one sequence's if that is bigger (such a sequence gets a shard of its own).
 
-    out_dir must be new or empty; overwrite=True replaces targets written there before (only a
-    directory that holds nothing but index.json and shards). Returns a `TopKTargets` over out_dir.
+    out_dir must be new or an empty directory; overwrite=True replaces targets written there before
+    (only a directory that holds nothing but index.json and shard files), and only once the new ones
+    are complete. resume=True continues a write into out_dir that was interrupted (killed, or failed
+    with an exception) from its finished shards, given the same examples in the same order and the
+    same options; the result is that of an uninterrupted write. The targets are built beside out_dir
+    and renamed into place (the module docstring says how, and what a crash leaves). Returns a
+    `TopKTargets` over out_dir.
     """
     st = _safetensors()
     if not isinstance(teacher_weight, torch.Tensor) or teacher_weight.dim() != 2:
@@ -131,6 +211,8 @@ def write_topk_targets(
         teacher_weight.new_zeros(0, teacher_weight.shape[1]), teacher_weight, k, temperature=temperature,
         teacher_bias=teacher_bias, vocab_size=vocab_size, chunk_size=chunk_size, backend=backend,
     )
+    if not math.isfinite(temperature):  # index.json holds no Infinity
+        raise ValueError(f"temperature: expected a finite float > 0, got {temperature!r}")
     names = {v: n for n, v in _DTYPES.items()}
     if logprob_dtype not in names:
         raise ValueError(f"logprob_dtype: expected torch.float32, torch.float16 or torch.bfloat16, got {logprob_dtype!r}")
@@ -141,9 +223,11 @@ def write_topk_targets(
             f"teacher_description: expected a str (e.g. the teacher's name and revision) or None, "
             f"got {type(teacher_description).__name__}"
         )
-    out = Path(out_dir)
-    _prepare_dir(out, overwrite)
-
+    for name, flag in (("overwrite", overwrite), ("resume", resume)):
+        if not isinstance(flag, bool):
+            raise TypeError(f"{name}: expected a bool, got {type(flag).__name__}")
+    out = Path(out_dir).resolve()  # siblings of the real directory, whatever path leads to it
+    h = teacher_weight.shape[1]
     index = {
         "format": FORMAT,
         "version": VERSION,
@@ -155,64 +239,119 @@ def write_topk_targets(
         "shards": [],
         "examples": {},
     }
-    pending, pending_bytes = {}, 0
+    # What else decides the bytes written: a resumed write must be given the same.
+    writer = {"shard_bytes": shard_bytes, "chunk_size": chunk_size, "backend": backend, "hidden_size": h,
+              "teacher_dtype": str(teacher_weight.dtype).removeprefix("torch.")}
+    partial = _sibling(out, "partial")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with _locked(_sibling(out, "lock"), out):
+        _check_out(out, overwrite)
+        finished = _start(partial, index, writer, resume)
+        done = list(index["examples"])  # keys of the finished shards, in the order they were written
+        pending, pending_keys, pending_bytes = {}, [], 0
 
-    def flush():
-        name = f"shard-{len(index['shards']):05d}.safetensors"
-        st.torch.save_file(pending, out / (name + ".tmp"), metadata={"format": FORMAT, "version": str(VERSION)})
-        os.replace(out / (name + ".tmp"), out / name)
-        index["shards"].append(name)
-        pending.clear()
+        def flush():
+            i = len(index["shards"])
+            name = f"shard-{i:05d}.safetensors"
+            tmp = partial / (name + ".tmp")
+            st.torch.save_file(pending, tmp, metadata={"format": f"{FORMAT}/{VERSION}"})
+            _fsync(tmp)
+            entry = {"file": name, "bytes": tmp.stat().st_size, "sha256": _file_sha256(tmp)}
+            os.replace(tmp, partial / name)
+            line = {**entry, "examples": [[key, index["examples"][key]["length"]] for key in pending_keys]}
+            with open(partial / _PROGRESS, "ab") as f:  # one write of one line: a crash tears the last line at most
+                f.write(json.dumps(line, separators=(",", ":")).encode() + b"\n")
+                f.flush()
+                os.fsync(f.fileno())
+            index["shards"].append(entry)
+            pending.clear()
+            pending_keys.clear()
 
-    h = teacher_weight.shape[1]
-    for i, item in enumerate(examples):
-        if not isinstance(item, (tuple, list)) or len(item) != 2:
-            raise TypeError(f"examples: expected (key, hidden_states) pairs, got {type(item).__name__} at position {i}")
-        key, x = item
-        _check_key(key, f"examples: key at position {i}")
-        if key in index["examples"]:
-            raise ValueError(f"examples: expected distinct keys, got {key!r} twice (again at position {i})")
-        if not isinstance(x, torch.Tensor) or x.dim() != 2 or x.shape[1] != h:
-            got = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
-            raise ValueError(
-                f"examples: hidden_states of {key!r}: expected a (length, {h}) tensor (one sequence, no batch "
-                f"dim; teacher_weight is {tuple(teacher_weight.shape)}), got {got}"
-            )
-        if x.dtype != teacher_weight.dtype or x.device != teacher_weight.device:
-            raise ValueError(
-                f"examples: hidden_states of {key!r}: expected {teacher_weight.dtype} on {teacher_weight.device} "
-                f"(those of teacher_weight), got {x.dtype} on {x.device}"
-            )
-        ids, lp = teacher_topk(
-            x, teacher_weight, k, temperature=temperature, teacher_bias=teacher_bias,
-            vocab_size=vocab_size, chunk_size=chunk_size, backend=backend,
-        )
-        ids, lp = ids.to(torch.int32).cpu(), lp.to(logprob_dtype).cpu()
-        nbytes = ids.nbytes + lp.nbytes
-        if pending and pending_bytes + nbytes > shard_bytes:
-            flush()
-            pending_bytes = 0
-        pending[f"{key}.ids"], pending[f"{key}.logprobs"] = ids, lp
-        pending_bytes += nbytes
-        index["examples"][key] = {"shard": len(index["shards"]), "length": x.shape[0]}
-    if pending:
-        flush()
-    tmp = out / (_INDEX + ".tmp")
-    tmp.write_text(json.dumps(index, indent=1) + "\n", encoding="utf-8")
-    os.replace(tmp, out / _INDEX)
+        try:
+            n = 0
+            for n, item in enumerate(examples, 1):
+                i = n - 1
+                if not isinstance(item, (tuple, list)) or len(item) != 2:
+                    raise TypeError(f"examples: expected (key, hidden_states) pairs, got {type(item).__name__} at position {i}")
+                key, x = item
+                _check_key(key, f"examples: key at position {i}")
+                if i < len(done):
+                    if key != done[i]:
+                        raise ValueError(
+                            f"examples: resume=True expects the examples of the interrupted write, in its order: "
+                            f"position {i} was {done[i]!r} there, got {key!r}"
+                        )
+                    continue
+                if finished:
+                    raise ValueError(
+                        f"examples: resume=True expects the examples of the interrupted write, which had finished "
+                        f"after {len(done)}; got more ({key!r} at position {i})"
+                    )
+                if key in index["examples"]:
+                    raise ValueError(f"examples: expected distinct keys, got {key!r} twice (again at position {i})")
+                if callable(x):
+                    x = x()
+                if not isinstance(x, torch.Tensor) or x.dim() != 2 or x.shape[1] != h:
+                    got = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
+                    raise ValueError(
+                        f"examples: hidden_states of {key!r}: expected a (length, {h}) tensor (one sequence, no batch "
+                        f"dim; teacher_weight is {tuple(teacher_weight.shape)}), got {got}"
+                    )
+                if x.dtype != teacher_weight.dtype or x.device != teacher_weight.device:
+                    raise ValueError(
+                        f"examples: hidden_states of {key!r}: expected {teacher_weight.dtype} on {teacher_weight.device} "
+                        f"(those of teacher_weight), got {x.dtype} on {x.device}"
+                    )
+                ids, lp = teacher_topk(
+                    x, teacher_weight, k, temperature=temperature, teacher_bias=teacher_bias,
+                    vocab_size=vocab_size, chunk_size=chunk_size, backend=backend,
+                )
+                ids, lp = ids.to(torch.int32).cpu(), lp.to(logprob_dtype).cpu()
+                why = _rows_problem(ids, lp, index["vocab_size"])
+                if why:  # what the reader would refuse is never written
+                    raise ValueError(f"examples: hidden_states of {key!r}: its targets break the format ({why}); "
+                                     "are the hidden states finite?")
+                nbytes = ids.nbytes + lp.nbytes
+                if pending and pending_bytes + nbytes > shard_bytes:
+                    flush()
+                    pending_bytes = 0
+                pending[f"{key}.ids"], pending[f"{key}.logprobs"] = ids, lp
+                pending_keys.append(key)
+                pending_bytes += nbytes
+                index["examples"][key] = {"shard": len(index["shards"]), "length": x.shape[0]}
+            if n < len(done):
+                raise ValueError(
+                    f"examples: resume=True expects the examples of the interrupted write: it had finished "
+                    f"{len(done)}, examples gave {n}"
+                )
+            if pending:
+                flush()
+        except BaseException:
+            if not index["shards"]:  # nothing finished, nothing to resume from
+                shutil.rmtree(partial, ignore_errors=True)
+            raise
+        _write_atomic(partial / _INDEX, _index_bytes(index))
+        (partial / _PROGRESS).unlink(missing_ok=True)
+        _fsync(partial)
+        _swap(partial, out, overwrite)
     return TopKTargets(out)
 
 
 class TopKTargets(collections.abc.Mapping):
     """Read-only mapping over a target directory: key -> (ids (L, K) int64, logprobs (L, K) float32).
 
-    Reads and checks index.json only; a shard is opened (memory-mapped by safetensors) the first time
-    one of its examples is read, and an example is read in full when indexed. Attributes from the
-    index: path, k, temperature, vocab_size, logprob_dtype (a torch.dtype), teacher_description.
-    Picklable (for DataLoader workers): open shards are not carried along but reopened.
+    Reads and checks index.json only (in full: digest, fields, each shard a regular file of its listed
+    size); a shard is opened (memory-mapped by safetensors) the first time one of its examples is read,
+    after its SHA-256 (check_digests=False skips that) and its header are checked, and an example is
+    read in full and its values checked when indexed. Any failure raises `TargetsError`. `verify()`
+    checks everything at once. Attributes from the index: path, k, temperature, vocab_size,
+    logprob_dtype (a torch.dtype), teacher_description. Picklable (for DataLoader workers): open
+    shards are not carried along but reopened, and checked again, in each process.
     """
 
-    def __init__(self, path: str | os.PathLike):
+    def __init__(self, path: str | os.PathLike, *, check_digests: bool = True):
+        if not isinstance(check_digests, bool):
+            raise TypeError(f"check_digests: expected a bool, got {type(check_digests).__name__}")
         self.path = Path(path)
         index = _read_index(self.path)
         self.k = index["k"]
@@ -220,8 +359,13 @@ class TopKTargets(collections.abc.Mapping):
         self.vocab_size = index["vocab_size"]
         self.logprob_dtype = _DTYPES[index["logprob_dtype"]]
         self.teacher_description = index["teacher_description"]
+        self.check_digests = check_digests
+        self._dtype_name = index["logprob_dtype"]
         self._shards = index["shards"]
         self._examples = index["examples"]
+        self._keys = [[] for _ in self._shards]  # the keys of each shard, to check its header against
+        for key, e in self._examples.items():
+            self._keys[e["shard"]].append(key)
         self._open = {}
 
     def __len__(self):
@@ -239,21 +383,31 @@ class TopKTargets(collections.abc.Mapping):
 
     def __getitem__(self, key: str):
         entry = self._entry(key)
-        i = entry["shard"]
-        if i not in self._open:
-            self._open[i] = _safetensors().safe_open(self.path / self._shards[i], framework="pt")
-        f = self._open[i]
+        f = self._shard(entry["shard"], self.check_digests)
+        file = self.path / self._shards[entry["shard"]]["file"]
         try:
             ids, lp = f.get_tensor(f"{key}.ids"), f.get_tensor(f"{key}.logprobs")
         except _safetensors().SafetensorError as e:
-            raise ValueError(f"{self._shards[i]}: expected tensors {key}.ids and {key}.logprobs (index.json lists them), {e}") from None
-        want = (entry["length"], self.k)
-        if tuple(ids.shape) != want or tuple(lp.shape) != want or ids.dtype != torch.int32 or lp.dtype != self.logprob_dtype:
-            raise ValueError(
-                f"{self._shards[i]}: {key}: expected ids {want} int32 and logprobs {want} {self.logprob_dtype} "
-                f"(from index.json), got {tuple(ids.shape)} {ids.dtype} and {tuple(lp.shape)} {lp.dtype}"
-            )
+            raise TargetsError(f"{file}: {key}: expected its tensors {key}.ids and {key}.logprobs, got {e}") from None
+        why = _rows_problem(ids, lp, self.vocab_size)
+        if why:
+            raise TargetsError(f"{file}: {key}.{why}")
         return ids.long(), lp.float()
+
+    def verify(self) -> None:
+        """Check every shard (digest and header) and every example's values: one read of the whole
+        directory. Raises `TargetsError` on the first problem."""
+        for i in range(len(self._shards)):
+            self._shard(i, True)
+        for key in self._examples:
+            self[key]
+
+    def _shard(self, i, digest):
+        if i not in self._open or (digest and not self._open[i][1]):
+            entry, keys = self._shards[i], self._keys[i]
+            lengths = [(key, self._examples[key]["length"]) for key in keys]
+            self._open[i] = _open_shard(self.path / entry["file"], entry, lengths, self.k, self._dtype_name, digest), digest
+        return self._open[i][0]
 
     def _entry(self, key):
         entry = self._examples.get(key) if isinstance(key, str) else None
@@ -375,69 +529,376 @@ def _check_key(key, what):
         raise ValueError(f"{what}: expected 1 to 200 characters from A-Z a-z 0-9 _ - . : /, got {key!r}")
 
 
-def _prepare_dir(out: Path, overwrite: bool):
-    """Make `out` an empty directory: refuse one holding anything unless overwrite, and even then
-    anything but targets (so a mistyped path cannot erase unrelated files)."""
+def _is_int(v):
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _same(a, b):
+    return type(a) is type(b) and a == b  # True is not 1, 1.0 is not 1
+
+
+# Writing: the lock, the build directory, atomic files, the swap.
+
+
+def _sibling(out: Path, tag: str) -> Path:
+    return out.parent / f".{out.name}.flashkd-{tag}"
+
+
+@contextlib.contextmanager
+def _locked(file: Path, out: Path):
+    """Hold an exclusive flock on `file` (made if absent) for the block; refuse at once if another
+    process holds it. The file is removed at the end."""
+    import fcntl  # POSIX only; imported here so that reading targets needs no more than Python
+
+    while True:
+        fd = os.open(file, os.O_RDWR | os.O_CREAT, 0o644)  # read-write: NFS maps flock to write locks
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            raise ValueError(
+                f"out_dir: another write into {out} is running (it holds {file}); wait for it to end or write elsewhere"
+            ) from None
+        except OSError as e:
+            os.close(fd)
+            raise OSError(e.errno, f"cannot lock {file} for the write into {out}: {e.strerror}") from None
+        # The writer that held the lock before removes the file when it ends: a lock on a file no longer
+        # at that path excludes nobody, so take the one that is there now.
+        try:
+            if os.path.samestat(os.fstat(fd), os.stat(file)):
+                break
+        except FileNotFoundError:
+            pass
+        os.close(fd)
+    try:
+        yield
+    finally:
+        os.unlink(file)
+        os.close(fd)
+
+
+def _check_out(out: Path, overwrite: bool):
+    """out_dir must be new or empty, or with overwrite a directory of targets and nothing else (so a
+    mistyped path cannot erase unrelated files)."""
     if out.exists() and not out.is_dir():
         raise ValueError(f"out_dir: expected a directory, got the file {out}")
-    entries = sorted(p.name for p in out.iterdir()) if out.exists() else []
+    entries = sorted(out.iterdir()) if out.exists() else []
     if entries and not overwrite:
         raise ValueError(
             f"out_dir: expected a new or empty directory, got {out} holding {len(entries)} entries "
-            f"({entries[0]!r}, ...); pass overwrite=True to replace targets written there"
+            f"({entries[0].name!r}, ...); pass overwrite=True to replace targets written there"
         )
-    others = [e for e in entries if e not in (_INDEX, _INDEX + ".tmp") and not _SHARD.fullmatch(e.removesuffix(".tmp"))]
-    if others:
+    for e in entries:
+        name = e.name.removesuffix(".tmp")  # .tmp: what a version-1 writer left when it was stopped
+        if not (name == _INDEX or _SHARD.fullmatch(name)) or e.is_symlink() or not e.is_file():
+            what = " (a link)" if e.is_symlink() else " (a directory)" if e.is_dir() else ""
+            raise ValueError(
+                f"out_dir: overwrite=True replaces a directory of targets, but {out} also holds {e.name!r}{what}; "
+                "remove it or pick another directory"
+            )
+
+
+def _start(partial: Path, index: dict, writer: dict, resume: bool) -> bool:
+    """Make `partial` the build directory: a new one, or with resume=True the interrupted write's, its
+    finished shards checked and taken into `index`. Returns whether that write had finished."""
+    finished, progress = (partial / _INDEX).exists(), partial / _PROGRESS
+    if partial.exists() and not finished and (not progress.exists() or progress.read_bytes().count(b"\n") < 2):
+        shutil.rmtree(partial)  # no finished shard: nothing to keep
+    if not partial.exists():
+        partial.mkdir()
+        head = {"format": FORMAT, "version": VERSION, "options": {f: index[f] for f in _OPTIONS}, "writer": writer}
+        _write_atomic(progress, json.dumps(head, separators=(",", ":")).encode() + b"\n")
+        return False
+    if not resume:
         raise ValueError(
-            f"out_dir: overwrite=True replaces a directory of targets, but {out} also holds {others[0]!r}; "
-            "remove it or pick another directory"
+            f"out_dir: an earlier write into it did not finish; {partial} holds its finished shards: pass "
+            "resume=True to continue it (with the same examples and options), or remove that directory"
         )
-    # index.json first: an interrupted clean-up must not leave an index pointing at missing shards
-    for name in sorted(entries, key=lambda e: e != _INDEX):
-        (out / name).unlink()
-    out.mkdir(parents=True, exist_ok=True)
+    if finished:
+        state = _read_index(partial)
+        _check_same(state, None, index, writer, partial)
+        for entry in state["shards"]:
+            _check_shard_file(partial / entry["file"], entry["bytes"], entry["sha256"])
+    else:
+        state = _read_progress(progress, index, writer)
+    keep = {_INDEX, _PROGRESS} | {e["file"] for e in state["shards"]}
+    for p in partial.iterdir():  # a shard the progress file never listed, .tmp files
+        if p.name not in keep:
+            shutil.rmtree(p) if p.is_dir() and not p.is_symlink() else p.unlink()
+    index["shards"].extend(state["shards"])
+    index["examples"].update(state["examples"])
+    return finished
+
+
+def _check_same(options: dict, old_writer: dict | None, index: dict, writer: dict, partial: Path):
+    for field in _OPTIONS:
+        if not _same(options[field], index[field]):
+            raise ValueError(
+                f"{field}: resume=True continues the write in {partial}, made with {field}={options[field]!r}; "
+                f"got {index[field]!r}"
+            )
+    for field, value in writer.items() if old_writer is not None else ():
+        if not _same(old_writer.get(field), value):
+            arg = "teacher_weight" if field in ("hidden_size", "teacher_dtype") else field
+            raise ValueError(
+                f"{arg}: resume=True continues the write in {partial}, made with {field}={old_writer.get(field)!r}; "
+                f"got {value!r}"
+            )
+
+
+def _read_progress(file: Path, index: dict, writer: dict) -> dict:
+    """The state of an interrupted write from its progress file: its options (checked against this
+    write's), finished shards (each checked: size, digest, header) and their examples. A torn last
+    line (a crash during its write) is cut off."""
+    raw = file.read_bytes()
+    *lines, torn = raw.split(b"\n")
+    head = _loads(lines[0], f"{file}: line 1")
+    if not (isinstance(head, dict) and set(head) == {"format", "version", "options", "writer"}
+            and head["format"] == FORMAT and _same(head["version"], VERSION)
+            and isinstance(head["options"], dict) and set(head["options"]) == set(_OPTIONS)
+            and isinstance(head["writer"], dict)):
+        raise TargetsError(f"{file}: line 1: expected the header of a flashkd.topk version {VERSION} write, got {head!r}")
+    _check_same(head["options"], head["writer"], index, writer, file.parent)
+    state = {"shards": [], "examples": {}}
+    for n, line in enumerate(lines[1:]):
+        where = f"{file}: line {n + 2}"
+        e = _loads(line, where)
+        if not (isinstance(e, dict) and set(e) == {"file", "bytes", "sha256", "examples"} and isinstance(e["examples"], list)):
+            raise TargetsError(f"{where}: expected {{file, bytes, sha256, examples}}, got {e!r}")
+        entry = {f: e[f] for f in ("file", "bytes", "sha256")}
+        _check_shard_entry(entry, n, where)
+        for pair in e["examples"]:
+            if not (isinstance(pair, list) and len(pair) == 2 and isinstance(pair[0], str) and _KEY.fullmatch(pair[0])
+                    and pair[0] not in state["examples"] and _is_int(pair[1]) and 0 <= pair[1] < _MAX_INT):
+                raise TargetsError(f"{where}: examples: expected [key, length] pairs of new keys, got {pair!r}")
+            state["examples"][pair[0]] = {"shard": n, "length": pair[1]}
+        _open_shard(file.parent / entry["file"], entry, e["examples"], index["k"], index["logprob_dtype"], True)
+        state["shards"].append(entry)
+    if torn:
+        os.truncate(file, len(raw) - len(torn))
+    return state
+
+
+def _write_atomic(file: Path, data: bytes):
+    tmp = file.with_name(file.name + ".tmp")
+    with open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, file)
+
+
+def _fsync(path: Path):
+    """Make a file's data, or a directory's entries, durable (a rename is only as durable as the directory)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _swap(partial: Path, out: Path, overwrite: bool):
+    """Put the finished targets in `partial` at `out`: a rename, onto an absent or empty directory; with
+    old targets there, two (old aside, new in), the old removed after."""
+    _check_out(out, overwrite)  # again: something may have been put there during the write
+    old = _sibling(out, "old")
+    if old.exists():  # a crash between the renames of an earlier overwrite left the targets it replaced
+        shutil.rmtree(old)
+    if out.exists() and any(out.iterdir()):
+        os.rename(out, old)
+        try:
+            os.rename(partial, out)
+        except BaseException:
+            os.rename(old, out)  # the old targets back: a failed overwrite loses nothing
+            raise
+        _fsync(out.parent)
+        shutil.rmtree(old)
+    else:
+        os.rename(partial, out)  # rename(2) replaces an empty directory
+        _fsync(out.parent)
+
+
+def _index_bytes(index: dict) -> bytes:
+    """index.json's bytes, its "sha256" (the last field) that of the bytes with those digits zeroed."""
+    raw = (json.dumps({**index, "sha256": "0" * 64}, indent=1, allow_nan=False) + "\n").encode()
+    head, zeros, tail = raw.rpartition(b"0" * 64)
+    return head + hashlib.sha256(raw).hexdigest().encode() + tail
+
+
+# Reading: strict JSON, the index, the shards.
 
 
 def _read_index(path: Path) -> dict:
     file = path / _INDEX
-    if not file.is_file():
-        why = "no such directory" if not path.exists() else "not a directory of top-k targets, or a write that did not finish"
-        raise ValueError(f"path: expected a directory with {_INDEX}, got {path} ({why})")
-    try:
-        index = json.loads(file.read_text(encoding="utf-8"))
-    except (ValueError, UnicodeDecodeError) as e:
-        raise ValueError(f"{file}: expected JSON, got a parse error: {e}") from None
-
-    def bad(field, expected):
-        got = index.get(field, "nothing") if isinstance(index, dict) else type(index).__name__
-        return ValueError(f"{file}: {field}: expected {expected}, got {got!r}")
-
-    if not isinstance(index, dict) or index.get("format") != FORMAT:
-        raise bad("format", repr(FORMAT))
-    if index.get("version") != VERSION:
-        raise bad("version", f"{VERSION} (the version this flashkd reads; a newer flashkd may read others)")
-    for field, ok, expected in (
-        ("k", lambda v: _is_int(v) and v >= 1, "an int >= 1"),
-        ("temperature", lambda v: isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0, "a number > 0"),
-        ("vocab_size", lambda v: _is_int(v) and v >= 1, "an int >= 1"),
-        ("logprob_dtype", lambda v: v in _DTYPES, "one of " + ", ".join(map(repr, _DTYPES))),
-        ("teacher_description", lambda v: v is None or isinstance(v, str), "a string or null"),
-        ("shards", lambda v: isinstance(v, list) and all(isinstance(s, str) and _SHARD.fullmatch(s) for s in v),
-         "a list of shard file names shard-NNNNN.safetensors"),
-        ("examples", lambda v: isinstance(v, dict), "an object key -> {shard, length}"),
-    ):
-        if field not in index or not ok(index[field]):
-            raise bad(field, expected)
-    n = len(index["shards"])
-    for key, e in index["examples"].items():
-        if not (isinstance(e, dict) and _is_int(e.get("shard")) and 0 <= e["shard"] < n
-                and _is_int(e.get("length")) and e["length"] >= 0):
-            raise ValueError(f"{file}: examples: {key!r}: expected {{\"shard\": 0..{n - 1}, \"length\": an int >= 0}}, got {e!r}")
-    for s in index["shards"]:
-        if not (path / s).is_file():
-            raise ValueError(f"{file}: shards: expected the file {path / s} (listed in the index), got no such file")
+    if not os.path.lexists(file):
+        partial = _sibling(path.resolve(), "partial")
+        if (path / _PROGRESS).exists():
+            why = "a write that did not finish, and this its build directory: finish it with resume=True"
+        elif partial.is_dir():
+            why = f"a write into it did not finish: {partial} holds its finished shards; finish it with resume=True"
+        elif not path.exists():
+            why = "no such directory"
+        else:
+            why = "not a directory of top-k targets, or a write that did not finish"
+        raise TargetsError(f"path: expected a directory with {_INDEX}, got {path} ({why})")
+    raw = _read_regular(file)
+    index = _loads(raw, str(file))
+    _check_index(index, raw, file)
+    for entry in index["shards"]:
+        _check_shard_file(path / entry["file"], entry["bytes"])
     return index
 
 
-def _is_int(v):
-    return isinstance(v, int) and not isinstance(v, bool)
+def _read_regular(file: Path) -> bytes:
+    try:
+        fd = os.open(file, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
+    except OSError as e:
+        got = "a symbolic link" if os.path.islink(file) else e.strerror
+        raise TargetsError(f"{file}: expected a regular file, got {got}") from None
+    with os.fdopen(fd, "rb") as f:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise TargetsError(f"{file}: expected a regular file, got a directory or device")
+        return f.read()
+
+
+def _loads(raw: bytes, where: str):
+    """Strict JSON: UTF-8, no NaN or Infinity (nor numbers that overflow to it), no duplicate keys."""
+
+    def unique(pairs):
+        obj = dict(pairs)
+        if len(obj) != len(pairs):
+            seen = set()
+            raise ValueError(f"duplicate key {next(k for k, _ in pairs if k in seen or seen.add(k))!r}")
+        return obj
+
+    def finite(text):
+        if not math.isfinite(value := float(text)):
+            raise ValueError(f"number {text} out of range")
+        return value
+
+    def constant(text):
+        raise ValueError(f"{text} is not JSON")
+
+    try:
+        return json.loads(raw.decode("utf-8"), object_pairs_hook=unique, parse_float=finite, parse_constant=constant)
+    except RecursionError:  # the C decoder recurses per level: a deep document must not escape as one
+        raise TargetsError(f"{where}: expected JSON a few levels deep, got a document nested too deeply to parse") from None
+    except ValueError as e:  # JSONDecodeError, UnicodeDecodeError, the hooks', int()'s digit limit
+        raise TargetsError(f"{where}: expected strict JSON, got: {e}") from None
+
+
+def _check_index(index, raw: bytes, file: Path):
+    def bad(field, expected):
+        return TargetsError(f"{file}: {field}: expected {expected}, got {index.get(field, 'nothing')!r}")
+
+    if not isinstance(index, dict):
+        raise TargetsError(f"{file}: expected a JSON object, got {type(index).__name__}")
+    if index.get("format") != FORMAT:
+        raise bad("format", repr(FORMAT))
+    if not _same(index.get("version"), VERSION):
+        raise bad("version", f"{VERSION} (the version this flashkd reads; version 1, without digests, must be "
+                             "written again; a newer flashkd may read later ones)")
+    if set(index) != set(_FIELDS):
+        missing, extra = [f for f in _FIELDS if f not in index], [f for f in index if f not in _FIELDS]
+        raise TargetsError(f"{file}: expected the fields {', '.join(_FIELDS)}; missing {missing}, unexpected {extra}")
+    v, t = index["vocab_size"], index["temperature"]
+    if not (_is_int(v) and 1 <= v < _MAX_INT):
+        raise bad("vocab_size", f"an int in [1, {_MAX_INT})")
+    if not (_is_int(index["k"]) and 1 <= index["k"] <= v):
+        raise bad("k", f"an int in [1, {v}] (vocab_size)")
+    if not (isinstance(t, (int, float)) and not isinstance(t, bool) and math.isfinite(t) and t > 0):
+        raise bad("temperature", "a finite number > 0")
+    if not (isinstance(index["logprob_dtype"], str) and index["logprob_dtype"] in _DTYPES):
+        raise bad("logprob_dtype", "one of " + ", ".join(map(repr, _DTYPES)))
+    if not (index["teacher_description"] is None or isinstance(index["teacher_description"], str)):
+        raise bad("teacher_description", "a string or null")
+    if not isinstance(index["shards"], list):
+        raise bad("shards", "a list of {file, bytes, sha256}")
+    for i, entry in enumerate(index["shards"]):
+        _check_shard_entry(entry, i, f"{file}: shards[{i}]")
+    if not isinstance(index["examples"], dict):
+        raise bad("examples", "an object key -> {shard, length}")
+    n = len(index["shards"])
+    for key, e in index["examples"].items():
+        if not (_KEY.fullmatch(key) and isinstance(e, dict) and set(e) == {"shard", "length"}
+                and _is_int(e["shard"]) and 0 <= e["shard"] < n and _is_int(e["length"]) and 0 <= e["length"] < _MAX_INT):
+            raise TargetsError(
+                f"{file}: examples: {key!r}: expected a key of 1 to 200 characters from A-Z a-z 0-9 _ - . : / and "
+                f"{{\"shard\": 0..{n - 1}, \"length\": an int >= 0}}, got {e!r}"
+            )
+    d = index["sha256"]
+    if not (isinstance(d, str) and _HEX.fullmatch(d)):
+        raise bad("sha256", "64 lowercase hex digits")
+    got = hashlib.sha256(raw.replace(d.encode(), b"0" * 64)).hexdigest()
+    if got != d:
+        raise TargetsError(f"{file}: sha256: expected the digest of the file ({got}), got {d!r}: the file changed or is damaged")
+
+
+def _check_shard_entry(entry, i: int, where: str):
+    name = f"shard-{i:05d}.safetensors"
+    if not (isinstance(entry, dict) and set(entry) == {"file", "bytes", "sha256"} and entry["file"] == name
+            and _is_int(entry["bytes"]) and 0 <= entry["bytes"] < 2**53
+            and isinstance(entry["sha256"], str) and _HEX.fullmatch(entry["sha256"])):
+        raise TargetsError(f"{where}: expected {{\"file\": {name!r}, \"bytes\": an int >= 0, \"sha256\": 64 hex digits}}, got {entry!r}")
+
+
+def _check_shard_file(file: Path, size: int, sha256: str | None = None):
+    """A shard is a regular file in the directory (a link could lead anywhere) of the listed size and,
+    where given, digest."""
+    try:
+        s = os.lstat(file)
+    except FileNotFoundError:
+        raise TargetsError(f"{file}: expected the shard the index lists, got no such file") from None
+    if stat.S_ISLNK(s.st_mode) or not stat.S_ISREG(s.st_mode):
+        got = "a symbolic link" if stat.S_ISLNK(s.st_mode) else "a directory or device"
+        raise TargetsError(f"{file}: expected a regular file, got {got}")
+    if s.st_size != size:
+        raise TargetsError(f"{file}: expected {size} bytes (the index), got {s.st_size}: the file is truncated or changed")
+    if sha256 is not None and (got := _file_sha256(file)) != sha256:
+        raise TargetsError(f"{file}: expected SHA-256 {sha256} (the index), got {got}: the file changed or is damaged")
+
+
+def _file_sha256(file: Path) -> str:
+    h = hashlib.sha256()
+    with open(file, "rb") as f:
+        while chunk := f.read(1 << 20):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _open_shard(file: Path, entry: dict, lengths, k: int, dtype_name: str, digest: bool):
+    """Open a shard (safetensors memory-maps it) after checking the file, and its header against the
+    index: exactly the tensors of `lengths` ((key, L) pairs), each (L, k) of its dtype."""
+    _check_shard_file(file, entry["bytes"], entry["sha256"] if digest else None)
+    st = _safetensors()
+    try:
+        f = st.safe_open(file, framework="pt")
+        meta = f.metadata()
+        header = {n: (f.get_slice(n).get_shape(), f.get_slice(n).get_dtype()) for n in f.keys()}
+    except (st.SafetensorError, OSError) as e:
+        raise TargetsError(f"{file}: expected a safetensors file, got: {e}") from None
+    if meta != {"format": f"{FORMAT}/{VERSION}"}:
+        raise TargetsError(f"{file}: metadata: expected {{'format': '{FORMAT}/{VERSION}'}}, got {meta!r}")
+    want = {}
+    for key, n in lengths:
+        want[f"{key}.ids"], want[f"{key}.logprobs"] = ([n, k], "I32"), ([n, k], _HEADER_DTYPES[dtype_name])
+    for name in sorted(want.keys() | header.keys()):
+        if header.get(name) != want.get(name):
+            expected = "no such tensor" if name not in want else "shape {} {}".format(*want[name])
+            got = "none" if name not in header else "shape {} {}".format(*header[name])
+            raise TargetsError(f"{file}: {name}: expected {expected} (from the index), got {got}")
+    return f
+
+
+def _rows_problem(ids: torch.Tensor, lp: torch.Tensor, vocab_size: int) -> str | None:
+    """What breaks the format in one example's (ids, logprobs), or None: O(L·K), on the CPU."""
+    bad = (ids < -1) | (ids >= vocab_size)
+    if bad.any():
+        return f"ids: expected ids in [-1, {vocab_size}) (vocab_size; -1 an unused slot), got {int(ids[bad][0])}"
+    bad = ~(lp <= 0)
+    if bad.any():
+        return f"logprobs: expected log-probs <= 0 (and not NaN), got {float(lp[bad][0])}"
+    bad = (ids == -1) & (lp != -torch.inf)
+    if bad.any():
+        return f"logprobs: expected -inf at unused slots (id -1), got {float(lp[bad][0])}"
+    return None
