@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from .distill import fused_linear_distill
+from .distill import _renamed, fused_linear_distill
 
 
 class FusedLinearDistillLoss(torch.nn.Module):
@@ -76,9 +76,12 @@ class _LigerDropIn(FusedLinearDistillLoss):
         student_bias=None,
         teacher_bias=None,
     ):
-        return super().forward(
-            student_input, student_weight, teacher_input, teacher_weight, true_labels, student_bias, teacher_bias
-        )
+        try:
+            return super().forward(
+                student_input, student_weight, teacher_input, teacher_weight, true_labels, student_bias, teacher_bias
+            )
+        except (TypeError, ValueError) as e:  # errors name the argument as Liger's signature calls it
+            raise _renamed(e, {"labels": "true_labels"}) from None
 
 
 class FusedLinearJSDLoss(_LigerDropIn):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from .losses import LossSpec
 from .distill import _FLOATS, _LOGITS_BUDGET, _check_tensors, _even_chunks, _pick_backend
 
 
@@ -53,8 +54,7 @@ def teacher_topk(
         w, b = w[:v], None if b is None else b[:v]
     if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= v:
         raise ValueError(f"k: expected an int in [1, {v}] (the vocab size), got {k!r}")
-    if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not temperature > 0:
-        raise ValueError(f"temperature: expected a float > 0, got {temperature!r}")
+    LossSpec(temperature=temperature)  # the losses' rule: a finite float > 0 (inf would give uniform log-probs)
     backend = _pick_backend(backend, x)
     if chunk_size is not None and (isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1):
         raise ValueError(f"chunk_size: expected a positive int or None, got {chunk_size!r}")
@@ -70,17 +70,25 @@ def teacher_topk(
     for start in range(0, n, chunk):
         c = slice(start, min(start + chunk, n))
         logits = x[c] @ w.t() if b is None else torch.addmm(b, x[c], w.t())
-        ids[c], logprobs[c] = _topk(logits, k, temperature, backend)
+        ids[c], logprobs[c], nonfinite = _topk(logits, k, temperature, backend)
         del logits
+        if nonfinite.numel():
+            raise ValueError(
+                f"teacher_input: expected hidden states with finite logits, got a NaN or infinite logit in row "
+                f"{start + int(nonfinite[0])} (NaN or inf in teacher_input, teacher_weight or teacher_bias, or "
+                f"logits / temperature overflowing)"
+            )
     return ids.reshape(*lead, k), logprobs.reshape(*lead, k)
 
 
 def _topk(logits, k, temperature, backend):
-    if backend == "triton" and logits.dtype != torch.float64:
+    """(ids, logprobs, rows whose logsumexp is not finite: their log-probs are NaN), one host sync."""
+    if backend == "triton":  # fp64 is routed to torch (_pick_backend)
         from .backends import triton_topk
 
         if k <= triton_topk.TOPK_MAX_K:
             return triton_topk.row_topk(logits, k, temperature)  # two reads of the logits, one host sync
     work = torch.promote_types(logits.dtype, torch.float32)
     top, ids = torch.topk(logits, k, dim=-1)
-    return ids, top.to(work) / temperature - torch.logsumexp(logits.to(work) / temperature, dim=-1, keepdim=True)
+    lse = torch.logsumexp(logits.to(work) / temperature, dim=-1, keepdim=True)
+    return ids, top.to(work) / temperature - lse, (~torch.isfinite(lse[:, 0])).nonzero()[:, 0]
