@@ -66,7 +66,8 @@ def check_topk(backend, dtype, lead, *, tol, bias=False, ignore="some", chunk_si
 
 
 def _tolerance(backend):
-    # torch backend in float64: exact up to rounding; the kernel computes in fp32 whatever the input
+    # torch backend in float64: exact up to rounding; the kernel is tested in fp32 (fp64 inputs would
+    # go to the torch rows)
     return (torch.float64, 1e-9) if backend == "torch" else (torch.float32, 2e-5)
 
 

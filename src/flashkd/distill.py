@@ -19,7 +19,8 @@ Three input forms of the teacher share one chunk loop:
 Extra memory, bytes, beyond the inputs (E = element size of the inputs):
     logits:  R·V·E + Rt·V·E with teacher heads (Rt = R unless the plan splits a chunk's teacher
              logits); R·V·E for dense teacher logits, which are read in place, and for a top-k
-             teacher; + backend temporaries (torch: ≈ 6·R·V·4; triton: none beyond O(R·K))
+             teacher; + backend temporaries (torch: ≈ 6·R·V·4, + R·V·4 with labels; triton: none
+             beyond O(R·K)); + R·Hs·E with labels (the chunk's rows of Xs, ignored rows zeroed)
     grads:   N·Hs·E (dXs) + V·Hs·A (dWs accumulator: A = 4 for fp32, A = E when all rows fit one
              chunk or grad_accum_dtype is the weight's dtype), made for the first chunk's dW GEMM,
              once its teacher logits are freed; rounded to V·Hs·E after the loop (no copy when A = E)
@@ -88,12 +89,14 @@ def fused_linear_distill(
 ):
     """Distillation loss between a student and a teacher LM head, without materialising the logits.
 
-    Returns the scalar fp32 loss  w_hard · CE + w_soft · soft  (see `flashkd.losses` for every
-    formula), or `(loss, soft, hard)` with `return_soft_hard_loss` — `soft` and `hard` are the two
-    terms before their weights, detached, for logging. Gradients flow to `student_input`,
-    `student_weight` and `student_bias`; the teacher is a constant.
+    Returns the scalar loss  w_hard · CE + w_soft · soft  (see `flashkd.losses` for every formula),
+    fp32 (fp64 for fp64 inputs, computed in fp64 on every backend), or `(loss, soft, hard)` with
+    `return_soft_hard_loss` — `soft` and `hard` are the two terms before their weights, detached, for
+    logging. Gradients flow to `student_input`, `student_weight` and `student_bias`; the teacher is a
+    constant (no graph through it, whatever it requires). Rows whose label is `ignore_index`
+    contribute nothing, NaN or inf in them included.
 
-    - labels=None: every row counts; `weight_hard_loss` must then be 0.
+    - labels: int64 or int32. labels=None: every row counts; `weight_hard_loss` must then be 0.
     - teacher vocab Vt > V (same tokenizer, padded head): teacher ids >= V are dropped, so the teacher
       distribution is the softmax over the student's V ids. Vt < V is an error.
     - temperature_squared: multiply the soft term by τ² (Hinton).
@@ -187,8 +190,11 @@ def fused_linear_distill_topk(
     - reverse_kl with tail="bucket" is infinite on a row whose teacher puts no mass outside the K ids
       (p_rest = 0) while the student does: use "jsd" or "renormalize" for such targets.
     - check_teacher: raise on ids outside [-1, V), duplicate ids in a row, log-probs > 0 or NaN at
-      used slots. Default: on CPU tensors; off on GPU (a host sync), where an out-of-range id gives a
-      NaN loss on its row and duplicates give wrong values.
+      used slots, and with tail="bucket" probabilities summing past 1 over the used slots (beyond
+      K^u + u, the rounding of log-probs stored in fp16, u = 2^-11, or bf16, u = 2^-8 for any other
+      dtype), in rows whose label is not ignore_index. Default: on CPU tensors; off on GPU (a host
+      sync), where an out-of-range id or a NaN log-prob gives a NaN loss on its row, duplicates give
+      wrong values and a mass past 1 is renormalised (the bucket gets p_rest = 0).
     """
     spec = _spec(locals())
     xs, ws, bs, y = _check_student(student_input, student_weight, student_bias, labels)

@@ -22,7 +22,8 @@ def teacher_topk(
 ):
     """The teacher's k most likely ids per row and their log-probs at `temperature`.
 
-    Returns (ids, logprobs): (..., k) int64 and (..., k) float32, sorted by decreasing log-prob,
+    Returns (ids, logprobs): (..., k) int64 and (..., k) float32 (float64 for float64 inputs, computed
+    in float64), sorted by decreasing log-prob,
     log p = logit/τ − logsumexp(logits/τ) over the whole vocab — the targets of
     `fused_linear_distill_topk(..., temperature=τ)`. Never holds more than one chunk of logits
     (R·Vt·E bytes, R rows per chunk, plus fp32 temporaries of the same size on the torch backend).
@@ -30,8 +31,13 @@ def teacher_topk(
     vocab_size: the student's vocab V when the teacher head is padded (Vt > V): ids >= V are
     dropped before the softmax, as in `fused_linear_distill`.
 
+    temperature: a finite float > 0 (LossSpec's rule). A row whose logits are not all finite (NaN or
+    inf in the hidden states, weight or bias) raises ValueError naming the row of teacher_input: no
+    NaN targets come back.
+
     On the Triton backend each chunk costs the GEMM, two reads of its logits and one host sync (rows
-    whose top-k candidates overflowed, normally none, are redone with torch.topk).
+    whose top-k candidates overflowed, normally none, are redone with torch.topk; the same sync finds
+    non-finite rows); on the torch backend one host sync a chunk, for the non-finite rows.
     """
     _check_tensors({"teacher_input": teacher_input})
     x, w, b = teacher_input, teacher_weight, teacher_bias
