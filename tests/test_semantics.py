@@ -319,3 +319,26 @@ def test_loss_dtype(backend, form, dtype, grad):
         loss, soft, hard = call(form, xs, ws, bs, y, teacher(form, dtype), backend=backend, return_soft_hard_loss=True)
     want = torch.float64 if dtype == torch.float64 else torch.float32
     assert loss.dtype == soft.dtype == hard.dtype == want and loss.requires_grad == grad
+
+
+# ---------------------------------------------------------------------------------- found by an adversarial sweep
+
+
+def test_degenerate_arguments_are_named():
+    """An empty vocab or hidden size used to fail deep inside (ZeroDivisionError, a reshape error), and an
+    ignore_index past int64 with an OverflowError; each is now an error naming the argument."""
+    xs, ws, bs, y = student()
+    t = teacher("heads")
+    cases = [
+        (dict(student_input=torch.randn(N, 0), student_weight=torch.randn(V, 0)), "student_weight: expected a 2-D"),
+        (dict(student_weight=torch.randn(0, HS), labels=None, weight_hard_loss=0.0), "student_weight: expected a 2-D"),
+        (dict(teacher_input=torch.randn(N, 0), teacher_weight=torch.randn(V, 0)), "teacher_weight: expected a 2-D"),
+        (dict(ignore_index=2**70), "ignore_index: expected an int64 value"),
+    ]
+    for change, message in cases:
+        args = dict(student_input=xs, student_weight=ws, labels=y, **t)
+        args.update(change)
+        with pytest.raises(ValueError, match=message):
+            flashkd.fused_linear_distill(**args)
+    with pytest.raises(ValueError, match="teacher_weight: expected a 2-D"):
+        flashkd.teacher_topk(torch.randn(3, 0), torch.randn(V, 0), 2)

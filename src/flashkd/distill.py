@@ -512,8 +512,8 @@ def _check_student(xs, ws, bs, y):
     # The dtypes the Triton kernel reads: narrower ones would wrap ignore_index (-100 is 156 in uint8).
     if y is not None and y.dtype not in (torch.int64, torch.int32):
         raise TypeError(f"labels: expected an integer dtype (torch.int64 or torch.int32), got {y.dtype}")
-    if ws.dim() != 2:
-        raise ValueError(f"student_weight: expected a 2-D (vocab, hidden) tensor, got shape {tuple(ws.shape)}")
+    if ws.dim() != 2 or 0 in ws.shape:  # an empty vocab or hidden size has no distribution
+        raise ValueError(f"student_weight: expected a 2-D (vocab, hidden) tensor, both >= 1, got shape {tuple(ws.shape)}")
     if xs.dim() < 1:
         raise ValueError("student_input: expected a tensor of shape (..., hidden), got a 0-d tensor")
     v, hs = ws.shape
@@ -548,8 +548,8 @@ def _check_vocab(name, vt, v):
 
 def _check_teacher_heads(xs, student_input, ws, xt, wt, bt):
     _check_tensors({"teacher_input": xt, "teacher_weight": wt, "teacher_bias": bt}, xs.dtype, xs.device)
-    if wt.dim() != 2:
-        raise ValueError(f"teacher_weight: expected a 2-D (vocab, hidden) tensor, got shape {tuple(wt.shape)}")
+    if wt.dim() != 2 or 0 in wt.shape:  # an empty vocab or hidden size has no distribution
+        raise ValueError(f"teacher_weight: expected a 2-D (vocab, hidden) tensor, both >= 1, got shape {tuple(wt.shape)}")
     _check_leading("teacher_input", xt, student_input, "hidden")
     v = ws.shape[0]
     vt, ht = wt.shape

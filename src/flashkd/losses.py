@@ -78,6 +78,8 @@ class LossSpec:
             raise ValueError(f"temperature: expected a value > 0, got {self.temperature!r}")
         if isinstance(self.ignore_index, bool) or not isinstance(self.ignore_index, int):
             raise TypeError(f"ignore_index: expected an int, got {self.ignore_index!r}")
+        if not -(2**63) <= self.ignore_index < 2**63:  # compared with int64 labels
+            raise ValueError(f"ignore_index: expected an int64 value, got {self.ignore_index!r}")
         if self.tail is not None and self.tail not in TAILS:
             raise ValueError(f"tail: expected 'bucket' or 'renormalize', got {self.tail!r}")
 

@@ -44,8 +44,8 @@ def teacher_topk(
     if x.dtype not in _FLOATS:
         raise TypeError(f"teacher_input: expected a floating dtype (float16, bfloat16, float32, float64), got {x.dtype}")
     _check_tensors({"teacher_weight": w, "teacher_bias": b}, x.dtype, x.device, like="teacher_input")
-    if w.dim() != 2:
-        raise ValueError(f"teacher_weight: expected a 2-D (vocab, hidden) tensor, got shape {tuple(w.shape)}")
+    if w.dim() != 2 or 0 in w.shape:  # an empty vocab or hidden size has no distribution
+        raise ValueError(f"teacher_weight: expected a 2-D (vocab, hidden) tensor, both >= 1, got shape {tuple(w.shape)}")
     if x.dim() < 1 or x.shape[-1] != w.shape[1]:
         raise ValueError(
             f"teacher_input: expected shape (..., {w.shape[1]}) (teacher_weight is {tuple(w.shape)}), got {tuple(x.shape)}"
