@@ -31,9 +31,9 @@ def teacher_topk(
     vocab_size: the student's vocab V when the teacher head is padded (Vt > V): ids >= V are
     dropped before the softmax, as in `fused_linear_distill`.
 
-    temperature: a finite float > 0 (LossSpec's rule). A row whose logits are not all finite (NaN or
-    inf in the hidden states, weight or bias) raises ValueError naming the row of teacher_input: no
-    NaN targets come back.
+    temperature: a finite float > 0 (LossSpec's rule). A row with a NaN or +inf logit (NaN or inf in
+    the hidden states, weight or bias; −inf logits, a masked id, are fine) raises ValueError naming
+    the row of teacher_input: no NaN targets come back.
 
     On the Triton backend each chunk costs the GEMM, two reads of its logits and one host sync (rows
     whose top-k candidates overflowed, normally none, are redone with torch.topk; the same sync finds
