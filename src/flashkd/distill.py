@@ -19,7 +19,8 @@ Three input forms of the teacher share one chunk loop:
 Extra memory, bytes, beyond the inputs (E = element size of the inputs):
     logits:  R·V·E + Rt·V·E with teacher heads (Rt = R unless the plan splits a chunk's teacher
              logits); R·V·E for dense teacher logits, which are read in place, and for a top-k
-             teacher; + backend temporaries (torch: ≈ 6·R·V·4; triton: none beyond O(R·K))
+             teacher; + backend temporaries (torch: ≈ 6·R·V·4, + R·V·4 with labels; triton: none
+             beyond O(R·K)); + R·Hs·E with labels (the chunk's rows of Xs, ignored rows zeroed)
     grads:   N·Hs·E (dXs) + V·Hs·A (dWs accumulator: A = 4 for fp32, A = E when all rows fit one
              chunk or grad_accum_dtype is the weight's dtype), made for the first chunk's dW GEMM,
              once its teacher logits are freed; rounded to V·Hs·E after the loop (no copy when A = E)
@@ -90,18 +91,20 @@ def fused_linear_distill(
 
     Shapes: student_input (..., Hs) and teacher_input (..., Ht) with the same leading dims (B, T or
     N; flattened to N rows, gradients come back in the input's shape), student_weight (V, Hs),
-    teacher_weight (Vt, Ht) with Vt >= V, labels (...) integer or None, biases (V,) and (Vt,). All
+    teacher_weight (Vt, Ht) with Vt >= V, labels (...) int64 or int32 or None, biases (V,) and (Vt,). All
     float tensors share one dtype (fp16, bf16, fp32, fp64).
     loss=: "jsd" (β-weighted JSD, β = 0 forward KL, β = 1 reverse KL), "forward_kl" (KL(p‖q)),
     "reverse_kl" (KL(q‖p)), "tvd" (½ Σ|q − p|) or "cosine" (β (1 − cos) of the logits); q and p are
     the student's and teacher's softmax at temperature τ.
 
-    Returns the scalar fp32 loss  w_hard · CE + w_soft · soft  (see `flashkd.losses` for every
-    formula), or `(loss, soft, hard)` with `return_soft_hard_loss` — `soft` and `hard` are the two
-    terms before their weights, detached, for logging. Gradients flow to `student_input`,
-    `student_weight` and `student_bias`; the teacher is a constant.
+    Returns the scalar loss  w_hard · CE + w_soft · soft  (see `flashkd.losses` for every formula),
+    fp32 (fp64 for fp64 inputs, computed in fp64 on every backend), or `(loss, soft, hard)` with
+    `return_soft_hard_loss` — `soft` and `hard` are the two terms before their weights, detached, for
+    logging. Gradients flow to `student_input`, `student_weight` and `student_bias`; the teacher is a
+    constant (no graph through it, whatever it requires). Rows whose label is `ignore_index`
+    contribute nothing, NaN or inf in them included.
 
-    - labels=None: every row counts; `weight_hard_loss` must then be 0.
+    - labels: int64 or int32. labels=None: every row counts; `weight_hard_loss` must then be 0.
     - teacher vocab Vt > V (same tokenizer, padded head): teacher ids >= V are dropped, so the teacher
       distribution is the softmax over the student's V ids. Vt < V is an error.
     - temperature_squared: multiply the soft term by τ² (Hinton).
@@ -195,8 +198,11 @@ def fused_linear_distill_topk(
     - reverse_kl with tail="bucket" is infinite on a row whose teacher puts no mass outside the K ids
       (p_rest = 0) while the student does: use "jsd" or "renormalize" for such targets.
     - check_teacher: raise on ids outside [-1, V), duplicate ids in a row, log-probs > 0 or NaN at
-      used slots. Default: on CPU tensors; off on GPU (a host sync), where an out-of-range id gives a
-      NaN loss on its row and duplicates give wrong values.
+      used slots, and with tail="bucket" probabilities summing past 1 over the used slots (beyond
+      K^u + u, the rounding of log-probs stored in fp16, u = 2^-11, or bf16, u = 2^-8 for any other
+      dtype), in rows whose label is not ignore_index. Default: on CPU tensors; off on GPU (a host
+      sync), where an out-of-range id or a NaN log-prob gives a NaN loss on its row, duplicates give
+      wrong values and a mass past 1 is renormalised (the bucket gets p_rest = 0).
     """
     spec = _spec(locals())
     xs, ws, bs, y = _check_student(student_input, student_weight, student_bias, labels)
@@ -204,10 +210,35 @@ def fused_linear_distill_topk(
     if check_teacher is None:
         check_teacher = xs.device.type == "cpu"
     if check_teacher:
-        _check_topk_values(ids, lp, ws.shape[0])
+        _check_topk_values(ids, lp, ws.shape[0], spec, y)
     return _run(spec, "topk", (ids, lp), xs, ws, bs, y, locals())
 
 
+def _public_names(spec_of):
+    """`_spec` as the public functions call it: the flags checked (LossSpec holds none of them), and
+    LossSpec's errors, which name its fields (weight_hard), renamed to the keyword the caller passed."""
+
+    @functools.wraps(spec_of)
+    def checked(args: dict) -> LossSpec:
+        for flag in ("return_soft_hard_loss", "temperature_squared", "check_labels", "check_teacher"):
+            value, optional = args.get(flag, False), flag.startswith("check_")  # check_teacher: top-k only
+            if not isinstance(value, bool) and not (optional and value is None):
+                raise TypeError(f"{flag}: expected a bool{' or None' if optional else ''}, got {value!r}")
+        try:
+            return spec_of(args)
+        except (TypeError, ValueError) as e:
+            raise _renamed(e, {"weight_hard": "weight_hard_loss", "weight_soft": "weight_soft_loss"}) from None
+
+    return checked
+
+
+def _renamed(error: Exception, names: dict) -> Exception:
+    """`error` with the argument its message starts with ("name: expected ...") renamed by `names`."""
+    field, sep, rest = str(error).partition(":")
+    return type(error)(f"{names[field]}{sep}{rest}") if field in names else error
+
+
+@_public_names
 def _spec(args: dict) -> LossSpec:
     """The LossSpec of a public call, from its arguments."""
     has_labels = args["labels"] is not None
@@ -238,10 +269,13 @@ def _run(spec, form, teacher, xs, ws, bs, y, args):
         check_labels = xs.device.type == "cpu"
     if check_labels and y is not None:
         _check_label_range(y, ws.shape[0], spec.ignore_index)
+    wide = torch.promote_types(ws.dtype, torch.float32)
     if grad_accum_dtype is None:
-        grad_accum_dtype = torch.promote_types(ws.dtype, torch.float32)
-    if grad_accum_dtype not in _FLOATS:
-        raise TypeError(f"grad_accum_dtype: expected a floating torch.dtype, got {grad_accum_dtype!r}")
+        grad_accum_dtype = wide
+    # Only these two: another would round dW to a format it does not have (fp16 for bf16 weights), or
+    # ask cuBLAS for an output dtype it does not offer (fp64 from fp32 operands).
+    if grad_accum_dtype not in (wide, ws.dtype):
+        raise TypeError(f"grad_accum_dtype: expected {wide} or student_weight's dtype {ws.dtype}, got {grad_accum_dtype!r}")
     backend = _pick_backend(args["backend"], xs)
     want_dw = torch.is_grad_enabled() and ws.requires_grad
     accum_bytes = grad_accum_dtype.itemsize if want_dw else 0
@@ -255,8 +289,10 @@ def _run(spec, form, teacher, xs, ws, bs, y, args):
 def _apply(xs, ws, bs, y, plan, *teacher):
     if torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in (xs, ws, bs)):
         return _FusedDistill.apply(xs, ws, bs, y, plan, *teacher)
-    # Evaluation: no autograd node, and no gradient work at all.
-    return _chunk_loop(xs, ws, bs, y, teacher, plan, False, False, False)[:3]
+    # Evaluation: no autograd node, and no gradient work at all. The teacher is a constant: without
+    # no_grad a teacher that requires grad would get a graph through every chunk's logits (and a grad).
+    with torch.no_grad():
+        return _chunk_loop(xs, ws, bs, y, teacher, plan, False, False, False)[:3]
 
 
 class _FusedDistill(torch.autograd.Function):
@@ -311,7 +347,11 @@ def _chunk_loop(xs, ws, bs, y, teacher, plan: _Plan, want_dx, want_dw, want_db):
     dbs = torch.zeros(v, **f32) if want_db else None
     for start in range(0, n, plan.chunk):
         c = slice(start, min(start + plan.chunk, n))
-        s = _linear(xs[c], ws, bs)
+        # Ignored rows (padding) may hold NaN or inf: zeroed, they cannot reach dW = dSᵀX as 0 · NaN, nor
+        # dS through a NaN logit. One select over R·Hs elements and R·Hs·E bytes a chunk (1/V of its
+        # GEMM), on the device: no host sync.
+        x = xs[c] if y is None else torch.where((y[c] != spec.ignore_index)[:, None], xs[c], 0.0)
+        s = _linear(x, ws, bs)
         for sub in range(c.start, c.stop, plan.teacher_chunk):
             b = slice(sub, min(sub + plan.teacher_chunk, c.stop))
             t = _teacher_block(plan.form, teacher, b) if spec.want_soft else None
@@ -325,10 +365,10 @@ def _chunk_loop(xs, ws, bs, y, teacher, plan: _Plan, want_dx, want_dw, want_db):
         if want_dw:
             if start == 0:
                 dws = torch.empty(ws.shape, device=device, dtype=accum)
-            _accumulate_mm(dws, s.t(), xs[c], beta=0.0 if start == 0 else 1.0)
+            _accumulate_mm(dws, s.t(), x, beta=0.0 if start == 0 else 1.0)
         if want_db:
             dbs += s.sum(0, dtype=dbs.dtype)
-        del s  # before the next chunk's GEMM allocates, and before dWs is cast below
+        del s, x  # before the next chunk's GEMM allocates, and before dWs is cast below
     soft_total = soft_sum * scale * (spec.temperature**2 if spec.temperature_squared else 1.0)
     hard_total = hard_sum * scale
     loss = spec.total(soft_sum, hard_sum) * scale
@@ -386,7 +426,9 @@ def _pick_backend(backend, x):
             raise ValueError(
                 f"backend: 'triton' needs CUDA tensors (or TRITON_INTERPRET=1), got tensors on {x.device}"
             )
-    return backend
+    # The Triton kernels compute in fp32: fp64 inputs (float64 gradcheck, references) get the torch rows'
+    # fp64 math on every backend.
+    return "torch" if x.dtype == torch.float64 else backend
 
 
 def _has_triton() -> bool:
@@ -475,10 +517,11 @@ def _check_student(xs, ws, bs, y):
         raise TypeError(f"student_input: expected a floating dtype (float16, bfloat16, float32, float64), got {xs.dtype}")
     _check_tensors({"student_weight": ws, "student_bias": bs}, xs.dtype, xs.device)
     _check_tensors({"labels": y}, device=xs.device)
-    if y is not None and (y.dtype.is_floating_point or y.dtype.is_complex or y.dtype == torch.bool):
-        raise TypeError(f"labels: expected an integer dtype (torch.int64), got {y.dtype}")
-    if ws.dim() != 2:
-        raise ValueError(f"student_weight: expected a 2-D (vocab, hidden) tensor, got shape {tuple(ws.shape)}")
+    # The dtypes the Triton kernel reads: narrower ones would wrap ignore_index (-100 is 156 in uint8).
+    if y is not None and y.dtype not in (torch.int64, torch.int32):
+        raise TypeError(f"labels: expected an integer dtype (torch.int64 or torch.int32), got {y.dtype}")
+    if ws.dim() != 2 or 0 in ws.shape:  # an empty vocab or hidden size has no distribution
+        raise ValueError(f"student_weight: expected a 2-D (vocab, hidden) tensor, both >= 1, got shape {tuple(ws.shape)}")
     if xs.dim() < 1:
         raise ValueError("student_input: expected a tensor of shape (..., hidden), got a 0-d tensor")
     v, hs = ws.shape
@@ -513,8 +556,8 @@ def _check_vocab(name, vt, v):
 
 def _check_teacher_heads(xs, student_input, ws, xt, wt, bt):
     _check_tensors({"teacher_input": xt, "teacher_weight": wt, "teacher_bias": bt}, xs.dtype, xs.device)
-    if wt.dim() != 2:
-        raise ValueError(f"teacher_weight: expected a 2-D (vocab, hidden) tensor, got shape {tuple(wt.shape)}")
+    if wt.dim() != 2 or 0 in wt.shape:  # an empty vocab or hidden size has no distribution
+        raise ValueError(f"teacher_weight: expected a 2-D (vocab, hidden) tensor, both >= 1, got shape {tuple(wt.shape)}")
     _check_leading("teacher_input", xt, student_input, "hidden")
     v = ws.shape[0]
     vt, ht = wt.shape
@@ -559,17 +602,33 @@ def _check_teacher_topk(xs, student_input, ws, ids, lp):
     return ids.reshape(-1, k), lp.reshape(-1, k)
 
 
-def _check_topk_values(ids, lp, v):
-    """Value checks of a top-k teacher (host syncs: run by default on CPU only)."""
-    bad = (ids < -1) | (ids >= v)
+def _check_topk_values(ids, lp, v, spec, y):
+    """Value checks of a top-k teacher on the rows that count (host syncs: run by default on CPU only);
+    rows whose label is ignore_index contribute nothing, whatever they hold."""
+    counted = torch.ones(ids.shape[0], dtype=torch.bool, device=ids.device) if y is None else y != spec.ignore_index
+    bad = ((ids < -1) | (ids >= v)) & counted[:, None]
     if bad.any():
         raise ValueError(f"teacher_ids: expected ids in [0, {v}) or -1 (unused slot), got {ids[bad][0].item()}")
-    used = ids >= 0
+    used = (ids >= 0) & counted[:, None]
     bad = used & ~(lp <= 0)
     if bad.any():
         raise ValueError(
             f"teacher_logprobs: expected log-probabilities <= 0 (not NaN) at used slots, got {lp[bad][0].item()}"
         )
+    if spec.tail == "bucket":
+        # Stored log-probs round (flashkd.data): by up to u·|log p|, u = 2^-11 in float16 and 2^-8 in
+        # bfloat16, whose values may arrive widened to float32. Over K slots that lifts Σ p by at most
+        # K^u − 1 (+ u for K < 3, + the fp32 rounding of the log-probs themselves): more is not a
+        # distribution, which the bucket would silently renormalise (p_rest = 0).
+        u = 2.0**-11 if lp.dtype == torch.float16 else 2.0**-8
+        tol = ids.shape[-1] ** u - 1.0 + u + 1e-5
+        mass = torch.where(used, lp.double().exp(), 0.0).sum(-1)
+        if (mass > 1.0 + tol).any():
+            row = int((mass > 1.0 + tol).nonzero()[0, 0])
+            raise ValueError(
+                f"teacher_logprobs: expected probabilities summing to at most 1 over a row's used slots "
+                f"(tail='bucket'; tolerance {tol:.2g} for the log-probs' rounding), got {mass[row].item():.6g} in row {row}"
+            )
     ordered = torch.where(used, ids, -1 - torch.arange(ids.shape[-1], device=ids.device)).sort(-1).values
     dup = (ordered[:, 1:] == ordered[:, :-1]).any(-1)
     if dup.any():

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from .distill import fused_linear_distill
+from .distill import _renamed, fused_linear_distill
 
 
 class FusedLinearDistillLoss(torch.nn.Module):
@@ -113,9 +113,12 @@ class _LigerDropIn(FusedLinearDistillLoss):
         """Liger's forward signature (`true_labels` positional, as Liger names it): the loss of
         `fused_linear_distill` with this module's options; `(loss, soft, hard)` with
         `return_soft_hard_loss`."""
-        return super().forward(
-            student_input, student_weight, teacher_input, teacher_weight, true_labels, student_bias, teacher_bias
-        )
+        try:
+            return super().forward(
+                student_input, student_weight, teacher_input, teacher_weight, true_labels, student_bias, teacher_bias
+            )
+        except (TypeError, ValueError) as e:  # errors name the argument as Liger's signature calls it
+            raise _renamed(e, {"labels": "true_labels"}) from None
 
 
 class FusedLinearJSDLoss(_LigerDropIn):

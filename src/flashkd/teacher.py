@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from .losses import LossSpec
 from .distill import _FLOATS, _LOGITS_BUDGET, _check_tensors, _even_chunks, _pick_backend
 
 
@@ -21,7 +22,8 @@ def teacher_topk(
 ):
     """The teacher's k most likely ids per row and their log-probs at `temperature`.
 
-    Returns (ids, logprobs): (..., k) int64 and (..., k) float32, sorted by decreasing log-prob,
+    Returns (ids, logprobs): (..., k) int64 and (..., k) float32 (float64 for float64 inputs, computed
+    in float64), sorted by decreasing log-prob,
     log p = logit/τ − logsumexp(logits/τ) over the whole vocab — the targets of
     `fused_linear_distill_topk(..., temperature=τ)`. Never holds more than one chunk of logits
     (R·Vt·E bytes, R rows per chunk, plus fp32 temporaries of the same size on the torch backend).
@@ -29,16 +31,21 @@ def teacher_topk(
     vocab_size: the student's vocab V when the teacher head is padded (Vt > V): ids >= V are
     dropped before the softmax, as in `fused_linear_distill`.
 
+    temperature: a finite float > 0 (LossSpec's rule). A row with a NaN or +inf logit (NaN or inf in
+    the hidden states, weight or bias; −inf logits, a masked id, are fine) raises ValueError naming
+    the row of teacher_input: no NaN targets come back.
+
     On the Triton backend each chunk costs the GEMM, two reads of its logits and one host sync (rows
-    whose top-k candidates overflowed, normally none, are redone with torch.topk).
+    whose top-k candidates overflowed, normally none, are redone with torch.topk; the same sync finds
+    non-finite rows); on the torch backend one host sync a chunk, for the non-finite rows.
     """
     _check_tensors({"teacher_input": teacher_input})
     x, w, b = teacher_input, teacher_weight, teacher_bias
     if x.dtype not in _FLOATS:
         raise TypeError(f"teacher_input: expected a floating dtype (float16, bfloat16, float32, float64), got {x.dtype}")
     _check_tensors({"teacher_weight": w, "teacher_bias": b}, x.dtype, x.device, like="teacher_input")
-    if w.dim() != 2:
-        raise ValueError(f"teacher_weight: expected a 2-D (vocab, hidden) tensor, got shape {tuple(w.shape)}")
+    if w.dim() != 2 or 0 in w.shape:  # an empty vocab or hidden size has no distribution
+        raise ValueError(f"teacher_weight: expected a 2-D (vocab, hidden) tensor, both >= 1, got shape {tuple(w.shape)}")
     if x.dim() < 1 or x.shape[-1] != w.shape[1]:
         raise ValueError(
             f"teacher_input: expected shape (..., {w.shape[1]}) (teacher_weight is {tuple(w.shape)}), got {tuple(x.shape)}"
@@ -53,8 +60,7 @@ def teacher_topk(
         w, b = w[:v], None if b is None else b[:v]
     if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= v:
         raise ValueError(f"k: expected an int in [1, {v}] (the vocab size), got {k!r}")
-    if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not temperature > 0:
-        raise ValueError(f"temperature: expected a float > 0, got {temperature!r}")
+    LossSpec(temperature=temperature)  # the losses' rule: a finite float > 0 (inf would give uniform log-probs)
     backend = _pick_backend(backend, x)
     if chunk_size is not None and (isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1):
         raise ValueError(f"chunk_size: expected a positive int or None, got {chunk_size!r}")
@@ -70,17 +76,25 @@ def teacher_topk(
     for start in range(0, n, chunk):
         c = slice(start, min(start + chunk, n))
         logits = x[c] @ w.t() if b is None else torch.addmm(b, x[c], w.t())
-        ids[c], logprobs[c] = _topk(logits, k, temperature, backend)
+        ids[c], logprobs[c], nonfinite = _topk(logits, k, temperature, backend)
         del logits
+        if nonfinite.numel():
+            raise ValueError(
+                f"teacher_input: expected hidden states with finite logits, got a NaN or infinite logit in row "
+                f"{start + int(nonfinite[0])} (NaN or inf in teacher_input, teacher_weight or teacher_bias, or "
+                f"logits / temperature overflowing)"
+            )
     return ids.reshape(*lead, k), logprobs.reshape(*lead, k)
 
 
 def _topk(logits, k, temperature, backend):
-    if backend == "triton" and logits.dtype != torch.float64:
+    """(ids, logprobs, rows whose logsumexp is not finite: their log-probs are NaN), one host sync."""
+    if backend == "triton":  # fp64 is routed to torch (_pick_backend)
         from .backends import triton_topk
 
         if k <= triton_topk.TOPK_MAX_K:
             return triton_topk.row_topk(logits, k, temperature)  # two reads of the logits, one host sync
     work = torch.promote_types(logits.dtype, torch.float32)
     top, ids = torch.topk(logits, k, dim=-1)
-    return ids, top.to(work) / temperature - torch.logsumexp(logits.to(work) / temperature, dim=-1, keepdim=True)
+    lse = torch.logsumexp(logits.to(work) / temperature, dim=-1, keepdim=True)
+    return ids, top.to(work) / temperature - lse, (~torch.isfinite(lse[:, 0])).nonzero()[:, 0]

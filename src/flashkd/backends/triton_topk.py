@@ -193,7 +193,9 @@ def topk_rows(s, t, labels, spec: LossSpec, scale: torch.Tensor, grad: bool):
     )
     g = log_q.to(torch.float32).contiguous()
     soft, _ = triton_rows.rows(g, log_p.to(torch.float32).contiguous(), labels, cat_spec, scale, grad)
-    bad = ((ids < -1) | (ids >= V)).any(1)  # an id outside the vocab: NaN, as in the torch definition
+    # an id outside the vocab, or a NaN log-prob at a used slot (the kernel's max would skip it): NaN,
+    # as in the torch definition
+    bad = ((ids < -1) | (ids >= V) | (used & logprobs.isnan())).any(1)
     soft = torch.where(bad if labels is None else bad & valid, torch.nan, soft)
 
     hard = torch.zeros(R, **f32)
@@ -367,20 +369,24 @@ def _topk_kernel(
 
 def row_topk(x: torch.Tensor, k: int, temperature: float):
     """The k largest entries per row of a contiguous (R, V) tensor and their log-probs
-    log softmax(x/τ): (ids (R, k) int64, logprobs (R, k) fp32), sorted by decreasing value;
-    k <= TOPK_MAX_K.
+    log softmax(x/τ): (ids (R, k) int64, logprobs (R, k) fp32, nonfinite), sorted by decreasing value;
+    k <= TOPK_MAX_K. nonfinite: the rows (int64) whose logsumexp is NaN or infinite (a NaN or inf in
+    x, or x/τ overflowing fp32); their log-probs are NaN.
 
     One kernel, two reads of x. A row whose candidates did not fit (many ties at the threshold, or
     top values clustered in a few lanes) or that has fewer than k finite values is redone with
-    torch.topk over the full row: finding out costs one host sync per call.
+    torch.topk over the full row: finding out, and finding the non-finite rows, costs one host sync
+    per call.
     """
     if not 1 <= k <= TOPK_MAX_K:
         raise ValueError(f"k: expected 1 <= k <= {TOPK_MAX_K} for the kernel, got {k}")
     ids, redo, lse = _kernel_topk(x, k, temperature)
-    rows = redo.nonzero()[:, 0]
+    rows = (redo.bool() | ~torch.isfinite(lse)).nonzero()[:, 0]  # the one host sync
+    nonfinite = rows[:0]
     if rows.numel():
         ids[rows] = torch.topk(x[rows], k, dim=-1).indices
-    return ids, x.gather(1, ids).float() / temperature - lse[:, None]
+        nonfinite = rows[~torch.isfinite(lse[rows])]
+    return ids, x.gather(1, ids).float() / temperature - lse[:, None], nonfinite
 
 
 def _kernel_topk(x: torch.Tensor, k: int, temperature: float):

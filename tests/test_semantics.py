@@ -1,0 +1,344 @@
+"""Inputs that used to give silently wrong results, each pinned on both backends (torch; triton under
+the interpreter): label dtypes, non-finite values in ignored rows, the frozen-student (evaluation)
+path, teacher_topk's temperature and non-finite hidden states, top-k mass past 1, the names in error
+messages, and fp64 math."""
+
+import math
+
+import pytest
+import torch
+
+import flashkd
+from conftest import BACKENDS
+from flashkd.losses import LossSpec
+from oracle import distill_loss, topk_loss
+
+N, V, HS, HT, K = 7, 11, 4, 5, 3
+
+
+def student(dtype=torch.float32, bias=True):
+    xs = torch.randn(N, HS, dtype=dtype, requires_grad=True)
+    ws = torch.randn(V, HS, dtype=dtype, requires_grad=True)
+    bs = torch.randn(V, dtype=dtype, requires_grad=True) if bias else None
+    y = torch.randint(0, V, (N,))
+    y[[1, 4]] = -100
+    return xs, ws, bs, y
+
+
+def teacher(form, dtype=torch.float32):
+    """The teacher's arguments of one input form (a dict of keyword arguments)."""
+    if form == "heads":
+        return dict(teacher_input=torch.randn(N, HT, dtype=dtype), teacher_weight=torch.randn(V, HT, dtype=dtype))
+    if form == "logits":
+        return dict(teacher_logits=3 * torch.randn(N, V, dtype=dtype))
+    ids = torch.stack([torch.randperm(V)[:K] for _ in range(N)])
+    ids[0, -1] = -1
+    lp = torch.log_softmax(torch.randn(N, V, dtype=torch.float64), -1).gather(1, ids.clamp_min(0))
+    return dict(teacher_ids=ids, teacher_logprobs=lp.to(dtype))
+
+
+def call(form, xs, ws, bs, y, t, **options):
+    """The public function of `form` on positional student args and the teacher dict `t`."""
+    if form == "heads":
+        return flashkd.fused_linear_distill(xs, ws, t["teacher_input"], t["teacher_weight"], y, student_bias=bs, **options)
+    if form == "logits":
+        return flashkd.fused_linear_distill_logits(xs, ws, t["teacher_logits"], y, student_bias=bs, **options)
+    options.setdefault("weight_hard_loss", 0.5)
+    return flashkd.fused_linear_distill_topk(xs, ws, t["teacher_ids"], t["teacher_logprobs"], y, student_bias=bs,
+                                             **options)
+
+
+FORMS = ["heads", "logits", "topk"]
+
+
+# ------------------------------------------------------------------------------------------------- labels
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("form", FORMS)
+@pytest.mark.parametrize("dtype", [torch.uint8, torch.int8, torch.int16, torch.bool, torch.float32])
+def test_labels_outside_int32_int64_are_refused(backend, form, dtype):
+    """One rule on both backends: uint8 labels used to wrap ignore_index (−100 is 156 in uint8), so a
+    label of 156 silently ignored its row on the torch backend; int8/int16 passed there and failed on
+    triton."""
+    xs, ws, bs, _ = student()
+    labels = torch.full((N,), 156 if dtype == torch.uint8 else 1).to(dtype)
+    with pytest.raises(TypeError, match=rf"labels: expected an integer dtype \(torch.int64 or torch.int32\), got {dtype}"):
+        call(form, xs, ws, bs, labels, teacher(form), backend=backend)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_int32_labels_equal_int64(backend):
+    xs, ws, bs, y = student()
+    t = teacher("heads")
+    want = call("heads", xs, ws, bs, y, t, backend=backend)
+    assert torch.equal(call("heads", xs, ws, bs, y.to(torch.int32), t, backend=backend), want)
+
+
+# ------------------------------------------------------------------------- non-finite values in ignored rows
+
+
+# (where the non-finite value goes, the forms that have it)
+POISON = [("student_input", f) for f in FORMS] + [("teacher_input", "heads"), ("teacher_logits", "logits"),
+                                                  ("teacher_logprobs", "topk")]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("where,form", POISON)
+@pytest.mark.parametrize("value", [math.nan, math.inf, -math.inf])
+def test_nonfinite_values_in_ignored_rows_contribute_nothing(backend, where, form, value, seed):
+    """A NaN or inf in a row whose label is ignore_index (padding): the loss and every gradient are
+    those of the same call with that row finite, its dX row is 0, and nothing is NaN. dW = dSᵀX used
+    to be NaN from 0 · NaN even where dS was 0, and the torch backend's autograd gave NaN through the
+    row's logits."""
+    xs, ws, bs, y = student()
+    t = teacher(form)
+    clean = [xs.detach().clone().requires_grad_(), ws.detach().clone().requires_grad_(),
+             bs.detach().clone().requires_grad_()]
+    want = call(form, *clean, y, t, backend=backend, chunk_size=3)
+    want.backward()
+    with torch.no_grad():
+        if where == "student_input":
+            xs[4, 1] = value
+        elif where == "teacher_input":
+            t[where] = t[where].clone()
+            t[where][1, 2] = value
+        else:
+            t[where] = t[where].clone()
+            t[where][4, 0] = value
+    got = call(form, xs, ws, bs, y, t, backend=backend, chunk_size=3)
+    got.backward()
+    assert torch.isfinite(got) and torch.allclose(got, want, rtol=1e-6, atol=0), (got, want)
+    for g, w in zip((xs.grad, ws.grad, bs.grad), (c.grad for c in clean)):
+        assert torch.isfinite(g).all() and torch.allclose(g, w, rtol=1e-5, atol=1e-7)
+    assert xs.grad[[1, 4]].abs().max() == 0
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("where,form", POISON)
+def test_nan_in_a_counted_row_is_not_silent(backend, where, form):
+    """Only ignored rows are masked: a NaN in a row that counts still gives a NaN loss."""
+    xs, ws, bs, y = student()
+    t = teacher(form)
+    with torch.no_grad():
+        if where == "student_input":
+            xs[0, 1] = math.nan
+        else:
+            t[where] = t[where].clone()
+            t[where][0, 0] = math.nan
+    # a NaN log-prob is refused by the CPU check; unchecked (as on GPU) it is a NaN loss
+    options = dict(check_teacher=False) if form == "topk" else {}
+    assert torch.isnan(call(form, xs, ws, bs, y, t, backend=backend, **options))
+
+
+def test_topk_checks_skip_ignored_rows():
+    """check_teacher looks at the rows that count only: an ignored row may hold anything."""
+    xs, ws, bs, y = student()
+    t = teacher("topk")
+    t["teacher_ids"][1] = torch.tensor([V + 5, 0, 0])  # out of range and duplicated, in an ignored row
+    t["teacher_logprobs"][1] = torch.tensor([0.5, math.nan, 0.0])
+    assert torch.isfinite(call("topk", xs, ws, bs, y, t))
+    t["teacher_ids"][0, 0] = V + 5
+    with pytest.raises(ValueError, match="teacher_ids: expected ids in"):
+        call("topk", xs, ws, bs, y, t)
+
+
+# ------------------------------------------------------------------------------------------ evaluation path
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_frozen_student_does_not_train_the_teacher(backend):
+    """With nothing of the student requiring grad, the call is an evaluation: no graph at all, even
+    through a teacher whose weight and bias require grad (the torch backend used to build one through
+    every chunk's teacher logits, and backward() trained the teacher)."""
+    xs, ws, bs, y = student()
+    for x in (xs, ws, bs):
+        x.requires_grad_(False)
+    wt = torch.randn(V, HT, requires_grad=True)
+    bt = torch.randn(V, requires_grad=True)
+    xt = torch.randn(N, HT, requires_grad=True)
+    loss = flashkd.fused_linear_distill(xs, ws, xt, wt, y, student_bias=bs, teacher_bias=bt, backend=backend,
+                                        chunk_size=3)
+    assert loss.grad_fn is None and not loss.requires_grad
+    with pytest.raises(RuntimeError):
+        loss.backward()
+    assert wt.grad is None and bt.grad is None and xt.grad is None
+    other = flashkd.fused_linear_distill(xs, ws, xt, wt, y, student_bias=bs, teacher_bias=bt,
+                                         backend="torch" if backend == "triton" else BACKENDS[-1])
+    torch.testing.assert_close(loss, other)
+    want, _, _ = distill_loss(xs, ws, xt.detach(), wt.detach(), y, student_bias=bs, teacher_bias=bt.detach())
+    assert abs(loss.item() - want.item()) <= 2e-5 * abs(want.item())
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("form", ["heads", "logits"])
+def test_training_gives_the_teacher_no_grad(backend, form):
+    xs, ws, bs, y = student()
+    t = {k: v.requires_grad_() for k, v in teacher(form).items()}
+    call(form, xs, ws, bs, y, t, backend=backend).backward()
+    assert xs.grad is not None and all(v.grad is None for v in t.values())
+
+
+# -------------------------------------------------------------------------------------------- teacher_topk
+
+
+@pytest.mark.parametrize("temperature", [math.inf, -math.inf, math.nan, 0.0, -1.0, True, "1"])
+def test_teacher_topk_temperature_is_finite_and_positive(temperature):
+    """LossSpec's rule; temperature=inf used to return uniform log-probs."""
+    x, w = torch.randn(4, HT), torch.randn(V, HT)
+    with pytest.raises((TypeError, ValueError), match="temperature: expected"):
+        flashkd.teacher_topk(x, w, 3, temperature=temperature)
+
+
+@pytest.mark.parametrize("backend,dtype,value", [
+    ("torch", torch.float32, math.nan), ("torch", torch.float32, math.inf), ("torch", torch.float64, math.nan),
+] + [("triton", torch.float32, v) for v in (math.nan, math.inf) if "triton" in BACKENDS])
+def test_teacher_topk_nonfinite_hidden_states_raise(backend, dtype, value):
+    """NaN targets used to come back silently (and be written by flashkd.data.write_topk_targets).
+    The row named is the row of teacher_input, across chunks; the Triton path finds it in the host
+    sync it already makes per chunk."""
+    x, w = torch.randn(2, 3, HT, dtype=dtype), torch.randn(V, HT, dtype=dtype)
+    x[1, 1, 3] = value  # row 4 of 6: the second chunk
+    with pytest.raises(ValueError, match="teacher_input: expected hidden states with finite logits, .* in row 4 "):
+        flashkd.teacher_topk(x, w, 3, chunk_size=4, backend=backend)
+    if backend == "torch":  # the finite case on the kernel: test_forms
+        x[1, 1, 3] = 0.0
+        ids, lp = flashkd.teacher_topk(x, w, 3, chunk_size=4, backend=backend)
+        assert torch.isfinite(lp).all() and lp.dtype == dtype
+
+
+# ----------------------------------------------------------------------------------------- top-k mass > 1
+
+
+def rounded(lp, dtype):
+    return lp.to(dtype).float()
+
+
+@pytest.mark.parametrize("store", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("k", [1, 2, 5, 64, 200])
+def test_stored_topk_targets_pass_the_mass_check(store, k):
+    """Genuine targets rounded to fp16 / bf16 (as flashkd.data stores them, read back as fp32) pass the
+    check, in its worst case: a uniform teacher over k = V ids, every log-prob rounded the same way."""
+    v = k
+    xs, ws = torch.randn(3, HS), torch.randn(v, HS)
+    y = torch.randint(0, v, (3,))
+    for x in (torch.zeros(3, 2), torch.randn(3, 2)):
+        ids, lp = flashkd.teacher_topk(x, torch.randn(v, 2), k)
+        for given in (rounded(lp, store), lp.to(store)):
+            loss = flashkd.fused_linear_distill_topk(xs, ws, ids, given, y)
+            assert torch.isfinite(loss)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_topk_mass_past_one_is_refused_with_tail_bucket(backend):
+    """Log-probs whose probabilities sum past 1 (+ the rounding tolerance) are not a distribution: the
+    CPU check refuses them (they used to be renormalised). Unchecked (the GPU default) the bucket is
+    empty (p_rest = 0) and p is renormalised over the ids, as documented."""
+    xs, ws, bs, y = student()
+    t = teacher("topk")
+    ids = t["teacher_ids"]
+    lp = torch.log_softmax(torch.randn(N, K), -1)  # Σ p = 1 over the used slots
+    lp[0] = torch.tensor([0.3, 0.3, 0.4]).log()  # ids[0, -1] is unused: row 0 sums to 0.6, 0.63 over
+    over = lp + math.log(1.05)
+    with pytest.raises(ValueError, match=r"teacher_logprobs: expected probabilities summing to at most 1 .* in row 2"):
+        flashkd.fused_linear_distill_topk(xs, ws, ids, over, y, backend=backend)
+    assert torch.isfinite(flashkd.fused_linear_distill_topk(xs, ws, ids, lp, y, backend=backend))
+    unchecked = flashkd.fused_linear_distill_topk(xs, ws, ids, over, y, backend=backend, check_teacher=False)
+    masked = torch.where(ids >= 0, over, -math.inf)
+    renormalised = torch.where(masked.exp().sum(-1, keepdim=True) > 1, masked.log_softmax(-1), over)
+    want, _, _ = topk_loss(xs.detach(), ws.detach(), ids, renormalised, y)
+    assert abs(unchecked.item() - want.item()) <= 2e-5 * abs(want.item())
+    # with tail="renormalize" only ratios count: log-probs rescaled to another τ (Σ p > 1) are valid
+    flashkd.fused_linear_distill_topk(xs, ws, ids, over * 0.5, y, tail="renormalize", backend=backend)
+
+
+# ---------------------------------------------------------------------------------------- names in errors
+
+
+@pytest.mark.parametrize("form", FORMS)
+@pytest.mark.parametrize("keyword,value,error", [
+    ("weight_hard_loss", math.nan, TypeError), ("weight_soft_loss", "0.5", TypeError),
+    ("weight_hard_loss", True, TypeError), ("beta", math.nan, TypeError), ("temperature", math.inf, TypeError),
+    ("temperature_squared", 2, TypeError), ("return_soft_hard_loss", "yes", TypeError),
+    ("check_labels", 1, TypeError), ("grad_accum_dtype", torch.float16, TypeError),
+    ("grad_accum_dtype", torch.float64, TypeError), ("chunk_size", True, ValueError),
+    ("ignore_index", 1.5, TypeError),
+])
+def test_errors_name_the_keyword_the_caller_passed(form, keyword, value, error):
+    """Not LossSpec's field (weight_hard): the keyword of the public function."""
+    xs, ws, bs, y = student()
+    with pytest.raises(error) as info:
+        call(form, xs, ws, bs, y, teacher(form), **{keyword: value})
+    assert str(info.value).startswith(f"{keyword}: expected"), str(info.value)
+
+
+def test_modules_name_their_own_arguments():
+    xs, ws, bs, y = student()
+    t = teacher("heads")
+    with pytest.raises(TypeError, match="^weight_soft_loss: expected a finite"):
+        flashkd.FusedLinearDistillLoss(weight_soft_loss=math.nan)(xs, ws, t["teacher_input"], t["teacher_weight"], y)
+    with pytest.raises(ValueError, match="^true_labels: expected shape"):  # Liger's name for the labels
+        flashkd.FusedLinearJSDLoss()(xs, ws, t["teacher_input"], t["teacher_weight"], y[:-1])
+    with pytest.raises(TypeError, match="^weight_hard_loss: expected a finite"):
+        flashkd.FusedLinearCosineSimilarityLoss(weight_hard_loss=math.inf)(xs, ws, t["teacher_input"],
+                                                                             t["teacher_weight"], y)
+    with pytest.raises(TypeError, match="^weight_hard: expected"):  # LossSpec's own users see its fields
+        LossSpec(weight_hard=math.nan)
+
+
+# ---------------------------------------------------------------------------------------------------- fp64
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("form", FORMS)
+def test_gradcheck_fp64_on_every_backend(backend, form, seed):
+    """fp64 inputs get fp64 math on every backend (backend="triton" routes them to the torch rows; its
+    kernels compute in fp32, which gradcheck cannot pass)."""
+    xs, ws, bs = (torch.randn(*shape, dtype=torch.float64, requires_grad=True) for shape in ((5, 2), (6, 2), (6,)))
+    y = torch.tensor([1, -100, 5, 0, 2])
+    f64 = dict(dtype=torch.float64)
+    t = dict(teacher_input=torch.randn(5, 3, **f64), teacher_weight=torch.randn(6, 3, **f64),
+             teacher_logits=torch.randn(5, 6, **f64), teacher_ids=torch.tensor([[0, 3]] * 5),
+             teacher_logprobs=torch.tensor([[-1.0, -2.0]] * 5, **f64))
+
+    def f(xs, ws, bs):
+        return call(form, xs, ws, bs, y, t, loss="jsd", temperature=1.3, chunk_size=3, backend=backend)
+
+    assert torch.autograd.gradcheck(f, (xs, ws, bs))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("form", FORMS)
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32, torch.float64])
+@pytest.mark.parametrize("grad", [True, False])
+def test_loss_dtype(backend, form, dtype, grad):
+    """fp32 for fp16 / bf16 / fp32 inputs, fp64 for fp64, on every backend, form and path; the logged
+    terms too."""
+    xs, ws, bs, y = student(dtype)
+    with torch.set_grad_enabled(grad):
+        loss, soft, hard = call(form, xs, ws, bs, y, teacher(form, dtype), backend=backend, return_soft_hard_loss=True)
+    want = torch.float64 if dtype == torch.float64 else torch.float32
+    assert loss.dtype == soft.dtype == hard.dtype == want and loss.requires_grad == grad
+
+
+# ---------------------------------------------------------------------------------- found by an adversarial sweep
+
+
+def test_degenerate_arguments_are_named():
+    """An empty vocab or hidden size used to fail deep inside (ZeroDivisionError, a reshape error), and an
+    ignore_index past int64 with an OverflowError; each is now an error naming the argument."""
+    xs, ws, bs, y = student()
+    t = teacher("heads")
+    cases = [
+        (dict(student_input=torch.randn(N, 0), student_weight=torch.randn(V, 0)), "student_weight: expected a 2-D"),
+        (dict(student_weight=torch.randn(0, HS), labels=None, weight_hard_loss=0.0), "student_weight: expected a 2-D"),
+        (dict(teacher_input=torch.randn(N, 0), teacher_weight=torch.randn(V, 0)), "teacher_weight: expected a 2-D"),
+        (dict(ignore_index=2**70), "ignore_index: expected an int64 value"),
+    ]
+    for change, message in cases:
+        args = dict(student_input=xs, student_weight=ws, labels=y, **t)
+        args.update(change)
+        with pytest.raises(ValueError, match=message):
+            flashkd.fused_linear_distill(**args)
+    with pytest.raises(ValueError, match="teacher_weight: expected a 2-D"):
+        flashkd.teacher_topk(torch.randn(3, 0), torch.randn(V, 0), 2)
