@@ -17,11 +17,11 @@ KernelIndex (kernelindex.dev/v1alpha1) benchmark records. A bundle is one JSON f
 operation, workload, implementation, protocol, environment, run, each {"digest", "manifest"}.
 
 commands:
-  import-liger [CSV] --out DIR Liger-Kernel benchmark rows -> one bundle per imported row; without CSV,
-                               Liger-Kernel's published rows that flashkd ships (BSD-2-Clause)
-  verify PATH...               recompute digests, check references and schemas; exit 1 on any problem
-  compare PATH...              runs grouped by comparison key, ranked by primary statistic (lower first)
-  site PATH... --out DIR       static HTML pages (run, group, compare, index) that open from disk
+  import-liger [CSV] --out DIR  Liger-Kernel benchmark rows -> one bundle per imported row; without
+                                CSV, Liger-Kernel's published rows that flashkd ships (BSD-2-Clause)
+  verify PATH...                recompute digests, check references and schemas; exit 1 on any problem
+  compare PATH...               runs grouped by comparison key, ranked by primary statistic (lower first)
+  site PATH... --out DIR        static HTML pages (run, group, compare, index) that open from disk
 PATH is a bundle file or a folder of them.
 """
 
