@@ -24,8 +24,8 @@ Rows whose label is `ignore_index` skip all three passes; with grad they get one
 Heads' transforms (`flashkd.losses.logit_transform`, z = c · tanh(σ s / c), or σ s): without a softcap
 and with σ > 0 the scale is folded into the row's constants (log2(e)·σ/τ for each side's softmax,
 log2(e)·σ for the CE's, σ in the CE value, the online KL's d = a − b·σ_t/σ_s, the cosine norms, and
-σ = dz/ds in the gradient's weights), so the path without a transform runs the same instructions as
-before; σ = 1 changes no bit. A negative σ (whose max is s's min) or a softcap makes z at every load
+σ = dz/ds in the gradient's weights); the constexpr SCALED brings the folded constants into the loops
+only when a fold is not 1, so the path without a transform compiles to the same loops as before. A negative σ (whose max is s's min) or a softcap makes z at every load
 instead (`_head`: the constexpr S_HEAD / T_HEAD, keyed on the sign and on None, never a float), and a
 softcap multiplies dL/dz by 1 − tanh² where dL/ds is written. tanh is an fp32 polynomial below 0.625
 and (1 − t)/(1 + t), t = e^(−2|y|), above (`_tanh`: odd, ~1.5 ulp, exactly ±1 when saturated), with
@@ -205,6 +205,14 @@ def _head_grad(g, d, HEAD: tl.constexpr):
 
 
 @triton.jit
+def _minus(x, y, ratio, SCALED: tl.constexpr):
+    """x − y·ratio (one FMA), or x − y when no scale is folded."""
+    if SCALED:
+        return x - y * ratio
+    return x - y
+
+
+@triton.jit
 def _times(w, d):
     """w · d, taken as 0 where w is 0 (0·log 0 = 0; masked lanes, where d is NaN, add nothing)."""
     return tl.where(w > 0.0, w * d, 0.0)
@@ -300,6 +308,7 @@ def _rows_kernel(
     ONLINE_KL: tl.constexpr,  # a KL whose loss pass 1 takes online (reverse_kl; forward_kl without grad)
     S_HEAD: tl.constexpr,  # the student's transform at load (`_head`): 0 none (σ folded), 1 σ < 0, 2 softcap
     T_HEAD: tl.constexpr,  # the teacher's
+    SCALED: tl.constexpr,  # a fold is not 1: the loops read log2e_tau_t, log2e_ce, kl_ratio
     STATS: tl.constexpr,  # write the entropy of q
     BLOCK_V: tl.constexpr,
 ):
@@ -316,7 +325,7 @@ def _rows_kernel(
         scale_ptr + row * stride_scale, V, tl.cdiv(V, BLOCK_V), tl.arange(0, BLOCK_V), ignore_index, log2e_tau,
         log2e_tau_t, log2e_ce, inv_tau, fold_s, fold_t, kl_ratio, s_mul, s_cap, t_mul, t_cap, beta,
         log2_beta, log2_1mbeta, w_hard, w_soft, LOSS, SOFT, CE, LABELS, GRAD_SOFT, GRAD_CE, GRAD_PASS,
-        CE_IS_Q, ONLINE_KL, S_HEAD, T_HEAD, STATS, BLOCK_V,
+        CE_IS_Q, ONLINE_KL, S_HEAD, T_HEAD, SCALED, STATS, BLOCK_V,
     )
 
 
@@ -327,10 +336,13 @@ def _one_row(
     log2_beta, log2_1mbeta, w_hard, w_soft,
     LOSS: tl.constexpr, SOFT: tl.constexpr, CE: tl.constexpr, LABELS: tl.constexpr,
     GRAD_SOFT: tl.constexpr, GRAD_CE: tl.constexpr, GRAD_PASS: tl.constexpr, CE_IS_Q: tl.constexpr,
-    ONLINE_KL: tl.constexpr, S_HEAD: tl.constexpr, T_HEAD: tl.constexpr, STATS: tl.constexpr,
-    BLOCK_V: tl.constexpr,
+    ONLINE_KL: tl.constexpr, S_HEAD: tl.constexpr, T_HEAD: tl.constexpr, SCALED: tl.constexpr,
+    STATS: tl.constexpr, BLOCK_V: tl.constexpr,
 ):
     """The three passes over one row; the kernel's arguments, advanced to the row."""
+    if not SCALED:  # no fold: the loops run on the constants they had before heads had transforms
+        log2e_tau_t = log2e_tau
+        log2e_ce = _LOG2E
 
     valid = True
     label = -1
@@ -379,11 +391,11 @@ def _one_row(
                     # the KLs' d = z_s − z_t (reverse), z_t − z_s (forward) over the side's fold: an FMA
                     # where there was a subtraction, exact for equal folds
                     if ONLINE_KL and LOSS == _REVERSE_KL:
-                        l_s, r_kl = _lane_sums(l_s, r_kl, m_s, a, a - b * kl_ratio, log2e_tau)
+                        l_s, r_kl = _lane_sums(l_s, r_kl, m_s, a, _minus(a, b, kl_ratio, SCALED), log2e_tau)
                     else:
                         l_s = _lane_sum(l_s, m_s, a, log2e_tau)
                     if ONLINE_KL and LOSS == _FORWARD_KL:
-                        l_t, r_kl = _lane_sums(l_t, r_kl, m_t, b, b - a * kl_ratio, log2e_tau_t)
+                        l_t, r_kl = _lane_sums(l_t, r_kl, m_t, b, _minus(b, a, kl_ratio, SCALED), log2e_tau_t)
                     else:
                         l_t = _lane_sum(l_t, m_t, b, log2e_tau_t)
                     m_t = tl.maximum(m_t, b)
@@ -690,6 +702,7 @@ def rows(s, t, labels, spec: LossSpec, scale: torch.Tensor, grad: bool, stats: b
         ONLINE_KL=online_kl,
         S_HEAD=s_head,
         T_HEAD=t_head if use_soft else 0,
+        SCALED=fold_s != 1.0 or (use_soft and fold_t != 1.0),
         STATS=stats,
         BLOCK_V=block,
         num_warps=max(1, min(NUM_WARPS, block // 128)),
