@@ -16,7 +16,7 @@ Per row, with temperature τ, student logits a, teacher logits b, q = softmax(a/
     reverse_kl    KL(q‖p) = Σ q (log q − log p)           q ∘ (log q − log p − KL(q‖p)) / τ
     jsd (β)       β KL(p‖M) + (1−β) KL(q‖M),              (1−β) q ∘ (log(q/M) − K) / τ,   K = Σ q log(q/M)
                   M = β p + (1−β) q
-    tvd           ½ Σ |q − p|                             ½ q ∘ (σ − Σ q σ) / τ,          σ = sign(q − p)
+    tvd           ½ Σ |q − p|                             ½ q ∘ (g − Σ q g) / τ,          g = sign(q − p)
     cosine        β (1 − cos(a, b))                       −β (b / (‖a‖‖b‖) − cos · a / ‖a‖²)
     hard CE       logsumexp(a) − a_y   (untempered)       softmax(a) − onehot(y)
 
@@ -33,6 +33,9 @@ over categories: the K ids and one bucket for the rest of the vocab (tail "bucke
 the ids, p_rest = max(1 − Σ p, 0)), or the K ids with q and p renormalised over them ("renormalize").
 q over the categories is softmax(z) of z = (a_ids/τ, logsumexp(a_rest/τ)), so dL/da follows from the
 table through dz_rest/da_j = softmax(a_rest/τ)_j / τ.
+
+With `stats`, the row functions also give each row's entropy H(q) = −Σ q log q (and, for a top-k
+teacher, q's mass on the ids): the terms of `DistillStats`.
 
 `row_losses` and `topk_row_losses` below are the single torch definition of these formulas: the torch
 backend differentiates them chunk by chunk with autograd, the benchmark's naive provider runs them over
