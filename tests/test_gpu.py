@@ -218,3 +218,36 @@ def test_teacher_topk_on_gpu(dtype, k):
     assert (chosen.min(1).values >= others.max(1).values).all()
     truth = torch.log_softmax(logits.double() / 0.8, -1).gather(1, ids)
     assert (lp.double() - truth).abs().max() <= 2e-5 * truth.abs().max().clamp_min(1.0)
+
+
+HEADS = [  # (student σ, c, teacher σ, c): at these inputs' logits (~±0.5), σ = 20 puts them past c
+    dict(student_logit_scale=20.0, student_softcap=5.0, teacher_logit_scale=15.0, teacher_softcap=6.0),
+    dict(student_logit_scale=-8.0, teacher_logit_scale=3.0),
+    dict(student_logit_scale=4.0, teacher_softcap=0.3),
+]
+
+
+@pytest.mark.parametrize("heads", range(len(HEADS)))
+@pytest.mark.parametrize("loss,dtype", [("jsd", torch.bfloat16), ("forward_kl", torch.float32),
+                                        ("reverse_kl", torch.bfloat16), ("tvd", torch.float16),
+                                        ("cosine", torch.bfloat16)])
+def test_heads_and_row_weight_against_fp64_truth(loss, dtype, heads):
+    """Logit scales and softcaps (saturated ones too) and row weights at V = 128256, on the kernel."""
+    torch.manual_seed(hash((loss, heads)) % 2**31)
+    n, hs, ht, v, dev = 999, 512, 768, 128256, "cuda"
+    xs = torch.rand(n, hs, device=dev, dtype=dtype).requires_grad_()
+    xt = torch.rand(n, ht, device=dev, dtype=dtype)
+    ws = torch.nn.Linear(hs, v, device=dev, dtype=dtype).weight.detach().requires_grad_()
+    wt = torch.nn.Linear(ht, v, device=dev, dtype=dtype).weight.detach()
+    y = torch.randint(0, v, (n,), device=dev)
+    y[torch.rand(n, device=dev) < 0.2] = -100
+    kw = dict(loss=loss, temperature=1.3, row_weight=2.0 * torch.rand(n, device=dev), **HEADS[heads])
+    got = flashkd.fused_linear_distill(xs, ws, xt, wt, y, check_labels=True, **kw)
+    got_grads = torch.autograd.grad(got, [xs, ws])
+    plain, plain_grads = _naive([xs, ws], xt, wt, None, y, kw, double=False)
+    truth, truth_grads = _naive([xs, ws], xt, wt, None, y, kw, double=True)
+    assert abs(got.item() - truth.item()) / abs(truth.item()) <= 5e-4
+    for name, g, p, t in zip(("dXs", "dWs"), got_grads, plain_grads, truth_grads):
+        assert torch.isfinite(g).all(), name
+        err, base = rel(g, t), rel(p, t)
+        assert err <= 1.5 * base + 1e-6, (name, err, base)

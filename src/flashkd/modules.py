@@ -28,6 +28,7 @@ class FusedLinearDistillLoss(torch.nn.Module):
         labels=None,  # (...)
         student_bias=None,  # (V,)
         teacher_bias=None,  # (Vt,)
+        row_weight=None,  # (...) like labels: per-call data, not an option
     ):
         """`fused_linear_distill(student_input, student_weight, teacher_input, teacher_weight, labels,
         student_bias=, teacher_bias=, **self.options)`: the scalar fp32 loss, or `(loss, soft, hard)`
@@ -41,6 +42,7 @@ class FusedLinearDistillLoss(torch.nn.Module):
             labels,
             student_bias=student_bias,
             teacher_bias=teacher_bias,
+            row_weight=row_weight,
             **self.options,
         )
 
