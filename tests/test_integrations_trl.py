@@ -1,0 +1,240 @@
+"""flashkd.integrations.trl: TRL's own loss helper vs the patch (values, statistics, gradients), and
+TRL's DistillationTrainer end to end with and without the patch, on CPU."""
+
+import math
+
+import pytest
+import torch
+
+trl = pytest.importorskip("trl")
+pytest.importorskip("transformers")
+
+import flashkd.integrations.trl as fk_trl  # noqa: E402
+from oracle import distill_loss  # noqa: E402
+import tiny_models  # noqa: E402
+
+from trl.trainer import distillation_trainer as trl_dt  # noqa: E402
+
+
+@pytest.fixture(autouse=True)
+def _unpatched():
+    fk_trl.unpatch()
+    yield
+    fk_trl.unpatch()
+
+
+def _trl_helper():
+    assert not fk_trl.is_patched()
+    return trl_dt._chunked_divergence_loss
+
+
+def _inputs(bias, b=3, k=7, hs=12, ht=20, v=97, scale_logits=3.0):
+    xs = torch.randn(b, k, hs, requires_grad=True)
+    ws = (torch.randn(v, hs) * scale_logits / math.sqrt(hs)).requires_grad_()
+    bs = torch.randn(v, requires_grad=True) if bias else None
+    xt = torch.randn(b, k, ht)
+    wt = torch.randn(v, ht) * scale_logits / math.sqrt(ht)
+    bt = torch.randn(v) if bias else None
+    mask = (torch.rand(b, k) < 0.7).long()
+    mask[0, 0] = 1
+    return xs, ws, bs, xt, wt, bt, mask
+
+
+CASES = [  # beta, temperature, student scale, teacher scale, student softcap, teacher softcap, bias, num_items
+    (0.0, 1.0, 1.0, 1.0, None, None, False, None),
+    (1.0, 1.0, 1.0, 1.0, None, None, True, None),
+    (0.5, 1.0, 1.0, 1.0, None, None, False, 40),
+    (0.3, 2.0, 1.0, 1.0, None, None, True, "tensor"),
+    (0.7, 0.5, 0.25, 2.0, None, None, False, None),
+    (0.0, 1.5, 1.0, 1.0, 3.0, 5.0, True, None),
+    (1.0, 1.0, 0.5, 1.0, None, 2.0, False, 17),
+    (0.5, 1.0, 1.0, 0.125, 2.5, None, True, None),
+    (0.9, 0.7, 3.0, 1.5, 1.0, 0.5, True, "tensor"),  # saturated caps: logits far past them
+]
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: "-".join(map(str, c)))
+def test_patch_matches_trl_helper(case, seed):
+    beta, tau, s_scale, t_scale, s_cap, t_cap, bias, num_items = case
+    xs, ws, bs, xt, wt, bt, mask = _inputs(bias)
+    if num_items == "tensor":
+        num_items = mask.sum() + 5
+    kwargs = dict(num_items_in_batch=num_items, student_lm_head_bias=bs, teacher_lm_head_bias=bt,
+                  student_logit_scale=s_scale, teacher_logit_scale=t_scale,
+                  student_final_logit_softcapping=s_cap, teacher_final_logit_softcapping=t_cap, temperature=tau)
+    students = [t for t in (xs, ws, bs) if t is not None]
+    results = []
+    for fn in (_trl_helper(), fk_trl.chunked_divergence_loss):
+        loss, entropy, count = fn(xs, xt, ws, wt, mask, beta, **kwargs)
+        grads = torch.autograd.grad(loss, students)
+        results.append((loss, entropy, count, grads))
+    (l0, e0, c0, g0), (l1, e1, c1, g1) = results
+    assert c1.dtype == c0.dtype and int(c1) == int(c0) == int(mask.sum())
+    torch.testing.assert_close(l1, l0, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(e1, e0, rtol=1e-5, atol=1e-5)
+    for a, b in zip(g1, g0):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
+
+
+def test_patch_matches_trl_helper_bf16_teacher(seed):
+    """A bf16 teacher beside an fp32 student: TRL computes each side in its own dtype; the patch upcasts
+    the teacher (exact), so the two agree to fp32 rounding."""
+    xs, ws, bs, xt, wt, bt, mask = _inputs(False)
+    xt, wt = xt.bfloat16(), wt.bfloat16()
+    out = [fn(xs, xt, ws, wt, mask, 0.5) for fn in (_trl_helper(), fk_trl.chunked_divergence_loss)]
+    torch.testing.assert_close(out[1][0], out[0][0], rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(out[1][1], out[0][1], rtol=1e-5, atol=1e-5)
+
+
+def test_no_completion_tokens(seed):
+    xs, ws, bs, xt, wt, bt, mask = _inputs(False)
+    mask.zero_()
+    loss, entropy, count = fk_trl.chunked_divergence_loss(xs, xt, ws, wt, mask, 0.5)
+    assert float(loss) == 0.0 and float(entropy) == 0.0 and int(count) == 0
+    loss.backward()
+    assert xs.grad is not None and not xs.grad.any()
+
+
+def test_dtensor_heads_gathered(seed):
+    """FSDP2's sharded heads (DTensors, here over a one-process gloo group) give the plain heads' results."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    if not dist.is_available():
+        pytest.skip("torch.distributed is not available")
+    created = not dist.is_initialized()
+    if created:
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        mesh = init_device_mesh("cpu", (1,))
+        xs, ws, bs, xt, wt, bt, mask = _inputs(True)
+        ws_d = torch.nn.Parameter(distribute_tensor(ws.detach(), mesh, [Shard(0)]))
+        bs_d = torch.nn.Parameter(distribute_tensor(bs.detach(), mesh, [Shard(0)]))
+        wt_d, bt_d = distribute_tensor(wt, mesh, [Shard(0)]), distribute_tensor(bt, mesh, [Shard(0)])
+        loss, entropy, _ = fk_trl.chunked_divergence_loss(xs, xt, ws_d, wt_d, mask, 0.5, student_lm_head_bias=bs_d,
+                                                          teacher_lm_head_bias=bt_d)
+        loss.backward()
+        ref, ref_entropy, _ = fk_trl.chunked_divergence_loss(xs.detach(), xt, ws, wt, mask, 0.5,
+                                                             student_lm_head_bias=bs, teacher_lm_head_bias=bt)
+        ref.backward()
+        torch.testing.assert_close(loss, ref)
+        torch.testing.assert_close(entropy, ref_entropy)
+        torch.testing.assert_close(ws_d.grad.full_tensor(), ws.grad)
+        torch.testing.assert_close(bs_d.grad.full_tensor(), bs.grad)
+    finally:
+        if created:
+            dist.destroy_process_group()
+
+
+def test_patch_unpatch_and_context():
+    original = _trl_helper()
+    with fk_trl.patch():
+        assert trl_dt._chunked_divergence_loss is fk_trl.chunked_divergence_loss
+        with fk_trl.patch():  # nested: the inner exit leaves the outer patch in place
+            pass
+        assert fk_trl.is_patched()
+    assert trl_dt._chunked_divergence_loss is original
+    fk_trl.patch()
+    fk_trl.unpatch()
+    fk_trl.unpatch()
+    assert trl_dt._chunked_divergence_loss is original
+
+
+def test_refuses_untested_version(monkeypatch):
+    real = fk_trl.importlib.metadata.version
+    monkeypatch.setattr(fk_trl.importlib.metadata, "version", lambda name: "9.9.0" if name == "trl" else real(name))
+    with pytest.raises(RuntimeError, match=r"installed TRL is 9\.9\.0.*tested with TRL 1\.16\.0"):
+        fk_trl.patch()
+    assert not fk_trl.is_patched()
+
+
+def test_refuses_changed_helper(monkeypatch):
+    def helper(student_hidden_states, teacher_hidden_states, student_lm_head_weight, teacher_lm_head_weight,
+               completion_mask, beta, temperature=1.0):
+        raise AssertionError
+
+    monkeypatch.setattr(trl_dt, "_chunked_divergence_loss", helper)
+    with pytest.raises(RuntimeError, match=r"TRL 1\.16\.0's .*_chunked_divergence_loss is not what the patch"):
+        fk_trl.patch()
+    assert not fk_trl.is_patched()
+
+
+# ---- DistillationTrainer end to end -------------------------------------------------------------
+
+
+class _Record(__import__("transformers").TrainerCallback):
+    """Each optimizer step's gradients (before the step), flattened."""
+
+    def __init__(self):
+        self.grads = []
+
+    def on_pre_optimizer_step(self, args, state, control, model=None, **kwargs):
+        self.grads.append(torch.cat([p.grad.reshape(-1) for p in model.parameters() if p.grad is not None]).clone())
+
+
+def _train(steps, batch=8, accumulation=1, seed=0, record=None):
+    from datasets import Dataset
+
+    student = tiny_models.llama(16, seed)
+    teacher = tiny_models.llama(24, seed + 1, init=0.3)  # peaked: a loss that has somewhere to fall
+    prompts = Dataset.from_dict({"prompt": tiny_models.sentences(batch * steps, seed, 2, 6)})
+    args = trl.DistillationConfig(
+        output_dir="/tmp/flashkd-test-trl", per_device_train_batch_size=batch // accumulation,
+        gradient_accumulation_steps=accumulation, max_completion_length=8, max_steps=steps, learning_rate=3e-2,
+        logging_steps=1, report_to=[], use_cpu=True, bf16=False, save_strategy="no", beta=0.5, temperature=1.0,
+        disable_tqdm=True, seed=seed, shuffle_dataset=False, gradient_checkpointing=False,
+    )
+    trainer = trl.DistillationTrainer(model=student, teacher_model=teacher, args=args, train_dataset=prompts,
+                                      processing_class=tiny_models.tokenizer("left"),
+                                      callbacks=[record] if record is not None else None)
+    trainer.train()
+    losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+    entropies = [h["entropy"] for h in trainer.state.log_history if "entropy" in h]
+    return losses, entropies, student
+
+
+def test_trainer_patched_equals_unpatched_step_for_step():
+    runs = []
+    for patched in (False, True):
+        record = _Record()
+        with fk_trl.patch() if patched else __import__("contextlib").nullcontext():
+            losses, entropies, student = _train(8, record=record)
+        runs.append((losses, entropies, record.grads, student))
+    (l0, e0, g0, s0), (l1, e1, g1, s1) = runs
+    assert len(l1) == len(l0) == 8 and len(g1) == len(g0) == 8
+    torch.testing.assert_close(torch.tensor(l1), torch.tensor(l0), rtol=1e-4, atol=1e-7)
+    torch.testing.assert_close(torch.tensor(e1), torch.tensor(e0), rtol=1e-4, atol=1e-6)
+    for a, b in zip(g1, g0):
+        torch.testing.assert_close(a, b, rtol=1e-3, atol=1e-6)
+    for a, b in zip(s1.parameters(), s0.parameters()):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
+
+
+def test_trainer_patched_loss_falls_and_first_step_is_the_reference():
+    seen = []
+
+    def spy(*args, **kwargs):
+        seen.append(([a.detach().clone() if isinstance(a, torch.Tensor) else a for a in args], dict(kwargs)))
+        return fk_trl.chunked_divergence_loss(*args, **kwargs)
+
+    with fk_trl.patch():
+        trl_dt._chunked_divergence_loss = spy  # the patched helper, watched
+        losses, _, _ = _train(24)
+    assert all(math.isfinite(x) for x in losses)
+    assert sum(losses[-4:]) < 0.7 * sum(losses[:4]), losses
+    # step 1's loss against the naive full-logits formula in float64 on the very inputs TRL passed
+    (xs, xt, ws, wt, mask, beta), kw = seen[0][0][:6], seen[0][1]
+    labels = torch.where(mask != 0, 0, -100)
+    ref = distill_loss(xs, ws, xt, wt, labels, loss="jsd", beta=beta, temperature=kw["temperature"],
+                       weight_hard_loss=0.0, weight_soft_loss=1.0, reduction="sum")[0] / kw["num_items_in_batch"]
+    assert losses[0] == pytest.approx(float(ref), rel=1e-4)
+
+
+def test_trainer_accumulation_2x4_equals_1x8():
+    with fk_trl.patch():
+        l_acc, _, s_acc = _train(4, batch=8, accumulation=2)
+        l_one, _, s_one = _train(4, batch=8, accumulation=1)
+    torch.testing.assert_close(torch.tensor(l_acc), torch.tensor(l_one), rtol=1e-4, atol=1e-7)
+    for a, b in zip(s_acc.parameters(), s_one.parameters()):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
