@@ -10,23 +10,23 @@ import torch
 from ..losses import LossSpec, row_losses, topk_row_losses
 
 
-def rows(s, t, labels, spec: LossSpec, scale: torch.Tensor, grad: bool):
+def rows(s, t, labels, spec: LossSpec, scale: torch.Tensor, grad: bool, stats: bool = False):
     """Dense teacher logits t (R, V)."""
-    return _differentiate(row_losses, s, t, labels, spec, scale, grad)
+    return _differentiate(row_losses, s, t, labels, spec, scale, grad, stats)
 
 
-def topk_rows(s, t, labels, spec: LossSpec, scale: torch.Tensor, grad: bool):
+def topk_rows(s, t, labels, spec: LossSpec, scale: torch.Tensor, grad: bool, stats: bool = False):
     """Sparse teacher t = (ids, logprobs), (R, K) each."""
-    return _differentiate(topk_row_losses, s, t, labels, spec, scale, grad)
+    return _differentiate(topk_row_losses, s, t, labels, spec, scale, grad, stats)
 
 
-def _differentiate(row_fn, s, t, labels, spec, scale, grad):
+def _differentiate(row_fn, s, t, labels, spec, scale, grad, stats):
     if not grad:
-        return row_fn(s, t, labels, spec)
+        return row_fn(s, t, labels, spec, stats=stats)
     with torch.enable_grad():
         a = s.detach().to(torch.promote_types(s.dtype, torch.float32)).requires_grad_()
-        soft, hard = row_fn(a, t, labels, spec)
-        total = spec.total(soft.sum(), hard.sum())
+        out = row_fn(a, t, labels, spec, stats=stats)
+        total = spec.total(out[0].sum(), out[1].sum())
         (ds,) = torch.autograd.grad(total, a)
-    s.copy_(ds.mul_(scale))
-    return soft.detach(), hard.detach()
+    s.copy_(ds.mul_(scale[:, None] if scale.dim() else scale))  # per-row factors: (R,) scale
+    return tuple(x.detach() for x in out)
