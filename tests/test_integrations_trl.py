@@ -111,7 +111,9 @@ def test_dtensor_heads_gathered(seed):
         xs, ws, bs, xt, wt, bt, mask = _inputs(True)
         ws_d = torch.nn.Parameter(distribute_tensor(ws.detach(), mesh, [Shard(0)]))
         bs_d = torch.nn.Parameter(distribute_tensor(bs.detach(), mesh, [Shard(0)]))
-        wt_d, bt_d = distribute_tensor(wt, mesh, [Shard(0)]), distribute_tensor(bt, mesh, [Shard(0)])
+        # the teacher's head as TRL hands it over: parameters that require grad, though they get none
+        wt_d = torch.nn.Parameter(distribute_tensor(wt, mesh, [Shard(0)]))
+        bt_d = torch.nn.Parameter(distribute_tensor(bt, mesh, [Shard(0)]))
         loss, entropy, _ = fk_trl.chunked_divergence_loss(xs, xt, ws_d, wt_d, mask, 0.5, student_lm_head_bias=bs_d,
                                                           teacher_lm_head_bias=bt_d)
         loss.backward()
@@ -122,6 +124,7 @@ def test_dtensor_heads_gathered(seed):
         torch.testing.assert_close(entropy, ref_entropy)
         torch.testing.assert_close(ws_d.grad.full_tensor(), ws.grad)
         torch.testing.assert_close(bs_d.grad.full_tensor(), bs.grad)
+        assert wt_d.grad is None and bt_d.grad is None
     finally:
         if created:
             dist.destroy_process_group()

@@ -36,3 +36,14 @@ def sentences(n, seed, lo=3, hi=12):
         length = int(torch.randint(lo, hi, (), generator=g))
         out.append(" ".join(WORDS[3 + int(i)] for i in torch.randint(0, len(WORDS) - 3, (length,), generator=g)))
     return out
+
+
+def counting(n, seed, lo=3, hi=12):
+    """n runs of consecutive words (w5 w6 w7 ..., wrapping around): a next token the student can learn."""
+    g = torch.Generator().manual_seed(seed)
+    m = len(WORDS) - 3
+    out = []
+    for _ in range(n):
+        start, length = int(torch.randint(0, m, (), generator=g)), int(torch.randint(lo, hi, (), generator=g))
+        out.append(" ".join(WORDS[3 + (start + i) % m] for i in range(length)))
+    return out

@@ -154,7 +154,8 @@ class DistillationLossMixin:
                                  lambda: _backbone(teacher, "teacher_model")(**inputs, use_cache=False).last_hidden_state)
             ht = ht[:, :-1]
             t_head = teacher.get_output_embeddings()
-            wt, bt = full_head(t_head.weight, t_head.bias, ht.dtype)
+            with torch.no_grad():  # the teacher is a constant: no graph through its gathered head
+                wt, bt = full_head(t_head.weight, t_head.bias, ht.dtype)
             t_scale, t_cap = head_transform(teacher.config)
             transform.update(teacher_logit_scale=t_scale, teacher_softcap=t_cap)
             dtype = torch.promote_types(compute_dtype(hs), compute_dtype(ht))

@@ -81,7 +81,8 @@ def chunked_divergence_loss(
     from trl.trainer.utils import maybe_gather_lm_head_ctx
 
     ws, bs = full_head(student_lm_head_weight, student_lm_head_bias, student_hidden_states.dtype)
-    wt, bt = full_head(teacher_lm_head_weight, teacher_lm_head_bias, teacher_hidden_states.dtype)
+    with torch.no_grad():  # the teacher is a constant (TRL's kernel gives it no gradient either)
+        wt, bt = full_head(teacher_lm_head_weight, teacher_lm_head_bias, teacher_hidden_states.dtype)
     dtype = torch.promote_types(compute_dtype(student_hidden_states), compute_dtype(teacher_hidden_states))
     valid = completion_mask.reshape(-1) != 0
     n_valid = valid.sum()
