@@ -246,3 +246,33 @@ def test_trainer_accumulation_2x4_equals_1x8():
     torch.testing.assert_close(torch.tensor(l_acc), torch.tensor(l_one), rtol=1e-4, atol=1e-7)
     for a, b in zip(s_acc.parameters(), s_one.parameters()):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
+
+
+# ---- flashkd bench's trl provider -----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("loss, beta, temperature", [("jsd", 0.3, 1.0), ("forward_kl", 0.5, 2.0), ("reverse_kl", 0.5, 1.0)])
+def test_bench_trl_provider_passes_the_gate(loss, beta, temperature):
+    from flashkd.bench import measure
+    from flashkd.bench.workloads import Workload
+
+    w = Workload(loss, 11, h=12, v=37, dtype="float32", beta=beta, temperature=temperature, weight_hard=0.0,
+                 weight_soft=0.7)
+    settings = measure.Settings(torch.device("cpu"), rep_ms=1.0, warmup_ms=0.0, min_reps=2)
+    results = measure.run([w], ["trl"], ["full"], settings)
+    assert {r.check.status for r in results} == {"passed"}
+    assert all(r.speed is not None for r in results)
+
+
+@pytest.mark.parametrize("w, why", [
+    (dict(loss="jsd", weight_hard=0.5), "soft term only"),
+    (dict(loss="tvd", weight_hard=0.0), "no tvd loss"),
+    (dict(loss="forward_kl", weight_hard=0.0, form="topk", k=5), "hidden states and head only"),
+])
+def test_bench_trl_provider_skips_what_it_cannot_run(w, why):
+    from flashkd.bench import measure
+    from flashkd.bench.workloads import Workload
+
+    settings = measure.Settings(torch.device("cpu"), rep_ms=1.0, warmup_ms=0.0, min_reps=2)
+    results = measure.run([Workload(n=11, h=12, v=37, dtype="float32", **w)], ["trl"], ["full"], settings)
+    assert [r.check.status for r in results] == ["skipped"] and why in results[0].check.note
