@@ -4,7 +4,7 @@ from .distill import fused_linear_distill, fused_linear_distill_logits, fused_li
 from .losses import LOSSES, DistillStats, LossSpec
 from .teacher import teacher_topk
 from .data import TopKCollator, TopKTargets, write_topk_targets
-from .modules import FusedLinearCosineSimilarityLoss, FusedLinearDistillLoss, FusedLinearJSDLoss
+from .modules import FusedLinearCosineSimilarityLoss, FusedLinearDistillLoss, FusedLinearJSD, FusedLinearJSDLoss
 
 __version__ = "0.1.0"
 
@@ -19,6 +19,7 @@ __all__ = [
     "FusedLinearDistillLoss",
     "FusedLinearJSDLoss",
     "FusedLinearCosineSimilarityLoss",
+    "FusedLinearJSD",
     "LossSpec",
     "DistillStats",
     "LOSSES",
