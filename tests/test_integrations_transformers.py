@@ -180,6 +180,8 @@ def test_mixin_composes_and_rejects_bad_options():
     trainer = Mine(model=tiny_models.llama(16, 0), teacher_model=tiny_models.llama(24, 1), args=args,
                    train_dataset=data, data_collator=transformers.DataCollatorForLanguageModeling(tok, mlm=False))
     trainer.train()
+    metrics = trainer.evaluate(data)  # prediction_step: the same loss, without gradients
+    assert metrics["eval_loss"] > 0 and torch.isfinite(torch.tensor(metrics["eval_loss"]))
     with pytest.raises(ValueError, match="distill_options: reduction"):
         Mine(model=tiny_models.llama(16, 0), args=args, distill_options={"reduction": "mean"})
     with pytest.raises(TypeError, match="teacher_model: expected a torch.nn.Module"):
@@ -219,3 +221,54 @@ def test_dtensor_head_gathered():
     finally:
         if created:
             dist.destroy_process_group()
+
+
+def test_zero3_heads_gathered_for_the_call(monkeypatch):
+    """Under DeepSpeed ZeRO-3 the heads are partitioned (empty) outside their module's forward: the loss
+    gathers them for the call. DeepSpeed is stood in for by a partitioning that empties the weights."""
+    import contextlib
+    import sys
+
+    data, tok = _dataset(4, 0)
+    batch = transformers.DataCollatorForLanguageModeling(tok, mlm=False)([data[i] for i in range(4)])
+    trainer = DistillationTrainer(model=tiny_models.llama(16, 0), teacher_model=tiny_models.llama(24, 1),
+                                  args=_args(1, 4))
+    with torch.no_grad():
+        expected = trainer.compute_loss(trainer.model, batch)
+
+    status = types.SimpleNamespace(NOT_AVAILABLE="not available", AVAILABLE="available")
+    heads = [trainer.model.lm_head.weight, trainer.teacher_model.lm_head.weight]
+    full = {id(p): p.data for p in heads}
+    gathered = []
+
+    def partition(p):
+        p.data, p.ds_status = torch.empty(0), status.NOT_AVAILABLE
+
+    @contextlib.contextmanager
+    def gathered_parameters(params, modifier_rank=None):
+        gathered.append([id(p) for p in params])
+        for p in params:
+            p.data, p.ds_status = full[id(p)], status.AVAILABLE
+        yield
+        for p in params:
+            partition(p)
+
+    for p in heads:
+        partition(p)
+    fake = types.ModuleType("deepspeed")
+    fake.zero = types.SimpleNamespace(GatheredParameters=gathered_parameters)
+    parts = types.ModuleType("deepspeed.runtime.zero.partition_parameters")
+    parts.ZeroParamStatus = status
+    for name, module in {"deepspeed": fake, "deepspeed.runtime": types.ModuleType("deepspeed.runtime"),
+                         "deepspeed.runtime.zero": types.ModuleType("deepspeed.runtime.zero"),
+                         "deepspeed.runtime.zero.partition_parameters": parts}.items():
+        monkeypatch.setitem(sys.modules, name, module)
+    monkeypatch.setattr(transformers.integrations.deepspeed, "is_deepspeed_zero3_enabled", lambda: True)
+    import accelerate.utils.other  # it would look for the real DeepSpeed's engine class in the stand-in
+
+    monkeypatch.setattr(accelerate.utils.other, "is_deepspeed_available", lambda: False)
+    with torch.no_grad():
+        loss = trainer.compute_loss(trainer.model, batch)
+    assert gathered == [[id(p) for p in heads]]
+    assert all(p.numel() == 0 for p in heads)  # partitioned again after the call
+    torch.testing.assert_close(loss, expected)
