@@ -36,7 +36,7 @@ for _ in range(128):  # runs of consecutive words, of random lengths
 data = Dataset.from_dict({"input_ids": [tokenizer(t)["input_ids"] for t in texts]})
 
 args = TrainingArguments(output_dir="/tmp/flashkd-example-hf", per_device_train_batch_size=4,
-                         gradient_accumulation_steps=2, max_steps=16, learning_rate=3e-2, logging_steps=2,
+                         gradient_accumulation_steps=2, max_steps=8, learning_rate=3e-2, logging_steps=1,
                          report_to=[], save_strategy="no", disable_tqdm=True, use_cpu=not torch.cuda.is_available())
 trainer = DistillationTrainer(model=student, teacher_model=teacher, args=args, train_dataset=data,
                               data_collator=DataCollatorForLanguageModeling(tokenizer, mlm=False),

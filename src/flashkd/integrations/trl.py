@@ -1,7 +1,8 @@
 """TRL's DistillationTrainer with flashkd's loss: `patch()` swaps TRL's loss helper for flashkd's.
 
-TRL 1.16's `trl.trainer.distillation_trainer.DistillationTrainer` (and the trainers built on it,
-e.g. `ServerDistillationTrainer`) computes its loss in the module-level helper
+TRL 1.16's `trl.trainer.distillation_trainer.DistillationTrainer` (and any subclass that keeps its
+`_compute_loss`; TRL's experimental server and async trainers compute sparse losses of their own and
+are not affected) computes its loss in the module-level helper
 `_chunked_divergence_loss(student_hidden_states, teacher_hidden_states, student_lm_head_weight,
 teacher_lm_head_weight, completion_mask, beta, ...)`, which `_compute_loss` looks up by name in that
 module on every call. `patch()` puts `chunked_divergence_loss` below in its place:
