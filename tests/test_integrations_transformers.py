@@ -112,10 +112,20 @@ def test_live_teacher_accumulation_2x4_equals_1x8():
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
 
 
-def test_live_teacher_bf16_mixed_precision():
-    """bf16 autocast: the backbones and GEMMs run in bf16, the fp32 master weights get fp32 gradients."""
+def test_live_teacher_bf16_mixed_precision(monkeypatch):
+    """bf16 autocast: the backbones and the loss's GEMMs run in bf16, the fp32 master weights train."""
+    import flashkd.integrations.transformers as integration
+
     l32, _, _ = _train(1)
+    dtypes = []
+
+    def spy(*args, **kwargs):
+        dtypes.append({a.dtype for a in args[:4]})
+        return flashkd.fused_linear_distill(*args, **kwargs)
+
+    monkeypatch.setattr(integration, "fused_linear_distill", spy)
     l16, trainer, _ = _train(3, bf16=True)
+    assert dtypes and all(d == {torch.bfloat16} for d in dtypes)
     assert all(p.dtype == torch.float32 for p in trainer.model.parameters())
     assert l16[0] == pytest.approx(l32[0], rel=3e-2)
     assert l16[-1] < l16[0]

@@ -141,6 +141,7 @@ class DistillationLossMixin:
         lm = _causal_lm(student, "model")
         with self.accelerator.autocast():
             hs = _backbone(lm, "model")(**inputs, use_cache=False).last_hidden_state[:, :-1]
+            dtype = compute_dtype(hs)  # autocast's: the final norm may well return fp32
         head = lm.get_output_embeddings()
         ws, bs = full_head(head.weight, head.bias, hs.dtype)
         scale, cap = head_transform(lm.config)
@@ -152,16 +153,15 @@ class DistillationLossMixin:
             with torch.no_grad(), self.accelerator.autocast():
                 ht = _in_forward(self.teacher_model, unwrapped,
                                  lambda: _backbone(teacher, "teacher_model")(**inputs, use_cache=False).last_hidden_state)
+                dtype = torch.promote_types(dtype, compute_dtype(ht))
             ht = ht[:, :-1]
             t_head = teacher.get_output_embeddings()
             with torch.no_grad():  # the teacher is a constant: no graph through its gathered head
                 wt, bt = full_head(t_head.weight, t_head.bias, ht.dtype)
             t_scale, t_cap = head_transform(teacher.config)
             transform.update(teacher_logit_scale=t_scale, teacher_softcap=t_cap)
-            dtype = torch.promote_types(compute_dtype(hs), compute_dtype(ht))
             params = (ws, bs, wt, bt)
         else:
-            dtype = compute_dtype(hs)
             params = (ws, bs)
         y = y.to(hs.device)
         cast = lambda t: None if t is None else t.to(dtype)  # noqa: E731
