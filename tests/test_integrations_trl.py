@@ -276,3 +276,19 @@ def test_bench_trl_provider_skips_what_it_cannot_run(w, why):
     settings = measure.Settings(torch.device("cpu"), rep_ms=1.0, warmup_ms=0.0, min_reps=2)
     results = measure.run([Workload(n=11, h=12, v=37, dtype="float32", **w)], ["trl"], ["full"], settings)
     assert [r.check.status for r in results] == ["skipped"] and why in results[0].check.note
+
+
+def test_bench_trl_records_verify(tmp_path):
+    from flashkd.bench import measure, report
+    from flashkd.bench.workloads import Workload
+    from flashkd.records import bundles_from_results, check_bundle
+
+    w = Workload("jsd", 11, h=12, v=37, dtype="float32", weight_hard=0.0, weight_soft=1.0)
+    settings = measure.Settings(torch.device("cpu"), rep_ms=1.0, warmup_ms=0.0, min_reps=2)
+    results = measure.run([w], ["flashkd", "trl"], ["full"], settings)
+    env = report.environment(settings)
+    report.write_csv(results, tmp_path / "results.csv", env)
+    bundles = bundles_from_results(results, env, logs=tmp_path / "results.csv")
+    assert [check_bundle(b) for b in bundles] == [[]] * len(bundles)
+    trl_impl = [b["implementation"]["manifest"] for b in bundles if "· TRL" in b["implementation"]["manifest"]["metadata"]["title"]]
+    assert len(trl_impl) == 1 and trl_impl[0]["spec"]["callable"]["symbol"] == "ChunkedDivergenceFunction"
