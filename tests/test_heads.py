@@ -1,6 +1,7 @@
 """Each head's own logit transform (scale, softcap), per-row weights and the logged statistics, on every
 loss and input form, both backends, against the float64 oracle."""
 
+import dataclasses
 import itertools
 import math
 
@@ -23,7 +24,7 @@ TRANSFORMS = [
     (-1.4, 0.3, 2.0, 0.25),
 ]
 LOSSES = ["jsd", "forward_kl", "reverse_kl", "tvd", "cosine"]
-BACKENDS = ["torch"]  # the Triton kernels' transforms come next
+
 TOPK_LOSSES = LOSSES[:4]
 
 
@@ -321,3 +322,33 @@ def test_modules_pass_the_options_through():
     got = flashkd.FusedLinearDistillLoss("tvd", **options)(xs, ws, xt, wt, labels)
     want = flashkd.fused_linear_distill(xs, ws, xt, wt, labels, loss="tvd", **options)
     assert torch.equal(got[0], want[0]) and torch.equal(got[1].entropy_sum, want[1].entropy_sum)
+
+
+# ------------------------------------------------------------------------------------------ bench flag
+
+
+def test_bench_softcap_on_every_form():
+    """`flashkd bench --softcap C` reaches every form's providers and the reference: each passes the gate,
+    and flashkd without the cap fails it (C small enough to matter at these logits)."""
+    from flashkd.bench import cli, measure
+    from flashkd.bench.providers import PROVIDERS, Provider
+
+    args = cli.parse_bench(["--preset", "small", "--softcap", "0.05", "--h", "12", "--v", "37"])
+    workloads = cli.plan(args).workloads
+    assert {w.softcap for w in workloads} == {0.05} and {w.form for w in workloads} == {"heads", "topk", "logits"}
+    fast = measure.Settings(torch.device("cpu"), rep_ms=1.0, warmup_ms=0.0, min_reps=1)
+    uncapped = Provider(lambda w, x: PROVIDERS["flashkd"].make(dataclasses.replace(w, softcap=None), x), lambda: "0")
+    cases = [workloads[0], next(w for w in workloads if w.form == "topk"),
+             dataclasses.replace(workloads[0], n=11, form="teacher_topk", k=5).canonical()]
+    for w in cases:
+        PROVIDERS["uncapped"] = uncapped
+        try:
+            results = measure.run([dataclasses.replace(w, n=11)], ["flashkd", "torch", "uncapped"],
+                                  ["no-grad-forward"], fast)
+        finally:
+            del PROVIDERS["uncapped"]
+        status = {r.provider: r.check.status for r in results}
+        assert status == {"flashkd": "passed", "torch": "passed", "uncapped": "FAILED"}, (w.form, status)
+        assert w.config()["softcap"] == 0.05
+    with pytest.raises(SystemExit, match="softcap"):
+        cli.plan(cli.parse_bench(["--softcap", "-1"]))

@@ -21,6 +21,19 @@ One program owns one row of s, t: (R, V) and walks it in BLOCK_V tiles:
 
 Rows whose label is `ignore_index` skip all three passes; with grad they get one pass writing zeros.
 
+Heads' transforms (`flashkd.losses.logit_transform`, z = c · tanh(σ s / c), or σ s): without a softcap
+and with σ > 0 the scale is folded into the row's constants (log2(e)·σ/τ for each side's softmax,
+log2(e)·σ for the CE's, σ in the CE value, the online KL's d = a − b·σ_t/σ_s, the cosine norms, and
+σ = dz/ds in the gradient's weights), so the path without a transform runs the same instructions as
+before; σ = 1 changes no bit. A negative σ (whose max is s's min) or a softcap makes z at every load
+instead (`_head`: the constexpr S_HEAD / T_HEAD, keyed on the sign and on None, never a float), and a
+softcap multiplies dL/dz by 1 − tanh² where dL/ds is written. tanh is an fp32 polynomial below 0.625
+and (1 − t)/(1 + t), t = e^(−2|y|), above (`_tanh`: odd, ~1.5 ulp, exactly ±1 when saturated), with
+1 − tanh² = 4t/(1 + t)² there, so saturated logits (|s| ≫ c) keep finite, accurate gradients. A softcap
+costs its tanh (one exp2, one division, a degree-4 polynomial) per element and pass on each capped side.
+With `stats` (constexpr STATS) pass 1 also sums the gaps below the running max under q (`_lane_gap`),
+for the entropy of q: no extra pass.
+
 Bytes moved per element, b = bytes of the input dtype (2 for bf16), grad / no grad:
 
     forward_kl, reverse_kl,   2 reads of s, t + 1 write   5b / 2b (no grad: pass 1 only)
@@ -132,6 +145,66 @@ def _lane_sums(l_i, r_i, m_i, x, d, k):
 
 
 @triton.jit
+def _lane_gap(r_i, l_i, m_i, x, k):
+    """Beside `_lane_sum` (called before it, with its l_i and m_i): r_i = Σ 2^((x − m_i)·k)·(x − m_i),
+    the softmax-weighted sum of each element's gap below the lane's running max, moved with the max
+    (when x is the new max, the old terms' gaps grow by x − m_i). No large value is ever subtracted
+    from another, so E_q[s] − max(s), and the entropy from it, keep fp32's relative accuracy even
+    where |s| is large. Its exp2 is the same expression as `_lane_sum`'s: computed once."""
+    d = x - m_i
+    e = tl.exp2(tl.abs(d) * -k)
+    return tl.where(x > m_i, e * (r_i - l_i * d), r_i + _times(e, d))
+
+
+# tanh(y) = y (1 + y² P(y²)) for |y| < 0.625: a least-squares fit of P of degree 4 to the relative
+# error, < 1 ulp in fp32 on that interval; above it (1 − t) / (1 + t), t = e^(−2|y|), loses nothing to
+# cancellation (1 − t > 0.7) and is 1 exactly once t underflows: no overflow for any |y|.
+_TANH_P0: tl.constexpr = tl.constexpr(-0.3333328664302826)
+_TANH_P1: tl.constexpr = tl.constexpr(0.13331559300422668)
+_TANH_P2: tl.constexpr = tl.constexpr(-0.05374830588698387)
+_TANH_P3: tl.constexpr = tl.constexpr(0.020664330571889877)
+_TANH_P4: tl.constexpr = tl.constexpr(-0.005730795208364725)
+_TANH_SMALL: tl.constexpr = tl.constexpr(0.625)
+
+
+@triton.jit
+def _tanh(y):
+    """(tanh y, 1 − tanh² y) in fp32: tanh odd (sign-symmetric) by construction, within ~1.5 ulp;
+    1 − tanh² as 4t / (1 + t)² above 0.625, accurate where tanh rounds to ±1 (saturated: |y| > 9)."""
+    u = y * y
+    small = y + y * u * ((((_TANH_P4 * u + _TANH_P3) * u + _TANH_P2) * u + _TANH_P1) * u + _TANH_P0)
+    t = tl.exp2(tl.abs(y) * (-2.0 * _LOG2E))
+    r = 1.0 / (1.0 + t)
+    big = (1.0 - t) * r
+    near = tl.abs(y) < _TANH_SMALL
+    return tl.where(near, small, tl.where(y < 0.0, -big, big)), tl.where(near, 1.0 - small * small, 4.0 * t * r * r)
+
+
+@triton.jit
+def _head(x, mul, cap, HEAD: tl.constexpr):
+    """(z, dz/dx / σ) of a head's transform of loaded logits x: HEAD 0 none here, (x, 1) (the scale is
+    folded into the caller's constants); 1 z = mul · x (a negative scale: mul = σ), (z, 1); 2
+    z = cap · tanh(mul · x) (mul = σ / cap), (z, 1 − tanh²). −inf (a masked lane, or a column the top-k
+    kernels wrote −inf over) stays −inf: an absent column. The derivative is used only where dL/ds is
+    written: elsewhere the compiler drops it."""
+    if HEAD == 0:
+        return x, 1.0
+    elif HEAD == 1:
+        return tl.where(x == -float("inf"), x, x * mul), 1.0
+    else:
+        th, d = _tanh(x * mul)
+        return tl.where(x == -float("inf"), x, cap * th), d
+
+
+@triton.jit
+def _head_grad(g, d, HEAD: tl.constexpr):
+    """g · dz/dx without σ (folded into g's factors): times 1 − tanh² for a softcap, else g itself."""
+    if HEAD == 2:
+        return g * d
+    return g
+
+
+@triton.jit
 def _times(w, d):
     """w · d, taken as 0 where w is 0 (0·log 0 = 0; masked lanes, where d is NaN, add nothing)."""
     return tl.where(w > 0.0, w * d, 0.0)
@@ -164,11 +237,11 @@ def _mixture(lq, lp, log2_beta, log2_1mbeta):
 
 
 @triton.jit
-def _softmax(a, m_s, log2_l_c, q, CE_IS_Q: tl.constexpr):
+def _softmax(a, m_s, log2_l_c, k_c, q, CE_IS_Q: tl.constexpr):
     """softmax(s) of a tile for the CE gradient: q itself when τ = 1, else from the CE's statistics."""
     if CE_IS_Q:
         return q
-    return tl.exp2((a - m_s) * _LOG2E - log2_l_c)
+    return tl.exp2((a - m_s) * k_c - log2_l_c)
 
 
 @triton.jit
@@ -190,20 +263,31 @@ def _rows_kernel(
     labels_ptr,  # (R,) int32 / int64 (not read unless LABELS)
     soft_ptr,  # (R,) fp32 out: unweighted divergence, 0 on ignored rows
     hard_ptr,  # (R,) fp32 out: untempered CE, 0 on ignored rows, NaN for a label outside [0, V)
+    ent_ptr,  # (R,) fp32 out: entropy of q, 0 on ignored rows (written when STATS)
     scale_ptr,  # () or (R,) fp32 (or fp64): the reduction's factor (per row: times the row's weight)
     # sizes
     V,
     stride_scale,  # 0 for one factor, 1 for one a row
     stride_t,
     ignore_index,
-    # runtime floats: a new value never recompiles
-    log2e_tau,  # log2(e) / τ: (s − max)·log2e_tau is log2 of softmax(s/τ)'s numerator
+    # runtime floats: a new value never recompiles. fold_s, fold_t: a head's scale σ where the kernel
+    # does not transform at load (S_HEAD / T_HEAD 0: z = σ·s, σ > 0), else 1 (the loaded value is z)
+    log2e_tau,  # log2(e)·fold_s / τ: (s − max)·log2e_tau is log2 of softmax(z/τ)'s numerator
+    log2e_tau_t,  # log2(e)·fold_t / τ, for t
+    log2e_ce,  # log2(e)·fold_s, for softmax(z) of the CE
     inv_tau,  # 1 / τ
+    fold_s,
+    fold_t,
+    kl_ratio,  # ONLINE_KL: fold_t / fold_s (reverse), fold_s / fold_t (forward)
+    s_mul,  # S_HEAD 1: σ; 2: σ / c
+    s_cap,  # S_HEAD 2: c
+    t_mul,
+    t_cap,
     beta,  # JSD mixture weight; cosine's factor
     log2_beta,  # log2 β        (JSD only)
     log2_1mbeta,  # log2 (1 − β)  (JSD only)
-    w_hard,  # weight of dCE/ds in dL/ds
-    w_soft,  # weight of dsoft/ds in dL/ds (spec.soft_scale)
+    w_hard,  # weight of dCE/ds in dL/ds, times σ_s (dz/ds, but for a softcap's 1 − (z/c)²)
+    w_soft,  # weight of dsoft/ds in dL/ds (spec.soft_scale), times σ_s
     # compile-time switches
     LOSS: tl.constexpr,  # losses.LOSS_ID of spec.kind (JSD endpoints resolved)
     SOFT: tl.constexpr,  # compute the divergence (t is read)
@@ -214,6 +298,9 @@ def _rows_kernel(
     GRAD_PASS: tl.constexpr,  # pass that writes dL/ds: 2, 3, or 0 for no grad
     CE_IS_Q: tl.constexpr,  # τ = 1 and a softmax loss: softmax(s) is q, so the CE reuses q's statistics
     ONLINE_KL: tl.constexpr,  # a KL whose loss pass 1 takes online (reverse_kl; forward_kl without grad)
+    S_HEAD: tl.constexpr,  # the student's transform at load (`_head`): 0 none (σ folded), 1 σ < 0, 2 softcap
+    T_HEAD: tl.constexpr,  # the teacher's
+    STATS: tl.constexpr,  # write the entropy of q
     BLOCK_V: tl.constexpr,
 ):
     # One program per row. Pass 2 walks the row backwards, so it starts on the tiles pass 1 read last
@@ -225,19 +312,23 @@ def _rows_kernel(
         labels_ptr + row,
         soft_ptr + row,
         hard_ptr + row,
-        scale_ptr + row * stride_scale, V, tl.cdiv(V, BLOCK_V), tl.arange(0, BLOCK_V), ignore_index, log2e_tau, inv_tau, beta,
+        ent_ptr + row,
+        scale_ptr + row * stride_scale, V, tl.cdiv(V, BLOCK_V), tl.arange(0, BLOCK_V), ignore_index, log2e_tau,
+        log2e_tau_t, log2e_ce, inv_tau, fold_s, fold_t, kl_ratio, s_mul, s_cap, t_mul, t_cap, beta,
         log2_beta, log2_1mbeta, w_hard, w_soft, LOSS, SOFT, CE, LABELS, GRAD_SOFT, GRAD_CE, GRAD_PASS,
-        CE_IS_Q, ONLINE_KL, BLOCK_V,
+        CE_IS_Q, ONLINE_KL, S_HEAD, T_HEAD, STATS, BLOCK_V,
     )
 
 
 @triton.jit
 def _one_row(
-    s_row, t_row, label_ptr, soft_ptr, hard_ptr, scale_ptr, V, n_tiles, cols, ignore_index, log2e_tau,
-    inv_tau, beta, log2_beta, log2_1mbeta, w_hard, w_soft,
+    s_row, t_row, label_ptr, soft_ptr, hard_ptr, ent_ptr, scale_ptr, V, n_tiles, cols, ignore_index, log2e_tau,
+    log2e_tau_t, log2e_ce, inv_tau, fold_s, fold_t, kl_ratio, s_mul, s_cap, t_mul, t_cap, beta,
+    log2_beta, log2_1mbeta, w_hard, w_soft,
     LOSS: tl.constexpr, SOFT: tl.constexpr, CE: tl.constexpr, LABELS: tl.constexpr,
     GRAD_SOFT: tl.constexpr, GRAD_CE: tl.constexpr, GRAD_PASS: tl.constexpr, CE_IS_Q: tl.constexpr,
-    ONLINE_KL: tl.constexpr, BLOCK_V: tl.constexpr,
+    ONLINE_KL: tl.constexpr, S_HEAD: tl.constexpr, T_HEAD: tl.constexpr, STATS: tl.constexpr,
+    BLOCK_V: tl.constexpr,
 ):
     """The three passes over one row; the kernel's arguments, advanced to the row."""
 
@@ -248,6 +339,7 @@ def _one_row(
         valid = label != ignore_index
     soft = 0.0
     hard = 0.0
+    entropy = 0.0
     if valid:
         # -------- pass 1: row statistics, kept per lane (no cross-lane reduction, hence no barrier,
         # inside the loop: the warps stream the row independently) and merged once after it
@@ -261,44 +353,54 @@ def _one_row(
         ss = tl.zeros([BLOCK_V], tl.float32)  # cosine: Σ s², Σ t², Σ s·t, per lane
         tt = tl.zeros([BLOCK_V], tl.float32)
         st = tl.zeros([BLOCK_V], tl.float32)
+        r_ent = tl.zeros([BLOCK_V], tl.float32)  # STATS: Σ 2^((s − m_s)·log2(e)/τ)·(s − m_s) (`_lane_gap`)
         s_y = 0.0
         if CE:
             in_range = (label >= 0) & (label < V)
             s_y = tl.load(s_row + tl.where(in_range, label, 0)).to(tl.float32)  # before s is overwritten
+            s_y = _head(s_y, s_mul, s_cap, S_HEAD)[0]
         for start in range(0, V, BLOCK_V):
             offs = start + cols
             mask = offs < V
-            a = tl.load(s_row + offs, mask=mask, other=-float("inf")).to(tl.float32)
+            a = _head(tl.load(s_row + offs, mask=mask, other=-float("inf")).to(tl.float32), s_mul, s_cap, S_HEAD)[0]
+            if STATS:
+                r_ent = _lane_gap(r_ent, l_s, m_s, a, log2e_tau)
             if SOFT:
-                b = tl.load(t_row + offs, mask=mask, other=-float("inf")).to(tl.float32)
+                b = _head(tl.load(t_row + offs, mask=mask, other=-float("inf")).to(tl.float32), t_mul, t_cap, T_HEAD)[0]
                 if LOSS == _COSINE:
                     a0 = tl.where(mask, a, 0.0)
                     b0 = tl.where(mask, b, 0.0)
                     ss += a0 * a0
                     tt += b0 * b0
                     st += a0 * b0
+                    if STATS:  # cosine has no softmax of its own
+                        l_s = _lane_sum(l_s, m_s, a, log2e_tau)
                 else:
+                    # the KLs' d = z_s − z_t (reverse), z_t − z_s (forward) over the side's fold: an FMA
+                    # where there was a subtraction, exact for equal folds
                     if ONLINE_KL and LOSS == _REVERSE_KL:
-                        l_s, r_kl = _lane_sums(l_s, r_kl, m_s, a, a - b, log2e_tau)
+                        l_s, r_kl = _lane_sums(l_s, r_kl, m_s, a, a - b * kl_ratio, log2e_tau)
                     else:
                         l_s = _lane_sum(l_s, m_s, a, log2e_tau)
                     if ONLINE_KL and LOSS == _FORWARD_KL:
-                        l_t, r_kl = _lane_sums(l_t, r_kl, m_t, b, b - a, log2e_tau)
+                        l_t, r_kl = _lane_sums(l_t, r_kl, m_t, b, b - a * kl_ratio, log2e_tau_t)
                     else:
-                        l_t = _lane_sum(l_t, m_t, b, log2e_tau)
+                        l_t = _lane_sum(l_t, m_t, b, log2e_tau_t)
                     m_t = tl.maximum(m_t, b)
             if CE and not CE_IS_Q:
-                l_c = _lane_sum(l_c, m_s, a, _LOG2E)
+                l_c = _lane_sum(l_c, m_s, a, log2e_ce)
             m_s = tl.maximum(m_s, a)
         m_row = tl.max(m_s, 0)
         f = tl.exp2((m_s - m_row) * log2e_tau)
+        if STATS:  # the lanes' gaps, moved to the row's max
+            r_ent = tl.sum(_times(f, r_ent + l_s * (m_s - m_row)), 0)
         l_s = tl.sum(l_s * f, 0)
         if ONLINE_KL and LOSS == _REVERSE_KL:
             r_kl = tl.sum(_times(f, r_kl), 0)
-        l_c = tl.sum(l_c * tl.exp2((m_s - m_row) * _LOG2E), 0)
+        l_c = tl.sum(l_c * tl.exp2((m_s - m_row) * log2e_ce), 0)
         m_s = m_row
         m_row = tl.max(m_t, 0)
-        f = tl.exp2((m_t - m_row) * log2e_tau)
+        f = tl.exp2((m_t - m_row) * log2e_tau_t)
         l_t = tl.sum(l_t * f, 0)
         if ONLINE_KL and LOSS == _FORWARD_KL:
             r_kl = tl.sum(_times(f, r_kl), 0)
@@ -311,8 +413,10 @@ def _one_row(
             log2_l_c = log2_l_s
         else:
             log2_l_c = tl.log2(l_c)
-        if CE:
-            hard = tl.where(in_range, (m_s - s_y) + _LN2 * log2_l_c, float("nan"))  # logsumexp(s) − s_y
+        if CE:  # logsumexp(z) − z_y
+            hard = tl.where(in_range, (m_s - s_y) * fold_s + _LN2 * log2_l_c, float("nan"))
+        if STATS:  # H(q) = logsumexp(z/τ) − E_q[z]/τ = log l_s − E_q[z − max z]/τ
+            entropy = _LN2 * log2_l_s - r_ent / l_s * (fold_s * inv_tau)
 
         scale = tl.load(scale_ptr).to(tl.float32)
         c_soft = scale * w_soft
@@ -325,19 +429,20 @@ def _one_row(
         kl_qp = 0.0
         if SOFT:
             # KL(q‖p) = E_q[s − t]/τ − (m_s − m_t)/τ + log(l_t / l_s), and KL(p‖q) with s and t swapped
+            # (in z units: r_kl is over the fold of its own side, the maxima over theirs)
             if ONLINE_KL and LOSS == _REVERSE_KL:
-                kl_qp = (r_kl / l_s - (m_s - m_t)) * inv_tau + _LN2 * (log2_l_t - log2_l_s)
+                kl_qp = (r_kl / l_s * fold_s - (m_s * fold_s - m_t * fold_t)) * inv_tau + _LN2 * (log2_l_t - log2_l_s)
                 soft = kl_qp
             elif ONLINE_KL:
-                soft = (r_kl / l_t - (m_t - m_s)) * inv_tau + _LN2 * (log2_l_s - log2_l_t)
+                soft = (r_kl / l_t * fold_t - (m_t * fold_t - m_s * fold_s)) * inv_tau + _LN2 * (log2_l_s - log2_l_t)
             if LOSS == _COSINE:
                 # soft = β (1 − cos), cos = Σst / (max(‖s‖, ε) max(‖t‖, ε));
                 # dsoft/ds = −β (t / (max(‖s‖, ε) max(‖t‖, ε)) − cos · s / (max(‖s‖, ε) ‖s‖)),
                 # without the second term when ‖s‖ < ε (the clamp is then constant)
-                n_s = tl.sqrt_rn(tl.sum(ss, 0))
-                n_t = tl.sqrt_rn(tl.sum(tt, 0))
+                n_s = tl.sqrt_rn(tl.sum(ss, 0)) * fold_s  # of z = fold · s (fold > 0)
+                n_t = tl.sqrt_rn(tl.sum(tt, 0)) * fold_t
                 inv_nn = 1.0 / (tl.maximum(n_s, _NORM_EPS) * tl.maximum(n_t, _NORM_EPS))
-                cos = tl.sum(st, 0) * inv_nn
+                cos = tl.sum(st, 0) * (fold_s * fold_t) * inv_nn
                 cos_aa = tl.where(n_s >= _NORM_EPS, cos / (tl.maximum(n_s, _NORM_EPS) * n_s), 0.0)
                 soft = beta * (1.0 - cos)
 
@@ -352,8 +457,8 @@ def _one_row(
         f_p = -c_st
         f1 = c_st * _LN2  # reverse_kl: c_soft q (log(q/p) − KL(q‖p)) / τ, log(q/p) = ln 2 · (lq − lp)
         f0 = c_q - c_st * kl_qp
-        f_a = c_soft * beta * cos_aa  # cosine: c_soft · dsoft/ds above
-        f_b = -c_soft * beta * inv_nn
+        f_a = c_soft * beta * cos_aa * fold_s  # cosine: c_soft · dsoft/dz above, z = fold · the loaded value
+        f_b = -c_soft * beta * inv_nn * fold_t
         acc = tl.zeros([BLOCK_V], tl.float32)
         acc2 = tl.zeros([BLOCK_V], tl.float32)
         acc3 = tl.zeros([BLOCK_V], tl.float32)
@@ -362,17 +467,18 @@ def _one_row(
             for i in range(0, n_tiles):
                 offs = (n_tiles - 1 - i) * BLOCK_V + cols
                 mask = offs < V
-                a = tl.load(s_row + offs, mask=mask, other=-float("inf")).to(tl.float32)
+                a, da = _head(tl.load(s_row + offs, mask=mask, other=-float("inf")).to(tl.float32), s_mul, s_cap, S_HEAD)
                 g = tl.zeros([BLOCK_V], tl.float32)  # dL/ds when GRAD_PASS == 2
                 q = a  # q = softmax(s/τ) of the tile where a softmax loss computes it below
                 if SOFT:
-                    b = tl.load(t_row + offs, mask=mask, other=-float("inf")).to(tl.float32)
+                    b = _head(tl.load(t_row + offs, mask=mask, other=-float("inf")).to(tl.float32), t_mul, t_cap,
+                              T_HEAD)[0]
                     if LOSS == _COSINE:
                         if GRAD_SOFT:
                             g = a * f_a + b * f_b
                     else:
                         lq = (a - m_s) * log2e_tau - log2_l_s  # log2 q
-                        lp = (b - m_t) * log2e_tau - log2_l_t  # log2 p
+                        lp = (b - m_t) * log2e_tau_t - log2_l_t  # log2 p
                         q = tl.exp2(lq)
                         if LOSS == _FORWARD_KL:
                             p = tl.exp2(lp)
@@ -400,7 +506,8 @@ def _one_row(
                     if fold_q:
                         g -= tl.where(offs == label, c_ce, 0.0)
                     elif GRAD_CE:
-                        g += c_ce * (_softmax(a, m_s, log2_l_c, q, CE_IS_Q) - tl.where(offs == label, 1.0, 0.0))
+                        g += c_ce * (_softmax(a, m_s, log2_l_c, log2e_ce, q, CE_IS_Q) - tl.where(offs == label, 1.0, 0.0))
+                    g = _head_grad(g, da, S_HEAD)
                     tl.store(s_row + offs, g.to(s_row.dtype.element_ty), mask=mask)
 
         # row scalars of the divergences (natural log units)
@@ -442,10 +549,10 @@ def _one_row(
             for start in range(0, V, BLOCK_V):
                 offs = start + cols
                 mask = offs < V
-                a = tl.load(s_row + offs, mask=mask, other=-float("inf")).to(tl.float32)
-                b = tl.load(t_row + offs, mask=mask, other=-float("inf")).to(tl.float32)
+                a, da = _head(tl.load(s_row + offs, mask=mask, other=-float("inf")).to(tl.float32), s_mul, s_cap, S_HEAD)
+                b = _head(tl.load(t_row + offs, mask=mask, other=-float("inf")).to(tl.float32), t_mul, t_cap, T_HEAD)[0]
                 lq = (a - m_s) * log2e_tau - log2_l_s
-                lp = (b - m_t) * log2e_tau - log2_l_t
+                lp = (b - m_t) * log2e_tau_t - log2_l_t
                 q = tl.exp2(lq)
                 if LOSS == _JSD:
                     z, w = _mixture(lq, lp, log2_beta, log2_1mbeta)
@@ -455,13 +562,16 @@ def _one_row(
                 if fold_q:
                     g -= tl.where(offs == label, c_ce, 0.0)
                 elif GRAD_CE:
-                    g += c_ce * (_softmax(a, m_s, log2_l_c, q, CE_IS_Q) - tl.where(offs == label, 1.0, 0.0))
+                    g += c_ce * (_softmax(a, m_s, log2_l_c, log2e_ce, q, CE_IS_Q) - tl.where(offs == label, 1.0, 0.0))
+                g = _head_grad(g, da, S_HEAD)
                 tl.store(s_row + offs, g.to(s_row.dtype.element_ty), mask=mask)
     else:
         if GRAD_PASS != 0:
             _fill_zeros(s_row, V, BLOCK_V)
     tl.store(soft_ptr, soft)
     tl.store(hard_ptr, hard)
+    if STATS:
+        tl.store(ent_ptr, entropy)
 
 
 # --------------------------------------------------------------------------------------------- launcher
@@ -478,9 +588,8 @@ def rows(s, t, labels, spec: LossSpec, scale: torch.Tensor, grad: bool, stats: b
     scale:  () or (R,) fp32 tensor on s's device, read by the kernel (no host sync); fp64 is accepted too
     """
     # (1) check
-    if stats or spec.student_logit_scale != 1.0 or spec.teacher_logit_scale != 1.0 or spec.student_softcap \
-            is not None or spec.teacher_softcap is not None:
-        raise NotImplementedError("the triton backend has no logit transforms or stats yet: use backend='torch'")
+    if stats and not spec.want_soft:
+        raise ValueError("stats: the statistics ride on the soft term's passes; spec.want_soft must be True")
     if not isinstance(s, torch.Tensor) or s.dim() != 2:
         raise ValueError(f"s: expected a 2-D (R, V) tensor, got {_describe(s)}")
     if s.dtype not in _DTYPES:
@@ -513,11 +622,13 @@ def rows(s, t, labels, spec: LossSpec, scale: torch.Tensor, grad: bool, stats: b
     if scale.device != s.device:
         raise ValueError(f"scale: expected device {s.device} like s, got {scale.device}")
 
-    # (2) allocate: every program writes its row's soft and hard
+    # (2) allocate: every program writes its row's soft and hard (and entropy)
     soft = torch.empty(R, dtype=torch.float32, device=s.device)
     hard = torch.empty(R, dtype=torch.float32, device=s.device)
+    entropy = torch.empty(R if stats else 0, dtype=torch.float32, device=s.device)
+    out = (soft, hard, entropy) if stats else (soft, hard)
     if R == 0:
-        return soft, hard
+        return out
     if labels is not None:
         labels = labels.contiguous()  # R integers: a strided view costs a negligible copy
 
@@ -535,25 +646,39 @@ def rows(s, t, labels, spec: LossSpec, scale: torch.Tensor, grad: bool, stats: b
     # rows narrower than a tile (a top-k teacher's K + 1 categories) get a tile of their width, with
     # as many warps as keep 4 elements a thread
     block = max(128, min(BLOCK_V, triton.next_power_of_2(V)))
+    s_head, fold_s, s_mul, s_cap = head_mode(spec.student_logit_scale, spec.student_softcap)
+    t_head, fold_t, t_mul, t_cap = head_mode(spec.teacher_logit_scale, spec.teacher_softcap)
+    sigma_s = float(spec.student_logit_scale)  # dz/ds, but for a softcap's 1 − (z/c)² (in the kernel)
+    log2e = math.log2(math.e)
     _rows_kernel[(R,)](
         s,
         t if use_soft else s,  # never read when not SOFT
         labels if labels is not None else s,  # never read when not LABELS
         soft,
         hard,
+        entropy,
         scale,
         V,
         scale.stride(0) if scale.dim() else 0,
         t.stride(0) if use_soft else V,
         spec.ignore_index,
         # float(): an int weight would be specialised (and recompiled) by value
-        math.log2(math.e) / spec.temperature,
+        log2e * fold_s / spec.temperature,
+        log2e * fold_t / spec.temperature,
+        log2e * fold_s,
         1.0 / spec.temperature,
+        fold_s,
+        fold_t,
+        fold_s / fold_t if kind == "forward_kl" else fold_t / fold_s,
+        s_mul,
+        s_cap,
+        t_mul,
+        t_cap,
         float(spec.beta),
         math.log2(spec.beta) if jsd else 0.0,
         math.log1p(-spec.beta) / math.log(2.0) if jsd else 0.0,
-        float(spec.weight_hard),
-        float(spec.soft_scale),
+        float(spec.weight_hard) * sigma_s,
+        float(spec.soft_scale) * sigma_s,
         LOSS=LOSS_ID[kind],
         SOFT=use_soft,
         CE=use_ce,
@@ -563,11 +688,27 @@ def rows(s, t, labels, spec: LossSpec, scale: torch.Tensor, grad: bool, stats: b
         GRAD_PASS=grad_pass,
         CE_IS_Q=ce_is_q,
         ONLINE_KL=online_kl,
+        S_HEAD=s_head,
+        T_HEAD=t_head if use_soft else 0,
+        STATS=stats,
         BLOCK_V=block,
         num_warps=max(1, min(NUM_WARPS, block // 128)),
         maxnreg=MAX_REGS,
     )
-    return soft, hard
+    return out
+
+
+def head_mode(scale: float, softcap: float | None):
+    """(HEAD, fold, mul, cap) of `_head` for a head's σ and c: without a cap and σ > 0 the scale is
+    folded into the kernels' constants (HEAD 0, fold σ: the path without a transform is unchanged);
+    otherwise the loaded logits are transformed (HEAD 1: σ < 0, which turns a max into a min; HEAD 2:
+    a softcap, a constexpr switch keyed on None) and fold is 1."""
+    scale = float(scale)
+    if softcap is not None:
+        return 2, 1.0, scale / softcap, float(softcap)
+    if scale < 0.0:
+        return 1, 1.0, scale, 1.0
+    return 0, scale, 1.0, 1.0
 
 
 def _describe(x) -> str:

@@ -17,8 +17,13 @@ passes over the vocab around a small dense problem on (R, K + 1):
 The chain rule behind it: q over the categories is softmax of z_C = (s_ids/τ, z_rest), and
 ∂z_rest/∂s_j = softmax_rest(s/τ)_j / τ. Bytes per element: one read (stats) and one read + one
 write (expand) of s, as for forward KL on dense logits, but without a teacher row.
-Under tail="renormalize" nothing off the ids enters the divergence: without the CE the stats kernel
-only gathers and the expand kernel writes zeros and the ids' values.
+Under tail="renormalize" nothing off the ids enters the divergence: without the CE (or stats) the
+stats kernel only gathers and the expand kernel writes zeros and the ids' values.
+The student's logit scale and softcap are applied as in `triton_rows` (folded into the constants, or z
+made at load by `triton_rows._head`, dz/ds = σ (1 − tanh²) applied where dL/ds is written); the ids'
+z and dz/ds are made in torch from the gathered logits. With `stats` the stats kernel also streams
+the gaps below the max off the ids (`triton_rows._lane_gap`): the entropy of q and its mass on the ids
+follow on (R, K + 1) in `_topk_stats`.
 """
 
 from __future__ import annotations
@@ -29,14 +34,13 @@ import torch
 import triton
 import triton.language as tl
 
-from ..losses import LossSpec, category_logprobs
+from ..losses import LossSpec, category_logprobs, logit_transform
 from . import triton_rows
 
 # Tiles of the kernels here (measured on an H200, benchmarks/bench_rows.py: the top-k row kernels at
 # 8192 × 128256 bf16 take 1.85 ms with 1024 columns over 4 warps, 1.97 with 512, 1.92 with 2048 over 8).
 BLOCK_V = 256 if triton_rows._INTERPRET else 1024
 NUM_WARPS = 4
-_LOG2E: tl.constexpr = tl.constexpr(math.log2(math.e))
 _M_START: tl.constexpr = tl.constexpr(-3.0e38)  # finite start of a running max (see triton_rows)
 _LN2 = math.log(2.0)
 
@@ -49,11 +53,17 @@ def _stats_kernel(
     m_ptr,  # (R,) fp32 out: max of s off the ids (−3e38 if none)
     l_tau_ptr,  # (R,) fp32 out: log2 Σ_off-ids 2^((s − m)·log2(e)/τ)
     l_one_ptr,  # (R,) fp32 out: log2 Σ_off-ids 2^((s − m)·log2(e))      (written when ONE)
+    gap_ptr,  # (R,) fp32 out: E[s − m] off the ids under softmax(z/τ)     (written when STATS)
     V,
     K,
-    log2e_tau,
+    log2e_tau,  # log2(e)·fold / τ (fold: σ where the scale is folded, else 1; see triton_rows.head_mode)
+    log2e_one,  # log2(e)·fold
+    mul,  # triton_rows._head's
+    cap,
     STREAM: tl.constexpr,  # stream the row (else only gather)
     ONE: tl.constexpr,  # also the sum at τ = 1 (the CE's, when τ ≠ 1)
+    HEAD: tl.constexpr,  # the student's transform at load (triton_rows._head)
+    STATS: tl.constexpr,
     BLOCK_V: tl.constexpr,
     BLOCK_K: tl.constexpr,
 ):
@@ -71,18 +81,26 @@ def _stats_kernel(
         m = tl.full([BLOCK_V], _M_START, tl.float32)
         l_tau = tl.zeros([BLOCK_V], tl.float32)
         l_one = tl.zeros([BLOCK_V], tl.float32)
+        gap = tl.zeros([BLOCK_V], tl.float32)
         for start in range(0, V, BLOCK_V):
             offs = start + cols
-            a = tl.load(s_row + offs, mask=offs < V, other=-float("inf")).to(tl.float32)
+            a = triton_rows._head(tl.load(s_row + offs, mask=offs < V, other=-float("inf")).to(tl.float32), mul,
+                                  cap, HEAD)[0]
+            if STATS:
+                gap = triton_rows._lane_gap(gap, l_tau, m, a, log2e_tau)
             l_tau = triton_rows._lane_sum(l_tau, m, a, log2e_tau)
             if ONE:
-                l_one = triton_rows._lane_sum(l_one, m, a, _LOG2E)
+                l_one = triton_rows._lane_sum(l_one, m, a, log2e_one)
             m = tl.maximum(m, a)
         m_row = tl.max(m, 0)
         tl.store(m_ptr + row, m_row)
-        tl.store(l_tau_ptr + row, tl.log2(tl.sum(l_tau * tl.exp2((m - m_row) * log2e_tau), 0)))
+        f = tl.exp2((m - m_row) * log2e_tau)
+        if STATS:
+            l_row = tl.sum(l_tau * f, 0)
+            tl.store(gap_ptr + row, tl.sum(triton_rows._times(f, gap + l_tau * (m - m_row)), 0) / l_row)
+        tl.store(l_tau_ptr + row, tl.log2(tl.sum(l_tau * f, 0)))
         if ONE:
-            tl.store(l_one_ptr + row, tl.log2(tl.sum(l_one * tl.exp2((m - m_row) * _LOG2E), 0)))
+            tl.store(l_one_ptr + row, tl.log2(tl.sum(l_one * tl.exp2((m - m_row) * log2e_one), 0)))
 
 
 @triton.jit
@@ -93,15 +111,18 @@ def _expand_kernel(
     coef_ptr,  # (R,) fp32: g_rest / τ (REST)
     m_ptr,  # (R,) fp32: max of s off the ids (REST)
     l_tau_ptr,  # (R,) fp32: log2 of the off-ids sum at τ, relative to m (REST)
-    c_ce_ptr,  # (R,) fp32: scale · w_hard on rows with a CE gradient, else 0 (CE)
-    m1_ptr,  # (R,) fp32: max of s over the whole row (CE)
-    l_one_ptr,  # (R,) fp32: log2 Σ_row 2^((s − m1)·log2(e)) (CE)
+    c_ce_ptr,  # (R,) fp32: scale · w_hard · σ on rows with a CE gradient, else 0 (CE)
+    l_one_ptr,  # (R,) fp32: (logsumexp(z) over the row − fold · m)·log2(e): softmax(z) = 2^((s − m)·log2e_one − it) (CE)
     labels_ptr,  # (R,) int labels (CE)
     V,
     K,
-    log2e_tau,
+    log2e_tau,  # log2(e)·fold / τ
+    log2e_one,  # log2(e)·fold
+    mul,
+    cap,
     REST: tl.constexpr,
     CE: tl.constexpr,
+    HEAD: tl.constexpr,
     BLOCK_V: tl.constexpr,
     BLOCK_K: tl.constexpr,
 ):
@@ -111,17 +132,16 @@ def _expand_kernel(
     coef = 0.0
     m = 0.0
     l_tau = 0.0
+    if REST or CE:
+        m = tl.load(m_ptr + row)
     if REST:
         coef = tl.load(coef_ptr + row)
-        m = tl.load(m_ptr + row)
         l_tau = tl.load(l_tau_ptr + row)
     c_ce = 0.0
-    m1 = 0.0
     l_one = 0.0
     label = -1
     if CE:
         c_ce = tl.load(c_ce_ptr + row)
-        m1 = tl.load(m1_ptr + row)
         l_one = tl.load(l_one_ptr + row)
         label = tl.load(labels_ptr + row).to(tl.int64)
     for start in range(0, V, BLOCK_V):
@@ -129,12 +149,14 @@ def _expand_kernel(
         mask = offs < V
         g = tl.zeros([BLOCK_V], tl.float32)
         if REST or CE:
-            a = tl.load(s_row + offs, mask=mask, other=-float("inf")).to(tl.float32)
+            a, da = triton_rows._head(tl.load(s_row + offs, mask=mask, other=-float("inf")).to(tl.float32), mul,
+                                      cap, HEAD)
             if REST:
                 # the ids' columns hold −inf: 0 there (and no −inf + inf when the rest is empty)
                 g += tl.where(a > -float("inf"), coef * tl.exp2((a - m) * log2e_tau - l_tau), 0.0)
             if CE:
-                g += c_ce * (tl.exp2((a - m1) * _LOG2E - l_one) - tl.where(offs == label, 1.0, 0.0))
+                g += c_ce * (tl.exp2((a - m) * log2e_one - l_one) - tl.where(offs == label, 1.0, 0.0))
+            g = triton_rows._head_grad(g, da, HEAD)
         tl.store(s_row + offs, g.to(s_row.dtype.element_ty), mask=mask)
     tl.debug_barrier()  # the ids' values go over what the row's threads stored above
     kk = tl.arange(0, BLOCK_K)
@@ -146,24 +168,26 @@ def _expand_kernel(
 
 def topk_rows(s, t, labels, spec: LossSpec, scale: torch.Tensor, grad: bool, stats: bool = False):
     """Per-row (soft, hard) for a top-k teacher t = (ids, logprobs); with `grad`, s is overwritten
-    with dL/ds. See `flashkd.backends` for the contract."""
-    if stats or spec.student_logit_scale != 1.0 or spec.student_softcap is not None:
-        raise NotImplementedError("the triton backend has no logit transforms or stats yet: use backend='torch'")
-    if not spec.want_soft:  # the CE alone: the dense kernel does it without a teacher
+    with dL/ds; with `stats` also (entropy, mass). See `flashkd.backends` for the contract."""
+    if not spec.want_soft:  # the CE alone: the dense kernel does it without a teacher (no stats then)
         return triton_rows.rows(s, None, labels, spec, scale, grad)
     ids, logprobs = t
     R, V = s.shape
     K = ids.shape[1]
     if R == 0:
-        return s.new_zeros(0, dtype=torch.float32), s.new_zeros(0, dtype=torch.float32)
+        return (s.new_zeros(0, dtype=torch.float32),) * (4 if stats else 2)
     ids = ids.contiguous()
     tau = spec.temperature
     bucket = spec.tail == "bucket"
     ce = spec.want_hard and labels is not None
     grad_ce = grad and ce and spec.weight_hard != 0.0
-    stream = bucket or ce
+    stream = bucket or ce or stats
     work = torch.promote_types(s.dtype, torch.float32)
     f32 = dict(device=s.device, dtype=torch.float32)
+    # the student's head: σ folded into the constants (fold) or z made at load (triton_rows.head_mode)
+    head, fold, mul, cap = triton_rows.head_mode(spec.student_logit_scale, spec.student_softcap)
+    sigma = float(spec.student_logit_scale)
+    log2e = math.log2(math.e)
 
     used = (ids >= 0) & (ids < V)
     if labels is not None:
@@ -173,19 +197,23 @@ def topk_rows(s, t, labels, spec: LossSpec, scale: torch.Tensor, grad: bool, sta
     s_k = torch.empty(R, K, **f32)
     m = torch.empty(R, **f32)
     l_tau = torch.empty(R, **f32)
-    one = ce and (tau != 1.0 or not bucket)  # with τ = 1 the bucket's sum is the CE's
+    one = ce and tau != 1.0  # with τ = 1 the off-ids sum at τ is the CE's
     l_one = torch.empty(R, **f32) if one else l_tau
+    gap = torch.empty(R if stats else 0, **f32)
     block_k = triton.next_power_of_2(K)
     _stats_kernel[(R,)](
-        s, ids, s_k, m, l_tau, l_one, V, K, math.log2(math.e) / tau,
-        STREAM=stream, ONE=one, BLOCK_V=BLOCK_V, BLOCK_K=block_k, num_warps=NUM_WARPS,
+        s, ids, s_k, m, l_tau, l_one, gap if stats else m, V, K, log2e * fold / tau, log2e * fold, mul, cap,
+        STREAM=stream, ONE=one, HEAD=head, STATS=stats, BLOCK_V=BLOCK_V, BLOCK_K=block_k, num_warps=NUM_WARPS,
     )
 
-    # the categories, in the loss math's precision, with the torch definition's code
-    z_k = s_k.to(work) / tau
+    # the categories, in the loss math's precision, with the torch definition's code; m is in the
+    # kernels' units (s, or z where made at load), m_z = fold · m in z's
+    z_ids = torch.where(used, spec.student(s_k), -torch.inf)  # z at the ids, fp32
+    z_k = z_ids.to(work) / tau
+    m_z = m * fold
     z_rest = rest_empty = None
     if bucket:
-        z_rest = (m.to(work) / tau + _LN2 * l_tau.to(work))[:, None]
+        z_rest = (m_z.to(work) / tau + _LN2 * l_tau.to(work))[:, None]
         rest_empty = (used.sum(1) == V)[:, None]  # the ids are distinct (checked on CPU; documented)
     log_q, log_p = category_logprobs(z_k, z_rest, logprobs.to(work), used, rest_empty, spec.tail)
     # The dense kernel at τ = 1 on the categories: softmax(log q) is q, so its dL/d(logits) is dL/dz_C.
@@ -200,29 +228,53 @@ def topk_rows(s, t, labels, spec: LossSpec, scale: torch.Tensor, grad: bool, sta
 
     hard = torch.zeros(R, **f32)
     if ce:
-        lse_rest = m + _LN2 * l_one
-        m1 = torch.maximum(m, s_k.amax(1))
-        lse1 = torch.logaddexp(lse_rest, torch.logsumexp(s_k, 1))
-        hard = torch.where(in_range, lse1 - s_y, torch.nan)
+        lse_rest = m_z + _LN2 * l_one
+        lse1 = torch.logaddexp(lse_rest, torch.logsumexp(z_ids, 1))
+        hard = torch.where(in_range, lse1 - spec.student(s_y), torch.nan)
         hard = torch.where(valid, hard, 0.0)
+    out = (soft, hard) + (_topk_stats(z_ids / tau, m_z / tau, l_tau, gap * (fold / tau), used, labels, spec) if stats else ())
     if not grad:
-        return soft, hard
+        return out
 
-    id_grad = g[:, :K] / tau
+    id_grad = g[:, :K] / tau  # dL/dz at the ids
     c_ce = None
     if grad_ce:
         c_ce = torch.where(valid & in_range, scale.to(torch.float32) * spec.weight_hard, 0.0)
-        softmax_k = torch.exp(s_k - lse1[:, None])
+        softmax_k = torch.exp(z_ids - lse1[:, None])
         id_grad = id_grad + c_ce[:, None] * (softmax_k - (ids == labels[:, None]).to(torch.float32))
-        l_one_full = (lse1 - m1) * math.log2(math.e)
-    coef = g[:, K] / tau if bucket else None
+        l_one_rel = (lse1 - m_z) * log2e  # softmax(z)_j = 2^((s_j − m)·log2(e)·fold − l_one_rel)
+    # dz/ds at the ids: σ, times 1 − tanh² = cosh⁻² (in fp64: exact where tanh saturates) with a cap
+    dz = sigma if head != 2 else (sigma * torch.cosh(s_k.double() * mul).pow(-2)).float()
+    coef = g[:, K] / tau * sigma if bucket else None
     _expand_kernel[(R,)](
-        s, ids, id_grad.contiguous(), coef if bucket else m, m, l_tau,
-        c_ce if grad_ce else m, m1 if grad_ce else m, l_one_full if grad_ce else m,
-        labels if grad_ce else ids, V, K, math.log2(math.e) / tau,
-        REST=bucket, CE=grad_ce, BLOCK_V=BLOCK_V, BLOCK_K=block_k, num_warps=NUM_WARPS,
+        s, ids, (id_grad * dz).contiguous(), coef if bucket else m, m, l_tau,
+        c_ce * sigma if grad_ce else m, l_one_rel if grad_ce else m,
+        labels if grad_ce else ids, V, K, log2e * fold / tau, log2e * fold, mul, cap,
+        REST=bucket, CE=grad_ce, HEAD=head, BLOCK_V=BLOCK_V, BLOCK_K=block_k, num_warps=NUM_WARPS,
     )
-    return soft, hard
+    return out
+
+
+def _topk_stats(z_k, z_max, log2_l, gap, used, labels, spec: LossSpec):
+    """(entropy, mass on the ids) per row of q = softmax(z/τ) over the whole vocab, from the parts the
+    stats kernel left: z_k (R, K) z/τ at the ids (−inf unused), z_max (R,) max of z/τ off the ids,
+    log2_l (R,) log2 Σ_off 2^((z − max)/τ·log2 e) (−inf when the ids cover the vocab), gap (R,)
+    E[(z − max)/τ] off the ids. Everything is taken relative to z_max, so no two large logits are
+    subtracted."""
+    off = log2_l > -torch.inf
+    shift = torch.where(off, z_max, z_k.amax(1))
+    rel_k = z_k - shift[:, None]
+    rel_rest = torch.where(off, _LN2 * log2_l, -torch.inf)
+    lse = torch.logaddexp(rel_rest, torch.logsumexp(rel_k, 1))
+    q_k = torch.where(used, torch.exp(rel_k - lse[:, None]), 0.0)
+    q_rest = torch.exp(rel_rest - lse)
+    entropy = torch.where(used, q_k * (lse[:, None] - rel_k), 0.0).sum(1)
+    entropy = entropy + torch.where(off, q_rest * (lse - torch.where(off, gap, 0.0)), 0.0)
+    mass = q_k.sum(1)
+    if labels is not None:
+        valid = labels != spec.ignore_index
+        entropy, mass = torch.where(valid, entropy, 0.0), torch.where(valid, mass, 0.0)
+    return entropy, mass
 
 
 # ------------------------------------------------------------------------------------------ teacher top-k
@@ -260,10 +312,10 @@ _EMPTY: tl.constexpr = tl.constexpr(-(2**63))  # below every packed key: an unus
 
 
 @triton.jit
-def _candidate(x_row, col, c, slot: tl.constexpr):
+def _candidate(x_row, col, c, slot: tl.constexpr, mul, cap, HEAD: tl.constexpr):
     """The packed keys of each lane's candidate in `slot` (re-read from the row: a few per row)."""
     used = c > slot
-    a = tl.load(x_row + col, mask=used, other=0.0).to(tl.float32)
+    a = triton_rows._head(tl.load(x_row + col, mask=used, other=0.0).to(tl.float32), mul, cap, HEAD)[0]
     return tl.where(used, _packed_key(a, col), _EMPTY)
 
 
@@ -277,16 +329,18 @@ def _compact(buf, keys, n, CAP: tl.constexpr):
 
 
 @triton.jit
-def _load_tile(x_row, offs, V):
-    return tl.load(x_row + offs, mask=offs < V, other=-float("inf")).to(tl.float32)
+def _load_tile(x_row, offs, V, mul, cap, HEAD: tl.constexpr):
+    """A tile of z, the transformed logits where the kernel makes them (−inf past V)."""
+    return triton_rows._head(tl.load(x_row + offs, mask=offs < V, other=-float("inf")).to(tl.float32), mul, cap,
+                             HEAD)[0]
 
 
 @triton.jit
-def _four_tiles(x_row, o, V, BLOCK_V: tl.constexpr):
+def _four_tiles(x_row, o, V, mul, cap, HEAD: tl.constexpr, BLOCK_V: tl.constexpr):
     """The tiles at o, o + BLOCK_V, ... o + 3·BLOCK_V, loaded before any is used: more bytes in flight
     per thread than one tile a loop step (−inf past V)."""
-    return (_load_tile(x_row, o, V), _load_tile(x_row, o + BLOCK_V, V), _load_tile(x_row, o + 2 * BLOCK_V, V),
-            _load_tile(x_row, o + 3 * BLOCK_V, V))
+    return (_load_tile(x_row, o, V, mul, cap, HEAD), _load_tile(x_row, o + BLOCK_V, V, mul, cap, HEAD),
+            _load_tile(x_row, o + 2 * BLOCK_V, V, mul, cap, HEAD), _load_tile(x_row, o + 3 * BLOCK_V, V, mul, cap, HEAD))
 
 
 @triton.jit
@@ -304,12 +358,16 @@ def _keep(a, offs, theta, c, col0, col1, col2, col3):
 def _topk_kernel(
     x_ptr,  # (R, V) logits, any float dtype
     ids_ptr,  # (R, k) int64 out: the k largest, by decreasing value
+    vals_ptr,  # (R, k) fp32 out: their values (the loaded ones: x, or z where made at load)
     redo_ptr,  # (R,) int8 out: 1 where the candidates could not hold the top k (the row is redone)
     lse_ptr,  # (R,) fp32 out: logsumexp(x / τ)
     scratch_ptr,  # (R, CAP) int64: the row's candidates, packed, compacted
     V,
     k,
-    log2e_tau,
+    log2e_tau,  # log2(e)·fold / τ (triton_rows.head_mode: the scale folded, or z made at load)
+    mul,
+    cap,
+    HEAD: tl.constexpr,
     SLOTS: tl.constexpr,
     CAP: tl.constexpr,
     BLOCK_V: tl.constexpr,
@@ -327,7 +385,7 @@ def _topk_kernel(
     l = tl.zeros([BLOCK_V], tl.float32)
     for start in range(0, V, 4 * BLOCK_V):
         o = start + cols
-        a0, a1, a2, a3 = _four_tiles(x_row, o, V, BLOCK_V)
+        a0, a1, a2, a3 = _four_tiles(x_row, o, V, mul, cap, HEAD, BLOCK_V)
         l = triton_rows._lane_sum(l, m, a0, log2e_tau)
         m = tl.maximum(m, a0)
         l = triton_rows._lane_sum(l, m, a1, log2e_tau)
@@ -349,54 +407,63 @@ def _topk_kernel(
     col3 = tl.zeros([BLOCK_V], tl.int32)
     for start in range(0, V, 4 * BLOCK_V):
         o = start + cols
-        a0, a1, a2, a3 = _four_tiles(x_row, o, V, BLOCK_V)
+        a0, a1, a2, a3 = _four_tiles(x_row, o, V, mul, cap, HEAD, BLOCK_V)
         c, col0, col1, col2, col3 = _keep(a0, o, theta, c, col0, col1, col2, col3)
         c, col0, col1, col2, col3 = _keep(a1, o + BLOCK_V, theta, c, col0, col1, col2, col3)
         c, col0, col1, col2, col3 = _keep(a2, o + 2 * BLOCK_V, theta, c, col0, col1, col2, col3)
         c, col0, col1, col2, col3 = _keep(a3, o + 3 * BLOCK_V, theta, c, col0, col1, col2, col3)
     # compacted slot by slot: four scans of BLOCK_V keys (one SLOTS·BLOCK_V tensor would spill)
     buf = scratch_ptr + row.to(tl.int64) * CAP
-    n = _compact(buf, _candidate(x_row, col0, c, 0), 0, CAP)
-    n = _compact(buf, _candidate(x_row, col1, c, 1), n, CAP)
-    n = _compact(buf, _candidate(x_row, col2, c, 2), n, CAP)
-    n = _compact(buf, _candidate(x_row, col3, c, 3), n, CAP)
+    n = _compact(buf, _candidate(x_row, col0, c, 0, mul, cap, HEAD), 0, CAP)
+    n = _compact(buf, _candidate(x_row, col1, c, 1, mul, cap, HEAD), n, CAP)
+    n = _compact(buf, _candidate(x_row, col2, c, 2, mul, cap, HEAD), n, CAP)
+    n = _compact(buf, _candidate(x_row, col3, c, 3, mul, cap, HEAD), n, CAP)
     tl.debug_barrier()  # the sort below reads what other threads stored
     slots = tl.arange(0, CAP)
     top = tl.sort(tl.load(buf + slots, mask=slots < n, other=_EMPTY), descending=True)
     tl.store(ids_ptr + row.to(tl.int64) * k + slots, top & 0xFFFFFFFF, mask=slots < k)
+    hi = (top >> 32).to(tl.int32)  # the key's value, unpacked: the bits the sort ordered
+    tl.store(vals_ptr + row.to(tl.int64) * k + slots, (hi ^ ((hi >> 31) & 0x7FFFFFFF)).to(tl.float32, bitcast=True),
+             mask=slots < k)
     tl.store(redo_ptr + row, ((tl.max(c, 0) > SLOTS) | (n > CAP) | (n < k)).to(tl.int8))
 
 
 def row_topk(x: torch.Tensor, k: int, temperature: float, scale: float = 1.0, softcap: float | None = None):
-    """The k largest entries per row of a contiguous (R, V) tensor and their log-probs
-    log softmax(x/τ): (ids (R, k) int64, logprobs (R, k) fp32), sorted by decreasing value;
-    k <= TOPK_MAX_K.
+    """The k largest entries per row of z, the (R, V) contiguous logits x under a head's transform
+    (`losses.logit_transform`: scale, softcap), and their log-probs log softmax(z/τ): (ids (R, k)
+    int64, logprobs (R, k) fp32), sorted by decreasing value; k <= TOPK_MAX_K.
 
     One kernel, two reads of x. A row whose candidates did not fit (many ties at the threshold, or
     top values clustered in a few lanes) or that has fewer than k finite values is redone with
     torch.topk over the full row: finding out costs one host sync per call.
     """
-    if scale != 1.0 or softcap is not None:
-        raise NotImplementedError("the triton backend has no logit transforms yet: use backend='torch'")
     if not 1 <= k <= TOPK_MAX_K:
         raise ValueError(f"k: expected 1 <= k <= {TOPK_MAX_K} for the kernel, got {k}")
-    ids, redo, lse = _kernel_topk(x, k, temperature)
+    ids, vals, redo, lse = _kernel_topk(x, k, temperature, scale, softcap)
+    # the log-probs from the values the kernel sorted (a softcap's tanh there is not torch's: taking
+    # torch's here could break the order of near ties by an ulp)
+    logprobs = vals * (triton_rows.head_mode(scale, softcap)[1] / temperature) - lse[:, None]
     rows = redo.nonzero()[:, 0]
     if rows.numel():
-        ids[rows] = torch.topk(x[rows], k, dim=-1).indices
-    return ids, x.gather(1, ids).float() / temperature - lse[:, None]
+        z = logit_transform(x[rows].float(), scale, softcap) / temperature
+        top = torch.topk(z, k, dim=-1)
+        ids[rows], logprobs[rows] = top.indices, top.values - torch.logsumexp(z, -1, keepdim=True)
+    return ids, logprobs
 
 
-def _kernel_topk(x: torch.Tensor, k: int, temperature: float):
-    """The kernel alone on a contiguous (R, V) x: (ids (R, k) int64, redo (R,) int8, lse (R,) fp32)."""
+def _kernel_topk(x: torch.Tensor, k: int, temperature: float, scale: float = 1.0, softcap: float | None = None):
+    """The kernel alone on a contiguous (R, V) x: (ids (R, k) int64, vals (R, k) fp32, redo (R,) int8,
+    lse (R,) fp32)."""
     R, V = x.shape
     ids = torch.empty(R, k, dtype=torch.int64, device=x.device)
+    vals = torch.empty(R, k, dtype=torch.float32, device=x.device)
     redo = torch.empty(R, dtype=torch.int8, device=x.device)
     lse = torch.empty(R, dtype=torch.float32, device=x.device)
     scratch = torch.empty(R, _CAP, dtype=torch.int64, device=x.device)
+    head, fold, mul, cap = triton_rows.head_mode(scale, softcap)
     if R:
         _topk_kernel[(R,)](
-            x, ids, redo, lse, scratch, V, k, math.log2(math.e) / temperature,
+            x, ids, vals, redo, lse, scratch, V, k, math.log2(math.e) * fold / temperature, mul, cap, HEAD=head,
             SLOTS=_SLOTS, CAP=_CAP, BLOCK_V=_topk_lanes(k), num_warps=NUM_WARPS,
         )
-    return ids, redo, lse
+    return ids, vals, redo, lse

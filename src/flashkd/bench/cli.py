@@ -108,6 +108,7 @@ def add_bench_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--weight-hard", type=float, help="weight of the CE term (default 0.5)")
     p.add_argument("--weight-soft", type=float, help="weight of the distillation term (default 0.5)")
     p.add_argument("--temperature", type=float, help="τ (default 1.0)")
+    p.add_argument("--softcap", type=float, metavar="C", help="both heads' logit softcap, c·tanh(z/c) (default: none)")
     p.add_argument("--seed", type=int, help="seed of the inputs (default 0)")
     p.add_argument("--rep", type=float, metavar="MS", help="timed ms per measurement (default: 500 CUDA, 100 CPU)")
     p.add_argument("--warmup", type=float, metavar="MS", help="warm-up ms (default: 100 CUDA, 20 CPU)")
@@ -133,7 +134,7 @@ def plan(args: argparse.Namespace) -> Plan:
         ("h", args.h), ("v", args.v), ("dtype", args.dtype and _dtype_name(args.dtype)),
         ("beta", args.beta), ("weight_hard", args.weight_hard), ("weight_soft", args.weight_soft),
         ("temperature", args.temperature), ("seed", args.seed), ("form", args.form), ("k", args.k),
-        ("tail", args.tail),
+        ("tail", args.tail), ("softcap", args.softcap),
     ) if value is not None}
     try:  # bad options fail here, before any input is made
         workloads = expand(PRESETS[preset], n=args.n, loss=args.loss, **fields)

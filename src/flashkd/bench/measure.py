@@ -25,6 +25,7 @@ from typing import Callable
 
 import torch
 
+from ..losses import logit_transform
 from .providers import PROVIDERS, LossFn, Skip, naive_loss, teacher_block
 from .workloads import Inputs, Workload, make_inputs
 
@@ -288,7 +289,7 @@ def _topk_reference(w: Workload, x: Inputs) -> TopkReference:
     with _ieee_fp32(), torch.no_grad():
         for start in range(0, w.n, rows):
             c = slice(start, start + rows)
-            z = (x.xt[c].to(work) @ wt.t()) / w.temperature  # (R, V)
+            z = logit_transform(x.xt[c].to(work) @ wt.t(), 1.0, w.softcap) / w.temperature  # (R, V)
             lse[c] = torch.logsumexp(z, dim=-1)
             top[c] = z.topk(w.k, dim=-1).values - lse[c, None]
             scale[c] = z.abs().amax(dim=-1)
@@ -306,7 +307,7 @@ def _logprobs_at(w: Workload, x: Inputs, ref: TopkReference, ids: torch.Tensor) 
         for start in range(0, w.n, rows):
             c = slice(start, start + rows)
             z = torch.einsum("rh,rkh->rk", x.xt[c].to(work), x.wt[ids[c]].to(work))  # (R, K)
-            out[c] = z / w.temperature - ref.lse[c, None]
+            out[c] = logit_transform(z, 1.0, w.softcap) / w.temperature - ref.lse[c, None]
     return out
 
 

@@ -29,7 +29,7 @@ from typing import Callable
 import torch
 
 import flashkd
-from ..losses import LossSpec, row_losses, topk_row_losses
+from ..losses import LossSpec, logit_transform, row_losses, topk_row_losses
 from .workloads import Inputs, Workload
 
 LossFn = Callable[[], torch.Tensor]
@@ -70,31 +70,33 @@ def naive_loss(xs, ws, t, y, spec: LossSpec, count=None) -> torch.Tensor:
     return spec.total(soft.sum(), hard.sum()) / count
 
 
-def naive_teacher_topk(xt, wt, k: int, temperature: float):
+def naive_teacher_topk(xt, wt, k: int, temperature: float, softcap: float | None = None):
     """teacher_topk over the full logits: (ids, logprobs), (N, K) int64 and fp32, by decreasing log-prob."""
     logits = xt @ wt.t()  # (N, V), input dtype
-    logprobs = torch.log_softmax(logits.float() / temperature, dim=-1)  # (N, V) fp32
+    logprobs = torch.log_softmax(logit_transform(logits.float(), 1.0, softcap) / temperature, dim=-1)  # (N, V) fp32
     values, ids = torch.topk(logprobs, k, dim=-1)
     return ids, values
 
 
 def _flashkd(w: Workload, x: Inputs) -> LossFn:
     if w.form == "teacher_topk":
-        return lambda: flashkd.teacher_topk(x.xt, x.wt, w.k, temperature=w.temperature, backend="auto")
+        return lambda: flashkd.teacher_topk(x.xt, x.wt, w.k, temperature=w.temperature, backend="auto",
+                                            teacher_softcap=w.softcap)
     options = dict(
         loss=w.loss, beta=w.beta, temperature=w.temperature, weight_hard_loss=w.weight_hard,
-        weight_soft_loss=w.weight_soft, ignore_index=w.ignore_index, backend="auto",
+        weight_soft_loss=w.weight_soft, ignore_index=w.ignore_index, backend="auto", student_softcap=w.softcap,
     )
-    if w.form == "logits":
-        return lambda: flashkd.fused_linear_distill_logits(x.xs, x.ws, x.tl, x.y, **options)
     if w.form == "topk":
         return lambda: flashkd.fused_linear_distill_topk(x.xs, x.ws, x.ids, x.lp, x.y, tail=w.tail, **options)
+    options["teacher_softcap"] = w.softcap
+    if w.form == "logits":
+        return lambda: flashkd.fused_linear_distill_logits(x.xs, x.ws, x.tl, x.y, **options)
     return lambda: flashkd.fused_linear_distill(x.xs, x.ws, x.xt, x.wt, x.y, **options)
 
 
 def _torch(w: Workload, x: Inputs) -> LossFn:
     if w.form == "teacher_topk":
-        return lambda: naive_teacher_topk(x.xt, x.wt, w.k, w.temperature)
+        return lambda: naive_teacher_topk(x.xt, x.wt, w.k, w.temperature, w.softcap)
     spec = w.spec()
     return lambda: naive_loss(x.xs, x.ws, teacher_block(x), x.y, spec)
 
@@ -113,6 +115,8 @@ def _liger(w: Workload, x: Inputs) -> LossFn:
     }
     if w.loss not in functions:
         raise Skip(f"liger has no fused {w.loss} loss (it has {', '.join(functions)})")
+    if w.softcap is not None:
+        raise Skip("liger's distillation losses have no logit softcap")
     fn = functions[w.loss]
     # Liger's own benchmark runs its chunk function under torch.compile; on CPU compiling would
     # dominate a short run (and needs a C++ toolchain), so it runs eagerly there.

@@ -48,6 +48,7 @@ class Workload:
     form: str = "heads"  # one of FORMS, see the module docstring
     k: int = 64  # teacher ids per row (forms topk and teacher_topk)
     tail: str = "bucket"  # the mass outside the K ids (form topk): one of losses.TAILS
+    softcap: float | None = None  # both heads' logit softcap c (a top-k teacher's: in its targets)
 
     def __post_init__(self):
         if self.form not in FORMS:
@@ -106,6 +107,7 @@ class Workload:
             weight_soft=self.weight_soft, ignore_index=self.ignore_index,
             want_hard=self.weight_hard != 0.0, want_soft=self.weight_soft != 0.0 or self.weight_hard == 0.0,
             tail=self.tail if self.form == "topk" else None,
+            student_softcap=self.softcap, teacher_softcap=None if self.form == "topk" else self.softcap,
         )
 
     def config(self) -> dict:
@@ -114,9 +116,10 @@ class Workload:
         The heads form writes exactly the keys it always has (its rows stay comparable with Liger's
         and with earlier runs); the other forms add theirs at the end.
         """
+        softcap = {} if self.softcap is None else {"softcap": self.softcap}  # absent: earlier rows' keys
         if self.form == "teacher_topk":
             return {"H": self.h, "V": self.v, "dtype": str(self.torch_dtype), "bias": False,
-                    "temperature": self.temperature, "seed": self.seed, "form": self.form, "k": self.k}
+                    "temperature": self.temperature, "seed": self.seed, "form": self.form, "k": self.k, **softcap}
         config = {
             "H": self.h, "V": self.v, "dtype": str(self.torch_dtype), "bias": False,
             "weight_hard_loss": self.weight_hard, "weight_soft_loss": self.weight_soft,
@@ -127,7 +130,7 @@ class Workload:
             config["form"] = self.form
         elif self.form == "topk":
             config.update(form=self.form, k=self.k, tail=self.tail)
-        return config
+        return {**config, **softcap}
 
 
 class Inputs(NamedTuple):
@@ -204,5 +207,5 @@ def make_inputs(w: Workload, device: torch.device) -> Inputs:
     with torch.no_grad():
         if w.form == "logits":
             return Inputs(xs, ws, None, None, y, tl=xt @ wt.t())  # (N, V), the workload's dtype
-        ids, lp = flashkd.teacher_topk(xt, wt, w.k, temperature=w.temperature)  # (N, K) each
+        ids, lp = flashkd.teacher_topk(xt, wt, w.k, temperature=w.temperature, teacher_softcap=w.softcap)  # (N, K) each
     return Inputs(xs, ws, None, None, y, ids=ids, lp=lp)
