@@ -15,6 +15,7 @@ import flashkd  # noqa: E402
 from flashkd.integrations.transformers import DistillationLossMixin, DistillationTrainer, head_transform  # noqa: E402
 from oracle import distill_loss, topk_loss  # noqa: E402
 import tiny_models  # noqa: E402
+from conftest import BACKENDS  # noqa: E402
 
 
 def _dataset(n, seed, keys=False):
@@ -93,12 +94,13 @@ def test_live_teacher_loss_falls_first_step_is_reference():
                                            weight_soft_loss=0.5), rel=1e-5)
 
 
-def test_live_teacher_transforms_from_configs():
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_live_teacher_transforms_from_configs(backend):
     """Gemma's softcap and Cohere's scale on the student, Granite's divisor and a softcap on the teacher."""
     options = dict(loss="forward_kl", temperature=2.0, weight_hard_loss=0.3, weight_soft_loss=0.7)
     losses, trainer, initial = _train(2, student_config=dict(final_logit_softcapping=0.5, logit_scale=4.0),
                                       teacher_config=dict(logits_scaling=0.25, final_logit_softcapping=3.0),
-                                      distill=options)
+                                      distill=dict(options, distill_options={"backend": backend}))
     ref = _reference(trainer, initial, **options, student_logit_scale=4.0, student_softcap=0.5,
                      teacher_logit_scale=4.0, teacher_softcap=3.0)
     assert losses[0] == pytest.approx(ref, rel=1e-5)
@@ -153,6 +155,17 @@ def test_topk_targets_loss_falls_first_step_is_reference(topk_targets):
     losses, trainer, initial = _train(24, teacher=False, topk=topk_targets, distill=options)
     assert sum(losses[-4:]) < 0.8 * sum(losses[:4]), losses
     assert losses[0] == pytest.approx(_reference(trainer, initial, topk=True, tail="bucket", **options), rel=1e-5)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_topk_targets_student_transform_from_config(topk_targets, backend):
+    options = dict(loss="jsd", beta=0.4, temperature=1.0, weight_hard_loss=0.2, weight_soft_loss=0.8)
+    losses, trainer, initial = _train(2, teacher=False, topk=topk_targets,
+                                      student_config=dict(final_logit_softcapping=0.75, lm_head_multiplier=2.0),
+                                      distill=dict(options, distill_options={"backend": backend, "tail": "renormalize"}))
+    ref = _reference(trainer, initial, topk=True, tail="renormalize", student_logit_scale=2.0, student_softcap=0.75,
+                     **options)
+    assert losses[0] == pytest.approx(ref, rel=1e-5)
 
 
 def test_topk_targets_accumulation_2x4_equals_1x8(topk_targets):

@@ -12,6 +12,7 @@ pytest.importorskip("transformers")
 import flashkd.integrations.trl as fk_trl  # noqa: E402
 from oracle import distill_loss  # noqa: E402
 import tiny_models  # noqa: E402
+from conftest import BACKENDS  # noqa: E402
 
 from trl.trainer import distillation_trainer as trl_dt  # noqa: E402
 
@@ -53,8 +54,16 @@ CASES = [  # beta, temperature, student scale, teacher scale, student softcap, t
 ]
 
 
-@pytest.mark.parametrize("case", CASES, ids=lambda c: "-".join(map(str, c)))
-def test_patch_matches_trl_helper(case, seed):
+# The patch calls flashkd with backend "auto" (the Triton kernels on CUDA): both backends, the Triton
+# kernels under the interpreter here.
+RUNS = [(c, b) for b in BACKENDS for c in CASES]
+
+
+@pytest.mark.parametrize("case, backend", RUNS, ids=lambda c: "-".join(map(str, c)) if isinstance(c, tuple) else c)
+def test_patch_matches_trl_helper(case, backend, seed, monkeypatch):
+    import functools
+
+    monkeypatch.setattr(fk_trl, "fused_linear_distill", functools.partial(fk_trl.fused_linear_distill, backend=backend))
     beta, tau, s_scale, t_scale, s_cap, t_cap, bias, num_items = case
     xs, ws, bs, xt, wt, bt, mask = _inputs(bias)
     if num_items == "tensor":
