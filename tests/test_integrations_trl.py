@@ -260,13 +260,15 @@ def test_trainer_accumulation_2x4_equals_1x8():
 # ---- flashkd bench's trl provider -----------------------------------------------------------------
 
 
-@pytest.mark.parametrize("loss, beta, temperature", [("jsd", 0.3, 1.0), ("forward_kl", 0.5, 2.0), ("reverse_kl", 0.5, 1.0)])
-def test_bench_trl_provider_passes_the_gate(loss, beta, temperature):
+@pytest.mark.parametrize("loss, beta, temperature, softcap", [
+    ("jsd", 0.3, 1.0, None), ("forward_kl", 0.5, 2.0, None), ("reverse_kl", 0.5, 1.0, None), ("jsd", 0.5, 1.0, 0.5),
+])
+def test_bench_trl_provider_passes_the_gate(loss, beta, temperature, softcap):
     from flashkd.bench import measure
     from flashkd.bench.workloads import Workload
 
     w = Workload(loss, 11, h=12, v=37, dtype="float32", beta=beta, temperature=temperature, weight_hard=0.0,
-                 weight_soft=0.7)
+                 weight_soft=0.7, softcap=softcap)
     settings = measure.Settings(torch.device("cpu"), rep_ms=1.0, warmup_ms=0.0, min_reps=2)
     results = measure.run([w], ["trl"], ["full"], settings)
     assert {r.check.status for r in results} == {"passed"}

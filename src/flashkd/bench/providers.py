@@ -142,7 +142,8 @@ def _trl(w: Workload, x: Inputs) -> LossFn:
     # flashkd's "mean": the rows whose label is not ignore_index (the mask and count made here, untimed)
     valid = (x.y != w.ignore_index).to(torch.float32)
     scale = w.weight_soft / valid.sum().clamp_min(1)
-    args = (x.xs, x.ws, None, x.xt, x.wt[: w.v], None, betas[w.loss], w.temperature)
+    # (β, τ, student scale, softcap, teacher scale, softcap): the workload's softcap is both heads'
+    args = (x.xs, x.ws, None, x.xt, x.wt[: w.v], None, betas[w.loss], w.temperature, 1.0, w.softcap, 1.0, w.softcap)
     return lambda: (ChunkedDivergenceFunction.apply(*args)[0] * valid).sum() * scale
 
 
