@@ -32,7 +32,7 @@ from .distill import fused_linear_distill, fused_linear_distill_logits, fused_li
 from .losses import LOSSES, DistillStats, LossSpec
 from .teacher import teacher_topk
 from .data import TopKCollator, TopKTargets, write_topk_targets
-from .modules import FusedLinearCosineSimilarityLoss, FusedLinearDistillLoss, FusedLinearJSDLoss
+from .modules import FusedLinearCosineSimilarityLoss, FusedLinearDistillLoss, FusedLinearJSD, FusedLinearJSDLoss
 
 __version__ = "0.1.0"
 
@@ -47,6 +47,7 @@ __all__ = [
     "FusedLinearDistillLoss",
     "FusedLinearJSDLoss",
     "FusedLinearCosineSimilarityLoss",
+    "FusedLinearJSD",
     "LossSpec",
     "DistillStats",
     "LOSSES",

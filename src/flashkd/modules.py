@@ -133,3 +133,27 @@ class FusedLinearCosineSimilarityLoss(_LigerDropIn):
     """Drop-in for `liger_kernel.chunked_loss.LigerFusedLinearCosineSimilarityLoss`: soft term β (1 − cos)."""
 
     _loss = "cosine"
+
+
+class FusedLinearJSD(torch.nn.Module):
+    """Drop-in for `liger_kernel.transformers.LigerFusedLinearJSD` (its constructor is positional:
+    `(jsd_beta, ignore_index, temperature, accum_dtype)`, as NVIDIA ModelOpt calls it): the generalized
+    JSD alone (no CE), averaged over the rows whose `shift_labels` is not `ignore_index` (all rows
+    without labels). `accum_dtype` is flashkd's `grad_accum_dtype` (None: fp32). Same forward
+    `(student_input, student_weight, teacher_input, teacher_weight, shift_labels=None)`."""
+
+    def __init__(self, jsd_beta: float = 0.5, ignore_index: int = -100, temperature: float = 1.0,
+                 accum_dtype: torch.dtype | None = None):
+        super().__init__()
+        self.jsd_beta, self.ignore_index, self.temperature, self.accum_dtype = jsd_beta, ignore_index, temperature, accum_dtype
+
+    def forward(self, student_input, student_weight, teacher_input, teacher_weight, shift_labels=None):
+        return fused_linear_distill(
+            student_input, student_weight, teacher_input, teacher_weight, shift_labels, loss="jsd",
+            beta=self.jsd_beta, temperature=self.temperature, ignore_index=self.ignore_index,
+            weight_hard_loss=0.0, weight_soft_loss=1.0, grad_accum_dtype=self.accum_dtype,
+        )
+
+    def extra_repr(self) -> str:
+        return (f"jsd_beta={self.jsd_beta!r}, ignore_index={self.ignore_index!r}, temperature={self.temperature!r}, "
+                f"accum_dtype={self.accum_dtype!r}")

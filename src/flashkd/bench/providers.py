@@ -11,6 +11,9 @@ workload raises `Skip` with a one-line reason.
               topk_row_losses), autograd; teacher_topk: full logits, log_softmax in fp32, torch.topk
     liger     Liger-Kernel 0.8.5 chunked losses (jsd, cosine; heads form only), torch.compile'd on CUDA
               as Liger runs them
+    trl       TRL's ChunkedDivergenceFunction (trl.kernels.chunked_divergence, TRL >= 1.16, when
+              installed), the loss TRL's DistillationTrainer runs: soft-only (weight_hard 0) jsd,
+              forward_kl and reverse_kl of the heads form, its per-token divergence averaged as flashkd's
     floor     the GEMMs alone, no loss math at all: student logits forward, dX and dW backward, plus the
               teacher's share (its logits GEMM, or one read of its dense logits); teacher_topk: its GEMM
 
@@ -127,6 +130,26 @@ def _liger(w: Workload, x: Inputs) -> LossFn:
     return lambda: fn.apply(*args)
 
 
+def _trl(w: Workload, x: Inputs) -> LossFn:
+    if w.form != "heads":
+        raise Skip("trl's ChunkedDivergenceFunction takes the teacher's hidden states and head only")
+    betas = {"jsd": w.beta, "forward_kl": 0.0, "reverse_kl": 1.0}  # TRL's β: 0 forward KL, 1 reverse KL
+    if w.loss not in betas:
+        raise Skip(f"trl has no {w.loss} loss (its kernel has jsd, forward_kl, reverse_kl)")
+    if w.weight_hard != 0.0:
+        raise Skip("trl's kernel computes the soft term only: a soft-only workload needs --weight-hard 0")
+    try:
+        from trl.kernels.chunked_divergence import ChunkedDivergenceFunction
+    except ImportError as e:
+        raise Skip(f"trl is not importable ({e}); pip install trl==1.16.0") from None
+    # flashkd's "mean": the rows whose label is not ignore_index (the mask and count made here, untimed)
+    valid = (x.y != w.ignore_index).to(torch.float32)
+    scale = w.weight_soft / valid.sum().clamp_min(1)
+    # (β, τ, student scale, softcap, teacher scale, softcap): the workload's softcap is both heads'
+    args = (x.xs, x.ws, None, x.xt, x.wt[: w.v], None, betas[w.loss], w.temperature, 1.0, w.softcap, 1.0, w.softcap)
+    return lambda: (ChunkedDivergenceFunction.apply(*args)[0] * valid).sum() * scale
+
+
 class _Floor(torch.autograd.Function):
     """The GEMMs of a fused distillation step and nothing else: the time no loss can beat.
 
@@ -174,9 +197,17 @@ def _liger_version() -> str:
         return "not installed"
 
 
+def _trl_version() -> str:
+    try:
+        return importlib.metadata.version("trl")
+    except importlib.metadata.PackageNotFoundError:
+        return "not installed"
+
+
 PROVIDERS: dict[str, Provider] = {
     "flashkd": Provider(_flashkd, lambda: flashkd.__version__, grads_in_forward=True),
     "torch": Provider(_torch, lambda: torch.__version__),
     "liger": Provider(_liger, _liger_version, grads_in_forward=True),
+    "trl": Provider(_trl, _trl_version),  # its backward recomputes the logits: gradients are not made in forward
     "floor": Provider(_floor, lambda: torch.__version__, has_loss=False),
 }

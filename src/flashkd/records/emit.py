@@ -10,7 +10,7 @@
                             protocol.TOLERANCE (loss and gradients; maxRelativeError is the looser one,
                             the exact pair is in metadata.description); teacher_topk: its ids up to
                             ties and its probabilities (bench.measure._gate_topk)
-    ImplementationRevision  per provider (flashkd, torch = the naive formula, liger); "floor" is not an
+    ImplementationRevision  per provider (flashkd, torch = the naive formula, liger, trl); "floor" is not an
                             implementation of the loss and has no record
     BenchmarkProtocol       harness "flashkd-bench": warm-up, rep and minimum calls, quantiles, timer
                             (CUDA events via triton.testing.do_bench, or time.perf_counter per call on CPU)
@@ -219,6 +219,12 @@ def implementation(provider: str, version: str, w, operation_digest: str, cuda: 
         callable_ = {"language": "python", "path": "liger_kernel.chunked_loss", **({"symbol": symbol} if symbol else {})}
         variants = [{"name": "pip-torch-compile" if cuda else "pip-eager",
                      "install": {"kind": "pip", "package": "liger-kernel", "version": version}}]
+    elif provider == "trl":
+        title, project, licence = "TRL", {"repository": "https://github.com/huggingface/trl", "version": version}, \
+            "Apache-2.0"
+        callable_ = {"language": "triton" if cuda else "python", "path": "trl.kernels.chunked_divergence",
+                     "symbol": "ChunkedDivergenceFunction"}
+        variants = [{"name": "pip", "install": {"kind": "pip", "package": "trl", "version": version}}]
     else:
         title, project, licence = provider, {"version": version}, None
         callable_ = {"language": "python"}

@@ -1,0 +1,36 @@
+"""flashkd inside the trainers people use. Each submodule imports its peer library only when imported:
+
+    flashkd.integrations.trl           patch(): TRL's DistillationTrainer computes its loss with flashkd
+    flashkd.integrations.transformers  DistillationTrainer / DistillationLossMixin: an HF Trainer's
+                                       compute_loss from a live teacher or flashkd.data top-k targets
+
+This package itself imports neither; the helpers below are the pieces both share.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def full_head(weight: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype):
+    """An FSDP2 DTensor LM head as one plain tensor, gathered once for all chunks (its backward
+    reduce-scatters to the shards), cast to `dtype` (an fp32 master copy to the compute dtype);
+    a plain head is returned as it is."""
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(weight, DTensor):
+        weight = weight.full_tensor().to(dtype)
+        if isinstance(bias, DTensor):
+            bias = bias.full_tensor()
+    return weight, bias
+
+
+def compute_dtype(x: torch.Tensor) -> torch.dtype:
+    """The dtype an op on `x` computes in: autocast's on x's device when it is on, else x's own."""
+    device = x.device.type
+    return torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else x.dtype
+
+
+def no_autocast(x: torch.Tensor):
+    """flashkd's inputs are cast to one dtype before the call; autocast would re-cast its GEMMs."""
+    return torch.autocast(x.device.type, enabled=False)

@@ -1,0 +1,177 @@
+"""TRL's DistillationTrainer with flashkd's loss: `patch()` swaps TRL's loss helper for flashkd's.
+
+TRL 1.16's `trl.trainer.distillation_trainer.DistillationTrainer` (and any subclass that keeps its
+`_compute_loss`; TRL's experimental server and async trainers compute sparse losses of their own and
+are not affected) computes its loss in the module-level helper
+`_chunked_divergence_loss(student_hidden_states, teacher_hidden_states, student_lm_head_weight,
+teacher_lm_head_weight, completion_mask, beta, ...)`, which `_compute_loss` looks up by name in that
+module on every call. `patch()` puts `chunked_divergence_loss` below in its place:
+
+    import flashkd.integrations.trl
+    flashkd.integrations.trl.patch()            # or: with flashkd.integrations.trl.patch(): trainer.train()
+    trainer = DistillationTrainer(...)          # built before or after, it now calls flashkd
+    ...
+    flashkd.integrations.trl.unpatch()          # TRL's own helper again
+
+What is the same as TRL's helper, for every argument TRL passes:
+- the returned triple: the loss (Σ over completion tokens of the per-token divergence, divided by
+  `num_items_in_batch`, or by the local token count clamped to ≥ 1 when it is None), the sum of the
+  student's per-token entropy at the temperature, and the number of completion tokens (int64);
+- β in TRL's convention (0 forward KL(teacher‖student), 1 reverse KL, between: the generalized JSD
+  with mixture (1 − β) p_student + β p_teacher), which is flashkd's `loss="jsd"` convention;
+- temperature, both logit scales and both final-logit softcaps (scale first, then the cap, then τ),
+  both LM-head biases, the completion mask (only its nonzero entries count);
+- the gradients, to the student's hidden states, LM-head weight and bias;
+- FSDP2: a DTensor head is gathered once with `full_tensor()` and cast to its hidden states' dtype;
+  DeepSpeed ZeRO-3: the heads are gathered for the call with TRL's own `maybe_gather_lm_head_ctx`.
+
+What differs: the speed and memory, and the dtype of the GEMMs. flashkd computes the logits in the
+inputs' dtype (bf16 in a bf16 run) where TRL's kernel rounds nothing before fp32; its loss math is
+fp32 like TRL's. Student and teacher must share a dtype in flashkd: the call runs in the wider of
+the two sides' compute dtypes (each side's is the autocast dtype when autocast is on, as in TRL, else
+its hidden states' dtype), so a bf16 teacher beside an fp32 student is upcast, exactly.
+
+`patch()` refuses, with an error naming both, a TRL version other than the tested ones
+(`TESTED_TRL_VERSIONS`) or a helper whose signature or use differs from what this was written for.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import importlib.metadata
+import inspect
+
+import torch
+
+from ..distill import fused_linear_distill
+from . import compute_dtype, full_head, no_autocast
+
+TESTED_TRL_VERSIONS = ("1.16.0",)
+
+# TRL's helper, parameter by parameter: the patch takes the same names, in the same order.
+_SIGNATURE = (
+    "student_hidden_states", "teacher_hidden_states", "student_lm_head_weight", "teacher_lm_head_weight",
+    "completion_mask", "beta", "num_items_in_batch", "student_lm_head_bias", "teacher_lm_head_bias",
+    "student_logit_scale", "teacher_logit_scale", "student_final_logit_softcapping",
+    "teacher_final_logit_softcapping", "temperature",
+)
+_MODULE = "trl.trainer.distillation_trainer"
+_HELPER = "_chunked_divergence_loss"
+
+_original = None  # TRL's helper while patched
+
+
+def chunked_divergence_loss(
+    student_hidden_states: torch.Tensor,  # (B, K, Hs)
+    teacher_hidden_states: torch.Tensor,  # (B, K, Ht)
+    student_lm_head_weight: torch.Tensor,  # (V, Hs)
+    teacher_lm_head_weight: torch.Tensor,  # (V, Ht)
+    completion_mask: torch.Tensor,  # (B, K), nonzero where the token counts
+    beta: float,
+    num_items_in_batch: torch.Tensor | int | None = None,
+    student_lm_head_bias: torch.Tensor | None = None,
+    teacher_lm_head_bias: torch.Tensor | None = None,
+    student_logit_scale: float = 1.0,
+    teacher_logit_scale: float = 1.0,
+    student_final_logit_softcapping: float | None = None,
+    teacher_final_logit_softcapping: float | None = None,
+    temperature: float = 1.0,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """TRL's `_chunked_divergence_loss`, computed by flashkd: (loss, entropy sum, token count)."""
+    from trl.trainer.utils import maybe_gather_lm_head_ctx
+
+    ws, bs = full_head(student_lm_head_weight, student_lm_head_bias, student_hidden_states.dtype)
+    with torch.no_grad():  # the teacher is a constant (TRL's kernel gives it no gradient either)
+        wt, bt = full_head(teacher_lm_head_weight, teacher_lm_head_bias, teacher_hidden_states.dtype)
+    dtype = torch.promote_types(compute_dtype(student_hidden_states), compute_dtype(teacher_hidden_states))
+    valid = completion_mask.reshape(-1) != 0
+    n_valid = valid.sum()
+    # Only the completion tokens go in (a host sync on GPU, as in TRL's Triton path): masked rows
+    # would cost their GEMMs for nothing.
+    xs = student_hidden_states.reshape(-1, student_hidden_states.shape[-1])[valid]
+    xt = teacher_hidden_states.reshape(-1, teacher_hidden_states.shape[-1])[valid]
+    with maybe_gather_lm_head_ctx(ws, bs), maybe_gather_lm_head_ctx(wt, bt), no_autocast(xs):
+        loss, stats = fused_linear_distill(
+            xs.to(dtype), ws.to(dtype), xt.to(dtype), wt.to(dtype), None,
+            student_bias=None if bs is None else bs.to(dtype),
+            teacher_bias=None if bt is None else bt.to(dtype),
+            loss="jsd", beta=float(beta), temperature=float(temperature),
+            weight_hard_loss=0.0, weight_soft_loss=1.0, reduction="sum",
+            student_logit_scale=float(student_logit_scale), teacher_logit_scale=float(teacher_logit_scale),
+            student_softcap=_cap(student_final_logit_softcapping),
+            teacher_softcap=_cap(teacher_final_logit_softcapping),
+            return_stats=True,
+        )
+    if num_items_in_batch is None:
+        loss = loss / n_valid.clamp(min=1)
+    else:
+        if isinstance(num_items_in_batch, torch.Tensor):
+            num_items_in_batch = num_items_in_batch.to(loss.device)
+        loss = loss / num_items_in_batch
+    return loss, stats.entropy_sum, n_valid
+
+
+def patch():
+    """Make TRL's distillation trainers compute their loss with flashkd; returns a context manager
+    whose exit undoes this call's patch (`with patch(): ...`). Patching twice is a no-op."""
+    global _original
+    module = _check()
+    installed = _original is None
+    if installed:
+        _original = getattr(module, _HELPER)
+        setattr(module, _HELPER, chunked_divergence_loss)
+    return _Undo(installed)
+
+
+def unpatch() -> None:
+    """Put TRL's own helper back (nothing to do when not patched)."""
+    global _original
+    if _original is not None:
+        import sys
+
+        setattr(sys.modules[_MODULE], _HELPER, _original)
+        _original = None
+
+
+def is_patched() -> bool:
+    return _original is not None
+
+
+class _Undo(contextlib.AbstractContextManager):
+    def __init__(self, installed: bool):
+        self._installed = installed
+
+    def __exit__(self, *exc):
+        if self._installed:
+            unpatch()
+
+
+def _check():
+    """TRL's module, once its version, helper and the helper's one caller are as tested."""
+    try:
+        version = importlib.metadata.version("trl")
+    except importlib.metadata.PackageNotFoundError:
+        raise ImportError("flashkd.integrations.trl: TRL is not installed; pip install \"flashkd[trl]\"") from None
+    tested = ", ".join(TESTED_TRL_VERSIONS)
+    if version not in TESTED_TRL_VERSIONS:
+        raise RuntimeError(
+            f"flashkd.integrations.trl.patch: installed TRL is {version}, the patch is tested with TRL {tested} "
+            f"only (its loss helper is private and may change); install trl=={TESTED_TRL_VERSIONS[-1]}"
+        )
+    module = importlib.import_module(_MODULE)
+    helper = getattr(module, _HELPER, None) if _original is None else _original
+    trainer = getattr(module, "DistillationTrainer", None)
+    found = None if helper is None else tuple(inspect.signature(helper).parameters)
+    caller = getattr(getattr(trainer, "_compute_loss", None), "__code__", None)
+    if found != _SIGNATURE or caller is None or _HELPER not in caller.co_names:
+        raise RuntimeError(
+            f"flashkd.integrations.trl.patch: TRL {version}'s {_MODULE}.{_HELPER} is not what the patch was "
+            f"written for (tested with TRL {tested}): expected a helper taking ({', '.join(_SIGNATURE)}) and "
+            f"called by DistillationTrainer._compute_loss, got {found}"
+        )
+    return module
+
+
+def _cap(softcap):
+    return None if softcap is None else float(softcap)
