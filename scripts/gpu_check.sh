@@ -2,6 +2,7 @@
 # The whole GPU check in one command, on a CUDA machine from a checkout of this repository:
 #   bash scripts/gpu_check.sh [tests] [rows] [breakdown] [profile] [bench-seed] [bench-sweep] [bench-losses]
 #                             [bench-softonly] [memory] [bench-topk] [bench-logits] [bench-teacher-topk]
+#                             [bench-softcap] [bench-trl]
 # (default: all of them, about 13 minutes on an H200; each of the last three a minute or two)
 # Logs and results go to $OUT (default ./gpu-out). Liger-Kernel is installed from .whl/ when present.
 set -uo pipefail
@@ -12,7 +13,7 @@ if compgen -G ".whl/*.whl" >/dev/null; then
   python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/flashkd-site .whl/*.whl \
     && export PYTHONPATH="$PYTHONPATH:/tmp/flashkd-site"
 fi
-stages=${*:-tests rows breakdown profile bench-seed bench-sweep bench-losses bench-softonly memory bench-topk bench-logits bench-teacher-topk}
+stages=${*:-tests rows breakdown profile bench-seed bench-sweep bench-losses bench-softonly memory bench-topk bench-logits bench-teacher-topk bench-softcap bench-trl}
 status=0
 nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm --format=csv | tee "$OUT/env.txt"
 python3 -c "import torch, triton; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'triton', triton.__version__)" | tee -a "$OUT/env.txt"
@@ -36,6 +37,10 @@ for stage in $stages; do
     bench-logits) python3 -m flashkd bench --preset logits --out "$OUT/logits" 2>&1 | tee "$OUT/bench-logits.log" || status=1 ;;
     bench-teacher-topk) python3 -m flashkd bench --preset teacher-topk --modes no-grad-forward --out "$OUT/teacher-topk" \
       2>&1 | tee "$OUT/bench-teacher-topk.log" || status=1 ;;
+    bench-softcap) python3 -m flashkd bench --preset seed -n 8192 --loss jsd --providers flashkd torch floor \
+      --modes full no-grad-forward --softcap 30 --out "$OUT/softcap" 2>&1 | tee "$OUT/bench-softcap.log" || status=1 ;;
+    bench-trl) python3 -m flashkd bench --preset seed -n 8192 --loss jsd --weight-hard 0 --weight-soft 1 \
+      --providers flashkd trl liger floor --modes full --out "$OUT/trl" 2>&1 | tee "$OUT/bench-trl.log" || status=1 ;;
     *) echo "unknown stage $stage"; status=2 ;;
   esac
 done
