@@ -100,38 +100,51 @@ class LossSpec:
         return self.weight_hard * hard + self.soft_scale * soft
 
 
-def row_losses(s: torch.Tensor, t: torch.Tensor, labels: torch.Tensor | None, spec: LossSpec):
+def row_losses(s: torch.Tensor, t: torch.Tensor, labels: torch.Tensor | None, spec: LossSpec, vocab=None):
     """Per-row soft and hard losses of one block of logits, in fp32; differentiable w.r.t. `s`.
 
     s:      (R, V) student logits, any float dtype
     t:      (R, V) teacher logits, same V (unused, may be None, when `spec.want_soft` is False)
     labels: (R,) integer labels or None
+    vocab:  the block's place in the vocab and its reductions over it (`Vocab`); None: the block
+            holds the whole vocab. With a slice of the vocab (`flashkd.distributed`) every rank
+            gets the rows of the whole vocab.
     Returns (soft, hard), each (R,) in fp32 (fp64 for fp64 inputs), zero on rows whose label is `ignore_index`. `soft` is the
     unweighted divergence; `hard` the untempered CE (zeros when `spec.want_hard` is False). A label
     outside [0, V) that is not `ignore_index` gives a NaN hard loss on its row.
     """
+    vocab = vocab or WHOLE_VOCAB
     work = torch.promote_types(s.dtype, torch.float32)
     s = s.to(work)
-    if not spec.want_soft:
-        soft = s.new_zeros(s.shape[0])
-    elif spec.kind == "cosine":
+    kind = spec.kind if spec.want_soft else None
+    ce = spec.want_hard and labels is not None
+    # Two merges over the vocab: every logsumexp and every sum that needs none of them, then the
+    # divergence's sum (it needs the normalisers).
+    z = (s / spec.temperature, t.to(work) / spec.temperature) if kind in DIVERGENCES else ()
+    sums = ()
+    if kind == "cosine":
         t = t.to(work)
-        dot = (s * t).sum(-1)
-        norm = s.norm(dim=-1).clamp_min(COSINE_EPS) * t.norm(dim=-1).clamp_min(COSINE_EPS)
+        sums = ((s * t).sum(-1), (s * s).sum(-1), (t * t).sum(-1))
+    lse, sums = vocab.merge(lse=z + ((s,) if ce else ()), sums=sums + ((vocab.pick(s, labels),) if ce else ()))
+    if kind is None:
+        soft = s.new_zeros(s.shape[0])
+    elif kind == "cosine":
+        dot, ss, tt = sums[:3]
+        norm = ss.clamp_min(COSINE_EPS**2).sqrt() * tt.clamp_min(COSINE_EPS**2).sqrt()
         soft = spec.beta * (1.0 - dot / norm)
     else:
-        log_q = torch.log_softmax(s / spec.temperature, dim=-1)
-        log_p = torch.log_softmax(t.to(work) / spec.temperature, dim=-1)
-        soft = _divergence(log_q, log_p, spec)
-    return _with_hard(s, soft, labels, spec)
+        log_q, log_p = z[0] - lse[0][:, None], z[1] - lse[1][:, None]
+        (soft,) = vocab.merge(sums=(_divergence(log_q, log_p, spec),))[1]
+    return _with_hard(soft, lse[-1] - sums[-1] if ce else None, labels, spec, vocab.size(s))
 
 
-def topk_row_losses(s: torch.Tensor, t, labels: torch.Tensor | None, spec: LossSpec):
+def topk_row_losses(s: torch.Tensor, t, labels: torch.Tensor | None, spec: LossSpec, vocab=None):
     """`row_losses` for a sparse teacher: p is given at K ids per row (`spec.tail` says how).
 
     t = (ids, logprobs), or None when `spec.want_soft` is False:
       ids:      (R, K) integer vocab ids, −1 for an unused slot (no duplicates among the used ones)
       logprobs: (R, K) teacher log-probs at those ids (ignored in unused slots)
+    vocab: as in `row_losses`; ids are ids of the whole vocab.
     The divergence is the dense one of the table above over categories: with tail "bucket" the K ids
     plus one category for the rest of the vocab (q_rest = Σ q off the ids, p_rest = max(1 − Σ p, 0),
     and p_rest = 0 when the ids cover the vocab); with "renormalize" the K ids, q and p each
@@ -140,34 +153,42 @@ def topk_row_losses(s: torch.Tensor, t, labels: torch.Tensor | None, spec: LossS
     "renormalize" (no teacher information); under "bucket" it is one category on both sides: 0 too.
     An id outside [0, V) gives a NaN soft loss on its row.
     """
+    vocab = vocab or WHOLE_VOCAB
     work = torch.promote_types(s.dtype, torch.float32)
     s = s.to(work)
+    v = vocab.size(s)
+    ce = spec.want_hard and labels is not None
+    lse, sums = (), ()
     if spec.want_soft:
         ids, logprobs = t
-        log_q, log_p = topk_categories(s / spec.temperature, ids, logprobs.to(work), spec.tail)
+        z = s / spec.temperature
+        used = (ids >= 0) & (ids < v)
+        lse, sums = topk_parts(z, ids, used, spec.tail, vocab)
+    lse, sums = vocab.merge(lse=lse + ((s,) if ce else ()), sums=sums + ((vocab.pick(s, labels),) if ce else ()))
+    if spec.want_soft:
+        z_k = torch.where(used, sums[0], -torch.inf)
+        z_rest = lse[0][:, None] if spec.tail == "bucket" else None
+        rest_empty = None if z_rest is None else z_rest == -torch.inf  # the ids cover the vocab
+        log_q, log_p = category_logprobs(z_k, z_rest, logprobs.to(work), used, rest_empty, spec.tail)
         soft = _divergence(log_q, log_p, spec)
-        bad = ((ids >= s.shape[-1]) | (ids < -1)).any(-1)
+        bad = ((ids >= v) | (ids < -1)).any(-1)
         soft = torch.where(bad, torch.nan, soft)
     else:
         soft = s.new_zeros(s.shape[0])
-    return _with_hard(s, soft, labels, spec)
+    return _with_hard(soft, lse[-1] - sums[-1] if ce else None, labels, spec, v)
 
 
-def topk_categories(z: torch.Tensor, ids: torch.Tensor, logprobs: torch.Tensor, tail: str):
-    """(log q, log p) over the categories of `topk_row_losses`, (R, K + 1) for "bucket" (the rest
-    last) or (R, K) for "renormalize", from the tempered student logits z = s/τ. Unused slots are
-    −inf on both sides: absent categories. Differentiable w.r.t. z with finite gradients."""
-    used = (ids >= 0) & (ids < z.shape[-1])
-    idx = torch.where(used, ids, 0).long()
-    z_k = torch.where(used, z.gather(-1, idx), -torch.inf)
-    z_rest = rest_empty = None
-    if tail == "bucket":
-        # counts, not a scattered bool: unused slots point at column 0 too
-        on_ids = torch.zeros_like(z).scatter_add_(-1, idx, used.to(z.dtype)) > 0
-        rest_empty = on_ids.all(-1, keepdim=True)
-        # keep the logsumexp of an empty rest finite: its backward would be 0 · NaN
-        z_rest = torch.logsumexp(torch.where(on_ids & ~rest_empty, -torch.inf, z), -1, keepdim=True)
-    return category_logprobs(z_k, z_rest, logprobs, used, rest_empty, tail)
+def topk_parts(z: torch.Tensor, ids: torch.Tensor, used: torch.Tensor, tail: str, vocab):
+    """What `topk_row_losses` merges over the vocab, from the tempered student logits z = s/τ: the
+    logsumexp of z off the ids (tail "bucket"; −inf when the ids cover the vocab) and z at the ids
+    (this block's part: 0 at ids it does not hold), as `Vocab.merge`'s (lse, sums)."""
+    idx, here = vocab.local(ids, z)
+    z_k = vocab.pick(z, ids)
+    if tail != "bucket":
+        return (), (z_k,)
+    # counts, not a scattered bool: unused slots point at column 0 too
+    on_ids = torch.zeros_like(z).scatter_add_(-1, idx, (here & used).to(z.dtype)) > 0
+    return (torch.where(on_ids, -torch.inf, z),), (z_k,)
 
 
 def category_logprobs(z_k, z_rest, logprobs, used, rest_empty, tail: str):
@@ -187,18 +208,71 @@ def category_logprobs(z_k, z_rest, logprobs, used, rest_empty, tail: str):
     return torch.log_softmax(a, -1), torch.log_softmax(b, -1)
 
 
-def _with_hard(s, soft, labels, spec: LossSpec):
-    """(soft, hard) with the untempered CE of s, both zeroed on rows whose label is ignore_index."""
+def _with_hard(soft, ce, labels, spec: LossSpec, v):
+    """(soft, hard) with the CE ce = logsumexp(s) − s_y (None when not wanted), both zeroed on rows
+    whose label is ignore_index; NaN CE on a label outside [0, v) that is not ignore_index."""
     hard = torch.zeros_like(soft)
     if labels is None:
         return soft, hard
     valid = labels != spec.ignore_index
-    if spec.want_hard:
-        in_range = (labels >= 0) & (labels < s.shape[-1])
-        index = torch.where(in_range, labels, 0).long().unsqueeze(-1)
-        ce = torch.logsumexp(s, dim=-1) - s.gather(-1, index).squeeze(-1)
+    if ce is not None:
+        in_range = (labels >= 0) & (labels < v)
         hard = torch.where(in_range | ~valid, ce, torch.nan)
     return torch.where(valid, soft, 0.0), torch.where(valid, hard, 0.0)
+
+
+class Vocab:
+    """Where a block of logits sits in the vocab, and the reductions over the vocab that the row
+    definitions make. This one: the block holds the whole vocab (every call without a process
+    group). `flashkd.distributed` subclasses it for a block holding one rank's slice of the vocab:
+    its `_max` and `_sum` merge over the ranks, so that these same definitions give every rank the
+    rows of the whole vocab."""
+
+    # How many ranks compute the same loss from their slices: autograd seeds each with 1/copies.
+    copies = 1
+
+    def size(self, x: torch.Tensor):
+        """The vocab's size (an int; a 0-d tensor where only the device knows it)."""
+        return x.shape[-1]
+
+    def local(self, ids: torch.Tensor, x: torch.Tensor):
+        """(columns of the block x at the vocab ids `ids`, 0 where not held; whether the block holds them)."""
+        here = (ids >= 0) & (ids < x.shape[-1])
+        return torch.where(here, ids, 0).long(), here
+
+    def pick(self, x: torch.Tensor, ids: torch.Tensor | None):
+        """This block's part of x at the vocab ids (R,) or (R, K): x there, 0 at ids it does not hold."""
+        if ids is None:
+            return x.new_zeros(x.shape[0])
+        col, here = self.local(ids if ids.dim() == 2 else ids[:, None], x)
+        picked = torch.where(here, x.gather(-1, col), 0.0)
+        return picked if ids.dim() == 2 else picked[:, 0]
+
+    def merge(self, lse=(), sums=()):
+        """([logsumexp over the vocab of each (R, V) block in lse], [each of sums summed over the vocab]):
+        `sums` are this block's parts of row quantities (R,) or (R, K). One max and one sum merge in
+        all. A row that is −inf throughout has logsumexp −inf and a zero gradient (no NaN)."""
+        m = None
+        if lse:
+            m = self._max(torch.stack([x.detach().amax(-1) for x in lse], -1))
+            m = torch.where(torch.isfinite(m), m, 0.0)
+        parts = self._sum([torch.exp(x - m[:, i, None]).sum(-1) for i, x in enumerate(lse)] + list(sums))
+        out = []
+        for i, l in enumerate(parts[: len(lse)]):
+            log_l = torch.log(l.clamp_min(torch.finfo(l.dtype).tiny))
+            out.append(torch.where(l > 0, m[:, i] + log_l, -torch.inf))
+        return out, parts[len(lse) :]
+
+    def _max(self, m: torch.Tensor) -> torch.Tensor:
+        """The elementwise max of m over the blocks of the vocab (not differentiated)."""
+        return m
+
+    def _sum(self, parts: list) -> list:
+        """Each of the tensors in parts summed over the blocks of the vocab (differentiable)."""
+        return parts
+
+
+WHOLE_VOCAB = Vocab()
 
 
 # Guards the cosine norms of all-zero rows; the loss of such a row is β (cos taken as 0).
