@@ -1,0 +1,238 @@
+"""Vocab-parallel and FSDP2 calls (flashkd.distributed) against the single-process call, over gloo.
+
+Each test spawns one process group (CPU, gloo, a free loopback port) and runs many cases in it:
+every rank makes the sharded call, the same call is made unsharded in the same process, and the
+loss, dX and the rank's rows of dW / db must agree. fp64 inputs, so the tolerance is tight. The
+unsharded call is itself checked against the float64 oracle by the other test files. The same
+cases run with NCCL on GPUs through scripts/gpu_dist_check.sh (FLASHKD_DIST_BACKEND=nccl).
+"""
+
+from __future__ import annotations
+
+import datetime
+import math
+import os
+import socket
+import traceback
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+import flashkd
+
+V, HS, HT, K = 37, 6, 5, 5
+TOL = 1e-9  # fp64 throughout; the sharded sums only reorder fp64 additions
+# Vocab slices [start, stop) held by ranks 0, 1, ...: uneven, a one-row slice, and not in rank order.
+LAYOUTS = {2: [(0, 15), (15, V)], 3: [(26, V), (0, 25), (25, 26)]}
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _spawn(worker, world: int, *args):
+    seed = int.from_bytes(os.urandom(4), "little")
+    print(f"seed={seed}")
+    mp.spawn(_entry, args=(worker, world, _free_port(), seed, *args), nprocs=world, join=True)
+
+
+def _entry(rank, worker, world, port, seed, *args):
+    backend = os.environ.get("FLASHKD_DIST_BACKEND", "gloo")
+    if backend == "nccl":
+        torch.cuda.set_device(rank)
+    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=120))
+    try:
+        worker(rank, world, seed, *args)
+    except BaseException:
+        raise AssertionError(f"rank {rank}, seed {seed}:\n{traceback.format_exc()}") from None
+    finally:
+        dist.destroy_process_group()
+
+
+def _device():
+    return torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
+
+
+def _close(name, got, want, tol=TOL):
+    assert got.shape == want.shape, (name, got.shape, want.shape)
+    err = (got.double() - want.double()).abs().max().item() if got.numel() else 0.0
+    scale = max(want.double().abs().max().item() if want.numel() else 0.0, 1.0)
+    assert err <= tol * scale or (torch.isnan(got).equal(torch.isnan(want)) and math.isnan(err)), (name, err, scale)
+
+
+def _inputs(gen, n, dtype, device, *, vt=V, bias=False, ignore=True):
+    def rand(*shape, scale=1.0):
+        return (scale * torch.randn(*shape, generator=gen, dtype=torch.float64)).to(dtype=dtype, device=device)
+
+    xs, ws = rand(n, HS), rand(V, HS, scale=0.8)
+    xt, wt = rand(n, HT), rand(vt, HT, scale=0.8)
+    labels = torch.randint(0, V, (n,), generator=gen).to(device)
+    if ignore:
+        labels[:: 4] = -100
+    bs = rand(V) if bias else None
+    bt = rand(vt) if bias else None
+    return xs, ws, xt, wt, labels, bs, bt
+
+
+def _grads(loss, leaves):
+    wanted = [x for x in leaves if x is not None]
+    got = iter(torch.autograd.grad(loss, wanted))
+    return [None if x is None else next(got) for x in leaves]
+
+
+def _leaf(x):
+    return None if x is None else x.detach().clone().requires_grad_()
+
+
+def _compare(fn, case, full, shard, start, stop, **options):
+    """fn(*inputs, **options) unsharded on `full` and vocab-parallel on `shard`; returns nothing, raises."""
+    want = fn(*full["args"], **full["kw"], **options)
+    got = fn(*shard["args"], **shard["kw"], **options)
+    want, got = (want, got) if isinstance(want, tuple) else ((want,), (got,))
+    for i, (g, w) in enumerate(zip(got, want)):
+        _close(f"{case}: output {i}", g, w)
+    if not want[0].requires_grad:
+        return
+    leaves_full, leaves_shard = full["leaves"], shard["leaves"]
+    for name, g, w, x in zip(("dX", "dW", "db"), _grads(got[0], leaves_shard), _grads(want[0], leaves_full), leaves_full):
+        if x is None:
+            continue
+        if name != "dX":
+            w = w[start:stop]  # the rank's rows of the unsharded gradient
+        _close(f"{case}: {name}", g, w)
+
+
+def _vocab_parallel_worker(rank, world, seed):
+    start, stop = LAYOUTS[world][rank]
+    group = dist.group.WORLD
+    device = _device()
+    gen = torch.Generator().manual_seed(seed)  # the same inputs on every rank
+    dtype = torch.float64
+    par = dict(process_group=group, vocab_start=start)
+
+    def both(xs, ws, bs, rest_full, rest_shard, kw_full=None, kw_shard=None):
+        lf = [_leaf(xs), _leaf(ws), _leaf(bs)]
+        ls = [_leaf(xs), _leaf(ws[start:stop]), _leaf(None if bs is None else bs[start:stop])]
+        full = dict(args=[lf[0], lf[1], *rest_full], kw=dict(student_bias=lf[2], **(kw_full or {})), leaves=lf)
+        shard = dict(args=[ls[0], ls[1], *rest_shard], kw=dict(student_bias=ls[2], **par, **(kw_shard or {})), leaves=ls)
+        return full, shard
+
+    heads_cases = [
+        dict(loss="jsd", beta=0.3),
+        dict(loss="jsd", beta=0.0, temperature=2.0),
+        dict(loss="jsd", beta=1.0, temperature_squared=True, temperature=0.7),
+        dict(loss="forward_kl"),
+        dict(loss="reverse_kl", reduction="sum"),
+        dict(loss="tvd", weight_hard_loss=0.2, weight_soft_loss=0.8),
+        dict(loss="cosine", beta=0.7),
+        dict(loss="cosine", weight_hard_loss=0.0, weight_soft_loss=1.0),
+        dict(loss="jsd", weight_hard_loss=1.0, weight_soft_loss=0.0),  # CE alone
+        dict(loss="jsd", return_soft_hard_loss=True, chunk_size=4),  # several chunks
+    ]
+    for options in heads_cases:
+        for bias, padded in ((False, False), (True, True)):
+            # a padded teacher head: its extra rows come after the vocab, in the last slice
+            vt = V + 3 if padded else V
+            xs, ws, xt, wt, labels, bs, bt = _inputs(gen, 11, dtype, device, vt=vt, bias=bias)
+            t_stop = vt if stop == V else stop
+            full, shard = both(
+                xs, ws, bs, [xt, wt, labels], [xt, wt[start:t_stop], labels],
+                dict(teacher_bias=bt), dict(teacher_bias=None if bt is None else bt[start:t_stop]),
+            )
+            _compare(flashkd.fused_linear_distill, f"heads {options} bias={bias}", full, shard, start, stop, **options)
+
+    # labels=None, and no gradient at all
+    xs, ws, xt, wt, _, _, _ = _inputs(gen, 9, dtype, device)
+    full, shard = both(xs, ws, None, [xt, wt, None], [xt, wt[start:stop], None])
+    _compare(flashkd.fused_linear_distill, "no labels", full, shard, start, stop, weight_hard_loss=0.0)
+    with torch.no_grad():
+        _compare(flashkd.fused_linear_distill, "no grad", full, shard, start, stop, weight_hard_loss=0.0)
+
+    # the dense-logits form: each rank passes its slice's columns
+    for options in (dict(loss="jsd"), dict(loss="tvd", chunk_size=3), dict(loss="cosine")):
+        xs, ws, xt, wt, labels, bs, _ = _inputs(gen, 10, dtype, device, bias=True)
+        tl = xt @ wt.t()
+        full, shard = both(xs, ws, bs, [tl, labels], [tl[:, start:stop], labels])
+        _compare(flashkd.fused_linear_distill_logits, f"logits {options}", full, shard, start, stop, **options)
+
+    # the top-k form: global ids, the same on every rank; some unused slots; one row with none
+    for options in (
+        dict(loss="forward_kl"),
+        dict(loss="reverse_kl", tail="renormalize"),
+        dict(loss="jsd", beta=0.4, weight_hard_loss=0.5, weight_soft_loss=0.5, temperature=1.5),
+        dict(loss="tvd", chunk_size=4),
+    ):
+        xs, ws, xt, wt, labels, bs, _ = _inputs(gen, 12, dtype, device, bias=True)
+        ids, lp = flashkd.teacher_topk(xt, wt, K, temperature=options.get("temperature", 1.0))
+        ids = ids.masked_fill(torch.rand(ids.shape, generator=gen).to(device) < 0.25, -1)
+        ids[-1] = -1
+        full, shard = both(xs, ws, bs, [ids, lp, labels], [ids, lp, labels])
+        _compare(flashkd.fused_linear_distill_topk, f"topk {options}", full, shard, start, stop, **options)
+    # ids covering the whole vocab: the bucket is empty on every rank
+    xs, ws, xt, wt, labels, _, _ = _inputs(gen, 4, dtype, device)
+    ids, lp = flashkd.teacher_topk(xt, wt, V)
+    full, shard = both(xs, ws, None, [ids, lp, labels], [ids, lp, labels])
+    _compare(flashkd.fused_linear_distill_topk, "topk k=V", full, shard, start, stop, loss="jsd")
+
+    # teacher_topk: the global top-k from every rank's candidates
+    for k, options in ((K, {}), (1, dict(temperature=0.5)), (V - 2, dict(vocab_size=V - 2))):
+        xt, wt, bt = _inputs(gen, 13, dtype, device, bias=True)[2:][:2] + (None,)
+        bt = torch.randn(V, generator=gen, dtype=dtype).to(device)
+        want = flashkd.teacher_topk(xt, wt, k, teacher_bias=bt, **options)
+        got = flashkd.teacher_topk(xt, wt[start:stop], k, teacher_bias=bt[start:stop], **par, **options)
+        assert torch.equal(got[0], want[0]), ("teacher_topk ids", k)
+        _close(f"teacher_topk logprobs k={k}", got[1], want[1])
+
+    # modules take the same options
+    xs, ws, xt, wt, labels, _, _ = _inputs(gen, 8, dtype, device)
+    full, shard = both(xs, ws, None, [xt, wt, labels], [xt, wt[start:stop], labels])
+    module = flashkd.FusedLinearDistillLoss("jsd", process_group=group, vocab_start=start)
+    got = module(*shard["args"])
+    _close("module", got, flashkd.fused_linear_distill(*full["args"]))
+
+    # an out-of-range label: NaN on its row, not a silently wrong value (check_labels off)
+    labels = labels.clone()
+    labels[1] = V + 1
+    got = flashkd.fused_linear_distill(xs, ws[start:stop], xt, wt[start:stop], labels, check_labels=False, **par)
+    assert torch.isnan(got), "an out-of-range label"
+
+    _bad_inputs(rank, world, group, start, stop, device, gen)
+
+
+def _raises(exc, match, fn, *args, **kw):
+    with pytest.raises(exc, match=match):
+        fn(*args, **kw)
+
+
+def _bad_inputs(rank, world, group, start, stop, device, gen):
+    xs, ws, xt, wt, labels, _, _ = _inputs(gen, 6, torch.float64, device)
+    call = flashkd.fused_linear_distill
+
+    def sharded(vocab_start, lo=start, hi=stop, **kw):
+        return call(xs, ws[lo:hi], xt, wt[lo:hi], labels, process_group=group, vocab_start=vocab_start, **kw)
+
+    # every rank raises the same error (none is left waiting in a collective)
+    _raises(ValueError, "overlap", sharded, start - 1 if start > 0 else 0, lo=max(start - 1, 0))
+    _raises(ValueError, "gap", sharded, start + 1 if start > 0 else 0, lo=min(start + 1, stop - 1) if start > 0 else start)
+    _raises(ValueError, "vocab_start: expected a value >= 0", sharded, -1 if rank == 0 else start)
+    _raises(TypeError, "vocab_start: expected an int", sharded, None if rank == world - 1 else start)
+    _raises(TypeError, "process_group: expected", call, xs, ws, xt, wt, labels, process_group="world", vocab_start=0)
+    _raises(ValueError, "vocab_start: expected None without process_group", call, xs, ws, xt, wt, labels, vocab_start=0)
+    _raises(ValueError, r"labels: expected values in \[0, 37\)", call, xs, ws[start:stop], xt, wt[start:stop],
+            labels.masked_fill(labels == labels.max(), V), process_group=group, vocab_start=start)
+    # replicated rows that differ between ranks: only checked when asked for
+    moved = xs + (rank == 1) * 1e-3
+    call(moved, ws[start:stop], xt, wt[start:stop], labels, process_group=group, vocab_start=start)
+    _raises(ValueError, r"student_input: expected the same tensor on every rank .* rank\(s\) \[1\]",
+            call, moved, ws[start:stop], xt, wt[start:stop], labels, process_group=group, vocab_start=start,
+            check_replicas=True)
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_vocab_parallel_equals_unsharded(world):
+    _spawn(_vocab_parallel_worker, world)
