@@ -1,7 +1,9 @@
 """The test oracle: the naive formula over the full logits in float64, written from the definitions.
 
 Deliberately shares no code with flashkd: probabilities are formed explicitly, KL terms with
-torch.xlogy, the CE with F.cross_entropy, cosine with F.cosine_similarity.
+torch.xlogy, the CE with F.cross_entropy, cosine with F.cosine_similarity. A head's logit scale σ and
+softcap c: logits · σ, then c · tanh(· / c). row_weight multiplies each row's terms; "mean" divides
+by the count of rows that are not ignored.
 """
 
 import torch
@@ -11,7 +13,8 @@ import torch.nn.functional as F
 def distill_loss(
     xs, ws, xt, wt, labels=None, *, loss="jsd", beta=0.5, temperature=1.0, weight_hard_loss=0.5,
     weight_soft_loss=0.5, ignore_index=-100, student_bias=None, teacher_bias=None, reduction="mean",
-    temperature_squared=False, plain=False, teacher_logits=None,
+    temperature_squared=False, plain=False, teacher_logits=None, student_logit_scale=1.0, teacher_logit_scale=1.0,
+    student_softcap=None, teacher_softcap=None, row_weight=None,
 ):
     """float64 loss, differentiable w.r.t. xs, ws and student_bias; also returns (soft, hard).
 
@@ -32,8 +35,8 @@ def distill_loss(
         logits_t = logits_t + up(teacher_bias)[:v]
     if plain:
         logits_s, logits_t = logits_s.float(), logits_t.float()
-    logits_s = logits_s.reshape(-1, v)
-    logits_t = logits_t.reshape(-1, v)
+    logits_s = head(logits_s.reshape(-1, v), student_logit_scale, student_softcap)
+    logits_t = head(logits_t.reshape(-1, v), teacher_logit_scale, teacher_softcap)
     q = torch.softmax(logits_s / temperature, -1)
     p = torch.softmax(logits_t / temperature, -1)
 
@@ -44,13 +47,38 @@ def distill_loss(
     if temperature_squared:
         soft = soft * temperature**2
 
-    return _reduce(soft, logits_s, labels, ignore_index, reduction, weight_hard_loss, weight_soft_loss)
+    return _reduce(soft, logits_s, labels, ignore_index, reduction, weight_hard_loss, weight_soft_loss, row_weight)
+
+
+def head(logits, scale=1.0, softcap=None):
+    """A model head's own transform of its logits: times the scale, then softcapped."""
+    logits = logits * scale
+    if softcap is not None:
+        logits = softcap * torch.tanh(logits / softcap)
+    return logits
+
+
+def student_stats(xs, ws, labels=None, ids=None, *, temperature=1.0, student_bias=None, student_logit_scale=1.0,
+                  student_softcap=None, ignore_index=-100):
+    """float64 (entropy sum in nats, rows counted, mass on the used ids summed) of q = softmax(z/τ)."""
+    v = ws.shape[0]
+    logits = xs.double() @ ws.double().T
+    if student_bias is not None:
+        logits = logits + student_bias.double()
+    q = torch.softmax(head(logits.reshape(-1, v), student_logit_scale, student_softcap) / temperature, -1)
+    valid = torch.ones(q.shape[0], dtype=torch.bool) if labels is None else labels.reshape(-1) != ignore_index
+    entropy = -torch.xlogy(q, q).sum(-1)
+    mass = None
+    if ids is not None:
+        ids = ids.reshape(-1, ids.shape[-1])
+        mass = sum(q[r, [i for i in row if i >= 0]].sum() for r, row in enumerate(ids.tolist()) if valid[r])
+    return entropy[valid].sum(), int(valid.sum()), mass
 
 
 def topk_loss(
     xs, ws, ids, logprobs, labels=None, *, loss="forward_kl", tail="bucket", beta=0.5, temperature=1.0,
     weight_hard_loss=0.0, weight_soft_loss=1.0, ignore_index=-100, student_bias=None, reduction="mean",
-    temperature_squared=False,
+    temperature_squared=False, student_logit_scale=1.0, student_softcap=None, row_weight=None,
 ):
     """float64 loss of a sparse teacher, row by row from the definition: the categories are the used
     ids (+ the rest of the vocab for tail="bucket"), probabilities summed explicitly."""
@@ -58,7 +86,7 @@ def topk_loss(
     logits_s = xs.double() @ ws.double().T
     if student_bias is not None:
         logits_s = logits_s + student_bias.double()
-    logits_s = logits_s.reshape(-1, v)
+    logits_s = head(logits_s.reshape(-1, v), student_logit_scale, student_softcap)
     q = torch.softmax(logits_s / temperature, -1)
     ids = ids.reshape(-1, ids.shape[-1])
     logprobs = logprobs.reshape(ids.shape).double()
@@ -83,7 +111,7 @@ def topk_loss(
     soft = torch.stack(soft) if soft else q.new_zeros(0)
     if temperature_squared:
         soft = soft * temperature**2
-    return _reduce(soft, logits_s, labels, ignore_index, reduction, weight_hard_loss, weight_soft_loss)
+    return _reduce(soft, logits_s, labels, ignore_index, reduction, weight_hard_loss, weight_soft_loss, row_weight)
 
 
 def _divergence(q, p, loss, beta):
@@ -104,7 +132,7 @@ def _divergence(q, p, loss, beta):
     raise AssertionError(loss)
 
 
-def _reduce(soft, logits_s, labels, ignore_index, reduction, weight_hard_loss, weight_soft_loss):
+def _reduce(soft, logits_s, labels, ignore_index, reduction, weight_hard_loss, weight_soft_loss, row_weight=None):
     if labels is None:
         valid = torch.ones(soft.shape, dtype=torch.bool)
         hard = torch.zeros_like(soft)
@@ -113,6 +141,9 @@ def _reduce(soft, logits_s, labels, ignore_index, reduction, weight_hard_loss, w
         valid = y != ignore_index
         hard = F.cross_entropy(logits_s, y.long(), ignore_index=ignore_index, reduction="none")
     soft = torch.where(valid, soft, torch.zeros_like(soft))
+    if row_weight is not None:
+        w = row_weight.reshape(-1).double()
+        soft, hard = soft * w, hard * w
     denom = max(int(valid.sum()), 1) if reduction == "mean" else 1
     soft_total = soft.sum() / denom
     hard_total = hard.sum() / denom

@@ -1,7 +1,7 @@
 """flashkd: fused, memory-lean knowledge-distillation losses for language models."""
 
 from .distill import fused_linear_distill, fused_linear_distill_logits, fused_linear_distill_topk
-from .losses import LOSSES, LossSpec
+from .losses import LOSSES, DistillStats, LossSpec
 from .teacher import teacher_topk
 from .data import TopKCollator, TopKTargets, write_topk_targets
 from .modules import FusedLinearCosineSimilarityLoss, FusedLinearDistillLoss, FusedLinearJSDLoss
@@ -20,5 +20,6 @@ __all__ = [
     "FusedLinearJSDLoss",
     "FusedLinearCosineSimilarityLoss",
     "LossSpec",
+    "DistillStats",
     "LOSSES",
 ]

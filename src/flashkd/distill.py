@@ -44,7 +44,7 @@ import sys
 
 import torch
 
-from .losses import LossSpec
+from .losses import DistillStats, LossSpec
 from .backends import torch_rows
 
 # Default memory for one chunk's logits. Bigger chunks make the GEMMs more efficient; past a few
@@ -61,6 +61,7 @@ class _Plan:
     grad_accum_dtype: torch.dtype
     form: str  # the teacher's input form: "heads" (Xt, Wt, bt), "logits" (T,) or "topk" (ids, logprobs)
     teacher_chunk: int  # rows of teacher logits computed at a time within a chunk (heads only)
+    stats: bool = False  # also sum the DistillStats
     vocab: object = None  # a rank's slice of the vocab (flashkd.distributed.ShardedVocab); None: all of it
 
 
@@ -86,6 +87,12 @@ def fused_linear_distill(
     temperature_squared: bool = False,
     grad_accum_dtype: torch.dtype | None = None,
     check_labels: bool | None = None,
+    student_logit_scale: float = 1.0,
+    teacher_logit_scale: float = 1.0,
+    student_softcap: float | None = None,
+    teacher_softcap: float | None = None,
+    row_weight: torch.Tensor | None = None,  # (...) like labels, constant
+    return_stats: bool = False,
     process_group=None,
     vocab_start: int | None = None,
     check_shards: bool | None = None,
@@ -96,8 +103,21 @@ def fused_linear_distill(
 
     Returns the scalar fp32 loss  w_hard · CE + w_soft · soft  (see `flashkd.losses` for every
     formula), or `(loss, soft, hard)` with `return_soft_hard_loss` — `soft` and `hard` are the two
-    terms before their weights, detached, for logging. Gradients flow to `student_input`,
-    `student_weight` and `student_bias`; the teacher is a constant.
+    terms before their weights, detached, for logging. With `return_stats` a `flashkd.DistillStats`
+    comes last: `(loss, stats)`, or `(loss, soft, hard, stats)` with both. Gradients flow to
+    `student_input`, `student_weight` and `student_bias`; the teacher is a constant.
+
+    - student_logit_scale, student_softcap (teacher_...: the teacher's): each head's own transform of
+      its logits, z = c · tanh(σ · logits / c) (z = σ · logits with softcap None), before everything
+      else: the soft term takes z / τ, the CE the student's z, cosine the z's. σ: a finite non-zero
+      float (a config's `logit_scale`, 1 / `logits_scaling`, `lm_head_multiplier`); c: a finite
+      float > 0 (`final_logit_softcapping`) or None. Gradients go through both exactly.
+    - row_weight: a constant float tensor (any float dtype, read in fp32; fp64 for fp64 inputs) of the
+      labels' shape (student_input's leading dims), on the same device: each row's soft and hard
+      terms, and their gradients, are multiplied by it. "mean" still divides by the number of rows
+      whose label is not ignore_index, so weights of 1 change nothing. Any finite value is allowed
+      (negative too); on CPU a non-finite weight is an error, on GPU it is not checked (a host sync)
+      and gives a non-finite loss. To drop a row, set its label to ignore_index.
 
     - labels=None: every row counts; `weight_hard_loss` must then be 0.
     - teacher vocab Vt > V (same tokenizer, padded head): teacher ids >= V are dropped, so the teacher
@@ -140,6 +160,12 @@ def fused_linear_distill_logits(
     temperature_squared: bool = False,
     grad_accum_dtype: torch.dtype | None = None,
     check_labels: bool | None = None,
+    student_logit_scale: float = 1.0,
+    teacher_logit_scale: float = 1.0,
+    student_softcap: float | None = None,
+    teacher_softcap: float | None = None,
+    row_weight: torch.Tensor | None = None,
+    return_stats: bool = False,
     process_group=None,
     vocab_start: int | None = None,
     check_shards: bool | None = None,
@@ -151,7 +177,9 @@ def fused_linear_distill_logits(
     Same losses, options and results as `fused_linear_distill` with teacher logits
     Xt @ Wt^T (+ bt); `teacher_logits` has the student's dtype and is read in place, one chunk of rows
     at a time (any strides with unit stride over the vocab; other layouts are copied per chunk). Its
-    columns >= V (a padded head) are dropped. The teacher gets no gradient. With `process_group`,
+    columns >= V (a padded head) are dropped. The teacher gets no gradient. `teacher_logit_scale` and
+    `teacher_softcap` transform `teacher_logits` as given: an HF model's `.logits` already include
+    its own scale and softcap, so leave them at their defaults for those. With `process_group`,
     `teacher_logits` are the columns of this rank's vocab slice.
     """
     if process_group is not None or _any_dtensor(student_weight, student_bias):
@@ -185,6 +213,10 @@ def fused_linear_distill_topk(
     grad_accum_dtype: torch.dtype | None = None,
     check_labels: bool | None = None,
     check_teacher: bool | None = None,
+    student_logit_scale: float = 1.0,
+    student_softcap: float | None = None,
+    row_weight: torch.Tensor | None = None,
+    return_stats: bool = False,
     process_group=None,
     vocab_start: int | None = None,
     check_shards: bool | None = None,
@@ -207,7 +239,11 @@ def fused_linear_distill_topk(
     the rest mass at τ is not known from them — store them at the τ you distill at.
 
     - teacher_logprobs: any float dtype, read in fp32 (fp64 for an fp64 student); unused slots are
-      ignored (−inf is fine there).
+      ignored (−inf is fine there). They are the teacher's final distribution: only the student has a
+      logit scale and softcap here (`student_logit_scale`, `student_softcap`, as in
+      `fused_linear_distill`); `teacher_topk` takes the teacher's.
+    - row_weight, return_stats: as in `fused_linear_distill`; the stats' `topk_mass_sum` is the
+      student's probability mass on the teacher's ids, summed over the rows that count.
     - reverse_kl with tail="bucket" is infinite on a row whose teacher puts no mass outside the K ids
       (p_rest = 0) while the student does: use "jsd" or "renormalize" for such targets.
     - check_teacher: raise on ids outside [-1, V), duplicate ids in a row, log-probs > 0 or NaN at
@@ -230,7 +266,8 @@ def fused_linear_distill_topk(
 def _spec(args: dict) -> LossSpec:
     """The LossSpec of a public call, from its arguments."""
     has_labels = args["labels"] is not None
-    w_hard, w_soft, logged = args["weight_hard_loss"], args["weight_soft_loss"], args["return_soft_hard_loss"]
+    w_hard, w_soft = args["weight_hard_loss"], args["weight_soft_loss"]
+    logged = args["return_soft_hard_loss"] or args["return_stats"]
     spec = LossSpec(
         loss=args["loss"],
         beta=args["beta"],
@@ -244,6 +281,10 @@ def _spec(args: dict) -> LossSpec:
         # With both weights 0 the soft term is still computed, so the loss and grads are true zeros.
         want_soft=w_soft != 0.0 or logged or not has_labels or w_hard == 0.0,
         tail=args.get("tail"),  # only the top-k form has one
+        student_logit_scale=args["student_logit_scale"],
+        student_softcap=args["student_softcap"],
+        teacher_logit_scale=args.get("teacher_logit_scale", 1.0),  # a top-k teacher has none
+        teacher_softcap=args.get("teacher_softcap"),
     )
     if not has_labels and w_hard != 0.0:
         raise ValueError(f"weight_hard_loss: expected 0 when labels is None (no hard labels to train on), got {w_hard!r}")
@@ -286,33 +327,40 @@ def _run(spec, form, teacher, xs, ws, bs, y, args, vocab=None):
     accum_bytes = grad_accum_dtype.itemsize if want_dw else 0
     v = ws.shape[0] if vocab is None else vocab.plan_size
     chunk, teacher_chunk = _chunk_rows(args["chunk_size"], xs, ws, backend, form, accum_bytes, v)
-    plan = _Plan(spec, chunk, backend, grad_accum_dtype, form, teacher_chunk, vocab)
-    loss_, soft, hard = _apply(xs, ws, bs, y, plan, *teacher)
-    return (loss_, soft, hard) if args["return_soft_hard_loss"] else loss_
+    rw = _check_row_weight(args["row_weight"], xs, args["student_input"])
+    stats = args["return_stats"]
+    if not isinstance(stats, bool):
+        raise TypeError(f"return_stats: expected a bool, got {stats!r}")
+    plan = _Plan(spec, chunk, backend, grad_accum_dtype, form, teacher_chunk, stats, vocab)
+    loss_, soft, hard, *sums = _apply(xs, ws, bs, y, rw, plan, *teacher)
+    out = (loss_, soft, hard) if args["return_soft_hard_loss"] else (loss_,)
+    if stats:
+        out += (DistillStats(*sums[:4], sums[4] if form == "topk" else None),)
+    return out if len(out) > 1 else loss_
 
 
 @torch.compiler.disable  # one graph break: the chunk loop runs eagerly inside compiled code
-def _apply(xs, ws, bs, y, plan, *teacher):
+def _apply(xs, ws, bs, y, rw, plan, *teacher):
     if torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in (xs, ws, bs)):
-        return _FusedDistill.apply(xs, ws, bs, y, plan, *teacher)
+        return _FusedDistill.apply(xs, ws, bs, y, rw, plan, *teacher)
     # Evaluation: no autograd node, and no gradient work at all.
-    return _chunk_loop(xs, ws, bs, y, teacher, plan, False, False, False)[:3]
+    return _chunk_loop(xs, ws, bs, y, rw, teacher, plan, False, False, False)[0]
 
 
 class _FusedDistill(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, xs, ws, bs, y, plan: _Plan, *teacher):
+    def forward(ctx, xs, ws, bs, y, rw, plan: _Plan, *teacher):
         want_dx, want_dw, want_db = ctx.needs_input_grad[:3]
-        loss, soft, hard, dxs, dws, dbs = _chunk_loop(xs, ws, bs, y, teacher, plan, want_dx, want_dw, want_db)
+        (loss, *logged), dxs, dws, dbs = _chunk_loop(xs, ws, bs, y, rw, teacher, plan, want_dx, want_dw, want_db)
         ctx.save_for_backward(dxs, dws, dbs)
         ctx.num_teacher = len(teacher)
         ctx.backend = plan.backend
-        ctx.mark_non_differentiable(soft, hard)
-        return loss, soft, hard
+        ctx.mark_non_differentiable(*logged)
+        return loss, *logged
 
     @staticmethod
     @torch.autograd.function.once_differentiable
-    def backward(ctx, grad_loss, _grad_soft, _grad_hard):
+    def backward(ctx, grad_loss, *_grad_logged):
         # grad_loss is a 0-d device tensor: scaling by it needs no host sync, whatever its value. The
         # saved grads are ours alone and freed after this call unless the graph is kept for another
         # backward: only then must they stay unscaled, and the scaled grads be new tensors.
@@ -325,10 +373,11 @@ class _FusedDistill(torch.autograd.Function):
             grads = tuple(None if g is None else triton_rows.scale_(g, grad_loss) for g in ctx.saved_tensors)
         else:
             grads = tuple(None if g is None else g.mul_(grad_loss.to(g.dtype)) for g in ctx.saved_tensors)
-        return (*grads, None, None, *(None,) * ctx.num_teacher)
+        return (*grads, None, None, None, *(None,) * ctx.num_teacher)
 
 
-def _chunk_loop(xs, ws, bs, y, teacher, plan: _Plan, want_dx, want_dw, want_db):
+def _chunk_loop(xs, ws, bs, y, rw, teacher, plan: _Plan, want_dx, want_dw, want_db):
+    """((loss, soft, hard, *sums of DistillStats when plan.stats), dxs, dws, dbs)."""
     spec = plan.spec
     n, v = xs.shape[0], ws.shape[0]
     rows = _rows(plan)
@@ -340,8 +389,12 @@ def _chunk_loop(xs, ws, bs, y, teacher, plan: _Plan, want_dx, want_dw, want_db):
         scale = torch.full((), 1.0 if spec.reduction == "sum" else 1.0 / max(n, 1), **f32)
     else:
         scale = 1.0 / (y != spec.ignore_index).sum().clamp_min(1).to(f32["dtype"])
+    if rw is not None:
+        rw = rw.to(f32["dtype"])  # N numbers, read in the loss math's precision
     soft_sum = torch.zeros((), **f32)
     hard_sum = torch.zeros((), **f32)
+    entropy_sum = torch.zeros((), **f32)
+    mass_sum = torch.zeros((), **f32)
     dxs = torch.empty_like(xs, memory_format=torch.contiguous_format) if want_dx else None
     # With one chunk there is nothing to accumulate: the GEMM accumulates in fp32 and rounds once either
     # way. dWs is made for the first chunk's GEMM (beta = 0 fills it), after that chunk's teacher logits
@@ -356,9 +409,16 @@ def _chunk_loop(xs, ws, bs, y, teacher, plan: _Plan, want_dx, want_dw, want_db):
             b = slice(sub, min(sub + plan.teacher_chunk, c.stop))
             t = _teacher_block(plan.form, teacher, b) if spec.want_soft else None
             s_b = s[b.start - c.start : b.stop - c.start]  # rows of s: contiguous
-            soft, hard = rows(s_b, t, None if y is None else y[b], spec, scale, grad)
+            row_scale = scale if rw is None else scale * rw[b]
+            soft, hard, *extra = rows(s_b, t, None if y is None else y[b], spec, row_scale, grad, plan.stats)
+            if rw is not None:
+                soft, hard = soft * rw[b], hard * rw[b]
             soft_sum += soft.sum()
             hard_sum += hard.sum()
+            if plan.stats:
+                entropy_sum += extra[0].sum()
+                if len(extra) > 1:
+                    mass_sum += extra[1].sum()
             del t, s_b  # a view left alive would keep this chunk's logits past `del s`
         if want_dx:
             torch.mm(s, ws, out=dxs[c])
@@ -380,7 +440,11 @@ def _chunk_loop(xs, ws, bs, y, teacher, plan: _Plan, want_dx, want_dw, want_db):
         dws = dws.to(ws.dtype)
     if dbs is not None:
         dbs = dbs.to(bs.dtype)
-    return loss, soft_total, hard_total, dxs, dws, dbs
+    logged = (loss, soft_total, hard_total)
+    if plan.stats:
+        count = torch.full((), n, device=device) if y is None else (y != spec.ignore_index).sum()
+        logged += (soft_sum, hard_sum, count, entropy_sum, mass_sum)
+    return logged, dxs, dws, dbs
 
 
 def _rows(plan: _Plan):
@@ -539,6 +603,27 @@ def _check_student(xs, ws, bs, y):
     if bs is not None and bs.shape != (v,):
         raise ValueError(f"student_bias: expected shape ({v},), got {tuple(bs.shape)}")
     return xs.reshape(-1, hs), ws, bs, None if y is None else y.reshape(-1)
+
+
+def _check_row_weight(rw, xs, student_input):
+    """row_weight flattened to (N,), or None; its values are checked on CPU only (a host sync)."""
+    if rw is None:
+        return None
+    _check_tensors({"row_weight": rw}, device=xs.device)
+    if rw.dtype not in _FLOATS:
+        raise TypeError(f"row_weight: expected a floating dtype (float16, bfloat16, float32, float64), got {rw.dtype}")
+    if rw.requires_grad:
+        raise TypeError("row_weight: expected a constant tensor (requires_grad=False): no gradient flows to "
+                        "it; got one that requires grad (pass row_weight.detach())")
+    if rw.shape != student_input.shape[:-1]:
+        raise ValueError(f"row_weight: expected shape {tuple(student_input.shape[:-1])} (student_input's leading "
+                         f"dims, as labels), got {tuple(rw.shape)}")
+    rw = rw.reshape(-1)
+    if rw.device.type == "cpu":
+        bad = ~torch.isfinite(rw)
+        if bad.any():
+            raise ValueError(f"row_weight: expected finite values, got {rw[bad][0].item()} in row {int(bad.nonzero()[0, 0])}")
+    return rw
 
 
 def _check_leading(name, x, student_input, trailing):

@@ -1,5 +1,14 @@
 """The distillation losses, as data, and their one pure-torch definition.
 
+Each side's logits x are first transformed as its model's head does (`logit_transform`): with a
+logit scale σ and a softcap c (None: no cap),
+
+    z = c · tanh(σ x / c)        (z = σ x without a cap);   dz/dx = σ (1 − (z/c)²)   (σ without a cap)
+
+(Cohere's `logit_scale`, Granite's 1 / `logits_scaling`, Falcon-H1's `lm_head_multiplier` are σ; Gemma's
+`final_logit_softcapping` is c). Below, a and b are the transformed student and teacher logits; the
+gradient w.r.t. the student's x is dL/da · da/dx, element by element.
+
 Per row, with temperature τ, student logits a, teacher logits b, q = softmax(a/τ), p = softmax(b/τ):
 
     loss          value                                   dL/da
@@ -15,8 +24,9 @@ JSD endpoints follow the Liger / TRL convention: β = 0 is forward KL(p‖q), β
 (not the limit of the formula, which is 0 at both ends). Cosine is invariant to τ.
 
 The total is  w_hard · CE + w_soft · c · soft,  c = τ² when `temperature_squared` (Hinton) else 1,
-each term summed over rows whose label is not `ignore_index` and divided by the number of such rows
-("mean", at least 1) or by 1 ("sum").
+each term summed over rows whose label is not `ignore_index`, times the row's weight when `row_weight`
+is given, and divided by the number of such rows ("mean", at least 1; the weights do not change it)
+or by 1 ("sum").
 
 A top-k teacher gives p at K ids per row only. The divergences above (not cosine) are then taken
 over categories: the K ids and one bucket for the rest of the vocab (tail "bucket": q_rest = Σ q off
@@ -34,6 +44,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from typing import NamedTuple
 
 import torch
 
@@ -61,6 +72,11 @@ class LossSpec:
     want_hard: bool = True  # compute the CE at all (weighted in, or returned for logging)
     want_soft: bool = True  # compute the divergence at all (and the teacher's logits for it)
     tail: str | None = None  # sparse (top-k) teacher: one of TAILS; None for a dense teacher
+    # each side's head transform (`logit_transform`); a top-k teacher's are always the defaults
+    student_logit_scale: float = 1.0
+    student_softcap: float | None = None
+    teacher_logit_scale: float = 1.0
+    teacher_softcap: float | None = None
 
     def __post_init__(self):
         allowed, teacher = (LOSSES, "") if self.tail is None else (DIVERGENCES, " for a top-k teacher")
@@ -80,6 +96,8 @@ class LossSpec:
             raise TypeError(f"ignore_index: expected an int, got {self.ignore_index!r}")
         if self.tail is not None and self.tail not in TAILS:
             raise ValueError(f"tail: expected 'bucket' or 'renormalize', got {self.tail!r}")
+        check_logit_transform("student_logit_scale", self.student_logit_scale, "student_softcap", self.student_softcap)
+        check_logit_transform("teacher_logit_scale", self.teacher_logit_scale, "teacher_softcap", self.teacher_softcap)
 
     @property
     def kind(self) -> str:
@@ -99,33 +117,98 @@ class LossSpec:
         """w_hard · hard + w_soft · c · soft, for (sums of) the per-row terms of `row_losses`."""
         return self.weight_hard * hard + self.soft_scale * soft
 
+    def student(self, s: torch.Tensor) -> torch.Tensor:
+        """The student's logits as its head transforms them (`logit_transform`)."""
+        return logit_transform(s, self.student_logit_scale, self.student_softcap)
 
-def row_losses(s: torch.Tensor, t: torch.Tensor, labels: torch.Tensor | None, spec: LossSpec, vocab=None):
+    def teacher(self, t: torch.Tensor) -> torch.Tensor:
+        """The teacher's logits as its head transforms them."""
+        return logit_transform(t, self.teacher_logit_scale, self.teacher_softcap)
+
+
+class DistillStats(NamedTuple):
+    """Per-call sums for logging, returned with `return_stats=True`; 0-d tensors, detached, on the
+    inputs' device (no host sync). Sums, not means, so that they add across micro-batches and ranks.
+
+    soft_sum       Σ row_weight · soft over the rows that count: the divergence itself (before
+                   w_soft and τ²; cosine's β (1 − cos) included)
+    hard_sum       Σ row_weight · CE over the rows that count (0 without labels)
+    rows           number of rows that count: label not ignore_index (all rows without labels);
+                   int64. The "mean" loss is (w_hard · hard_sum + w_soft · c · soft_sum) / max(rows, 1)
+    entropy_sum    Σ H(q) over the rows that count, unweighted, in nats: q = softmax(a/τ) of the
+                   transformed student logits (the per-token entropy TRL logs is entropy_sum / rows)
+    topk_mass_sum  top-k teacher only (else None): Σ over the rows that count of the student's
+                   probability mass q on the teacher's used ids, unweighted
+    """
+
+    soft_sum: torch.Tensor
+    hard_sum: torch.Tensor
+    rows: torch.Tensor
+    entropy_sum: torch.Tensor
+    topk_mass_sum: torch.Tensor | None
+
+
+def check_logit_transform(scale_name: str, scale, cap_name: str, cap) -> None:
+    """A logit scale must be a finite non-zero Python float, a softcap None or a finite float > 0."""
+    for name, value in ((scale_name, scale), (cap_name, cap)):
+        if value is None and name == cap_name:
+            continue
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise TypeError(f"{name}: expected a Python float{' or None' if name == cap_name else ''}, got {value!r}")
+    if not math.isfinite(scale) or scale == 0.0:
+        raise ValueError(f"{scale_name}: expected a finite non-zero float, got {scale!r}")
+    if cap is not None and not (math.isfinite(cap) and cap > 0.0):
+        raise ValueError(f"{cap_name}: expected a finite float > 0 (or None for no cap), got {cap!r}")
+
+
+def logit_transform(x: torch.Tensor, scale: float, softcap: float | None) -> torch.Tensor:
+    """z = x · scale, then softcap · tanh(z / softcap) when a softcap is set; x itself when neither."""
+    if scale != 1.0:
+        x = x * scale
+    if softcap is not None:
+        x = softcap * torch.tanh(x / softcap)
+    return x
+
+
+def row_losses(s: torch.Tensor, t: torch.Tensor, labels: torch.Tensor | None, spec: LossSpec, vocab=None, *, stats=False):
     """Per-row soft and hard losses of one block of logits, in fp32; differentiable w.r.t. `s`.
 
-    s:      (R, V) student logits, any float dtype
-    t:      (R, V) teacher logits, same V (unused, may be None, when `spec.want_soft` is False)
+    s:      (R, V) student logits, any float dtype, before the head's transform (`LossSpec.student`)
+    t:      (R, V) teacher logits, same V, before its transform (unused, may be None, when
+            `spec.want_soft` is False)
     labels: (R,) integer labels or None
     vocab:  the block's place in the vocab and its reductions over it (`Vocab`); None: the block
             holds the whole vocab. With a slice of the vocab (`flashkd.distributed`) every rank
             gets the rows of the whole vocab.
     Returns (soft, hard), each (R,) in fp32 (fp64 for fp64 inputs), zero on rows whose label is `ignore_index`. `soft` is the
     unweighted divergence; `hard` the untempered CE (zeros when `spec.want_hard` is False). A label
-    outside [0, V) that is not `ignore_index` gives a NaN hard loss on its row.
+    outside [0, V) that is not `ignore_index` gives a NaN hard loss on its row. With `stats`, also the
+    entropy of q = softmax(a/τ) per row (R,), zero on ignored rows: (soft, hard, entropy).
     """
     vocab = vocab or WHOLE_VOCAB
     work = torch.promote_types(s.dtype, torch.float32)
-    s = s.to(work)
+    s = spec.student(s.to(work))
     kind = spec.kind if spec.want_soft else None
     ce = spec.want_hard and labels is not None
     # Two merges over the vocab: every logsumexp and every sum that needs none of them, then the
-    # divergence's sum (it needs the normalisers).
-    z = (s / spec.temperature, t.to(work) / spec.temperature) if kind in DIVERGENCES else ()
+    # sums that need the normalisers (the divergence's, the entropy's).
+    z = (s / spec.temperature,)
+    if kind in DIVERGENCES:
+        z += (spec.teacher(t.to(work)) / spec.temperature,)
     sums = ()
     if kind == "cosine":
-        t = t.to(work)
+        t = spec.teacher(t.to(work))
         sums = ((s * t).sum(-1), (s * s).sum(-1), (t * t).sum(-1))
+    if kind not in DIVERGENCES and not stats:
+        z = ()  # no softmax at τ wanted
     lse, sums = vocab.merge(lse=z + ((s,) if ce else ()), sums=sums + ((vocab.pick(s, labels),) if ce else ()))
+    log_q = z[0] - lse[0][:, None] if z else None
+    after = ()
+    if kind in DIVERGENCES:
+        after += (_divergence(log_q, z[1] - lse[1][:, None], spec),)
+    if stats:
+        after += (_entropy(log_q.detach()),)
+    after = vocab.merge(sums=after)[1] if after else ()
     if kind is None:
         soft = s.new_zeros(s.shape[0])
     elif kind == "cosine":
@@ -133,12 +216,14 @@ def row_losses(s: torch.Tensor, t: torch.Tensor, labels: torch.Tensor | None, sp
         norm = ss.clamp_min(COSINE_EPS**2).sqrt() * tt.clamp_min(COSINE_EPS**2).sqrt()
         soft = spec.beta * (1.0 - dot / norm)
     else:
-        log_q, log_p = z[0] - lse[0][:, None], z[1] - lse[1][:, None]
-        (soft,) = vocab.merge(sums=(_divergence(log_q, log_p, spec),))[1]
-    return _with_hard(soft, lse[-1] - sums[-1] if ce else None, labels, spec, vocab.size(s))
+        soft = after[0]
+    soft, hard = _with_hard(soft, lse[-1] - sums[-1] if ce else None, labels, spec, vocab.size(s))
+    if not stats:
+        return soft, hard
+    return soft, hard, _valid_only(after[-1], labels, spec)
 
 
-def topk_row_losses(s: torch.Tensor, t, labels: torch.Tensor | None, spec: LossSpec, vocab=None):
+def topk_row_losses(s: torch.Tensor, t, labels: torch.Tensor | None, spec: LossSpec, vocab=None, *, stats=False):
     """`row_losses` for a sparse teacher: p is given at K ids per row (`spec.tail` says how).
 
     t = (ids, logprobs), or None when `spec.want_soft` is False:
@@ -151,11 +236,14 @@ def topk_row_losses(s: torch.Tensor, t, labels: torch.Tensor | None, spec: LossS
     renormalised over them. p is renormalised over its categories either way, which changes nothing
     unless the given probabilities sum past 1 (rounding). A row without used slots has loss 0 under
     "renormalize" (no teacher information); under "bucket" it is one category on both sides: 0 too.
-    An id outside [0, V) gives a NaN soft loss on its row.
+    An id outside [0, V) gives a NaN soft loss on its row. The student's logits are transformed
+    (`LossSpec.student`); the teacher's log-probs are used as given. With `stats` (and `spec.want_soft`),
+    also per row (R,) the entropy of q = softmax(a/τ) over the whole vocab and q's mass on the used
+    ids, both zero on ignored rows: (soft, hard, entropy, mass).
     """
     vocab = vocab or WHOLE_VOCAB
     work = torch.promote_types(s.dtype, torch.float32)
-    s = s.to(work)
+    s = spec.student(s.to(work))
     v = vocab.size(s)
     ce = spec.want_hard and labels is not None
     lse, sums = (), ()
@@ -175,7 +263,25 @@ def topk_row_losses(s: torch.Tensor, t, labels: torch.Tensor | None, spec: LossS
         soft = torch.where(bad, torch.nan, soft)
     else:
         soft = s.new_zeros(s.shape[0])
-    return _with_hard(soft, lse[-1] - sums[-1] if ce else None, labels, spec, v)
+    soft, hard = _with_hard(soft, lse[-1] - sums[-1] if ce else None, labels, spec, v)
+    if not stats:
+        return soft, hard
+    # q over the whole vocab at τ: its entropy, and its mass on the used ids (z at them is merged above)
+    z = s.detach() / spec.temperature
+    (lse_z,), _ = vocab.merge(lse=(z,))
+    log_q = z - lse_z[:, None]
+    (entropy,) = vocab.merge(sums=(_entropy(log_q),))[1]
+    mass = torch.where(used, (sums[0].detach() - lse_z[:, None]).exp(), 0.0).sum(-1)
+    return soft, hard, _valid_only(entropy, labels, spec), _valid_only(mass, labels, spec)
+
+
+def _entropy(log_q: torch.Tensor) -> torch.Tensor:
+    """−Σ q log q per row, with 0 · log 0 = 0 (this block's part of the sum over the vocab)."""
+    return -_plogr(log_q.exp(), log_q)
+
+
+def _valid_only(x, labels, spec: LossSpec):
+    return x if labels is None else torch.where(labels != spec.ignore_index, x, 0.0)
 
 
 def topk_parts(z: torch.Tensor, ids: torch.Tensor, used: torch.Tensor, tail: str, vocab):

@@ -23,6 +23,7 @@ class FusedLinearDistillLoss(torch.nn.Module):
         labels=None,  # (...)
         student_bias=None,  # (V,)
         teacher_bias=None,  # (Vt,)
+        row_weight=None,  # (...) like labels: per-call data, not an option
     ):
         return fused_linear_distill(
             student_input,
@@ -32,6 +33,7 @@ class FusedLinearDistillLoss(torch.nn.Module):
             labels,
             student_bias=student_bias,
             teacher_bias=teacher_bias,
+            row_weight=row_weight,
             **self.options,
         )
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from .distill import _FLOATS, _LOGITS_BUDGET, _any_dtensor, _check_tensors, _distributed, _even_chunks, _pick_backend
+from .losses import check_logit_transform, logit_transform
 
 
 @torch.no_grad()
@@ -18,6 +19,8 @@ def teacher_topk(
     vocab_size: int | None = None,
     chunk_size: int | None = None,
     backend: str = "auto",
+    teacher_logit_scale: float = 1.0,
+    teacher_softcap: float | None = None,
     process_group=None,
     vocab_start: int | None = None,
     check_shards: bool | None = None,
@@ -26,8 +29,10 @@ def teacher_topk(
     """The teacher's k most likely ids per row and their log-probs at `temperature`.
 
     Returns (ids, logprobs): (..., k) int64 and (..., k) float32, sorted by decreasing log-prob,
-    log p = logit/τ − logsumexp(logits/τ) over the whole vocab — the targets of
-    `fused_linear_distill_topk(..., temperature=τ)`. Never holds more than one chunk of logits
+    log p = z/τ − logsumexp(z/τ) over the whole vocab, z the logits as the teacher's head transforms
+    them (z = c · tanh(σ · logits / c) with σ = `teacher_logit_scale`, c = `teacher_softcap`; z = σ ·
+    logits without a cap; as in `fused_linear_distill`), the ids those of the k largest z (a negative σ
+    reverses the order) — the targets of `fused_linear_distill_topk(..., temperature=τ)`. Never holds more than one chunk of logits
     (R·Vt·E bytes, R rows per chunk, plus fp32 temporaries of the same size on the torch backend).
 
     vocab_size: the student's vocab V when the teacher head is padded (Vt > V): ids >= V are
@@ -76,6 +81,7 @@ def teacher_topk(
         raise ValueError(f"k: expected an int in [1, {v}] (the vocab size), got {k!r}")
     if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not temperature > 0:
         raise ValueError(f"temperature: expected a float > 0, got {temperature!r}")
+    check_logit_transform("teacher_logit_scale", teacher_logit_scale, "teacher_softcap", teacher_softcap)
     backend = _pick_backend(backend, x)
     if chunk_size is not None and (isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1):
         raise ValueError(f"chunk_size: expected a positive int or None, got {chunk_size!r}")
@@ -85,7 +91,8 @@ def teacher_topk(
     n = x.shape[0]
     if vocab is not None:
         v, backend = vocab.plan_size, "torch"  # every rank plans the same chunks
-    per_row = v * x.element_size() + (v * 4 * 2 if backend == "torch" else 0)
+    transformed = teacher_logit_scale != 1.0 or teacher_softcap is not None
+    per_row = v * x.element_size() + (v * 4 * (3 if transformed else 2) if backend == "torch" else 0)
     chunk = chunk_size or _even_chunks(n, _LOGITS_BUDGET[backend] // per_row)
     work = torch.promote_types(x.dtype, torch.float32)
     ids = torch.empty(n, k, dtype=torch.int64, device=x.device)
@@ -94,19 +101,21 @@ def teacher_topk(
         c = slice(start, min(start + chunk, n))
         logits = x[c] @ w.t() if b is None else torch.addmm(b, x[c], w.t())
         if vocab is None:
-            ids[c], logprobs[c] = _topk(logits, k, temperature, backend)
+            ids[c], logprobs[c] = _topk(logits, k, temperature, backend, teacher_logit_scale, teacher_softcap)
         else:
-            ids[c], logprobs[c] = vocab.topk(logits, k, temperature)
+            ids[c], logprobs[c] = vocab.topk(logits, k, temperature, teacher_logit_scale, teacher_softcap)
         del logits
     return ids.reshape(*lead, k), logprobs.reshape(*lead, k)
 
 
-def _topk(logits, k, temperature, backend):
+def _topk(logits, k, temperature, backend, scale, softcap):
     if backend == "triton" and logits.dtype != torch.float64:
         from .backends import triton_topk
 
-        if k <= triton_topk.TOPK_MAX_K:
-            return triton_topk.row_topk(logits, k, temperature)  # two reads of the logits, one host sync
+        if k <= triton_topk.TOPK_MAX_K:  # two reads of the logits, one host sync
+            return triton_topk.row_topk(logits, k, temperature, scale, softcap)
     work = torch.promote_types(logits.dtype, torch.float32)
+    if scale != 1.0 or softcap is not None:  # the transform in fp32, as the loss math reads it
+        logits = logit_transform(logits.to(work), scale, softcap)
     top, ids = torch.topk(logits, k, dim=-1)
     return ids, top.to(work) / temperature - torch.logsumexp(logits.to(work) / temperature, dim=-1, keepdim=True)

@@ -1,5 +1,5 @@
 """Row backends: each exposes `rows` (dense teacher) and `topk_rows` (sparse teacher), both
-`(s, t, labels, spec, scale, grad) -> (soft, hard)`.
+`(s, t, labels, spec, scale, grad, stats=False) -> (soft, hard)`.
 
 The chunk loop in `flashkd.distill` computes one block of logits with two GEMMs and hands it to a
 backend's `rows`, which returns the per-row losses and, when `grad`, overwrites `s` with dL/ds:
@@ -10,9 +10,15 @@ backend's `rows`, which returns the per-row losses and, when `grad`, overwrites 
             (R, K) each
     labels: (R,)   int labels or None
     spec:   flashkd.losses.LossSpec
-    scale:  ()     device tensor, fp32 (fp64 for fp64 inputs): the reduction's factor (1 / valid rows, or 1)
+    scale:  () or (R,) device tensor, fp32 (fp64 for fp64 inputs): the reduction's factor (1 / valid
+            rows, or 1), times each row's weight when the call has a row_weight ((R,) then)
     grad:   bool   write dL/ds = scale · (w_hard · dCE/ds + soft_scale · dsoft/ds); 0 on ignored rows
+    stats:  bool   also return the per-row statistics of `flashkd.losses.DistillStats` (spec.want_soft
+            holds then)
     returns (soft, hard): (R,) fp32 each (torch: fp64 for fp64 inputs), unweighted and unscaled, 0 on
             ignored rows; without labels `hard` is 0. A label outside [0, V) that is not ignore_index
-            gives a NaN `hard` on its row and no CE gradient there.
+            gives a NaN `hard` on its row and no CE gradient there. With stats: (soft, hard, entropy)
+            for `rows`, (soft, hard, entropy, mass) for `topk_rows`, each (R,), 0 on ignored rows.
+    The logits are the heads' raw outputs: the spec's logit scales and softcaps are the backend's to
+    apply (`flashkd.losses.logit_transform`), and dL/ds is w.r.t. the raw s.
 """

@@ -190,9 +190,10 @@ def _rows_kernel(
     labels_ptr,  # (R,) int32 / int64 (not read unless LABELS)
     soft_ptr,  # (R,) fp32 out: unweighted divergence, 0 on ignored rows
     hard_ptr,  # (R,) fp32 out: untempered CE, 0 on ignored rows, NaN for a label outside [0, V)
-    scale_ptr,  # () fp32 (or fp64): the reduction's factor, read on the device
+    scale_ptr,  # () or (R,) fp32 (or fp64): the reduction's factor (per row: times the row's weight)
     # sizes
     V,
+    stride_scale,  # 0 for one factor, 1 for one a row
     stride_t,
     ignore_index,
     # runtime floats: a new value never recompiles
@@ -224,7 +225,7 @@ def _rows_kernel(
         labels_ptr + row,
         soft_ptr + row,
         hard_ptr + row,
-        scale_ptr, V, tl.cdiv(V, BLOCK_V), tl.arange(0, BLOCK_V), ignore_index, log2e_tau, inv_tau, beta,
+        scale_ptr + row * stride_scale, V, tl.cdiv(V, BLOCK_V), tl.arange(0, BLOCK_V), ignore_index, log2e_tau, inv_tau, beta,
         log2_beta, log2_1mbeta, w_hard, w_soft, LOSS, SOFT, CE, LABELS, GRAD_SOFT, GRAD_CE, GRAD_PASS,
         CE_IS_Q, ONLINE_KL, BLOCK_V,
     )
@@ -466,7 +467,7 @@ def _one_row(
 # --------------------------------------------------------------------------------------------- launcher
 
 
-def rows(s, t, labels, spec: LossSpec, scale: torch.Tensor, grad: bool):
+def rows(s, t, labels, spec: LossSpec, scale: torch.Tensor, grad: bool, stats: bool = False):
     """Per-row (soft, hard) losses of one block, (R,) fp32 each; with `grad`, s is overwritten with
     dL/ds = scale · (w_hard · dCE/ds + soft_scale · dsoft/ds). See `flashkd.backends` for the contract.
 
@@ -474,9 +475,12 @@ def rows(s, t, labels, spec: LossSpec, scale: torch.Tensor, grad: bool):
     t:      (R, V) teacher logits, same dtype, any row stride (copied if the vocab stride is not 1);
             None allowed when not spec.want_soft
     labels: (R,) int32 / int64, or None (every row valid, no CE)
-    scale:  () fp32 tensor on s's device, read by the kernel (no host sync); fp64 is accepted too
+    scale:  () or (R,) fp32 tensor on s's device, read by the kernel (no host sync); fp64 is accepted too
     """
     # (1) check
+    if stats or spec.student_logit_scale != 1.0 or spec.teacher_logit_scale != 1.0 or spec.student_softcap \
+            is not None or spec.teacher_softcap is not None:
+        raise NotImplementedError("the triton backend has no logit transforms or stats yet: use backend='torch'")
     if not isinstance(s, torch.Tensor) or s.dim() != 2:
         raise ValueError(f"s: expected a 2-D (R, V) tensor, got {_describe(s)}")
     if s.dtype not in _DTYPES:
@@ -504,8 +508,8 @@ def rows(s, t, labels, spec: LossSpec, scale: torch.Tensor, grad: bool):
             raise TypeError(f"labels: expected int32 or int64, got {labels.dtype}")
         if labels.device != s.device:
             raise ValueError(f"labels: expected device {s.device} like s, got {labels.device}")
-    if not isinstance(scale, torch.Tensor) or scale.shape != () or scale.dtype not in _SCALE_DTYPES:
-        raise TypeError(f"scale: expected a 0-d float32 (or float64) tensor, got {_describe(scale)}")
+    if not isinstance(scale, torch.Tensor) or scale.shape not in ((), (R,)) or scale.dtype not in _SCALE_DTYPES:
+        raise TypeError(f"scale: expected a 0-d or ({R},) float32 (or float64) tensor, got {_describe(scale)}")
     if scale.device != s.device:
         raise ValueError(f"scale: expected device {s.device} like s, got {scale.device}")
 
@@ -539,6 +543,7 @@ def rows(s, t, labels, spec: LossSpec, scale: torch.Tensor, grad: bool):
         hard,
         scale,
         V,
+        scale.stride(0) if scale.dim() else 0,
         t.stride(0) if use_soft else V,
         spec.ignore_index,
         # float(): an int weight would be specialised (and recompiled) by value

@@ -144,9 +144,11 @@ def _expand_kernel(
     tl.store(s_row + ids, id_grad.to(s_row.dtype.element_ty), mask=used)
 
 
-def topk_rows(s, t, labels, spec: LossSpec, scale: torch.Tensor, grad: bool):
+def topk_rows(s, t, labels, spec: LossSpec, scale: torch.Tensor, grad: bool, stats: bool = False):
     """Per-row (soft, hard) for a top-k teacher t = (ids, logprobs); with `grad`, s is overwritten
     with dL/ds. See `flashkd.backends` for the contract."""
+    if stats or spec.student_logit_scale != 1.0 or spec.student_softcap is not None:
+        raise NotImplementedError("the triton backend has no logit transforms or stats yet: use backend='torch'")
     if not spec.want_soft:  # the CE alone: the dense kernel does it without a teacher
         return triton_rows.rows(s, None, labels, spec, scale, grad)
     ids, logprobs = t
@@ -365,7 +367,7 @@ def _topk_kernel(
     tl.store(redo_ptr + row, ((tl.max(c, 0) > SLOTS) | (n > CAP) | (n < k)).to(tl.int8))
 
 
-def row_topk(x: torch.Tensor, k: int, temperature: float):
+def row_topk(x: torch.Tensor, k: int, temperature: float, scale: float = 1.0, softcap: float | None = None):
     """The k largest entries per row of a contiguous (R, V) tensor and their log-probs
     log softmax(x/τ): (ids (R, k) int64, logprobs (R, k) fp32), sorted by decreasing value;
     k <= TOPK_MAX_K.
@@ -374,6 +376,8 @@ def row_topk(x: torch.Tensor, k: int, temperature: float):
     top values clustered in a few lanes) or that has fewer than k finite values is redone with
     torch.topk over the full row: finding out costs one host sync per call.
     """
+    if scale != 1.0 or softcap is not None:
+        raise NotImplementedError("the triton backend has no logit transforms yet: use backend='torch'")
     if not 1 <= k <= TOPK_MAX_K:
         raise ValueError(f"k: expected 1 <= k <= {TOPK_MAX_K} for the kernel, got {k}")
     ids, redo, lse = _kernel_topk(x, k, temperature)

@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from ..losses import Vocab
+from ..losses import Vocab, logit_transform
 
 
 class _AllReduceSum(torch.autograd.Function):
@@ -111,11 +111,13 @@ class ShardedVocab(Vocab):
         return dxs, dws, dbs
 
     # --- teacher_topk's per-chunk top-k (flashkd.teacher) ---
-    def topk(self, logits, k, temperature):
+    def topk(self, logits, k, temperature, scale=1.0, softcap=None):
         """(ids, log-probs) of the global top-k of rows whose slice here is `logits` (R, V_r'): each rank's
         local top-k candidates (global ids) and its (max, sum-exp) of logits/τ, in one all-gather of
         (R, 2k + 2) fp64 (fp64 holds the ids and fp32 values exactly), merged on every rank."""
         work = torch.promote_types(logits.dtype, torch.float32)
+        if scale != 1.0 or softcap is not None:  # the head's transform in fp32, as the loss math reads it
+            logits = logit_transform(logits.to(work), scale, softcap)
         r, width = logits.shape
         z = logits.to(work) / temperature
         kk = min(k, width)

@@ -1,0 +1,323 @@
+"""Each head's own logit transform (scale, softcap), per-row weights and the logged statistics, on every
+loss and input form, both backends, against the float64 oracle."""
+
+import itertools
+import math
+
+import pytest
+import torch
+
+import flashkd
+from conftest import BACKENDS
+from oracle import distill_loss, student_stats, topk_loss
+from test_distill import HS, V, make_inputs, rel_err
+from test_forms import make_topk
+
+# (student σ, student c, teacher σ, teacher c): scales alone, caps alone, both, negative scales, and a
+# cap that the logits (|x| up to ~10 here) pass by far
+TRANSFORMS = [
+    (1.7, None, 0.6, None),
+    (1.0, 3.0, 1.0, 2.0),
+    (1.3, 2.5, -0.7, 4.0),
+    (-0.8, None, -1.2, 1.5),
+    (-1.4, 0.3, 2.0, 0.25),
+]
+LOSSES = ["jsd", "forward_kl", "reverse_kl", "tvd", "cosine"]
+BACKENDS = ["torch"]  # the Triton kernels' transforms come next
+TOPK_LOSSES = LOSSES[:4]
+
+
+def _tolerance(backend):
+    # the torch backend in float64: exact up to rounding; the kernel computes in fp32 whatever the input
+    return (torch.float64, 1e-9) if backend == "torch" else (torch.float32, 3e-5)
+
+
+def _weights(lead, dtype):
+    """Row weights of every sign and size, one row's weight 0; in another float dtype than the inputs."""
+    w = torch.rand(lead, dtype=torch.float64) * 2.0
+    w.view(-1)[1] = 0.0
+    w.view(-1)[-1] = -0.5
+    return w.to(torch.float32 if dtype == torch.float64 else torch.float64)
+
+
+def _compare(out, ref, grads, ref_grads, leaves, tol, labels=None, stats_ref=None):
+    for name, got, want in zip(("loss", "soft", "hard"), out, ref):
+        assert abs(got.item() - want.item()) <= tol * max(abs(want.item()), 1.0), (name, got.item(), want.item())
+    for name, g, rg, x in zip(("dXs", "dWs", "dbs"), grads, ref_grads, leaves):
+        assert g.shape == x.shape and g.dtype == x.dtype and torch.isfinite(g).all(), name
+        if rg.abs().max() == 0:
+            assert g.abs().max() == 0, name
+        else:
+            assert rel_err(g, rg) <= tol, (name, rel_err(g, rg))
+    if labels is not None:  # ignored rows get exactly zero gradient
+        ignored = (labels == -100).reshape(-1)
+        if ignored.any():
+            assert grads[0].reshape(-1, HS)[ignored].abs().max() == 0
+
+
+def _run_dense(backend, form, loss, transform, weighted, lead, *, ignore="some", temperature=0.8, scale_x=1.0,
+               stats=False, **extra):
+    dtype, tol = _tolerance(backend)
+    xs, ws, xt, wt, labels, bs, _ = make_inputs(lead, dtype, ignore=ignore, bias=True)
+    with torch.no_grad():
+        xs.mul_(scale_x)
+    s_scale, s_cap, t_scale, t_cap = transform
+    options = dict(loss=loss, beta=0.35, temperature=temperature, weight_hard_loss=0.3, weight_soft_loss=0.9,
+                   student_logit_scale=s_scale, student_softcap=s_cap, teacher_logit_scale=t_scale,
+                   teacher_softcap=t_cap, **extra)
+    rw = _weights(lead, dtype) if weighted else None
+    common = dict(student_bias=bs, backend=backend, chunk_size=5, return_soft_hard_loss=True, row_weight=rw,
+                  return_stats=stats, **options)
+    if form == "heads":
+        out = flashkd.fused_linear_distill(xs, ws, xt, wt, labels, **common)
+        teacher = dict(xt=xt, wt=wt)
+    else:
+        logits_t = (xt @ wt.T).detach()
+        out = flashkd.fused_linear_distill_logits(xs, ws, logits_t, labels, **common)
+        teacher = dict(xt=None, wt=None, teacher_logits=logits_t)
+    leaves = [xs, ws, bs]
+    grads = torch.autograd.grad(out[0], leaves)
+    ref_leaves = [x.detach().double().requires_grad_() for x in leaves]
+    ref = distill_loss(ref_leaves[0], ref_leaves[1], teacher.pop("xt"), teacher.pop("wt"), labels,
+                       student_bias=ref_leaves[2], row_weight=rw, **teacher, **options)
+    ref_grads = torch.autograd.grad(ref[0], ref_leaves)
+    _compare(out, ref, grads, ref_grads, leaves, tol, labels)
+    return out, ref, (xs, ws, bs, labels, rw, options, tol)
+
+
+# every loss with every transform, cycling the form, row weights and the shape
+DENSE_GRID = [
+    (loss, i, form, weighted, lead)
+    for (loss, i), (form, weighted, lead) in zip(
+        itertools.product(LOSSES, range(len(TRANSFORMS))),
+        itertools.cycle(itertools.product(["heads", "logits"], [True, False], [(23,), (3, 7)])),
+    )
+]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("loss,i,form,weighted,lead", DENSE_GRID)
+def test_dense_transforms_match_oracle(backend, loss, i, form, weighted, lead, seed):
+    _run_dense(backend, form, loss, TRANSFORMS[i], weighted, lead)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("loss", LOSSES)
+@pytest.mark.parametrize("temperature", [1.0, 2.3])
+def test_dense_row_weight_alone(backend, loss, temperature, seed):
+    """Row weights without transforms, τ = 1 (the kernel's CE shares q's statistics) and not."""
+    _run_dense(backend, "heads", loss, (1.0, None, 1.0, None), True, (17,), temperature=temperature,
+               reduction=["mean", "sum"][loss == "tvd"])
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("loss", LOSSES)
+def test_saturated_softcap(backend, loss, seed):
+    """Logits far past the caps (|x| ~ 1000 against c = 2 and 5): the tanh saturates, its derivative
+    underflows to 0 for most entries; loss and gradients stay finite and exact."""
+    _, ref, _ = _run_dense(backend, "heads", loss, (1.0, 2.0, 3.0, 5.0), True, (19,), scale_x=100.0)
+    assert math.isfinite(ref[0].item())
+
+
+def _run_topk(backend, loss, tail, transform, weighted, lead, *, temperature=0.7, stats=False, scale_x=1.0,
+              ignore="some", **extra):
+    dtype, tol = _tolerance(backend)
+    xs, ws, _, _, labels, bs, _ = make_inputs(lead, dtype, ignore=ignore, bias=True)
+    with torch.no_grad():
+        xs.mul_(scale_x)
+    ids, logprobs = make_topk(lead, temperature=temperature)
+    rw = _weights(lead, dtype) if weighted else None
+    options = dict(loss=loss, tail=tail, beta=0.35, temperature=temperature, weight_hard_loss=0.4,
+                   weight_soft_loss=0.7, student_logit_scale=transform[0], student_softcap=transform[1], **extra)
+    out = flashkd.fused_linear_distill_topk(xs, ws, ids, logprobs.to(dtype), labels, student_bias=bs, chunk_size=5,
+                                            backend=backend, return_soft_hard_loss=True, row_weight=rw,
+                                            return_stats=stats, **options)
+    leaves = [xs, ws, bs]
+    grads = torch.autograd.grad(out[0], leaves)
+    ref_leaves = [x.detach().double().requires_grad_() for x in leaves]
+    ref = topk_loss(ref_leaves[0], ref_leaves[1], ids, logprobs.to(dtype), labels, student_bias=ref_leaves[2],
+                    row_weight=rw, **options)
+    ref_grads = torch.autograd.grad(ref[0], ref_leaves)
+    _compare(out, ref, grads, ref_grads, leaves, tol, labels)
+    return out, (xs, ws, bs, labels, ids, rw, options, tol)
+
+
+TOPK_GRID = [
+    (loss, tail, i, weighted)
+    for (loss, tail), (i, weighted) in zip(
+        itertools.product(TOPK_LOSSES, ["bucket", "renormalize"]),
+        itertools.cycle(itertools.product(range(len(TRANSFORMS)), [True, False])),
+    )
+]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("loss,tail,i,weighted", TOPK_GRID)
+def test_topk_transforms_match_oracle(backend, loss, tail, i, weighted, seed):
+    _run_topk(backend, loss, tail, TRANSFORMS[i], weighted, [(23,), (3, 7)][i % 2])
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("tail", ["bucket", "renormalize"])
+def test_topk_saturated_softcap_and_row_weight(backend, tail, seed):
+    _run_topk(backend, "jsd", tail, (1.5, 2.0), True, (19,), scale_x=100.0, temperature=1.0)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("form", ["heads", "logits", "topk"])
+def test_unit_weights_and_default_transforms_change_nothing(backend, form, seed):
+    """Weights of 1 everywhere, σ = 1 and no caps give the plain call's results exactly."""
+    xs, ws, xt, wt, labels, _, _ = make_inputs((13,), torch.float32)
+    if form == "topk":
+        ids, logprobs = make_topk((13,))
+        call = lambda **o: flashkd.fused_linear_distill_topk(xs, ws, ids, logprobs, labels, backend=backend,
+                                                             weight_hard_loss=0.5, **o)
+        transform = dict(student_logit_scale=1.0, student_softcap=None)
+    else:
+        teacher = (xt, wt) if form == "heads" else ((xt @ wt.T),)
+        run = flashkd.fused_linear_distill if form == "heads" else flashkd.fused_linear_distill_logits
+        call = lambda **o: run(xs, ws, *teacher, labels, backend=backend, **o)
+        transform = dict(student_logit_scale=1.0, teacher_logit_scale=1.0, student_softcap=None, teacher_softcap=None)
+    plain = call()
+    weighted = call(row_weight=torch.ones(13, dtype=torch.float16), **transform)
+    assert torch.equal(plain, weighted)
+    (g1,) = torch.autograd.grad(plain, [xs])
+    (g2,) = torch.autograd.grad(weighted, [xs])
+    assert torch.equal(g1, g2)
+
+
+# ------------------------------------------------------------------------------------------------ stats
+
+
+def _check_stats(out, xs, ws, bs, labels, rw, options, tol, ids=None):
+    loss, soft, hard, stats = out
+    assert isinstance(stats, flashkd.DistillStats)
+    assert all(not x.requires_grad for x in stats if x is not None)
+    temperature = options["temperature"]
+    entropy, rows, mass = student_stats(xs, ws, labels, ids, temperature=temperature, student_bias=bs,
+                                        student_logit_scale=options["student_logit_scale"],
+                                        student_softcap=options["student_softcap"])
+    assert stats.rows.item() == rows and stats.rows.dtype == torch.int64
+    assert abs(stats.entropy_sum.item() - entropy.item()) <= tol * max(entropy.item(), 1.0)
+    if ids is None:
+        assert stats.topk_mass_sum is None
+    else:
+        assert abs(stats.topk_mass_sum.item() - mass.item()) <= tol * max(mass.item(), 1.0)
+    # the sums are the loss before its reduction and weights: soft and hard times max(rows, 1)
+    count = max(rows, 1) if options.get("reduction", "mean") == "mean" else 1
+    tau2 = temperature**2 if options.get("temperature_squared") else 1.0
+    for got, want in ((stats.soft_sum * tau2, soft * count), (stats.hard_sum, hard * count)):
+        assert abs(got.item() - want.item()) <= tol * max(abs(want.item()), 1.0)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("loss", LOSSES)
+def test_stats_dense(backend, loss, seed):
+    i = LOSSES.index(loss)
+    form = ["heads", "logits"][i % 2]
+    out, _, (xs, ws, bs, labels, rw, options, tol) = _run_dense(
+        backend, form, loss, TRANSFORMS[i], i % 2 == 0, (3, 7), stats=True, temperature=[1.0, 0.8][i % 2],
+        ignore=["some", "all", "none"][i % 3], temperature_squared=i == 3,
+    )
+    _check_stats(out, xs.detach(), ws.detach(), bs.detach(), labels, rw, options, tol)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("tail", ["bucket", "renormalize"])
+@pytest.mark.parametrize("loss", ["forward_kl", "tvd"])
+def test_stats_topk(backend, tail, loss, seed):
+    out, (xs, ws, bs, labels, ids, rw, options, tol) = _run_topk(
+        backend, loss, tail, TRANSFORMS[2 if tail == "bucket" else 3], tail == "bucket", (3, 7), stats=True,
+        temperature=1.0 if loss == "tvd" else 1.4, reduction="sum" if loss == "tvd" else "mean",
+    )
+    _check_stats(out, xs.detach(), ws.detach(), bs.detach(), labels, rw, options, tol, ids=ids)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_stats_without_labels_and_return_orders(backend, seed):
+    """Without labels every row counts and hard_sum is 0; stats come last, after (soft, hard) if asked;
+    under no_grad too; and with a zero soft weight the soft sum is still computed."""
+    xs, ws, xt, wt, _, _, _ = make_inputs((6,), torch.float32)
+    run = lambda **o: flashkd.fused_linear_distill(xs, ws, xt, wt, weight_hard_loss=0.0, backend=backend, **o)
+    loss, stats = run(return_stats=True)
+    assert stats.rows.item() == 6 and stats.hard_sum.item() == 0.0
+    assert torch.allclose(loss, 0.5 * stats.soft_sum / 6)
+    loss2, soft, hard, stats2 = run(return_stats=True, return_soft_hard_loss=True)
+    assert torch.equal(loss, loss2) and torch.equal(stats.entropy_sum, stats2.entropy_sum)
+    with torch.no_grad():
+        loss3, stats3 = run(return_stats=True, weight_soft_loss=0.0)
+    assert loss3.item() == 0.0 and torch.allclose(stats3.soft_sum, stats.soft_sum)
+    entropy, _, _ = student_stats(xs.detach(), ws.detach())
+    assert abs(stats.entropy_sum.item() - entropy.item()) <= 3e-5 * entropy.item()
+
+
+# ----------------------------------------------------------------------------------------- teacher_topk
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("scale,cap", [(1.8, None), (-1.0, None), (0.9, 1.5), (-2.0, 3.0)])
+def test_teacher_topk_transforms(backend, scale, cap, seed):
+    """The ids of the k largest transformed logits (a negative scale reverses the order) and their
+    log-probs under the transform; with a saturating cap, ties are broken either way."""
+    x = 3.0 * torch.randn(5, 7, 6)
+    w = torch.randn(V, 6)
+    ids, logprobs = flashkd.teacher_topk(x, w, 5, temperature=0.8, teacher_logit_scale=scale, teacher_softcap=cap,
+                                         chunk_size=8, backend=backend)
+    z = (x @ w.T).double() * scale  # the fp32 GEMM's logits: the error judged is the loss math's
+    if cap is not None:
+        z = cap * torch.tanh(z / cap)
+    ref = torch.log_softmax(z / 0.8, -1)
+    tol = 4 * torch.finfo(torch.float32).eps * max(1.0, (z / 0.8).abs().max().item())
+    chosen = ref.gather(-1, ids)
+    others = ref.scatter(-1, ids, -math.inf)
+    assert (chosen.min(-1).values >= others.max(-1).values - tol).all()
+    assert (logprobs.double() - chosen).abs().max() < tol
+    assert (logprobs[..., :-1] >= logprobs[..., 1:]).all()
+
+
+# ------------------------------------------------------------------------------------------- bad input
+
+
+def test_bad_transforms_and_weights_are_named():
+    xs, ws, xt, wt, labels, _, _ = make_inputs((4,), torch.float32)
+    cases = [
+        (dict(student_logit_scale=0.0), ValueError, ["student_logit_scale", "non-zero", "0.0"]),
+        (dict(teacher_logit_scale=math.inf), ValueError, ["teacher_logit_scale", "finite", "inf"]),
+        (dict(student_logit_scale=math.nan), ValueError, ["student_logit_scale", "nan"]),
+        (dict(teacher_logit_scale=torch.tensor(2.0)), TypeError, ["teacher_logit_scale", "Python float"]),
+        (dict(student_logit_scale=True), TypeError, ["student_logit_scale", "True"]),
+        (dict(student_softcap=0.0), ValueError, ["student_softcap", "> 0", "0.0"]),
+        (dict(teacher_softcap=-30.0), ValueError, ["teacher_softcap", "-30.0"]),
+        (dict(teacher_softcap=math.inf), ValueError, ["teacher_softcap", "inf"]),
+        (dict(student_softcap="30"), TypeError, ["student_softcap", "'30'"]),
+        (dict(row_weight=torch.ones(5)), ValueError, ["row_weight", "(4,)", "(5,)"]),
+        (dict(row_weight=torch.ones(4, 1)), ValueError, ["row_weight", "(4,)", "(4, 1)"]),
+        (dict(row_weight=torch.ones(4, dtype=torch.long)), TypeError, ["row_weight", "floating", "int64"]),
+        (dict(row_weight=torch.ones(4, requires_grad=True)), TypeError, ["row_weight", "requires_grad", "detach"]),
+        (dict(row_weight=torch.tensor([1.0, math.nan, 1.0, 1.0])), ValueError, ["row_weight", "finite", "nan", "row 1"]),
+        (dict(row_weight=torch.ones(4, device="meta")), ValueError, ["row_weight", "cpu", "meta"]),
+        (dict(row_weight=[1.0] * 4), TypeError, ["row_weight", "torch.Tensor", "list"]),
+        (dict(return_stats=1), TypeError, ["return_stats", "bool"]),
+    ]
+    for change, error, words in cases:
+        with pytest.raises(error) as info:
+            flashkd.fused_linear_distill(xs, ws, xt, wt, labels, **change)
+        for word in words:
+            assert word in str(info.value), (change, str(info.value))
+    ids, logprobs = make_topk((4,))
+    with pytest.raises(TypeError, match="teacher_softcap"):  # a top-k teacher's log-probs are final
+        flashkd.fused_linear_distill_topk(xs, ws, ids, logprobs, labels, teacher_softcap=30.0)
+    with pytest.raises(ValueError, match="student_softcap: expected a finite float > 0"):
+        flashkd.fused_linear_distill_topk(xs, ws, ids, logprobs, labels, student_softcap=-1.0)
+    with pytest.raises(ValueError, match="teacher_logit_scale: expected a finite non-zero float"):
+        flashkd.teacher_topk(xt, wt, 3, teacher_logit_scale=0.0)
+    with pytest.raises(ValueError, match="teacher_softcap"):
+        flashkd.teacher_topk(xt, wt, 3, teacher_softcap=math.nan)
+
+
+def test_modules_pass_the_options_through():
+    xs, ws, xt, wt, labels, _, _ = make_inputs((5,), torch.float32)
+    options = dict(student_logit_scale=0.5, teacher_softcap=3.0, student_softcap=2.0, return_stats=True)
+    got = flashkd.FusedLinearDistillLoss("tvd", **options)(xs, ws, xt, wt, labels)
+    want = flashkd.fused_linear_distill(xs, ws, xt, wt, labels, loss="tvd", **options)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1].entropy_sum, want[1].entropy_sum)
