@@ -236,3 +236,121 @@ def _bad_inputs(rank, world, group, start, stop, device, gen):
 @pytest.mark.parametrize("world", [2, 3])
 def test_vocab_parallel_equals_unsharded(world):
     _spawn(_vocab_parallel_worker, world)
+
+
+class _Student(torch.nn.Module):
+    """A tiny LM: embedding, one layer, and a head the loss reads (forward returns hidden states)."""
+
+    def __init__(self, bias):
+        super().__init__()
+        self.embed = torch.nn.Embedding(V, HS)
+        self.layer = torch.nn.Linear(HS, HS)
+        self.lm_head = torch.nn.Linear(HS, V, bias=bias)
+
+    def forward(self, tokens):
+        return torch.tanh(self.layer(self.embed(tokens)))
+
+
+def _fsdp_worker(rank, world, seed):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+
+    from flashkd.distributed import fsdp
+
+    device = _device()
+    mesh = init_device_mesh(device.type, (world,))
+    dtype = torch.float64
+    gen = torch.Generator().manual_seed(seed)
+    counts = [5 + 2 * r for r in range(world)]  # each rank's own batch, of its own length
+    steps = 3
+    batches = [[torch.randint(0, V, (1, n), generator=gen).to(device) for n in counts] for _ in range(steps)]
+    labels = [[torch.randint(0, V, (1, n), generator=gen).to(device) for n in counts] for _ in range(steps)]
+    for step in labels:
+        for y in step:
+            y[0, ::3] = -100
+    xt = [[torch.randn(1, n, HT, generator=gen, dtype=dtype).to(device) for n in counts] for _ in range(steps)]
+    wt = torch.randn(V, HT, generator=gen, dtype=dtype).to(device)
+
+    def loss_fn(form, h, w, b, step, r, wt_arg, **kw):
+        if form == "heads":
+            return flashkd.fused_linear_distill(h, w, xt[step][r], wt_arg, labels[step][r], student_bias=b, **kw)
+        if form == "topk":
+            ids, lp = flashkd.teacher_topk(xt[step][r], wt, K)
+            return flashkd.fused_linear_distill_topk(h, w, ids, lp, labels[step][r], student_bias=b,
+                                                     weight_hard_loss=0.5, weight_soft_loss=0.5, **kw)
+        logits = xt[step][r] @ wt.t()
+        return flashkd.fused_linear_distill_logits(h, w, logits, labels[step][r], student_bias=b, **kw)
+
+    cases = [
+        ("heads", "rows", False, False, dict(loss="jsd", chunk_size=4)),
+        ("heads", "rows", True, True, dict(loss="forward_kl", student_softcap=3.0, teacher_softcap=4.0)),
+        ("heads", "heads", True, False, dict(loss="tvd")),
+        ("heads", "auto", False, True, dict(loss="jsd", reduction="sum")),
+        ("topk", "rows", False, False, dict(loss="forward_kl")),
+        ("logits", "auto", True, False, dict(loss="reverse_kl")),
+    ]
+    for form, gather, bias, sharded_teacher, options in cases:
+        case = f"{form} {gather} bias={bias} sharded_teacher={sharded_teacher} {options}"
+        torch.manual_seed(seed)
+        ref = _Student(bias).to(device=device, dtype=dtype)
+        model = _Student(bias).to(device=device, dtype=dtype)
+        model.load_state_dict(ref.state_dict())
+        fully_shard(model.lm_head, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        opt_ref = torch.optim.SGD(ref.parameters(), lr=0.5)
+        opt = torch.optim.SGD(model.parameters(), lr=0.5)
+        wt_arg = distribute_tensor(wt, mesh, [Shard(0)]) if sharded_teacher else wt
+        for step in range(steps):
+            # the unsharded model on every rank's batch: the mean of the ranks' losses
+            ref_losses = [loss_fn(form, ref(batches[step][r]), ref.lm_head.weight, ref.lm_head.bias, step, r, wt, **options)
+                          for r in range(world)]
+            opt_ref.zero_grad()
+            (sum(ref_losses) / world).backward()
+            opt_ref.step()
+            head = model.lm_head.weight
+            assert isinstance(head, DTensor), case
+            mine = loss_fn(form, model(batches[step][rank]), head, model.lm_head.bias, step, rank, wt_arg,
+                           fsdp_gather=gather, **options)
+            _close(f"{case}: step {step} loss", mine.detach(), ref_losses[rank].detach(), 1e-9)
+            opt.zero_grad()
+            mine.backward()
+            assert isinstance(head.grad, DTensor) and head.grad.placements == head.placements, case
+            opt.step()
+        for (name, p_ref), (_, p) in zip(ref.named_parameters(), model.named_parameters()):
+            _close(f"{case}: {name} after {steps} steps", p.full_tensor(), p_ref.detach(), 1e-9)
+
+    # the route formulas: rows when the union's rows are fewer than the vocab's, heads otherwise
+    w = distribute_tensor(torch.randn(V, HS, dtype=dtype, device=device), mesh, [Shard(0)])
+    args = dict(teacher_input=torch.zeros(1, HT, dtype=dtype, device=device))
+    few = fsdp.route_bytes("fused_linear_distill", dict(student_weight=w, teacher_input=args["teacher_input"]), {}, 8, world)
+    many = fsdp.route_bytes("fused_linear_distill", dict(student_weight=w, teacher_input=args["teacher_input"]), {}, 4 * V, world)
+    assert few["rows"] < few["heads"] and many["rows"] > many["heads"], (few, many)
+
+    # teacher_topk of a DTensor teacher head: each rank its own rows' global top-k
+    for gather in ("rows", "heads"):
+        wt_d = distribute_tensor(wt, mesh, [Shard(0)])
+        want = flashkd.teacher_topk(xt[0][rank], wt, K)
+        got = flashkd.teacher_topk(xt[0][rank], wt_d, K, fsdp_gather=gather)
+        assert torch.equal(got[0], want[0]), ("teacher_topk ids", gather)
+        _close(f"teacher_topk {gather}", got[1], want[1])
+
+    # errors every rank raises alike
+    model = _Student(False).to(device=device, dtype=dtype)
+    fully_shard(model.lm_head, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    h = model(batches[0][rank])
+    logits = xt[0][rank] @ wt.t()
+    _raises(ValueError, "not available for dense teacher logits", flashkd.fused_linear_distill_logits, h,
+            model.lm_head.weight, logits, labels[0][rank], fsdp_gather="rows")
+    _raises(ValueError, "fsdp_gather: expected", flashkd.fused_linear_distill, h, model.lm_head.weight, xt[0][rank],
+            wt, labels[0][rank], fsdp_gather="both")
+    from torch.distributed.tensor import Replicate
+
+    replicated = distribute_tensor(torch.randn(V, HS, dtype=dtype, device=device), mesh, [Replicate()])
+    _raises(TypeError, "student_weight: expected a local torch.Tensor or a DTensor sharded on dim 0",
+            flashkd.fused_linear_distill, h, replicated, xt[0][rank], wt, labels[0][rank])
+
+
+def test_fsdp2_training_steps_equal_unsharded():
+    _spawn(_fsdp_worker, 2)

@@ -242,23 +242,26 @@ def _rows_route(name, args, heads, placed, group, counts):
             raise TypeError(f"{k}: expected a DTensor sharded like {weight}, got a {type(x).__name__}")
         else:
             args[k] = x[start : start + size]  # a plain teacher head: this rank's rows of it
-    rows = {}
+    if name != "teacher_topk" and args["return_stats"]:
+        raise ValueError("return_stats: not available on the FSDP rows route yet; pass fsdp_gather='heads'")
+    lead = args[_ROWS[name][0]].shape[:-1]  # this rank's rows, as it passed them
     for k in _ROWS[name]:
         x = args.get(k)
         if x is None:
             continue
-        flat = x.reshape(counts[rank], *x.shape[x.dim() - (1 if k in ("student_input", "teacher_input", "teacher_ids", "teacher_logprobs") else 0):])
-        rows[k] = _GatherRows.apply(flat, group, counts) if flat.requires_grad else _gather(flat, group, counts)
-    args.update(rows)
+        # (N_r, ...) rows: the trailing dim stays for the hidden states and top-k targets
+        flat = x.reshape(counts[rank], *(x.shape[-1:] if k in _TRAILING else ()))
+        args[k] = _GatherRows.apply(flat, group, counts) if flat.requires_grad else _gather(flat, group, counts)
     offset = sum(counts[:rank])
     own = slice(offset, offset + counts[rank])
     args.update(process_group=group, vocab_start=start, fsdp_gather="auto")
     if name == "teacher_topk":
-        lead = heads_lead = None  # noqa: F841
         ids, logprobs = _public(name)(**_call_args(name, args))
-        shape = tuple(args_in_shape := ())  # noqa: F841
-        return ids[own], logprobs[own]
+        return ids[own].reshape(*lead, -1), logprobs[own].reshape(*lead, -1)
     return _rows_loss(name, args, own, counts)
+
+
+_TRAILING = ("student_input", "teacher_input", "teacher_ids", "teacher_logprobs")
 
 
 def _rows_loss(name, args, own, counts):
