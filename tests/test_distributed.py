@@ -35,6 +35,8 @@ def _free_port() -> int:
 
 
 def _spawn(worker, world: int, *args):
+    if os.environ.get("FLASHKD_DIST_BACKEND") == "nccl" and torch.cuda.device_count() < world:
+        pytest.skip(f"needs {world} GPUs")
     seed = int.from_bytes(os.urandom(4), "little")
     print(f"seed={seed}")
     mp.spawn(_entry, args=(worker, world, _free_port(), seed, *args), nprocs=world, join=True)
@@ -91,9 +93,11 @@ def _leaf(x):
 
 def _compare(fn, case, full, shard, start, stop, **options):
     """fn(*inputs, **options) unsharded on `full` and vocab-parallel on `shard`; returns nothing, raises."""
-    want = fn(*full["args"], **full["kw"], **options)
-    got = fn(*shard["args"], **shard["kw"], **options)
-    want, got = (want, got) if isinstance(want, tuple) else ((want,), (got,))
+    # the torch backend on GPUs too: its fp64 math is the tight reference (the sharded call uses it)
+    want = fn(*full["args"], **full["kw"], backend="torch", **options)
+    got = fn(*shard["args"], **shard["kw"], backend="torch", **options)
+    want, got = _flat(want), _flat(got)
+    assert len(got) == len(want), case
     for i, (g, w) in enumerate(zip(got, want)):
         _close(f"{case}: output {i}", g, w)
     if not want[0].requires_grad:
@@ -105,6 +109,13 @@ def _compare(fn, case, full, shard, start, stop, **options):
         if name != "dX":
             w = w[start:stop]  # the rank's rows of the unsharded gradient
         _close(f"{case}: {name}", g, w)
+
+
+def _flat(out):
+    """The tensors of a result: the loss, (soft, hard), DistillStats' fields (None left out)."""
+    if isinstance(out, torch.Tensor):
+        return [out]
+    return [t for x in out if x is not None for t in _flat(x)]
 
 
 def _vocab_parallel_worker(rank, world, seed):
@@ -133,8 +144,15 @@ def _vocab_parallel_worker(rank, world, seed):
         dict(loss="cosine", weight_hard_loss=0.0, weight_soft_loss=1.0),
         dict(loss="jsd", weight_hard_loss=1.0, weight_soft_loss=0.0),  # CE alone
         dict(loss="jsd", return_soft_hard_loss=True, chunk_size=4),  # several chunks
+        # the heads' transforms (elementwise: they compose with the slices), row weights, stats
+        dict(loss="jsd", student_softcap=2.0, teacher_softcap=3.0, student_logit_scale=0.7, teacher_logit_scale=1.3),
+        dict(loss="cosine", student_softcap=2.5, return_stats=True),
+        dict(loss="reverse_kl", return_stats=True, return_soft_hard_loss=True, row_weight=True),
+        dict(loss="tvd", row_weight=True, reduction="sum", chunk_size=5),
     ]
     for options in heads_cases:
+        if options.get("row_weight"):
+            options = dict(options, row_weight=torch.rand(11, generator=gen, dtype=torch.float64).to(device))
         for bias, padded in ((False, False), (True, True)):
             # a padded teacher head: its extra rows come after the vocab, in the last slice
             vt = V + 3 if padded else V
@@ -166,6 +184,8 @@ def _vocab_parallel_worker(rank, world, seed):
         dict(loss="reverse_kl", tail="renormalize"),
         dict(loss="jsd", beta=0.4, weight_hard_loss=0.5, weight_soft_loss=0.5, temperature=1.5),
         dict(loss="tvd", chunk_size=4),
+        dict(loss="forward_kl", student_softcap=2.0, student_logit_scale=1.5, return_stats=True),
+        dict(loss="jsd", tail="renormalize", return_stats=True),
     ):
         xs, ws, xt, wt, labels, bs, _ = _inputs(gen, 12, dtype, device, bias=True)
         ids, lp = flashkd.teacher_topk(xt, wt, K, temperature=options.get("temperature", 1.0))
@@ -180,7 +200,8 @@ def _vocab_parallel_worker(rank, world, seed):
     _compare(flashkd.fused_linear_distill_topk, "topk k=V", full, shard, start, stop, loss="jsd")
 
     # teacher_topk: the global top-k from every rank's candidates
-    for k, options in ((K, {}), (1, dict(temperature=0.5)), (V - 2, dict(vocab_size=V - 2))):
+    for k, options in ((K, {}), (1, dict(temperature=0.5)), (V - 2, dict(vocab_size=V - 2)),
+                       (K, dict(teacher_softcap=1.5, teacher_logit_scale=2.0))):
         xt, wt, bt = _inputs(gen, 13, dtype, device, bias=True)[2:][:2] + (None,)
         bt = torch.randn(V, generator=gen, dtype=dtype).to(device)
         want = flashkd.teacher_topk(xt, wt, k, teacher_bias=bt, **options)
@@ -273,6 +294,7 @@ def _fsdp_worker(rank, world, seed):
     wt = torch.randn(V, HT, generator=gen, dtype=dtype).to(device)
 
     def loss_fn(form, h, w, b, step, r, wt_arg, **kw):
+        kw["backend"] = "torch"  # fp64 math on GPUs too
         if form == "heads":
             return flashkd.fused_linear_distill(h, w, xt[step][r], wt_arg, labels[step][r], student_bias=b, **kw)
         if form == "topk":
@@ -354,3 +376,11 @@ def _fsdp_worker(rank, world, seed):
 
 def test_fsdp2_training_steps_equal_unsharded():
     _spawn(_fsdp_worker, 2)
+
+
+def test_core_does_not_import_the_distributed_layer():
+    import subprocess
+    import sys
+
+    code = "import sys, flashkd; assert 'flashkd.distributed' not in sys.modules"
+    subprocess.run([sys.executable, "-c", code], check=True)

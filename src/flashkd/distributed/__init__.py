@@ -14,16 +14,18 @@ and db are the slice's. Per block of R rows the torch row definition (`flashkd.l
 its row statistics (`ShardedVocab.merge`: the logsumexps' maxima, then their sums with every other
 sum over the vocab, stacked) — O(R) fp32 per collective, never R × V. Collectives per block:
 
-    form / loss                       forward                      backward (with grads)
-    dense divergence (± CE)           MAX, SUM (lse), SUM (div)    2 SUM
-    cosine + CE / cosine alone        MAX, SUM / SUM               1 SUM
-    CE alone (weight_soft_loss = 0)   MAX, SUM                     1 SUM
-    top-k teacher (± CE)              MAX, SUM                     1 SUM
-    teacher_topk                      1 all-gather of (R, 2k + 2) fp64: the local top-k + (max, sum-exp)
+    form / loss                 forward                                   backward (with grads)
+    dense divergence + CE       MAX (R·3), SUM (R·4: lse sums, label),    SUM (R·1), SUM (R·4)
+                                SUM (R·1: the divergence)
+    cosine + CE                 MAX (R·1), SUM (R·5: lse, s·t, s·s, t·t, label)   SUM (R·5)
+    top-k teacher + CE          MAX (R·2), SUM (R·(K + 3): lse sums, s at the ids, label)   SUM (R·(K + 3))
+    teacher_topk                one all-gather of (R, 2k + 2) fp64: the local top-k and (max, sum-exp)
 
-with payloads (R · n) fp32, n = 3 or 4 (dense: the three logsumexps and the label's logit; then 1),
-K + 2 for a top-k teacher. Per chunk dX[c] = dS_r · W_r is all-reduced (asynchronously, while the
-next chunk computes): R · Hs · E bytes; per call one all-gather of (vocab_start, V_r).
+(without the CE each loses its R·1 MAX and SUM columns; tail "renormalize" its rest's; return_stats
+adds the entropy to the last SUM, for a top-k teacher one more MAX and two SUMs). Per chunk
+dX[c] = dS_r · W_r is all-reduced (asynchronously, while the next chunk computes): R · Hs · E bytes,
+summed in dX's dtype (in bf16: one rounding per rank's part, where the unsharded GEMM rounds once);
+per call one all-gather of (vocab_start, V_r).
 
 Memory per rank, beyond the inputs: the core's formulas ("Memory" in README.md) with V_r for V
 (logits R·V_r·E, dW V_r·Hs·A) and the torch backend's fp32 temporaries ≈ 6·R·V_r·4, plus O(R·n)
