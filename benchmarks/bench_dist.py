@@ -62,7 +62,7 @@ def main():
     v = x.ws.shape[0]
     bounds = [v * r // world for r in range(world + 1)]
     lo, hi = bounds[rank], bounds[rank + 1]
-    results = {"world": world, "workload": w.describe() if hasattr(w, "describe") else str(w)}
+    results = {"world": world, "workload": w.describe(), "chunk_size": a.chunk_size}
 
     def step(fn):
         def run():

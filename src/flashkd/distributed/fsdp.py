@@ -23,7 +23,8 @@ all-reduce 2 f · S):
   heads:  f · V · Hs · E                  gather of the student head
         + f · V · Hs · E                  reduce-scatter of its gradient (backward)
         + f · Vt · Ht · E                 gather of the teacher head, when it is a DTensor too
-  rows are cheaper roughly when N < V (2 Hs + Ht)/(2 Hs + Ht): N < V for a sharded teacher head.
+  Leaving out the small terms, rows are cheaper when N·(2 Hs + Ht) < V·(2 Hs + Ht), i.e. N < V, with a
+  sharded teacher head, and when N·(2 Hs + Ht) < 2·V·Hs with a teacher head every rank holds whole.
 
 fsdp_gather="auto" (the default) takes the route whose formula is smaller, "rows" or "heads" forces
 one. The dense-logits form has only the "heads" route: the rows route would move each rank's
@@ -113,6 +114,8 @@ def call(name, args):
             f"{weight}: expected a DTensor sharded like {', '.join(heads)} (the rows route shards the vocab "
             f"by the weight), got a {type(args[weight]).__name__}; pass {', '.join(heads)}.full_tensor()"
         )
+    if name == "fused_linear_distill_logits" and gather == "auto":
+        gather = "heads"  # the only route of dense teacher logits: no row counts needed
     counts = None
     if gather != "heads":
         first = args[_ROWS[name][0]]
