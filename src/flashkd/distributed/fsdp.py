@@ -114,7 +114,12 @@ def call(name, args):
             f"{weight}: expected a DTensor sharded like {', '.join(heads)} (the rows route shards the vocab "
             f"by the weight), got a {type(args[weight]).__name__}; pass {', '.join(heads)}.full_tensor()"
         )
-    if name == "fused_linear_distill_logits" and gather == "auto":
+    if name == "fused_linear_distill_logits":
+        if gather == "rows":
+            raise ValueError(
+                "fsdp_gather: 'rows' is not available for dense teacher logits (it would move each rank's "
+                "teacher logit columns of every row, N · V); use 'heads' or 'auto'"
+            )
         gather = "heads"  # the only route of dense teacher logits: no row counts needed
     counts = None
     if gather != "heads":
@@ -123,11 +128,6 @@ def call(name, args):
         counts = _exchange_counts(group, n_local, first.device)
     if gather == "auto":
         gather = choose(name, args, heads, sum(counts), world)
-    elif gather == "rows" and name == "fused_linear_distill_logits":
-        raise ValueError(
-            "fsdp_gather: 'rows' is not available for dense teacher logits (it would move each rank's "
-            "teacher logit columns of every row, N · V); use 'heads' or 'auto'"
-        )
     if gather == "heads":
         return _heads_route(name, args, heads)
     return _rows_route(name, args, heads, placed, group, counts)
