@@ -250,7 +250,7 @@ def _bad_inputs(rank, world, group, start, stop, device, gen):
     _raises(TypeError, "process_group: expected", call, xs, ws, xt, wt, labels, process_group="world", vocab_start=0)
     _raises(ValueError, "vocab_start: expected None without process_group", call, xs, ws, xt, wt, labels, vocab_start=0)
     _raises(ValueError, r"labels: expected values in \[0, 37\)", call, xs, ws[start:stop], xt, wt[start:stop],
-            labels.masked_fill(labels == labels.max(), V), process_group=group, vocab_start=start)
+            labels.masked_fill(labels == labels.max(), V), process_group=group, vocab_start=start, check_labels=True)
     # replicated rows that differ between ranks: only checked when asked for
     moved = xs + (rank == 1) * 1e-3
     call(moved, ws[start:stop], xt, wt[start:stop], labels, process_group=group, vocab_start=start)

@@ -192,23 +192,28 @@ def row_losses(s: torch.Tensor, t: torch.Tensor, labels: torch.Tensor | None, sp
     ce = spec.want_hard and labels is not None
     # Two merges over the vocab: every logsumexp and every sum that needs none of them, then the
     # sums that need the normalisers (the divergence's, the entropy's).
-    z = (s / spec.temperature,)
+    tau = spec.temperature
+    z = (s if tau == 1.0 else s / tau,)  # no copy at τ = 1: the blocks are the torch backend's memory
     if kind in DIVERGENCES:
-        z += (spec.teacher(t.to(work)) / spec.temperature,)
+        b = spec.teacher(t.to(work))
+        z += (b if tau == 1.0 else b / tau,)
+        del b
     sums = ()
     if kind == "cosine":
         t = spec.teacher(t.to(work))
         sums = ((s * t).sum(-1), (s * s).sum(-1), (t * t).sum(-1))
     if kind not in DIVERGENCES and not stats:
         z = ()  # no softmax at τ wanted
-    lse, sums = vocab.merge(lse=z + ((s,) if ce else ()), sums=sums + ((vocab.pick(s, labels),) if ce else ()))
-    log_q = z[0] - lse[0][:, None] if z else None
+    logp, lse, sums = vocab.merge(log_softmax=z, lse=(s,) if ce else (),
+                                  sums=sums + ((vocab.pick(s, labels),) if ce else ()))
+    del z  # the tempered logits: only their log-probs stay (the torch backend's peak memory)
+    log_q = logp[0] if logp else None
     after = ()
     if kind in DIVERGENCES:
-        after += (_divergence(log_q, z[1] - lse[1][:, None], spec),)
+        after += (_divergence(log_q, logp[1], spec),)
     if stats:
         after += (_entropy(log_q.detach()),)
-    after = vocab.merge(sums=after)[1] if after else ()
+    after = vocab.merge(sums=after)[2] if after else ()
     if kind is None:
         soft = s.new_zeros(s.shape[0])
     elif kind == "cosine":
@@ -217,7 +222,7 @@ def row_losses(s: torch.Tensor, t: torch.Tensor, labels: torch.Tensor | None, sp
         soft = spec.beta * (1.0 - dot / norm)
     else:
         soft = after[0]
-    soft, hard = _with_hard(soft, lse[-1] - sums[-1] if ce else None, labels, spec, vocab.size(s))
+    soft, hard = _with_hard(soft, lse[0] - sums[-1] if ce else None, labels, spec, vocab.size(s))
     if not stats:
         return soft, hard
     return soft, hard, _valid_only(after[-1], labels, spec)
@@ -252,7 +257,7 @@ def topk_row_losses(s: torch.Tensor, t, labels: torch.Tensor | None, spec: LossS
         z = s / spec.temperature
         used = (ids >= 0) & (ids < v)
         lse, sums = topk_parts(z, ids, used, spec.tail, vocab)
-    lse, sums = vocab.merge(lse=lse + ((s,) if ce else ()), sums=sums + ((vocab.pick(s, labels),) if ce else ()))
+    _, lse, sums = vocab.merge(lse=lse + ((s,) if ce else ()), sums=sums + ((vocab.pick(s, labels),) if ce else ()))
     if spec.want_soft:
         z_k = torch.where(used, sums[0], -torch.inf)
         z_rest = lse[0][:, None] if spec.tail == "bucket" else None
@@ -268,10 +273,10 @@ def topk_row_losses(s: torch.Tensor, t, labels: torch.Tensor | None, spec: LossS
         return soft, hard
     # q over the whole vocab at τ: its entropy, and its mass on the used ids (z at them is merged above)
     z = s.detach() / spec.temperature
-    (lse_z,), _ = vocab.merge(lse=(z,))
-    log_q = z - lse_z[:, None]
-    (entropy,) = vocab.merge(sums=(_entropy(log_q),))[1]
-    mass = torch.where(used, (sums[0].detach() - lse_z[:, None]).exp(), 0.0).sum(-1)
+    (log_q,), _, _ = vocab.merge(log_softmax=(z,))
+    (entropy,) = vocab.merge(sums=(_entropy(log_q),))[2]
+    lse_z = (z - log_q)[:, :1]  # z − log q is the row's logsumexp in every column
+    mass = torch.where(used, (sums[0].detach() - lse_z).exp(), 0.0).sum(-1)
     return soft, hard, _valid_only(entropy, labels, spec), _valid_only(mass, labels, spec)
 
 
@@ -331,8 +336,8 @@ class Vocab:
     """Where a block of logits sits in the vocab, and the reductions over the vocab that the row
     definitions make. This one: the block holds the whole vocab (every call without a process
     group). `flashkd.distributed` subclasses it for a block holding one rank's slice of the vocab:
-    its `_max` and `_sum` merge over the ranks, so that these same definitions give every rank the
-    rows of the whole vocab."""
+    its `merge` merges over the ranks, so that these same definitions give every rank the rows of
+    the whole vocab."""
 
     # How many ranks compute the same loss from their slices: autograd seeds each with 1/copies.
     copies = 1
@@ -354,28 +359,30 @@ class Vocab:
         picked = torch.where(here, x.gather(-1, col), 0.0)
         return picked if ids.dim() == 2 else picked[:, 0]
 
-    def merge(self, lse=(), sums=()):
-        """([logsumexp over the vocab of each (R, V) block in lse], [each of sums summed over the vocab]):
-        `sums` are this block's parts of row quantities (R,) or (R, K). One max and one sum merge in
-        all. A row that is −inf throughout has logsumexp −inf and a zero gradient (no NaN)."""
-        m = None
-        if lse:
-            m = self._max(torch.stack([x.detach().amax(-1) for x in lse], -1))
-            m = torch.where(torch.isfinite(m), m, 0.0)
-        parts = self._sum([torch.exp(x - m[:, i, None]).sum(-1) for i, x in enumerate(lse)] + list(sums))
-        out = []
-        for i, l in enumerate(parts[: len(lse)]):
-            log_l = torch.log(l.clamp_min(torch.finfo(l.dtype).tiny))
-            out.append(torch.where(l > 0, m[:, i] + log_l, -torch.inf))
-        return out, parts[len(lse) :]
+    def merge(self, log_softmax=(), lse=(), sums=()):
+        """([log_softmax over the vocab of each (R, V) block in log_softmax], [logsumexp of each in lse],
+        [each of sums summed over the vocab]): `sums` are this block's parts of row quantities, (R,) or
+        (R, K). A sliced vocab merges them all in one max and one sum over the ranks. The logsumexp of
+        a row that is −inf throughout is −inf with a zero gradient (no NaN)."""
+        lse = [_LogSumExp.apply(x) for x in lse]  # first: its temporaries meet fewer live blocks
+        return [torch.log_softmax(x, -1) for x in log_softmax], lse, list(sums)
 
-    def _max(self, m: torch.Tensor) -> torch.Tensor:
-        """The elementwise max of m over the blocks of the vocab (not differentiated)."""
-        return m
 
-    def _sum(self, parts: list) -> list:
-        """Each of the tensors in parts summed over the blocks of the vocab (differentiable)."""
-        return parts
+class _LogSumExp(torch.autograd.Function):
+    """torch.logsumexp over the last dim (the same saved tensors), whose gradient is 0, not NaN, on
+    rows that are −inf throughout (a top-k teacher's rest when its ids cover the vocab)."""
+
+    @staticmethod
+    def forward(ctx, x):
+        out = torch.logsumexp(x, -1)
+        ctx.save_for_backward(x, out)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, out = ctx.saved_tensors
+        finite = torch.isfinite(out)[:, None]
+        return torch.where(finite, grad[:, None] * torch.exp(x - torch.where(finite, out[:, None], 0.0)), 0.0)
 
 
 WHOLE_VOCAB = Vocab()

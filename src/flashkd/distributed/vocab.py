@@ -65,12 +65,27 @@ class ShardedVocab(Vocab):
         here = (ids >= self.start) & (ids < self.start + x.shape[-1])
         return torch.where(here, ids - self.start, 0).long(), here
 
-    def _max(self, m):
-        m = m.contiguous()
-        dist.all_reduce(m, op=dist.ReduceOp.MAX, group=self.group)
-        return m
+    def merge(self, log_softmax=(), lse=(), sums=()):
+        """`Vocab.merge` over the group: one all-reduce MAX of every logsumexp's row maxima (not
+        differentiated: the logsumexp's gradient does not depend on its shift), then one
+        differentiable all-reduce SUM of their exp-sums and of `sums`, stacked into one (R, n) tensor."""
+        blocks = list(log_softmax) + list(lse)
+        m = None
+        if blocks:
+            m = torch.stack([x.detach().amax(-1) for x in blocks], -1)
+            dist.all_reduce(m, op=dist.ReduceOp.MAX, group=self.group)
+            m = torch.where(torch.isfinite(m), m, 0.0)  # a row −inf throughout: exp(−inf − 0) = 0
+        parts = [torch.exp(x - m[:, i, None]).sum(-1) for i, x in enumerate(blocks)] + list(sums)
+        parts = self._sum(parts)
+        out = []
+        for i, l in enumerate(parts[: len(blocks)]):
+            log_l = torch.log(l.clamp_min(torch.finfo(l.dtype).tiny))
+            out.append(torch.where(l > 0, m[:, i] + log_l, -torch.inf))  # −inf, gradient 0, on an empty row
+        n = len(log_softmax)
+        return [x - out[i][:, None] for i, x in enumerate(log_softmax)], out[n:], parts[len(blocks) :]
 
     def _sum(self, parts):
+        """Each of parts summed over the group, in one differentiable all-reduce."""
         if not parts:
             return []
         flat = [p.reshape(p.shape[0], -1) for p in parts]
