@@ -71,6 +71,8 @@ def teacher_topk(
         v = vocab.total  # ids and vocab_size are the whole vocab's
     elif vocab_start is not None:
         raise ValueError(f"vocab_start: expected None without process_group, got {vocab_start!r}")
+    if fsdp_gather not in ("auto", "rows", "heads"):
+        raise ValueError(f"fsdp_gather: expected 'auto', 'rows' or 'heads', got {fsdp_gather!r}")
     if vocab_size is not None:
         if isinstance(vocab_size, bool) or not isinstance(vocab_size, int) or not 1 <= vocab_size <= v:
             raise ValueError(f"vocab_size: expected an int in [1, {v}] (teacher_weight's vocab), got {vocab_size!r}")
