@@ -62,23 +62,28 @@ def test_bad_input_is_named(change, error, words):
 
 
 @pytest.mark.skipif(not torch.distributed.is_available(), reason="torch without torch.distributed")
-def test_sharded_weight_is_named_and_its_full_tensor_works():
-    """A DTensor (an FSDP2 parameter outside its module's forward) is an error naming the argument, not a
-    failure inside a GEMM; its full_tensor(), as the message suggests, gives the local call's loss and
-    gradients, which flow back to the sharded parameter."""
+def test_dtensor_weight_is_sharded_on_dim_0_or_named():
+    """A DTensor head sharded on dim 0 (an FSDP2 parameter outside its module's forward) gives the local
+    call's loss and gradients, which land on the DTensor (flashkd.distributed; several ranks:
+    tests/test_distributed.py); any other DTensor is an error naming the argument, not a failure inside a
+    GEMM, and its full_tensor(), as the message suggests, works."""
     from torch import distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor import Shard, distribute_tensor
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:
         xs, ws, xt, wt, y = inputs()
-        sharded = distribute_tensor(ws.detach(), init_device_mesh("cpu", (1,)), [Shard(0)]).requires_grad_()
-        with pytest.raises(TypeError, match="student_weight: expected a local torch.Tensor, got a DTensor"):
-            flashkd.fused_linear_distill(xs, sharded, xt, wt, y)
-        flashkd.fused_linear_distill(xs, sharded.full_tensor(), xt, wt, y).backward()
+        mesh = init_device_mesh("cpu", (1,))
+        sharded = distribute_tensor(ws.detach(), mesh, [Shard(0)]).requires_grad_()
+        replicated = distribute_tensor(ws.detach(), mesh, [Replicate()]).requires_grad_()
+        with pytest.raises(TypeError, match="student_weight: expected a local torch.Tensor or a DTensor sharded on dim 0"):
+            flashkd.fused_linear_distill(xs, replicated, xt, wt, y)
+        flashkd.fused_linear_distill(xs, replicated.full_tensor(), xt, wt, y).backward()
+        flashkd.fused_linear_distill(xs, sharded, xt, wt, y).backward()
         flashkd.fused_linear_distill(xs, ws, xt, wt, y).backward()
         torch.testing.assert_close(sharded.grad.full_tensor(), ws.grad)
+        torch.testing.assert_close(replicated.grad.full_tensor(), ws.grad)
     finally:
         dist.destroy_process_group()
 

@@ -63,6 +63,7 @@ class _Plan:
     form: str  # the teacher's input form: "heads" (Xt, Wt, bt), "logits" (T,) or "topk" (ids, logprobs)
     teacher_chunk: int  # rows of teacher logits computed at a time within a chunk (heads only)
     stats: bool = False  # also sum the DistillStats
+    vocab: object = None  # a rank's slice of the vocab (flashkd.distributed.ShardedVocab); None: all of it
 
 
 def fused_linear_distill(
@@ -93,6 +94,11 @@ def fused_linear_distill(
     teacher_softcap: float | None = None,
     row_weight: torch.Tensor | None = None,  # (...) like labels, constant
     return_stats: bool = False,
+    process_group=None,
+    vocab_start: int | None = None,
+    check_shards: bool | None = None,
+    check_replicas: bool = False,
+    fsdp_gather: str = "auto",
 ):
     """Distillation loss between a student and a teacher LM head, without materialising the logits.
 
@@ -133,7 +139,12 @@ def fused_linear_distill(
       error grows with the number of chunks (bf16, 8 chunks: 1.8–4.6× that of fp32, BENCHMARKS.md).
     - check_labels: raise on labels outside [0, V) other than ignore_index. Default: on CPU tensors
       (no cost); off on GPU, where such a row gives a NaN loss instead (the check would be a host sync).
+    - process_group, vocab_start, check_shards, check_replicas: vocab-parallel heads, each rank holding
+      the rows [vocab_start, vocab_start + V_r) of each head; fsdp_gather: what to gather for a head
+      that is an FSDP2 DTensor ("auto", "rows", "heads"). See `flashkd.distributed`.
     """
+    if process_group is not None or _any_dtensor(student_weight, teacher_weight, student_bias, teacher_bias):
+        return _distributed("fused_linear_distill", locals())
     spec = _spec(locals())
     xs, ws, bs, y = _check_student(student_input, student_weight, student_bias, labels)
     xt, wt, bt = _check_teacher_heads(xs, student_input, ws, teacher_input, teacher_weight, teacher_bias)
@@ -166,6 +177,11 @@ def fused_linear_distill_logits(
     teacher_softcap: float | None = None,
     row_weight: torch.Tensor | None = None,
     return_stats: bool = False,
+    process_group=None,
+    vocab_start: int | None = None,
+    check_shards: bool | None = None,
+    check_replicas: bool = False,
+    fsdp_gather: str = "auto",
 ):
     """`fused_linear_distill` with the teacher given as precomputed dense logits (no teacher GEMM).
 
@@ -174,8 +190,11 @@ def fused_linear_distill_logits(
     at a time (any strides with unit stride over the vocab; other layouts are copied per chunk). Its
     columns >= V (a padded head) are dropped. The teacher gets no gradient. `teacher_logit_scale` and
     `teacher_softcap` transform `teacher_logits` as given: an HF model's `.logits` already include
-    its own scale and softcap, so leave them at their defaults for those.
+    its own scale and softcap, so leave them at their defaults for those. With `process_group`,
+    `teacher_logits` are the columns of this rank's vocab slice.
     """
+    if process_group is not None or _any_dtensor(student_weight, student_bias):
+        return _distributed("fused_linear_distill_logits", locals())
     spec = _spec(locals())
     xs, ws, bs, y = _check_student(student_input, student_weight, student_bias, labels)
     tl = _check_teacher_logits(xs, student_input, ws, teacher_logits)
@@ -209,6 +228,11 @@ def fused_linear_distill_topk(
     student_softcap: float | None = None,
     row_weight: torch.Tensor | None = None,
     return_stats: bool = False,
+    process_group=None,
+    vocab_start: int | None = None,
+    check_shards: bool | None = None,
+    check_replicas: bool = False,
+    fsdp_gather: str = "auto",
 ):
     """Distillation from a sparse teacher: its top-k log-probs (from disk, or an inference server).
 
@@ -239,7 +263,10 @@ def fused_linear_distill_topk(
       dtype), in rows whose label is not ignore_index. Default: on CPU tensors; off on GPU (a host
       sync), where an out-of-range id or a NaN log-prob gives a NaN loss on its row, duplicates give
       wrong values and a mass past 1 is renormalised (the bucket gets p_rest = 0).
+    - With `process_group`, `teacher_ids` are ids of the whole vocab, the same on every rank.
     """
+    if process_group is not None or _any_dtensor(student_weight, student_bias):
+        return _distributed("fused_linear_distill_topk", locals())
     spec = _spec(locals())
     xs, ws, bs, y = _check_student(student_input, student_weight, student_bias, labels)
     ids, lp = _check_teacher_topk(xs, student_input, ws, teacher_ids, teacher_logprobs)
@@ -303,13 +330,31 @@ def _spec(args: dict) -> LossSpec:
     return spec
 
 
-def _run(spec, form, teacher, xs, ws, bs, y, args):
-    """Plan and run a validated call; the shared tail of the three public functions."""
+def _distributed(name, args):
+    """Vocab-parallel and FSDP2 calls: `flashkd.distributed`, imported by the first such call."""
+    from . import distributed
+
+    return distributed.dispatch(name, args)
+
+
+def _any_dtensor(*xs) -> bool:
+    dtensor = sys.modules.get("torch.distributed.tensor")  # not imported: none can be one
+    return dtensor is not None and any(isinstance(x, dtensor.DTensor) for x in xs)
+
+
+def _run(spec, form, teacher, xs, ws, bs, y, args, vocab=None):
+    """Plan and run a validated call; the shared tail of the three public functions. vocab: a rank's
+    slice of the vocab (`flashkd.distributed`); its calls use the torch row definition on every
+    backend and plan their chunks for the group's largest slice, `vocab.plan_size`."""
     check_labels, grad_accum_dtype = args["check_labels"], args["grad_accum_dtype"]
+    if vocab is None and args["vocab_start"] is not None:
+        raise ValueError(f"vocab_start: expected None without process_group, got {args['vocab_start']!r}")
+    if args["fsdp_gather"] not in ("auto", "rows", "heads"):
+        raise ValueError(f"fsdp_gather: expected 'auto', 'rows' or 'heads', got {args['fsdp_gather']!r}")
     if check_labels is None:
         check_labels = xs.device.type == "cpu"
     if check_labels and y is not None:
-        _check_label_range(y, ws.shape[0], spec.ignore_index)
+        _check_label_range(y, ws.shape[0] if vocab is None else int(vocab.total), spec.ignore_index)
     wide = torch.promote_types(ws.dtype, torch.float32)
     if grad_accum_dtype is None:
         grad_accum_dtype = wide
@@ -318,14 +363,17 @@ def _run(spec, form, teacher, xs, ws, bs, y, args):
     if grad_accum_dtype not in (wide, ws.dtype):
         raise TypeError(f"grad_accum_dtype: expected {wide} or student_weight's dtype {ws.dtype}, got {grad_accum_dtype!r}")
     backend = _pick_backend(args["backend"], xs)
+    if vocab is not None:
+        backend = "torch"
     want_dw = torch.is_grad_enabled() and ws.requires_grad
     accum_bytes = grad_accum_dtype.itemsize if want_dw else 0
-    chunk, teacher_chunk = _chunk_rows(args["chunk_size"], xs, ws, backend, form, accum_bytes)
+    v = ws.shape[0] if vocab is None else vocab.plan_size
+    chunk, teacher_chunk = _chunk_rows(args["chunk_size"], xs, ws, backend, form, accum_bytes, v)
     rw = _check_row_weight(args["row_weight"], xs, args["student_input"])
     stats = args["return_stats"]
     if not isinstance(stats, bool):
         raise TypeError(f"return_stats: expected a bool, got {stats!r}")
-    plan = _Plan(spec, chunk, backend, grad_accum_dtype, form, teacher_chunk, stats)
+    plan = _Plan(spec, chunk, backend, grad_accum_dtype, form, teacher_chunk, stats, vocab)
     loss_, soft, hard, *sums = _apply(xs, ws, bs, y, rw, plan, *teacher)
     out = (loss_, soft, hard) if args["return_soft_hard_loss"] else (loss_,)
     if stats:
@@ -422,6 +470,8 @@ def _chunk_loop(xs, ws, bs, y, rw, teacher, plan: _Plan, want_dx, want_dw, want_
             del t, s_b  # a view left alive would keep this chunk's logits past `del s`
         if want_dx:
             torch.mm(s, ws, out=dxs[c])
+            if plan.vocab is not None:
+                plan.vocab.chunk_dx(dxs[c])
         if want_dw:
             if start == 0:
                 dws = torch.empty(ws.shape, device=device, dtype=accum)
@@ -432,6 +482,8 @@ def _chunk_loop(xs, ws, bs, y, rw, teacher, plan: _Plan, want_dx, want_dw, want_
     soft_total = soft_sum * scale * (spec.temperature**2 if spec.temperature_squared else 1.0)
     hard_total = hard_sum * scale
     loss = spec.total(soft_sum, hard_sum) * scale
+    if plan.vocab is not None:
+        dxs, dws, dbs = plan.vocab.finish(dxs, dws, dbs)
     if dws is not None:
         dws = dws.to(ws.dtype)
     if dbs is not None:
@@ -445,6 +497,8 @@ def _chunk_loop(xs, ws, bs, y, rw, teacher, plan: _Plan, want_dx, want_dw, want_
 
 def _rows(plan: _Plan):
     """The backend's row function for the plan's teacher form (see `flashkd.backends`)."""
+    if plan.vocab is not None:
+        return plan.vocab.rows(plan.form)
     if plan.backend == "triton":
         from .backends import triton_rows, triton_topk
 
@@ -503,10 +557,12 @@ def _has_triton() -> bool:
     return True
 
 
-def _chunk_rows(chunk_size, xs, ws, backend, form, accum_bytes) -> tuple[int, int]:
+def _chunk_rows(chunk_size, xs, ws, backend, form, accum_bytes, v=None) -> tuple[int, int]:
     """(rows per chunk, teacher rows at a time): chunk_size for both, or the plan in the module's doc.
-    accum_bytes: element size of the dW accumulator; 0 when dW is not wanted."""
-    n, (v, hs) = xs.shape[0], ws.shape
+    accum_bytes: element size of the dW accumulator; 0 when dW is not wanted. v: the vocab rows to
+    plan for (the weight's, or the largest slice of a vocab-parallel group)."""
+    n, hs = xs.shape[0], ws.shape[1]
+    v = ws.shape[0] if v is None else v
     if chunk_size is not None:
         if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
             raise ValueError(f"chunk_size: expected a positive int or None, got {chunk_size!r}")

@@ -175,47 +175,72 @@ def logit_transform(x: torch.Tensor, scale: float, softcap: float | None) -> tor
     return x
 
 
-def row_losses(s: torch.Tensor, t: torch.Tensor, labels: torch.Tensor | None, spec: LossSpec, *, stats=False):
+def row_losses(s: torch.Tensor, t: torch.Tensor, labels: torch.Tensor | None, spec: LossSpec, vocab=None, *, stats=False):
     """Per-row soft and hard losses of one block of logits, in fp32; differentiable w.r.t. `s`.
 
     s:      (R, V) student logits, any float dtype, before the head's transform (`LossSpec.student`)
     t:      (R, V) teacher logits, same V, before its transform (unused, may be None, when
             `spec.want_soft` is False)
     labels: (R,) integer labels or None
+    vocab:  the block's place in the vocab and its reductions over it (`Vocab`); None: the block
+            holds the whole vocab. With a slice of the vocab (`flashkd.distributed`) every rank
+            gets the rows of the whole vocab.
     Returns (soft, hard), each (R,) in fp32 (fp64 for fp64 inputs), zero on rows whose label is `ignore_index`. `soft` is the
     unweighted divergence; `hard` the untempered CE (zeros when `spec.want_hard` is False). A label
     outside [0, V) that is not `ignore_index` gives a NaN hard loss on its row. With `stats`, also the
     entropy of q = softmax(a/τ) per row (R,), zero on ignored rows: (soft, hard, entropy).
     """
+    vocab = vocab or WHOLE_VOCAB
     work = torch.promote_types(s.dtype, torch.float32)
     s, t = _drop_ignored(s, labels, spec), _drop_ignored(t, labels, spec)
     s = spec.student(s.to(work))
-    log_q = None
-    if not spec.want_soft:
-        soft = s.new_zeros(s.shape[0])
-    elif spec.kind == "cosine":
+    kind = spec.kind if spec.want_soft else None
+    ce = spec.want_hard and labels is not None
+    # Two merges over the vocab: every logsumexp and every sum that needs none of them, then the
+    # sums that need the normalisers (the divergence's, the entropy's).
+    tau = spec.temperature
+    z = (s if tau == 1.0 else s / tau,)  # no copy at τ = 1: the blocks are the torch backend's memory
+    if kind in DIVERGENCES:
+        b = spec.teacher(t.to(work))
+        z += (b if tau == 1.0 else b / tau,)
+        del b
+    sums = ()
+    if kind == "cosine":
         t = spec.teacher(t.to(work))
-        dot = (s * t).sum(-1)
-        norm = s.norm(dim=-1).clamp_min(COSINE_EPS) * t.norm(dim=-1).clamp_min(COSINE_EPS)
+        sums = ((s * t).sum(-1), (s * s).sum(-1), (t * t).sum(-1))
+    if kind not in DIVERGENCES and not stats:
+        z = ()  # no softmax at τ wanted
+    logp, lse, sums = vocab.merge(log_softmax=z, lse=(s,) if ce else (),
+                                  sums=sums + ((vocab.pick(s, labels),) if ce else ()))
+    del z  # the tempered logits: only their log-probs stay (the torch backend's peak memory)
+    log_q = logp[0] if logp else None
+    after = ()
+    if kind in DIVERGENCES:
+        after += (_divergence(log_q, logp[1], spec),)
+    if stats:
+        after += (_entropy(log_q.detach()),)
+    after = vocab.merge(sums=after)[2] if after else ()
+    if kind is None:
+        soft = s.new_zeros(s.shape[0])
+    elif kind == "cosine":
+        dot, ss, tt = sums[:3]
+        norm = ss.clamp_min(COSINE_EPS**2).sqrt() * tt.clamp_min(COSINE_EPS**2).sqrt()
         soft = spec.beta * (1.0 - dot / norm)
     else:
-        log_q = torch.log_softmax(s / spec.temperature, dim=-1)
-        log_p = torch.log_softmax(spec.teacher(t.to(work)) / spec.temperature, dim=-1)
-        soft = _divergence(log_q, log_p, spec)
-    soft, hard = _with_hard(s, soft, labels, spec)
+        soft = after[0]
+    soft, hard = _with_hard(soft, lse[0] - sums[-1] if ce else None, labels, spec, vocab.size(s))
     if not stats:
         return soft, hard
-    if log_q is None:
-        log_q = torch.log_softmax(s / spec.temperature, dim=-1)
-    return soft, hard, _valid_only(_entropy(log_q.detach()), labels, spec)
+    return soft, hard, _valid_only(after[-1], labels, spec)
 
 
-def topk_row_losses(s: torch.Tensor, t, labels: torch.Tensor | None, spec: LossSpec, *, stats=False):
+def topk_row_losses(s: torch.Tensor, t, labels: torch.Tensor | None, spec: LossSpec, vocab=None, *, stats=False):
     """`row_losses` for a sparse teacher: p is given at K ids per row (`spec.tail` says how).
 
     t = (ids, logprobs), or None when `spec.want_soft` is False:
       ids:      (R, K) integer vocab ids, −1 for an unused slot (no duplicates among the used ones)
       logprobs: (R, K) teacher log-probs at those ids (ignored in unused slots)
+    vocab: as in `row_losses`; ids are ids of the whole vocab.
     The divergence is the dense one of the table above over categories: with tail "bucket" the K ids
     plus one category for the rest of the vocab (q_rest = Σ q off the ids, p_rest = max(1 − Σ p, 0),
     and p_rest = 0 when the ids cover the vocab); with "renormalize" the K ids, q and p each
@@ -227,29 +252,42 @@ def topk_row_losses(s: torch.Tensor, t, labels: torch.Tensor | None, spec: LossS
     also per row (R,) the entropy of q = softmax(a/τ) over the whole vocab and q's mass on the used
     ids, both zero on ignored rows: (soft, hard, entropy, mass).
     """
+    vocab = vocab or WHOLE_VOCAB
     work = torch.promote_types(s.dtype, torch.float32)
     s = spec.student(_drop_ignored(s, labels, spec).to(work))
+    v = vocab.size(s)
+    ce = spec.want_hard and labels is not None
+    lse, sums = (), ()
     if spec.want_soft:
         ids, logprobs = t
-        logprobs = _drop_ignored(logprobs, labels, spec).to(work)
-        log_q, log_p = topk_categories(s / spec.temperature, ids, logprobs, spec.tail)
+        z = s / spec.temperature
+        used = (ids >= 0) & (ids < v)
+        lse, sums = topk_parts(z, ids, used, spec.tail, vocab)
+    _, lse, sums = vocab.merge(lse=lse + ((s,) if ce else ()), sums=sums + ((vocab.pick(s, labels),) if ce else ()))
+    if spec.want_soft:
+        z_k = torch.where(used, sums[0], -torch.inf)
+        z_rest = lse[0][:, None] if spec.tail == "bucket" else None
+        rest_empty = None if z_rest is None else z_rest == -torch.inf  # the ids cover the vocab
+        log_q, log_p = category_logprobs(z_k, z_rest, _drop_ignored(logprobs, labels, spec).to(work), used, rest_empty, spec.tail)
         soft = _divergence(log_q, log_p, spec)
-        bad = ((ids >= s.shape[-1]) | (ids < -1)).any(-1)
+        bad = ((ids >= v) | (ids < -1)).any(-1)
         soft = torch.where(bad, torch.nan, soft)
     else:
         soft = s.new_zeros(s.shape[0])
-    soft, hard = _with_hard(s, soft, labels, spec)
+    soft, hard = _with_hard(soft, lse[-1] - sums[-1] if ce else None, labels, spec, v)
     if not stats:
         return soft, hard
-    ids = t[0]
-    log_q = torch.log_softmax(s.detach() / spec.temperature, dim=-1)
-    used = (ids >= 0) & (ids < s.shape[-1])
-    mass = torch.where(used, log_q.gather(-1, torch.where(used, ids, 0).long()).exp(), 0.0).sum(-1)
-    return soft, hard, _valid_only(_entropy(log_q), labels, spec), _valid_only(mass, labels, spec)
+    # q over the whole vocab at τ: its entropy, and its mass on the used ids (z at them is merged above)
+    z = s.detach() / spec.temperature
+    (log_q,), _, _ = vocab.merge(log_softmax=(z,))
+    (entropy,) = vocab.merge(sums=(_entropy(log_q),))[2]
+    lse_z = (z - log_q)[:, :1]  # z − log q is the row's logsumexp in every column
+    mass = torch.where(used, (sums[0].detach() - lse_z).exp(), 0.0).sum(-1)
+    return soft, hard, _valid_only(entropy, labels, spec), _valid_only(mass, labels, spec)
 
 
 def _entropy(log_q: torch.Tensor) -> torch.Tensor:
-    """−Σ q log q per row, with 0 · log 0 = 0."""
+    """−Σ q log q per row, with 0 · log 0 = 0 (this block's part of the sum over the vocab)."""
     return -_plogr(log_q.exp(), log_q)
 
 
@@ -257,21 +295,17 @@ def _valid_only(x, labels, spec: LossSpec):
     return x if labels is None else torch.where(labels != spec.ignore_index, x, 0.0)
 
 
-def topk_categories(z: torch.Tensor, ids: torch.Tensor, logprobs: torch.Tensor, tail: str):
-    """(log q, log p) over the categories of `topk_row_losses`, (R, K + 1) for "bucket" (the rest
-    last) or (R, K) for "renormalize", from the tempered student logits z = s/τ. Unused slots are
-    −inf on both sides: absent categories. Differentiable w.r.t. z with finite gradients."""
-    used = (ids >= 0) & (ids < z.shape[-1])
-    idx = torch.where(used, ids, 0).long()
-    z_k = torch.where(used, z.gather(-1, idx), -torch.inf)
-    z_rest = rest_empty = None
-    if tail == "bucket":
-        # counts, not a scattered bool: unused slots point at column 0 too
-        on_ids = torch.zeros_like(z).scatter_add_(-1, idx, used.to(z.dtype)) > 0
-        rest_empty = on_ids.all(-1, keepdim=True)
-        # keep the logsumexp of an empty rest finite: its backward would be 0 · NaN
-        z_rest = torch.logsumexp(torch.where(on_ids & ~rest_empty, -torch.inf, z), -1, keepdim=True)
-    return category_logprobs(z_k, z_rest, logprobs, used, rest_empty, tail)
+def topk_parts(z: torch.Tensor, ids: torch.Tensor, used: torch.Tensor, tail: str, vocab):
+    """What `topk_row_losses` merges over the vocab, from the tempered student logits z = s/τ: the
+    logsumexp of z off the ids (tail "bucket"; −inf when the ids cover the vocab) and z at the ids
+    (this block's part: 0 at ids it does not hold), as `Vocab.merge`'s (lse, sums)."""
+    idx, here = vocab.local(ids, z)
+    z_k = vocab.pick(z, ids)
+    if tail != "bucket":
+        return (), (z_k,)
+    # counts, not a scattered bool: unused slots point at column 0 too
+    on_ids = torch.zeros_like(z).scatter_add_(-1, idx, (here & used).to(z.dtype)) > 0
+    return (torch.where(on_ids, -torch.inf, z),), (z_k,)
 
 
 def category_logprobs(z_k, z_rest, logprobs, used, rest_empty, tail: str):
@@ -301,18 +335,73 @@ def _drop_ignored(x, labels, spec: LossSpec):
     return torch.where((labels != spec.ignore_index)[:, None], x, 0.0)
 
 
-def _with_hard(s, soft, labels, spec: LossSpec):
-    """(soft, hard) with the untempered CE of s, both zeroed on rows whose label is ignore_index."""
+def _with_hard(soft, ce, labels, spec: LossSpec, v):
+    """(soft, hard) with the CE ce = logsumexp(s) − s_y (None when not wanted), both zeroed on rows
+    whose label is ignore_index; NaN CE on a label outside [0, v) that is not ignore_index."""
     hard = torch.zeros_like(soft)
     if labels is None:
         return soft, hard
     valid = labels != spec.ignore_index
-    if spec.want_hard:
-        in_range = (labels >= 0) & (labels < s.shape[-1])
-        index = torch.where(in_range, labels, 0).long().unsqueeze(-1)
-        ce = torch.logsumexp(s, dim=-1) - s.gather(-1, index).squeeze(-1)
+    if ce is not None:
+        in_range = (labels >= 0) & (labels < v)
         hard = torch.where(in_range | ~valid, ce, torch.nan)
     return torch.where(valid, soft, 0.0), torch.where(valid, hard, 0.0)
+
+
+class Vocab:
+    """Where a block of logits sits in the vocab, and the reductions over the vocab that the row
+    definitions make. This one: the block holds the whole vocab (every call without a process
+    group). `flashkd.distributed` subclasses it for a block holding one rank's slice of the vocab:
+    its `merge` merges over the ranks, so that these same definitions give every rank the rows of
+    the whole vocab."""
+
+    # How many ranks compute the same loss from their slices: autograd seeds each with 1/copies.
+    copies = 1
+
+    def size(self, x: torch.Tensor):
+        """The vocab's size (an int; a 0-d tensor where only the device knows it)."""
+        return x.shape[-1]
+
+    def local(self, ids: torch.Tensor, x: torch.Tensor):
+        """(columns of the block x at the vocab ids `ids`, 0 where not held; whether the block holds them)."""
+        here = (ids >= 0) & (ids < x.shape[-1])
+        return torch.where(here, ids, 0).long(), here
+
+    def pick(self, x: torch.Tensor, ids: torch.Tensor | None):
+        """This block's part of x at the vocab ids (R,) or (R, K): x there, 0 at ids it does not hold."""
+        if ids is None:
+            return x.new_zeros(x.shape[0])
+        col, here = self.local(ids if ids.dim() == 2 else ids[:, None], x)
+        picked = torch.where(here, x.gather(-1, col), 0.0)
+        return picked if ids.dim() == 2 else picked[:, 0]
+
+    def merge(self, log_softmax=(), lse=(), sums=()):
+        """([log_softmax over the vocab of each (R, V) block in log_softmax], [logsumexp of each in lse],
+        [each of sums summed over the vocab]): `sums` are this block's parts of row quantities, (R,) or
+        (R, K). A sliced vocab merges them all in one max and one sum over the ranks. The logsumexp of
+        a row that is −inf throughout is −inf with a zero gradient (no NaN)."""
+        lse = [_LogSumExp.apply(x) for x in lse]  # first: its temporaries meet fewer live blocks
+        return [torch.log_softmax(x, -1) for x in log_softmax], lse, list(sums)
+
+
+class _LogSumExp(torch.autograd.Function):
+    """torch.logsumexp over the last dim (the same saved tensors), whose gradient is 0, not NaN, on
+    rows that are −inf throughout (a top-k teacher's rest when its ids cover the vocab)."""
+
+    @staticmethod
+    def forward(ctx, x):
+        out = torch.logsumexp(x, -1)
+        ctx.save_for_backward(x, out)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, out = ctx.saved_tensors
+        finite = torch.isfinite(out)[:, None]
+        return torch.where(finite, grad[:, None] * torch.exp(x - torch.where(finite, out[:, None], 0.0)), 0.0)
+
+
+WHOLE_VOCAB = Vocab()
 
 
 # Guards the cosine norms of all-zero rows; the loss of such a row is β (cos taken as 0).

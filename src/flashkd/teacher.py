@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from .distill import _FLOATS, _LOGITS_BUDGET, _check_tensors, _even_chunks, _pick_backend
+from .distill import _FLOATS, _LOGITS_BUDGET, _any_dtensor, _check_tensors, _distributed, _even_chunks, _pick_backend
 from .losses import LossSpec, check_logit_transform, logit_transform
 
 
@@ -21,6 +21,10 @@ def teacher_topk(
     backend: str = "auto",
     teacher_logit_scale: float = 1.0,
     teacher_softcap: float | None = None,
+    process_group=None,
+    vocab_start: int | None = None,
+    check_shards: bool | None = None,
+    fsdp_gather: str = "auto",
 ):
     """The teacher's k most likely ids per row and their log-probs at `temperature`.
 
@@ -42,7 +46,14 @@ def teacher_topk(
     On the Triton backend each chunk costs the GEMM, two reads of its logits and one host sync (rows
     whose top-k candidates overflowed, normally none, are redone with torch.topk; the same sync finds
     non-finite rows); on the torch backend one host sync a chunk, for the non-finite rows.
+
+    process_group, vocab_start: a vocab-parallel teacher head, this rank holding its rows
+    [vocab_start, vocab_start + V_r); every rank passes the same teacher_input and gets the same
+    global top-k (vocab_size is then the whole vocab's). A DTensor head (FSDP2): `fsdp_gather`. See
+    `flashkd.distributed`.
     """
+    if _any_dtensor(teacher_weight, teacher_bias):
+        return _distributed("teacher_topk", locals())
     _check_tensors({"teacher_input": teacher_input})
     x, w, b = teacher_input, teacher_weight, teacher_bias
     if x.dtype not in _FLOATS:
@@ -57,11 +68,23 @@ def teacher_topk(
     if b is not None and b.shape != (w.shape[0],):
         raise ValueError(f"teacher_bias: expected shape ({w.shape[0]},), got {tuple(b.shape)}")
     v = w.shape[0]
+    vocab = None
+    if process_group is not None:
+        from .distributed import parallel
+
+        vocab = parallel.shard(parallel._check_group(process_group), vocab_start, v, x.device,
+                               True if check_shards is None else check_shards, None)
+        v = vocab.total  # ids and vocab_size are the whole vocab's
+    elif vocab_start is not None:
+        raise ValueError(f"vocab_start: expected None without process_group, got {vocab_start!r}")
+    if fsdp_gather not in ("auto", "rows", "heads"):
+        raise ValueError(f"fsdp_gather: expected 'auto', 'rows' or 'heads', got {fsdp_gather!r}")
     if vocab_size is not None:
         if isinstance(vocab_size, bool) or not isinstance(vocab_size, int) or not 1 <= vocab_size <= v:
             raise ValueError(f"vocab_size: expected an int in [1, {v}] (teacher_weight's vocab), got {vocab_size!r}")
         v = vocab_size
-        w, b = w[:v], None if b is None else b[:v]
+        keep = v if vocab is None else max(0, min(w.shape[0], v - vocab.start))  # this slice's ids < vocab_size
+        w, b = w[:keep], None if b is None else b[:keep]
     if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= v:
         raise ValueError(f"k: expected an int in [1, {v}] (the vocab size), got {k!r}")
     LossSpec(temperature=temperature)  # the losses' rule: a finite float > 0 (inf would give uniform log-probs)
@@ -73,6 +96,8 @@ def teacher_topk(
     lead = x.shape[:-1]
     x = x.reshape(-1, x.shape[-1])
     n = x.shape[0]
+    if vocab is not None:
+        v, backend = vocab.plan_size, "torch"  # every rank plans the same chunks
     transformed = teacher_logit_scale != 1.0 or teacher_softcap is not None
     per_row = v * x.element_size() + (v * 4 * (3 if transformed else 2) if backend == "torch" else 0)
     chunk = chunk_size or _even_chunks(n, _LOGITS_BUDGET[backend] // per_row)
@@ -82,7 +107,11 @@ def teacher_topk(
     for start in range(0, n, chunk):
         c = slice(start, min(start + chunk, n))
         logits = x[c] @ w.t() if b is None else torch.addmm(b, x[c], w.t())
-        ids[c], logprobs[c], nonfinite = _topk(logits, k, temperature, backend, teacher_logit_scale, teacher_softcap)
+        if vocab is None:
+            ids[c], logprobs[c], nonfinite = _topk(logits, k, temperature, backend, teacher_logit_scale, teacher_softcap)
+        else:  # the merged top-k's log-probs are NaN or infinite where any rank's row had a NaN or inf logit
+            ids[c], logprobs[c] = vocab.topk(logits, k, temperature, teacher_logit_scale, teacher_softcap)
+            nonfinite = (~torch.isfinite(logprobs[c, 0])).nonzero()[:, 0]
         del logits
         if nonfinite.numel():
             raise ValueError(

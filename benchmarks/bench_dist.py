@@ -1,0 +1,140 @@
+"""Vocab-parallel and FSDP2 timing on the seed JSD workload (N = 8192, Hs = 2048, Ht = 4096,
+V = 128256, bf16, 0.5·CE + 0.5·JSD), forward + backward, NCCL. Run with two (or more) GPUs:
+
+    torchrun --nproc_per_node=2 benchmarks/bench_dist.py [--out dist.json]
+
+Measures, per call (median of --reps after --warmup, CUDA events on rank 0, a barrier around each):
+  one-gpu        rank 0 alone, the whole heads (default backend: the Triton row kernel)
+  one-gpu-torch  the same with backend="torch": the row definition the sharded calls use for now
+  vocab-parallel every rank its slice of both heads, the same rows (target: <= 0.55x one-gpu)
+  fsdp-rows      FSDP2-sharded heads (DTensor, Shard(0)), each rank N / world of the rows: the rows route
+  fsdp-heads     the same inputs, the heads gathered instead
+and for the FSDP routes the bytes each rank receives by the formulas of flashkd.distributed.fsdp,
+and those bytes over the measured time. Peak memory per rank: torch.cuda.max_memory_allocated.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+
+import torch
+import torch.distributed as dist
+
+import flashkd
+from flashkd.bench.workloads import PRESETS, make_inputs
+from flashkd.distributed import fsdp
+
+
+def timed(fn, reps, warmup, rank):
+    """Median ms of fn() over reps (every rank runs the same calls: they hold collectives)."""
+    times = []
+    for i in range(warmup + reps):
+        dist.barrier()
+        torch.cuda.synchronize()
+        start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        stop.record()
+        torch.cuda.synchronize()
+        if i >= warmup:
+            times.append(start.elapsed_time(stop))
+    return statistics.median(times)
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--reps", type=int, default=10)
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--chunk-size", type=int, default=None)
+    parser.add_argument("--out", default=None)
+    a = parser.parse_args()
+    dist.init_process_group("nccl")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)))
+    device = torch.device("cuda", torch.cuda.current_device())
+    w = PRESETS["seed"][0]
+    x = make_inputs(w, device)  # the same seeded inputs on every rank
+    opts = dict(loss=w.loss, beta=w.beta, temperature=w.temperature, weight_hard_loss=w.weight_hard,
+                weight_soft_loss=w.weight_soft, chunk_size=a.chunk_size)
+    v = x.ws.shape[0]
+    bounds = [v * r // world for r in range(world + 1)]
+    lo, hi = bounds[rank], bounds[rank + 1]
+    results = {"world": world, "workload": w.describe(), "chunk_size": a.chunk_size}
+
+    def step(fn):
+        def run():
+            xs = x.xs.detach().requires_grad_()
+            ws = fn.ws.detach().requires_grad_()
+            fn(xs, ws).backward()
+        return run
+
+    def one_gpu(backend):
+        def fn(xs, ws):
+            return flashkd.fused_linear_distill(xs, ws, x.xt, x.wt, x.y, backend=backend, **opts)
+        fn.ws = x.ws
+        return fn
+
+    for name, backend in (("one-gpu", "auto"), ("one-gpu-torch", "torch")):
+        if rank == 0:
+            torch.cuda.reset_peak_memory_stats()
+        run = step(one_gpu(backend))
+        ms = []
+        for i in range(a.warmup + a.reps):
+            dist.barrier()
+            if rank == 0:
+                torch.cuda.synchronize()
+                e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                e0.record()
+                run()
+                e1.record()
+                torch.cuda.synchronize()
+                if i >= a.warmup:
+                    ms.append(e0.elapsed_time(e1))
+        if rank == 0:
+            results[name] = {"ms": statistics.median(ms), "peak_mib": torch.cuda.max_memory_allocated() / 2**20}
+
+    ws_r, wt_r = x.ws[lo:hi].contiguous(), x.wt[lo:hi].contiguous()
+
+    def parallel(xs, ws):
+        return flashkd.fused_linear_distill(xs, ws, x.xt, wt_r, x.y, process_group=dist.group.WORLD,
+                                            vocab_start=lo, **opts)
+    parallel.ws = ws_r
+    torch.cuda.reset_peak_memory_stats()
+    results["vocab-parallel"] = {"ms": timed(step(parallel), a.reps, a.warmup, rank),
+                                 "peak_mib": torch.cuda.max_memory_allocated() / 2**20}
+
+    # FSDP2: the heads as DTensors sharded on dim 0, each rank its N / world rows
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    mesh = init_device_mesh("cuda", (world,))
+    ws_d = distribute_tensor(x.ws.detach(), mesh, [Shard(0)])
+    wt_d = distribute_tensor(x.wt.detach(), mesh, [Shard(0)])
+    rows = slice(w.n * rank // world, w.n * (rank + 1) // world)
+    for gather in ("rows", "heads"):
+        def run():
+            head = ws_d.detach().requires_grad_()
+            xs = x.xs[rows].detach().requires_grad_()
+            flashkd.fused_linear_distill(xs, head, x.xt[rows], wt_d, x.y[rows], fsdp_gather=gather, **opts).backward()
+        torch.cuda.reset_peak_memory_stats()
+        ms = timed(run, a.reps, a.warmup, rank)
+        cost = fsdp.route_bytes("fused_linear_distill", dict(student_weight=ws_d, teacher_input=x.xt),
+                                {"student_weight": ws_d, "teacher_weight": wt_d}, w.n, world)
+        results[f"fsdp-{gather}"] = {"ms": ms, "peak_mib": torch.cuda.max_memory_allocated() / 2**20,
+                                     "formula_bytes": cost[gather], "formula_gb_per_s": cost[gather] / ms / 1e6}
+    if rank == 0:
+        base = results["one-gpu"]["ms"]
+        results["vocab-parallel"]["vs_one_gpu"] = results["vocab-parallel"]["ms"] / base
+        results["vocab-parallel"]["vs_one_gpu_torch"] = results["vocab-parallel"]["ms"] / results["one-gpu-torch"]["ms"]
+        print(json.dumps(results, indent=2))
+        if a.out:
+            with open(a.out, "w") as f:
+                json.dump(results, f, indent=2)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,62 @@
+"""Vocab-parallel losses over torch.distributed, and FSDP2 heads that are never gathered.
+
+A layer above the core: `flashkd.distill` and `flashkd.teacher` import it only when a call passes
+`process_group=` or a head that is a DTensor (`dispatch`). Transport is torch.distributed's
+(NCCL on GPUs, gloo on CPU).
+
+Vocab-parallel (`process_group=`, `vocab_start=`)
+------------------------------------------------
+Every rank of the group passes the same rows (hidden states, labels, top-k targets) and the rows
+[vocab_start, vocab_start + V_r) of each head (a dense teacher's logits: those columns); the
+slices tile [0, V), in any order and of any sizes ≥ 1. Labels and top-k ids are global. The loss
+is the unsharded call's, on every rank; dX is the full gradient on every rank (all-reduced); dW
+and db are the slice's. Per block of R rows the torch row definition (`flashkd.losses`) merges
+its row statistics (`ShardedVocab.merge`: the logsumexps' maxima, then their sums with every other
+sum over the vocab, stacked) — O(R) fp32 per collective, never R × V. Collectives per block:
+
+    form / loss                 forward                                   backward (with grads)
+    dense divergence + CE       MAX (R·3), SUM (R·4: lse sums, label),    SUM (R·1), SUM (R·4)
+                                SUM (R·1: the divergence)
+    cosine + CE                 MAX (R·1), SUM (R·5: lse, s·t, s·s, t·t, label)   SUM (R·5)
+    top-k teacher + CE          MAX (R·2), SUM (R·(K + 3): lse sums, s at the ids, label)   SUM (R·(K + 3))
+    teacher_topk                one all-gather of (R, 2k + 2) fp64: the local top-k and (max, sum-exp)
+
+(without the CE each loses its R·1 MAX and SUM columns; tail "renormalize" its rest's; return_stats
+adds the entropy to the last SUM, for a top-k teacher one more MAX and two SUMs). Per chunk
+dX[c] = dS_r · W_r is all-reduced (asynchronously, while the next chunk computes): R · Hs · E bytes,
+summed in dX's dtype (in bf16: one rounding per rank's part, where the unsharded GEMM rounds once);
+per call one all-gather of (vocab_start, V_r).
+
+Memory per rank, beyond the inputs: the core's formulas ("Memory" in README.md) with V_r for V
+(logits R·V_r·E, dW V_r·Hs·A) and the torch backend's fp32 temporaries ≈ 6·R·V_r·4, plus O(R·n)
+for the merges. Every backend runs the torch row definition on sharded calls for now (the Triton
+row kernels assume the whole row); the fused kernel is the next step: stats pass over the slice
+(m, l for s/τ, t/τ, s; the label's logit) → one all-reduce MAX + one SUM (or one all-gather of the
+(m, l) pairs) → loss pass (the divergence's row sums and the gradient's row constants: JSD's K,
+reverse KL's KL, TVD's Σ q σ) → one all-reduce SUM → gradient pass: 3 collectives per chunk and
+none in backward, as its gradients are analytic.
+
+Every rank must make the same call (shapes, options, requires_grad): the collectives are issued in
+the same order on every rank, and a call that is wrong on some ranks only can leave the others
+waiting in a collective. The layout is read on the host (and checked) on CPU, with
+check_shards=True, and whenever chunk_size is None (chunks are planned for the largest slice, the
+same on every rank); on GPU with chunk_size set and check_shards left at None there is no host sync.
+check_replicas=True checks (one small all-gather) that the replicated rows are the same on every rank.
+
+FSDP2 (a head weight that is a DTensor sharded on dim 0 over a 1-D mesh): `flashkd.distributed.fsdp`.
+"""
+
+from __future__ import annotations
+
+from .vocab import ShardedVocab
+
+__all__ = ["ShardedVocab", "dispatch"]
+
+
+def dispatch(name: str, args: dict):
+    """A public function's call that is vocab-parallel or has a DTensor head, by its name and arguments."""
+    from . import fsdp, parallel
+
+    if fsdp.has_dtensor_head(name, args):
+        return fsdp.call(name, args)
+    return parallel.call(name, args)

@@ -1,0 +1,159 @@
+"""A rank's slice of the vocab: the reductions of `flashkd.losses` merged over a process group.
+
+`ShardedVocab` is the `flashkd.losses.Vocab` of a block of logits that holds the global ids
+[start, start + V_r) of the vocab. The row definitions (`row_losses`, `topk_row_losses`) call its
+`merge` once or twice per block; each merge is one all-reduce MAX (of the logsumexps' row maxima,
+not differentiated) and one differentiable all-reduce SUM of everything summed over the vocab,
+stacked into one (R, n) fp32 tensor. The SUM's backward is again an all-reduce SUM (autograd seeds
+each rank's copy of the replicated loss with 1/world, so that the sum over the ranks of their
+copies' gradients is the gradient of the loss).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from ..losses import Vocab, logit_transform
+
+
+class _AllReduceSum(torch.autograd.Function):
+    """y = Σ_ranks x on every rank; the gradient of x is Σ_ranks of the gradients of y."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        y = x.clone(memory_format=torch.contiguous_format)
+        dist.all_reduce(y, group=group)
+        return y
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad = grad.clone(memory_format=torch.contiguous_format)
+        dist.all_reduce(grad, group=ctx.group)
+        return grad, None
+
+
+class ShardedVocab(Vocab):
+    """The vocab slice [start, start + V_r) of one rank of `group`.
+
+    total:   the vocab's size V (an int, or a 0-d device tensor when it was not read on the host)
+    reduce_dx: all-reduce each chunk's dX over the group (vocab-parallel); False leaves dX partial,
+             for the FSDP route, where the gather of the rows reduce-scatters it in backward
+    dw_scale: factor on dW and db at the end (1, or 1/world on the FSDP route, which averages them
+             over the data-parallel ranks as FSDP does)
+    """
+
+    def __init__(self, group, start: int, local_size: int, total, *, plan_size=None, reduce_dx=True, dw_scale=1.0,
+                 record=None):
+        self.group = group
+        self.start = start
+        self.local_size = local_size
+        self.total = total
+        self.plan_size = local_size if plan_size is None else plan_size  # the group's largest slice
+        self.copies = dist.get_world_size(group)
+        self.reduce_dx = reduce_dx
+        self.dw_scale = dw_scale
+        self.recorded = record  # a list: gets (soft, hard) of each block, in row order (FSDP route)
+        self._pending = []
+
+    # --- flashkd.losses.Vocab ---
+    def size(self, x):
+        return self.total
+
+    def local(self, ids, x):
+        here = (ids >= self.start) & (ids < self.start + x.shape[-1])
+        return torch.where(here, ids - self.start, 0).long(), here
+
+    def merge(self, log_softmax=(), lse=(), sums=()):
+        """`Vocab.merge` over the group: one all-reduce MAX of every logsumexp's row maxima (not
+        differentiated: the logsumexp's gradient does not depend on its shift), then one
+        differentiable all-reduce SUM of their exp-sums and of `sums`, stacked into one (R, n) tensor."""
+        blocks = list(log_softmax) + list(lse)
+        m = None
+        if blocks:
+            m = torch.stack([x.detach().amax(-1) for x in blocks], -1)
+            dist.all_reduce(m, op=dist.ReduceOp.MAX, group=self.group)
+            m = torch.where(torch.isfinite(m), m, 0.0)  # a row −inf throughout: exp(−inf − 0) = 0
+        parts = [torch.exp(x - m[:, i, None]).sum(-1) for i, x in enumerate(blocks)] + list(sums)
+        parts = self._sum(parts)
+        out = []
+        for i, l in enumerate(parts[: len(blocks)]):
+            log_l = torch.log(l.clamp_min(torch.finfo(l.dtype).tiny))
+            out.append(torch.where(l > 0, m[:, i] + log_l, -torch.inf))  # −inf, gradient 0, on an empty row
+        n = len(log_softmax)
+        return [x - out[i][:, None] for i, x in enumerate(log_softmax)], out[n:], parts[len(blocks) :]
+
+    def _sum(self, parts):
+        """Each of parts summed over the group, in one differentiable all-reduce."""
+        if not parts:
+            return []
+        flat = [p.reshape(p.shape[0], -1) for p in parts]
+        merged = _AllReduceSum.apply(torch.cat(flat, -1), self.group)
+        out, at = [], 0
+        for p, f in zip(parts, flat):
+            out.append(merged[:, at : at + f.shape[1]].reshape(p.shape))
+            at += f.shape[1]
+        return out
+
+    # --- the chunk loop's hooks (flashkd.distill._chunk_loop) ---
+    def rows(self, form):
+        """The row function of the chunk loop: the torch definition over this slice, on every backend."""
+        from ..backends import torch_rows
+
+        fn = torch_rows.topk_rows if form == "topk" else torch_rows.rows
+
+        def rows(s, t, labels, spec, scale, grad, *args):
+            out = fn(s, t, labels, spec, scale, grad, *args, vocab=self)
+            if self.recorded is not None:
+                self.recorded.append(out[:2])
+            return out
+
+        return rows
+
+    def chunk_dx(self, dx):
+        """dX of one chunk, Σ over this rank's vocab rows: summed over the group, asynchronously."""
+        if self.reduce_dx:
+            self._pending.append(dist.all_reduce(dx, group=self.group, async_op=True))
+
+    def finish(self, dxs, dws, dbs):
+        for work in self._pending:
+            work.wait()
+        self._pending.clear()
+        if self.dw_scale != 1.0:
+            dws = None if dws is None else dws.mul_(self.dw_scale)
+            dbs = None if dbs is None else dbs.mul_(self.dw_scale)
+        return dxs, dws, dbs
+
+    # --- teacher_topk's per-chunk top-k (flashkd.teacher) ---
+    def topk(self, logits, k, temperature, scale=1.0, softcap=None):
+        """(ids, log-probs) of the global top-k of rows whose slice here is `logits` (R, V_r'): each rank's
+        local top-k candidates (global ids) and its (max, sum-exp) of logits/τ, in one all-gather of
+        (R, 2k + 2) fp64 (fp64 holds the ids and fp32 values exactly), merged on every rank."""
+        work = torch.promote_types(logits.dtype, torch.float32)
+        if scale != 1.0 or softcap is not None:  # the head's transform in fp32, as the loss math reads it
+            logits = logit_transform(logits.to(work), scale, softcap)
+        r, width = logits.shape
+        z = logits.to(work) / temperature
+        kk = min(k, width)
+        top, idx = torch.topk(logits, kk, dim=-1)
+        pack = torch.full((r, 2 * k + 2), -torch.inf, dtype=torch.float64, device=logits.device)
+        pack[:, :kk] = top.to(work).double()
+        pack[:, k : k + kk] = (idx + self.start).double()
+        if width:
+            m = z.amax(-1)
+            pack[:, 2 * k] = m.double()
+            pack[:, 2 * k + 1] = torch.exp(z - m[:, None]).sum(-1).double()
+        else:
+            pack[:, 2 * k + 1] = 0.0  # an empty slice: no mass
+        world = self.copies
+        every = torch.empty(world * pack.numel(), dtype=pack.dtype, device=pack.device)
+        dist.all_gather_into_tensor(every, pack.reshape(-1), group=self.group)
+        every = every.view(world, r, 2 * k + 2)
+        values = every[:, :, :k].permute(1, 0, 2).reshape(r, world * k)
+        ids = every[:, :, k : 2 * k].permute(1, 0, 2).reshape(r, world * k)
+        m, l = every[:, :, 2 * k], every[:, :, 2 * k + 1]  # (world, R)
+        m_all = m.amax(0)
+        lse = m_all + torch.log((l * torch.exp(torch.where(l > 0, m - m_all, 0.0))).sum(0))
+        best, at = torch.topk(values, k, dim=-1)
+        return ids.gather(-1, at).long(), (best / temperature - lse[:, None]).to(work)

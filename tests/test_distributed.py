@@ -1,0 +1,384 @@
+"""Vocab-parallel and FSDP2 calls (flashkd.distributed) against the single-process call, over gloo.
+
+Each test spawns one process group (CPU, gloo, a free loopback port) and runs many cases in it:
+every rank makes the sharded call, the same call is made unsharded in the same process, and the
+loss, dX and the rank's rows of dW / db must agree. fp64 inputs, so the tolerance is tight. The
+unsharded call is itself checked against the float64 oracle by the other test files. The same
+cases run with NCCL on GPUs through scripts/gpu_dist_check.sh (FLASHKD_DIST_BACKEND=nccl).
+"""
+
+from __future__ import annotations
+
+import datetime
+import math
+import os
+import socket
+import traceback
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+import flashkd
+
+V, HS, HT, K = 37, 6, 5, 5
+TOL = 1e-9  # fp64 throughout; the sharded sums only reorder fp64 additions
+# Vocab slices [start, stop) held by ranks 0, 1, ...: uneven, a one-row slice, and not in rank order.
+LAYOUTS = {2: [(0, 15), (15, V)], 3: [(26, V), (0, 25), (25, 26)]}
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _spawn(worker, world: int, *args):
+    if os.environ.get("FLASHKD_DIST_BACKEND") == "nccl" and torch.cuda.device_count() < world:
+        pytest.skip(f"needs {world} GPUs")
+    seed = int.from_bytes(os.urandom(4), "little")
+    print(f"seed={seed}")
+    mp.spawn(_entry, args=(worker, world, _free_port(), seed, *args), nprocs=world, join=True)
+
+
+def _entry(rank, worker, world, port, seed, *args):
+    import sys
+
+    # a fresh process that has imported flashkd (and this module): the layer above the core is not loaded
+    assert "flashkd.distributed" not in sys.modules, "importing flashkd imported flashkd.distributed"
+    backend = os.environ.get("FLASHKD_DIST_BACKEND", "gloo")
+    if backend == "nccl":
+        torch.cuda.set_device(rank)
+    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=120))
+    try:
+        worker(rank, world, seed, *args)
+    except BaseException:
+        raise AssertionError(f"rank {rank}, seed {seed}:\n{traceback.format_exc()}") from None
+    finally:
+        dist.destroy_process_group()
+
+
+def _device():
+    return torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
+
+
+def _close(name, got, want, tol=TOL):
+    assert got.shape == want.shape, (name, got.shape, want.shape)
+    err = (got.double() - want.double()).abs().max().item() if got.numel() else 0.0
+    scale = max(want.double().abs().max().item() if want.numel() else 0.0, 1.0)
+    assert err <= tol * scale or (torch.isnan(got).equal(torch.isnan(want)) and math.isnan(err)), (name, err, scale)
+
+
+def _inputs(gen, n, dtype, device, *, vt=V, bias=False, ignore=True):
+    def rand(*shape, scale=1.0):
+        return (scale * torch.randn(*shape, generator=gen, dtype=torch.float64)).to(dtype=dtype, device=device)
+
+    xs, ws = rand(n, HS), rand(V, HS, scale=0.8)
+    xt, wt = rand(n, HT), rand(vt, HT, scale=0.8)
+    labels = torch.randint(0, V, (n,), generator=gen).to(device)
+    if ignore:
+        labels[:: 4] = -100
+    bs = rand(V) if bias else None
+    bt = rand(vt) if bias else None
+    return xs, ws, xt, wt, labels, bs, bt
+
+
+def _grads(loss, leaves):
+    wanted = [x for x in leaves if x is not None]
+    got = iter(torch.autograd.grad(loss, wanted))
+    return [None if x is None else next(got) for x in leaves]
+
+
+def _leaf(x):
+    return None if x is None else x.detach().clone().requires_grad_()
+
+
+def _compare(fn, case, full, shard, start, stop, **options):
+    """fn(*inputs, **options) unsharded on `full` and vocab-parallel on `shard`; returns nothing, raises."""
+    # the torch backend on GPUs too: its fp64 math is the tight reference (the sharded call uses it)
+    want = fn(*full["args"], **full["kw"], backend="torch", **options)
+    got = fn(*shard["args"], **shard["kw"], backend="torch", **options)
+    want, got = _flat(want), _flat(got)
+    assert len(got) == len(want), case
+    for i, (g, w) in enumerate(zip(got, want)):
+        _close(f"{case}: output {i}", g, w)
+    if not want[0].requires_grad:
+        return
+    leaves_full, leaves_shard = full["leaves"], shard["leaves"]
+    for name, g, w, x in zip(("dX", "dW", "db"), _grads(got[0], leaves_shard), _grads(want[0], leaves_full), leaves_full):
+        if x is None:
+            continue
+        if name != "dX":
+            w = w[start:stop]  # the rank's rows of the unsharded gradient
+        _close(f"{case}: {name}", g, w)
+
+
+def _flat(out):
+    """The tensors of a result: the loss, (soft, hard), DistillStats' fields (None left out)."""
+    if isinstance(out, torch.Tensor):
+        return [out]
+    return [t for x in out if x is not None for t in _flat(x)]
+
+
+def _vocab_parallel_worker(rank, world, seed):
+    start, stop = LAYOUTS[world][rank]
+    group = dist.group.WORLD
+    device = _device()
+    gen = torch.Generator().manual_seed(seed)  # the same inputs on every rank
+    dtype = torch.float64
+    par = dict(process_group=group, vocab_start=start)
+
+    def both(xs, ws, bs, rest_full, rest_shard, kw_full=None, kw_shard=None):
+        lf = [_leaf(xs), _leaf(ws), _leaf(bs)]
+        ls = [_leaf(xs), _leaf(ws[start:stop]), _leaf(None if bs is None else bs[start:stop])]
+        full = dict(args=[lf[0], lf[1], *rest_full], kw=dict(student_bias=lf[2], **(kw_full or {})), leaves=lf)
+        shard = dict(args=[ls[0], ls[1], *rest_shard], kw=dict(student_bias=ls[2], **par, **(kw_shard or {})), leaves=ls)
+        return full, shard
+
+    heads_cases = [
+        dict(loss="jsd", beta=0.3),
+        dict(loss="jsd", beta=0.0, temperature=2.0),
+        dict(loss="jsd", beta=1.0, temperature_squared=True, temperature=0.7),
+        dict(loss="forward_kl"),
+        dict(loss="reverse_kl", reduction="sum"),
+        dict(loss="tvd", weight_hard_loss=0.2, weight_soft_loss=0.8),
+        dict(loss="cosine", beta=0.7),
+        dict(loss="cosine", weight_hard_loss=0.0, weight_soft_loss=1.0),
+        dict(loss="jsd", weight_hard_loss=1.0, weight_soft_loss=0.0),  # CE alone
+        dict(loss="jsd", return_soft_hard_loss=True, chunk_size=4),  # several chunks
+        # the heads' transforms (elementwise: they compose with the slices), row weights, stats
+        dict(loss="jsd", student_softcap=2.0, teacher_softcap=3.0, student_logit_scale=0.7, teacher_logit_scale=1.3),
+        dict(loss="cosine", student_softcap=2.5, return_stats=True),
+        dict(loss="reverse_kl", return_stats=True, return_soft_hard_loss=True, row_weight=True),
+        dict(loss="tvd", row_weight=True, reduction="sum", chunk_size=5),
+        dict(loss="jsd", chunk_size=3, check_shards=False),  # V stays a tensor: no host read of the layout
+    ]
+    for options in heads_cases:
+        if options.get("row_weight"):
+            options = dict(options, row_weight=torch.rand(11, generator=gen, dtype=torch.float64).to(device))
+        for bias, padded in ((False, False), (True, True)):
+            # a padded teacher head: its extra rows come after the vocab, in the last slice
+            vt = V + 3 if padded else V
+            xs, ws, xt, wt, labels, bs, bt = _inputs(gen, 11, dtype, device, vt=vt, bias=bias)
+            t_stop = vt if stop == V else stop
+            full, shard = both(
+                xs, ws, bs, [xt, wt, labels], [xt, wt[start:t_stop], labels],
+                dict(teacher_bias=bt), dict(teacher_bias=None if bt is None else bt[start:t_stop]),
+            )
+            _compare(flashkd.fused_linear_distill, f"heads {options} bias={bias}", full, shard, start, stop, **options)
+
+    # labels=None, and no gradient at all
+    xs, ws, xt, wt, _, _, _ = _inputs(gen, 9, dtype, device)
+    full, shard = both(xs, ws, None, [xt, wt, None], [xt, wt[start:stop], None])
+    _compare(flashkd.fused_linear_distill, "no labels", full, shard, start, stop, weight_hard_loss=0.0)
+    with torch.no_grad():
+        _compare(flashkd.fused_linear_distill, "no grad", full, shard, start, stop, weight_hard_loss=0.0)
+
+    # the dense-logits form: each rank passes its slice's columns
+    for options in (dict(loss="jsd"), dict(loss="tvd", chunk_size=3), dict(loss="cosine")):
+        xs, ws, xt, wt, labels, bs, _ = _inputs(gen, 10, dtype, device, bias=True)
+        tl = xt @ wt.t()
+        full, shard = both(xs, ws, bs, [tl, labels], [tl[:, start:stop], labels])
+        _compare(flashkd.fused_linear_distill_logits, f"logits {options}", full, shard, start, stop, **options)
+
+    # the top-k form: global ids, the same on every rank; some unused slots; one row with none
+    for options in (
+        dict(loss="forward_kl"),
+        dict(loss="reverse_kl", tail="renormalize"),
+        dict(loss="jsd", beta=0.4, weight_hard_loss=0.5, weight_soft_loss=0.5, temperature=1.5),
+        dict(loss="tvd", chunk_size=4),
+        dict(loss="forward_kl", student_softcap=2.0, student_logit_scale=1.5, return_stats=True),
+        dict(loss="jsd", tail="renormalize", return_stats=True),
+    ):
+        xs, ws, xt, wt, labels, bs, _ = _inputs(gen, 12, dtype, device, bias=True)
+        ids, lp = flashkd.teacher_topk(xt, wt, K, temperature=options.get("temperature", 1.0))
+        ids = ids.masked_fill(torch.rand(ids.shape, generator=gen).to(device) < 0.25, -1)
+        ids[-1] = -1
+        full, shard = both(xs, ws, bs, [ids, lp, labels], [ids, lp, labels])
+        _compare(flashkd.fused_linear_distill_topk, f"topk {options}", full, shard, start, stop, **options)
+    # ids covering the whole vocab: the bucket is empty on every rank
+    xs, ws, xt, wt, labels, _, _ = _inputs(gen, 4, dtype, device)
+    ids, lp = flashkd.teacher_topk(xt, wt, V)
+    full, shard = both(xs, ws, None, [ids, lp, labels], [ids, lp, labels])
+    _compare(flashkd.fused_linear_distill_topk, "topk k=V", full, shard, start, stop, loss="jsd")
+
+    # teacher_topk: the global top-k from every rank's candidates
+    for k, options in ((K, {}), (1, dict(temperature=0.5)), (V - 2, dict(vocab_size=V - 2)),
+                       (K, dict(teacher_softcap=1.5, teacher_logit_scale=2.0))):
+        xt, wt, bt = _inputs(gen, 13, dtype, device, bias=True)[2:][:2] + (None,)
+        bt = torch.randn(V, generator=gen, dtype=dtype).to(device)
+        want = flashkd.teacher_topk(xt, wt, k, teacher_bias=bt, **options)
+        got = flashkd.teacher_topk(xt, wt[start:stop], k, teacher_bias=bt[start:stop], **par, **options)
+        assert torch.equal(got[0], want[0]), ("teacher_topk ids", k)
+        _close(f"teacher_topk logprobs k={k}", got[1], want[1])
+
+    # modules take the same options
+    xs, ws, xt, wt, labels, _, _ = _inputs(gen, 8, dtype, device)
+    full, shard = both(xs, ws, None, [xt, wt, labels], [xt, wt[start:stop], labels])
+    module = flashkd.FusedLinearDistillLoss("jsd", process_group=group, vocab_start=start)
+    got = module(*shard["args"])
+    _close("module", got, flashkd.fused_linear_distill(*full["args"]))
+
+    # an out-of-range label: NaN on its row, not a silently wrong value (check_labels off)
+    labels = labels.clone()
+    labels[1] = V + 1
+    got = flashkd.fused_linear_distill(xs, ws[start:stop], xt, wt[start:stop], labels, check_labels=False, **par)
+    assert torch.isnan(got), "an out-of-range label"
+
+    _bad_inputs(rank, world, group, start, stop, device, gen)
+
+
+def _raises(exc, match, fn, *args, **kw):
+    with pytest.raises(exc, match=match):
+        fn(*args, **kw)
+
+
+def _bad_inputs(rank, world, group, start, stop, device, gen):
+    xs, ws, xt, wt, labels, _, _ = _inputs(gen, 6, torch.float64, device)
+    call = flashkd.fused_linear_distill
+
+    def sharded(vocab_start, lo=start, hi=stop, **kw):
+        return call(xs, ws[lo:hi], xt, wt[lo:hi], labels, process_group=group, vocab_start=vocab_start, **kw)
+
+    # every rank raises the same error (none is left waiting in a collective)
+    _raises(ValueError, "overlap", sharded, start - 1 if start > 0 else 0, lo=max(start - 1, 0))
+    _raises(ValueError, "gap", sharded, start + 1 if start > 0 else 0, lo=min(start + 1, stop - 1) if start > 0 else start)
+    _raises(ValueError, "vocab_start: expected a value >= 0", sharded, -1 if rank == 0 else start)
+    _raises(TypeError, "vocab_start: expected an int", sharded, None if rank == world - 1 else start)
+    _raises(TypeError, "process_group: expected", call, xs, ws, xt, wt, labels, process_group="world", vocab_start=0)
+    _raises(ValueError, "vocab_start: expected None without process_group", call, xs, ws, xt, wt, labels, vocab_start=0)
+    _raises(ValueError, r"labels: expected values in \[0, 37\)", call, xs, ws[start:stop], xt, wt[start:stop],
+            labels.masked_fill(labels == labels.max(), V), process_group=group, vocab_start=start, check_labels=True)
+    # replicated rows that differ between ranks: only checked when asked for
+    moved = xs + (rank == 1) * 1e-3
+    call(moved, ws[start:stop], xt, wt[start:stop], labels, process_group=group, vocab_start=start)
+    _raises(ValueError, r"student_input: expected the same tensor on every rank .* rank\(s\) \[1\]",
+            call, moved, ws[start:stop], xt, wt[start:stop], labels, process_group=group, vocab_start=start,
+            check_replicas=True)
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_vocab_parallel_equals_unsharded(world):
+    _spawn(_vocab_parallel_worker, world)
+
+
+class _Student(torch.nn.Module):
+    """A tiny LM: embedding, one layer, and a head the loss reads (forward returns hidden states)."""
+
+    def __init__(self, bias):
+        super().__init__()
+        self.embed = torch.nn.Embedding(V, HS)
+        self.layer = torch.nn.Linear(HS, HS)
+        self.lm_head = torch.nn.Linear(HS, V, bias=bias)
+
+    def forward(self, tokens):
+        return torch.tanh(self.layer(self.embed(tokens)))
+
+
+def _fsdp_worker(rank, world, seed):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+
+    from flashkd.distributed import fsdp
+
+    device = _device()
+    mesh = init_device_mesh(device.type, (world,))
+    dtype = torch.float64
+    gen = torch.Generator().manual_seed(seed)
+    counts = [5 + 2 * r for r in range(world)]  # each rank's own batch, of its own length
+    steps = 3
+    batches = [[torch.randint(0, V, (1, n), generator=gen).to(device) for n in counts] for _ in range(steps)]
+    labels = [[torch.randint(0, V, (1, n), generator=gen).to(device) for n in counts] for _ in range(steps)]
+    for step in labels:
+        for y in step:
+            y[0, ::3] = -100
+    xt = [[torch.randn(1, n, HT, generator=gen, dtype=dtype).to(device) for n in counts] for _ in range(steps)]
+    wt = torch.randn(V, HT, generator=gen, dtype=dtype).to(device)
+
+    def loss_fn(form, h, w, b, step, r, wt_arg, **kw):
+        kw["backend"] = "torch"  # fp64 math on GPUs too
+        if form == "heads":
+            return flashkd.fused_linear_distill(h, w, xt[step][r], wt_arg, labels[step][r], student_bias=b, **kw)
+        if form == "topk":
+            ids, lp = flashkd.teacher_topk(xt[step][r], wt, K)
+            return flashkd.fused_linear_distill_topk(h, w, ids, lp, labels[step][r], student_bias=b,
+                                                     weight_hard_loss=0.5, weight_soft_loss=0.5, **kw)
+        logits = xt[step][r] @ wt.t()
+        return flashkd.fused_linear_distill_logits(h, w, logits, labels[step][r], student_bias=b, **kw)
+
+    cases = [
+        ("heads", "rows", False, False, dict(loss="jsd", chunk_size=4)),
+        ("heads", "rows", True, True, dict(loss="forward_kl", student_softcap=3.0, teacher_softcap=4.0)),
+        ("heads", "heads", True, False, dict(loss="tvd")),
+        ("heads", "auto", False, True, dict(loss="jsd", reduction="sum")),
+        ("topk", "rows", False, False, dict(loss="forward_kl")),
+        ("logits", "auto", True, False, dict(loss="reverse_kl")),
+    ]
+    for form, gather, bias, sharded_teacher, options in cases:
+        case = f"{form} {gather} bias={bias} sharded_teacher={sharded_teacher} {options}"
+        torch.manual_seed(seed)
+        ref = _Student(bias).to(device=device, dtype=dtype)
+        model = _Student(bias).to(device=device, dtype=dtype)
+        model.load_state_dict(ref.state_dict())
+        fully_shard(model.lm_head, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        opt_ref = torch.optim.SGD(ref.parameters(), lr=0.5)
+        opt = torch.optim.SGD(model.parameters(), lr=0.5)
+        wt_arg = distribute_tensor(wt, mesh, [Shard(0)]) if sharded_teacher else wt
+        for step in range(steps):
+            # the unsharded model on every rank's batch: the mean of the ranks' losses
+            ref_losses = [loss_fn(form, ref(batches[step][r]), ref.lm_head.weight, ref.lm_head.bias, step, r, wt, **options)
+                          for r in range(world)]
+            opt_ref.zero_grad()
+            (sum(ref_losses) / world).backward()
+            opt_ref.step()
+            head = model.lm_head.weight
+            assert isinstance(head, DTensor), case
+            mine = loss_fn(form, model(batches[step][rank]), head, model.lm_head.bias, step, rank, wt_arg,
+                           fsdp_gather=gather, **options)
+            _close(f"{case}: step {step} loss", mine.detach(), ref_losses[rank].detach(), 1e-9)
+            opt.zero_grad()
+            mine.backward()
+            assert isinstance(head.grad, DTensor) and head.grad.placements == head.placements, case
+            opt.step()
+        for (name, p_ref), (_, p) in zip(ref.named_parameters(), model.named_parameters()):
+            _close(f"{case}: {name} after {steps} steps", p.full_tensor(), p_ref.detach(), 1e-9)
+
+    # the route formulas: rows when the union's rows are fewer than the vocab's, heads otherwise
+    w = distribute_tensor(torch.randn(V, HS, dtype=dtype, device=device), mesh, [Shard(0)])
+    args = dict(teacher_input=torch.zeros(1, HT, dtype=dtype, device=device))
+    few = fsdp.route_bytes("fused_linear_distill", dict(student_weight=w, teacher_input=args["teacher_input"]), {}, 8, world)
+    many = fsdp.route_bytes("fused_linear_distill", dict(student_weight=w, teacher_input=args["teacher_input"]), {}, 4 * V, world)
+    assert few["rows"] < few["heads"] and many["rows"] > many["heads"], (few, many)
+
+    # teacher_topk of a DTensor teacher head: each rank its own rows' global top-k
+    for gather in ("rows", "heads"):
+        wt_d = distribute_tensor(wt, mesh, [Shard(0)])
+        want = flashkd.teacher_topk(xt[0][rank], wt, K)
+        got = flashkd.teacher_topk(xt[0][rank], wt_d, K, fsdp_gather=gather)
+        assert torch.equal(got[0], want[0]), ("teacher_topk ids", gather)
+        _close(f"teacher_topk {gather}", got[1], want[1])
+
+    # errors every rank raises alike
+    model = _Student(False).to(device=device, dtype=dtype)
+    fully_shard(model.lm_head, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    h = model(batches[0][rank])
+    logits = xt[0][rank] @ wt.t()
+    _raises(ValueError, "not available for dense teacher logits", flashkd.fused_linear_distill_logits, h,
+            model.lm_head.weight, logits, labels[0][rank], fsdp_gather="rows")
+    _raises(ValueError, "fsdp_gather: expected", flashkd.fused_linear_distill, h, model.lm_head.weight, xt[0][rank],
+            wt, labels[0][rank], fsdp_gather="both")
+    from torch.distributed.tensor import Replicate
+
+    replicated = distribute_tensor(torch.randn(V, HS, dtype=dtype, device=device), mesh, [Replicate()])
+    _raises(TypeError, "student_weight: expected a local torch.Tensor or a DTensor sharded on dim 0",
+            flashkd.fused_linear_distill, h, replicated, xt[0][rank], wt, labels[0][rank])
+
+
+def test_fsdp2_training_steps_equal_unsharded():
+    _spawn(_fsdp_worker, 2)
+
