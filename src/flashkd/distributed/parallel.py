@@ -46,7 +46,7 @@ def call(name, args, **vocab_options):
     if form == "topk":
         check_teacher = args["check_teacher"]
         if check_teacher if check_teacher is not None else xs.device.type == "cpu":
-            distill._check_topk_values(*teacher, int(vocab.total))
+            distill._check_topk_values(*teacher, int(vocab.total), spec, y)
     return distill._run(spec, form, teacher, xs, ws, bs, y, args, vocab)
 
 
