@@ -25,6 +25,17 @@ def full_head(weight: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtyp
     return weight, bias
 
 
+def per_item(loss: torch.Tensor, count: torch.Tensor, num_items_in_batch) -> torch.Tensor:
+    """A loss summed over rows, per item: divided by the trainer's `num_items_in_batch` (the items of
+    the whole accumulated batch, so that accumulation matches one large batch), or without it by
+    the rows that counted (at least 1)."""
+    if num_items_in_batch is None:
+        return loss / count.clamp(min=1)
+    if isinstance(num_items_in_batch, torch.Tensor):
+        num_items_in_batch = num_items_in_batch.to(loss.device)
+    return loss / num_items_in_batch
+
+
 def compute_dtype(x: torch.Tensor) -> torch.dtype:
     """The dtype an op on `x` computes in: autocast's on x's device when it is on, else x's own."""
     device = x.device.type

@@ -52,7 +52,7 @@ import torch
 import transformers
 
 from ..distill import fused_linear_distill, fused_linear_distill_topk
-from . import compute_dtype, full_head, no_autocast
+from . import compute_dtype, full_head, no_autocast, per_item
 
 IGNORE_INDEX = -100  # HF's label for "no loss here"
 # Keywords the trainer sets itself; they cannot come through distill_options.
@@ -125,15 +125,10 @@ class DistillationLossMixin:
         y = _shifted_labels(inputs, labels, ids)
         student = self.accelerator.unwrap_model(model)
         loss, count = _in_forward(model, student, lambda: self._loss(student, inputs, y, ids, logprobs))
-        if num_items_in_batch is None:
-            loss = loss / count.clamp(min=1)
-        else:
-            if isinstance(num_items_in_batch, torch.Tensor):
-                num_items_in_batch = num_items_in_batch.to(loss.device)
-            loss = loss / num_items_in_batch
-            if self.args.average_tokens_across_devices:
-                # num_items_in_batch counts every process's rows, and DDP averages the gradients.
-                loss = loss * self.accelerator.num_processes
+        loss = per_item(loss, count, num_items_in_batch)
+        if num_items_in_batch is not None and self.args.average_tokens_across_devices:
+            # num_items_in_batch counts every process's rows, and DDP averages the gradients.
+            loss = loss * self.accelerator.num_processes
         return (loss, {"loss": loss}) if return_outputs else loss
 
     def _loss(self, student, inputs, y, ids, logprobs):

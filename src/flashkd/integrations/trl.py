@@ -45,7 +45,7 @@ import inspect
 import torch
 
 from ..distill import fused_linear_distill
-from . import compute_dtype, full_head, no_autocast
+from . import compute_dtype, full_head, no_autocast, per_item
 
 TESTED_TRL_VERSIONS = ("1.16.0",)
 
@@ -103,13 +103,7 @@ def chunked_divergence_loss(
             teacher_softcap=_cap(teacher_final_logit_softcapping),
             return_stats=True,
         )
-    if num_items_in_batch is None:
-        loss = loss / n_valid.clamp(min=1)
-    else:
-        if isinstance(num_items_in_batch, torch.Tensor):
-            num_items_in_batch = num_items_in_batch.to(loss.device)
-        loss = loss / num_items_in_batch
-    return loss, stats.entropy_sum, n_valid
+    return per_item(loss, n_valid, num_items_in_batch), stats.entropy_sum, n_valid
 
 
 def patch():
