@@ -45,6 +45,7 @@ import sys
 
 import torch
 
+from . import fp8
 from .losses import DistillStats, LossSpec
 from .backends import torch_rows
 
@@ -99,6 +100,7 @@ def fused_linear_distill(
     check_shards: bool | None = None,
     check_replicas: bool = False,
     fsdp_gather: str = "auto",
+    teacher_precision: str | None = None,
 ):
     """Distillation loss between a student and a teacher LM head, without materialising the logits.
 
@@ -142,6 +144,12 @@ def fused_linear_distill(
     - process_group, vocab_start, check_shards, check_replicas: vocab-parallel heads, each rank holding
       the rows [vocab_start, vocab_start + V_r) of each head; fsdp_gather: what to gather for a head
       that is an FSDP2 DTensor ("auto", "rows", "heads"). See `flashkd.distributed`.
+    - teacher_precision: None (the teacher's logits from a GEMM in its dtype), or "fp8" (the same as
+      "fp8-rowwise") or "fp8-1x128": from an e4m3 GEMM with one scale per row (per 128 hidden units)
+      of teacher_input and teacher_weight, on GPUs with FP8 tensor cores (sm_89+; 1x128 on sm_90
+      only). The quantised head is cached until teacher_weight changes or is freed
+      (`flashkd.fp8.clear_cache()`). Faster, and less exact: the teacher's probabilities move by
+      what e4m3's 3-bit mantissa does to its logits (README, BENCHMARKS.md). See `flashkd.fp8`.
     """
     if process_group is not None or _any_dtensor(student_weight, teacher_weight, student_bias, teacher_bias):
         return _distributed("fused_linear_distill", locals())
@@ -373,6 +381,8 @@ def _run(spec, form, teacher, xs, ws, bs, y, args, vocab=None):
     stats = args["return_stats"]
     if not isinstance(stats, bool):
         raise TypeError(f"return_stats: expected a bool, got {stats!r}")
+    if form == "heads":
+        teacher = _teacher_head(teacher, args.get("teacher_precision"))
     plan = _Plan(spec, chunk, backend, grad_accum_dtype, form, teacher_chunk, stats, vocab)
     loss_, soft, hard, *sums = _apply(xs, ws, bs, y, rw, plan, *teacher)
     out = (loss_, soft, hard) if args["return_soft_hard_loss"] else (loss_,)
@@ -506,9 +516,21 @@ def _rows(plan: _Plan):
     return torch_rows.topk_rows if plan.form == "topk" else torch_rows.rows
 
 
+def _teacher_head(teacher, precision):
+    """(xt, wt, bt) with wt the cached FP8 head of teacher_precision "fp8...", else as it came."""
+    xt, wt, bt = teacher
+    scaling = fp8.scaling_of(precision, xt.device)
+    if scaling is None:
+        return teacher
+    fp8.check_dtype(xt.dtype)
+    return xt, fp8.head(wt, scaling), bt
+
+
 def _teacher_block(form, teacher, c):
     if form == "heads":
         xt, wt, bt = teacher
+        if isinstance(wt, fp8.Head):
+            return fp8.linear(xt[c], wt, bt)
         return _linear(xt[c], wt, bt)
     if form == "logits":
         return teacher[0][c]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from . import fp8
 from .distill import _FLOATS, _LOGITS_BUDGET, _any_dtensor, _check_tensors, _distributed, _even_chunks, _pick_backend
 from .losses import LossSpec, check_logit_transform, logit_transform
 
@@ -25,6 +26,7 @@ def teacher_topk(
     vocab_start: int | None = None,
     check_shards: bool | None = None,
     fsdp_gather: str = "auto",
+    teacher_precision: str | None = None,
 ):
     """The teacher's k most likely ids per row and their log-probs at `temperature`.
 
@@ -51,6 +53,10 @@ def teacher_topk(
     [vocab_start, vocab_start + V_r); every rank passes the same teacher_input and gets the same
     global top-k (vocab_size is then the whole vocab's). A DTensor head (FSDP2): `fsdp_gather`. See
     `flashkd.distributed`.
+
+    teacher_precision: None, or "fp8" / "fp8-rowwise" / "fp8-1x128", the logits from an e4m3 GEMM
+    (as in `fused_linear_distill`; `flashkd.fp8`): the top-k targets are then those of the
+    FP8 teacher.
     """
     if _any_dtensor(teacher_weight, teacher_bias):
         return _distributed("teacher_topk", locals())
@@ -93,6 +99,10 @@ def teacher_topk(
     if chunk_size is not None and (isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1):
         raise ValueError(f"chunk_size: expected a positive int or None, got {chunk_size!r}")
 
+    scaling = fp8.scaling_of(teacher_precision, x.device)
+    if scaling is not None:
+        fp8.check_dtype(x.dtype)
+        w = fp8.head(w, scaling)
     lead = x.shape[:-1]
     x = x.reshape(-1, x.shape[-1])
     n = x.shape[0]
@@ -106,7 +116,10 @@ def teacher_topk(
     logprobs = torch.empty(n, k, dtype=work, device=x.device)
     for start in range(0, n, chunk):
         c = slice(start, min(start + chunk, n))
-        logits = x[c] @ w.t() if b is None else torch.addmm(b, x[c], w.t())
+        if scaling is not None:
+            logits = fp8.linear(x[c], w, b).contiguous()  # the top-k kernel reads unit-stride rows (a padded vocab is a view)
+        else:
+            logits = x[c] @ w.t() if b is None else torch.addmm(b, x[c], w.t())
         if vocab is None:
             ids[c], logprobs[c], nonfinite = _topk(logits, k, temperature, backend, teacher_logit_scale, teacher_softcap)
         else:  # the merged top-k's log-probs are NaN or infinite where any rank's row had a NaN or inf logit
