@@ -2,7 +2,7 @@
 # The whole GPU check in one command, on a CUDA machine from a checkout of this repository:
 #   bash scripts/gpu_check.sh [tests] [rows] [breakdown] [profile] [bench-seed] [bench-sweep] [bench-losses]
 #                             [bench-softonly] [memory] [bench-topk] [bench-logits] [bench-teacher-topk]
-#                             [bench-softcap] [bench-trl]
+#                             [bench-softcap] [bench-trl] [bench-fp8]
 # (default: all of them, about 13 minutes on an H200; each of the last three a minute or two)
 # Logs and results go to $OUT (default ./gpu-out). Liger-Kernel is installed from .whl/ when present.
 set -uo pipefail
@@ -13,7 +13,7 @@ if compgen -G ".whl/*.whl" >/dev/null; then
   python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/flashkd-site .whl/*.whl \
     && export PYTHONPATH="$PYTHONPATH:/tmp/flashkd-site"
 fi
-stages=${*:-tests rows breakdown profile bench-seed bench-sweep bench-losses bench-softonly memory bench-topk bench-logits bench-teacher-topk bench-softcap bench-trl}
+stages=${*:-tests rows breakdown profile bench-seed bench-sweep bench-losses bench-softonly memory bench-topk bench-logits bench-teacher-topk bench-softcap bench-trl bench-fp8}
 status=0
 nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm --format=csv | tee "$OUT/env.txt"
 python3 -c "import torch, triton; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'triton', triton.__version__)" | tee -a "$OUT/env.txt"
@@ -41,6 +41,15 @@ for stage in $stages; do
       --modes full no-grad-forward --softcap 30 --out "$OUT/softcap" 2>&1 | tee "$OUT/bench-softcap.log" || status=1 ;;
     bench-trl) python3 -m flashkd bench --preset seed -n 8192 --loss jsd --weight-hard 0 --weight-soft 1 \
       --providers flashkd trl liger floor --modes full --out "$OUT/trl" 2>&1 | tee "$OUT/bench-trl.log" || status=1 ;;
+    bench-fp8) python3 benchmarks/bench_fp8.py --out "$OUT/fp8" 2>&1 | tee "$OUT/bench-fp8.log" || status=1
+      for p in fp8 fp8-1x128; do
+        python3 -m flashkd bench --preset seed -n 8192 --loss jsd --providers flashkd floor --modes full no-grad-forward \
+          --teacher-precision $p --out "$OUT/seed-$p" 2>&1 | tee -a "$OUT/bench-fp8.log" || status=1
+      done
+      python3 -m flashkd bench --preset sweep --providers flashkd floor --modes full --teacher-precision fp8 \
+        --out "$OUT/sweep-fp8" 2>&1 | tee -a "$OUT/bench-fp8.log" || status=1
+      python3 -m flashkd bench --preset teacher-topk --modes no-grad-forward --providers flashkd floor --teacher-precision fp8 \
+        --out "$OUT/teacher-topk-fp8" 2>&1 | tee -a "$OUT/bench-fp8.log" || status=1 ;;
     *) echo "unknown stage $stage"; status=2 ;;
   esac
 done

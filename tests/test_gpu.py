@@ -251,3 +251,96 @@ def test_heads_and_row_weight_against_fp64_truth(loss, dtype, heads):
         assert torch.isfinite(g).all(), name
         err, base = rel(g, t), rel(p, t)
         assert err <= 1.5 * base + 1e-6, (name, err, base)
+
+
+# ---- the FP8 teacher head (flashkd.fp8): sm_89+ ----------------------------------------------------
+
+fp8_gpu = pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 9),
+                             reason="needs FP8 tensor cores (sm_89+)")
+FP8_CASES = [("jsd", torch.bfloat16, (128256, 128256), "fp8"), ("forward_kl", torch.float16, (50257, 50257), "fp8"),
+             ("reverse_kl", torch.bfloat16, (151646, 151936), "fp8-1x128"), ("tvd", torch.float32, (50257, 50257), "fp8-1x128")]
+
+
+def _fp8_inputs(dtype, v, vt, n=1000, hs=512, ht=1000, bias=True):
+    g = torch.Generator(device="cuda").manual_seed(v)
+    xs = torch.rand(n, hs, device="cuda", generator=g).to(dtype).requires_grad_()
+    xt = torch.rand(n, ht, device="cuda", generator=g).to(dtype)
+    ws = ((torch.rand(v, hs, device="cuda", generator=g) * 2 - 1) / hs**0.5).to(dtype).requires_grad_()
+    wt = ((torch.rand(vt, ht, device="cuda", generator=g) * 2 - 1) / ht**0.5).to(dtype)
+    bt = (torch.randn(vt, device="cuda", generator=g) * 0.1).to(dtype) if bias else None
+    y = torch.randint(0, v, (n,), device="cuda", generator=g)
+    y[::7] = -100
+    return xs, ws, xt, wt, bt, y
+
+
+@fp8_gpu
+@pytest.mark.skipif(torch.cuda.is_available() and torch.cuda.get_device_capability()[0] != 9, reason="1x128: sm_90")
+@pytest.mark.parametrize("loss,dtype,vocab,precision", FP8_CASES, ids=str)
+def test_fp8_teacher_is_the_loss_of_its_own_logits(loss, dtype, vocab, precision):
+    """The fused loss with an FP8 teacher = the dense-logits loss fed the FP8 GEMM's logits (the
+    wiring: chunks, padded heads, bias, scale layouts); and those logits are the dequantised product."""
+    from flashkd import fp8
+
+    v, vt = vocab
+    xs, ws, xt, wt, bt, y = _fp8_inputs(dtype, v, vt)
+    opts = dict(loss=loss, beta=0.3, temperature=1.3, chunk_size=384)
+    got = flashkd.fused_linear_distill(xs, ws, xt, wt, y, teacher_bias=bt, teacher_precision=precision, **opts)
+    g_got = torch.autograd.grad(got, (xs, ws))
+    scaling = fp8.scaling_of(precision, xt.device)
+    h = fp8.head(wt[:v], scaling)
+    t = fp8.linear(xt, h, bt[:v])
+    want = flashkd.fused_linear_distill_logits(xs, ws, t, y, **opts)
+    g_want = torch.autograd.grad(want, (xs, ws))
+    assert abs(got.item() - want.item()) <= 1e-5 * abs(want.item())
+    for a, b in zip(g_got, g_want):
+        assert rel(a, b) <= 2e-3  # the same logits up to the GEMM's rounding in another row split
+    xq, sx = fp8.quantize(xt, scaling)
+    ref = fp8.dequantize(xq, sx) @ fp8.dequantize(h.q, h.scale.t()).t()[:, :v] + bt[:v].float()
+    assert rel(t.float(), ref) <= 4e-3  # t: the product rounded to the inputs' dtype
+    assert fp8.head(wt[:v], scaling) is h  # cached: quantised once
+
+
+@fp8_gpu
+def test_fp8_teacher_error_against_the_fp32_truth():
+    """On the bench's inputs the FP8 teacher moves the JSD by ~1e-3 (BENCHMARKS.md); far more means a
+    wrong scale; the student's gradients stay within a few % of the truth's."""
+    xs, ws, xt, wt, _, y = _fp8_inputs(torch.bfloat16, 128256, 128256, n=512, hs=1024, ht=2048, bias=False)
+    got = flashkd.fused_linear_distill(xs, ws, xt, wt, y, teacher_precision="fp8")
+    grads = torch.autograd.grad(got, (xs, ws))
+    leaves = [z.detach().double().requires_grad_() for z in (xs, ws)]
+    truth = distill_loss(*leaves, xt.double(), wt.double(), y)[0]
+    t_grads = torch.autograd.grad(truth, leaves)
+    assert abs(got.item() - truth.item()) <= 5e-3 * abs(truth.item())
+    for a, b in zip(grads, t_grads):
+        assert rel(a, b) <= 5e-2
+
+
+@fp8_gpu
+def test_fp8_quantisation_on_gpu_is_the_reference_and_never_nan_from_scales():
+    from flashkd import fp8
+
+    x = torch.randn(3000, 4096, device="cuda").to(torch.bfloat16)
+    x[5] = 0
+    x[6] = 3e38
+    x[7, :9] = 1e-30
+    for scaling in ("rowwise", "1x128"):
+        q, s = fp8.quantize(x, scaling)
+        qr, sr = fp8.quantize_reference(x, scaling)
+        assert torch.equal(q.view(torch.uint8), qr.view(torch.uint8)) and torch.equal(s, sr)
+        assert torch.isfinite(s).all() and torch.isfinite(fp8.dequantize(q, s)).all()
+        w = torch.randn(1000, 4096, device="cuda").to(torch.bfloat16) / 64
+        t = fp8.linear(x[:8], fp8.head(w, scaling), None)
+        assert torch.isfinite(t[:6]).all() and t[5].eq(0).all() and torch.isfinite(t[7]).all()
+
+
+@fp8_gpu
+def test_teacher_topk_with_an_fp8_teacher():
+    from flashkd import fp8
+
+    _, _, xt, wt, bt, _ = _fp8_inputs(torch.bfloat16, 128256, 128256, n=700)
+    ids, lp = flashkd.teacher_topk(xt, wt, 64, teacher_bias=bt, teacher_precision="fp8")
+    t = fp8.linear(xt, fp8.head(wt, "rowwise"), bt).float()
+    want = torch.log_softmax(t, -1).topk(64, dim=-1)
+    assert torch.allclose(lp, want.values, atol=1e-4)
+    same = (ids.sort(-1).values == want.indices.sort(-1).values).float().mean().item()
+    assert same >= 0.99  # ties at the 64th place may swap

@@ -111,6 +111,9 @@ def add_bench_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--weight-soft", type=float, help="weight of the distillation term (default 0.5)")
     p.add_argument("--temperature", type=float, help="τ (default 1.0)")
     p.add_argument("--softcap", type=float, metavar="C", help="both heads' logit softcap, c·tanh(z/c) (default: none)")
+    p.add_argument("--teacher-precision", choices=["fp8", "fp8-rowwise", "fp8-1x128"],
+                   help="flashkd's teacher GEMM in FP8 (forms heads, teacher_topk); other providers skip, the "
+                        "floor stays bf16's (default: the inputs' dtype)")
     p.add_argument("--seed", type=int, help="seed of the inputs (default 0)")
     p.add_argument("--rep", type=_ms(0.0, "a finite number of ms above 0"), metavar="MS",
                    help="timed ms per measurement (default: 500 CUDA, 100 CPU)")
@@ -192,7 +195,7 @@ def plan(args: argparse.Namespace) -> Plan:
         ("h", args.h), ("v", args.v), ("dtype", args.dtype and _dtype_name(args.dtype)),
         ("beta", args.beta), ("weight_hard", args.weight_hard), ("weight_soft", args.weight_soft),
         ("temperature", args.temperature), ("seed", args.seed), ("form", args.form), ("k", args.k),
-        ("tail", args.tail), ("softcap", args.softcap),
+        ("tail", args.tail), ("softcap", args.softcap), ("teacher_precision", args.teacher_precision),
     ) if value is not None}
     try:  # bad options fail here, before any input is made
         workloads = expand(PRESETS[preset], n=args.n, loss=args.loss, **fields)

@@ -135,7 +135,7 @@ def _gate_provider(w, x, ref, name, modes, advance):
         if not provider.has_loss:
             check = Check("unchecked")
         elif w.has_grad:
-            check = gate(fn, x, ref, "no-grad-forward" in modes)
+            check = gate(fn, x, ref, "no-grad-forward" in modes, _tolerance(w, x.xs.dtype))
         else:
             check = _gate_topk(fn, x, ref, w)
     except Skip as e:
@@ -344,7 +344,18 @@ def _ieee_fp32():
         torch.backends.cuda.matmul.allow_tf32 = old
 
 
-def gate(fn: LossFn, x: Inputs, ref: Reference, no_grad_too: bool) -> Check:
+def _tolerance(w: Workload, dtype: torch.dtype) -> tuple[float, float]:
+    """The gate's (loss, grads) tolerance: the dtype's, or FP8_TOLERANCE for flashkd's FP8 teacher."""
+    return FP8_TOLERANCE if w.teacher_precision is not None else TOLERANCE[dtype]
+
+
+# An FP8 teacher's logits are off by what e4m3's 3-bit mantissa makes of them: on the bench's inputs its
+# probabilities by ~1 % (L1 0.0096, JSD 1.3e-3, BENCHMARKS.md). 5e-2 passes that and still fails a
+# wrong scale or layout, which is off by O(1).
+FP8_TOLERANCE = (5e-2, 5e-2)
+
+
+def gate(fn: LossFn, x: Inputs, ref: Reference, no_grad_too: bool, tol: tuple[float, float] | None = None) -> Check:
     """One forward+backward of the provider against the reference; also the no-grad loss when that
     mode is measured (fused losses take another path there). `loss_err` is the worse of the two."""
     x.xs.grad = x.ws.grad = None
@@ -357,7 +368,7 @@ def gate(fn: LossFn, x: Inputs, ref: Reference, no_grad_too: bool) -> Check:
     if no_grad_too:
         with torch.no_grad():
             loss_err = _worst(loss_err, _rel(fn(), ref.loss))
-    tol = TOLERANCE[x.xs.dtype]
+    tol = TOLERANCE[x.xs.dtype] if tol is None else tol
     ok = loss_err <= tol[0] and dx_err <= tol[1] and dw_err <= tol[1]  # False on NaN
     return Check("passed" if ok else "FAILED", loss_err, dx_err, dw_err, tol)
 
@@ -379,7 +390,7 @@ def _gate_topk(fn, x: Inputs, ref: TopkReference, w: Workload) -> Check:
     """
     with torch.no_grad():
         ids, lp = fn()
-    tol = TOLERANCE[x.xt.dtype]
+    tol = _tolerance(w, x.xt.dtype)
     if tuple(ids.shape) != tuple(ref.top.shape) or tuple(lp.shape) != tuple(ref.top.shape):
         note = f"expected ids and logprobs of shape {tuple(ref.top.shape)}, got {tuple(ids.shape)}, {tuple(lp.shape)}"
         return Check("FAILED", tol=(tol[0], tol[0]), note=note)

@@ -84,7 +84,7 @@ def naive_teacher_topk(xt, wt, k: int, temperature: float, softcap: float | None
 def _flashkd(w: Workload, x: Inputs) -> LossFn:
     if w.form == "teacher_topk":
         return lambda: flashkd.teacher_topk(x.xt, x.wt, w.k, temperature=w.temperature, backend="auto",
-                                            teacher_softcap=w.softcap)
+                                            teacher_softcap=w.softcap, teacher_precision=w.teacher_precision)
     options = dict(
         loss=w.loss, beta=w.beta, temperature=w.temperature, weight_hard_loss=w.weight_hard,
         weight_soft_loss=w.weight_soft, ignore_index=w.ignore_index, backend="auto", student_softcap=w.softcap,
@@ -94,10 +94,17 @@ def _flashkd(w: Workload, x: Inputs) -> LossFn:
     options["teacher_softcap"] = w.softcap
     if w.form == "logits":
         return lambda: flashkd.fused_linear_distill_logits(x.xs, x.ws, x.tl, x.y, **options)
-    return lambda: flashkd.fused_linear_distill(x.xs, x.ws, x.xt, x.wt, x.y, **options)
+    return lambda: flashkd.fused_linear_distill(x.xs, x.ws, x.xt, x.wt, x.y, teacher_precision=w.teacher_precision,
+                                                **options)
+
+
+def _no_fp8(name: str, w: Workload):
+    if w.teacher_precision is not None:
+        raise Skip(f"{name} has no FP8 teacher (teacher_precision={w.teacher_precision})")
 
 
 def _torch(w: Workload, x: Inputs) -> LossFn:
+    _no_fp8("torch", w)
     if w.form == "teacher_topk":
         return lambda: naive_teacher_topk(x.xt, x.wt, w.k, w.temperature, w.softcap)
     spec = w.spec()
@@ -105,6 +112,7 @@ def _torch(w: Workload, x: Inputs) -> LossFn:
 
 
 def _liger(w: Workload, x: Inputs) -> LossFn:
+    _no_fp8("liger", w)
     if w.form != "heads":
         what = {"logits": "dense-logits teacher", "topk": "top-k teacher", "teacher_topk": "teacher_topk"}[w.form]
         raise Skip(f"liger has no {what} (its distillation losses take the teacher's hidden states and head)")
@@ -131,6 +139,7 @@ def _liger(w: Workload, x: Inputs) -> LossFn:
 
 
 def _trl(w: Workload, x: Inputs) -> LossFn:
+    _no_fp8("trl", w)
     if w.form != "heads":
         raise Skip("trl's ChunkedDivergenceFunction takes the teacher's hidden states and head only")
     betas = {"jsd": w.beta, "forward_kl": 0.0, "reverse_kl": 1.0}  # TRL's β: 0 forward KL, 1 reverse KL

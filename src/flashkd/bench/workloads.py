@@ -49,6 +49,7 @@ class Workload:
     k: int = 64  # teacher ids per row (forms topk and teacher_topk)
     tail: str = "bucket"  # the mass outside the K ids (form topk): one of losses.TAILS
     softcap: float | None = None  # both heads' logit softcap c (a top-k teacher's: in its targets)
+    teacher_precision: str | None = None  # flashkd's teacher GEMM (forms heads, teacher_topk): None or "fp8..."
 
     def __post_init__(self):
         if self.form not in FORMS:
@@ -57,6 +58,10 @@ class Workload:
             raise ValueError(f"tail: expected one of {', '.join(TAILS)}, got {self.tail!r}")
         if self.form in ("topk", "teacher_topk") and not 1 <= self.k <= self.v:
             raise ValueError(f"k: expected 1 <= k <= V = {self.v}, got {self.k}")
+        if self.teacher_precision not in (None, "fp8", "fp8-rowwise", "fp8-1x128"):
+            raise ValueError(f"teacher_precision: expected fp8, fp8-rowwise or fp8-1x128, got {self.teacher_precision!r}")
+        if self.teacher_precision is not None and self.form not in ("heads", "teacher_topk"):
+            raise ValueError(f"teacher_precision: only forms heads and teacher_topk have a teacher GEMM, got form {self.form!r}")
 
     @property
     def hs(self) -> int:
@@ -95,7 +100,7 @@ class Workload:
         """The same case with the fields its form does not read at their defaults: equal cases compare equal."""
         base = Workload()
         unused = {
-            "heads": ("k", "tail"), "logits": ("k", "tail"), "topk": (),
+            "heads": ("k", "tail"), "logits": ("k", "tail", "teacher_precision"), "topk": ("teacher_precision",),
             "teacher_topk": ("loss", "beta", "weight_hard", "weight_soft", "ignore_index", "tail"),
         }[self.form]
         return dataclasses.replace(self, **{name: getattr(base, name) for name in unused})
@@ -117,6 +122,8 @@ class Workload:
         and with earlier runs); the other forms add theirs at the end.
         """
         softcap = {} if self.softcap is None else {"softcap": self.softcap}  # absent: earlier rows' keys
+        if self.teacher_precision is not None:
+            softcap["teacher_precision"] = self.teacher_precision
         if self.form == "teacher_topk":
             return {"H": self.h, "V": self.v, "dtype": str(self.torch_dtype), "bias": False,
                     "temperature": self.temperature, "seed": self.seed, "form": self.form, "k": self.k, **softcap}
