@@ -178,6 +178,17 @@ def accuracy(results, rows):
                 "JSD rel err": ((jsd(lp).mean() - j_true).abs() / j_true).item(),
             }
             del lp
+        # Where the error comes from: each operand quantised alone (the other exact), in fp32 math
+        for side in ("X only", "W only"):
+            xq = fp8.dequantize(*fp8.quantize(x, "rowwise"))[:, :k] if side == "X only" else x.float()
+            wq = fp8.dequantize(*fp8.quantize(w, "rowwise"))[:, :k] if side == "W only" else w.float()
+            lp = torch.log_softmax(xq @ wq.t(), -1)
+            row[f"fp8-rowwise, {side}"] = {
+                "KL(p_true||p)": (lp_true.exp() * (lp_true - lp)).sum(-1).mean().item(),
+                "L1": (lp_true.exp() - lp.exp()).abs().sum(-1).mean().item(),
+                "JSD rel err": ((jsd(lp).mean() - j_true).abs() / j_true).item(),
+            }
+            del lp, xq, wq
         results["accuracy"][case] = row
         print(f"{case} (teacher entropy {ent:.2f} nats):")
         for name, r in row.items():

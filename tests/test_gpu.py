@@ -342,5 +342,7 @@ def test_teacher_topk_with_an_fp8_teacher():
     t = fp8.linear(xt, fp8.head(wt, "rowwise"), bt).float()
     want = torch.log_softmax(t, -1).topk(64, dim=-1)
     assert torch.allclose(lp, want.values, atol=1e-4)
-    same = (ids.sort(-1).values == want.indices.sort(-1).values).float().mean().item()
-    assert same >= 0.99  # ties at the 64th place may swap
+    # the ids are those values' (bf16 logits tie often, so which of equal logits is returned may differ)
+    full = torch.log_softmax(t, -1)
+    assert torch.allclose(full.gather(1, ids), lp, atol=1e-4)
+    assert (ids.sort(-1).values.diff(dim=-1) > 0).all()  # distinct
