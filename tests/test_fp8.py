@@ -226,3 +226,29 @@ def test_a_bf16_fp8_teacher_rounds_its_logits_to_bf16(fp8_on_cpu):
     t = _fp8_logits(xt.float(), wt.float()).to(torch.bfloat16)
     want = flashkd.fused_linear_distill_logits(xs, ws, t, y, backend="torch")
     assert loss.item() == pytest.approx(want.item(), rel=1e-5)
+
+
+def test_the_trl_patch_passes_teacher_precision_on(monkeypatch):
+    pytest.importorskip("trl")
+    from flashkd.integrations import trl as trl_patch
+
+    seen = {}
+
+    def fake(*args, **kwargs):
+        seen.update(kwargs)
+        raise RuntimeError("stop")
+
+    monkeypatch.setattr(trl_patch, "fused_linear_distill", fake)
+    with pytest.raises(ValueError, match="teacher_precision"):
+        trl_patch.patch(teacher_precision="int4")
+    x, w = torch.randn(2, 3, 4), torch.randn(5, 4)
+    mask = torch.ones(2, 3)
+    with trl_patch.patch(teacher_precision="fp8"):
+        with pytest.raises(RuntimeError, match="stop"):
+            trl_patch.chunked_divergence_loss(x, x, w, w, mask, 0.5)
+    assert seen["teacher_precision"] == "fp8"
+    seen.clear()
+    with trl_patch.patch():
+        with pytest.raises(RuntimeError, match="stop"):
+            trl_patch.chunked_divergence_loss(x, x, w, w, mask, 0.5)
+    assert "teacher_precision" not in seen

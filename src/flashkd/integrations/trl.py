@@ -44,6 +44,7 @@ import inspect
 
 import torch
 
+from .. import fp8
 from ..distill import fused_linear_distill
 from . import compute_dtype, full_head, no_autocast, per_item
 
@@ -60,6 +61,7 @@ _MODULE = "trl.trainer.distillation_trainer"
 _HELPER = "_chunked_divergence_loss"
 
 _original = None  # TRL's helper while patched
+_options: dict = {}  # fused_linear_distill keywords the patch was given
 
 
 def chunked_divergence_loss(
@@ -101,15 +103,22 @@ def chunked_divergence_loss(
             student_logit_scale=float(student_logit_scale), teacher_logit_scale=float(teacher_logit_scale),
             student_softcap=_cap(student_final_logit_softcapping),
             teacher_softcap=_cap(teacher_final_logit_softcapping),
-            return_stats=True,
+            return_stats=True, **_options,
         )
     return per_item(loss, n_valid, num_items_in_batch), stats.entropy_sum, n_valid
 
 
-def patch():
+def patch(*, teacher_precision: str | None = None):
     """Make TRL's distillation trainers compute their loss with flashkd; returns a context manager
-    whose exit undoes this call's patch (`with patch(): ...`). Patching twice is a no-op."""
+    whose exit undoes this call's patch (`with patch(): ...`). Patching twice is a no-op (but for
+    teacher_precision, which the latest call sets). teacher_precision: `fused_linear_distill`'s,
+    e.g. "fp8" for an FP8 teacher GEMM (README, "FP8 teacher": faster, and not TRL's numbers)."""
     global _original
+    if not (teacher_precision is None or isinstance(teacher_precision, str)) or teacher_precision not in fp8.PRECISIONS:
+        raise ValueError(f"teacher_precision: expected one of {fp8.PRECISIONS}, got {teacher_precision!r}")
+    _options.clear()
+    if teacher_precision is not None:
+        _options["teacher_precision"] = teacher_precision
     module = _check()
     installed = _original is None
     if installed:
