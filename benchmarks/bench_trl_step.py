@@ -38,6 +38,7 @@ import gc
 import json
 import statistics
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -84,7 +85,7 @@ def parse_args(argv=None):
     p.add_argument("--variants", nargs="+", choices=["trl", "flashkd"], default=["trl", "flashkd"])
     p.add_argument("--no-gradient-checkpointing", action="store_true", help="TRL's default is on")
     p.add_argument("--loss-rtol", type=float, default=None,
-                   help="largest relative difference of the first-step losses (default 2e-2 in bf16, 1e-4 in fp32)")
+                   help="largest relative difference of the first-step losses (default 5e-3 in bf16, 1e-4 in fp32)")
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
     if args.tiny:
@@ -94,7 +95,7 @@ def parse_args(argv=None):
                 setattr(args, name, value)
     args.dtype = torch.float32 if args.tiny else torch.bfloat16
     if args.loss_rtol is None:
-        args.loss_rtol = 1e-4 if args.dtype == torch.float32 else 2e-2
+        args.loss_rtol = 1e-4 if args.dtype == torch.float32 else 5e-3
     return args
 
 
@@ -190,7 +191,7 @@ def run_variant(name, args, student, initial_state, teacher, tok, data, completi
         torch.cuda.reset_peak_memory_stats()
     resident = torch.cuda.memory_allocated() if device.type == "cuda" else 0
     config = trl.DistillationConfig(
-        output_dir=str(args.out / "trainer"), per_device_train_batch_size=args.batch, gradient_accumulation_steps=1,
+        output_dir=args.trainer_dir, per_device_train_batch_size=args.batch, gradient_accumulation_steps=1,
         max_steps=args.warmup + args.steps, max_completion_length=args.completion_len, beta=args.beta,
         temperature=1.0, bf16=args.dtype == torch.bfloat16, use_cpu=device.type == "cpu",
         gradient_checkpointing=not args.no_gradient_checkpointing, logging_steps=1, report_to=[], save_strategy="no",
@@ -254,6 +255,7 @@ def _quantile(xs, q):
 def main(argv=None):
     args = parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
+    args.trainer_dir = tempfile.mkdtemp(prefix="bench-trl-step-")  # the trainer's output_dir; it saves nothing
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     n_rows = args.batch * (args.warmup + args.steps)
     g = torch.Generator().manual_seed(args.seed)
@@ -296,6 +298,10 @@ def main(argv=None):
               f"peak {r['peak_bytes'] / 2**30:.2f} GiB (resident before {r['resident_bytes'] / 2**30:.2f} GiB), "
               f"first loss {r['losses'][0]:.6g}, first grad norm {r['grad_norms'][0]:.6g}", flush=True)
 
+    resident = {r["resident_bytes"] for r in results}
+    if max(resident) - min(resident) > 64 * 2**20:
+        print("warning: the variants started with different memory allocated (a trainer's leftovers?); compare "
+              "peaks minus resident, or run each variant alone (--variants)")
     check = None
     by = {r["variant"]: r for r in results}
     if {"trl", "flashkd"} <= by.keys():
