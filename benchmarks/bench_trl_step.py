@@ -78,7 +78,7 @@ def parse_args(argv=None):
     p.add_argument("--prompt-len", type=int, default=512)
     p.add_argument("--completion-len", type=int, default=1536)
     p.add_argument("--warmup", type=int, default=3, help="steps run before the timed ones")
-    p.add_argument("--steps", type=int, default=10, help="timed steps")
+    p.add_argument("--steps", type=int, default=20, help="timed steps")
     p.add_argument("--beta", type=float, default=0.5)
     p.add_argument("--generation", choices=["fixed", "student"], default="fixed",
                    help="fixed: pre-drawn completions in place of the student's sampling; student: TRL samples them")
@@ -121,7 +121,7 @@ def llama(args, hidden, ffn, seed, device, head_logit_std=None):
         vocab_size=args.vocab, hidden_size=hidden, intermediate_size=ffn,
         num_hidden_layers=args.layers, num_attention_heads=heads, num_key_value_heads=max(1, heads // 4),
         max_position_embeddings=args.prompt_len + args.completion_len, pad_token_id=0, eos_token_id=1,
-        bos_token_id=None, tie_word_embeddings=False, rope_theta=500000.0,
+        bos_token_id=None, tie_word_embeddings=False,
     )
     torch.manual_seed(seed)
     with torch.device(device):
@@ -185,7 +185,8 @@ def install_generation(trainer, completions, seconds):
 
 def run_variant(name, args, student, initial_state, teacher, tok, data, completions, device):
     student.load_state_dict(initial_state)  # every variant starts from the same student
-    gc.collect()
+    gc.collect()  # the previous variant's trainer (its optimizer state) goes here
+    gc.freeze()  # and what is left stays out of the collector's later passes: no long pause inside a timed step
     if device.type == "cuda":
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
@@ -200,6 +201,7 @@ def run_variant(name, args, student, initial_state, teacher, tok, data, completi
     clock, generation, losses = Clock(), [], []
     trainer = trl.DistillationTrainer(model=student, teacher_model=teacher, args=config, train_dataset=data,
                                       processing_class=tok, callbacks=[clock])
+    trainer.remove_callback(transformers.trainer_callback.PrinterCallback)  # its per-step dicts: in results.json
     install_generation(trainer, completions, generation)
     compute_loss = trainer.compute_loss
 

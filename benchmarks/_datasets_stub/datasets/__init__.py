@@ -39,4 +39,4 @@ def _unavailable(*args, **kwargs):
     raise ImportError("the `datasets` package is not installed (this is a stand-in)")
 
 
-load_dataset = concatenate_datasets = interleave_datasets = _unavailable
+load_dataset = load_from_disk = concatenate_datasets = interleave_datasets = _unavailable
