@@ -34,6 +34,7 @@ Usage: python benchmarks/bench_trl_step.py --out DIR      (an H200: a minute or 
 """
 
 import argparse
+import contextlib
 import gc
 import json
 import statistics
@@ -211,14 +212,17 @@ def run_variant(name, args, student, initial_state, teacher, tok, data, completi
         return loss
 
     trainer.compute_loss = recorded
-    patch = fk_trl.patch() if name == "flashkd" else None
     try:
-        helper = trl_dt._chunked_divergence_loss
-        assert (helper is fk_trl.chunked_divergence_loss) == (name == "flashkd"), helper
-        trainer.train()
+        with fk_trl.patch() if name == "flashkd" else contextlib.nullcontext():
+            helper = trl_dt._chunked_divergence_loss
+            assert (helper is fk_trl.chunked_divergence_loss) == (name == "flashkd"), helper
+            trainer.train()
     finally:
-        if patch is not None:
-            patch.__exit__(None, None, None)
+        # accelerate wrapped each model's forward in autocast for this trainer: unwrap, so that the next variant's
+        # trainer wraps the same plain models (not a second layer around the first)
+        for model in (student, teacher):
+            model.__dict__.pop("forward", None)
+            model.__dict__.pop("_original_forward", None)
     assert not fk_trl.is_patched()
     peak = torch.cuda.max_memory_allocated() if device.type == "cuda" else 0
     logs = trainer.state.log_history
