@@ -35,6 +35,7 @@ Usage: python benchmarks/bench_trl_step.py --out DIR      (an H200: a minute or 
 
 import argparse
 import contextlib
+import functools
 import gc
 import json
 import statistics
@@ -184,6 +185,37 @@ def install_generation(trainer, completions, seconds):
     trainer._generate_single_turn = generate
 
 
+def _stamp():
+    """A point in time: a recorded CUDA event (read after the run, no sync now), or perf_counter on CPU."""
+    if torch.cuda.is_available():
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+    return time.perf_counter()
+
+
+def _seconds(a, b):
+    return a.elapsed_time(b) / 1e3 if isinstance(a, torch.cuda.Event) else b - a
+
+
+def timed_loss(helper, stamps):
+    """TRL's loss helper (its own or the patch's) with its forward and its backward stamped: the backward from
+    the loss's gradient to the student hidden states' (the heads' gradients come in the same pass)."""
+
+    @functools.wraps(helper)
+    def timed(student_hidden_states, *args, **kwargs):
+        marks = {"forward_start": _stamp()}
+        loss, entropy, count = helper(student_hidden_states, *args, **kwargs)
+        marks["forward_end"] = _stamp()
+        if loss.requires_grad:
+            loss.register_hook(lambda g: marks.__setitem__("backward_start", _stamp()))
+            student_hidden_states.register_hook(lambda g: marks.__setitem__("backward_end", _stamp()))
+        stamps.append(marks)
+        return loss, entropy, count
+
+    return timed
+
+
 def run_variant(name, args, student, initial_state, teacher, tok, data, completions, device):
     student.load_state_dict(initial_state)  # every variant starts from the same student
     gc.collect()  # the previous variant's trainer (its optimizer state) goes here
@@ -199,7 +231,7 @@ def run_variant(name, args, student, initial_state, teacher, tok, data, completi
         gradient_checkpointing=not args.no_gradient_checkpointing, logging_steps=1, report_to=[], save_strategy="no",
         disable_tqdm=True, seed=args.seed, shuffle_dataset=False, lr_scheduler_type="constant",
     )
-    clock, generation, losses = Clock(), [], []
+    clock, generation, losses, loss_stamps = Clock(), [], [], []
     trainer = trl.DistillationTrainer(model=student, teacher_model=teacher, args=config, train_dataset=data,
                                       processing_class=tok, callbacks=[clock])
     trainer.remove_callback(transformers.trainer_callback.PrinterCallback)  # its per-step dicts: in results.json
@@ -216,7 +248,11 @@ def run_variant(name, args, student, initial_state, teacher, tok, data, completi
         with fk_trl.patch() if name == "flashkd" else contextlib.nullcontext():
             helper = trl_dt._chunked_divergence_loss
             assert (helper is fk_trl.chunked_divergence_loss) == (name == "flashkd"), helper
-            trainer.train()
+            trl_dt._chunked_divergence_loss = timed_loss(helper, loss_stamps)
+            try:
+                trainer.train()
+            finally:
+                trl_dt._chunked_divergence_loss = helper
     finally:
         # accelerate wrapped each model's forward in autocast for this trainer: unwrap, so that the next variant's
         # trainer wraps the same plain models (not a second layer around the first)
@@ -230,6 +266,9 @@ def run_variant(name, args, student, initial_state, teacher, tok, data, completi
     tokens = [h["completions/mean_length"] * args.batch for h in logs if "completions/mean_length" in h]
     del trainer, compute_loss, recorded
     gc.collect()
+    _sync()
+    loss_forward = [_seconds(m["forward_start"], m["forward_end"]) for m in loss_stamps]
+    loss_backward = [_seconds(m["backward_start"], m["backward_end"]) for m in loss_stamps if "backward_end" in m]
     timed = clock.steps[args.warmup:]
     timed_gen = generation[args.warmup:] if len(generation) == len(clock.steps) else []
     return {
@@ -242,6 +281,10 @@ def run_variant(name, args, student, initial_state, teacher, tok, data, completi
         "p80_s": _quantile(timed, 0.8),
         "median_generation_s": statistics.median(timed_gen) if timed_gen else None,
         "median_without_generation_s": statistics.median([s - g for s, g in zip(timed, timed_gen)]) if timed_gen else None,
+        "loss_forward_s": loss_forward,
+        "loss_backward_s": loss_backward,
+        "median_loss_forward_s": statistics.median(loss_forward[args.warmup:]),
+        "median_loss_backward_s": statistics.median(loss_backward[args.warmup:]),
         "losses": [float(x) for x in losses],
         "grad_norms": [float(x) for x in grad_norms],
         "completion_tokens_per_step": tokens,
@@ -301,6 +344,7 @@ def main(argv=None):
         r = run_variant(name, args, student, initial_state, teacher, tok, Prompts(texts), completions, device)
         results.append(r)
         print(f"{name}: median {r['median_s'] * 1e3:.1f} ms (p20 {r['p20_s'] * 1e3:.1f}, p80 {r['p80_s'] * 1e3:.1f}), "
+              f"loss forward {r['median_loss_forward_s'] * 1e3:.1f} + backward {r['median_loss_backward_s'] * 1e3:.1f} ms, "
               f"peak {r['peak_bytes'] / 2**30:.2f} GiB (resident before {r['resident_bytes'] / 2**30:.2f} GiB), "
               f"first loss {r['losses'][0]:.6g}, first grad norm {r['grad_norms'][0]:.6g}", flush=True)
 
@@ -330,17 +374,22 @@ def main(argv=None):
 def markdown(shape, env, results, check):
     lines = [f"TRL {env['trl']} DistillationTrainer, one optimizer step, {env['device']} (torch {env['torch']}, "
              f"transformers {env['transformers']}, {env['datasets']}).", "", shape + ".", "",
-             "| loss | step median ms | p20 | p80 | without sampling, median ms | peak GiB | resident GiB | first loss |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|"]
+             "| loss | step median ms | p20 | p80 | without sampling | loss forward | loss backward | peak GiB "
+             "| resident GiB | first loss |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in results:
         wo = r["median_without_generation_s"]
         lines.append(f"| {'TRL (own)' if r['variant'] == 'trl' else 'flashkd (patched)'} | {r['median_s'] * 1e3:.1f} | "
                      f"{r['p20_s'] * 1e3:.1f} | {r['p80_s'] * 1e3:.1f} | {'' if wo is None else f'{wo * 1e3:.1f}'} | "
+                     f"{r['median_loss_forward_s'] * 1e3:.1f} | {r['median_loss_backward_s'] * 1e3:.1f} | "
                      f"{r['peak_bytes'] / 2**30:.2f} | {r['resident_bytes'] / 2**30:.2f} | {r['losses'][0]:.6g} |")
     by = {r["variant"]: r for r in results}
     if {"trl", "flashkd"} <= by.keys():
         lines += ["", f"Step time TRL / flashkd: {by['trl']['median_s'] / by['flashkd']['median_s']:.2f}x; "
                       f"peak memory flashkd - TRL: {(by['flashkd']['peak_bytes'] - by['trl']['peak_bytes']) / 2**30:+.2f} GiB."]
+    lines += ["", "Medians in ms over the timed steps. Without sampling: the step minus the student's sampling (or the "
+              "look-up of the pre-drawn completions). Loss forward / backward: the loss helper's call, and the "
+              "backward from the loss's gradient to the student hidden states' (CUDA events)."]
     if check is not None:
         lines += [f"First-step loss relative difference {check['relative_difference']:.2e} "
                   f"({'agree' if check['agree'] else 'DISAGREE'} at rtol {check['rtol']:g})."]

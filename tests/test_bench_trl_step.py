@@ -26,6 +26,9 @@ def _check(out, datasets):
     for r in runs.values():
         assert len(r["step_s"]) == len(r["losses"]) == len(r["grad_norms"]) == TINY["warmup"] + TINY["steps"]
         assert r["timed_steps"] == TINY["steps"] and r["p20_s"] <= r["median_s"] <= r["p80_s"]
+        # the loss helper's forward and backward, once a step each, inside the step
+        assert len(r["loss_forward_s"]) == len(r["loss_backward_s"]) == len(r["step_s"])
+        assert all(0 < f + b < s for f, b, s in zip(r["loss_forward_s"], r["loss_backward_s"], r["step_s"]))
     check = summary["first_step_check"]
     assert check["agree"] and check["relative_difference"] <= 1e-4
     assert runs["trl"]["losses"][0] == check["first_loss_trl"] > 0
