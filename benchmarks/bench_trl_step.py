@@ -6,8 +6,8 @@ weights, few layers so that, as in real distillation of large-vocabulary models,
 loss are a large part of the step. Defaults: vocab 128256, student hidden 2048 (Llama-3.2-1B's
 widths), teacher hidden 4096 (Llama-3.1-8B's widths), 2 layers each, bf16 weights and bf16 autocast,
 batch 16 x (prompt 512 + completion 1536 tokens) = 24576 completion tokens in the loss per step, TRL's
-defaults otherwise (AdamW, gradient clipping at 1.0, gradient checkpointing on), beta 0.5 (the
-JSD), temperature 1. The teacher's head is re-drawn with a larger std so that its distributions are
+defaults otherwise (AdamW at lr 1e-6, here constant; gradient clipping at 1.0; gradient checkpointing
+on), beta 0.5 (the JSD), temperature 1. The teacher's head is re-drawn with a larger std so that its distributions are
 peaked (logit std about 3) and the loss is not near zero.
 
 Data: random prompts of exactly --prompt-len tokens from a word-level tokenizer whose words are the
@@ -22,15 +22,16 @@ transformers' generate (whose time is then most of the step and is reported on i
 
 Timed: each optimizer step, from the trainer's on_step_begin to its on_step_end callback, between
 torch.cuda.synchronize() calls; the first --warmup steps are left out; median and the 20th/80th
-percentiles over --steps. Memory: torch.cuda.max_memory_allocated over the variant's whole run, and
+percentiles over --steps. Inside the step, the loss helper's forward (its call) and backward (from
+the loss's gradient to the student hidden states'), by CUDA events. Memory: torch.cuda.max_memory_allocated over the variant's whole run, and
 what was allocated before it (the models). Check: each variant's first-step loss and gradient norm,
 printed side by side; the run fails when the losses differ by more than --loss-rtol.
 
 Needs trl==1.16.0, transformers, accelerate. Where `datasets` is not installed (TRL imports it), the
 stand-in in benchmarks/_datasets_stub is used instead (its header says why that is enough here).
 
-Usage: python benchmarks/bench_trl_step.py --out DIR      (an H200: a minute or two)
-       python benchmarks/bench_trl_step.py --tiny --out DIR   (tiny shapes, fp32, CPU: seconds)
+Usage: python benchmarks/bench_trl_step.py --out DIR           (one GPU)
+       python benchmarks/bench_trl_step.py --tiny --out DIR    (tiny shapes, fp32, CPU: seconds)
 """
 
 import argparse
