@@ -23,9 +23,10 @@ transformers' generate (whose time is then most of the step and is reported on i
 Timed: each optimizer step, from the trainer's on_step_begin to its on_step_end callback, between
 torch.cuda.synchronize() calls; the first --warmup steps are left out; median and the 20th/80th
 percentiles over --steps. Inside the step, the loss helper's forward (its call) and backward (from
-the loss's gradient to the student hidden states'), by CUDA events. Memory: torch.cuda.max_memory_allocated over the variant's whole run, and
-what was allocated before it (the models). Check: each variant's first-step loss and gradient norm,
-printed side by side; the run fails when the losses differ by more than --loss-rtol.
+the loss's gradient to the student hidden states'), by CUDA events. Memory:
+torch.cuda.max_memory_allocated over the variant's whole run, and what was allocated before it (the
+models). Check: each variant's first-step loss and gradient norm, printed side by side; the run fails
+when the losses differ by more than --loss-rtol.
 
 Needs trl==1.16.0, transformers, accelerate. Where `datasets` is not installed (TRL imports it), the
 stand-in in benchmarks/_datasets_stub is used instead (its header says why that is enough here).
