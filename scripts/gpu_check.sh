@@ -2,8 +2,10 @@
 # The whole GPU check in one command, on a CUDA machine from a checkout of this repository:
 #   bash scripts/gpu_check.sh [tests] [rows] [breakdown] [profile] [bench-seed] [bench-sweep] [bench-losses]
 #                             [bench-softonly] [memory] [bench-topk] [bench-logits] [bench-teacher-topk]
-#                             [bench-softcap] [bench-trl] [bench-fp8]
-# (default: all of them, about 13 minutes on an H200; each of the last three a minute or two)
+#                             [bench-softcap] [bench-trl] [bench-trl-step] [bench-fp8]
+# (default: all of them, about 20 minutes on an H200; each of the last five a minute or two, bench-trl-step
+# at most about five: it needs trl 1.16.0 and accelerate (from .whl/); no PYTHONPATH beyond this script's, as
+# benchmarks/bench_trl_step.py falls back to its own stand-in for `datasets` where that is not installed)
 # Logs and results go to $OUT (default ./gpu-out). Liger-Kernel is installed from .whl/ when present.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -13,7 +15,7 @@ if compgen -G ".whl/*.whl" >/dev/null; then
   python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/flashkd-site .whl/*.whl \
     && export PYTHONPATH="$PYTHONPATH:/tmp/flashkd-site"
 fi
-stages=${*:-tests rows breakdown profile bench-seed bench-sweep bench-losses bench-softonly memory bench-topk bench-logits bench-teacher-topk bench-softcap bench-trl bench-fp8}
+stages=${*:-tests rows breakdown profile bench-seed bench-sweep bench-losses bench-softonly memory bench-topk bench-logits bench-teacher-topk bench-softcap bench-trl bench-trl-step bench-fp8}
 status=0
 nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm --format=csv | tee "$OUT/env.txt"
 python3 -c "import torch, triton; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'triton', triton.__version__)" | tee -a "$OUT/env.txt"
@@ -41,6 +43,11 @@ for stage in $stages; do
       --modes full no-grad-forward --softcap 30 --out "$OUT/softcap" 2>&1 | tee "$OUT/bench-softcap.log" || status=1 ;;
     bench-trl) python3 -m flashkd bench --preset seed -n 8192 --loss jsd --weight-hard 0 --weight-soft 1 \
       --providers flashkd trl liger floor --modes full --out "$OUT/trl" 2>&1 | tee "$OUT/bench-trl.log" || status=1 ;;
+    # a whole DistillationTrainer step, TRL's loss vs flashkd's patch: first with pre-drawn completions, then with
+    # the student sampling them through transformers' generate (most of that step; bounded by timeout)
+    bench-trl-step) python3 benchmarks/bench_trl_step.py --out "$OUT/trl-step" 2>&1 | tee "$OUT/bench-trl-step.log" || status=1
+      timeout 300 python3 benchmarks/bench_trl_step.py --generation student --warmup 1 --steps 2 \
+        --out "$OUT/trl-step-sampled" 2>&1 | tee "$OUT/bench-trl-step-sampled.log" || status=1 ;;
     bench-fp8) python3 benchmarks/bench_fp8.py --out "$OUT/fp8" 2>&1 | tee "$OUT/bench-fp8.log" || status=1
       for p in fp8 fp8-1x128; do
         python3 -m flashkd bench --preset seed -n 8192 --loss jsd --providers flashkd floor --modes full no-grad-forward \
