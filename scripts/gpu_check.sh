@@ -2,8 +2,9 @@
 # The whole GPU check in one command, on a CUDA machine from a checkout of this repository:
 #   bash scripts/gpu_check.sh [tests] [rows] [breakdown] [profile] [bench-seed] [bench-sweep] [bench-losses]
 #                             [bench-softonly] [memory] [bench-topk] [bench-logits] [bench-teacher-topk]
-#                             [bench-softcap] [bench-trl]
-# (default: all of them, about 13 minutes on an H200; each of the last three a minute or two)
+#                             [bench-softcap] [bench-trl] [bench-softcap-ab]
+# (default: all of them but bench-softcap-ab, about 13 minutes on an H200; each of the last four a
+# minute or two, bench-softcap-ab about five: the softcap's tanh variants, benchmarks/bench_softcap.py)
 # Logs and results go to $OUT (default ./gpu-out). Liger-Kernel is installed from .whl/ when present.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -21,7 +22,7 @@ echo "commit ${FLASHKD_COMMIT:-$(git rev-parse HEAD 2>/dev/null || echo unknown)
 for stage in $stages; do
   echo "=== $stage"
   case $stage in
-    tests) python3 -m pytest -q -m "gpu or not gpu" tests/test_gpu.py tests/test_triton_rows.py 2>&1 | tee "$OUT/tests.log" | tail -25 || status=1 ;;
+    tests) python3 -m pytest -q -m "gpu or not gpu" tests/test_gpu.py tests/test_triton_rows.py tests/test_softcap_tanh.py 2>&1 | tee "$OUT/tests.log" | tail -25 || status=1 ;;
     rows) python3 benchmarks/bench_rows.py 2>&1 | tee "$OUT/rows.log" || status=1 ;;
     breakdown) python3 benchmarks/bench_breakdown.py 2>&1 | tee "$OUT/breakdown.log" || status=1 ;;
     profile) python3 benchmarks/bench_profile.py 2>&1 | tee "$OUT/profile.log" || status=1 ;;
@@ -41,6 +42,8 @@ for stage in $stages; do
       --modes full no-grad-forward --softcap 30 --out "$OUT/softcap" 2>&1 | tee "$OUT/bench-softcap.log" || status=1 ;;
     bench-trl) python3 -m flashkd bench --preset seed -n 8192 --loss jsd --weight-hard 0 --weight-soft 1 \
       --providers flashkd trl liger floor --modes full --out "$OUT/trl" 2>&1 | tee "$OUT/bench-trl.log" || status=1 ;;
+    bench-softcap-ab) python3 -m pytest -q tests/test_softcap_tanh.py 2>&1 | tee "$OUT/softcap-ab-tests.log" | tail -5 || status=1
+      python3 benchmarks/bench_softcap.py --out "$OUT/softcap-ab" 2>&1 | tee "$OUT/bench-softcap-ab.log" || status=1 ;;
     *) echo "unknown stage $stage"; status=2 ;;
   esac
 done
