@@ -45,7 +45,7 @@ import triton.language as tl
 
 from flashkd.backends import triton_rows
 
-VARIANTS = ("floor", "torch", "none", "old", "sfu", "default", "fma", "rcp=0b000110,exp2=0b001000")
+VARIANTS = ("floor", "torch", "none", "old", "sfu", "default", "fma", "rcp=0b001110", "rcp=0b101110,exp2=0b001000")
 NAMED = {"sfu": "rcp=0,exp2=0", "default": "", "fma": "rcp=0b111111,exp2=0"}
 
 # ------------------------------------------------------------------------------- the tanh it replaced

@@ -176,20 +176,21 @@ def _rcp(x):
 # The softcap's tanh (`_tanh`) takes one exp2 and one reciprocal an element and pass: two MUFU (SFU)
 # instructions by default, on a pipe with 1/8 of the FMA pipe's throughput on sm_90 (16 against 128
 # results a clock and SM, so a MUFU instruction costs a warp scheduler 8 cycles to the others' 1).
-# With a softcap on both heads the JSD kernel (CE and grad, bf16, compiled for sm_90) issues 161,
-# 179, 204 instructions per 4 elements a thread in its three passes, 24, 32, 28 of them MUFU:
-# 192 + 256 + 224 cycles of SFU against 544 of issue, where the kernel without a transform issues
-# 93 + 111 + 120 with 8, 16, 12 MUFU. `_tanh` can take its reciprocal (RCP_FMA) or its exp2
+# With a softcap on both heads the JSD kernel (CE and grad, bf16, compiled for sm_90) issues 153,
+# 167, 192 instructions per 4 elements a thread in its three passes, 24, 32, 28 of them MUFU:
+# 192 + 256 + 224 cycles of SFU against 512 of issue, where the kernel without a transform issues
+# 93 + 107 + 116 with 8, 16, 12 MUFU. `_tanh` can take its reciprocal (RCP_FMA) or its exp2
 # (EXP2_FMA, `_exp2_neg`) on the FMA pipe instead: +6 and +10 instructions for one MUFU fewer. Which
 # loads do is a constexpr bit mask of `_rows_kernel`, bit 2·(pass − 1) + side (side 0: s, 1: t), set
 # by the launcher per loss from these tables (on the sides with a softcap; 0 where a loss is not in
 # them). The entries balance issue against the SFU pass by pass on those counts, max(issued,
-# 8 · MUFU): for JSD one side's reciprocal in pass 1 (186) and in pass 2 (224), none in pass 3 (224),
-# 634 cycles against 672 with both on the SFU (without grad 410 against 448); the KLs and TVD, with
-# fewer MUFU a pass, come out no faster (forward KL 413 against 386, TVD 560 either way); no exp2
-# anywhere (each frees 8 SFU cycles for 10 issue slots). `benchmarks/bench_softcap.py` times the
-# alternatives.
-SOFTCAP_RCP_FMA = {"jsd": 0b000110}
+# 8 · MUFU): for JSD the teacher's reciprocal in pass 1 (178), both in pass 2 (216), the teacher's in
+# pass 3 (220), 614 cycles against 672 with both on the SFU (and 679 for the tanh before this one,
+# 337 without a transform; without grad 394 against 448); for TVD one side's in passes 1 and 2 (536
+# against 552); the KLs, with fewer MUFU a pass, come out no faster (forward KL 397 against 384 with
+# TVD's mask); no exp2 anywhere (each frees 8 SFU cycles for 10 issue slots).
+# `benchmarks/bench_softcap.py` times the alternatives.
+SOFTCAP_RCP_FMA = {"jsd": 0b101110, "tvd": 0b000110}
 SOFTCAP_EXP2_FMA: dict[str, int] = {}
 
 # 1/u on u in [1, 2]: the minimax quadratic for the relative error, whose residual 1 − u·p(u) is
@@ -237,28 +238,30 @@ def _exp2_neg(a, FMA: tl.constexpr):
 def _tanh(x, k, NEG: tl.constexpr, RCP_FMA: tl.constexpr, EXP2_FMA: tl.constexpr):
     """(tanh y, 1 − tanh² y) in fp32 for y = σ x / c, given k = −2 log2(e)·|σ|/c and NEG = σ < 0, from
     t = e^(−2|y|) = 2^(k·|x|) in [0, 1] alone: tanh |y| = (1 − t)/(1 + t), whose sign (x's, flipped for
-    NEG) is set bitwise; odd by construction (−0 gives ∓0), exactly ±1 where t < 2^-24 (saturated:
-    1 ± t round to 1), and 1 − tanh² = 4t/(1 + t)², accurate where tanh rounds to ±1. No overflow for
-    any x. Absolute error ~2^-23 at most, mostly the exp2's (ex2.approx: ~2^-22 relative; 1 − t is
+    NEG) is set bitwise; odd by construction (−0 gives ∓0), exactly ±1 where tanh rounds to ±1
+    (saturated: 1 + t rounds to 1, r = 1, and r − t·r to 1), and 1 − tanh² = 4t/(1 + t)², accurate
+    there too. No overflow for any x. Absolute error ~2^-23 at most, mostly the exp2's (ex2.approx: ~2^-22 relative; 1 − t is
     exact near 0, the division within an ulp).
     The exp2 on the SFU (ex2.approx) or, with EXP2_FMA, on the FMA pipe (`_exp2_neg`). The division:
-    the hardware reciprocal r of u = 1 + t times 1 − t; or with RCP_FMA on the FMA pipe alone: r from
-    the quadratic start and one Newton step (relative error 2^-13), the quotient (1 − t)·r, then one
-    correction by its residual, q + r·((1 − t) − u·q), which squares the error (six FFMA and a FMUL
-    in all); a second Newton step gives r itself to fp32 accuracy for 4t·r², only where the
+    the hardware reciprocal r of u = 1 + t, then r − t·r, one FFMA; or with RCP_FMA on the FMA pipe
+    alone: r from the quadratic start and one Newton step (relative error 2^-13), the quotient
+    q = r − t·r, then one correction by its residual, q + r·((1 − t) − u·q), which squares the error
+    (seven FFMA in all); a second Newton step gives r itself to fp32 accuracy for 4t·r², only where the
     derivative is used (elsewhere the compiler drops it)."""
     t = _exp2_neg(tl.abs(x) * k, EXP2_FMA)
     u = 1.0 + t
-    w = 1.0 - t
+    # −v as v · −1, which the compiler turns into a negated operand; Triton's −v is 0 − v, an instruction
+    nt = t * -1.0
     if RCP_FMA:
+        nu = u * -1.0
         r = tl.fma(tl.fma(t, _RCP_P2, _RCP_P1), t, _RCP_P0)
-        r = tl.fma(r, tl.fma(-u, r, 1.0), r)
-        th = w * r
-        th = tl.fma(r, tl.fma(-u, th, w), th)
-        r = tl.fma(r, tl.fma(-u, r, 1.0), r)
+        r = tl.fma(r, tl.fma(nu, r, 1.0), r)
+        th = tl.fma(nt, r, r)
+        th = tl.fma(r, tl.fma(nu, th, 1.0 - t), th)
+        r = tl.fma(r, tl.fma(nu, r, 1.0), r)
     else:
         r = _rcp(u)
-        th = w * r
+        th = tl.fma(nt, r, r)  # (1 − t)·r rounded once
     sign = x.to(tl.int32, bitcast=True) & -2147483648
     if NEG:
         sign = sign ^ -2147483648
@@ -331,7 +334,7 @@ def _mixture(lq, lp, log2_beta, log2_1mbeta):
     finite wherever q or p is 0 (a column at −inf in s, t or both), so that the JSD's sums can take
     them times q and p with no guard for 0 · log 0."""
     z = (tl.maximum(lp, _LOG2_MIN) - tl.maximum(lq, _LOG2_MIN)) + (log2_beta - log2_1mbeta)
-    return z, _log2_1p(tl.exp2(-tl.abs(z)))
+    return z, _log2_1p(tl.exp2(tl.abs(z) * -1.0))  # −|z| as a negated operand, not 0 − |z|
 
 
 @triton.jit
