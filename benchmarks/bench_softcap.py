@@ -28,6 +28,7 @@ softcap: the target is at most +0.02× the floor) and `old`'s; its errors agains
 
 Usage: python benchmarks/bench_softcap.py [--variants floor torch none old sfu default fma ...]
        [--n 8192] [--softcap 30] [--rep 500] [--out DIR]
+       (dry run on a CPU: TRITON_INTERPRET=1 ... --device cpu --n 16 --h 32 --v 300 --rep 1)
 """
 
 from __future__ import annotations
@@ -85,6 +86,8 @@ def _apply(variant: str, softcap: float):
     """Swap the variant in; returns the softcap the workload runs with (None: no transform)."""
     if variant == "none" or variant == "floor":
         return None
+    if variant == "torch":
+        return softcap
     if variant == "old":
         global _OLD_CAP
         _OLD_CAP = tl.constexpr(softcap)
@@ -92,7 +95,10 @@ def _apply(variant: str, softcap: float):
         triton_rows.head_mode = _old_head_mode
         return softcap
     for item in filter(None, NAMED.get(variant, variant).split(",")):
-        key, value = item.split("=")
+        key, _, value = item.partition("=")
+        if key not in ("rcp", "exp2", "regs") or not value:
+            raise SystemExit(f"variant: expected a name ({', '.join(VARIANTS[:7])}) or rcp=, exp2=, regs=, "
+                             f"got {variant!r}")
         if key == "regs":
             triton_rows.MAX_REGS = int(value, 0)
         else:  # the JSD's entry of the mask tables
@@ -115,11 +121,11 @@ def one(variant: str, args) -> dict:
     from flashkd.bench.workloads import Workload, make_inputs
 
     cap = _apply(variant, args.softcap)
-    device = torch.device("cuda")
+    device = torch.device(args.device)
     out = {"variant": variant, "rcp": triton_rows.SOFTCAP_RCP_FMA.get("jsd", 0),
            "exp2": triton_rows.SOFTCAP_EXP2_FMA.get("jsd", 0), "regs": triton_rows.MAX_REGS}
     settings = measure.Settings(device, rep_ms=args.rep, warmup_ms=100.0, min_reps=10)
-    w = Workload("jsd", args.n, h=4096, v=128256, dtype="bfloat16",
+    w = Workload("jsd", args.n, h=args.h, v=args.v, dtype="bfloat16",
                  softcap=args.softcap if variant in ("floor", "torch") else cap)
     x = make_inputs(w, device)
     if variant == "floor":
@@ -149,11 +155,11 @@ def _rows(w, args) -> dict:
     from flashkd.losses import LossSpec
 
     torch.manual_seed(0)
-    s0 = torch.randn(w.n, w.v, device="cuda", dtype=torch.bfloat16) * 3
-    t = torch.randn(w.n, w.v, device="cuda", dtype=torch.bfloat16) * 3
+    s0 = torch.randn(w.n, w.v, device=args.device, dtype=torch.bfloat16) * 3
+    t = torch.randn(w.n, w.v, device=args.device, dtype=torch.bfloat16) * 3
     s = s0.clone()
-    y = torch.randint(0, w.v, (w.n,), device="cuda")
-    scale = torch.tensor(1.0 / w.n, device="cuda")
+    y = torch.randint(0, w.v, (w.n,), device=args.device)
+    scale = torch.tensor(1.0 / w.n, device=args.device)
     spec = LossSpec(loss="jsd", beta=w.beta, weight_hard=w.weight_hard, weight_soft=w.weight_soft, want_hard=True,
                     student_softcap=w.softcap, teacher_softcap=w.softcap)
     out = {}
@@ -161,7 +167,12 @@ def _rows(w, args) -> dict:
         def step():
             triton_rows.rows(s, t, y, spec, scale, grad)
         step()
-        times = triton.testing.do_bench(step, warmup=100, rep=200, return_mode="all")
+        if args.device == "cuda":
+            times = triton.testing.do_bench(step, warmup=100, rep=200, return_mode="all")
+        else:  # a dry run of the script (the interpreter's times mean nothing)
+            start = time.perf_counter()
+            step()
+            times = [1e3 * (time.perf_counter() - start)]
         out["rows_grad" if grad else "rows_nograd"] = _quantiles(times)
         s.copy_(s0)
     return out
@@ -175,6 +186,9 @@ def main():
     ap.add_argument("--variants", nargs="+", default=list(VARIANTS))
     ap.add_argument("--n", type=int, default=8192)
     ap.add_argument("--softcap", type=float, default=30.0)
+    ap.add_argument("--h", type=int, default=4096, help="teacher hidden size (the student's: half)")
+    ap.add_argument("--v", type=int, default=128256)
+    ap.add_argument("--device", default="cuda", help="cpu: a dry run under TRITON_INTERPRET=1, tiny --n/--h/--v")
     ap.add_argument("--rep", type=float, default=500.0, help="timed ms per mode (do_bench's rep)")
     ap.add_argument("--out", default=None, help="a directory for results.json")
     ap.add_argument("--one", default=None, help=argparse.SUPPRESS)  # a child process: one variant
@@ -186,7 +200,8 @@ def main():
     for variant in args.variants:
         start = time.time()
         cmd = [sys.executable, os.path.abspath(__file__), "--one", variant, "--n", str(args.n), "--softcap",
-               str(args.softcap), "--rep", str(args.rep)]
+               str(args.softcap), "--rep", str(args.rep), "--h", str(args.h), "--v", str(args.v), "--device",
+               args.device]
         proc = subprocess.run(cmd, capture_output=True, text=True)
         lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
         if proc.returncode or not lines:
@@ -206,25 +221,28 @@ def main():
 
 
 def _table(results):
+    """One line a variant: p50 (p20–p80) ms; the ratios to the floor, with the change against `none`."""
     floor = next((r for r in results if r["variant"] == "floor"), None)
     base = next((r for r in results if r["variant"] == "none"), None)
 
-    def ratio(r, mode):
-        if mode not in r or floor is None:
-            return ""
-        x = r[mode][0] / floor[mode][0]
-        cost = f" ({x - base[mode][0] / floor[mode][0]:+.3f})" if base is not None and r is not base else ""
-        return f"{x:.3f}×{cost}"
+    def ms(r, key):
+        return f"{r[key][0]:.3f} ({r[key][1]:.2f}–{r[key][2]:.2f})" if key in r else "—"
 
-    print(f"\n{'variant':<28}{'rows grad':>18}{'rows no-grad':>18}{'full ms':>20}{'full/floor':>18}"
-          f"{'no-grad ms':>20}{'no-grad/floor':>18}  errors loss / dX / dW")
+    def ratio(r, mode):
+        if mode not in r or floor is None or r is floor:
+            return "—"
+        x = r[mode][0] / floor[mode][0]
+        if base is None or r is base or mode not in base:
+            return f"{x:.3f}×"
+        return f"{x:.3f}× ({x - base[mode][0] / floor[mode][0]:+.3f})"
+
+    print(f"\n{'variant':<28} | {'rows grad ms':<22} | {'rows no-grad ms':<22} | {'full ms':<22} | "
+          f"{'full / floor':<16} | {'no-grad ms':<22} | {'no-grad / floor':<16} | errors loss / dX / dW")
     for r in results:
-        def ms(key):
-            return f"{r[key][0]:.3f} ({r[key][1]:.2f}–{r[key][2]:.2f})" if key in r else ""
         e = r.get("errors")
-        err = f"{e['loss']:.2e} / {e['dx']:.2e} / {e['dw']:.2e} {e['status']}" if e else ""
-        print(f"{r['variant']:<28}{ms('rows_grad'):>18}{ms('rows_nograd'):>18}{ms('full'):>20}{ratio(r, 'full'):>18}"
-              f"{ms('no-grad-forward'):>20}{ratio(r, 'no-grad-forward'):>18}  {err}")
+        err = f"{e['loss']:.2e} / {e['dx']:.2e} / {e['dw']:.2e} {e['status']}" if e else "—"
+        print(f"{r['variant']:<28} | {ms(r, 'rows_grad'):<22} | {ms(r, 'rows_nograd'):<22} | {ms(r, 'full'):<22} | "
+              f"{ratio(r, 'full'):<16} | {ms(r, 'no-grad-forward'):<22} | {ratio(r, 'no-grad-forward'):<16} | {err}")
 
 
 if __name__ == "__main__":
