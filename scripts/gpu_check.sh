@@ -2,8 +2,9 @@
 # The whole GPU check in one command, on a CUDA machine from a checkout of this repository:
 #   bash scripts/gpu_check.sh [tests] [rows] [breakdown] [profile] [bench-seed] [bench-sweep] [bench-losses]
 #                             [bench-softonly] [memory] [bench-topk] [bench-logits] [bench-teacher-topk]
-#                             [bench-softcap] [bench-trl] [bench-trl-step] [bench-fp8]
-# (default: all of them, about 20 minutes on an H200; each of the last five a minute or two, bench-trl-step
+#                             [bench-softcap] [bench-trl] [bench-trl-step] [bench-fp8] [bench-softcap-ab]
+# (default: all of them but bench-softcap-ab (about five minutes: the softcap's tanh variants, benchmarks/bench_softcap.py),
+# about 20 minutes on an H200; each of the last five a minute or two, bench-trl-step
 # at most about five: it needs trl 1.16.0 and accelerate (from .whl/); no PYTHONPATH beyond this script's, as
 # benchmarks/bench_trl_step.py falls back to its own stand-in for `datasets` where that is not installed)
 # Logs and results go to $OUT (default ./gpu-out). Liger-Kernel is installed from .whl/ when present.
@@ -23,7 +24,7 @@ echo "commit ${FLASHKD_COMMIT:-$(git rev-parse HEAD 2>/dev/null || echo unknown)
 for stage in $stages; do
   echo "=== $stage"
   case $stage in
-    tests) python3 -m pytest -q -m "gpu or not gpu" tests/test_gpu.py tests/test_triton_rows.py 2>&1 | tee "$OUT/tests.log" | tail -25 || status=1 ;;
+    tests) python3 -m pytest -q -m "gpu or not gpu" tests/test_gpu.py tests/test_triton_rows.py tests/test_softcap_tanh.py 2>&1 | tee "$OUT/tests.log" | tail -25 || status=1 ;;
     rows) python3 benchmarks/bench_rows.py 2>&1 | tee "$OUT/rows.log" || status=1 ;;
     breakdown) python3 benchmarks/bench_breakdown.py 2>&1 | tee "$OUT/breakdown.log" || status=1 ;;
     profile) python3 benchmarks/bench_profile.py 2>&1 | tee "$OUT/profile.log" || status=1 ;;
@@ -57,6 +58,8 @@ for stage in $stages; do
         --out "$OUT/sweep-fp8" 2>&1 | tee -a "$OUT/bench-fp8.log" || status=1
       python3 -m flashkd bench --preset teacher-topk --modes no-grad-forward --providers flashkd floor --teacher-precision fp8 \
         --out "$OUT/teacher-topk-fp8" 2>&1 | tee -a "$OUT/bench-fp8.log" || status=1 ;;
+    bench-softcap-ab) python3 -m pytest -q tests/test_softcap_tanh.py 2>&1 | tee "$OUT/softcap-ab-tests.log" | tail -5 || status=1
+      python3 benchmarks/bench_softcap.py --out "$OUT/softcap-ab" 2>&1 | tee "$OUT/bench-softcap-ab.log" || status=1 ;;
     *) echo "unknown stage $stage"; status=2 ;;
   esac
 done

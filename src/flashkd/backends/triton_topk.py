@@ -19,8 +19,8 @@ The chain rule behind it: q over the categories is softmax of z_C = (s_ids/τ, z
 write (expand) of s, as for forward KL on dense logits, but without a teacher row.
 Under tail="renormalize" nothing off the ids enters the divergence: without the CE (or stats) the
 stats kernel only gathers and the expand kernel writes zeros and the ids' values.
-The student's logit scale and softcap are applied as in `triton_rows` (folded into the constants, or z
-made at load by `triton_rows._head`, dz/ds = σ (1 − tanh²) applied where dL/ds is written); the ids'
+The student's logit scale and softcap are applied as in `triton_rows` (folded into the constants, and z / fold
+made at load by `triton_rows._head` where needed, dz/ds = σ (1 − tanh²) applied where dL/ds is written); the ids'
 z and dz/ds are made in torch from the gathered logits. With `stats` the stats kernel also streams
 the gaps below the max off the ids (`triton_rows._lane_gap`): the entropy of q and its mass on the ids
 follow on (R, K + 1) in `_topk_stats`.
@@ -56,10 +56,9 @@ def _stats_kernel(
     gap_ptr,  # (R,) fp32 out: E[s − m] off the ids under softmax(z/τ)     (written when STATS)
     V,
     K,
-    log2e_tau,  # log2(e)·fold / τ (fold: σ where the scale is folded, else 1; see triton_rows.head_mode)
+    log2e_tau,  # log2(e)·fold / τ (fold: σ folded, c with a softcap, else 1: triton_rows.head_mode)
     log2e_one,  # log2(e)·fold
     mul,  # triton_rows._head's
-    cap,
     STREAM: tl.constexpr,  # stream the row (else only gather)
     ONE: tl.constexpr,  # also the sum at τ = 1 (the CE's, when τ ≠ 1)
     HEAD: tl.constexpr,  # the student's transform at load (triton_rows._head)
@@ -85,7 +84,7 @@ def _stats_kernel(
         for start in range(0, V, BLOCK_V):
             offs = start + cols
             a = triton_rows._head(tl.load(s_row + offs, mask=offs < V, other=-float("inf")).to(tl.float32), mul,
-                                  cap, HEAD)[0]
+                                  HEAD)[0]
             if STATS:
                 gap = triton_rows._lane_gap(gap, l_tau, m, a, log2e_tau)
             l_tau = triton_rows._lane_sum(l_tau, m, a, log2e_tau)
@@ -119,7 +118,6 @@ def _expand_kernel(
     log2e_tau,  # log2(e)·fold / τ
     log2e_one,  # log2(e)·fold
     mul,
-    cap,
     REST: tl.constexpr,
     CE: tl.constexpr,
     HEAD: tl.constexpr,
@@ -149,8 +147,7 @@ def _expand_kernel(
         mask = offs < V
         g = tl.zeros([BLOCK_V], tl.float32)
         if REST or CE:
-            a, da = triton_rows._head(tl.load(s_row + offs, mask=mask, other=-float("inf")).to(tl.float32), mul,
-                                      cap, HEAD)
+            a, da = triton_rows._head(tl.load(s_row + offs, mask=mask, other=-float("inf")).to(tl.float32), mul, HEAD)
             if REST:
                 # the ids' columns hold −inf: 0 there (and no −inf + inf when the rest is empty)
                 g += tl.where(a > -float("inf"), coef * tl.exp2((a - m) * log2e_tau - l_tau), 0.0)
@@ -184,8 +181,8 @@ def topk_rows(s, t, labels, spec: LossSpec, scale: torch.Tensor, grad: bool, sta
     stream = bucket or ce or stats
     work = torch.promote_types(s.dtype, torch.float32)
     f32 = dict(device=s.device, dtype=torch.float32)
-    # the student's head: σ folded into the constants (fold) or z made at load (triton_rows.head_mode)
-    head, fold, mul, cap = triton_rows.head_mode(spec.student_logit_scale, spec.student_softcap)
+    # the student's head: σ folded into the constants (fold), or z / fold made at load (triton_rows.head_mode)
+    head, fold, mul = triton_rows.head_mode(spec.student_logit_scale, spec.student_softcap)
     sigma = float(spec.student_logit_scale)
     log2e = math.log2(math.e)
 
@@ -202,12 +199,12 @@ def topk_rows(s, t, labels, spec: LossSpec, scale: torch.Tensor, grad: bool, sta
     gap = torch.empty(R if stats else 0, **f32)
     block_k = triton.next_power_of_2(K)
     _stats_kernel[(R,)](
-        s, ids, s_k, m, l_tau, l_one, gap if stats else m, V, K, log2e * fold / tau, log2e * fold, mul, cap,
+        s, ids, s_k, m, l_tau, l_one, gap if stats else m, V, K, log2e * fold / tau, log2e * fold, mul,
         STREAM=stream, ONE=one, HEAD=head, STATS=stats, BLOCK_V=BLOCK_V, BLOCK_K=block_k, num_warps=NUM_WARPS,
     )
 
     # the categories, in the loss math's precision, with the torch definition's code; m is in the
-    # kernels' units (s, or z where made at load), m_z = fold · m in z's
+    # kernels' units (s, or z / fold where made at load), m_z = fold · m in z's
     z_ids = torch.where(used, spec.student(s_k), -torch.inf)  # z at the ids, fp32
     z_k = z_ids.to(work) / tau
     m_z = m * fold
@@ -246,12 +243,12 @@ def topk_rows(s, t, labels, spec: LossSpec, scale: torch.Tensor, grad: bool, sta
         id_grad = id_grad + c_ce[:, None] * (softmax_k - (ids == labels[:, None]).to(torch.float32))
         l_one_rel = (lse1 - m_z) * log2e  # softmax(z)_j = 2^((s_j − m)·log2(e)·fold − l_one_rel)
     # dz/ds at the ids: σ, times 1 − tanh² = cosh⁻² (in fp64: exact where tanh saturates) with a cap
-    dz = sigma if head != 2 else (sigma * torch.cosh(s_k.double() * mul).pow(-2)).float()
+    dz = sigma if head < 2 else (sigma * torch.cosh(s_k.double() * (sigma / spec.student_softcap)).pow(-2)).float()
     coef = g[:, K] / tau * sigma if bucket else None
     _expand_kernel[(R,)](
         s, ids, (id_grad * dz).contiguous(), coef if bucket else m, m, l_tau,
         c_ce * sigma if grad_ce else m, l_one_rel if grad_ce else m,
-        labels if grad_ce else ids, V, K, log2e * fold / tau, log2e * fold, mul, cap,
+        labels if grad_ce else ids, V, K, log2e * fold / tau, log2e * fold, mul,
         REST=bucket, CE=grad_ce, HEAD=head, BLOCK_V=BLOCK_V, BLOCK_K=block_k, num_warps=NUM_WARPS,
     )
     return out
@@ -314,10 +311,10 @@ _EMPTY: tl.constexpr = tl.constexpr(-(2**63))  # below every packed key: an unus
 
 
 @triton.jit
-def _candidate(x_row, col, c, slot: tl.constexpr, mul, cap, HEAD: tl.constexpr):
+def _candidate(x_row, col, c, slot: tl.constexpr, mul, HEAD: tl.constexpr):
     """The packed keys of each lane's candidate in `slot` (re-read from the row: a few per row)."""
     used = c > slot
-    a = triton_rows._head(tl.load(x_row + col, mask=used, other=0.0).to(tl.float32), mul, cap, HEAD)[0]
+    a = triton_rows._head(tl.load(x_row + col, mask=used, other=0.0).to(tl.float32), mul, HEAD)[0]
     return tl.where(used, _packed_key(a, col), _EMPTY)
 
 
@@ -331,18 +328,18 @@ def _compact(buf, keys, n, CAP: tl.constexpr):
 
 
 @triton.jit
-def _load_tile(x_row, offs, V, mul, cap, HEAD: tl.constexpr):
+def _load_tile(x_row, offs, V, mul, HEAD: tl.constexpr):
     """A tile of z, the transformed logits where the kernel makes them (−inf past V)."""
-    return triton_rows._head(tl.load(x_row + offs, mask=offs < V, other=-float("inf")).to(tl.float32), mul, cap,
+    return triton_rows._head(tl.load(x_row + offs, mask=offs < V, other=-float("inf")).to(tl.float32), mul,
                              HEAD)[0]
 
 
 @triton.jit
-def _four_tiles(x_row, o, V, mul, cap, HEAD: tl.constexpr, BLOCK_V: tl.constexpr):
+def _four_tiles(x_row, o, V, mul, HEAD: tl.constexpr, BLOCK_V: tl.constexpr):
     """The tiles at o, o + BLOCK_V, ... o + 3·BLOCK_V, loaded before any is used: more bytes in flight
     per thread than one tile a loop step (−inf past V)."""
-    return (_load_tile(x_row, o, V, mul, cap, HEAD), _load_tile(x_row, o + BLOCK_V, V, mul, cap, HEAD),
-            _load_tile(x_row, o + 2 * BLOCK_V, V, mul, cap, HEAD), _load_tile(x_row, o + 3 * BLOCK_V, V, mul, cap, HEAD))
+    return (_load_tile(x_row, o, V, mul, HEAD), _load_tile(x_row, o + BLOCK_V, V, mul, HEAD),
+            _load_tile(x_row, o + 2 * BLOCK_V, V, mul, HEAD), _load_tile(x_row, o + 3 * BLOCK_V, V, mul, HEAD))
 
 
 @triton.jit
@@ -360,15 +357,14 @@ def _keep(a, offs, theta, c, col0, col1, col2, col3):
 def _topk_kernel(
     x_ptr,  # (R, V) logits, any float dtype
     ids_ptr,  # (R, k) int64 out: the k largest, by decreasing value
-    vals_ptr,  # (R, k) fp32 out: their values (the loaded ones: x, or z where made at load)
+    vals_ptr,  # (R, k) fp32 out: their values (the loaded ones: x, or z / fold where made at load)
     redo_ptr,  # (R,) int8 out: 1 where the candidates could not hold the top k (the row is redone)
     lse_ptr,  # (R,) fp32 out: logsumexp(x / τ)
     scratch_ptr,  # (R, CAP) int64: the row's candidates, packed, compacted
     V,
     k,
-    log2e_tau,  # log2(e)·fold / τ (triton_rows.head_mode: the scale folded, or z made at load)
+    log2e_tau,  # log2(e)·fold / τ (triton_rows.head_mode: the scale folded, or z / fold made at load)
     mul,
-    cap,
     HEAD: tl.constexpr,
     SLOTS: tl.constexpr,
     CAP: tl.constexpr,
@@ -387,7 +383,7 @@ def _topk_kernel(
     l = tl.zeros([BLOCK_V], tl.float32)
     for start in range(0, V, 4 * BLOCK_V):
         o = start + cols
-        a0, a1, a2, a3 = _four_tiles(x_row, o, V, mul, cap, HEAD, BLOCK_V)
+        a0, a1, a2, a3 = _four_tiles(x_row, o, V, mul, HEAD, BLOCK_V)
         l = triton_rows._lane_sum(l, m, a0, log2e_tau)
         m = tl.maximum(m, a0)
         l = triton_rows._lane_sum(l, m, a1, log2e_tau)
@@ -409,17 +405,17 @@ def _topk_kernel(
     col3 = tl.zeros([BLOCK_V], tl.int32)
     for start in range(0, V, 4 * BLOCK_V):
         o = start + cols
-        a0, a1, a2, a3 = _four_tiles(x_row, o, V, mul, cap, HEAD, BLOCK_V)
+        a0, a1, a2, a3 = _four_tiles(x_row, o, V, mul, HEAD, BLOCK_V)
         c, col0, col1, col2, col3 = _keep(a0, o, theta, c, col0, col1, col2, col3)
         c, col0, col1, col2, col3 = _keep(a1, o + BLOCK_V, theta, c, col0, col1, col2, col3)
         c, col0, col1, col2, col3 = _keep(a2, o + 2 * BLOCK_V, theta, c, col0, col1, col2, col3)
         c, col0, col1, col2, col3 = _keep(a3, o + 3 * BLOCK_V, theta, c, col0, col1, col2, col3)
     # compacted slot by slot: four scans of BLOCK_V keys (one SLOTS·BLOCK_V tensor would spill)
     buf = scratch_ptr + row.to(tl.int64) * CAP
-    n = _compact(buf, _candidate(x_row, col0, c, 0, mul, cap, HEAD), 0, CAP)
-    n = _compact(buf, _candidate(x_row, col1, c, 1, mul, cap, HEAD), n, CAP)
-    n = _compact(buf, _candidate(x_row, col2, c, 2, mul, cap, HEAD), n, CAP)
-    n = _compact(buf, _candidate(x_row, col3, c, 3, mul, cap, HEAD), n, CAP)
+    n = _compact(buf, _candidate(x_row, col0, c, 0, mul, HEAD), 0, CAP)
+    n = _compact(buf, _candidate(x_row, col1, c, 1, mul, HEAD), n, CAP)
+    n = _compact(buf, _candidate(x_row, col2, c, 2, mul, HEAD), n, CAP)
+    n = _compact(buf, _candidate(x_row, col3, c, 3, mul, HEAD), n, CAP)
     tl.debug_barrier()  # the sort below reads what other threads stored
     slots = tl.arange(0, CAP)
     top = tl.sort(tl.load(buf + slots, mask=slots < n, other=_EMPTY), descending=True)
@@ -467,10 +463,10 @@ def _kernel_topk(x: torch.Tensor, k: int, temperature: float, scale: float = 1.0
     redo = torch.empty(R, dtype=torch.int8, device=x.device)
     lse = torch.empty(R, dtype=torch.float32, device=x.device)
     scratch = torch.empty(R, _CAP, dtype=torch.int64, device=x.device)
-    head, fold, mul, cap = triton_rows.head_mode(scale, softcap)
+    head, fold, mul = triton_rows.head_mode(scale, softcap)
     if R:
         _topk_kernel[(R,)](
-            x, ids, vals, redo, lse, scratch, V, k, math.log2(math.e) * fold / temperature, mul, cap, HEAD=head,
+            x, ids, vals, redo, lse, scratch, V, k, math.log2(math.e) * fold / temperature, mul, HEAD=head,
             SLOTS=_SLOTS, CAP=_CAP, BLOCK_V=_topk_lanes(k), num_warps=NUM_WARPS,
         )
     return ids, vals, redo, lse
