@@ -230,7 +230,9 @@ def _exp2_neg(a, FMA: tl.constexpr):
         f = a - (j - _ROUND)
         p = tl.fma(tl.fma(tl.fma(tl.fma(tl.fma(f, _EXP2_C5, _EXP2_C4), f, _EXP2_C3), f, _EXP2_C2), f, _EXP2_C1), f,
                    _EXP2_C0)
-        return (p.to(tl.int32, bitcast=True) + (j.to(tl.int32, bitcast=True) << 23)).to(tl.float32, bitcast=True)
+        y = (p.to(tl.int32, bitcast=True) + (j.to(tl.int32, bitcast=True) << 23)).to(tl.float32, bitcast=True)
+        # NaN's bits plus an exponent shift are not NaN's on the GPU (3.4e38 came out there): kept by a select
+        return tl.where(a != a, a, y)
     return tl.exp2(a)
 
 
