@@ -6,6 +6,8 @@ softcap c: logits · σ, then c · tanh(· / c). row_weight multiplies each row'
 by the count of rows that are not ignored.
 """
 
+import math
+
 import torch
 import torch.nn.functional as F
 
@@ -51,11 +53,12 @@ def distill_loss(
 
 
 def head(logits, scale=1.0, softcap=None):
-    """A model head's own transform of its logits: times the scale, then softcapped."""
-    logits = logits * scale
+    """A model head's own transform of its logits: times the scale, then softcapped; a −inf logit (a
+    masked id) stays −inf."""
+    z = logits * scale
     if softcap is not None:
-        logits = softcap * torch.tanh(logits / softcap)
-    return logits
+        z = softcap * torch.tanh(z / softcap)
+    return torch.where(logits == -math.inf, logits, z)
 
 
 def student_stats(xs, ws, labels=None, ids=None, *, temperature=1.0, student_bias=None, student_logit_scale=1.0,

@@ -107,6 +107,28 @@ def test_saturated_softcap(backend, loss, seed):
     assert math.isfinite(ref[0].item())
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("loss", ["forward_kl", "jsd", "tvd"])
+@pytest.mark.parametrize("t_scale,t_cap", [(1.0, 4.0), (-2.0, None), (-0.5, 3.0)])
+def test_masked_teacher_ids_stay_masked_under_every_transform(backend, loss, t_scale, t_cap, seed):
+    """Dense teacher logits with −inf at masked ids: under a softcap (−c otherwise: an id with mass) or
+    a negative scale (+inf otherwise) they stay −inf, on both backends, as the oracle defines it."""
+    dtype, tol = _tolerance(backend)
+    xs, ws, xt, wt, labels, bs, _ = make_inputs((21,), dtype, ignore="some", bias=True)
+    logits_t = (xt @ wt.T).detach()
+    logits_t[:, ::3] = -math.inf
+    options = dict(loss=loss, beta=0.4, temperature=0.9, teacher_logit_scale=t_scale, teacher_softcap=t_cap,
+                   student_softcap=6.0)
+    out = flashkd.fused_linear_distill_logits(xs, ws, logits_t, labels, student_bias=bs, backend=backend,
+                                              chunk_size=4, return_soft_hard_loss=True, **options)
+    grads = torch.autograd.grad(out[0], [xs, ws, bs])
+    leaves = [x.detach().double().requires_grad_() for x in (xs, ws, bs)]
+    ref = distill_loss(leaves[0], leaves[1], None, None, labels, student_bias=leaves[2], teacher_logits=logits_t,
+                       **options)
+    assert math.isfinite(ref[0].item())
+    check_against_oracle(out, ref, grads, torch.autograd.grad(ref[0], leaves), [xs, ws, bs], tol, labels)
+
+
 def _run_topk(backend, loss, tail, transform, weighted, lead, *, temperature=0.7, stats=False, scale_x=1.0,
               ignore="some", **extra):
     dtype, tol = _tolerance(backend)

@@ -5,6 +5,8 @@ logit scale σ and a softcap c (None: no cap),
 
     z = c · tanh(σ x / c)        (z = σ x without a cap);   dz/dx = σ (1 − (z/c)²)   (σ without a cap)
 
+and x = −inf (a masked id) stays −inf, under any σ and c.
+
 (Cohere's `logit_scale`, Granite's 1 / `logits_scaling`, Falcon-H1's `lm_head_multiplier` are σ; Gemma's
 `final_logit_softcapping` is c). Below, a and b are the transformed student and teacher logits; the
 gradient w.r.t. the student's x is dL/da · da/dx, element by element.
@@ -167,12 +169,17 @@ def check_logit_transform(scale_name: str, scale, cap_name: str, cap) -> None:
 
 
 def logit_transform(x: torch.Tensor, scale: float, softcap: float | None) -> torch.Tensor:
-    """z = x · scale, then softcap · tanh(z / softcap) when a softcap is set; x itself when neither."""
+    """z = x · scale, then softcap · tanh(z / softcap) when a softcap is set; x itself when neither.
+    A −inf logit (a masked id) stays −inf under any transform, as in the Triton kernels: the cap
+    would make it −c, an id with mass, and a negative scale +inf."""
+    z = x
     if scale != 1.0:
-        x = x * scale
+        z = z * scale
     if softcap is not None:
-        x = softcap * torch.tanh(x / softcap)
-    return x
+        z = softcap * torch.tanh(z / softcap)
+    if softcap is None and scale > 0:
+        return z  # −inf · σ is −inf already
+    return torch.where(x == -torch.inf, x, z)
 
 
 def row_losses(s: torch.Tensor, t: torch.Tensor, labels: torch.Tensor | None, spec: LossSpec, vocab=None, *, stats=False):
