@@ -42,8 +42,10 @@ for stage in $stages; do
       2>&1 | tee "$OUT/bench-teacher-topk.log" || status=1 ;;
     bench-softcap) python3 -m flashkd bench --preset seed -n 8192 --loss jsd --providers flashkd torch floor \
       --modes full no-grad-forward --softcap 30 --out "$OUT/softcap" 2>&1 | tee "$OUT/bench-softcap.log" || status=1 ;;
-    bench-trl) python3 -m flashkd bench --preset seed -n 8192 --loss jsd --weight-hard 0 --weight-soft 1 \
-      --providers flashkd trl liger floor --modes full --out "$OUT/trl" 2>&1 | tee "$OUT/bench-trl.log" || status=1 ;;
+    # TRL's kernel module imports `datasets` (names only): where it is missing, the benchmark's stand-in serves
+    bench-trl) ( python3 -c "import datasets" 2>/dev/null || export PYTHONPATH="$PYTHONPATH:$PWD/benchmarks/_datasets_stub"
+      python3 -m flashkd bench --preset seed -n 8192 --loss jsd --weight-hard 0 --weight-soft 1 \
+      --providers flashkd trl liger floor --modes full --out "$OUT/trl" ) 2>&1 | tee "$OUT/bench-trl.log" || status=1 ;;
     # a whole DistillationTrainer step, TRL's loss vs flashkd's patch: first with pre-drawn completions, then with
     # the student sampling them through transformers' generate (most of that step; bounded by timeout)
     bench-trl-step) python3 benchmarks/bench_trl_step.py --out "$OUT/trl-step" 2>&1 | tee "$OUT/bench-trl-step.log" || status=1

@@ -1,5 +1,5 @@
-"""A stand-in for the `datasets` package, used by benchmarks/bench_trl_step.py only, and only where
-`import datasets` fails.
+"""A stand-in for the `datasets` package, used by benchmarks/bench_trl_step.py and gpu_check.sh's
+bench-trl stage (TRL's kernel module imports trl.trainer.utils), and only where `import datasets` fails.
 
 Why it exists: TRL 1.16 imports `datasets` at import time (trl.trainer.utils, trl.data_utils,
 trl.trainer.base_trainer and the trainers all name its classes), so TRL cannot be imported without
