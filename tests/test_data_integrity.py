@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from hypothesis import HealthCheck, event, given, settings
+from hypothesis import HealthCheck, event, example, given, settings
 from hypothesis import strategies as st
 
 from flashkd.data import TargetsError, TopKTargets, write_topk_targets
@@ -337,8 +337,8 @@ def apply(path, name, op, where, value, extra):
         data = data[:at]
     elif op == "append":
         data += extra
-    elif op == "swap":  # another file of the directory in its place
-        other = path / FILES[(FILES.index(name) + 1 + value % (len(FILES) - 1)) % len(FILES)]
+    elif op == "swap":  # another file of the directory in its place (as written: an earlier damage may have deleted it)
+        other = path.parent / "original" / FILES[(FILES.index(name) + 1 + value % (len(FILES) - 1)) % len(FILES)]
         data = bytearray(other.read_bytes())
     file.unlink()
     if op == "delete":
@@ -361,6 +361,7 @@ def read_all(path, check_digests=True):
 
 @HYPOTHESIS
 @given(damages=st.lists(damage(), min_size=1, max_size=2, unique_by=lambda d: d[0]))
+@example(damages=[(FILES[3], "delete", 0, 0, b"\x00"), (FILES[4], "swap", 0, 14, b"\x00")])  # swapped in: a deleted file
 def test_any_damage_is_refused(reference, damages):
     path, _, want = reference
     with tempfile.TemporaryDirectory() as tmp:
