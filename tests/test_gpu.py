@@ -10,6 +10,7 @@ import pytest
 import torch
 
 import flashkd
+from flashkd import fp8
 from flashkd.losses import LossSpec, topk_row_losses
 from oracle import distill_loss, topk_loss
 
@@ -279,8 +280,6 @@ def _fp8_inputs(dtype, v, vt, n=1000, hs=512, ht=1000, bias=True):
 def test_fp8_teacher_is_the_loss_of_its_own_logits(loss, dtype, vocab, precision):
     """The fused loss with an FP8 teacher = the dense-logits loss fed the FP8 GEMM's logits (the
     wiring: chunks, padded heads, bias, scale layouts); and those logits are the dequantised product."""
-    from flashkd import fp8
-
     v, vt = vocab
     xs, ws, xt, wt, bt, y = _fp8_inputs(dtype, v, vt)
     opts = dict(loss=loss, beta=0.3, temperature=1.3, chunk_size=384)
@@ -317,8 +316,6 @@ def test_fp8_teacher_error_against_the_fp32_truth():
 
 @fp8_gpu
 def test_fp8_quantisation_on_gpu_is_the_reference_and_never_nan_from_scales():
-    from flashkd import fp8
-
     x = torch.randn(3000, 4096, device="cuda").to(torch.bfloat16)
     x[5] = 0
     x[6] = 3e38
@@ -335,8 +332,6 @@ def test_fp8_quantisation_on_gpu_is_the_reference_and_never_nan_from_scales():
 
 @fp8_gpu
 def test_teacher_topk_with_an_fp8_teacher():
-    from flashkd import fp8
-
     _, _, xt, wt, bt, _ = _fp8_inputs(torch.bfloat16, 128256, 128256, n=700)
     ids, lp = flashkd.teacher_topk(xt, wt, 64, teacher_bias=bt, teacher_precision="fp8")
     t = fp8.linear(xt, fp8.head(wt, "rowwise"), bt).float()

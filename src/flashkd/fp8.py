@@ -52,12 +52,11 @@ _ALIGN = 16  # the FP8 GEMM's alignment of the hidden size and of the vocab
 @dataclasses.dataclass(frozen=True)
 class Head:
     """A teacher head quantised to e4m3: q (Vp, Kp) row-major, scale the GEMM's scale_b ((1, Vp)
-    rowwise; (ceil(Kp/128), Vp) contiguous for 1x128), v the vocab rows used, k the hidden size."""
+    rowwise; (ceil(Kp/128), Vp) contiguous for 1x128), v the vocab rows used."""
 
     q: torch.Tensor
     scale: torch.Tensor
     v: int
-    k: int
     scaling: str
 
     @property
@@ -65,13 +64,18 @@ class Head:
         return self.q.numel() * self.q.element_size() + self.scale.numel() * self.scale.element_size()
 
 
+def check_precision(precision) -> None:
+    """A `teacher_precision` value is one of PRECISIONS; else ValueError naming it."""
+    if not (precision is None or isinstance(precision, str)) or precision not in PRECISIONS:
+        raise ValueError(f"teacher_precision: expected one of {PRECISIONS}, got {precision!r}")
+
+
 def scaling_of(precision: str, device: torch.device) -> str | None:
     """The scaling a `teacher_precision` means on `device` (None: the teacher's own dtype), after
     checking that the device has FP8 tensor cores. Raises ValueError naming teacher_precision."""
+    check_precision(precision)
     if precision is None:
         return None
-    if not isinstance(precision, str) or precision not in PRECISIONS:
-        raise ValueError(f"teacher_precision: expected one of {PRECISIONS}, got {precision!r}")
     if device.type != "cuda":
         raise ValueError(f"teacher_precision: {precision!r} needs a CUDA GPU with FP8 tensor cores (sm_89 or newer); "
                          f"got tensors on {device}")
@@ -115,7 +119,7 @@ def head(w: torch.Tensor, scaling: str) -> Head:
         wq, sw = quantize(w, scaling, rows_to=_ALIGN)
     # scaled_mm's scale_b: (1, Vp) for rowwise; (Kp/128, Vp) contiguous for 1x128 (its transpose is
     # the (Vp, Kp/128) outer-dim-major layout cuBLAS reads)
-    entry = Head(wq, sw.reshape(1, -1) if scaling == "rowwise" else sw.t().contiguous(), w.shape[0], w.shape[1], scaling)
+    entry = Head(wq, sw.reshape(1, -1) if scaling == "rowwise" else sw.t().contiguous(), w.shape[0], scaling)
     entries[slot] = (check, entry)
     return entry
 

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import torch
 
+from .. import fp8
 from ..losses import LOSSES, TAILS
 from . import measure, report
 from .providers import PROVIDERS
@@ -111,7 +112,7 @@ def add_bench_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--weight-soft", type=float, help="weight of the distillation term (default 0.5)")
     p.add_argument("--temperature", type=float, help="τ (default 1.0)")
     p.add_argument("--softcap", type=float, metavar="C", help="both heads' logit softcap, c·tanh(z/c) (default: none)")
-    p.add_argument("--teacher-precision", choices=["fp8", "fp8-rowwise", "fp8-1x128"],
+    p.add_argument("--teacher-precision", choices=[name for name in fp8.PRECISIONS if name is not None],
                    help="flashkd's teacher GEMM in FP8 (forms heads, teacher_topk); other providers skip, the "
                         "floor stays bf16's (default: the inputs' dtype)")
     p.add_argument("--seed", type=int, help="seed of the inputs (default 0)")

@@ -22,6 +22,7 @@ from typing import NamedTuple
 import torch
 
 import flashkd
+from .. import fp8
 from ..losses import TAILS, LossSpec
 
 DTYPES = {
@@ -58,8 +59,7 @@ class Workload:
             raise ValueError(f"tail: expected one of {', '.join(TAILS)}, got {self.tail!r}")
         if self.form in ("topk", "teacher_topk") and not 1 <= self.k <= self.v:
             raise ValueError(f"k: expected 1 <= k <= V = {self.v}, got {self.k}")
-        if self.teacher_precision not in (None, "fp8", "fp8-rowwise", "fp8-1x128"):
-            raise ValueError(f"teacher_precision: expected fp8, fp8-rowwise or fp8-1x128, got {self.teacher_precision!r}")
+        fp8.check_precision(self.teacher_precision)
         if self.teacher_precision is not None and self.form not in ("heads", "teacher_topk"):
             raise ValueError(f"teacher_precision: only forms heads and teacher_topk have a teacher GEMM, got form {self.form!r}")
 

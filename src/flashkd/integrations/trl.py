@@ -114,8 +114,7 @@ def patch(*, teacher_precision: str | None = None):
     teacher_precision, which the latest call sets). teacher_precision: `fused_linear_distill`'s,
     e.g. "fp8" for an FP8 teacher GEMM (README, "FP8 teacher": faster, and not TRL's numbers)."""
     global _original
-    if not (teacher_precision is None or isinstance(teacher_precision, str)) or teacher_precision not in fp8.PRECISIONS:
-        raise ValueError(f"teacher_precision: expected one of {fp8.PRECISIONS}, got {teacher_precision!r}")
+    fp8.check_precision(teacher_precision)
     _options.clear()
     if teacher_precision is not None:
         _options["teacher_precision"] = teacher_precision
