@@ -65,15 +65,17 @@ def _dx_kernel(
     M, V, H,
     f1, c_ce, log2_beta, log2_1mbeta,
     MODE: tl.constexpr,  # 0 plain, 1 correction, 2 full
-    SIDE: tl.constexpr,  # the first column tile writes the A it formed (dS) to side_ptr
+    SIDE: tl.constexpr,  # write the A it formed (dS) to side_ptr, each column tile 1 / (H / BN) of the steps
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, STAGES: tl.constexpr,
+    WS: tl.constexpr,  # Triton's automatic warp specialization of the loop (its Hopper pass)
 ):
     # column tiles of a row block are adjacent program ids: they run together and share the A-side
     # tiles in L2 (at the probe's shape all 128 programs are one wave anyway)
     pid = tl.program_id(0)
     n_cols = tl.cdiv(H, BN)
+    pid_n = pid % n_cols
     off_m = (pid // n_cols) * BM
-    off_n = (pid % n_cols) * BN
+    off_n = pid_n * BN
     rows = off_m + tl.arange(0, BM)
     a_desc = tl.make_tensor_descriptor(a_ptr, [M, V], [V, 1], [BM, BK])
     w_desc = tl.make_tensor_descriptor(w_ptr, [V, H], [H, 1], [BK, BN])
@@ -89,7 +91,7 @@ def _dx_kernel(
     f0 = tl.load(f0_ptr + rows, mask=rmask, other=0.0)[:, None]
     lab = tl.load(lab_ptr + rows, mask=rmask, other=-1)[:, None]
     acc = tl.zeros([BM, BN], tl.float32)
-    for k in tl.range(0, V, BK, num_stages=STAGES):
+    for k in tl.range(0, V, BK, num_stages=STAGES, warp_specialize=WS):
         if MODE == 0:
             a = a_desc.load([off_m, k])
         elif MODE == 1:
@@ -102,8 +104,8 @@ def _dx_kernel(
             g = tl.exp2(lq) * (f1 * (w + tl.maximum(z, 0.0)) + f0)
             cols = k + tl.arange(0, BK)[None, :]
             a = (g - tl.where(cols == lab, c_ce, 0.0)).to(a_ptr.dtype.element_ty)
-        if SIDE:
-            if off_n == 0:
+        if SIDE:  # spread over the column tiles: one wave, so one tile storing every step would be its tail
+            if (k // BK) % n_cols == pid_n:
                 side_desc.store([off_m, k], a)
         b = w_desc.load([k, off_n])
         if _DOT_F32:
@@ -160,7 +162,7 @@ class Problem:
 STAGES_USED = {}  # (mode, side, tiles) -> the pipeline depth that fit in shared memory
 
 
-def dx_triton(pb: Problem, mode: str, side: bool = False, tiles=(128, 256, 64, 8), stages=3):
+def dx_triton(pb: Problem, mode: str, side: bool = False, tiles=(128, 256, 64, 8), stages=3, ws=False):
     bm, bn, bk, warps = tiles
     m, v = pb.s.shape
     h = pb.w.shape[1]
@@ -168,13 +170,14 @@ def dx_triton(pb: Problem, mode: str, side: bool = False, tiles=(128, 256, 64, 8
     side_out = torch.empty_like(pb.s) if side else pb.s
     a = pb.ds_bf if mode == "plain" else pb.a_kfree
     grid = (triton.cdiv(m, bm) * triton.cdiv(h, bn),)
-    key = (mode, side, tiles)
+    key = (mode, side, tiles, ws)
     stages = STAGES_USED.get(key, stages)
     while True:
         try:
             _dx_kernel[grid](a, pb.s, pb.t, pb.w, out, side_out, pb.ks, pb.cs, pb.kt, pb.ct, pb.r, pb.f0, pb.labels,
                              m, v, h, pb.f1, pb.c_ce, math.log2(pb.beta), math.log2(1 - pb.beta),
-                             MODE=MODES[mode], SIDE=side, BM=bm, BN=bn, BK=bk, STAGES=stages, num_warps=warps)
+                             MODE=MODES[mode], SIDE=side, BM=bm, BN=bn, BK=bk, STAGES=stages, WS=ws,
+                             num_warps=warps)
             break
         except triton.runtime.errors.OutOfResources:  # the operands of three loads at 3 stages may not fit
             if stages == 1:
@@ -182,6 +185,10 @@ def dx_triton(pb: Problem, mode: str, side: bool = False, tiles=(128, 256, 64, 8
             stages -= 1
     STAGES_USED[key] = stages
     return out, (side_out if side else None)
+
+
+def _name(mode, side, tiles, ws):
+    return f"{mode}{'+side' if side else ''} {'x'.join(map(str, tiles))}{' ws' if ws else ''}"
 
 
 def _ms(fn):
@@ -201,6 +208,8 @@ def main():
     ap.add_argument("--tiles", nargs="+", default=["128x256x64x8", "128x128x64x8", "64x256x64x4"],
                     help="BMxBNxBKxWARPS")
     ap.add_argument("--stages", type=int, default=3)
+    ap.add_argument("--ws", type=int, nargs="+", default=[0], choices=[0, 1],
+                    help="warp specialization off (0) and / or on (1)")
     ap.add_argument("--rep", type=int, default=30, help="rounds; each round times every line once")
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--out", default=None)
@@ -210,29 +219,33 @@ def main():
         triton.set_allocator(_alloc)
     pb = Problem(args.rows, args.vocab, args.hidden, dev)
     tiles = [tuple(map(int, t.split("x"))) for t in args.tiles]
+    variants = [(mode, side, tl_, ws) for ws in args.ws for tl_ in tiles
+                for mode, side in (("plain", False), ("correction", False), ("correction", True), ("full", False))]
 
     # correctness first: every variant's dX (and side output) against the float64 truth, beside the
-    # error of torch.mm on the rounded dS (the plain bf16 pipeline)
+    # error of torch.mm on the rounded dS (the plain bf16 pipeline); a variant that does not compile
+    # (warp specialization is young on Hopper) is reported and left out
     ref = pb.dx_ref
     def err(x):
         return ((x.double() - ref).abs().max() / ref.abs().max()).item()
     checks = {"cublas": err(pb.ds_bf @ pb.w)}
-    for tl_ in tiles:
-        for mode, side in (("plain", False), ("correction", False), ("correction", True), ("full", False)):
-            out, so = dx_triton(pb, mode, side, tl_, args.stages)
-            key = f"{mode}{'+side' if side else ''} {'x'.join(map(str, tl_))}"
-            checks[key] = err(out)
-            if so is not None:
-                checks[key + " side dS"] = ((so.double() - pb.ds).abs().max() / pb.ds.abs().max()).item()
-    for k, e in checks.items():
-        print(f"max rel error  {k:<34} {e:.3e}")
-
+    failed = {}
     lines = {"cublas": lambda: torch.mm(pb.ds_bf, pb.w)}
-    for tl_ in tiles:
-        name = "x".join(map(str, tl_))
-        for mode, side in (("plain", False), ("correction", False), ("correction", True), ("full", False)):
-            lines[f"triton {mode}{'+side' if side else ''} {name}"] = (
-                lambda mode=mode, side=side, tl_=tl_: dx_triton(pb, mode, side, tl_, args.stages))
+    for mode, side, tl_, ws in variants:
+        key = _name(mode, side, tl_, ws)
+        try:
+            out, so = dx_triton(pb, mode, side, tl_, args.stages, ws)
+        except Exception as e:  # noqa: BLE001 -- a compiler failure is a result here
+            failed[key] = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:300]
+            print(f"failed         {key:<40} {failed[key]}")
+            continue
+        checks[key] = err(out)
+        if so is not None:
+            checks[key + " side dS"] = ((so.double() - pb.ds).abs().max() / pb.ds.abs().max()).item()
+        lines["triton " + key] = lambda v=(mode, side, tl_, args.stages, ws): dx_triton(pb, *v)
+    for k, e in checks.items():
+        print(f"max rel error  {k:<40} {e:.3e}")
+
     s_work = pb.s.clone()
     for loss in ("jsd", "forward_kl"):
         spec = LossSpec(loss=loss, beta=pb.beta, weight_hard=0.5, want_hard=True)
@@ -252,17 +265,17 @@ def main():
                 s_work.copy_(pb.s)
             times[k].append(_ms(f))
     base = statistics.median(times["cublas"])
-    print(f"{'line':<40}{'ms':>9}{'p20':>9}{'p80':>9}{'- cublas':>10}")
+    print(f"{'line':<44}{'ms':>9}{'p20':>9}{'p80':>9}{'- cublas':>10}")
     result = {"rows": args.rows, "vocab": args.vocab, "hidden": args.hidden, "stages": args.stages,
               "gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
               "commit": os.environ.get("FLASHKD_COMMIT", "unknown"), "errors": checks, "ms": {},
-              "stages_used": {f"{m}{'+side' if sd else ''} {'x'.join(map(str, t))}": n
-                              for (m, sd, t), n in STAGES_USED.items()}}
+              "stages_used": {_name(m, sd, t, w): n for (m, sd, t, w), n in STAGES_USED.items()},
+              "failed": failed}
     for k, ts in times.items():
         ts = sorted(ts)
         med, p20, p80 = statistics.median(ts), ts[len(ts) // 5], ts[(4 * len(ts)) // 5]
         result["ms"][k] = {"p50": med, "p20": p20, "p80": p80}
-        print(f"{k:<40}{med:>9.3f}{p20:>9.3f}{p80:>9.3f}{med - base:>+10.3f}")
+        print(f"{k:<44}{med:>9.3f}{p20:>9.3f}{p80:>9.3f}{med - base:>+10.3f}")
     print("pipeline stages used:", result["stages_used"])
     if args.out:
         os.makedirs(args.out, exist_ok=True)
