@@ -243,8 +243,8 @@ def main():
         if so is not None:
             checks[key + " side dS"] = ((so.double() - pb.ds).abs().max() / pb.ds.abs().max()).item()
         lines["triton " + key] = lambda v=(mode, side, tl_, args.stages, ws): dx_triton(pb, *v)
-    for k, e in checks.items():
-        print(f"max rel error  {k:<40} {e:.3e}")
+    for k, e in checks.items():  # a variant 4× past torch.mm's error is computing something else
+        print(f"max rel error  {k:<40} {e:.3e}{'  WRONG' if not e <= 4 * checks['cublas'] else ''}")
 
     s_work = pb.s.clone()
     for loss in ("jsd", "forward_kl"):

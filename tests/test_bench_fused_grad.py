@@ -64,4 +64,4 @@ def test_dry_run_cli():
                        capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr
     assert "dry run: every line ran once" in r.stdout
-    assert r.stdout.count("max rel error") == 6 and "failed" not in r.stdout
+    assert r.stdout.count("max rel error") == 6 and "failed" not in r.stdout and "WRONG" not in r.stdout
