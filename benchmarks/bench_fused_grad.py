@@ -159,7 +159,8 @@ class Problem:
         self.scale = torch.tensor(1.0 / m, device=device)
 
 
-STAGES_USED = {}  # (mode, side, tiles) -> the pipeline depth that fit in shared memory
+STAGES_USED = {}  # (mode, side, tiles, ws) -> the pipeline depth that fit in shared memory
+SPLIT = {}  # (mode, side, tiles, ws) -> whether the compiled loop has warp-specialised partitions
 
 
 def dx_triton(pb: Problem, mode: str, side: bool = False, tiles=(128, 256, 64, 8), stages=3, ws=False):
@@ -174,7 +175,7 @@ def dx_triton(pb: Problem, mode: str, side: bool = False, tiles=(128, 256, 64, 8
     stages = STAGES_USED.get(key, stages)
     while True:
         try:
-            _dx_kernel[grid](a, pb.s, pb.t, pb.w, out, side_out, pb.ks, pb.cs, pb.kt, pb.ct, pb.r, pb.f0, pb.labels,
+            compiled = _dx_kernel[grid](a, pb.s, pb.t, pb.w, out, side_out, pb.ks, pb.cs, pb.kt, pb.ct, pb.r, pb.f0, pb.labels,
                              m, v, h, pb.f1, pb.c_ce, math.log2(pb.beta), math.log2(1 - pb.beta),
                              MODE=MODES[mode], SIDE=side, BM=bm, BN=bn, BK=bk, STAGES=stages, WS=ws,
                              num_warps=warps)
@@ -184,6 +185,9 @@ def dx_triton(pb: Problem, mode: str, side: bool = False, tiles=(128, 256, 64, 8
                 raise
             stages -= 1
     STAGES_USED[key] = stages
+    if key not in SPLIT and hasattr(compiled, "asm") and "ttgir" in compiled.asm:
+        # did the compiler split the loop into warp-specialised partitions?
+        SPLIT[key] = "ttg.warp_specialize" in compiled.asm["ttgir"]
     return out, (side_out if side else None)
 
 
@@ -270,13 +274,15 @@ def main():
               "gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
               "commit": os.environ.get("FLASHKD_COMMIT", "unknown"), "errors": checks, "ms": {},
               "stages_used": {_name(m, sd, t, w): n for (m, sd, t, w), n in STAGES_USED.items()},
-              "failed": failed}
+              "failed": failed,
+              "warp_specialized": {_name(*k): v for k, v in SPLIT.items()}}
     for k, ts in times.items():
         ts = sorted(ts)
         med, p20, p80 = statistics.median(ts), ts[len(ts) // 5], ts[(4 * len(ts)) // 5]
         result["ms"][k] = {"p50": med, "p20": p20, "p80": p80}
         print(f"{k:<44}{med:>9.3f}{p20:>9.3f}{p80:>9.3f}{med - base:>+10.3f}")
     print("pipeline stages used:", result["stages_used"])
+    print("loop split into warp-specialised partitions:", result["warp_specialized"])
     if args.out:
         os.makedirs(args.out, exist_ok=True)
         with open(os.path.join(args.out, "fused_grad.json"), "w") as f:
