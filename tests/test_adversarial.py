@@ -1,0 +1,79 @@
+"""The public API as an ML engineer would misuse it, on small irregular shapes and both backends: autograd
+contexts (create_graph, autocast), odd layouts and the argument checks. Every result is checked against
+the float64 oracle (tests/oracle.py); every refusal must name the argument, what was expected and what came."""
+
+import math
+
+import pytest
+import torch
+
+import flashkd
+from conftest import BACKENDS
+from oracle import distill_loss, topk_loss
+
+N, HS, V, HT, K = 37, 19, 203, 23, 7
+FORMS = ["heads", "logits", "topk"]
+
+
+def student(dtype=torch.float32, lead=(N,), bias=False):
+    xs = torch.randn(*lead, HS, dtype=dtype, requires_grad=True)
+    ws = (0.3 * torch.randn(V, HS, dtype=dtype)).requires_grad_()
+    bs = torch.randn(V, dtype=dtype, requires_grad=True) if bias else None
+    y = torch.randint(0, V, lead)
+    y.view(-1)[::5] = -100
+    return xs, ws, bs, y
+
+
+def teacher(form, dtype=torch.float32, lead=(N,)):
+    """The teacher's keyword arguments of one input form."""
+    if form == "heads":
+        return dict(teacher_input=torch.randn(*lead, HT, dtype=dtype), teacher_weight=0.3 * torch.randn(V, HT, dtype=dtype))
+    if form == "logits":
+        return dict(teacher_logits=2 * torch.randn(*lead, V, dtype=dtype))
+    logits = torch.log_softmax(2 * torch.randn(*lead, V, dtype=torch.float64), -1)
+    lp, ids = logits.topk(K)
+    return dict(teacher_ids=ids, teacher_logprobs=lp.to(dtype))
+
+
+def call(form, xs, ws, y, t, **options):
+    if form == "heads":
+        return flashkd.fused_linear_distill(xs, ws, t["teacher_input"], t["teacher_weight"], y, **options)
+    if form == "logits":
+        return flashkd.fused_linear_distill_logits(xs, ws, t["teacher_logits"], y, **options)
+    options.setdefault("weight_hard_loss", 0.5)
+    return flashkd.fused_linear_distill_topk(xs, ws, t["teacher_ids"], t["teacher_logprobs"], y, **options)
+
+
+def oracle(form, xs, ws, y, t, **options):
+    """The float64 loss of the naive formula, differentiable w.r.t. xs and ws."""
+    xs, ws = xs.double(), ws.double()
+    if form == "heads":
+        return distill_loss(xs, ws, t["teacher_input"], t["teacher_weight"], y, **options)[0]
+    if form == "logits":
+        return distill_loss(xs, ws, None, None, y, teacher_logits=t["teacher_logits"], **options)[0]
+    options.setdefault("weight_hard_loss", 0.5)
+    return topk_loss(xs, ws, t["teacher_ids"], t["teacher_logprobs"], y, **options)[0]
+
+
+# ------------------------------------------------------------------------------------ double backward
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("form", FORMS)
+def test_create_graph_is_refused_not_silently_first_order(backend, form):
+    """create_graph=True (a gradient penalty, gradgradcheck) raises, naming why. The gradients used to come
+    back as constants, so a penalty built on them silently added nothing to the gradients; the plain
+    first-order gradients and retain_graph are unchanged (checked against the oracle)."""
+    xs, ws, _, y = student(torch.float64)
+    t = teacher(form, torch.float64)
+    loss = call(form, xs, ws, y, t, backend=backend, chunk_size=10)
+    with pytest.raises(RuntimeError, match="create_graph=True"):
+        torch.autograd.grad(loss, [xs, ws], create_graph=True)
+    dx, dw = torch.autograd.grad(loss, [xs, ws], retain_graph=True)
+    ref_dx, ref_dw = torch.autograd.grad(oracle(form, xs, ws, y, t), [xs, ws])
+    torch.testing.assert_close(dx, ref_dx, rtol=1e-9, atol=1e-12)
+    torch.testing.assert_close(dw, ref_dw, rtol=1e-9, atol=1e-12)
+    with pytest.raises(RuntimeError, match="create_graph=True"):  # another branch wanting a graph
+        torch.autograd.grad(loss + (xs**3).sum(), [xs], create_graph=True)
+    with pytest.raises(RuntimeError, match="create_graph=True"):
+        torch.autograd.gradgradcheck(lambda a: call(form, a, ws.detach(), y, t, backend=backend), (xs.detach().requires_grad_(),))
