@@ -77,3 +77,51 @@ def test_create_graph_is_refused_not_silently_first_order(backend, form):
         torch.autograd.grad(loss + (xs**3).sum(), [xs], create_graph=True)
     with pytest.raises(RuntimeError, match="create_graph=True"):
         torch.autograd.gradgradcheck(lambda a: call(form, a, ws.detach(), y, t, backend=backend), (xs.detach().requires_grad_(),))
+
+
+# ------------------------------------------------------------------------------------------- autocast
+
+
+def _check_close(got, want, tol):
+    assert got.shape == want.shape, (got.shape, want.shape)
+    err = (got.double() - want).abs().max().item()
+    assert err <= tol * max(want.abs().max().item(), 1.0), err
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("form", FORMS)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_autocast_leaves_the_loss_in_its_inputs_dtype(backend, form, dtype):
+    """Under torch.autocast (an fp32 model in a bf16 run) the loss used to fail inside its dX GEMM
+    ("Expected out tensor to have dtype BFloat16"). It computes in its inputs' dtype, as without
+    autocast: the same loss and gradients, bit for bit, and the oracle's."""
+    xs, ws, bs, y = student(bias=True)
+    t = teacher(form)
+    args = dict(backend=backend, chunk_size=10, student_bias=bs)
+    plain = call(form, xs, ws, y, t, **args)
+    plain_grads = torch.autograd.grad(plain, [xs, ws, bs])
+    with torch.autocast("cpu", dtype=dtype):
+        loss = call(form, xs, ws, y, t, **args)
+    grads = torch.autograd.grad(loss, [xs, ws, bs])
+    assert loss.dtype == torch.float32 and torch.equal(loss, plain)
+    for g, p in zip(grads, plain_grads):
+        assert g.dtype == torch.float32 and torch.equal(g, p)
+    leaves = [x.detach().double().requires_grad_() for x in (xs, ws, bs)]
+    ref = oracle(form, leaves[0], leaves[1], y, t, student_bias=leaves[2])
+    _check_close(loss, ref, 1e-5)
+    for g, r in zip(grads, torch.autograd.grad(ref, leaves)):
+        _check_close(g, r, 1e-4)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_autocast_leaves_teacher_topk_in_its_inputs_dtype(backend):
+    """teacher_topk under autocast used to take its logits from a bf16 GEMM of fp32 inputs (ids and
+    log-probs off by 2e-2 from the float64 truth, silently): it computes in its inputs' dtype."""
+    xt, wt = torch.randn(N, HT), 0.3 * torch.randn(V, HT)
+    plain = flashkd.teacher_topk(xt, wt, K, backend=backend)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        ids, lp = flashkd.teacher_topk(xt, wt, K, backend=backend)
+    assert torch.equal(ids, plain[0]) and torch.equal(lp, plain[1]) and lp.dtype == torch.float32
+    ref_lp, ref_ids = torch.log_softmax(xt.double() @ wt.double().T, -1).topk(K)
+    assert torch.equal(ids, ref_ids)
+    _check_close(lp, ref_lp, 1e-5)

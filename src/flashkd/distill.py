@@ -39,6 +39,7 @@ with create_graph=True raises.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import os
@@ -120,7 +121,9 @@ def fused_linear_distill(
     `(loss, soft, hard, stats)` with both. Gradients flow to `student_input`, `student_weight` and
     `student_bias`; the teacher is a constant (no graph through it, whatever it requires). Rows whose
     label is `ignore_index` contribute nothing, NaN or inf in them included. The gradients are first
-    order only: a backward with create_graph=True (double backward) raises RuntimeError.
+    order only: a backward with create_graph=True (double backward) raises RuntimeError. torch.autocast
+    changes nothing: the GEMMs run in the inputs' dtype (cast them first for autocast's, as
+    `flashkd.integrations` do).
 
     - student_logit_scale, student_softcap (teacher_...: the teacher's): each head's own transform of
       its logits, z = c · tanh(σ · logits / c) (z = σ · logits with softcap None), before everything
@@ -395,12 +398,22 @@ def _run(spec, form, teacher, xs, ws, bs, y, args, vocab=None):
 
 @torch.compiler.disable  # one graph break: the chunk loop runs eagerly inside compiled code
 def _apply(xs, ws, bs, y, rw, plan, *teacher):
-    if torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in (xs, ws, bs)):
-        return _FusedDistill.apply(xs, ws, bs, y, rw, plan, *teacher)
-    # Evaluation: no autograd node, and no gradient work at all. The teacher is a constant: without
-    # no_grad a teacher that requires grad would get a graph through every chunk's logits (and a grad).
-    with torch.no_grad():
-        return _chunk_loop(xs, ws, bs, y, rw, teacher, plan, False, False, False)[0]
+    with _autocast_off(xs.device):
+        if torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in (xs, ws, bs)):
+            return _FusedDistill.apply(xs, ws, bs, y, rw, plan, *teacher)
+        # Evaluation: no autograd node, and no gradient work at all. The teacher is a constant: without
+        # no_grad a teacher that requires grad would get a graph through every chunk's logits (and a grad).
+        with torch.no_grad():
+            return _chunk_loop(xs, ws, bs, y, rw, teacher, plan, False, False, False)[0]
+
+
+def _autocast_off(device: torch.device):
+    """torch.autocast switched off on `device`: the GEMMs run in the inputs' dtype, which the checks
+    made one, and write into buffers of it (autocast would make their logits bf16 from fp32 inputs,
+    and fail on the fp32 dX written in place). To compute in autocast's dtype, pass tensors of it."""
+    if torch.amp.is_autocast_available(device.type):
+        return torch.autocast(device.type, enabled=False)
+    return contextlib.nullcontext()
 
 
 _NO_DOUBLE_BACKWARD = ("flashkd: a fused distillation loss computes its gradients in its forward pass, so they carry "
