@@ -125,3 +125,43 @@ def test_autocast_leaves_teacher_topk_in_its_inputs_dtype(backend):
     ref_lp, ref_ids = torch.log_softmax(xt.double() @ wt.double().T, -1).topk(K)
     assert torch.equal(ids, ref_ids)
     _check_close(lp, ref_lp, 1e-5)
+
+
+# ------------------------------------------------------------------------------------------- TopKCollator
+
+
+def _one_target():
+    logits = torch.log_softmax(torch.randn(3, V, dtype=torch.float64), -1)
+    lp, ids = logits.topk(2)
+    ids[2, 1] = -1
+    return ids, lp.float()
+
+
+@pytest.mark.parametrize("target,message", [
+    (lambda ids, lp: (ids.float() + 0.7, lp), "targets['a']: expected ids of dtype torch.int32 or torch.int64, got torch.float32"),
+    (lambda ids, lp: (ids > 2, lp), "targets['a']: expected ids of dtype torch.int32 or torch.int64, got torch.bool"),
+    (lambda ids, lp: (ids.clamp_min(0).to(torch.int16), lp), "got torch.int16"),
+    (lambda ids, lp: (ids, lp.long()), "targets['a']: expected logprobs of a floating dtype (float16, bfloat16, float32, float64), got torch.int64"),
+    (lambda ids, lp: (ids.numpy(), lp.numpy()), "targets['a']: expected a pair (ids, logprobs) of torch.Tensors, got a tuple of (ndarray, ndarray)"),
+    (lambda ids, lp: (ids,), "targets['a']: expected a pair (ids, logprobs) of torch.Tensors, got a tuple of (Tensor)"),
+    (lambda ids, lp: ids, "targets['a']: expected a pair (ids, logprobs) of torch.Tensors, got Tensor"),
+])
+def test_collator_refuses_targets_it_would_cast(target, message):
+    """A mapping's targets of another dtype used to be cast in silence: float ids truncated (an unused
+    slot's -1 + 0.7 became id 0, a token with the teacher's mass), bool ids read as 0/1, int16 ids kept,
+    integer log-probs taken as floats; non-tensors failed with an AttributeError."""
+    ids, lp = _one_target()
+    features = [{"key": "a", "input_ids": torch.tensor([7, 8, 9])}]
+    with pytest.raises(TypeError) as info:
+        flashkd.TopKCollator({"a": target(ids, lp)})(features)
+    assert message in str(info.value), str(info.value)
+
+
+@pytest.mark.parametrize("ids_dtype", [torch.int32, torch.int64])
+@pytest.mark.parametrize("lp_dtype", [torch.float16, torch.bfloat16, torch.float32, torch.float64])
+def test_collator_takes_the_dtypes_the_loss_takes(ids_dtype, lp_dtype):
+    ids, lp = _one_target()
+    features = [{"key": "a", "input_ids": torch.tensor([7, 8, 9])}]
+    batch = flashkd.TopKCollator({"a": [ids.to(ids_dtype), lp.to(lp_dtype)]})(features)
+    assert torch.equal(batch["teacher_ids"][0], ids)
+    assert torch.equal(batch["teacher_logprobs"][0], lp.to(lp_dtype).float())

@@ -428,7 +428,8 @@ class TopKTargets(collections.abc.Mapping):
 class TopKCollator:
     """A DataLoader collate_fn: `collate_fn`'s batch plus the teacher's targets, padded like it.
 
-    targets: a `TopKTargets`, or any mapping key -> (ids (L, K), logprobs (L, K)).
+    targets: a `TopKTargets`, or any mapping key -> (ids (L, K), logprobs (L, K)): tensors, ids int32 or
+    int64, logprobs of a floating dtype (read in float32), as `fused_linear_distill_topk` takes them.
     collate_fn: the batch maker this wraps (e.g. an HF `DataCollatorForLanguageModeling`); it must
     return a dict-like batch with `input_ids` (B, T). Default: torch's default_collate, for features
     that are already tensors of one length.
@@ -481,7 +482,7 @@ class TopKCollator:
         for i, key in enumerate(keys):
             if key not in self.targets:
                 raise KeyError(f"{self.key_field}: no example {key!r} in targets (features[{i}])")
-            ids, lp = self.targets[key]
+            ids, lp = _target_pair(self.targets[key], key)
             if k is None:
                 k = ids.shape[-1]
                 teacher_ids = torch.full((b, t, k), -1, dtype=torch.int64)
@@ -508,6 +509,22 @@ class TopKCollator:
         if k is not None:
             batch["teacher_ids"], batch["teacher_logprobs"] = teacher_ids, teacher_lp
         return batch
+
+
+def _target_pair(pair, key):
+    """A mapping's (ids, logprobs), in the dtypes the top-k loss takes: another would be cast in silence
+    below (float ids truncated, so an unused slot's -1 + 0.7 would become id 0)."""
+    if not isinstance(pair, (tuple, list)) or len(pair) != 2 or not all(isinstance(x, torch.Tensor) for x in pair):
+        got = (f"a {type(pair).__name__} of ({', '.join(type(x).__name__ for x in pair)})"
+               if isinstance(pair, (tuple, list)) else type(pair).__name__)
+        raise TypeError(f"targets[{key!r}]: expected a pair (ids, logprobs) of torch.Tensors, got {got}")
+    ids, lp = pair
+    if ids.dtype not in (torch.int32, torch.int64):
+        raise TypeError(f"targets[{key!r}]: expected ids of dtype torch.int32 or torch.int64, got {ids.dtype}")
+    if lp.dtype not in (torch.float16, torch.bfloat16, torch.float32, torch.float64):
+        raise TypeError(f"targets[{key!r}]: expected logprobs of a floating dtype (float16, bfloat16, float32, "
+                        f"float64), got {lp.dtype}")
+    return ids, lp
 
 
 def _safetensors():
