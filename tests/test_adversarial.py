@@ -165,3 +165,36 @@ def test_collator_takes_the_dtypes_the_loss_takes(ids_dtype, lp_dtype):
     batch = flashkd.TopKCollator({"a": [ids.to(ids_dtype), lp.to(lp_dtype)]})(features)
     assert torch.equal(batch["teacher_ids"][0], ids)
     assert torch.equal(batch["teacher_logprobs"][0], lp.to(lp_dtype).float())
+
+
+# ------------------------------------------------------------------------------------------------ modules
+
+
+@pytest.mark.parametrize("options,message", [
+    (dict(bogus=3), "bogus: expected a keyword option of flashkd.fused_linear_distill"),
+    (dict(chunksize=8), "chunksize: expected a keyword option of flashkd.fused_linear_distill"),
+    (dict(student_bias=torch.zeros(V)), "student_bias: expected as an argument of forward (per-call data), not as an option"),
+    (dict(row_weight=torch.ones(N)), "row_weight: expected as an argument of forward (per-call data), not as an option"),
+    (dict(labels=torch.zeros(N, dtype=torch.long)), "labels: expected as an argument of forward"),
+])
+def test_module_refuses_unknown_options_when_built(options, message):
+    """A misspelt option (or per-call data given as one) used to pass construction and fail at the first
+    forward, with Python's 'unexpected keyword argument' or 'multiple values for keyword argument'."""
+    with pytest.raises(TypeError) as info:
+        flashkd.FusedLinearDistillLoss(loss="jsd", **options)
+    assert message in str(info.value), str(info.value)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_module_matches_the_oracle(backend):
+    xs, ws, bs, y = student(lead=(3, 13), bias=True)
+    t = teacher("heads", lead=(3, 13))
+    rw = torch.rand(3, 13) + 0.5
+    module = flashkd.FusedLinearDistillLoss(loss="tvd", chunk_size=5, backend=backend, temperature=1.7)
+    loss = module(xs, ws, t["teacher_input"], t["teacher_weight"], y, student_bias=bs, row_weight=rw)
+    grads = torch.autograd.grad(loss, [xs, ws, bs])
+    leaves = [x.detach().double().requires_grad_() for x in (xs, ws, bs)]
+    ref = oracle("heads", leaves[0], leaves[1], y, t, student_bias=leaves[2], loss="tvd", temperature=1.7, row_weight=rw)
+    _check_close(loss, ref, 1e-5)
+    for g, r in zip(grads, torch.autograd.grad(ref, leaves)):
+        _check_close(g, r, 1e-4)

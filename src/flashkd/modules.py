@@ -7,9 +7,18 @@
 
 from __future__ import annotations
 
+import inspect
+
 import torch
 
 from .distill import _renamed, fused_linear_distill
+
+
+# forward's arguments, and the keyword options of fused_linear_distill the constructor takes
+_PER_CALL = ("student_input", "student_weight", "teacher_input", "teacher_weight", "labels", "student_bias",
+             "teacher_bias", "row_weight")
+_OPTIONS = frozenset(name for name, p in inspect.signature(fused_linear_distill).parameters.items()
+                     if p.kind is p.KEYWORD_ONLY and name not in _PER_CALL and name != "loss")
 
 
 class FusedLinearDistillLoss(torch.nn.Module):
@@ -17,6 +26,12 @@ class FusedLinearDistillLoss(torch.nn.Module):
 
     def __init__(self, loss: str = "jsd", **options):
         super().__init__()
+        for name in options:  # a misspelt option fails here, not at the first forward
+            if name in _PER_CALL:
+                raise TypeError(f"{name}: expected as an argument of forward (per-call data), not as an option")
+            if name not in _OPTIONS:
+                raise TypeError(f"{name}: expected a keyword option of flashkd.fused_linear_distill "
+                                f"({', '.join(sorted(_OPTIONS))}), got {name}={options[name]!r}")
         self.options = dict(loss=loss, **options)
 
     def forward(
