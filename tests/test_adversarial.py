@@ -198,3 +198,118 @@ def test_module_matches_the_oracle(backend):
     _check_close(loss, ref, 1e-5)
     for g, r in zip(grads, torch.autograd.grad(ref, leaves)):
         _check_close(g, r, 1e-4)
+
+
+# ------------------------------------------------------------------------------- layouts, requires_grad
+
+
+def _offset(x):
+    """x as a view at a storage offset of 3 elements, and its base (a leaf requiring grad if x does)."""
+    base = torch.zeros(x.numel() + 3, dtype=x.dtype)
+    base[3:] = x.detach().reshape(-1)
+    base.requires_grad_(x.requires_grad)
+    return base[3:].view(x.shape), base
+
+
+def _layout(layout, form, xs, ws, bs, y, t):
+    """(xs, ws, bs, y, t, leaves): the same values in another memory layout; leaves require grad."""
+    if layout == "stride-0":  # expanded: every row the same (stride 0 over the rows)
+        row = xs[:1].detach().requires_grad_()
+        xs, leaves = row.expand_as(xs), [row]
+        y = y[:1].expand_as(y) if y[0] != -100 else torch.zeros(1, dtype=y.dtype).expand_as(y)
+        t = {k: v[:1].expand_as(v) if k != "teacher_weight" else v for k, v in t.items()}
+        bias = bs[:1].detach().requires_grad_()
+        bs = bias.expand_as(bs)
+        return xs, ws, bs, y, t, leaves + [ws, bias]
+    if layout == "offset":  # views into larger storage
+        (xs, xb), (ws, wb), (bs, bb) = _offset(xs), _offset(ws), _offset(bs)
+        t = {k: _offset(v)[0] for k, v in t.items()}
+        return xs, ws, bs, y, t, [xb, wb, bb]
+    if layout == "transposed-3d":  # (B, T, ·) made from (T, B, ·): leading dims that do not flatten as a view
+        b = 3
+        lead = (b, N // b)
+        n = lead[0] * lead[1]
+        xt_ = xs[:n].detach().reshape(*lead, HS).transpose(0, 1).contiguous().requires_grad_()
+        t = {k: (v[:n].reshape(*lead, -1).transpose(0, 1).contiguous().transpose(0, 1) if k != "teacher_weight" else v)
+             for k, v in t.items()}
+        if form == "logits":  # teacher_logits are read in place: their leading dims must flatten as a view
+            t["teacher_logits"] = t["teacher_logits"].contiguous()
+        wt_ = ws.detach().t().contiguous().requires_grad_()
+        return xt_.transpose(0, 1), wt_.t(), bs, y[:n].reshape(lead).t().contiguous().t(), t, [xt_, wt_, bs]
+    raise AssertionError(layout)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("form", FORMS)
+@pytest.mark.parametrize("layout", ["stride-0", "offset", "transposed-3d"])
+def test_layouts_match_the_oracle(backend, form, layout):
+    """Expanded (stride-0) inputs, weights, biases, labels and teachers; views at a storage offset; 3-D
+    inputs whose leading dims do not flatten as a view: the oracle's loss and gradients, reaching the
+    tensors the caller made (the expand's row, the offset view's base)."""
+    xs, ws, bs, y = student(bias=True)
+    t = teacher(form)
+    xs, ws, bs, y, t, leaves = _layout(layout, form, xs, ws, bs, y, t)
+    loss = call(form, xs, ws, y, t, backend=backend, chunk_size=4, student_bias=bs)
+    grads = torch.autograd.grad(loss, leaves)
+    ref_leaves = [x.detach().double().requires_grad_() for x in leaves]
+    ref_xs, ref_ws, ref_bs, *_ = _layout_again(layout, ref_leaves, xs, ws, bs)
+    ref = oracle(form, ref_xs, ref_ws, y, {k: v.double() if v.is_floating_point() else v for k, v in t.items()},
+                 student_bias=ref_bs)
+    _check_close(loss, ref, 1e-5)
+    for g, r in zip(grads, torch.autograd.grad(ref, ref_leaves)):
+        _check_close(g, r, 1e-4)
+
+
+def _layout_again(layout, leaves, xs, ws, bs):
+    """The student's (xs, ws, bs) rebuilt from float64 copies of the leaves, in the same way."""
+    if layout == "stride-0":
+        return leaves[0].expand(xs.shape), leaves[1], leaves[2].expand(bs.shape)
+    if layout == "offset":
+        return tuple(leaf[3:].view(x.shape) for leaf, x in zip(leaves, (xs, ws, bs)))
+    return leaves[0].transpose(0, 1), leaves[1].t(), leaves[2]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("form", FORMS)
+@pytest.mark.parametrize("wanted", ["x", "w", "b", "xb", "wb", ""])
+def test_only_what_requires_grad_gets_one(backend, form, wanted):
+    """Every combination of the student's tensors requiring grad, with a teacher whose tensors require grad
+    too (a live model's parameters): exactly the wanted grads, the oracle's, and none for the teacher."""
+    xs, ws, bs, y = student(bias=True)
+    for name, x in (("x", xs), ("w", ws), ("b", bs)):
+        x.requires_grad_(name in wanted)
+    t = {k: v.requires_grad_() if v.is_floating_point() else v for k, v in teacher(form).items()}
+    loss = call(form, xs, ws, y, t, backend=backend, chunk_size=9, student_bias=bs)
+    want = [x for x in (xs, ws, bs) if x.requires_grad]
+    assert loss.requires_grad == bool(want)
+    ref_leaves = [x.detach().double().requires_grad_() for x in (xs, ws, bs)]
+    ref = oracle(form, ref_leaves[0], ref_leaves[1], y, {k: v.detach() for k, v in t.items()}, student_bias=ref_leaves[2])
+    _check_close(loss.detach(), ref.detach(), 1e-5)
+    if want:
+        loss.backward()
+        ref_grads = torch.autograd.grad(ref, ref_leaves)
+        for x, r in zip((xs, ws, bs), ref_grads):
+            if x.requires_grad:
+                _check_close(x.grad, r, 1e-4)
+            else:
+                assert x.grad is None
+    assert all(v.grad is None for v in t.values() if v.is_floating_point())
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("form", FORMS)
+@pytest.mark.parametrize("stride", ["column", "stride-0"])
+def test_labels_of_any_stride(backend, form, stride):
+    """Labels that are a column of a (N, 2) tensor or an expand (stride 2, 0): the top-k Triton kernel
+    read them as contiguous in its CE gradient (the loss right, dX 1.4e-2 off); every form now gives
+    the oracle's gradients."""
+    xs, ws, _, y = student()
+    t = teacher(form)
+    labels = torch.stack([torch.randint(0, V, (N,)), y], 1)[:, 1] if stride == "column" else y[1:2].expand(N)
+    loss = call(form, xs, ws, labels, t, backend=backend, chunk_size=8, weight_hard_loss=0.7)
+    grads = torch.autograd.grad(loss, [xs, ws])
+    leaves = [x.detach().double().requires_grad_() for x in (xs, ws)]
+    ref = oracle(form, *leaves, labels.contiguous(), t, weight_hard_loss=0.7)
+    _check_close(loss, ref, 1e-5)
+    for g, r in zip(grads, torch.autograd.grad(ref, leaves)):
+        _check_close(g, r, 1e-4)
