@@ -37,7 +37,8 @@ def teacher(form, dtype=torch.float32, lead=(N,)):
 
 def call(form, xs, ws, y, t, **options):
     if form == "heads":
-        return flashkd.fused_linear_distill(xs, ws, t["teacher_input"], t["teacher_weight"], y, **options)
+        return flashkd.fused_linear_distill(xs, ws, t["teacher_input"], t["teacher_weight"], y,
+                                            teacher_bias=t.get("teacher_bias"), **options)
     if form == "logits":
         return flashkd.fused_linear_distill_logits(xs, ws, t["teacher_logits"], y, **options)
     options.setdefault("weight_hard_loss", 0.5)
@@ -48,7 +49,8 @@ def oracle(form, xs, ws, y, t, **options):
     """The float64 loss of the naive formula, differentiable w.r.t. xs and ws."""
     xs, ws = xs.double(), ws.double()
     if form == "heads":
-        return distill_loss(xs, ws, t["teacher_input"], t["teacher_weight"], y, **options)[0]
+        return distill_loss(xs, ws, t["teacher_input"], t["teacher_weight"], y, teacher_bias=t.get("teacher_bias"),
+                            **options)[0]
     if form == "logits":
         return distill_loss(xs, ws, None, None, y, teacher_logits=t["teacher_logits"], **options)[0]
     options.setdefault("weight_hard_loss", 0.5)
@@ -313,3 +315,101 @@ def test_labels_of_any_stride(backend, form, stride):
     _check_close(loss, ref, 1e-5)
     for g, r in zip(grads, torch.autograd.grad(ref, leaves)):
         _check_close(g, r, 1e-4)
+
+
+# ---------------------------------------------------------------------------------------------- refusals
+
+
+def _bad(form):
+    """(change, error, words) cases of `form` not in the other test files' tables."""
+    cases = [
+        (dict(student_weight=torch.randint(0, 3, (V, HS))), TypeError, ["student_weight", "torch.float32", "torch.int64"]),
+        (dict(student_bias=torch.randn(1, V)), ValueError, ["student_bias", f"({V},)", f"(1, {V})"]),
+        (dict(student_bias=torch.randn(V, dtype=torch.float64)), TypeError, ["student_bias", "torch.float32", "torch.float64"]),
+        (dict(labels=torch.zeros(N, 1, dtype=torch.long)), ValueError, ["labels", f"({N},)", f"({N}, 1)"]),
+        (dict(labels=torch.zeros(1, N, dtype=torch.long)), ValueError, ["labels", f"({N},)", f"(1, {N})"]),
+        (dict(labels=torch.full((N,), V + 7)), ValueError, ["labels", f"[0, {V})", f"got {V + 7}"]),
+        (dict(labels=torch.full((N,), -100), ignore_index=-1), ValueError, ["labels", "ignore_index=-1", "got -100"]),
+        (dict(row_weight=torch.ones(N, dtype=torch.long)), TypeError, ["row_weight", "floating", "torch.int64"]),
+        (dict(row_weight=torch.ones(N, 1)), ValueError, ["row_weight", f"({N},)", f"({N}, 1)"]),
+        (dict(reduction="batchmean"), ValueError, ["reduction", "'batchmean'"]),
+        (dict(chunk_size=-3), ValueError, ["chunk_size", "-3"]),
+        (dict(chunk_size=2.0), ValueError, ["chunk_size", "2.0"]),
+        (dict(temperature=-0.5), ValueError, ["temperature", "-0.5"]),
+        (dict(weight_soft_loss=math.inf), TypeError, ["weight_soft_loss", "inf"]),
+        (dict(student_softcap=-1.0), ValueError, ["student_softcap", "-1.0"]),
+        (dict(student_logit_scale=0.0), ValueError, ["student_logit_scale", "0.0"]),
+    ]
+    if form == "heads":
+        cases += [
+            (dict(teacher_input=torch.randn(N, HT, dtype=torch.bfloat16)), TypeError,
+             ["teacher_input", "torch.float32", "torch.bfloat16"]),
+            (dict(teacher_weight=torch.randint(0, 3, (V, HT))), TypeError, ["teacher_weight", "torch.int64"]),
+            (dict(teacher_weight=torch.randn(V + 5, HT), teacher_bias=torch.randn(V)), ValueError,
+             ["teacher_bias", f"({V + 5},)", f"({V},)"]),
+            (dict(teacher_weight=torch.randn(V - 1, HT)), ValueError, ["teacher_weight", f"at least {V}", f"got {V - 1}"]),
+        ]
+    if form == "logits":
+        cases += [
+            (dict(teacher_logits=torch.randn(N, V, dtype=torch.float16)), TypeError,
+             ["teacher_logits", "torch.float32", "torch.float16"]),
+            (dict(teacher_logits=torch.randn(N, V - 1)), ValueError, ["teacher_logits", f"at least {V}", f"got {V - 1}"]),
+            (dict(teacher_logits=torch.randn(N + 1, V)), ValueError, ["teacher_logits", f"({N},)", f"({N + 1},)"]),
+        ]
+    if form == "topk":
+        cases += [
+            (dict(teacher_ids=torch.zeros(N, K, dtype=torch.int16)), TypeError, ["teacher_ids", "integer", "torch.int16"]),
+            (dict(tail="renormalise"), ValueError, ["tail", "'renormalise'"]),
+        ]
+    return cases
+
+
+@pytest.mark.parametrize("form", FORMS)
+def test_bad_input_names_the_argument(form):
+    for change, error, words in _bad(form):
+        xs, ws, _, y = student()
+        t = teacher(form)
+        args = dict(xs=xs, ws=ws, y=y)
+        for name, short in (("student_input", "xs"), ("student_weight", "ws"), ("labels", "y")):
+            if name in change:
+                args[short] = change.pop(name)
+        t.update({k: change.pop(k) for k in list(change) if k in t or k.startswith("teacher_")})
+        with pytest.raises(error) as info:
+            call(form, args["xs"], args["ws"], args["y"], t, **change)
+        for word in words:
+            assert word in str(info.value), (form, word, str(info.value))
+
+
+# ---------------------------------------------------------------------------------------------- contexts
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("form", FORMS)
+def test_no_grad_and_inference_mode_give_the_loss_without_a_graph(backend, form):
+    xs, ws, bs, y = student(bias=True)
+    t = teacher(form)
+    ref = oracle(form, xs.detach(), ws.detach(), y, t, student_bias=bs.detach().double())
+    for context in (torch.no_grad, torch.inference_mode):
+        with context():
+            loss = call(form, xs, ws, y, t, backend=backend, student_bias=bs)
+        assert not loss.requires_grad and loss.grad_fn is None
+        _check_close(loss, ref, 1e-5)
+    with torch.inference_mode():  # inference tensors, used in a call outside inference mode
+        frozen = {k: v.clone() for k, v in t.items()}
+    loss = call(form, xs, ws, y, frozen, backend=backend, student_bias=bs)
+    _check_close(loss.detach(), ref, 1e-5)
+    loss.backward()
+    assert xs.grad is not None and ws.grad is not None and bs.grad is not None
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_backward_twice_is_torchs_error_and_retain_graph_accumulates(backend):
+    xs, ws, _, y = student()
+    t = teacher("heads")
+    loss = call("heads", xs, ws, y, t, backend=backend)
+    loss.backward(retain_graph=True)
+    once = xs.grad.clone(), ws.grad.clone()
+    loss.backward()
+    assert torch.equal(xs.grad, 2 * once[0]) and torch.equal(ws.grad, 2 * once[1])
+    with pytest.raises(RuntimeError, match="backward through the graph a second time"):
+        loss.backward()
