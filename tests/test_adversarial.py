@@ -413,3 +413,21 @@ def test_backward_twice_is_torchs_error_and_retain_graph_accumulates(backend):
     assert torch.equal(xs.grad, 2 * once[0]) and torch.equal(ws.grad, 2 * once[1])
     with pytest.raises(RuntimeError, match="backward through the graph a second time"):
         loss.backward()
+
+
+# ----------------------------------------------------------------------------------- HF Trainer options
+
+
+def test_trainer_refuses_unknown_distill_options_when_built():
+    """A misspelt distill_options key used to pass the Trainer's construction and fail at the first
+    training step with Python's 'unexpected keyword argument'."""
+    transformers = pytest.importorskip("transformers")
+    import tiny_models
+    from flashkd.integrations.transformers import DistillationTrainer
+
+    args = transformers.TrainingArguments(output_dir="/tmp/flashkd-test-hf", use_cpu=True, report_to=[])
+    with pytest.raises(TypeError, match=r"distill_options: expected keyword options of flashkd.fused_linear_distill "
+                                        r"or fused_linear_distill_topk, got 'chunksize'"):
+        DistillationTrainer(model=tiny_models.llama(16, 0), args=args, distill_options={"chunksize": 8})
+    for options in ({"chunk_size": 8, "tail": "renormalize"}, {"teacher_precision": None, "backend": "torch"}):
+        assert DistillationTrainer(model=tiny_models.llama(16, 0), args=args, distill_options=options).distill_options == options
