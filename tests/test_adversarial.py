@@ -431,3 +431,16 @@ def test_trainer_refuses_unknown_distill_options_when_built():
         DistillationTrainer(model=tiny_models.llama(16, 0), args=args, distill_options={"chunksize": 8})
     for options in ({"chunk_size": 8, "tail": "renormalize"}, {"teacher_precision": None, "backend": "torch"}):
         assert DistillationTrainer(model=tiny_models.llama(16, 0), args=args, distill_options=options).distill_options == options
+
+
+def test_writer_names_the_example_with_non_finite_hidden_states(tmp_path):
+    """A NaN in one example's hidden states was reported as 'teacher_input: ... row 1', an argument
+    write_topk_targets does not have: it names the example, and the row in it."""
+    pytest.importorskip("safetensors")
+    w = torch.randn(V, HS)
+    bad = torch.randn(4, HS)
+    bad[1, 3] = math.nan
+    with pytest.raises(ValueError, match=r"^examples: hidden_states of 'b': expected hidden states with finite "
+                                         r"logits, got a NaN or infinite logit in row 1"):
+        flashkd.write_topk_targets(tmp_path / "t", [("a", torch.randn(3, HS)), ("b", bad)], w, K)
+    assert not (tmp_path / "t").exists()

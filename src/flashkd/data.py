@@ -131,6 +131,7 @@ from pathlib import Path
 
 import torch
 
+from .distill import _renamed
 from .teacher import teacher_topk
 
 FORMAT = "flashkd.topk"
@@ -302,10 +303,13 @@ def write_topk_targets(
                         f"examples: hidden_states of {key!r}: expected {teacher_weight.dtype} on {teacher_weight.device} "
                         f"(those of teacher_weight), got {x.dtype} on {x.device}"
                     )
-                ids, lp = teacher_topk(
-                    x, teacher_weight, k, temperature=temperature, teacher_bias=teacher_bias,
-                    vocab_size=vocab_size, chunk_size=chunk_size, backend=backend,
-                )
+                try:
+                    ids, lp = teacher_topk(
+                        x, teacher_weight, k, temperature=temperature, teacher_bias=teacher_bias,
+                        vocab_size=vocab_size, chunk_size=chunk_size, backend=backend,
+                    )
+                except ValueError as e:  # its teacher_input is this example's hidden states (a NaN row)
+                    raise _renamed(e, {"teacher_input": f"examples: hidden_states of {key!r}"}) from None
                 ids, lp = ids.to(torch.int32).cpu(), lp.to(logprob_dtype).cpu()
                 why = _rows_problem(ids, lp, index["vocab_size"])
                 if why:  # what the reader would refuse is never written
