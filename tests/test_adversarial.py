@@ -444,3 +444,19 @@ def test_writer_names_the_example_with_non_finite_hidden_states(tmp_path):
                                          r"logits, got a NaN or infinite logit in row 1"):
         flashkd.write_topk_targets(tmp_path / "t", [("a", torch.randn(3, HS)), ("b", bad)], w, K)
     assert not (tmp_path / "t").exists()
+
+
+@pytest.mark.parametrize("module,labels,message", [
+    (lambda: flashkd.FusedLinearJSD(2.0), None, "jsd_beta: expected a value in [0, 1], got 2.0"),
+    (lambda: flashkd.FusedLinearJSD(0.5), slice(0, 3), f"shift_labels: expected shape ({N},)"),
+    (lambda: flashkd.FusedLinearJSD(0.5, accum_dtype=torch.float16), None, "accum_dtype: expected torch.float32"),
+    (lambda: flashkd.FusedLinearJSD(0.5, temperature=0.0), None, "temperature: expected a value > 0"),
+])
+def test_liger_jsd_drop_in_names_its_own_arguments(module, labels, message):
+    """LigerFusedLinearJSD's drop-in reported flashkd's names (beta, labels, grad_accum_dtype) for the
+    arguments its callers pass as jsd_beta, shift_labels and accum_dtype."""
+    xs, ws, _, y = student()
+    t = teacher("heads")
+    with pytest.raises((TypeError, ValueError)) as info:
+        module()(xs, ws, t["teacher_input"], t["teacher_weight"], y if labels is None else y[labels])
+    assert str(info.value).startswith(message), str(info.value)

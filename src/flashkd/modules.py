@@ -163,11 +163,14 @@ class FusedLinearJSD(torch.nn.Module):
         self.jsd_beta, self.ignore_index, self.temperature, self.accum_dtype = jsd_beta, ignore_index, temperature, accum_dtype
 
     def forward(self, student_input, student_weight, teacher_input, teacher_weight, shift_labels=None):
-        return fused_linear_distill(
-            student_input, student_weight, teacher_input, teacher_weight, shift_labels, loss="jsd",
-            beta=self.jsd_beta, temperature=self.temperature, ignore_index=self.ignore_index,
-            weight_hard_loss=0.0, weight_soft_loss=1.0, grad_accum_dtype=self.accum_dtype,
-        )
+        try:
+            return fused_linear_distill(
+                student_input, student_weight, teacher_input, teacher_weight, shift_labels, loss="jsd",
+                beta=self.jsd_beta, temperature=self.temperature, ignore_index=self.ignore_index,
+                weight_hard_loss=0.0, weight_soft_loss=1.0, grad_accum_dtype=self.accum_dtype,
+            )
+        except (TypeError, ValueError) as e:  # errors name the argument as Liger's signature calls it
+            raise _renamed(e, {"beta": "jsd_beta", "labels": "shift_labels", "grad_accum_dtype": "accum_dtype"}) from None
 
     def extra_repr(self) -> str:
         return (f"jsd_beta={self.jsd_beta!r}, ignore_index={self.ignore_index!r}, temperature={self.temperature!r}, "
