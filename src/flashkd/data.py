@@ -131,6 +131,7 @@ from pathlib import Path
 
 import torch
 
+from .distill import _renamed
 from .teacher import teacher_topk
 
 FORMAT = "flashkd.topk"
@@ -302,10 +303,13 @@ def write_topk_targets(
                         f"examples: hidden_states of {key!r}: expected {teacher_weight.dtype} on {teacher_weight.device} "
                         f"(those of teacher_weight), got {x.dtype} on {x.device}"
                     )
-                ids, lp = teacher_topk(
-                    x, teacher_weight, k, temperature=temperature, teacher_bias=teacher_bias,
-                    vocab_size=vocab_size, chunk_size=chunk_size, backend=backend,
-                )
+                try:
+                    ids, lp = teacher_topk(
+                        x, teacher_weight, k, temperature=temperature, teacher_bias=teacher_bias,
+                        vocab_size=vocab_size, chunk_size=chunk_size, backend=backend,
+                    )
+                except ValueError as e:  # its teacher_input is this example's hidden states (a NaN row)
+                    raise _renamed(e, {"teacher_input": f"examples: hidden_states of {key!r}"}) from None
                 ids, lp = ids.to(torch.int32).cpu(), lp.to(logprob_dtype).cpu()
                 why = _rows_problem(ids, lp, index["vocab_size"])
                 if why:  # what the reader would refuse is never written
@@ -428,7 +432,8 @@ class TopKTargets(collections.abc.Mapping):
 class TopKCollator:
     """A DataLoader collate_fn: `collate_fn`'s batch plus the teacher's targets, padded like it.
 
-    targets: a `TopKTargets`, or any mapping key -> (ids (L, K), logprobs (L, K)).
+    targets: a `TopKTargets`, or any mapping key -> (ids (L, K), logprobs (L, K)): tensors, ids int32 or
+    int64, logprobs of a floating dtype (read in float32), as `fused_linear_distill_topk` takes them.
     collate_fn: the batch maker this wraps (e.g. an HF `DataCollatorForLanguageModeling`); it must
     return a dict-like batch with `input_ids` (B, T). Default: torch's default_collate, for features
     that are already tensors of one length.
@@ -481,7 +486,7 @@ class TopKCollator:
         for i, key in enumerate(keys):
             if key not in self.targets:
                 raise KeyError(f"{self.key_field}: no example {key!r} in targets (features[{i}])")
-            ids, lp = self.targets[key]
+            ids, lp = _target_pair(self.targets[key], key)
             if k is None:
                 k = ids.shape[-1]
                 teacher_ids = torch.full((b, t, k), -1, dtype=torch.int64)
@@ -508,6 +513,22 @@ class TopKCollator:
         if k is not None:
             batch["teacher_ids"], batch["teacher_logprobs"] = teacher_ids, teacher_lp
         return batch
+
+
+def _target_pair(pair, key):
+    """A mapping's (ids, logprobs), in the dtypes the top-k loss takes: another would be cast in silence
+    below (float ids truncated, so an unused slot's -1 + 0.7 would become id 0)."""
+    if not isinstance(pair, (tuple, list)) or len(pair) != 2 or not all(isinstance(x, torch.Tensor) for x in pair):
+        got = (f"a {type(pair).__name__} of ({', '.join(type(x).__name__ for x in pair)})"
+               if isinstance(pair, (tuple, list)) else type(pair).__name__)
+        raise TypeError(f"targets[{key!r}]: expected a pair (ids, logprobs) of torch.Tensors, got {got}")
+    ids, lp = pair
+    if ids.dtype not in (torch.int32, torch.int64):
+        raise TypeError(f"targets[{key!r}]: expected ids of dtype torch.int32 or torch.int64, got {ids.dtype}")
+    if lp.dtype not in (torch.float16, torch.bfloat16, torch.float32, torch.float64):
+        raise TypeError(f"targets[{key!r}]: expected logprobs of a floating dtype (float16, bfloat16, float32, "
+                        f"float64), got {lp.dtype}")
+    return ids, lp
 
 
 def _safetensors():

@@ -32,12 +32,14 @@ takes more than one chunk and the weight's gradient is wanted, all N rows in one
 heads, their logits in two blocks of ceil(N/2) rows) if its peak is no higher: its dW is then one
 GEMM, with no accumulation.
 Backward scales the saved grads by grad_output in place (no host sync, no copy); only when the graph
-is retained (retain_graph=True, create_graph, gradcheck) does it return new tensors, another
-N·Hs·E + V·Hs·E. Nothing of size N × V is ever allocated.
+is retained (retain_graph=True, gradcheck) does it return new tensors, another
+N·Hs·E + V·Hs·E. Nothing of size N × V is ever allocated. The gradients are first order: a backward
+with create_graph=True raises.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import os
@@ -118,7 +120,10 @@ def fused_linear_distill(
     logging. With `return_stats` a `flashkd.DistillStats` comes last: `(loss, stats)`, or
     `(loss, soft, hard, stats)` with both. Gradients flow to `student_input`, `student_weight` and
     `student_bias`; the teacher is a constant (no graph through it, whatever it requires). Rows whose
-    label is `ignore_index` contribute nothing, NaN or inf in them included.
+    label is `ignore_index` contribute nothing, NaN or inf in them included. The gradients are first
+    order only: a backward with create_graph=True (double backward) raises RuntimeError. torch.autocast
+    changes nothing: the GEMMs run in the inputs' dtype (cast them first for autocast's, as
+    `flashkd.integrations` do).
 
     - student_logit_scale, student_softcap (teacher_...: the teacher's): each head's own transform of
       its logits, z = c · tanh(σ · logits / c) (z = σ · logits with softcap None), before everything
@@ -393,12 +398,42 @@ def _run(spec, form, teacher, xs, ws, bs, y, args, vocab=None):
 
 @torch.compiler.disable  # one graph break: the chunk loop runs eagerly inside compiled code
 def _apply(xs, ws, bs, y, rw, plan, *teacher):
-    if torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in (xs, ws, bs)):
-        return _FusedDistill.apply(xs, ws, bs, y, rw, plan, *teacher)
-    # Evaluation: no autograd node, and no gradient work at all. The teacher is a constant: without
-    # no_grad a teacher that requires grad would get a graph through every chunk's logits (and a grad).
-    with torch.no_grad():
-        return _chunk_loop(xs, ws, bs, y, rw, teacher, plan, False, False, False)[0]
+    with _autocast_off(xs.device):
+        if torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in (xs, ws, bs)):
+            return _FusedDistill.apply(xs, ws, bs, y, rw, plan, *teacher)
+        # Evaluation: no autograd node, and no gradient work at all. The teacher is a constant: without
+        # no_grad a teacher that requires grad would get a graph through every chunk's logits (and a grad).
+        with torch.no_grad():
+            return _chunk_loop(xs, ws, bs, y, rw, teacher, plan, False, False, False)[0]
+
+
+def _autocast_off(device: torch.device):
+    """torch.autocast switched off on `device`: the GEMMs run in the inputs' dtype, which the checks
+    made one, and write into buffers of it (autocast would make their logits bf16 from fp32 inputs,
+    and fail on the fp32 dX written in place). To compute in autocast's dtype, pass tensors of it."""
+    if torch.amp.is_autocast_available(device.type):
+        return torch.autocast(device.type, enabled=False)
+    return contextlib.nullcontext()
+
+
+_NO_DOUBLE_BACKWARD = ("flashkd: a fused distillation loss computes its gradients in its forward pass, so they carry "
+                       "no graph: backward with create_graph=True (double backward, a gradient penalty, "
+                       "gradgradcheck) is not supported; take second-order terms from the unfused logits")
+
+
+def _first_order_only(backward):
+    """A backward that refuses create_graph=True. torch's once_differentiable marks the gradients as not
+    differentiable only when grad_output requires grad: with a plain seed they came back as constants,
+    and a term built on them (a gradient penalty) silently added nothing to the gradients. Giving them
+    a graph that raises when reached would need the inputs saved for backward (N·Hs·E more bytes)."""
+
+    @functools.wraps(backward)
+    def wrapper(ctx, *grad_outputs):
+        if torch.is_grad_enabled():  # autograd runs a backward with grad mode on only for create_graph=True
+            raise RuntimeError(_NO_DOUBLE_BACKWARD)
+        return backward(ctx, *grad_outputs)
+
+    return wrapper
 
 
 class _FusedDistill(torch.autograd.Function):
@@ -413,7 +448,7 @@ class _FusedDistill(torch.autograd.Function):
         return loss, *logged
 
     @staticmethod
-    @torch.autograd.function.once_differentiable
+    @_first_order_only
     def backward(ctx, grad_loss, *_grad_logged):
         # grad_loss is a 0-d device tensor: scaling by it needs no host sync, whatever its value. The
         # saved grads are ours alone and freed after this call unless the graph is kept for another

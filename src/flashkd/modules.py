@@ -7,9 +7,18 @@
 
 from __future__ import annotations
 
+import inspect
+
 import torch
 
 from .distill import _renamed, fused_linear_distill
+
+
+# forward's arguments, and the keyword options of fused_linear_distill the constructor takes
+_PER_CALL = ("student_input", "student_weight", "teacher_input", "teacher_weight", "labels", "student_bias",
+             "teacher_bias", "row_weight")
+_OPTIONS = frozenset(name for name, p in inspect.signature(fused_linear_distill).parameters.items()
+                     if p.kind is p.KEYWORD_ONLY and name not in _PER_CALL and name != "loss")
 
 
 class FusedLinearDistillLoss(torch.nn.Module):
@@ -17,6 +26,12 @@ class FusedLinearDistillLoss(torch.nn.Module):
 
     def __init__(self, loss: str = "jsd", **options):
         super().__init__()
+        for name in options:  # a misspelt option fails here, not at the first forward
+            if name in _PER_CALL:
+                raise TypeError(f"{name}: expected as an argument of forward (per-call data), not as an option")
+            if name not in _OPTIONS:
+                raise TypeError(f"{name}: expected a keyword option of flashkd.fused_linear_distill "
+                                f"({', '.join(sorted(_OPTIONS))}), got {name}={options[name]!r}")
         self.options = dict(loss=loss, **options)
 
     def forward(
@@ -148,11 +163,14 @@ class FusedLinearJSD(torch.nn.Module):
         self.jsd_beta, self.ignore_index, self.temperature, self.accum_dtype = jsd_beta, ignore_index, temperature, accum_dtype
 
     def forward(self, student_input, student_weight, teacher_input, teacher_weight, shift_labels=None):
-        return fused_linear_distill(
-            student_input, student_weight, teacher_input, teacher_weight, shift_labels, loss="jsd",
-            beta=self.jsd_beta, temperature=self.temperature, ignore_index=self.ignore_index,
-            weight_hard_loss=0.0, weight_soft_loss=1.0, grad_accum_dtype=self.accum_dtype,
-        )
+        try:
+            return fused_linear_distill(
+                student_input, student_weight, teacher_input, teacher_weight, shift_labels, loss="jsd",
+                beta=self.jsd_beta, temperature=self.temperature, ignore_index=self.ignore_index,
+                weight_hard_loss=0.0, weight_soft_loss=1.0, grad_accum_dtype=self.accum_dtype,
+            )
+        except (TypeError, ValueError) as e:  # errors name the argument as Liger's signature calls it
+            raise _renamed(e, {"beta": "jsd_beta", "labels": "shift_labels", "grad_accum_dtype": "accum_dtype"}) from None
 
     def extra_repr(self) -> str:
         return (f"jsd_beta={self.jsd_beta!r}, ignore_index={self.ignore_index!r}, temperature={self.temperature!r}, "

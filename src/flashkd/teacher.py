@@ -5,7 +5,8 @@ from __future__ import annotations
 import torch
 
 from . import fp8
-from .distill import _FLOATS, _LOGITS_BUDGET, _any_dtensor, _check_tensors, _distributed, _even_chunks, _pick_backend
+from .distill import (_FLOATS, _LOGITS_BUDGET, _any_dtensor, _autocast_off, _check_tensors, _distributed, _even_chunks,
+                      _pick_backend)
 from .losses import LossSpec, check_logit_transform, logit_transform
 
 
@@ -43,7 +44,8 @@ def teacher_topk(
 
     temperature: a finite float > 0 (LossSpec's rule). A row with a NaN or +inf logit (NaN or inf in
     the hidden states, weight or bias; −inf logits, a masked id, are fine) raises ValueError naming
-    the row of teacher_input: no NaN targets come back.
+    the row of teacher_input: no NaN targets come back. torch.autocast changes nothing: the logits come
+    from a GEMM in the inputs' dtype.
 
     On the Triton backend each chunk costs the GEMM, two reads of its logits and one host sync (rows
     whose top-k candidates overflowed, normally none, are redone with torch.topk; the same sync finds
@@ -116,10 +118,11 @@ def teacher_topk(
     logprobs = torch.empty(n, k, dtype=work, device=x.device)
     for start in range(0, n, chunk):
         c = slice(start, min(start + chunk, n))
-        if scaling is not None:
-            logits = fp8.linear(x[c], w, b).contiguous()  # the top-k kernel reads unit-stride rows (a padded vocab is a view)
-        else:
-            logits = x[c] @ w.t() if b is None else torch.addmm(b, x[c], w.t())
+        with _autocast_off(x.device):  # the GEMM in the inputs' dtype, as in the losses
+            if scaling is not None:
+                logits = fp8.linear(x[c], w, b).contiguous()  # the top-k kernel reads unit-stride rows (a padded vocab is a view)
+            else:
+                logits = x[c] @ w.t() if b is None else torch.addmm(b, x[c], w.t())
         if vocab is None:
             ids[c], logprobs[c], nonfinite = _topk(logits, k, temperature, backend, teacher_logit_scale, teacher_softcap)
         else:  # the merged top-k's log-probs are NaN or infinite where any rank's row had a NaN or inf logit

@@ -174,6 +174,8 @@ def topk_rows(s, t, labels, spec: LossSpec, scale: torch.Tensor, grad: bool, sta
     if R == 0:
         return (s.new_zeros(0, dtype=torch.float32),) * (4 if stats else 2)
     ids = ids.contiguous()
+    if labels is not None:
+        labels = labels.contiguous()  # the expand kernel reads them at row: R integers, a negligible copy
     tau = spec.temperature
     bucket = spec.tail == "bucket"
     ce = spec.want_hard and labels is not None

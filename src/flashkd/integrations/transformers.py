@@ -47,6 +47,7 @@ flashkd's remaining keywords (`chunk_size`, `backend`, `tail`, `temperature_squa
 from __future__ import annotations
 
 import contextlib
+import inspect
 
 import torch
 import transformers
@@ -58,6 +59,10 @@ IGNORE_INDEX = -100  # HF's label for "no loss here"
 # Keywords the trainer sets itself; they cannot come through distill_options.
 _OWN = {"ignore_index", "reduction", "student_bias", "teacher_bias", "return_soft_hard_loss", "return_stats",
         "student_logit_scale", "teacher_logit_scale", "student_softcap", "teacher_softcap", "row_weight"}
+
+# What distill_options may hold: the keyword options of either loss (a live teacher, or top-k targets).
+_KEYWORDS = frozenset(name for fn in (fused_linear_distill, fused_linear_distill_topk)
+                      for name, p in inspect.signature(fn).parameters.items() if p.kind is p.KEYWORD_ONLY)
 
 
 def head_transform(config) -> tuple[float, float | None]:
@@ -100,6 +105,10 @@ class DistillationLossMixin:
         own = sorted(_OWN.intersection(options))
         if own:
             raise ValueError(f"distill_options: {', '.join(own)} are set by the trainer itself, got them in {options!r}")
+        unknown = sorted(set(options) - _KEYWORDS)  # a misspelt option fails here, not at the first step
+        if unknown:
+            raise TypeError(f"distill_options: expected keyword options of flashkd.fused_linear_distill or "
+                            f"fused_linear_distill_topk, got {', '.join(map(repr, unknown))} in {options!r}")
         given = dict(loss=loss, beta=beta, temperature=temperature, weight_hard_loss=weight_hard_loss,
                      weight_soft_loss=weight_soft_loss)
         self.distill_options = {**options, **{k: v for k, v in given.items() if v is not None}}
