@@ -1,5 +1,6 @@
 """The command line: `flashkd bench ...` (main, the console script) and `python -m flashkd.bench ...`
-(bench_main). Both return the exit status: 1 when a provider failed the gate or raised, else 0.
+(bench_main). Both return the exit status: 1 when a provider failed the gate or raised, else 0. A bad
+option exits with status 2, as argparse's own usage errors do, and one line on stderr naming it.
 """
 
 from __future__ import annotations
@@ -50,6 +51,34 @@ DEFAULT_PROVIDERS = ("flashkd", "liger", "torch", "floor")
 TIMING = {"cuda": (500.0, 100.0, 10, 5), "cpu": (100.0, 20.0, 5, 1)}
 
 
+class UsageError(SystemExit):
+    """A bad option or --out: exit status 2 (argparse's), its one-line message printed on stderr by
+    main and bench_main; str() is the message."""
+
+    def __init__(self, message: str):
+        super().__init__(2)
+        self.message = message
+
+    def __str__(self) -> str:
+        return self.message
+
+
+# The options that set a Workload's (or its LossSpec's) fields, by the field names their errors start with.
+_OPTIONS = {
+    "loss": "--loss", "form": "--form", "k": "--k", "tail": "--tail", "beta": "--beta", "temperature": "--temperature",
+    "weight_hard": "--weight-hard", "weight_soft": "--weight-soft", "student_softcap": "--softcap",
+    "teacher_softcap": "--softcap", "teacher_precision": "--teacher-precision", "seed": "--seed",
+}
+
+
+def _run(args: argparse.Namespace) -> int:
+    try:
+        return args.run(args)
+    except UsageError as e:
+        print(e, file=sys.stderr)
+        raise
+
+
 @dataclasses.dataclass(frozen=True)
 class Plan:
     preset: str
@@ -73,12 +102,14 @@ def main(argv: list[str] | None = None) -> int:
 
     add_records_parser(commands)
     args = parser.parse_args(argv)
-    return args.run(args)
+    return _run(args)
 
 
 def bench_main(argv: list[str] | None = None) -> int:
     """`python -m flashkd.bench [bench] [options]`: the bench command alone."""
-    return bench(parse_bench(sys.argv[1:] if argv is None else argv))
+    args = parse_bench(sys.argv[1:] if argv is None else argv)
+    args.run = bench
+    return _run(args)
 
 
 def parse_bench(argv: list[str]) -> argparse.Namespace:
@@ -107,11 +138,11 @@ def add_bench_arguments(p: argparse.ArgumentParser) -> None:
                    help=f"of {', '.join(measure.MODES)} (default: all)")
     p.add_argument("--providers", nargs="+", choices=list(PROVIDERS), default=list(DEFAULT_PROVIDERS),
                    metavar="P", help=f"of {', '.join(PROVIDERS)} (default: {' '.join(DEFAULT_PROVIDERS)})")
-    p.add_argument("--beta", type=float, help="JSD β / cosine weight (default 0.5)")
-    p.add_argument("--weight-hard", type=float, help="weight of the CE term (default 0.5)")
-    p.add_argument("--weight-soft", type=float, help="weight of the distillation term (default 0.5)")
-    p.add_argument("--temperature", type=float, help="τ (default 1.0)")
-    p.add_argument("--softcap", type=float, metavar="C", help="both heads' logit softcap, c·tanh(z/c) (default: none)")
+    p.add_argument("--beta", type=_finite, help="JSD β / cosine weight (default 0.5)")
+    p.add_argument("--weight-hard", type=_finite, help="weight of the CE term (default 0.5)")
+    p.add_argument("--weight-soft", type=_finite, help="weight of the distillation term (default 0.5)")
+    p.add_argument("--temperature", type=_finite, help="τ (default 1.0)")
+    p.add_argument("--softcap", type=_finite, metavar="C", help="both heads' logit softcap, c·tanh(z/c) (default: none)")
     p.add_argument("--teacher-precision", choices=[name for name in fp8.PRECISIONS if name is not None],
                    help="flashkd's teacher GEMM in FP8 (forms heads, teacher_topk); other providers skip, the "
                         "floor stays bf16's (default: the inputs' dtype)")
@@ -131,9 +162,22 @@ def add_bench_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _positive(text: str) -> int:
-    value = int(text)
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
     if value < 1:
         raise argparse.ArgumentTypeError(f"expected a positive integer, got {text}")
+    return value
+
+
+def _finite(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"expected a finite number, got {text}")
     return value
 
 
@@ -151,7 +195,7 @@ def _ms(low: float | None, expected: str):
 
 
 def _device(name: str | None) -> torch.device:
-    """--device as a torch.device that this machine has; SystemExit with one line otherwise."""
+    """--device as a torch.device that this machine has; UsageError with one line otherwise."""
     if name is None:
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     try:
@@ -159,38 +203,48 @@ def _device(name: str | None) -> torch.device:
     except (RuntimeError, ValueError):
         device = None
     if device is None or device.type not in ("cpu", "cuda"):
-        raise SystemExit(f"flashkd bench: --device: expected cpu, cuda or cuda:N, got {name!r}")
+        raise UsageError(f"flashkd bench: --device: expected cpu, cuda or cuda:N, got {name!r}")
     if device.type == "cuda" and not torch.cuda.is_available():
         why = "this torch is built without CUDA" if torch.version.cuda is None else "no CUDA device is visible"
-        raise SystemExit(f"flashkd bench: --device {name}: CUDA is not available ({why}); use --device cpu")
+        raise UsageError(f"flashkd bench: --device {name}: CUDA is not available ({why}); use --device cpu")
     if device.type == "cuda" and device.index is not None and device.index >= torch.cuda.device_count():
-        raise SystemExit(f"flashkd bench: --device {name}: this machine has {torch.cuda.device_count()} CUDA "
+        raise UsageError(f"flashkd bench: --device {name}: this machine has {torch.cuda.device_count()} CUDA "
                          f"device(s), cuda:0 to cuda:{torch.cuda.device_count() - 1}")
     return device
 
 
 def _check_out(out: Path) -> None:
-    """--out must be a new or empty folder that can be made and written: SystemExit with one line otherwise.
+    """--out must be a new or empty folder that can be made and written: UsageError with one line otherwise.
 
     A non-empty folder is refused rather than added to: its records/ would mix the bundles of two
     runs, and its plots and CSVs would be partly overwritten.
     """
     if out.exists() and not out.is_dir():
-        raise SystemExit(f"flashkd bench: --out {out}: exists and is not a folder")
+        raise UsageError(f"flashkd bench: --out {out}: exists and is not a folder")
     if out.is_dir() and any(out.iterdir()):
-        raise SystemExit(f"flashkd bench: --out {out}: not empty (it holds an earlier run?); "
+        raise UsageError(f"flashkd bench: --out {out}: not empty (it holds an earlier run?); "
                          "name a new folder or remove this one")
     parent = out if out.is_dir() else next((p for p in out.absolute().parents if p.exists()), None)
     if parent is None or not parent.is_dir():
-        raise SystemExit(f"flashkd bench: --out {out}: {parent} is not a folder")
+        raise UsageError(f"flashkd bench: --out {out}: {parent} is not a folder")
     if not os.access(parent, os.W_OK | os.X_OK):
-        raise SystemExit(f"flashkd bench: --out {out}: {parent} is not writable")
+        raise UsageError(f"flashkd bench: --out {out}: {parent} is not writable")
 
 
 def plan(args: argparse.Namespace) -> Plan:
     """The run that args ask for, every option checked before anything is made: a bad option is a
-    SystemExit with a one-line message."""
+    UsageError (exit status 2) with a one-line message."""
     device = _device(args.device)
+    if args.teacher_precision is not None:
+        # flashkd's FP8 teacher needs FP8 tensor cores: said before anything runs, not as an error per workload
+        if device.type != "cuda":
+            raise UsageError(f"flashkd bench: --teacher-precision {args.teacher_precision}: needs a CUDA GPU with "
+                             f"FP8 tensor cores (sm_89 or newer), not --device {device}")
+        try:
+            fp8.scaling_of(args.teacher_precision, device)
+        except ValueError as e:
+            raise UsageError(f"flashkd bench: --teacher-precision {args.teacher_precision}: "
+                             f"{str(e).partition(': ')[2]}") from None
     preset = args.preset or default_preset(device)
     fields = {name: value for name, value in (
         ("h", args.h), ("v", args.v), ("dtype", args.dtype and _dtype_name(args.dtype)),
@@ -203,10 +257,10 @@ def plan(args: argparse.Namespace) -> Plan:
         for w in workloads:
             w.spec()
     except (TypeError, ValueError) as e:
-        raise SystemExit(f"flashkd bench: {e}") from None
+        raise UsageError(f"flashkd bench: {_named(str(e))}") from None
     for w in workloads:
         if w.h < 2:
-            raise SystemExit(f"flashkd bench: --h: expected at least 2 (the student's is H//2), got {w.h}")
+            raise UsageError(f"flashkd bench: --h: expected at least 2 (the student's is H//2), got {w.h}")
     rep, warmup, min_reps, rounds = TIMING["cuda" if device.type == "cuda" else "cpu"]
     settings = measure.Settings(
         device=device,
@@ -221,6 +275,12 @@ def plan(args: argparse.Namespace) -> Plan:
                 settings, out)
 
 
+def _named(message: str) -> str:
+    """A Workload's or LossSpec's error with its field named as the option that sets it."""
+    field, sep, rest = message.partition(": ")
+    return f"{_OPTIONS[field]}: {rest}" if sep and field in _OPTIONS else message
+
+
 def _dtype_name(name: str) -> str:
     return str(DTYPES[name]).removeprefix("torch.")
 
@@ -232,7 +292,7 @@ def bench(args: argparse.Namespace) -> int:
     try:
         p.out.mkdir(parents=True, exist_ok=True)
     except OSError as e:
-        raise SystemExit(f"flashkd bench: --out {p.out}: {e.strerror or e}") from None
+        raise UsageError(f"flashkd bench: --out {p.out}: {e.strerror or e}") from None
     env = report.environment(p.settings)
     console = _console()
     _say(console, f"flashkd bench: preset {p.preset}, {len(p.workloads)} workload(s) on {env['gpu_name']}, "

@@ -1,0 +1,76 @@
+"""The two command-line tools (`flashkd bench`, `flashkd records ...`) fed what a user may feed them: odd
+options, damaged or duplicated bundles, odd CSVs. Every refusal is one line naming the argument, with
+exit status 2 for a usage error, and nothing is silently skipped or served unchecked. CPU, tiny shapes."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import flashkd
+from flashkd.bench import cli
+
+FAST = ["--device", "cpu", "--h", "12", "--v", "37", "--rep", "1", "--warmup", "0", "--min-reps", "2"]
+
+
+def _usage_error(capsys, argv) -> str:
+    """`flashkd bench argv` is refused as a usage error: exit status 2 and one line on stderr (after
+    argparse's usage lines, for the errors argparse finds); that line."""
+    with pytest.raises(SystemExit) as e:
+        cli.main(["bench", *argv])
+    assert e.value.code == 2, e.value.code
+    err = capsys.readouterr().err.strip()
+    assert err and "Traceback" not in err, err
+    lines = err.splitlines()
+    assert len(lines) == 1 or lines[0].startswith("usage: "), err
+    return lines[-1]
+
+
+# -- flashkd bench: options ---------------------------------------------------------------------------
+
+@pytest.mark.parametrize("argv, message", [
+    (["-n", "1e3"], "argument -n/--n: expected a positive integer, got 1e3"),
+    (["-n", "0"], "argument -n/--n: expected a positive integer, got 0"),
+    (["--softcap", "nan"], "argument --softcap: expected a finite number, got nan"),
+    (["--beta", "inf"], "argument --beta: expected a finite number, got inf"),
+    (["--weight-hard", "nan"], "argument --weight-hard: expected a finite number, got nan"),
+    (["--softcap", "0"], "flashkd bench: --softcap: expected a finite float > 0"),
+    (["--softcap", "-1"], "flashkd bench: --softcap: expected a finite float > 0"),
+    (["--beta", "2"], "flashkd bench: --beta: expected a value in [0, 1], got 2.0"),
+    (["--temperature", "0"], "flashkd bench: --temperature: expected a value > 0, got 0.0"),
+    (["--k", "100"], "flashkd bench: --k: expected 1 <= k <= V = 37, got 100"),
+    (["--form", "topk", "--loss", "cosine"], "flashkd bench: --loss: expected one of"),
+    (["--h", "1"], "flashkd bench: --h: expected at least 2"),
+    (["--device", "nope"], "flashkd bench: --device: expected cpu, cuda or cuda:N, got 'nope'"),
+    (["--preset", "seed", "--teacher-precision", "fp8"],
+     "flashkd bench: --teacher-precision fp8: needs a CUDA GPU with FP8 tensor cores (sm_89 or newer), not --device cpu"),
+])
+def test_bench_usage_errors_exit_2_naming_the_option(tmp_path, capsys, argv, message):
+    err = _usage_error(capsys, [*FAST, *argv, "--out", str(tmp_path / "run")])
+    assert message in err, err
+    assert not (tmp_path / "run").exists()
+
+
+def test_bench_out_errors_exit_2(tmp_path, capsys):
+    afile = tmp_path / "afile"
+    afile.write_text("keep")
+    assert "exists and is not a folder" in _usage_error(capsys, [*FAST, "--out", str(afile)])
+    (tmp_path / "full").mkdir()
+    (tmp_path / "full" / "x").write_text("")
+    assert "not empty" in _usage_error(capsys, [*FAST, "--out", str(tmp_path / "full")])
+    with pytest.raises(SystemExit) as e:  # python -m flashkd.bench, the same
+        cli.bench_main([*FAST, "--out", str(afile)])
+    assert e.value.code == 2 and "exists and is not a folder" in capsys.readouterr().err
+
+
+def test_bench_usage_error_from_the_console_entry_point(tmp_path):
+    """The real entry point: exit status 2, one line, no traceback."""
+    src = str(Path(flashkd.__file__).resolve().parents[1])
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([src, os.environ.get("PYTHONPATH", "")])}
+    done = subprocess.run([sys.executable, "-m", "flashkd", "bench", *FAST, "--softcap", "0", "--out",
+                           str(tmp_path / "run")], capture_output=True, text=True, env=env)
+    assert done.returncode == 2 and done.stdout == "", (done.returncode, done.stdout)
+    assert done.stderr.strip() == "flashkd bench: --softcap: expected a finite float > 0 (or None for no cap), got 0.0"
