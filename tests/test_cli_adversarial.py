@@ -74,3 +74,33 @@ def test_bench_usage_error_from_the_console_entry_point(tmp_path):
                            str(tmp_path / "run")], capture_output=True, text=True, env=env)
     assert done.returncode == 2 and done.stdout == "", (done.returncode, done.stdout)
     assert done.stderr.strip() == "flashkd bench: --softcap: expected a finite float > 0 (or None for no cap), got 0.0"
+
+
+@pytest.mark.parametrize("seed", ["-1", str(2**53), "1.5"])
+def test_bench_refuses_a_seed_no_record_can_carry(tmp_path, capsys, seed):
+    """A negative seed ran, and wrote records that `records verify` refuses (the site then had 0 runs)."""
+    err = _usage_error(capsys, [*FAST, "--seed", seed, "--out", str(tmp_path / "run")])
+    assert f"argument --seed: expected an integer from 0 to 2^53 - 1 (what a record carries), got {seed}" in err
+
+
+TINY_RUN = [*FAST, "-n", "7", "--preset", "seed", "--loss", "jsd", "--modes", "full", "--providers", "flashkd", "torch"]
+
+
+def test_bench_checks_its_records_before_writing_them(tmp_path, capsys, monkeypatch):
+    """A record that would not verify is not written: said, and the exit status is 1."""
+    import flashkd.records as records
+
+    made = records.bundles_from_results
+
+    def damaged(*args, **kwargs):
+        bundles = made(*args, **kwargs)
+        bundles[0]["workload"]["manifest"]["spec"]["tensors"]["target"]["data"]["seed"] = -1
+        return bundles
+    monkeypatch.setattr(records, "bundles_from_results", damaged)
+    out = tmp_path / "run"
+    assert cli.main(["bench", *TINY_RUN, "--out", str(out)]) == 1
+    said = capsys.readouterr().out
+    assert "records: not written, distill_jsd_loss · flashkd · full · N=7 would not verify: workload (WorkloadCase) " \
+           "schema: spec/tensors/target/data/seed: -1 is less than the minimum of 0" in said
+    assert len(list((out / "records").glob("*.json"))) == 1  # torch's
+    assert "1 KernelIndex records" in said.strip().splitlines()[-1]

@@ -146,7 +146,7 @@ def add_bench_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--teacher-precision", choices=[name for name in fp8.PRECISIONS if name is not None],
                    help="flashkd's teacher GEMM in FP8 (forms heads, teacher_topk); other providers skip, the "
                         "floor stays bf16's (default: the inputs' dtype)")
-    p.add_argument("--seed", type=int, help="seed of the inputs (default 0)")
+    p.add_argument("--seed", type=_seed, help="seed of the inputs, 0 to 2^53 − 1 (default 0)")
     p.add_argument("--rep", type=_ms(0.0, "a finite number of ms above 0"), metavar="MS",
                    help="timed ms per measurement (default: 500 CUDA, 100 CPU)")
     p.add_argument("--warmup", type=_ms(None, "a finite number of ms, 0 or more"), metavar="MS",
@@ -168,6 +168,17 @@ def _positive(text: str) -> int:
         value = 0
     if value < 1:
         raise argparse.ArgumentTypeError(f"expected a positive integer, got {text}")
+    return value
+
+
+def _seed(text: str) -> int:
+    """A seed that a record carries: KernelIndex's schema holds seeds in [0, 2^53 − 1]."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if not 0 <= value <= 2**53 - 1:
+        raise argparse.ArgumentTypeError(f"expected an integer from 0 to 2^53 - 1 (what a record carries), got {text}")
     return value
 
 
@@ -318,18 +329,24 @@ def bench(args: argparse.Namespace) -> int:
     except ImportError:
         plots = []
         _say(console, "plots: skipped, matplotlib is not installed (pip install matplotlib)")
-    from ..records import bundles_from_results, write_bundles
+    from ..records import bundles_from_results, check_bundle, write_bundles
     from ..records.emit import harness_commit
 
     bundles = bundles_from_results(results, env, device=p.settings.device, commit=harness_commit(),
                                    logs=p.out / "results.csv")
-    records = write_bundles(bundles, p.out / "records")
+    # Checked as `records verify` checks them: a record that would not verify is said and not written.
+    refused = [(b, problems) for b in bundles if (problems := check_bundle(b))]
+    for b, problems in refused:
+        title = b.get("run", {}).get("manifest", {}).get("metadata", {}).get("title", "?")
+        _say(console, f"records: not written, {title} would not verify: {problems[0]}"
+                      + (f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""))
+    records = write_bundles([b for b in bundles if not any(b is r for r, _ in refused)], p.out / "records")
     from ..records.site import build as build_site
 
     site = build_site([p.out / "records"], p.out / "site")
     _say(console, _wrote(p.out, plots, records, site))
     bad = [r for r in results if r.check.status in ("FAILED", "error")]
-    return 1 if bad else 0
+    return 1 if bad or refused else 0
 
 
 def _wrote(out: Path, plots: list[Path], records: list[Path], site) -> str:
