@@ -104,3 +104,17 @@ def test_bench_checks_its_records_before_writing_them(tmp_path, capsys, monkeypa
            "schema: spec/tensors/target/data/seed: -1 is less than the minimum of 0" in said
     assert len(list((out / "records").glob("*.json"))) == 1  # torch's
     assert "1 KernelIndex records" in said.strip().splitlines()[-1]
+
+
+def test_bench_huge_n(tmp_path, capsys):
+    """An N past int64 was a traceback from torch.rand; one no machine can hold also was, and no workload
+    after it ran. Past 2^53 - 1 it is a usage error; below, the workload's providers are errors, said,
+    and the other workloads still run."""
+    err = _usage_error(capsys, [*FAST, "-n", str(2**64), "--out", str(tmp_path / "a")])
+    assert f"argument -n/--n: expected at most 2^53 - 1 (what a record carries), got {2**64}" in err
+    out = tmp_path / "b"
+    assert cli.main(["bench", *TINY_RUN[:-1], "-n", "7", str(2**50), "--out", str(out)]) == 1
+    said = capsys.readouterr().out
+    assert "inputs or fp32 reference not made: RuntimeError:" in said and "not written" not in said
+    rows = [line.split(",") for line in (out / "errors.csv").read_text().splitlines()[1:]]
+    assert [(r[1], r[3], r[7]) for r in rows] == [("flashkd", "7", "passed"), ("flashkd", str(2**50), "error")]

@@ -162,12 +162,15 @@ def add_bench_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _positive(text: str) -> int:
+    """A positive integer that a record carries exactly (sizes are record axes): at most 2^53 − 1."""
     try:
         value = int(text)
     except ValueError:
         value = 0
     if value < 1:
         raise argparse.ArgumentTypeError(f"expected a positive integer, got {text}")
+    if value > 2**53 - 1:
+        raise argparse.ArgumentTypeError(f"expected at most 2^53 - 1 (what a record carries), got {text}")
     return value
 
 

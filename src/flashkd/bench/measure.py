@@ -85,8 +85,17 @@ def run(
     results = []
     warm: set[str] = set()  # providers warmed up: see _warm_up
     for w in workloads:
-        x = make_inputs(w, settings.device)
-        ref = reference(w, x) if any(PROVIDERS[p].has_loss for p in providers) else None
+        try:
+            x = make_inputs(w, settings.device)
+            ref = reference(w, x) if any(PROVIDERS[p].has_loss for p in providers) else None
+        except Exception as e:  # a workload too large for this machine: a result of its own, the others still run
+            x = ref = None
+            _free(settings.device)
+            check = Check(_failure(e), note=f"inputs or fp32 reference not made: {_one_line(e)}")
+            for name in providers:
+                results.append(Result(w, name, PROVIDERS[name].version(), check))
+                advance(f"{w.tag} N={w.n} {name} {check.status}", 1 + len(modes))
+            continue
         _free(settings.device)
         timed = applicable(w, modes)
         gated = {}  # name -> (version, check, fn or None when it is not timed)
