@@ -118,3 +118,18 @@ def test_bench_huge_n(tmp_path, capsys):
     assert "inputs or fp32 reference not made: RuntimeError:" in said and "not written" not in said
     rows = [line.split(",") for line in (out / "errors.csv").read_text().splitlines()[1:]]
     assert [(r[1], r[3], r[7]) for r in rows] == [("flashkd", "7", "passed"), ("flashkd", str(2**50), "error")]
+
+
+def test_gate_passes_exact_zeros():
+    """--v 1: one id, so every divergence, CE and gradient is exactly 0. Equal to the reference, yet 0/0
+    made the gate's relative error NaN and every correct provider FAILED (exit status 1)."""
+    import torch
+
+    from flashkd.bench import measure
+    from flashkd.bench.workloads import Workload
+
+    fast = measure.Settings(torch.device("cpu"), rep_ms=1.0, warmup_ms=0.0, min_reps=1)
+    results = measure.run([Workload("jsd", 7, h=12, v=1, dtype="float32")], ["flashkd", "torch"], ["full"], fast)
+    assert {r.provider: (r.check.status, r.check.loss_err, r.check.dx_err) for r in results} == {
+        "flashkd": ("passed", 0.0, 0.0), "torch": ("passed", 0.0, 0.0)}
+    assert measure._rel(torch.ones(3), torch.zeros(3)) == float("inf")  # a non-zero answer to a zero truth fails

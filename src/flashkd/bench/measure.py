@@ -426,7 +426,8 @@ def _rel(a: torch.Tensor | None, b: torch.Tensor) -> float:
     if a is None:  # the provider gave no gradient: as wrong as it gets
         return math.inf
     b = b.double()
-    return ((a.double() - b).norm() / b.norm()).item()
+    diff = (a.double() - b).norm()
+    return 0.0 if diff.item() == 0.0 else (diff / b.norm()).item()  # equal is no error, also where both are 0
 
 
 def _time_cuda(step, grads, settings: Settings):
