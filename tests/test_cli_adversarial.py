@@ -133,3 +133,44 @@ def test_gate_passes_exact_zeros():
     assert {r.provider: (r.check.status, r.check.loss_err, r.check.dx_err) for r in results} == {
         "flashkd": ("passed", 0.0, 0.0), "torch": ("passed", 0.0, 0.0)}
     assert measure._rel(torch.ones(3), torch.zeros(3)) == float("inf")  # a non-zero answer to a zero truth fails
+
+
+# -- the records the bench writes ---------------------------------------------------------------------
+
+def _bundles(workloads, providers=("flashkd", "torch")):
+    import torch
+
+    from flashkd.bench import measure, report
+    from flashkd.records import bundles_from_results
+
+    fast = measure.Settings(torch.device("cpu"), rep_ms=1.0, warmup_ms=0.0, min_reps=1)
+    results = measure.run(workloads, list(providers), ["no-grad-forward"], fast)  # the mode every form has
+    return results, bundles_from_results(results, report.environment(fast))
+
+
+def _key(b):
+    from flashkd.records import comparison_key
+
+    return comparison_key(*(b[name]["manifest"] for name in ("run", "workload", "protocol", "environment")))
+
+
+@pytest.mark.parametrize("form", ["heads", "logits", "topk", "teacher_topk"])
+def test_a_softcapped_case_is_not_the_uncapped_one(form):
+    """--softcap was in no manifest: a capped run and an uncapped one of the same shape had one workload
+    digest and fell into one comparison group, ranked against each other."""
+    import dataclasses
+
+    from flashkd.bench.workloads import Workload
+    from flashkd.records import check_bundle
+
+    base = Workload("forward_kl", 7, h=12, v=37, dtype="float32", weight_hard=0.0, weight_soft=1.0, form=form,
+                    k=5).canonical()
+    _, plain = _bundles([base])
+    _, capped = _bundles([dataclasses.replace(base, softcap=0.05)])
+    assert all(check_bundle(b) == [] for b in plain + capped)
+    assert {b["workload"]["digest"] for b in plain}.isdisjoint(b["workload"]["digest"] for b in capped)
+    assert {_key(b) for b in plain}.isdisjoint(_key(b) for b in capped)
+    workload = capped[0]["workload"]["manifest"]
+    assert workload["spec"]["scalars"]["softcap"] == {"dtype": "fp32", "value": 0.05}
+    assert "c = 0.05" in workload["metadata"]["description"] and "softcap0-05" in workload["metadata"]["name"]
+    assert "softcap" not in plain[0]["workload"]["manifest"]["spec"]["scalars"]  # earlier cases keep their digests

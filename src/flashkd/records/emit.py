@@ -182,6 +182,14 @@ def workload(w, operation_digest: str) -> dict:
         correctness = {"comparator": TOPK_COMPARATOR, "maxRelativeError": loss_tol, "nanPolicy": "reject"}
         made = " (the student's tensors and target are drawn and unused, so the teacher is every form's)."
         name += f"-k{w.k}"
+    # Part of the case (a run without it is another case): absent when unset, so the digests of the
+    # cases without it are what they always were.
+    if w.softcap is not None:
+        scalars["softcap"] = {"dtype": "fp32", "value": w.softcap}
+        made += (f" {'The teacher' if w.form == 'teacher_topk' else 'Both heads'}' logits softcapped, c·tanh(z/c) with "
+                 f"c = {w.softcap:g}"
+                 + (" (the teacher's in its top-k targets)." if w.form == "topk" else "."))
+        name += f"-softcap{w.softcap:g}"
     return _manifest("WorkloadCase", {
         "name": liger.kebab(f"{name}-{dtype}-seed{w.seed}"),
         "title": f"{w.kernel_name} · tokens={w.n}, hidden={w.h}, vocab={w.v}"
