@@ -174,3 +174,36 @@ def test_a_softcapped_case_is_not_the_uncapped_one(form):
     assert workload["spec"]["scalars"]["softcap"] == {"dtype": "fp32", "value": 0.05}
     assert "c = 0.05" in workload["metadata"]["description"] and "softcap0-05" in workload["metadata"]["name"]
     assert "softcap" not in plain[0]["workload"]["manifest"]["spec"]["scalars"]  # earlier cases keep their digests
+
+
+def test_an_fp8_teacher_run_states_the_gate_it_passed():
+    """flashkd's FP8 teacher is gated at FP8's tolerance (5e-2); its records stated the dtype's (fp32:
+    1e-4), so a run that passed within 5e-2 claimed a policy it had not met; and its implementation was
+    the one of the teacher in its own dtype. A GPU run: its result is made here by hand."""
+    import torch
+
+    from flashkd.bench import measure, report
+    from flashkd.bench.workloads import Workload
+    from flashkd.records import bundles_from_results, check_bundle
+
+    env = report.environment(measure.Settings(torch.device("cpu")))
+    made = {}
+    for dtype in ("float32", "bfloat16"):
+        for precision, err in ((None, 3e-5), ("fp8", 3e-2)):
+            w = Workload("jsd", 7, h=12, v=37, dtype=dtype, teacher_precision=precision)
+            check = measure.Check("passed", err, err, err, measure._tolerance(w, w.torch_dtype))
+            result = measure.Result(w, "flashkd", "0", check, "full", (1.0, 0.9, 1.1), None, None, "2026-01-01 00:00:00")
+            made[dtype, precision] = bundles_from_results([result], env)[0]
+            assert check_bundle(made[dtype, precision]) == []
+    fp8, fp32 = made["float32", "fp8"], made["float32", None]
+    assert fp8["workload"]["manifest"]["spec"]["correctness"]["maxRelativeError"] == 5e-2
+    assert fp32["workload"]["manifest"]["spec"]["correctness"]["maxRelativeError"] == 1e-4
+    assert "loss at most 0.05, of dX and dW at most 0.05 (flashkd's fp8 teacher GEMM's tolerance)" in \
+        fp8["workload"]["manifest"]["metadata"]["description"]
+    assert _key(fp8) != _key(fp32)  # held to another policy: another comparison group
+    for dtype in ("float32", "bfloat16"):
+        assert made[dtype, "fp8"]["implementation"]["digest"] != made[dtype, None]["implementation"]["digest"]
+        assert made[dtype, "fp8"]["implementation"]["manifest"]["spec"]["callable"]["symbol"] == \
+            "fused_linear_distill(teacher_precision='fp8')"
+    # bf16's pair (1e-2, 5e-2) states 5e-2 as FP8's does: one group, ranked beside the bf16 teacher
+    assert _key(made["bfloat16", "fp8"]) == _key(made["bfloat16", None])
