@@ -207,3 +207,52 @@ def test_an_fp8_teacher_run_states_the_gate_it_passed():
             "fused_linear_distill(teacher_precision='fp8')"
     # bf16's pair (1e-2, 5e-2) states 5e-2 as FP8's does: one group, ranked beside the bf16 teacher
     assert _key(made["bfloat16", "fp8"]) == _key(made["bfloat16", None])
+
+
+# -- flashkd records: damaged, duplicated and odd inputs ----------------------------------------------
+
+@pytest.fixture(scope="module")
+def run_records(tmp_path_factory):
+    """A tiny bench run's records folder (jsd, flashkd and torch, full: two bundles)."""
+    out = tmp_path_factory.mktemp("bench") / "run"
+    assert cli.main(["bench", *TINY_RUN, "--out", str(out)]) == 0
+    files = sorted((out / "records").glob("*.json"))
+    assert len(files) == 2
+    return files
+
+
+def _records(capsys, *argv):
+    """(exit status, stdout, stderr) of `flashkd records argv`; never a traceback."""
+    try:
+        code = cli.main(["records", *map(str, argv)])
+    except SystemExit as e:
+        code = e.code
+    out, err = capsys.readouterr()
+    assert "Traceback" not in out + err
+    return code, out, err
+
+
+def _copy(tmp_path, src, name="x.json", text=None):
+    folder = tmp_path / "in"
+    folder.mkdir(exist_ok=True)
+    path = folder / name
+    path.write_text(src.read_text("utf-8") if text is None else text, encoding="utf-8")
+    return path
+
+
+@pytest.mark.parametrize("damage, problem", [
+    # the key's last value is the true one, so the digests hold: only the repeat tells
+    (lambda t: t.replace('"median": ', '"median": 1, "median": ', 1), "key 'median' repeated within one object"),
+    (lambda t: t.replace('"title": "', '"title": "\\ud800', 1), "a string that is not Unicode text (a lone surrogate)"),
+    (lambda t: t.replace('"kind": "', '"kind\\udfff": 1, "kind": "', 1), "a string that is not Unicode text (a lone surrogate): 'kind\\udfff'"),
+])
+def test_verify_refuses_what_two_readers_read_apart(tmp_path, capsys, run_records, damage, problem):
+    """A repeated key (parsers keep either value) or an escaped lone surrogate (no UTF-8 page or
+    canonical form carries it) passed verify; a surrogate then ended `records site` half-written."""
+    path = _copy(tmp_path, run_records[0], text=damage(run_records[0].read_text("utf-8")))
+    code, out, _ = _records(capsys, "verify", path)
+    assert code == 1 and f"{path}: cannot read: {problem}" in out, out
+    code, _, err = _records(capsys, "compare", path)
+    assert code == 2 and problem in err, err
+    code, _, err = _records(capsys, "site", path, "--out", tmp_path / "site")
+    assert code == 1 and problem in err and (tmp_path / "site" / "index.html").is_file(), err

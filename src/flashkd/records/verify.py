@@ -138,10 +138,15 @@ MAX_DEPTH = 64
 
 def load(path: Path):
     """A bundle file's JSON; ValueError where it is not strict JSON (NaN, Infinity, a number past
-    float range) or nests deeper than MAX_DEPTH; OSError where it cannot be read."""
-    text = Path(path).read_text("utf-8")
+    float range), repeats a key within an object, holds a string that is not Unicode text (an escaped
+    lone surrogate) or nests deeper than MAX_DEPTH; OSError where it cannot be read."""
+    return loads(Path(path).read_text("utf-8"))
+
+
+def loads(text: str):
+    """load() of a bundle's text."""
     try:
-        value = json.loads(text, parse_constant=_reject, parse_float=_float)
+        value = json.loads(text, parse_constant=_reject, parse_float=_float, object_pairs_hook=_object)
     except RecursionError:
         raise ValueError(f"nested deeper than {MAX_DEPTH} levels") from None
     if _depth(value) > MAX_DEPTH:
@@ -149,11 +154,36 @@ def load(path: Path):
     return value
 
 
+def _object(pairs) -> dict:
+    """A JSON object with each key once: parsers differ on which of two values they keep (Python's and
+    JavaScript's the last, others the first), so a repeated key is two readings of one file."""
+    out = {}
+    for key, value in pairs:
+        if key in out:
+            raise ValueError(f"key {key[:40]!r} repeated within one object")
+        out[key] = value
+    return out
+
+
+def _text(s: str) -> None:
+    """A string that UTF-8 can write: JSON's \\ud800 escapes can spell a lone surrogate, which no page
+    or canonical form can carry."""
+    try:
+        s.encode("utf-8")
+    except UnicodeEncodeError:
+        raise ValueError(f"a string that is not Unicode text (a lone surrogate): {s[:40]!r}") from None
+
+
 def _depth(value) -> int:
-    """Nesting depth of a JSON value, without recursion."""
+    """Nesting depth of a JSON value, without recursion; each string on the way checked by _text."""
     deepest, stack = 0, [(value, 1)]
     while stack:
         node, depth = stack.pop()
+        if isinstance(node, str):
+            _text(node)
+        elif isinstance(node, dict):
+            for key in node:
+                _text(key)
         if isinstance(node, (dict, list)):
             deepest = max(deepest, depth)
             if depth <= MAX_DEPTH:  # past it the answer is known
