@@ -256,3 +256,31 @@ def test_verify_refuses_what_two_readers_read_apart(tmp_path, capsys, run_record
     assert code == 2 and problem in err, err
     code, _, err = _records(capsys, "site", path, "--out", tmp_path / "site")
     assert code == 1 and problem in err and (tmp_path / "site" / "index.html").is_file(), err
+
+
+def test_one_run_in_two_files(tmp_path, capsys, run_records):
+    """Two files of one run: compare and site showed one of them and said nothing; where the two differ
+    (in metadata, which no digest covers) either description could be the one shown."""
+    a = _copy(tmp_path, run_records[0], "a.json")
+    b = _copy(tmp_path, run_records[0], "b.json")
+    other = _copy(tmp_path, run_records[1], "c.json")
+    code, out, _ = _records(capsys, "verify", tmp_path / "in")
+    assert code == 0 and f"{b}: the same bundle as {a} (one run, counted once)" in out
+    assert out.strip().endswith("3 bundle(s) checked, 0 problem(s)")
+    code, out, err = _records(capsys, "compare", tmp_path / "in")
+    assert code == 0 and f"{b}: the same bundle as {a} (one run, counted once): shown once" in err
+    assert out.count("  distill_jsd_loss · ") == 2 and "a.json" in out and "b.json" not in out  # flashkd, torch
+    code, out, err = _records(capsys, "site", tmp_path / "in", "--out", tmp_path / "site")
+    assert code == 0 and "shown once" not in err and f"{b}: the same bundle as {a}" in err and "rendered once" in err
+    assert "2 run(s)" in out
+
+    bundle = json.loads(b.read_text("utf-8"))
+    bundle["run"]["manifest"]["metadata"]["title"] = "another title"
+    b.write_text(json.dumps(bundle), encoding="utf-8")
+    said = f"{b}: the run of {a} (the same run digest), but the two files differ outside the digests (metadata)"
+    code, out, _ = _records(capsys, "verify", a, b, other)
+    assert code == 1 and said in out and out.strip().endswith("3 bundle(s) checked, 1 problem(s)")
+    code, _, err = _records(capsys, "compare", a, b, other)
+    assert code == 1 and said in err
+    code, _, err = _records(capsys, "site", a, b, other, "--out", tmp_path / "site")
+    assert code == 1 and said in err and "1 file(s) rejected" in err

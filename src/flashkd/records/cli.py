@@ -10,7 +10,7 @@ from pathlib import Path
 
 from . import liger
 from .identity import comparison_key, primary
-from .verify import bundle_paths, check_bundle, load, verify_paths
+from .verify import bundle_paths, check_bundle, load, same_run_text, same_runs, verify_paths
 
 USAGE = """\
 KernelIndex (kernelindex.dev/v1alpha1) benchmark records. A bundle is one JSON file with the keys
@@ -123,8 +123,9 @@ def _spans(lines: list[int]) -> str:
 
 
 def verify(args: argparse.Namespace) -> int:
-    count, problems = verify_paths(args.paths)
-    for line in problems:
+    notes: list[str] = []
+    count, problems = verify_paths(args.paths, notes)
+    for line in problems + notes:
         print(line)
     if count == 0:
         print("flashkd records verify: no bundle files found", file=sys.stderr)
@@ -170,6 +171,12 @@ def compare(args: argparse.Namespace) -> int:
             print(f"flashkd records compare: {path}: {problems[0]} (run `flashkd records verify`)", file=sys.stderr)
             return 1
         bundles.append((path, bundle))
+    for path, earlier, identical in same_runs(bundles):
+        if not identical:
+            print(f"flashkd records compare: {path}: {same_run_text(earlier, identical)} (run `flashkd records verify`)",
+                  file=sys.stderr)
+            return 1
+        print(f"flashkd records compare: {path}: {same_run_text(earlier, identical)}: shown once", file=sys.stderr)
     if not bundles:
         print("flashkd records compare: no bundle files found", file=sys.stderr)
         return 2

@@ -32,7 +32,7 @@ from pathlib import Path
 
 from .cli import groups, ranked
 from .identity import canonical_identity, canonical_json, primary
-from .verify import OBJECTS, bundle_paths, check_bundle, load
+from .verify import OBJECTS, bundle_paths, check_bundle, load, same_run_text, same_runs
 
 MARKER = ".flashkd-site"  # marks a folder this module wrote, so a rebuild may replace it
 STATIC = ("style.css",)
@@ -176,6 +176,7 @@ class Site:
     rejected: list[Rejected]
     files: int
     pages: int = 0
+    duplicates: list[str] = dataclasses.field(default_factory=list)  # files given again, each a line
 
 
 def _title(manifest: dict) -> str:
@@ -205,6 +206,13 @@ def read(paths, compare_pairs=()) -> Site:
             rejected.append(Rejected(path, problems))
         else:
             good.append((path, bundle))
+    duplicates = []  # a run given twice is rendered once; two files that differ on it, not the second
+    for path, earlier, identical in same_runs(good):
+        good = [(p, b) for p, b in good if p is not path]
+        if identical:
+            duplicates.append(f"{path}: {same_run_text(earlier, identical)}")
+        else:
+            rejected.append(Rejected(path, [same_run_text(earlier, identical)]))
     runs, all_groups = [], []
     for key, members in groups(good).items():
         group = Group(_hex(key), key, [])
@@ -228,7 +236,7 @@ def read(paths, compare_pairs=()) -> Site:
             raise ValueError(f"--compare {spelled[0]} {spelled[1]}: the same run twice")
         if (a, b) not in pairs and (b, a) not in pairs:
             pairs.append((a, b))
-    return Site(runs, all_groups, _sweeps(all_groups), pairs, rejected, len(files))
+    return Site(runs, all_groups, _sweeps(all_groups), pairs, rejected, len(files), duplicates=duplicates)
 
 
 def _find(runs: list[Run], spelled: str) -> Run:
@@ -572,6 +580,8 @@ def main(args) -> int:
     for x in site.rejected:
         for problem in x.problems:
             print(f"{x.path}: {problem}", file=sys.stderr)
+    for line in site.duplicates:
+        print(f"{line}: rendered once", file=sys.stderr)
     print(f"{len(site.runs)} run(s) in {len(site.groups)} comparison group(s), {site.pages} pages: "
           f"{Path(args.out) / 'index.html'}")
     if site.rejected:

@@ -202,16 +202,45 @@ def _float(text: str) -> float:
     return value
 
 
-def verify_paths(paths) -> tuple[int, list[str]]:
-    """(bundles checked, problem lines prefixed by their file)."""
+def same_runs(bundles) -> list[tuple[Path, Path, bool]]:
+    """(path, earlier path, identical) for each sound (path, bundle) whose run digest an earlier one
+    has. Identical files are one record given twice; files that differ (in metadata, which no digest
+    covers) are two readings of one run, of which compare and site could show only one."""
+    first, out = {}, []
+    for path, bundle in bundles:
+        # what a file says of each object: its manifest (a stated "canonical" was checked to be its form)
+        said = {name: entry["manifest"] for name, entry in bundle.items()}
+        earlier = first.setdefault(bundle["run"]["digest"], (path, said))
+        if earlier[0] is not path:
+            out.append((path, earlier[0], said == earlier[1]))
+    return out
+
+
+def same_run_text(earlier: Path, identical: bool) -> str:
+    """What same_runs found of a file, to follow its path."""
+    if identical:
+        return f"the same bundle as {earlier} (one run, counted once)"
+    return (f"the run of {earlier} (the same run digest), but the two files differ outside the digests "
+            "(metadata): one run, two descriptions of it")
+
+
+def verify_paths(paths, notes: list[str] | None = None) -> tuple[int, list[str]]:
+    """(bundles checked, problem lines prefixed by their file). A sound file holding the run of an
+    earlier one is a problem where the two differ, else a line in `notes`."""
     files = bundle_paths(paths)
-    problems = []
+    problems, sound = [], []
     for path in files:
         try:
             bundle = load(path)
         except (OSError, ValueError) as e:
             problems.append(f"{path}: cannot read: {e}")
             continue
-        problems += [f"{path}: {p}" for p in check_bundle(bundle)]
+        found = check_bundle(bundle)
+        problems += [f"{path}: {p}" for p in found]
+        if not found:
+            sound.append((path, bundle))
+    for path, earlier, identical in same_runs(sound):
+        (notes if identical and notes is not None else problems if not identical else []).append(
+            f"{path}: {same_run_text(earlier, identical)}")
     return len(files), problems
 
