@@ -284,3 +284,17 @@ def test_one_run_in_two_files(tmp_path, capsys, run_records):
     assert code == 1 and said in err
     code, _, err = _records(capsys, "site", a, b, other, "--out", tmp_path / "site")
     assert code == 1 and said in err and "1 file(s) rejected" in err
+
+
+def test_site_serves_the_bytes_it_checked(tmp_path, run_records):
+    """The site checked each bundle, then copied the file into bundles/ by reading it again: a file
+    rewritten in between (a concurrent writer) was served unchecked."""
+    from flashkd.records import site
+
+    path = _copy(tmp_path, run_records[0])
+    checked = path.read_bytes()
+    read = site.read([path])
+    path.write_text('{"operation": "rewritten after the check"}', encoding="utf-8")
+    site.write(read, tmp_path / "site")
+    (served,) = (tmp_path / "site" / "bundles").iterdir()
+    assert served.read_bytes() == checked

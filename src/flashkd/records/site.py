@@ -32,7 +32,7 @@ from pathlib import Path
 
 from .cli import groups, ranked
 from .identity import canonical_identity, canonical_json, primary
-from .verify import OBJECTS, bundle_paths, check_bundle, load, same_run_text, same_runs
+from .verify import OBJECTS, bundle_paths, check_bundle, load, loads, same_run_text, same_runs
 
 MARKER = ".flashkd-site"  # marks a folder this module wrote, so a rebuild may replace it
 STATIC = ("style.css",)
@@ -47,6 +47,7 @@ class Run:
     value: float | None = None  # the primary value when ranked
     rank: int | None = None
     group: "Group | None" = None
+    raw: bytes = b""  # the file's bytes as read and checked: what bundles/<id>.json serves
 
     def __getitem__(self, name):  # run["workload"] -> that object's manifest
         return self.bundle[name]["manifest"]
@@ -194,10 +195,11 @@ def read(paths, compare_pairs=()) -> Site:
     (run, run) spellings (a bundle file, or a run digest or its first hex digits) that get compare pages.
     Raises ValueError when a pair names no run or several."""
     files = bundle_paths(paths)
-    good, rejected = [], []
+    good, rejected, raw = [], [], {}
     for path in files:
-        try:
-            bundle = load(path)
+        try:  # read once: the bytes checked are the bytes served, whatever the file holds by then
+            raw[path] = Path(path).read_bytes()
+            bundle = loads(raw[path].decode("utf-8"))
         except (OSError, ValueError) as e:
             rejected.append(Rejected(path, [f"cannot read: {e}"]))
             continue
@@ -220,7 +222,7 @@ def read(paths, compare_pairs=()) -> Site:
         for path, bundle, value in ranked(members):
             rank += value is not None
             run = Run(_hex(bundle["run"]["digest"]), bundle, path, key, value, rank if value is not None else None,
-                      group)
+                      group, raw[path])
             group.runs.append(run)
             runs.append(run)
         all_groups.append(group)
@@ -526,7 +528,7 @@ def write(site: Site, out: Path) -> int:
         pages += 1
 
     for run in site.runs:
-        (out / "bundles" / f"{run.id}.json").write_bytes(run.path.read_bytes())
+        (out / "bundles" / f"{run.id}.json").write_bytes(run.raw)
         canonical = {name: canonical_identity(run.bundle[name]["manifest"]) for name in OBJECTS}
         (out / "runs" / f"{run.id}.canonical.json").write_text(canonical["run"], encoding="utf-8")
         p20, p80 = run.spread
