@@ -298,3 +298,31 @@ def test_site_serves_the_bytes_it_checked(tmp_path, run_records):
     site.write(read, tmp_path / "site")
     (served,) = (tmp_path / "site" / "bundles").iterdir()
     assert served.read_bytes() == checked
+
+
+def test_a_bundle_is_written_whole_or_not_at_all(tmp_path, capsys, run_records, monkeypatch):
+    """A write killed half-way left a truncated bundle under its final name (verify said "cannot read",
+    but the file was there to be served); now the bundle appears only when complete, and what a killed
+    write leaves behind is reported by verify and site."""
+    from flashkd.records import cli as records_cli
+
+    bundle = json.loads(run_records[0].read_text("utf-8"))
+    folder = tmp_path / "records"
+    real = Path.write_text
+
+    def killed(self, text, *args, **kwargs):
+        real(self, text[: len(text) // 2], *args, **kwargs)
+        raise KeyboardInterrupt
+    monkeypatch.setattr(Path, "write_text", killed)
+    with pytest.raises(KeyboardInterrupt):
+        records_cli.write_bundle(bundle, folder, "a.json")
+    monkeypatch.undo()
+    assert list(folder.iterdir()) == []  # neither half a bundle nor its partial file
+    path = records_cli.write_bundle(bundle, folder, "a.json")
+    assert json.loads(path.read_text("utf-8")) == bundle and [p.name for p in folder.iterdir()] == ["a.json"]
+
+    (folder / ".b.json.123.partial").write_text(json.dumps(bundle)[:100])  # what a SIGKILL leaves
+    code, out, _ = _records(capsys, "verify", folder)
+    assert code == 1 and f"{folder / '.b.json.123.partial'}: left by an interrupted write" in out
+    code, _, err = _records(capsys, "site", folder, "--out", tmp_path / "site")
+    assert code == 1 and "left by an interrupted write" in err and "1 file(s) rejected" in err

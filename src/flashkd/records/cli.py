@@ -10,7 +10,7 @@ from pathlib import Path
 
 from . import liger
 from .identity import comparison_key, primary
-from .verify import bundle_paths, check_bundle, load, same_run_text, same_runs, verify_paths
+from .verify import PARTIAL, bundle_paths, check_bundle, load, same_run_text, same_runs, verify_paths
 
 USAGE = """\
 KernelIndex (kernelindex.dev/v1alpha1) benchmark records. A bundle is one JSON file with the keys
@@ -61,9 +61,18 @@ def site(args: argparse.Namespace) -> int:
 
 
 def write_bundle(bundle: dict, folder: Path, name: str | None = None) -> Path:
+    """Writes the bundle whole or not at all: into a hidden sibling (.NAME.<pid>.partial), renamed into
+    place when complete, so no reader ever sees half a bundle; a killed write leaves only that sibling,
+    which verify and site report. Two writers of one name: the last rename wins, each file whole."""
     folder.mkdir(parents=True, exist_ok=True)
     path = folder / (name or liger.bundle_filename(bundle))
-    path.write_text(json.dumps(bundle, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
+    partial = folder / f".{path.name}.{os.getpid()}{PARTIAL}"
+    try:
+        partial.write_text(json.dumps(bundle, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
+        os.replace(partial, path)
+    except BaseException:
+        partial.unlink(missing_ok=True)
+        raise
     return path
 
 

@@ -32,7 +32,7 @@ from pathlib import Path
 
 from .cli import groups, ranked
 from .identity import canonical_identity, canonical_json, primary
-from .verify import OBJECTS, bundle_paths, check_bundle, load, loads, same_run_text, same_runs
+from .verify import INTERRUPTED, OBJECTS, bundle_paths, check_bundle, interrupted, load, loads, same_run_text, same_runs
 
 MARKER = ".flashkd-site"  # marks a folder this module wrote, so a rebuild may replace it
 STATIC = ("style.css",)
@@ -208,6 +208,7 @@ def read(paths, compare_pairs=()) -> Site:
             rejected.append(Rejected(path, problems))
         else:
             good.append((path, bundle))
+    rejected += [Rejected(path, [INTERRUPTED]) for path in interrupted(paths)]
     duplicates = []  # a run given twice is rendered once; two files that differ on it, not the second
     for path, earlier, identical in same_runs(good):
         good = [(p, b) for p, b in good if p is not path]

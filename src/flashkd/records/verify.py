@@ -131,6 +131,16 @@ def bundle_paths(paths) -> list[Path]:
     return out
 
 
+# The suffix of a bundle file being written (cli.write_bundle); one left behind is an interrupted write.
+PARTIAL = ".partial"
+INTERRUPTED = "left by an interrupted write (a bundle never finished): write the records again, or remove it"
+
+
+def interrupted(paths) -> list[Path]:
+    """The unfinished bundle files (*.partial) under the folders named."""
+    return [q for p in map(Path, paths) if p.is_dir() for q in sorted(p.rglob(f"*{PARTIAL}"))]
+
+
 # A bundle is about eight levels deep; a deeper document is refused before any check walks it (the
 # checks and the JSON parser recurse, and a RecursionError is no answer).
 MAX_DEPTH = 64
@@ -239,6 +249,7 @@ def verify_paths(paths, notes: list[str] | None = None) -> tuple[int, list[str]]
         problems += [f"{path}: {p}" for p in found]
         if not found:
             sound.append((path, bundle))
+    problems += [f"{path}: {INTERRUPTED}" for path in interrupted(paths)]
     for path, earlier, identical in same_runs(sound):
         (notes if identical and notes is not None else problems if not identical else []).append(
             f"{path}: {same_run_text(earlier, identical)}")
