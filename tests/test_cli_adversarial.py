@@ -326,3 +326,20 @@ def test_a_bundle_is_written_whole_or_not_at_all(tmp_path, capsys, run_records, 
     assert code == 1 and f"{folder / '.b.json.123.partial'}: left by an interrupted write" in out
     code, _, err = _records(capsys, "site", folder, "--out", tmp_path / "site")
     assert code == 1 and "left by an interrupted write" in err and "1 file(s) rejected" in err
+
+
+def test_two_bench_runs_into_one_out(tmp_path, capsys, monkeypatch):
+    """Two runs started at once into one new --out both passed its check and wrote into it, their
+    records and CSVs mixed; now the one that comes second to run.json, the first file, stops there."""
+    out = tmp_path / "run"
+    real = cli.plan
+
+    def raced(args):
+        p = real(args)  # --out checked: new
+        out.mkdir()
+        (out / "run.json").write_text("the other run's")
+        return p
+    monkeypatch.setattr(cli, "plan", raced)
+    err = _usage_error(capsys, [*TINY_RUN, "--out", str(out)])
+    assert f"flashkd bench: --out {out}: another run began writing into it after it was checked" in err
+    assert [p.name for p in out.iterdir()] == ["run.json"] and (out / "run.json").read_text() == "the other run's"

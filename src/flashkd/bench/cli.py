@@ -311,12 +311,18 @@ def bench(args: argparse.Namespace) -> int:
     console = _console()
     _say(console, f"flashkd bench: preset {p.preset}, {len(p.workloads)} workload(s) on {env['gpu_name']}, "
                   f"torch {env['torch']}, flashkd {env['flashkd']} -> {p.out}")
-    # What was asked and what it resolved to: enough to rerun the same measurement.
-    (p.out / "run.json").write_text(json.dumps({
-        "options": {k: v for k, v in vars(args).items() if k not in ("run", "command")},
-        "preset": p.preset, "providers": p.providers, "modes": p.modes, "environment": env,
-        "workloads": [{**dataclasses.asdict(w), "kernel_name": w.kernel_name} for w in p.workloads],
-    }, indent=2, default=str))
+    # What was asked and what it resolved to: enough to rerun the same measurement. The run's first
+    # file, made exclusively: of two runs started into one new --out, the second stops here.
+    try:
+        with open(p.out / "run.json", "x") as f:
+            f.write(json.dumps({
+                "options": {k: v for k, v in vars(args).items() if k not in ("run", "command")},
+                "preset": p.preset, "providers": p.providers, "modes": p.modes, "environment": env,
+                "workloads": [{**dataclasses.asdict(w), "kernel_name": w.kernel_name} for w in p.workloads],
+            }, indent=2, default=str))
+    except FileExistsError:
+        raise UsageError(f"flashkd bench: --out {p.out}: another run began writing into it after it was "
+                         "checked; name a new folder") from None
     for tag, skipped in dict.fromkeys(
             (w.tag, tuple(m for m in p.modes if m not in measure.applicable(w, p.modes))) for w in p.workloads):
         if skipped:
