@@ -343,3 +343,39 @@ def test_two_bench_runs_into_one_out(tmp_path, capsys, monkeypatch):
     err = _usage_error(capsys, [*TINY_RUN, "--out", str(out)])
     assert f"flashkd bench: --out {out}: another run began writing into it after it was checked" in err
     assert [p.name for p in out.iterdir()] == ["run.json"] and (out / "run.json").read_text() == "the other run's"
+
+
+# -- flashkd records import-liger ---------------------------------------------------------------------
+
+def _liger_rows(n=3) -> list[str]:
+    from flashkd.records import liger
+
+    lines = liger.bundled_csv().splitlines(keepends=True)
+    speed = [line for line in lines[1:] if ",speed," in line]
+    return [lines[0], *speed[:n]]
+
+
+@pytest.mark.parametrize("text, message", [
+    ("", "empty: expected a header row of the 15 columns"),
+    ("a,b,c\n1,2,3\n", "missing column(s): kernel_name, kernel_provider"),
+    (None, "column(s) named twice in the header: kernel_name"),
+])
+def test_import_refuses_a_csv_it_cannot_read_as_the_schema(tmp_path, capsys, text, message):
+    if text is None:  # the row's second kernel_name would have won, silently
+        header, row = _liger_rows(1)
+        text = header.rstrip("\n") + ",kernel_name\n" + row.rstrip("\n") + ",fused_linear_jsd\n"
+    path = tmp_path / "rows.csv"
+    path.write_text(text, encoding="utf-8")
+    code, out, err = _records(capsys, "import-liger", path, "--out", tmp_path / "out")
+    assert code == 2 and err.startswith(f"flashkd records import-liger: {path}: {message}") and err.count("\n") == 1, err
+    assert not (tmp_path / "out").exists()
+
+
+def test_import_reads_a_csv_with_a_byte_order_mark(tmp_path, capsys):
+    """A CSV saved by a spreadsheet starts with a BOM: it was refused as missing column kernel_name."""
+    path = tmp_path / "rows with spaces ü.csv"
+    path.write_bytes(b"\xef\xbb\xbf" + "".join(_liger_rows(3)).encode("utf-8"))
+    code, out, err = _records(capsys, "import-liger", path, "--out", tmp_path / "out ü")
+    assert code == 0 and err == "" and f"3 bundle(s) from {path} written to {tmp_path / 'out ü'}" in out
+    code, out, _ = _records(capsys, "verify", tmp_path / "out ü")
+    assert code == 0 and "3 bundle(s) checked, 0 problem(s)" in out
