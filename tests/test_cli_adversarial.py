@@ -379,3 +379,15 @@ def test_import_reads_a_csv_with_a_byte_order_mark(tmp_path, capsys):
     assert code == 0 and err == "" and f"3 bundle(s) from {path} written to {tmp_path / 'out ü'}" in out
     code, out, _ = _records(capsys, "verify", tmp_path / "out ü")
     assert code == 0 and "3 bundle(s) checked, 0 problem(s)" in out
+
+
+def test_output_into_a_closed_pipe(tmp_path, capsys):
+    """`flashkd records compare ... | head -1`: the reader leaves, and the writer ended in a traceback."""
+    assert cli.main(["records", "import-liger", "--out", str(tmp_path / "liger")]) == 0
+    src = str(Path(flashkd.__file__).resolve().parents[1])
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([src, os.environ.get("PYTHONPATH", "")])}
+    reader_gone = subprocess.Popen([sys.executable, "-m", "flashkd", "records", "compare", str(tmp_path / "liger")],
+                                   env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    reader_gone.stdout.close()  # more than a pipe buffer's worth follows
+    err = reader_gone.stderr.read().decode()
+    assert reader_gone.wait() == 1 and err == "", err

@@ -73,10 +73,15 @@ _OPTIONS = {
 
 def _run(args: argparse.Namespace) -> int:
     try:
-        return args.run(args)
+        code = args.run(args)
+        sys.stdout.flush()  # here, so that a reader gone away is the BrokenPipeError below, not one at exit
+        return code
     except UsageError as e:
         print(e, file=sys.stderr)
         raise
+    except BrokenPipeError:  # `flashkd records compare ... | head`: the reader has what it wanted; stop quietly
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # nor an error when Python flushes at exit
+        return 1
 
 
 @dataclasses.dataclass(frozen=True)
