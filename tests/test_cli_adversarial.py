@@ -391,3 +391,20 @@ def test_output_into_a_closed_pipe(tmp_path, capsys):
     reader_gone.stdout.close()  # more than a pipe buffer's worth follows
     err = reader_gone.stderr.read().decode()
     assert reader_gone.wait() == 1 and err == "", err
+
+
+def test_a_folder_named_that_holds_no_bundle(tmp_path, capsys, run_records):
+    """`verify records/ typo/` where typo/ holds no bundle checked records/ alone and said nothing of it."""
+    empty = tmp_path / "empty ü"
+    empty.mkdir()
+    (empty / "notes.txt").write_text("not a bundle")
+    good = _copy(tmp_path, run_records[0])
+    code, out, _ = _records(capsys, "verify", good, empty)
+    assert code == 1 and f"{empty}: a folder without bundle files (*.json)" in out
+    assert out.strip().endswith("1 bundle(s) checked, 1 problem(s)")
+    code, out, err = _records(capsys, "compare", good, empty)
+    assert code == 0 and f"flashkd records compare: {empty}: a folder without bundle files (*.json)" in err
+    code, out, err = _records(capsys, "site", good, empty, "--out", tmp_path / "site")
+    assert code == 0 and f"flashkd records site: {empty}: a folder without bundle files (*.json)" in err
+    code, _, err = _records(capsys, "verify", empty)
+    assert code == 2 and "no bundle files found" in err

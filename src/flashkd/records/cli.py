@@ -10,7 +10,8 @@ from pathlib import Path
 
 from . import liger
 from .identity import comparison_key, primary
-from .verify import PARTIAL, bundle_paths, check_bundle, load, same_run_text, same_runs, verify_paths
+from .verify import (EMPTY, PARTIAL, bundle_paths, check_bundle, empty_folders, load, same_run_text, same_runs,
+                     verify_paths)
 
 USAGE = """\
 KernelIndex (kernelindex.dev/v1alpha1) benchmark records. A bundle is one JSON file with the keys
@@ -169,6 +170,8 @@ def ranked(members: list[tuple[Path, dict]]) -> list[tuple[Path, dict, float | N
 
 def compare(args: argparse.Namespace) -> int:
     bundles = []
+    for path in empty_folders(args.paths):
+        print(f"flashkd records compare: {path}: {EMPTY}", file=sys.stderr)
     for path in bundle_paths(args.paths):
         try:
             bundle = load(path)

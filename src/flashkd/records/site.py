@@ -32,7 +32,8 @@ from pathlib import Path
 
 from .cli import groups, ranked
 from .identity import canonical_identity, canonical_json, primary
-from .verify import INTERRUPTED, OBJECTS, bundle_paths, check_bundle, interrupted, load, loads, same_run_text, same_runs
+from .verify import (EMPTY, INTERRUPTED, OBJECTS, bundle_paths, check_bundle, empty_folders, interrupted, load, loads,
+                     same_run_text, same_runs)
 
 MARKER = ".flashkd-site"  # marks a folder this module wrote, so a rebuild may replace it
 STATIC = ("style.css",)
@@ -585,6 +586,8 @@ def main(args) -> int:
             print(f"{x.path}: {problem}", file=sys.stderr)
     for line in site.duplicates:
         print(f"{line}: rendered once", file=sys.stderr)
+    for path in empty_folders(args.paths):
+        print(f"flashkd records site: {path}: {EMPTY}", file=sys.stderr)
     print(f"{len(site.runs)} run(s) in {len(site.groups)} comparison group(s), {site.pages} pages: "
           f"{Path(args.out) / 'index.html'}")
     if site.rejected:

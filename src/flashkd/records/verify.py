@@ -131,6 +131,13 @@ def bundle_paths(paths) -> list[Path]:
     return out
 
 
+def empty_folders(paths) -> list[Path]:
+    """The folders named that hold no *.json at all: a path given for bundles that gave none."""
+    return [p for p in map(Path, paths) if p.is_dir() and next(p.rglob("*.json"), None) is None]
+
+
+EMPTY = "a folder without bundle files (*.json)"
+
 # The suffix of a bundle file being written (cli.write_bundle); one left behind is an interrupted write.
 PARTIAL = ".partial"
 INTERRUPTED = "left by an interrupted write (a bundle never finished): write the records again, or remove it"
@@ -250,6 +257,7 @@ def verify_paths(paths, notes: list[str] | None = None) -> tuple[int, list[str]]
         if not found:
             sound.append((path, bundle))
     problems += [f"{path}: {INTERRUPTED}" for path in interrupted(paths)]
+    problems += [f"{path}: {EMPTY}" for path in empty_folders(paths)]
     for path, earlier, identical in same_runs(sound):
         (notes if identical and notes is not None else problems if not identical else []).append(
             f"{path}: {same_run_text(earlier, identical)}")
