@@ -408,3 +408,11 @@ def test_a_folder_named_that_holds_no_bundle(tmp_path, capsys, run_records):
     assert code == 0 and f"flashkd records site: {empty}: a folder without bundle files (*.json)" in err
     code, _, err = _records(capsys, "verify", empty)
     assert code == 2 and "no bundle files found" in err
+
+
+def test_bench_refuses_more_threads_than_cpus(tmp_path, capsys, monkeypatch):
+    """--threads 100000 killed the process (OpenMP cannot make the threads: a segfault)."""
+    monkeypatch.setattr(os, "cpu_count", lambda: 4)
+    err = _usage_error(capsys, [*FAST, "--threads", "5", "--out", str(tmp_path / "run")])
+    assert "flashkd bench: --threads: expected at most the 4 CPU(s) this machine has, got 5" in err
+    assert cli.plan(cli.parse_bench([*FAST, "--threads", "4", "--out", str(tmp_path / "run")])).settings

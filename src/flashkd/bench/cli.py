@@ -160,7 +160,8 @@ def add_bench_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--rounds", type=_positive, metavar="K",
                    help="time the providers in turn K times over, pooling their calls (default: 5 CUDA, 1 CPU)")
     p.add_argument("--threads", type=_positive, metavar="K",
-                   help="CPU threads for torch (default: torch's; 1 is steadier on a shared machine)")
+                   help="CPU threads for torch, at most the machine's CPUs (default: torch's; 1 is steadier on a "
+                        "shared machine)")
     p.add_argument("--out", type=Path,
                    help="output folder, new or empty: a run never mixes its files with another's "
                         "(default: bench-YYYYmmdd-HHMMSS)")
@@ -280,6 +281,11 @@ def plan(args: argparse.Namespace) -> Plan:
     for w in workloads:
         if w.h < 2:
             raise UsageError(f"flashkd bench: --h: expected at least 2 (the student's is H//2), got {w.h}")
+    cpus = os.cpu_count() or 1
+    if args.threads is not None and args.threads > cpus:  # past it the timings mean nothing, and far past it
+        # OpenMP fails to make its threads and the process dies (a segfault at 100000)
+        raise UsageError(f"flashkd bench: --threads: expected at most the {cpus} CPU(s) this machine has, "
+                         f"got {args.threads}")
     rep, warmup, min_reps, rounds = TIMING["cuda" if device.type == "cuda" else "cpu"]
     settings = measure.Settings(
         device=device,
