@@ -43,6 +43,10 @@ def _usage_error(capsys, argv) -> str:
     (["--temperature", "0"], "flashkd bench: --temperature: expected a value > 0, got 0.0"),
     (["--k", "100"], "flashkd bench: --k: expected 1 <= k <= V = 37, got 100"),
     (["--form", "topk", "--loss", "cosine"], "flashkd bench: --loss: expected one of"),
+    # the small preset's cosine: the user named no loss, so the message names what they did name
+    (["--form", "topk"], "flashkd bench: --form topk: a loss of preset small is not one of this form's: expected one "
+                         "of 'jsd', 'forward_kl', 'reverse_kl', 'tvd' for a top-k teacher, got 'cosine'; name the losses "
+                         "with --loss"),
     (["--h", "1"], "flashkd bench: --h: expected at least 2"),
     (["--device", "nope"], "flashkd bench: --device: expected cpu, cuda or cuda:N, got 'nope'"),
     (["--preset", "seed", "--teacher-precision", "fp8"],

@@ -277,7 +277,11 @@ def plan(args: argparse.Namespace) -> Plan:
         for w in workloads:
             w.spec()
     except (TypeError, ValueError) as e:
-        raise UsageError(f"flashkd bench: {_named(str(e))}") from None
+        message = _named(str(e))
+        if message.startswith("--loss: ") and args.loss is None:  # the preset's loss, not one the user named
+            message = (f"--form {args.form}: a loss of preset {preset} is not one of this form's: "
+                       f"{message.removeprefix('--loss: ')}; name the losses with --loss")
+        raise UsageError(f"flashkd bench: {message}") from None
     for w in workloads:
         if w.h < 2:
             raise UsageError(f"flashkd bench: --h: expected at least 2 (the student's is H//2), got {w.h}")
