@@ -420,3 +420,14 @@ def test_bench_refuses_more_threads_than_cpus(tmp_path, capsys, monkeypatch):
     err = _usage_error(capsys, [*FAST, "--threads", "5", "--out", str(tmp_path / "run")])
     assert "flashkd bench: --threads: expected at most the 4 CPU(s) this machine has, got 5" in err
     assert cli.plan(cli.parse_bench([*FAST, "--threads", "4", "--out", str(tmp_path / "run")])).settings
+
+
+@pytest.mark.parametrize("ref", ["a" * 3000, 'x"<>', ""])
+def test_import_refuses_a_liger_commit_no_url_carries(tmp_path, capsys, ref):
+    """A 3000-character --liger-commit made every bundle fail to verify: all 96 rows skipped, exit 0."""
+    with pytest.raises(SystemExit) as e:
+        cli.main(["records", "import-liger", "--liger-commit", ref, "--out", str(tmp_path / "out")])
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert e.value.code == 2 and "argument --liger-commit: expected a commit (40 hex digits) or a tag" in err
+    assert not (tmp_path / "out").exists()
+    assert cli.main(["records", "import-liger", "--liger-commit", "v0.5.10", "--out", str(tmp_path / "ok")]) == 0

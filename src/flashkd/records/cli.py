@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import sys
 from pathlib import Path
 
@@ -37,8 +38,8 @@ def add_records_parser(commands) -> argparse.ArgumentParser:
                    help="a CSV in Liger-Kernel's 15-column benchmark schema (default: the published rows "
                         "of its distillation and JSD kernels shipped with flashkd)")
     q.add_argument("--out", type=Path, required=True, help="folder for the bundle files")
-    q.add_argument("--liger-commit", default=liger.LIGER_COMMIT,
-                   help="Liger-Kernel commit the operations' sourceRefs cite (metadata only)")
+    q.add_argument("--liger-commit", default=liger.LIGER_COMMIT, type=_git_ref,
+                   help="Liger-Kernel commit (or tag) the operations' sourceRefs cite (metadata only)")
     q.set_defaults(run=import_liger)
     q = sub.add_parser("verify", help="check bundles: digests, references, schemas")
     q.add_argument("paths", nargs="+", type=Path, metavar="PATH")
@@ -53,6 +54,15 @@ def add_records_parser(commands) -> argparse.ArgumentParser:
                    help="also a compare page for these two runs (bundle files or run digest prefixes)")
     q.set_defaults(run=site)
     return p
+
+
+def _git_ref(text: str) -> str:
+    """A commit or tag name that a sourceRef's https URL can carry (it was pasted in: a long or odd one
+    made every row's bundle fail to verify, so every row was skipped)."""
+    if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._/-]{0,99}", text):
+        raise argparse.ArgumentTypeError(f"expected a commit (40 hex digits) or a tag, at most 100 characters of "
+                                         f"A-Z a-z 0-9 . _ / -, got {text[:60]!r}")
+    return text
 
 
 def site(args: argparse.Namespace) -> int:
