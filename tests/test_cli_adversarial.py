@@ -431,3 +431,31 @@ def test_import_refuses_a_liger_commit_no_url_carries(tmp_path, capsys, ref):
     assert e.value.code == 2 and "argument --liger-commit: expected a commit (40 hex digits) or a tag" in err
     assert not (tmp_path / "out").exists()
     assert cli.main(["records", "import-liger", "--liger-commit", "v0.5.10", "--out", str(tmp_path / "ok")]) == 0
+
+
+def test_a_site_is_written_whole_or_not_at_all(tmp_path, capsys, run_records, monkeypatch):
+    """A site build killed half-way left half a site at --out (the earlier one already removed)."""
+    from flashkd.records import site
+
+    _copy(tmp_path, run_records[0])
+    _copy(tmp_path, run_records[1], "y.json")
+    out = tmp_path / "site"
+    code, _, _ = _records(capsys, "site", tmp_path / "in", "--out", out)
+    before = {p.relative_to(out): p.read_bytes() for p in out.rglob("*") if p.is_file()}
+    real, calls = site.canonical_identity, []
+
+    def killed(manifest):
+        calls.append(1)
+        if len(calls) > 8:  # the second run's page
+            raise KeyboardInterrupt
+        return real(manifest)
+    monkeypatch.setattr(site, "canonical_identity", killed)
+    with pytest.raises(KeyboardInterrupt):
+        cli.main(["records", "site", str(tmp_path / "in"), "--out", str(out)])
+    assert {p.relative_to(out): p.read_bytes() for p in out.rglob("*") if p.is_file()} == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["in", "site"]  # no partial build left beside it
+    monkeypatch.undo()
+    with pytest.raises(KeyboardInterrupt):  # a first build killed: no --out at all
+        monkeypatch.setattr(site, "canonical_identity", killed)
+        cli.main(["records", "site", str(tmp_path / "in"), "--out", str(tmp_path / "new")])
+    assert not (tmp_path / "new").exists() and code == 0

@@ -24,6 +24,7 @@ import dataclasses
 import hashlib
 import itertools
 import math
+import os
 import re
 import shutil
 import sys
@@ -32,8 +33,8 @@ from pathlib import Path
 
 from .cli import groups, ranked
 from .identity import canonical_identity, canonical_json, primary
-from .verify import (EMPTY, INTERRUPTED, OBJECTS, bundle_paths, check_bundle, empty_folders, interrupted, load, loads,
-                     same_run_text, same_runs)
+from .verify import (EMPTY, INTERRUPTED, OBJECTS, PARTIAL, bundle_paths, check_bundle, empty_folders, interrupted, load,
+                     loads, same_run_text, same_runs)
 
 MARKER = ".flashkd-site"  # marks a folder this module wrote, so a rebuild may replace it
 STATIC = ("style.css",)
@@ -501,16 +502,30 @@ def compare_name(a: Run, b: Run) -> str:
 
 
 def write(site: Site, out: Path) -> int:
-    """Writes the site into `out` (created; a folder this module wrote before is replaced, any other
-    non-empty folder is refused with ValueError). Returns the number of pages."""
+    """Writes the site into `out`, whole or not at all: built in a hidden sibling (.NAME.<pid>.partial)
+    and renamed into place when complete, so a killed or failing build never leaves half a site there.
+    A folder this module wrote before is then replaced; any other non-empty folder is refused with
+    ValueError. Returns the number of pages."""
     out = Path(out)
-    if out.exists():
-        if not out.is_dir() or (any(out.iterdir()) and not (out / MARKER).exists()):
-            raise ValueError(f"--out {out}: exists and is not a site written by flashkd records site")
-        shutil.rmtree(out)
+    if out.exists() and (not out.is_dir() or (any(out.iterdir()) and not (out / MARKER).exists())):
+        raise ValueError(f"--out {out}: exists and is not a site written by flashkd records site")
+    building = out.absolute().parent / f".{out.absolute().name}.{os.getpid()}{PARTIAL}"
+    shutil.rmtree(building, ignore_errors=True)
+    try:
+        pages = _write(site, building)
+        if out.exists():
+            shutil.rmtree(out)
+        os.replace(building, out)
+    except BaseException:
+        shutil.rmtree(building, ignore_errors=True)
+        raise
+    return pages
+
+
+def _write(site: Site, out: Path) -> int:
     for sub in ("runs", "groups", "compare", "sweeps", "bundles"):
         (out / sub).mkdir(parents=True)
-    (out / MARKER).write_text("written by flashkd records site; rebuilt in place\n")
+    (out / MARKER).write_text("written by flashkd records site; rebuilt whole, then renamed into place\n")
     env = _environment()
     static = resources.files(__package__).joinpath("templates")
     for name in STATIC:
