@@ -459,3 +459,14 @@ def test_a_site_is_written_whole_or_not_at_all(tmp_path, capsys, run_records, mo
         monkeypatch.setattr(site, "canonical_identity", killed)
         cli.main(["records", "site", str(tmp_path / "in"), "--out", str(tmp_path / "new")])
     assert not (tmp_path / "new").exists() and code == 0
+
+
+def test_bench_that_times_nothing_writes_no_site_of_no_records(tmp_path, capsys):
+    """teacher_topk with --modes full times nothing: no record was written, and the run's own site
+    listed its records/ folder as a file it could not read."""
+    out = tmp_path / "run"
+    argv = [*FAST, "-n", "7", "--preset", "teacher-topk", "--modes", "full", "--providers", "flashkd", "--out", str(out)]
+    assert cli.main(["bench", *argv]) == 0
+    last = capsys.readouterr().out.strip().splitlines()[-1]
+    assert last.endswith("; no KernelIndex records (nothing was timed), so no site"), last
+    assert not (out / "site").exists() and not (out / "records").exists()

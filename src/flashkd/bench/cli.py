@@ -367,10 +367,13 @@ def bench(args: argparse.Namespace) -> int:
     records = write_bundles([b for b in bundles if not any(b is r for r, _ in refused)], p.out / "records")
     from ..records.site import build as build_site
 
-    site = build_site([p.out / "records"], p.out / "site")
+    # No records (nothing was timed): no site of them, rather than one listing records/ as unreadable
+    site = build_site([p.out / "records"], p.out / "site") if records else None
+    for x in site.rejected if site else []:  # every record was checked: a rejection is the harness's bug
+        _say(console, f"site: {x.path}: not rendered: {x.problems[0]}")
     _say(console, _wrote(p.out, plots, records, site))
     bad = [r for r in results if r.check.status in ("FAILED", "error")]
-    return 1 if bad or refused else 0
+    return 1 if bad or refused or (site and site.rejected) else 0
 
 
 def _wrote(out: Path, plots: list[Path], records: list[Path], site) -> str:
@@ -379,6 +382,8 @@ def _wrote(out: Path, plots: list[Path], records: list[Path], site) -> str:
     shown = [str(out / name) for name in ("results.csv", "errors.csv", "run.json")]
     if plots:
         shown.append(f"{len(plots)} plots {' '.join(str(out / f'{k}_*.png') for k in kinds)}")
+    if not records:
+        return "wrote " + ", ".join(shown) + "; no KernelIndex records (nothing was timed), so no site"
     shown.append(f"{len(records)} KernelIndex records {out / 'records' / '*.json'}")
     shown.append(f"their site ({len(site.runs)} runs, {len(site.groups)} comparison groups) {out / 'site' / 'index.html'}")
     return "wrote " + ", ".join(shown)
