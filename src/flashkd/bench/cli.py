@@ -1,5 +1,6 @@
 """The command line: `flashkd bench ...` (main, the console script) and `python -m flashkd.bench ...`
-(bench_main). Both return the exit status: 1 when a provider failed the gate or raised, else 0.
+(bench_main). Both return the exit status: 1 when a provider failed the gate or raised, else 0. A bad
+option exits with status 2, as argparse's own usage errors do, and one line on stderr naming it.
 """
 
 from __future__ import annotations
@@ -50,6 +51,39 @@ DEFAULT_PROVIDERS = ("flashkd", "liger", "torch", "floor")
 TIMING = {"cuda": (500.0, 100.0, 10, 5), "cpu": (100.0, 20.0, 5, 1)}
 
 
+class UsageError(SystemExit):
+    """A bad option or --out: exit status 2 (argparse's), its one-line message printed on stderr by
+    main and bench_main; str() is the message."""
+
+    def __init__(self, message: str):
+        super().__init__(2)
+        self.message = message
+
+    def __str__(self) -> str:
+        return self.message
+
+
+# The options that set a Workload's (or its LossSpec's) fields, by the field names their errors start with.
+_OPTIONS = {
+    "loss": "--loss", "form": "--form", "k": "--k", "tail": "--tail", "beta": "--beta", "temperature": "--temperature",
+    "weight_hard": "--weight-hard", "weight_soft": "--weight-soft", "student_softcap": "--softcap",
+    "teacher_softcap": "--softcap", "teacher_precision": "--teacher-precision", "seed": "--seed",
+}
+
+
+def _run(args: argparse.Namespace) -> int:
+    try:
+        code = args.run(args)
+        sys.stdout.flush()  # here, so that a reader gone away is the BrokenPipeError below, not one at exit
+        return code
+    except UsageError as e:
+        print(e, file=sys.stderr)
+        raise
+    except BrokenPipeError:  # `flashkd records compare ... | head`: the reader has what it wanted; stop quietly
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # nor an error when Python flushes at exit
+        return 1
+
+
 @dataclasses.dataclass(frozen=True)
 class Plan:
     preset: str
@@ -73,12 +107,14 @@ def main(argv: list[str] | None = None) -> int:
 
     add_records_parser(commands)
     args = parser.parse_args(argv)
-    return args.run(args)
+    return _run(args)
 
 
 def bench_main(argv: list[str] | None = None) -> int:
     """`python -m flashkd.bench [bench] [options]`: the bench command alone."""
-    return bench(parse_bench(sys.argv[1:] if argv is None else argv))
+    args = parse_bench(sys.argv[1:] if argv is None else argv)
+    args.run = bench
+    return _run(args)
 
 
 def parse_bench(argv: list[str]) -> argparse.Namespace:
@@ -107,15 +143,15 @@ def add_bench_arguments(p: argparse.ArgumentParser) -> None:
                    help=f"of {', '.join(measure.MODES)} (default: all)")
     p.add_argument("--providers", nargs="+", choices=list(PROVIDERS), default=list(DEFAULT_PROVIDERS),
                    metavar="P", help=f"of {', '.join(PROVIDERS)} (default: {' '.join(DEFAULT_PROVIDERS)})")
-    p.add_argument("--beta", type=float, help="JSD β / cosine weight (default 0.5)")
-    p.add_argument("--weight-hard", type=float, help="weight of the CE term (default 0.5)")
-    p.add_argument("--weight-soft", type=float, help="weight of the distillation term (default 0.5)")
-    p.add_argument("--temperature", type=float, help="τ (default 1.0)")
-    p.add_argument("--softcap", type=float, metavar="C", help="both heads' logit softcap, c·tanh(z/c) (default: none)")
+    p.add_argument("--beta", type=_finite, help="JSD β / cosine weight (default 0.5)")
+    p.add_argument("--weight-hard", type=_finite, help="weight of the CE term (default 0.5)")
+    p.add_argument("--weight-soft", type=_finite, help="weight of the distillation term (default 0.5)")
+    p.add_argument("--temperature", type=_finite, help="τ (default 1.0)")
+    p.add_argument("--softcap", type=_finite, metavar="C", help="both heads' logit softcap, c·tanh(z/c) (default: none)")
     p.add_argument("--teacher-precision", choices=[name for name in fp8.PRECISIONS if name is not None],
                    help="flashkd's teacher GEMM in FP8 (forms heads, teacher_topk); other providers skip, the "
                         "floor stays bf16's (default: the inputs' dtype)")
-    p.add_argument("--seed", type=int, help="seed of the inputs (default 0)")
+    p.add_argument("--seed", type=_seed, help="seed of the inputs, 0 to 2^53 − 1 (default 0)")
     p.add_argument("--rep", type=_ms(0.0, "a finite number of ms above 0"), metavar="MS",
                    help="timed ms per measurement (default: 500 CUDA, 100 CPU)")
     p.add_argument("--warmup", type=_ms(None, "a finite number of ms, 0 or more"), metavar="MS",
@@ -124,16 +160,44 @@ def add_bench_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--rounds", type=_positive, metavar="K",
                    help="time the providers in turn K times over, pooling their calls (default: 5 CUDA, 1 CPU)")
     p.add_argument("--threads", type=_positive, metavar="K",
-                   help="CPU threads for torch (default: torch's; 1 is steadier on a shared machine)")
+                   help="CPU threads for torch, at most the machine's CPUs (default: torch's; 1 is steadier on a "
+                        "shared machine)")
     p.add_argument("--out", type=Path,
                    help="output folder, new or empty: a run never mixes its files with another's "
                         "(default: bench-YYYYmmdd-HHMMSS)")
 
 
 def _positive(text: str) -> int:
-    value = int(text)
+    """A positive integer that a record carries exactly (sizes are record axes): at most 2^53 − 1."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
     if value < 1:
         raise argparse.ArgumentTypeError(f"expected a positive integer, got {text}")
+    if value > 2**53 - 1:
+        raise argparse.ArgumentTypeError(f"expected at most 2^53 - 1 (what a record carries), got {text}")
+    return value
+
+
+def _seed(text: str) -> int:
+    """A seed that a record carries: KernelIndex's schema holds seeds in [0, 2^53 − 1]."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if not 0 <= value <= 2**53 - 1:
+        raise argparse.ArgumentTypeError(f"expected an integer from 0 to 2^53 - 1 (what a record carries), got {text}")
+    return value
+
+
+def _finite(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"expected a finite number, got {text}")
     return value
 
 
@@ -151,7 +215,7 @@ def _ms(low: float | None, expected: str):
 
 
 def _device(name: str | None) -> torch.device:
-    """--device as a torch.device that this machine has; SystemExit with one line otherwise."""
+    """--device as a torch.device that this machine has; UsageError with one line otherwise."""
     if name is None:
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     try:
@@ -159,38 +223,48 @@ def _device(name: str | None) -> torch.device:
     except (RuntimeError, ValueError):
         device = None
     if device is None or device.type not in ("cpu", "cuda"):
-        raise SystemExit(f"flashkd bench: --device: expected cpu, cuda or cuda:N, got {name!r}")
+        raise UsageError(f"flashkd bench: --device: expected cpu, cuda or cuda:N, got {name!r}")
     if device.type == "cuda" and not torch.cuda.is_available():
         why = "this torch is built without CUDA" if torch.version.cuda is None else "no CUDA device is visible"
-        raise SystemExit(f"flashkd bench: --device {name}: CUDA is not available ({why}); use --device cpu")
+        raise UsageError(f"flashkd bench: --device {name}: CUDA is not available ({why}); use --device cpu")
     if device.type == "cuda" and device.index is not None and device.index >= torch.cuda.device_count():
-        raise SystemExit(f"flashkd bench: --device {name}: this machine has {torch.cuda.device_count()} CUDA "
+        raise UsageError(f"flashkd bench: --device {name}: this machine has {torch.cuda.device_count()} CUDA "
                          f"device(s), cuda:0 to cuda:{torch.cuda.device_count() - 1}")
     return device
 
 
 def _check_out(out: Path) -> None:
-    """--out must be a new or empty folder that can be made and written: SystemExit with one line otherwise.
+    """--out must be a new or empty folder that can be made and written: UsageError with one line otherwise.
 
     A non-empty folder is refused rather than added to: its records/ would mix the bundles of two
     runs, and its plots and CSVs would be partly overwritten.
     """
     if out.exists() and not out.is_dir():
-        raise SystemExit(f"flashkd bench: --out {out}: exists and is not a folder")
+        raise UsageError(f"flashkd bench: --out {out}: exists and is not a folder")
     if out.is_dir() and any(out.iterdir()):
-        raise SystemExit(f"flashkd bench: --out {out}: not empty (it holds an earlier run?); "
+        raise UsageError(f"flashkd bench: --out {out}: not empty (it holds an earlier run?); "
                          "name a new folder or remove this one")
     parent = out if out.is_dir() else next((p for p in out.absolute().parents if p.exists()), None)
     if parent is None or not parent.is_dir():
-        raise SystemExit(f"flashkd bench: --out {out}: {parent} is not a folder")
+        raise UsageError(f"flashkd bench: --out {out}: {parent} is not a folder")
     if not os.access(parent, os.W_OK | os.X_OK):
-        raise SystemExit(f"flashkd bench: --out {out}: {parent} is not writable")
+        raise UsageError(f"flashkd bench: --out {out}: {parent} is not writable")
 
 
 def plan(args: argparse.Namespace) -> Plan:
     """The run that args ask for, every option checked before anything is made: a bad option is a
-    SystemExit with a one-line message."""
+    UsageError (exit status 2) with a one-line message."""
     device = _device(args.device)
+    if args.teacher_precision is not None:
+        # flashkd's FP8 teacher needs FP8 tensor cores: said before anything runs, not as an error per workload
+        if device.type != "cuda":
+            raise UsageError(f"flashkd bench: --teacher-precision {args.teacher_precision}: needs a CUDA GPU with "
+                             f"FP8 tensor cores (sm_89 or newer), not --device {device}")
+        try:
+            fp8.scaling_of(args.teacher_precision, device)
+        except ValueError as e:
+            raise UsageError(f"flashkd bench: --teacher-precision {args.teacher_precision}: "
+                             f"{str(e).partition(': ')[2]}") from None
     preset = args.preset or default_preset(device)
     fields = {name: value for name, value in (
         ("h", args.h), ("v", args.v), ("dtype", args.dtype and _dtype_name(args.dtype)),
@@ -203,10 +277,19 @@ def plan(args: argparse.Namespace) -> Plan:
         for w in workloads:
             w.spec()
     except (TypeError, ValueError) as e:
-        raise SystemExit(f"flashkd bench: {e}") from None
+        message = _named(str(e))
+        if message.startswith("--loss: ") and args.loss is None:  # the preset's loss, not one the user named
+            message = (f"--form {args.form}: a loss of preset {preset} is not one of this form's: "
+                       f"{message.removeprefix('--loss: ')}; name the losses with --loss")
+        raise UsageError(f"flashkd bench: {message}") from None
     for w in workloads:
         if w.h < 2:
-            raise SystemExit(f"flashkd bench: --h: expected at least 2 (the student's is H//2), got {w.h}")
+            raise UsageError(f"flashkd bench: --h: expected at least 2 (the student's is H//2), got {w.h}")
+    cpus = os.cpu_count() or 1
+    if args.threads is not None and args.threads > cpus:  # past it the timings mean nothing, and far past it
+        # OpenMP fails to make its threads and the process dies (a segfault at 100000)
+        raise UsageError(f"flashkd bench: --threads: expected at most the {cpus} CPU(s) this machine has, "
+                         f"got {args.threads}")
     rep, warmup, min_reps, rounds = TIMING["cuda" if device.type == "cuda" else "cpu"]
     settings = measure.Settings(
         device=device,
@@ -221,6 +304,12 @@ def plan(args: argparse.Namespace) -> Plan:
                 settings, out)
 
 
+def _named(message: str) -> str:
+    """A Workload's or LossSpec's error with its field named as the option that sets it."""
+    field, sep, rest = message.partition(": ")
+    return f"{_OPTIONS[field]}: {rest}" if sep and field in _OPTIONS else message
+
+
 def _dtype_name(name: str) -> str:
     return str(DTYPES[name]).removeprefix("torch.")
 
@@ -232,17 +321,23 @@ def bench(args: argparse.Namespace) -> int:
     try:
         p.out.mkdir(parents=True, exist_ok=True)
     except OSError as e:
-        raise SystemExit(f"flashkd bench: --out {p.out}: {e.strerror or e}") from None
+        raise UsageError(f"flashkd bench: --out {p.out}: {e.strerror or e}") from None
     env = report.environment(p.settings)
     console = _console()
     _say(console, f"flashkd bench: preset {p.preset}, {len(p.workloads)} workload(s) on {env['gpu_name']}, "
                   f"torch {env['torch']}, flashkd {env['flashkd']} -> {p.out}")
-    # What was asked and what it resolved to: enough to rerun the same measurement.
-    (p.out / "run.json").write_text(json.dumps({
-        "options": {k: v for k, v in vars(args).items() if k not in ("run", "command")},
-        "preset": p.preset, "providers": p.providers, "modes": p.modes, "environment": env,
-        "workloads": [{**dataclasses.asdict(w), "kernel_name": w.kernel_name} for w in p.workloads],
-    }, indent=2, default=str))
+    # What was asked and what it resolved to: enough to rerun the same measurement. The run's first
+    # file, made exclusively: of two runs started into one new --out, the second stops here.
+    try:
+        with open(p.out / "run.json", "x") as f:
+            f.write(json.dumps({
+                "options": {k: v for k, v in vars(args).items() if k not in ("run", "command")},
+                "preset": p.preset, "providers": p.providers, "modes": p.modes, "environment": env,
+                "workloads": [{**dataclasses.asdict(w), "kernel_name": w.kernel_name} for w in p.workloads],
+            }, indent=2, default=str))
+    except FileExistsError:
+        raise UsageError(f"flashkd bench: --out {p.out}: another run began writing into it after it was "
+                         "checked; name a new folder") from None
     for tag, skipped in dict.fromkeys(
             (w.tag, tuple(m for m in p.modes if m not in measure.applicable(w, p.modes))) for w in p.workloads):
         if skipped:
@@ -258,18 +353,27 @@ def bench(args: argparse.Namespace) -> int:
     except ImportError:
         plots = []
         _say(console, "plots: skipped, matplotlib is not installed (pip install matplotlib)")
-    from ..records import bundles_from_results, write_bundles
+    from ..records import bundles_from_results, check_bundle, write_bundles
     from ..records.emit import harness_commit
 
     bundles = bundles_from_results(results, env, device=p.settings.device, commit=harness_commit(),
                                    logs=p.out / "results.csv")
-    records = write_bundles(bundles, p.out / "records")
+    # Checked as `records verify` checks them: a record that would not verify is said and not written.
+    refused = [(b, problems) for b in bundles if (problems := check_bundle(b))]
+    for b, problems in refused:
+        title = b.get("run", {}).get("manifest", {}).get("metadata", {}).get("title", "?")
+        _say(console, f"records: not written, {title} would not verify: {problems[0]}"
+                      + (f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""))
+    records = write_bundles([b for b in bundles if not any(b is r for r, _ in refused)], p.out / "records")
     from ..records.site import build as build_site
 
-    site = build_site([p.out / "records"], p.out / "site")
+    # No records (nothing was timed): no site of them, rather than one listing records/ as unreadable
+    site = build_site([p.out / "records"], p.out / "site") if records else None
+    for x in site.rejected if site else []:  # every record was checked: a rejection is the harness's bug
+        _say(console, f"site: {x.path}: not rendered: {x.problems[0]}")
     _say(console, _wrote(p.out, plots, records, site))
     bad = [r for r in results if r.check.status in ("FAILED", "error")]
-    return 1 if bad else 0
+    return 1 if bad or refused or (site and site.rejected) else 0
 
 
 def _wrote(out: Path, plots: list[Path], records: list[Path], site) -> str:
@@ -278,6 +382,8 @@ def _wrote(out: Path, plots: list[Path], records: list[Path], site) -> str:
     shown = [str(out / name) for name in ("results.csv", "errors.csv", "run.json")]
     if plots:
         shown.append(f"{len(plots)} plots {' '.join(str(out / f'{k}_*.png') for k in kinds)}")
+    if not records:
+        return "wrote " + ", ".join(shown) + "; no KernelIndex records (nothing was timed), so no site"
     shown.append(f"{len(records)} KernelIndex records {out / 'records' / '*.json'}")
     shown.append(f"their site ({len(site.runs)} runs, {len(site.groups)} comparison groups) {out / 'site' / 'index.html'}")
     return "wrote " + ", ".join(shown)

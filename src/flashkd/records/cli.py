@@ -5,12 +5,14 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import sys
 from pathlib import Path
 
 from . import liger
 from .identity import comparison_key, primary
-from .verify import bundle_paths, check_bundle, load, verify_paths
+from .verify import (EMPTY, PARTIAL, bundle_paths, check_bundle, empty_folders, load, same_run_text, same_runs,
+                     verify_paths)
 
 USAGE = """\
 KernelIndex (kernelindex.dev/v1alpha1) benchmark records. A bundle is one JSON file with the keys
@@ -36,8 +38,8 @@ def add_records_parser(commands) -> argparse.ArgumentParser:
                    help="a CSV in Liger-Kernel's 15-column benchmark schema (default: the published rows "
                         "of its distillation and JSD kernels shipped with flashkd)")
     q.add_argument("--out", type=Path, required=True, help="folder for the bundle files")
-    q.add_argument("--liger-commit", default=liger.LIGER_COMMIT,
-                   help="Liger-Kernel commit the operations' sourceRefs cite (metadata only)")
+    q.add_argument("--liger-commit", default=liger.LIGER_COMMIT, type=_git_ref,
+                   help="Liger-Kernel commit (or tag) the operations' sourceRefs cite (metadata only)")
     q.set_defaults(run=import_liger)
     q = sub.add_parser("verify", help="check bundles: digests, references, schemas")
     q.add_argument("paths", nargs="+", type=Path, metavar="PATH")
@@ -54,6 +56,15 @@ def add_records_parser(commands) -> argparse.ArgumentParser:
     return p
 
 
+def _git_ref(text: str) -> str:
+    """A commit or tag name that a sourceRef's https URL can carry (it was pasted in: a long or odd one
+    made every row's bundle fail to verify, so every row was skipped)."""
+    if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._/-]{0,99}", text):
+        raise argparse.ArgumentTypeError(f"expected a commit (40 hex digits) or a tag, at most 100 characters of "
+                                         f"A-Z a-z 0-9 . _ / -, got {text[:60]!r}")
+    return text
+
+
 def site(args: argparse.Namespace) -> int:
     from .site import main  # imports jinja2; site imports this module's ranking
 
@@ -61,9 +72,18 @@ def site(args: argparse.Namespace) -> int:
 
 
 def write_bundle(bundle: dict, folder: Path, name: str | None = None) -> Path:
+    """Writes the bundle whole or not at all: into a hidden sibling (.NAME.<pid>.partial), renamed into
+    place when complete, so no reader ever sees half a bundle; a killed write leaves only that sibling,
+    which verify and site report. Two writers of one name: the last rename wins, each file whole."""
     folder.mkdir(parents=True, exist_ok=True)
     path = folder / (name or liger.bundle_filename(bundle))
-    path.write_text(json.dumps(bundle, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
+    partial = folder / f".{path.name}.{os.getpid()}{PARTIAL}"
+    try:
+        partial.write_text(json.dumps(bundle, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
+        os.replace(partial, path)
+    except BaseException:
+        partial.unlink(missing_ok=True)
+        raise
     return path
 
 
@@ -123,8 +143,9 @@ def _spans(lines: list[int]) -> str:
 
 
 def verify(args: argparse.Namespace) -> int:
-    count, problems = verify_paths(args.paths)
-    for line in problems:
+    notes: list[str] = []
+    count, problems = verify_paths(args.paths, notes)
+    for line in problems + notes:
         print(line)
     if count == 0:
         print("flashkd records verify: no bundle files found", file=sys.stderr)
@@ -159,6 +180,8 @@ def ranked(members: list[tuple[Path, dict]]) -> list[tuple[Path, dict, float | N
 
 def compare(args: argparse.Namespace) -> int:
     bundles = []
+    for path in empty_folders(args.paths):
+        print(f"flashkd records compare: {path}: {EMPTY}", file=sys.stderr)
     for path in bundle_paths(args.paths):
         try:
             bundle = load(path)
@@ -170,6 +193,12 @@ def compare(args: argparse.Namespace) -> int:
             print(f"flashkd records compare: {path}: {problems[0]} (run `flashkd records verify`)", file=sys.stderr)
             return 1
         bundles.append((path, bundle))
+    for path, earlier, identical in same_runs(bundles):
+        if not identical:
+            print(f"flashkd records compare: {path}: {same_run_text(earlier, identical)} (run `flashkd records verify`)",
+                  file=sys.stderr)
+            return 1
+        print(f"flashkd records compare: {path}: {same_run_text(earlier, identical)}: shown once", file=sys.stderr)
     if not bundles:
         print("flashkd records compare: no bundle files found", file=sys.stderr)
         return 2

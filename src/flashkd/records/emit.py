@@ -7,7 +7,7 @@
     WorkloadCase            the bound case: shapes, dtype, loss options, seeded inputs (and how the
                             teacher's logits or top-k targets were made from them), and the gate's
                             policy: relative L2 error against the fp32 reference (TF32 off) within
-                            protocol.TOLERANCE (loss and gradients; maxRelativeError is the looser one,
+                            protocol.tolerance (the dtype's, an FP8 teacher's own; maxRelativeError the looser one,
                             the exact pair is in metadata.description); teacher_topk: its ids up to
                             ties and its probabilities (bench.measure._gate_topk)
     ImplementationRevision  per provider (flashkd, torch = the naive formula, liger, trl); "floor" is not an
@@ -40,7 +40,7 @@ import torch
 
 import flashkd
 from . import liger
-from .protocol import QUANTILES, TOLERANCE, applicable
+from .protocol import QUANTILES, applicable, tolerance
 from .identity import API_VERSION, digest, js_round
 
 HARNESS = "flashkd-bench"
@@ -132,7 +132,7 @@ def operation(w) -> dict:
 
 def workload(w, operation_digest: str) -> dict:
     dtype = _DTYPE_TOKENS[w.torch_dtype]
-    loss_tol, grad_tol = TOLERANCE[w.torch_dtype]
+    loss_tol, grad_tol = tolerance(w)  # the gate's: the dtype's, or an FP8 teacher's
 
     def tensor(shape, dt, generator, **parameters):
         data = {"generator": generator, "seed": w.seed, **({"parameters": parameters} if parameters else {})}
@@ -154,7 +154,8 @@ def workload(w, operation_digest: str) -> dict:
         "ignore_index": {"dtype": "int64", "value": w.ignore_index},
     }
     gate = (f"Gate: relative error against the fp32 reference (TF32 off) of the loss at most {loss_tol:g}, "
-            f"of dX and dW at most {grad_tol:g}. ")
+            f"of dX and dW at most {grad_tol:g}"
+            + (f" (flashkd's {w.teacher_precision} teacher GEMM's tolerance)" if w.teacher_precision else "") + ". ")
     correctness = {"comparator": COMPARATOR, "maxRelativeError": max(loss_tol, grad_tol), "nanPolicy": "reject"}
     name = f"flashkd-{w.kernel_name}-hidden{w.h}-tokens{w.n}-vocab{w.v}"
     if w.form == "heads":
@@ -182,6 +183,16 @@ def workload(w, operation_digest: str) -> dict:
         correctness = {"comparator": TOPK_COMPARATOR, "maxRelativeError": loss_tol, "nanPolicy": "reject"}
         made = " (the student's tensors and target are drawn and unused, so the teacher is every form's)."
         name += f"-k{w.k}"
+    # Part of the case (a run without it is another case): absent when unset, so the digests of the
+    # cases without it are what they always were.
+    if w.softcap is not None:
+        scalars["softcap"] = {"dtype": "fp32", "value": w.softcap}
+        made += (f" {'The teacher' if w.form == 'teacher_topk' else 'Both heads'}' logits softcapped, c·tanh(z/c) with "
+                 f"c = {w.softcap:g}"
+                 + (" (the teacher's in its top-k targets)." if w.form == "topk" else "."))
+        name += f"-softcap{w.softcap:g}"
+    if w.teacher_precision is not None:  # its gate's tolerance is in the correctness policy
+        name += f"-teacher-{w.teacher_precision}"
     return _manifest("WorkloadCase", {
         "name": liger.kebab(f"{name}-{dtype}-seed{w.seed}"),
         "title": f"{w.kernel_name} · tokens={w.n}, hidden={w.h}, vocab={w.v}"
@@ -204,6 +215,9 @@ def implementation(provider: str, version: str, w, operation_digest: str, cuda: 
         title, project, licence = "flashkd", ours, "Apache-2.0"
         symbol = {"heads": "fused_linear_distill", "logits": "fused_linear_distill_logits",
                   "topk": "fused_linear_distill_topk", "teacher_topk": "teacher_topk"}[w.form]
+        if w.teacher_precision is not None:  # another code path, and its own gate: part of the identity
+            symbol += f"(teacher_precision={w.teacher_precision!r})"
+            title += f" (teacher GEMM {w.teacher_precision})"
         callable_ = {"language": "triton" if cuda else "python", "path": "flashkd", "symbol": symbol}
         variants = None
     elif provider == "torch":

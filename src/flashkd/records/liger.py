@@ -441,11 +441,18 @@ def bundled_csv() -> str:
 
 
 def read_rows(text: str) -> list[dict]:
-    """CSV text -> rows keyed by COLUMNS; raises ValueError when a column is missing."""
-    reader = csv.DictReader(io.StringIO(text, newline=""))
-    missing = [c for c in COLUMNS if c not in (reader.fieldnames or ())]
+    """CSV text -> rows keyed by COLUMNS; raises ValueError when the text is empty, or a column is
+    missing or named twice (a row would give one of its two values and drop the other). A leading
+    byte-order mark (spreadsheets write one) is not part of the first column's name."""
+    reader = csv.DictReader(io.StringIO(text.removeprefix("\ufeff"), newline=""))
+    if not reader.fieldnames:
+        raise ValueError("empty: expected a header row of the 15 columns")
+    missing = [c for c in COLUMNS if c not in reader.fieldnames]
     if missing:
         raise ValueError(f"missing column(s): {', '.join(missing)}")
+    twice = [c for c in dict.fromkeys(reader.fieldnames) if reader.fieldnames.count(c) > 1]
+    if twice:
+        raise ValueError(f"column(s) named twice in the header: {', '.join(twice)}")
     return list(reader)
 
 

@@ -24,6 +24,7 @@ import dataclasses
 import hashlib
 import itertools
 import math
+import os
 import re
 import shutil
 import sys
@@ -32,7 +33,8 @@ from pathlib import Path
 
 from .cli import groups, ranked
 from .identity import canonical_identity, canonical_json, primary
-from .verify import OBJECTS, bundle_paths, check_bundle, load
+from .verify import (EMPTY, INTERRUPTED, OBJECTS, PARTIAL, bundle_paths, check_bundle, empty_folders, interrupted, load,
+                     loads, same_run_text, same_runs)
 
 MARKER = ".flashkd-site"  # marks a folder this module wrote, so a rebuild may replace it
 STATIC = ("style.css",)
@@ -47,6 +49,7 @@ class Run:
     value: float | None = None  # the primary value when ranked
     rank: int | None = None
     group: "Group | None" = None
+    raw: bytes = b""  # the file's bytes as read and checked: what bundles/<id>.json serves
 
     def __getitem__(self, name):  # run["workload"] -> that object's manifest
         return self.bundle[name]["manifest"]
@@ -176,6 +179,7 @@ class Site:
     rejected: list[Rejected]
     files: int
     pages: int = 0
+    duplicates: list[str] = dataclasses.field(default_factory=list)  # files given again, each a line
 
 
 def _title(manifest: dict) -> str:
@@ -193,10 +197,11 @@ def read(paths, compare_pairs=()) -> Site:
     (run, run) spellings (a bundle file, or a run digest or its first hex digits) that get compare pages.
     Raises ValueError when a pair names no run or several."""
     files = bundle_paths(paths)
-    good, rejected = [], []
+    good, rejected, raw = [], [], {}
     for path in files:
-        try:
-            bundle = load(path)
+        try:  # read once: the bytes checked are the bytes served, whatever the file holds by then
+            raw[path] = Path(path).read_bytes()
+            bundle = loads(raw[path].decode("utf-8"))
         except (OSError, ValueError) as e:
             rejected.append(Rejected(path, [f"cannot read: {e}"]))
             continue
@@ -205,6 +210,14 @@ def read(paths, compare_pairs=()) -> Site:
             rejected.append(Rejected(path, problems))
         else:
             good.append((path, bundle))
+    rejected += [Rejected(path, [INTERRUPTED]) for path in interrupted(paths)]
+    duplicates = []  # a run given twice is rendered once; two files that differ on it, not the second
+    for path, earlier, identical in same_runs(good):
+        good = [(p, b) for p, b in good if p is not path]
+        if identical:
+            duplicates.append(f"{path}: {same_run_text(earlier, identical)}")
+        else:
+            rejected.append(Rejected(path, [same_run_text(earlier, identical)]))
     runs, all_groups = [], []
     for key, members in groups(good).items():
         group = Group(_hex(key), key, [])
@@ -212,7 +225,7 @@ def read(paths, compare_pairs=()) -> Site:
         for path, bundle, value in ranked(members):
             rank += value is not None
             run = Run(_hex(bundle["run"]["digest"]), bundle, path, key, value, rank if value is not None else None,
-                      group)
+                      group, raw[path])
             group.runs.append(run)
             runs.append(run)
         all_groups.append(group)
@@ -228,7 +241,7 @@ def read(paths, compare_pairs=()) -> Site:
             raise ValueError(f"--compare {spelled[0]} {spelled[1]}: the same run twice")
         if (a, b) not in pairs and (b, a) not in pairs:
             pairs.append((a, b))
-    return Site(runs, all_groups, _sweeps(all_groups), pairs, rejected, len(files))
+    return Site(runs, all_groups, _sweeps(all_groups), pairs, rejected, len(files), duplicates=duplicates)
 
 
 def _find(runs: list[Run], spelled: str) -> Run:
@@ -489,16 +502,30 @@ def compare_name(a: Run, b: Run) -> str:
 
 
 def write(site: Site, out: Path) -> int:
-    """Writes the site into `out` (created; a folder this module wrote before is replaced, any other
-    non-empty folder is refused with ValueError). Returns the number of pages."""
+    """Writes the site into `out`, whole or not at all: built in a hidden sibling (.NAME.<pid>.partial)
+    and renamed into place when complete, so a killed or failing build never leaves half a site there.
+    A folder this module wrote before is then replaced; any other non-empty folder is refused with
+    ValueError. Returns the number of pages."""
     out = Path(out)
-    if out.exists():
-        if not out.is_dir() or (any(out.iterdir()) and not (out / MARKER).exists()):
-            raise ValueError(f"--out {out}: exists and is not a site written by flashkd records site")
-        shutil.rmtree(out)
+    if out.exists() and (not out.is_dir() or (any(out.iterdir()) and not (out / MARKER).exists())):
+        raise ValueError(f"--out {out}: exists and is not a site written by flashkd records site")
+    building = out.absolute().parent / f".{out.absolute().name}.{os.getpid()}{PARTIAL}"
+    shutil.rmtree(building, ignore_errors=True)
+    try:
+        pages = _write(site, building)
+        if out.exists():
+            shutil.rmtree(out)
+        os.replace(building, out)
+    except BaseException:
+        shutil.rmtree(building, ignore_errors=True)
+        raise
+    return pages
+
+
+def _write(site: Site, out: Path) -> int:
     for sub in ("runs", "groups", "compare", "sweeps", "bundles"):
         (out / sub).mkdir(parents=True)
-    (out / MARKER).write_text("written by flashkd records site; rebuilt in place\n")
+    (out / MARKER).write_text("written by flashkd records site; rebuilt whole, then renamed into place\n")
     env = _environment()
     static = resources.files(__package__).joinpath("templates")
     for name in STATIC:
@@ -518,7 +545,7 @@ def write(site: Site, out: Path) -> int:
         pages += 1
 
     for run in site.runs:
-        (out / "bundles" / f"{run.id}.json").write_bytes(run.path.read_bytes())
+        (out / "bundles" / f"{run.id}.json").write_bytes(run.raw)
         canonical = {name: canonical_identity(run.bundle[name]["manifest"]) for name in OBJECTS}
         (out / "runs" / f"{run.id}.canonical.json").write_text(canonical["run"], encoding="utf-8")
         p20, p80 = run.spread
@@ -572,6 +599,10 @@ def main(args) -> int:
     for x in site.rejected:
         for problem in x.problems:
             print(f"{x.path}: {problem}", file=sys.stderr)
+    for line in site.duplicates:
+        print(f"{line}: rendered once", file=sys.stderr)
+    for path in empty_folders(args.paths):
+        print(f"flashkd records site: {path}: {EMPTY}", file=sys.stderr)
     print(f"{len(site.runs)} run(s) in {len(site.groups)} comparison group(s), {site.pages} pages: "
           f"{Path(args.out) / 'index.html'}")
     if site.rejected:

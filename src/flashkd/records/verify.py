@@ -131,6 +131,23 @@ def bundle_paths(paths) -> list[Path]:
     return out
 
 
+def empty_folders(paths) -> list[Path]:
+    """The folders named that hold no *.json at all: a path given for bundles that gave none."""
+    return [p for p in map(Path, paths) if p.is_dir() and next(p.rglob("*.json"), None) is None]
+
+
+EMPTY = "a folder without bundle files (*.json)"
+
+# The suffix of a bundle file being written (cli.write_bundle); one left behind is an interrupted write.
+PARTIAL = ".partial"
+INTERRUPTED = "left by an interrupted write (a bundle never finished): write the records again, or remove it"
+
+
+def interrupted(paths) -> list[Path]:
+    """The unfinished bundle files (*.partial) under the folders named."""
+    return [q for p in map(Path, paths) if p.is_dir() for q in sorted(p.rglob(f"*{PARTIAL}"))]
+
+
 # A bundle is about eight levels deep; a deeper document is refused before any check walks it (the
 # checks and the JSON parser recurse, and a RecursionError is no answer).
 MAX_DEPTH = 64
@@ -138,10 +155,15 @@ MAX_DEPTH = 64
 
 def load(path: Path):
     """A bundle file's JSON; ValueError where it is not strict JSON (NaN, Infinity, a number past
-    float range) or nests deeper than MAX_DEPTH; OSError where it cannot be read."""
-    text = Path(path).read_text("utf-8")
+    float range), repeats a key within an object, holds a string that is not Unicode text (an escaped
+    lone surrogate) or nests deeper than MAX_DEPTH; OSError where it cannot be read."""
+    return loads(Path(path).read_text("utf-8"))
+
+
+def loads(text: str):
+    """load() of a bundle's text."""
     try:
-        value = json.loads(text, parse_constant=_reject, parse_float=_float)
+        value = json.loads(text, parse_constant=_reject, parse_float=_float, object_pairs_hook=_object)
     except RecursionError:
         raise ValueError(f"nested deeper than {MAX_DEPTH} levels") from None
     if _depth(value) > MAX_DEPTH:
@@ -149,11 +171,36 @@ def load(path: Path):
     return value
 
 
+def _object(pairs) -> dict:
+    """A JSON object with each key once: parsers differ on which of two values they keep (Python's and
+    JavaScript's the last, others the first), so a repeated key is two readings of one file."""
+    out = {}
+    for key, value in pairs:
+        if key in out:
+            raise ValueError(f"key {key[:40]!r} repeated within one object")
+        out[key] = value
+    return out
+
+
+def _text(s: str) -> None:
+    """A string that UTF-8 can write: JSON's \\ud800 escapes can spell a lone surrogate, which no page
+    or canonical form can carry."""
+    try:
+        s.encode("utf-8")
+    except UnicodeEncodeError:
+        raise ValueError(f"a string that is not Unicode text (a lone surrogate): {s[:40]!r}") from None
+
+
 def _depth(value) -> int:
-    """Nesting depth of a JSON value, without recursion."""
+    """Nesting depth of a JSON value, without recursion; each string on the way checked by _text."""
     deepest, stack = 0, [(value, 1)]
     while stack:
         node, depth = stack.pop()
+        if isinstance(node, str):
+            _text(node)
+        elif isinstance(node, dict):
+            for key in node:
+                _text(key)
         if isinstance(node, (dict, list)):
             deepest = max(deepest, depth)
             if depth <= MAX_DEPTH:  # past it the answer is known
@@ -172,16 +219,47 @@ def _float(text: str) -> float:
     return value
 
 
-def verify_paths(paths) -> tuple[int, list[str]]:
-    """(bundles checked, problem lines prefixed by their file)."""
+def same_runs(bundles) -> list[tuple[Path, Path, bool]]:
+    """(path, earlier path, identical) for each sound (path, bundle) whose run digest an earlier one
+    has. Identical files are one record given twice; files that differ (in metadata, which no digest
+    covers) are two readings of one run, of which compare and site could show only one."""
+    first, out = {}, []
+    for path, bundle in bundles:
+        # what a file says of each object: its manifest (a stated "canonical" was checked to be its form)
+        said = {name: entry["manifest"] for name, entry in bundle.items()}
+        earlier = first.setdefault(bundle["run"]["digest"], (path, said))
+        if earlier[0] is not path:
+            out.append((path, earlier[0], said == earlier[1]))
+    return out
+
+
+def same_run_text(earlier: Path, identical: bool) -> str:
+    """What same_runs found of a file, to follow its path."""
+    if identical:
+        return f"the same bundle as {earlier} (one run, counted once)"
+    return (f"the run of {earlier} (the same run digest), but the two files differ outside the digests "
+            "(metadata): one run, two descriptions of it")
+
+
+def verify_paths(paths, notes: list[str] | None = None) -> tuple[int, list[str]]:
+    """(bundles checked, problem lines prefixed by their file). A sound file holding the run of an
+    earlier one is a problem where the two differ, else a line in `notes`."""
     files = bundle_paths(paths)
-    problems = []
+    problems, sound = [], []
     for path in files:
         try:
             bundle = load(path)
         except (OSError, ValueError) as e:
             problems.append(f"{path}: cannot read: {e}")
             continue
-        problems += [f"{path}: {p}" for p in check_bundle(bundle)]
+        found = check_bundle(bundle)
+        problems += [f"{path}: {p}" for p in found]
+        if not found:
+            sound.append((path, bundle))
+    problems += [f"{path}: {INTERRUPTED}" for path in interrupted(paths)]
+    problems += [f"{path}: {EMPTY}" for path in empty_folders(paths)]
+    for path, earlier, identical in same_runs(sound):
+        (notes if identical and notes is not None else problems if not identical else []).append(
+            f"{path}: {same_run_text(earlier, identical)}")
     return len(files), problems
 
