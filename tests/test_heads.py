@@ -11,7 +11,7 @@ import torch
 import flashkd
 from conftest import BACKENDS
 from oracle import distill_loss, student_stats, topk_loss
-from test_distill import V, make_inputs
+from test_distill import V, make_inputs, rel_err
 from test_forms import check_against_oracle, make_topk
 
 # (student σ, student c, teacher σ, teacher c): scales alone, caps alone, both, negative scales, and a
@@ -129,9 +129,10 @@ def test_masked_teacher_ids_stay_masked_under_every_transform(backend, loss, t_s
     check_against_oracle(out, ref, grads, torch.autograd.grad(ref[0], leaves), [xs, ws, bs], tol, labels)
 
 
-def _run_topk(backend, loss, tail, transform, weighted, lead, *, temperature=0.7, stats=False, scale_x=1.0,
-              ignore="some", **extra):
-    dtype, tol = _tolerance(backend)
+def _topk_case(backend, loss, tail, transform, weighted, lead, *, temperature=0.7, stats=False, scale_x=1.0,
+               ignore="some", dtype=None, **extra):
+    """One top-k call and the oracle's: (out, grads, ref, ref_grads, leaves, context)."""
+    dtype = dtype or _tolerance(backend)[0]
     xs, ws, _, _, labels, bs, _ = make_inputs(lead, dtype, ignore=ignore, bias=True)
     with torch.no_grad():
         xs.mul_(scale_x)
@@ -148,8 +149,14 @@ def _run_topk(backend, loss, tail, transform, weighted, lead, *, temperature=0.7
     ref = topk_loss(ref_leaves[0], ref_leaves[1], ids, logprobs.to(dtype), labels, student_bias=ref_leaves[2],
                     row_weight=rw, **options)
     ref_grads = torch.autograd.grad(ref[0], ref_leaves)
-    check_against_oracle(out, ref, grads, ref_grads, leaves, tol, labels)
-    return out, (xs, ws, bs, labels, ids, rw, options, tol)
+    return out, grads, ref, ref_grads, leaves, (xs, ws, bs, labels, ids, rw, options)
+
+
+def _run_topk(backend, loss, tail, transform, weighted, lead, *, tol=None, **kw):
+    out, grads, ref, ref_grads, leaves, context = _topk_case(backend, loss, tail, transform, weighted, lead, **kw)
+    tol = tol or _tolerance(backend)[1]
+    check_against_oracle(out, ref, grads, ref_grads, leaves, tol, context[3])
+    return out, (*context, tol)
 
 
 TOPK_GRID = [
@@ -170,7 +177,21 @@ def test_topk_transforms_match_oracle(backend, loss, tail, i, weighted, seed):
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("tail", ["bucket", "renormalize"])
 def test_topk_saturated_softcap_and_row_weight(backend, tail, seed):
-    _run_topk(backend, "jsd", tail, (1.5, 2.0), True, (19,), scale_x=100.0, temperature=1.0)
+    case = ("jsd", tail, (1.5, 2.0), True, (19,))
+    kw = dict(scale_x=100.0, temperature=1.0)
+    tol = None
+    if backend == "triton":
+        # Logits 100x past the cap: in fp32, σ·s loses digits before the tanh and the few unsaturated
+        # elements carry the gradient, so fp32 itself is off the float64 oracle by up to ~2e-4 on some
+        # draws (plain torch as much as the kernel). The kernel is held to twice plain torch's fp32 error
+        # on the same inputs, and never looser than the fixed fp32 bound.
+        torch.manual_seed(seed)
+        out, grads, ref, ref_grads, _, _ = _topk_case("torch", *case, dtype=torch.float32, **kw)
+        base = max([rel_err(g, r) for g, r in zip(grads, ref_grads)] +
+                   [abs(a.item() - b.item()) / max(abs(b.item()), 1.0) for a, b in zip(out, ref)])
+        tol = max(_tolerance("triton")[1], 2 * base)
+        torch.manual_seed(seed)
+    _run_topk(backend, *case, tol=tol, **kw)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
