@@ -155,7 +155,6 @@ class Problem:
         del q, p, mix, onehot
         for name in ("ks", "cs", "kt", "ct", "f0", "r"):
             setattr(self, name, getattr(self, name).float())
-        self.spec = LossSpec(loss="jsd", beta=beta, weight_hard=0.5, want_hard=True)
         self.scale = torch.tensor(1.0 / m, device=device)
 
 

@@ -41,7 +41,3 @@ def compute_dtype(x: torch.Tensor) -> torch.dtype:
     device = x.device.type
     return torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else x.dtype
 
-
-def no_autocast(x: torch.Tensor):
-    """flashkd's inputs are cast to one dtype before the call; autocast would re-cast its GEMMs."""
-    return torch.autocast(x.device.type, enabled=False)

@@ -53,7 +53,7 @@ import torch
 import transformers
 
 from ..distill import fused_linear_distill, fused_linear_distill_topk
-from . import compute_dtype, full_head, no_autocast, per_item
+from . import compute_dtype, full_head, per_item
 
 IGNORE_INDEX = -100  # HF's label for "no loss here"
 # Keywords the trainer sets itself; they cannot come through distill_options.
@@ -169,7 +169,7 @@ class DistillationLossMixin:
             params = (ws, bs)
         y = y.to(hs.device)
         cast = lambda t: None if t is None else t.to(dtype)  # noqa: E731
-        with _zero3_gathered(*params), no_autocast(hs):
+        with _zero3_gathered(*params):
             if ids is None:
                 loss = fused_linear_distill(cast(hs), cast(ws), cast(ht), cast(wt), y, student_bias=cast(bs),
                                             teacher_bias=cast(bt), reduction="sum", **transform,

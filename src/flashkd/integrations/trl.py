@@ -46,7 +46,7 @@ import torch
 
 from .. import fp8
 from ..distill import fused_linear_distill
-from . import compute_dtype, full_head, no_autocast, per_item
+from . import compute_dtype, full_head, per_item
 
 TESTED_TRL_VERSIONS = ("1.16.0",)
 
@@ -93,7 +93,7 @@ def chunked_divergence_loss(
     # would cost their GEMMs for nothing.
     xs = student_hidden_states.reshape(-1, student_hidden_states.shape[-1])[valid]
     xt = teacher_hidden_states.reshape(-1, teacher_hidden_states.shape[-1])[valid]
-    with maybe_gather_lm_head_ctx(ws, bs), maybe_gather_lm_head_ctx(wt, bt), no_autocast(xs):
+    with maybe_gather_lm_head_ctx(ws, bs), maybe_gather_lm_head_ctx(wt, bt):
         loss, stats = fused_linear_distill(
             xs.to(dtype), ws.to(dtype), xt.to(dtype), wt.to(dtype), None,
             student_bias=None if bs is None else bs.to(dtype),
