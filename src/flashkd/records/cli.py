@@ -10,7 +10,8 @@ import sys
 from pathlib import Path
 
 from . import liger
-from .identity import comparison_key, primary
+from .identity import primary
+from .ranking import groups, ranked
 from .verify import (EMPTY, PARTIAL, bundle_paths, check_bundle, empty_folders, load, same_run_text, same_runs,
                      verify_paths)
 
@@ -66,7 +67,7 @@ def _git_ref(text: str) -> str:
 
 
 def site(args: argparse.Namespace) -> int:
-    from .site import main  # imports jinja2; site imports this module's ranking
+    from .site import main  # imports jinja2
 
     return main(args)
 
@@ -152,30 +153,6 @@ def verify(args: argparse.Namespace) -> int:
         return 2
     print(f"{count} bundle(s) checked, {len(problems)} problem(s)")
     return 1 if problems else 0
-
-
-def groups(bundles: list[tuple[Path, dict]]) -> dict[str, list[tuple[Path, dict]]]:
-    """Bundles by the comparison key of their run (each run once)."""
-    out: dict[str, list] = {}
-    seen = set()
-    for path, b in bundles:
-        if b["run"]["digest"] in seen:
-            continue
-        seen.add(b["run"]["digest"])
-        key = comparison_key(b["run"]["manifest"], b["workload"]["manifest"], b["protocol"]["manifest"],
-                             b["environment"]["manifest"])
-        out.setdefault(key, []).append((path, b))
-    return out
-
-
-def ranked(members: list[tuple[Path, dict]]) -> list[tuple[Path, dict, float | None]]:
-    """Passed runs with a primary value, lowest first, then the rest (value None)."""
-    scored = []
-    for path, b in members:
-        found = primary(b["run"]["manifest"])
-        ok = b["run"]["manifest"]["spec"]["status"] == "passed" and found is not None
-        scored.append((path, b, found[1] if ok else None))
-    return sorted(scored, key=lambda t: (t[2] is None, t[2] if t[2] is not None else 0.0))
 
 
 def compare(args: argparse.Namespace) -> int:

@@ -14,7 +14,7 @@
 
 <id> is the first 16 hex digits of the run's digest. Every bundle is checked with verify.check_bundle first;
 a file that fails is not rendered: the index lists it with its problems and build() reports it (the
-command exits 1). Ranks are records compare's (cli.groups and cli.ranked). Links to other sites are shown
+command exits 1). Ranks are records compare's (ranking.groups and ranking.ranked). Links to other sites are shown
 as text, so every link in the site resolves to a file in it.
 """
 
@@ -31,7 +31,7 @@ import sys
 from importlib import resources
 from pathlib import Path
 
-from .cli import groups, ranked
+from .ranking import groups, ranked
 from .identity import canonical_identity, canonical_json, primary
 from .verify import (EMPTY, INTERRUPTED, OBJECTS, PARTIAL, bundle_paths, check_bundle, empty_folders, interrupted, load,
                      loads, same_run_text, same_runs)
