@@ -2,10 +2,8 @@
 # The whole GPU check in one command, on a CUDA machine from a checkout of this repository:
 #   bash scripts/gpu_check.sh [tests] [rows] [breakdown] [profile] [bench-seed] [bench-sweep] [bench-losses]
 #                             [bench-softonly] [memory] [bench-topk] [bench-logits] [bench-teacher-topk]
-#                             [bench-softcap] [bench-trl] [bench-trl-step] [bench-fp8] [bench-softcap-ab] [fused-grad]
-# (default: all of them but bench-softcap-ab (about five minutes: the softcap's tanh variants, benchmarks/bench_softcap.py)
-# and fused-grad (a minute or two: the gradient inside the dX GEMM, benchmarks/bench_fused_grad.py),
-# about 20 minutes on an H200; each of the last five a minute or two, bench-trl-step
+#                             [bench-softcap] [bench-trl] [bench-trl-step] [bench-fp8]
+# (default: all of them, about 20 minutes on an H200; each of the last five a minute or two, bench-trl-step
 # at most about five: it needs trl 1.16.0 and accelerate (from .whl/); no PYTHONPATH beyond this script's, as
 # benchmarks/bench_trl_step.py falls back to its own stand-in for `datasets` where that is not installed)
 # Logs and results go to $OUT (default ./gpu-out). Liger-Kernel is installed from .whl/ when present.
@@ -61,9 +59,6 @@ for stage in $stages; do
         --out "$OUT/sweep-fp8" 2>&1 | tee -a "$OUT/bench-fp8.log" || status=1
       python3 -m flashkd bench --preset teacher-topk --modes no-grad-forward --providers flashkd floor --teacher-precision fp8 \
         --out "$OUT/teacher-topk-fp8" 2>&1 | tee -a "$OUT/bench-fp8.log" || status=1 ;;
-    bench-softcap-ab) python3 -m pytest -q tests/test_softcap_tanh.py 2>&1 | tee "$OUT/softcap-ab-tests.log" | tail -5 || status=1
-      python3 benchmarks/bench_softcap.py --out "$OUT/softcap-ab" 2>&1 | tee "$OUT/bench-softcap-ab.log" || status=1 ;;
-    fused-grad) python3 benchmarks/bench_fused_grad.py --out "$OUT/fused-grad" 2>&1 | tee "$OUT/fused-grad.log" || status=1 ;;
     *) echo "unknown stage $stage"; status=2 ;;
   esac
 done

@@ -1,6 +1,6 @@
-"""The softcap's arithmetic in the Triton kernels (`triton_rows._tanh`, `_exp2_neg`, `_head`):
-accuracy against float64 over dense grids and the edge cases (±0, tiny, saturated, huge, ±inf, NaN),
-on each pipe's variant; then the row kernel with each variant against the torch rows."""
+"""The softcap's arithmetic in the Triton kernels (`triton_rows._tanh`, `_head`): accuracy against
+float64 over dense grids and the edge cases (±0, tiny, saturated, huge, ±inf, NaN), with the
+reciprocal on either pipe; then the row kernel with each pipe's masks against the torch rows."""
 
 import math
 
@@ -20,38 +20,25 @@ if HAS_TRITON:
 
     @triton.jit
     def _head_kernel(x_ptr, z_ptr, d_ptr, n, mul, HEAD: tl.constexpr, RCP_FMA: tl.constexpr,
-                     EXP2_FMA: tl.constexpr, BLOCK: tl.constexpr):
+                     BLOCK: tl.constexpr):
         offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
         x = tl.load(x_ptr + offs, mask=offs < n)
-        z, d = triton_rows._head(x, mul, HEAD, RCP_FMA, EXP2_FMA)
+        z, d = triton_rows._head(x, mul, HEAD, RCP_FMA)
         tl.store(z_ptr + offs, z, mask=offs < n)
         tl.store(d_ptr + offs, d + tl.zeros_like(x), mask=offs < n)
-
-    @triton.jit
-    def _exp2_kernel(x_ptr, y_ptr, n, FMA: tl.constexpr, BLOCK: tl.constexpr):
-        offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-        x = tl.load(x_ptr + offs, mask=offs < n)
-        tl.store(y_ptr + offs, triton_rows._exp2_neg(x, FMA), mask=offs < n)
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 BLOCK = 4096
 INF, NAN = math.inf, math.nan
-PIPES = [(False, False), (True, False), (False, True), (True, True)]  # (RCP_FMA, EXP2_FMA)
+PIPES = [False, True]  # RCP_FMA
 
 
-def _exp2(x, fma):
-    x = x.to(DEVICE, torch.float32)
-    y = torch.empty_like(x)
-    _exp2_kernel[(triton.cdiv(x.numel(), BLOCK),)](x, y, x.numel(), FMA=fma, BLOCK=BLOCK)
-    return y.cpu()
-
-
-def _head(x, sigma, cap, rcp_fma, exp2_fma):
+def _head(x, sigma, cap, rcp_fma):
     head, fold, mul = triton_rows.head_mode(sigma, cap)
     x = x.to(DEVICE, torch.float32)
     z, d = torch.empty_like(x), torch.empty_like(x)
     _head_kernel[(triton.cdiv(x.numel(), BLOCK),)](x, z, d, x.numel(), mul, HEAD=head, RCP_FMA=rcp_fma,
-                                                  EXP2_FMA=exp2_fma, BLOCK=BLOCK)
+                                                  BLOCK=BLOCK)
     return z.cpu().double() * fold, d.cpu()  # z in logit units (exactly: float64), as the kernels take it
 
 
@@ -106,36 +93,6 @@ def test_division_on_the_fma_pipe(fused):
         assert np.abs(_division(t, fused, steps=1, correct=False) - ref).max() < 2.0**-22.9
 
 
-def test_exp2_polynomial_with_fused_multiply_adds():
-    """`EXP2_C` on [−1/2, 1/2] as the GPU evaluates it: relative error below 2^-22.4 (ex2.approx: ~2^-22),
-    and 2^0 = 1 exactly."""
-    f32 = np.float32
-    f = np.concatenate([np.linspace(-0.5, 0.5, 1000001, dtype=f32), f32([0.0])])
-    c = [f32(v) for v in triton_rows.EXP2_C]
-    p = c[5]
-    for k in (4, 3, 2, 1, 0):
-        p = _fused(p, f, c[k])
-    assert np.abs(p / np.exp2(f.astype(np.float64)) - 1.0).max() < 2.0**-22.4
-    assert p[-1] == 1.0
-
-
-@pytest.mark.parametrize("fma", [False, True])
-def test_exp2(fma):
-    """2^a for a <= 0 on a dense grid of [−125, 0] and at the ends: relative error below 2^-21.5 (the
-    interpreter rounds each product of the Horner steps: more than the GPU's 2^-22.6); 2^0 = 1; below
-    2^-125 a tiny non-negative value (at most 2^-124.5); −inf gives the same, NaN stays NaN."""
-    a = torch.cat([torch.linspace(-125.0, 0.0, 500001), torch.tensor([-0.0, -1e-30, -1e-7, -0.5, -124.5])])
-    y = _exp2(a, fma)
-    assert _rel(y, torch.exp2(a.double())) < 2.0**-21.5
-    assert _exp2(torch.tensor([0.0, -0.0]), fma).tolist() == [1.0, 1.0]
-    low = _exp2(torch.tensor([-125.4, -126.0, -200.0, -1e30, -INF]), fma)
-    if fma:
-        assert ((low > 0.0) & (low <= 2.0**-124.5)).all(), low
-    else:
-        assert ((low >= 0.0) & (low <= 2.0**-125)).all() and low[-1] == 0.0, low
-    assert _exp2(torch.tensor([NAN]), fma).isnan().all()
-
-
 # ------------------------------------------------------------------------------------------ the tanh
 
 
@@ -164,34 +121,33 @@ def _check_tanh(x, z, d, sigma, cap):
     sat = th.float().abs() == 1.0
     assert sat.sum() > 1000 and (z[sat] == cap * th[sat].sign().float()).all()
     dd = 1.0 / torch.cosh(y) ** 2
-    normal = dd > 2.0**-120  # below, 4t·r² with t clamped near 2^-125 (EXP2_FMA) is not 4·2^(k|x|)
+    normal = dd > 2.0**-120  # 1 − tanh² as a normal float: the relative bound holds there
     # t = 2^(k·|x|) carries the rounding of its fp32 argument, |2y|·log2(e)·2^-24, times ln 2: relative
     assert (((d.double() - dd) / dd).abs() / (1.0 + 2.0 * y.abs()))[normal].max().item() < 2.0**-21
     assert ((d >= 0.0) & (d <= 1.0 + 2.0**-21)).all()  # 4t·r² rounds to just over 1 near t = 1
 
 
-@pytest.mark.parametrize("rcp_fma,exp2_fma", PIPES)
+@pytest.mark.parametrize("rcp_fma", PIPES)
 @pytest.mark.parametrize("sigma,cap", [(1.0, 30.0), (1.7, 2.5), (-0.8, 1.5), (0.3, 50.0)])
-def test_tanh(sigma, cap, rcp_fma, exp2_fma):
+def test_tanh(sigma, cap, rcp_fma):
     x = _grid(cap / abs(sigma))
-    z, d = _head(x, sigma, cap, rcp_fma, exp2_fma)
+    z, d = _head(x, sigma, cap, rcp_fma)
     _check_tanh(x, z, d, sigma, cap)
     n = (x.numel() - 6) // 2  # odd, bit for bit
     assert torch.equal(z[n:2 * n], -z[:n]) and torch.equal(d[n:2 * n], d[:n])
-    zeros = _head(torch.tensor([0.0, -0.0]), sigma, cap, rcp_fma, exp2_fma)[0]
+    zeros = _head(torch.tensor([0.0, -0.0]), sigma, cap, rcp_fma)[0]
     assert zeros.tolist() == [0.0, 0.0] and torch.signbit(zeros).tolist() == [sigma < 0, sigma > 0]
 
 
-@pytest.mark.parametrize("rcp_fma,exp2_fma", PIPES)
-def test_tanh_special_values(rcp_fma, exp2_fma):
+@pytest.mark.parametrize("rcp_fma", PIPES)
+def test_tanh_special_values(rcp_fma):
     """−inf stays −inf (an absent column), +inf saturates to ±c (as torch's c·tanh), NaN stays NaN; the
-    derivative is finite at ±inf: 0, or 4·2^-125 with the FMA pipe's exp2 (which stops at 2^-125), so
-    a 0 gradient there stays 0."""
+    derivative is finite at ±inf: 0, so a 0 gradient there stays 0."""
     x = torch.tensor([-INF, INF, NAN])
     for sigma in (1.0, -2.0):
-        z, d = _head(x, sigma, 4.0, rcp_fma, exp2_fma)
+        z, d = _head(x, sigma, 4.0, rcp_fma)
         assert z[0] == -INF and z[1] == 4.0 * math.copysign(1.0, sigma) and z[2].isnan()
-        assert ((d[:2] >= 0.0) & (d[:2] <= (2.0**-122 if exp2_fma else 0.0))).all() and d[2].isnan()
+        assert ((d[:2] >= 0.0) & (d[:2] <= 0.0)).all() and d[2].isnan()
 
 
 def test_checks_fail_on_a_worse_tanh():
@@ -213,15 +169,14 @@ def test_checks_fail_on_a_worse_tanh():
 # ------------------------------------------------------------------------------- in the row kernel
 
 
-@pytest.mark.parametrize("rcp,exp2", [(0, 0), (0b111111, 0), (0, 0b111111), (0b010101, 0b101010)])
+@pytest.mark.parametrize("rcp", [0, 0b111111, 0b010101, 0b101010])
 @pytest.mark.parametrize("loss", ["jsd", "reverse_kl", "tvd"])
-def test_rows_on_each_pipe(monkeypatch, seed, loss, rcp, exp2):
-    """The row kernel with the softcap's exp2 and reciprocal on either pipe, pass by pass and side by
-    side (the masks): loss and dL/ds as the torch rows', saturated logits (|x| ≫ c) included."""
+def test_rows_on_each_pipe(monkeypatch, seed, loss, rcp):
+    """The row kernel with the softcap's reciprocal on either pipe, pass by pass and side by side (the
+    masks): loss and dL/ds as the torch rows', saturated logits (|x| ≫ c) included."""
     from flashkd.losses import LossSpec
 
     monkeypatch.setattr(triton_rows, "SOFTCAP_RCP_FMA", {loss: rcp})
-    monkeypatch.setattr(triton_rows, "SOFTCAP_EXP2_FMA", {loss: exp2})
     R, V = 4, 300
     s = torch.randn(R, V) * 4.0
     s[0, :8] = torch.tensor([25.0, -60.0, 100.0, -90.0, 1e4, -1e4, 0.0, -0.0])  # |σx/c| 10 to 4000: saturated

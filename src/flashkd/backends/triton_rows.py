@@ -32,8 +32,8 @@ constexpr S_HEAD / T_HEAD, keyed on the sign and on None, never a float); σ = d
 gradient's weights, and a softcap multiplies dL/dz by 1 − tanh² where dL/ds is written. tanh is
 ±(1 − t)/(1 + t), t = e^(−2|y|) (`_tanh`: odd, exactly ±1 when saturated, an absolute error of ~2^-23
 at most), with 1 − tanh² = 4t/(1 + t)², so saturated logits (|s| ≫ c) keep finite,
-accurate gradients. A softcap costs its tanh per element and pass on each capped side: an exp2 and a
-reciprocal, each on the SFU or the FMA pipe by a constexpr mask (SOFTCAP_RCP_FMA: by the compiled
+accurate gradients. A softcap costs its tanh per element and pass on each capped side: an exp2 on the
+SFU and a reciprocal, on the SFU or the FMA pipe by a constexpr mask (SOFTCAP_RCP_FMA: by the compiled
 instruction counts the SFU binds the capped JSD passes); the first version, both on the SFU with the
 cap and sign applied at each load, took 1.23× the floor at the JSD seed with softcap 30 on both heads,
 against 1.18× without (BENCHMARKS.md).
@@ -79,6 +79,7 @@ from __future__ import annotations
 
 import math
 import os
+import types
 
 import torch
 import triton
@@ -179,19 +180,17 @@ def _rcp(x):
 # With a softcap on both heads the JSD kernel (CE and grad, bf16, compiled for sm_90) issues 153,
 # 167, 192 instructions per 4 elements a thread in its three passes, 24, 32, 28 of them MUFU:
 # 192 + 256 + 224 cycles of SFU against 512 of issue, where the kernel without a transform issues
-# 93 + 107 + 116 with 8, 16, 12 MUFU. `_tanh` can take its reciprocal (RCP_FMA) or its exp2
-# (EXP2_FMA, `_exp2_neg`) on the FMA pipe instead: +6 and +10 instructions for one MUFU fewer. Which
-# loads do is a constexpr bit mask of `_rows_kernel`, bit 2·(pass − 1) + side (side 0: s, 1: t), set
-# by the launcher per loss from these tables (on the sides with a softcap; 0 where a loss is not in
-# them). The entries balance issue against the SFU pass by pass on those counts, max(issued,
+# 93 + 107 + 116 with 8, 16, 12 MUFU. `_tanh` can take its reciprocal (RCP_FMA) on the FMA pipe
+# instead: +6 instructions for one MUFU fewer. Which loads do is a constexpr bit mask of `_rows_kernel`,
+# bit 2·(pass − 1) + side (side 0: s, 1: t), set by the launcher per loss from this table (on the sides
+# with a softcap; 0 where a loss is not in it). The entries balance issue against the SFU pass by pass on those counts, max(issued,
 # 8 · MUFU): for JSD the teacher's reciprocal in pass 1 (178), both in pass 2 (216), the teacher's in
 # pass 3 (220), 614 cycles against 672 with both on the SFU (and 679 for the tanh before this one,
 # 337 without a transform; without grad 394 against 448); for TVD one side's in passes 1 and 2 (536
 # against 552); the KLs, with fewer MUFU a pass, come out no faster (forward KL 397 against 384 with
-# TVD's mask); no exp2 anywhere (each frees 8 SFU cycles for 10 issue slots).
-# `benchmarks/bench_softcap.py` times the alternatives.
-SOFTCAP_RCP_FMA = {"jsd": 0b101110, "tvd": 0b000110}
-SOFTCAP_EXP2_FMA: dict[str, int] = {}
+# TVD's mask); an exp2 on the FMA pipe (a degree-5 polynomial, +10 instructions for 8 SFU cycles) paid
+# nowhere. The variants were timed by benchmarks/bench_softcap.py, in the history at ea784f5 (BENCHMARKS.md).
+SOFTCAP_RCP_FMA = types.MappingProxyType({"jsd": 0b101110, "tvd": 0b000110})
 
 # 1/u on u in [1, 2]: the minimax quadratic for the relative error, whose residual 1 − u·p(u) is
 # T3(2u − 3)/99 (T3 the Chebyshev polynomial), at most 1/99; each Newton step squares it. In
@@ -199,58 +198,24 @@ SOFTCAP_EXP2_FMA: dict[str, int] = {}
 RCP_P0 = 98.0 / 99.0
 RCP_P1 = -80.0 / 99.0
 RCP_P2 = 32.0 / 99.0
-# 2^f on f in [−1/2, 1/2]: degree 5 with c0 = 1 (2^0 is exact: tanh 0 = 0), near-minimax for the
-# relative error (Lawson), the fp32 coefficients then moved by an ulp or two where that lowered the
-# error of the fp32 Horner evaluation with fused multiply-adds: 2^-22.6 against ~2^-22 for ex2.approx.
-EXP2_C = (1.0, 0.6931470036506653, 0.24022245407104492, 0.05550732463598251, 0.009671486914157867,
-          0.0013264631852507591)
 _RCP_P0: tl.constexpr = tl.constexpr(RCP_P0)
 _RCP_P1: tl.constexpr = tl.constexpr(RCP_P1)
 _RCP_P2: tl.constexpr = tl.constexpr(RCP_P2)
-_EXP2_C0: tl.constexpr = tl.constexpr(EXP2_C[0])
-_EXP2_C1: tl.constexpr = tl.constexpr(EXP2_C[1])
-_EXP2_C2: tl.constexpr = tl.constexpr(EXP2_C[2])
-_EXP2_C3: tl.constexpr = tl.constexpr(EXP2_C[3])
-_EXP2_C4: tl.constexpr = tl.constexpr(EXP2_C[4])
-_EXP2_C5: tl.constexpr = tl.constexpr(EXP2_C[5])
-_EXP2_MIN: tl.constexpr = tl.constexpr(-125.0)  # 2^-125 · [2^-1/2, 2^1/2] is a normal float
-_ROUND: tl.constexpr = tl.constexpr(1.5 * 2.0**23)  # x + 1.5·2^23 rounds x to an integer, kept in the low bits
-
-
 @triton.jit
-def _exp2_neg(a, FMA: tl.constexpr):
-    """2^a for a <= 0 (−inf and NaN included). FMA: on the FMA pipe: a = n + f with n = round(a)
-    (adding 1.5·2^23 leaves n in the low mantissa bits, subtracting it back gives n exactly),
-    2^f by `EXP2_C` on f in [−1/2, 1/2], and n added to the result's exponent field as an integer.
-    a is first raised to −125 (NaN kept), so that n·2^23 never reaches the sign bit: 2^a below
-    2^-125 comes out as ~2^-125 instead of less (or 0). Else ex2.approx."""
-    if FMA:
-        a = tl.maximum(a, _EXP2_MIN, propagate_nan=tl.PropagateNan.ALL)
-        j = a + _ROUND
-        f = a - (j - _ROUND)
-        p = tl.fma(tl.fma(tl.fma(tl.fma(tl.fma(f, _EXP2_C5, _EXP2_C4), f, _EXP2_C3), f, _EXP2_C2), f, _EXP2_C1), f,
-                   _EXP2_C0)
-        y = (p.to(tl.int32, bitcast=True) + (j.to(tl.int32, bitcast=True) << 23)).to(tl.float32, bitcast=True)
-        # NaN's bits plus an exponent shift are not NaN's on the GPU (3.4e38 came out there): kept by a select
-        return tl.where(a != a, a, y)
-    return tl.exp2(a)
-
-
-@triton.jit
-def _tanh(x, k, NEG: tl.constexpr, RCP_FMA: tl.constexpr, EXP2_FMA: tl.constexpr):
+def _tanh(x, k, NEG: tl.constexpr, RCP_FMA: tl.constexpr):
     """(tanh y, 1 − tanh² y) in fp32 for y = σ x / c, given k = −2 log2(e)·|σ|/c and NEG = σ < 0, from
     t = e^(−2|y|) = 2^(k·|x|) in [0, 1] alone: tanh |y| = (1 − t)/(1 + t), whose sign (x's, flipped for
     NEG) is set bitwise; odd by construction (−0 gives ∓0), exactly ±1 where tanh rounds to ±1
     (saturated: 1 + t rounds to 1, r = 1, and r − t·r to 1), and 1 − tanh² = 4t/(1 + t)², accurate
     there too. No overflow for any x. Absolute error ~2^-23 at most, mostly the exp2's (ex2.approx: ~2^-22 relative; 1 − t is
     exact near 0, the division within an ulp).
-    The exp2 on the SFU (ex2.approx) or, with EXP2_FMA, on the FMA pipe (`_exp2_neg`). The division:
+    The exp2 on the SFU (ex2.approx). The division:
     the hardware reciprocal r of u = 1 + t, then r − t·r, one FFMA; or with RCP_FMA on the FMA pipe
     alone: r from the quadratic start and one Newton step (relative error 2^-13), the quotient
     q = r − t·r, then one correction by its residual, q + r·((1 − t) − u·q), which squares the error
     (seven FFMA in all); a second Newton step gives r itself to fp32 accuracy for 4t·r², only where the
     derivative is used (elsewhere the compiler drops it)."""
-    t = _exp2_neg(tl.abs(x) * k, EXP2_FMA)
+    t = tl.exp2(tl.abs(x) * k)
     u = 1.0 + t
     # −v as v · −1, which the compiler turns into a negated operand; Triton's −v is 0 − v, an instruction
     nt = t * -1.0
@@ -272,12 +237,12 @@ def _tanh(x, k, NEG: tl.constexpr, RCP_FMA: tl.constexpr, EXP2_FMA: tl.constexpr
 
 
 @triton.jit
-def _head(x, mul, HEAD: tl.constexpr, RCP_FMA: tl.constexpr = False, EXP2_FMA: tl.constexpr = False):
+def _head(x, mul, HEAD: tl.constexpr, RCP_FMA: tl.constexpr = False):
     """(z / fold, dz/dx / σ) of a head's transform of loaded logits x (`head_mode`): HEAD 0 none here,
     (x, 1) (the scale σ is the fold, in the caller's constants); 1 z = mul · x (a negative scale:
     mul = σ), (z, 1); 2 and 3 (σ < 0) z = c · tanh(σ x / c) with the cap c as the fold:
-    (tanh(σ x / c), 1 − tanh²) (`_tanh`, mul = −2 log2(e)·|σ|/c), its exp2 and reciprocal where RCP_FMA
-    and EXP2_FMA say. The defaults, both on the SFU, are the top-k kernels' (`triton_topk`): compiled
+    (tanh(σ x / c), 1 − tanh²) (`_tanh`, mul = −2 log2(e)·|σ|/c), its reciprocal where RCP_FMA says.
+    The default, on the SFU, is the top-k kernels' (`triton_topk`): compiled
     for sm_90 their passes bind on the SFU by less than the FMA pipe's reciprocal adds to their issue
     (stats 157 instructions per 8 elements a thread with 24 MUFU, against 206 with 16). −inf (a masked
     lane, or a column the top-k kernels wrote −inf over) stays −inf: an absent column. The derivative
@@ -287,7 +252,7 @@ def _head(x, mul, HEAD: tl.constexpr, RCP_FMA: tl.constexpr = False, EXP2_FMA: t
     elif HEAD == 1:
         return tl.where(x == -float("inf"), x, x * mul), 1.0
     else:
-        th, d = _tanh(x, mul, HEAD == 3, RCP_FMA, EXP2_FMA)
+        th, d = _tanh(x, mul, HEAD == 3, RCP_FMA)
         return tl.where(x == -float("inf"), x, th), d
 
 
@@ -403,8 +368,8 @@ def _rows_kernel(
     T_HEAD: tl.constexpr,  # the teacher's
     SCALED: tl.constexpr,  # a fold is not 1: the loops read log2e_tau_t, log2e_ce, kl_ratio
     STATS: tl.constexpr,  # write the entropy of q
-    RCP_FMA: tl.constexpr,  # softcap loads whose reciprocal (EXP2_FMA: exp2) is on the FMA pipe, bit
-    EXP2_FMA: tl.constexpr,  # 2·(pass − 1) + side (0: s, 1: t); see SOFTCAP_RCP_FMA
+    RCP_FMA: tl.constexpr,  # softcap loads whose reciprocal is on the FMA pipe, bit 2·(pass − 1) + side
+    # (0: s, 1: t); see SOFTCAP_RCP_FMA
     BLOCK_V: tl.constexpr,
 ):
     # One program per row. Pass 2 walks the row backwards, so it starts on the tiles pass 1 read last
@@ -420,7 +385,7 @@ def _rows_kernel(
         scale_ptr + row * stride_scale, V, tl.cdiv(V, BLOCK_V), tl.arange(0, BLOCK_V), ignore_index, log2e_tau,
         log2e_tau_t, log2e_ce, inv_tau, fold_s, fold_t, kl_ratio, s_mul, t_mul, beta,
         log2_beta, log2_1mbeta, w_hard, w_soft, LOSS, SOFT, CE, LABELS, GRAD_SOFT, GRAD_CE, GRAD_PASS,
-        CE_IS_Q, ONLINE_KL, S_HEAD, T_HEAD, SCALED, STATS, RCP_FMA, EXP2_FMA, BLOCK_V,
+        CE_IS_Q, ONLINE_KL, S_HEAD, T_HEAD, SCALED, STATS, RCP_FMA, BLOCK_V,
     )
 
 
@@ -432,7 +397,7 @@ def _one_row(
     LOSS: tl.constexpr, SOFT: tl.constexpr, CE: tl.constexpr, LABELS: tl.constexpr,
     GRAD_SOFT: tl.constexpr, GRAD_CE: tl.constexpr, GRAD_PASS: tl.constexpr, CE_IS_Q: tl.constexpr,
     ONLINE_KL: tl.constexpr, S_HEAD: tl.constexpr, T_HEAD: tl.constexpr, SCALED: tl.constexpr,
-    STATS: tl.constexpr, RCP_FMA: tl.constexpr, EXP2_FMA: tl.constexpr, BLOCK_V: tl.constexpr,
+    STATS: tl.constexpr, RCP_FMA: tl.constexpr, BLOCK_V: tl.constexpr,
 ):
     """The three passes over one row; the kernel's arguments, advanced to the row."""
     if not SCALED:  # no fold: the loops run on the constants they had before heads had transforms
@@ -465,17 +430,17 @@ def _one_row(
         if CE:
             in_range = (label >= 0) & (label < V)
             s_y = tl.load(s_row + tl.where(in_range, label, 0)).to(tl.float32)  # before s is overwritten
-            s_y = _head(s_y, s_mul, S_HEAD, RCP_FMA & 1, EXP2_FMA & 1)[0]
+            s_y = _head(s_y, s_mul, S_HEAD, RCP_FMA & 1)[0]
         for start in range(0, V, BLOCK_V):
             offs = start + cols
             mask = offs < V
             a = _head(tl.load(s_row + offs, mask=mask, other=-float("inf")).to(tl.float32), s_mul, S_HEAD,
-                      RCP_FMA & 1, EXP2_FMA & 1)[0]
+                      RCP_FMA & 1)[0]
             if STATS:
                 r_ent = _lane_gap(r_ent, l_s, m_s, a, log2e_tau)
             if SOFT:
                 b = _head(tl.load(t_row + offs, mask=mask, other=-float("inf")).to(tl.float32), t_mul, T_HEAD,
-                          (RCP_FMA >> 1) & 1, (EXP2_FMA >> 1) & 1)[0]
+                          (RCP_FMA >> 1) & 1)[0]
                 if LOSS == _COSINE:
                     a0 = tl.where(mask, a, 0.0)
                     b0 = tl.where(mask, b, 0.0)
@@ -577,12 +542,12 @@ def _one_row(
                 offs = (n_tiles - 1 - i) * BLOCK_V + cols
                 mask = offs < V
                 a, da = _head(tl.load(s_row + offs, mask=mask, other=-float("inf")).to(tl.float32), s_mul, S_HEAD,
-                              (RCP_FMA >> 2) & 1, (EXP2_FMA >> 2) & 1)
+                              (RCP_FMA >> 2) & 1)
                 g = tl.zeros([BLOCK_V], tl.float32)  # dL/ds when GRAD_PASS == 2
                 q = a  # q = softmax(s/τ) of the tile where a softmax loss computes it below
                 if SOFT:
                     b = _head(tl.load(t_row + offs, mask=mask, other=-float("inf")).to(tl.float32), t_mul, T_HEAD,
-                              (RCP_FMA >> 3) & 1, (EXP2_FMA >> 3) & 1)[0]
+                              (RCP_FMA >> 3) & 1)[0]
                     if LOSS == _COSINE:
                         if GRAD_SOFT:
                             g = a * f_a + b * f_b
@@ -660,9 +625,9 @@ def _one_row(
                 offs = start + cols
                 mask = offs < V
                 a, da = _head(tl.load(s_row + offs, mask=mask, other=-float("inf")).to(tl.float32), s_mul, S_HEAD,
-                              (RCP_FMA >> 4) & 1, (EXP2_FMA >> 4) & 1)
+                              (RCP_FMA >> 4) & 1)
                 b = _head(tl.load(t_row + offs, mask=mask, other=-float("inf")).to(tl.float32), t_mul, T_HEAD,
-                          (RCP_FMA >> 5) & 1, (EXP2_FMA >> 5) & 1)[0]
+                          (RCP_FMA >> 5) & 1)[0]
                 lq = (a - m_s) * log2e_tau - log2_l_s
                 lp = (b - m_t) * log2e_tau_t - log2_l_t
                 q = tl.exp2(lq)
@@ -805,7 +770,6 @@ def rows(s, t, labels, spec: LossSpec, scale: torch.Tensor, grad: bool, stats: b
         STATS=stats,
         # only where a side has a softcap: other kernels keep one specialisation whatever the masks
         RCP_FMA=_cap_bits(SOFTCAP_RCP_FMA.get(kind, 0), s_head, t_head),
-        EXP2_FMA=_cap_bits(SOFTCAP_EXP2_FMA.get(kind, 0), s_head, t_head),
         BLOCK_V=block,
         num_warps=max(1, min(NUM_WARPS, block // 128)),
         maxnreg=MAX_REGS,
