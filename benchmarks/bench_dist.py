@@ -25,7 +25,9 @@ import torch.distributed as dist
 
 import flashkd
 from flashkd.bench.workloads import PRESETS, make_inputs
+from flashkd import chunks
 from flashkd.distributed import fsdp
+from flashkd.losses import LossSpec
 
 
 def timed(fn, reps, warmup, rank):
@@ -121,8 +123,8 @@ def main():
             flashkd.fused_linear_distill(xs, head, x.xt[rows], wt_d, x.y[rows], fsdp_gather=gather, **opts).backward()
         torch.cuda.reset_peak_memory_stats()
         ms = timed(run, a.reps, a.warmup, rank)
-        cost = fsdp.route_bytes("fused_linear_distill", dict(student_weight=ws_d, teacher_input=x.xt),
-                                {"student_weight": ws_d, "teacher_weight": wt_d}, w.n, world)
+        call = chunks.Call(LossSpec(), chunks.Heads(x.xt, wt_d), None, ws_d)
+        cost = fsdp.route_bytes(call, {"student_weight": ws_d, "teacher_weight": wt_d}, w.n, world)
         results[f"fsdp-{gather}"] = {"ms": ms, "peak_mib": torch.cuda.max_memory_allocated() / 2**20,
                                      "formula_bytes": cost[gather], "formula_gb_per_s": cost[gather] / ms / 1e6}
     if rank == 0:

@@ -282,7 +282,9 @@ def _fsdp_worker(rank, world, seed):
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
+    from flashkd import chunks
     from flashkd.distributed import fsdp
+    from flashkd.losses import LossSpec
 
     device = _device()
     mesh = init_device_mesh(device.type, (world,))
@@ -350,8 +352,9 @@ def _fsdp_worker(rank, world, seed):
     # the route formulas: rows when the union's rows are fewer than the vocab's, heads otherwise
     w = distribute_tensor(torch.randn(V, HS, dtype=dtype, device=device), mesh, [Shard(0)])
     args = dict(teacher_input=torch.zeros(1, HT, dtype=dtype, device=device))
-    few = fsdp.route_bytes("fused_linear_distill", dict(student_weight=w, teacher_input=args["teacher_input"]), {}, 8, world)
-    many = fsdp.route_bytes("fused_linear_distill", dict(student_weight=w, teacher_input=args["teacher_input"]), {}, 4 * V, world)
+    call = chunks.Call(LossSpec(), chunks.Heads(args["teacher_input"], None), None, w)
+    few = fsdp.route_bytes(call, {}, 8, world)
+    many = fsdp.route_bytes(call, {}, 4 * V, world)
     assert few["rows"] < few["heads"] and many["rows"] > many["heads"], (few, many)
 
     # teacher_topk of a DTensor teacher head: each rank its own rows' global top-k

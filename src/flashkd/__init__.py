@@ -23,15 +23,15 @@ chunks of rows, so the [tokens × vocab] logits never exist in full:
 
 `loss=` is one of LOSSES ("jsd", "forward_kl", "reverse_kl", "tvd", "cosine"); the total is
 weight_hard_loss · CE + weight_soft_loss · soft. The formulas, the one pure-torch definition of every
-loss and of its top-k variant, are in flashkd.losses (LossSpec); the chunk loop, its memory bounds and
-the three forms' shared tail are in flashkd.distill; the row kernels in flashkd.backends.
+loss and of its top-k variant, are in flashkd.losses (LossSpec); the public functions in flashkd.distill;
+the chunk loop, its memory bounds and the three forms' shared tail in flashkd.chunks; the row kernels in
+flashkd.backends.
 `flashkd bench` and `flashkd records` (flashkd.bench, flashkd.records) time the losses and keep their
 results as KernelIndex records.
 """
 
-from .distill import fused_linear_distill, fused_linear_distill_logits, fused_linear_distill_topk
+from .distill import fused_linear_distill, fused_linear_distill_logits, fused_linear_distill_topk, teacher_topk
 from .losses import LOSSES, DistillStats, LossSpec
-from .teacher import teacher_topk
 from .data import TopKCollator, TopKTargets, write_topk_targets
 from .modules import FusedLinearCosineSimilarityLoss, FusedLinearDistillLoss, FusedLinearJSD, FusedLinearJSDLoss
 

@@ -131,8 +131,8 @@ from pathlib import Path
 
 import torch
 
-from .distill import _renamed
-from .teacher import teacher_topk
+from .chunks import renamed
+from .distill import teacher_topk
 
 FORMAT = "flashkd.topk"
 VERSION = 2
@@ -309,7 +309,7 @@ def write_topk_targets(
                         vocab_size=vocab_size, chunk_size=chunk_size, backend=backend,
                     )
                 except ValueError as e:  # its teacher_input is this example's hidden states (a NaN row)
-                    raise _renamed(e, {"teacher_input": f"examples: hidden_states of {key!r}"}) from None
+                    raise renamed(e, {"teacher_input": f"examples: hidden_states of {key!r}"}) from None
                 ids, lp = ids.to(torch.int32).cpu(), lp.to(logprob_dtype).cpu()
                 why = _rows_problem(ids, lp, index["vocab_size"])
                 if why:  # what the reader would refuse is never written

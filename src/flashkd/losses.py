@@ -90,9 +90,7 @@ class LossSpec:
         if self.reduction not in REDUCTIONS:
             raise ValueError(f"reduction: expected 'mean' or 'sum', got {self.reduction!r}")
         for name in ("beta", "temperature", "weight_hard", "weight_soft"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-                raise TypeError(f"{name}: expected a finite Python float, got {value!r}")
+            check_finite_float(name, getattr(self, name))
         if not 0.0 <= self.beta <= 1.0:
             raise ValueError(f"beta: expected a value in [0, 1], got {self.beta!r}")
         if self.temperature <= 0.0:
@@ -153,6 +151,12 @@ class DistillStats(NamedTuple):
     rows: torch.Tensor
     entropy_sum: torch.Tensor
     topk_mass_sum: torch.Tensor | None
+
+
+def check_finite_float(name: str, value) -> None:
+    """A finite Python float (an int is one too; a bool is not), as LossSpec's floats must be."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise TypeError(f"{name}: expected a finite Python float, got {value!r}")
 
 
 def check_logit_transform(scale_name: str, scale, cap_name: str, cap) -> None:

@@ -11,7 +11,8 @@ import inspect
 
 import torch
 
-from .distill import _renamed, fused_linear_distill
+from .chunks import renamed
+from .distill import fused_linear_distill
 
 
 # forward's arguments, and the keyword options of fused_linear_distill the constructor takes
@@ -135,7 +136,7 @@ class _LigerDropIn(FusedLinearDistillLoss):
                 student_input, student_weight, teacher_input, teacher_weight, true_labels, student_bias, teacher_bias
             )
         except (TypeError, ValueError) as e:  # errors name the argument as Liger's signature calls it
-            raise _renamed(e, {"labels": "true_labels"}) from None
+            raise renamed(e, {"labels": "true_labels"}) from None
 
 
 class FusedLinearJSDLoss(_LigerDropIn):
@@ -170,7 +171,7 @@ class FusedLinearJSD(torch.nn.Module):
                 weight_hard_loss=0.0, weight_soft_loss=1.0, grad_accum_dtype=self.accum_dtype,
             )
         except (TypeError, ValueError) as e:  # errors name the argument as Liger's signature calls it
-            raise _renamed(e, {"beta": "jsd_beta", "labels": "shift_labels", "grad_accum_dtype": "accum_dtype"}) from None
+            raise renamed(e, {"beta": "jsd_beta", "labels": "shift_labels", "grad_accum_dtype": "accum_dtype"}) from None
 
     def extra_repr(self) -> str:
         return (f"jsd_beta={self.jsd_beta!r}, ignore_index={self.ignore_index!r}, temperature={self.temperature!r}, "

@@ -1,72 +1,57 @@
-"""teacher_topk: a teacher's top-k log-probs, one chunk of logits at a time (for offline targets)."""
+"""teacher_topk's core: a teacher's top-k log-probs, one chunk of logits at a time (for offline targets).
+
+`flashkd.teacher_topk` (in flashkd.distill) makes a TopKCall of its keywords and runs it here, or on a
+vocab slice through `flashkd.distributed`, which passes `run` its `shard`.
+"""
 
 from __future__ import annotations
 
+import dataclasses
+from typing import ClassVar
+
 import torch
 
-from . import fp8
-from .distill import (_FLOATS, _LOGITS_BUDGET, _any_dtensor, _autocast_off, _check_tensors, _distributed, _even_chunks,
-                      _pick_backend)
+from . import chunks, fp8
+from .chunks import ROWS, TEACHER_HEAD, tensor_field
 from .losses import LossSpec, check_logit_transform, logit_transform
 
 
+@dataclasses.dataclass(frozen=True)
+class TopKCall:
+    """One call of `flashkd.teacher_topk`, under its keywords' names (see its docstring)."""
+
+    sharded_by: ClassVar[str] = "teacher_weight"  # the head whose rows are a rank's vocab slice (FSDP)
+    teacher_input: torch.Tensor = tensor_field(ROWS, trailing=True)  # (..., H)
+    teacher_weight: torch.Tensor = tensor_field(TEACHER_HEAD)  # (Vt, H)
+    k: int = 1
+    temperature: float = 1.0
+    teacher_bias: torch.Tensor | None = tensor_field(TEACHER_HEAD, default=None)  # (Vt,)
+    vocab_size: int | None = None
+    chunk_size: int | None = None
+    backend: str = "auto"
+    teacher_logit_scale: float = 1.0
+    teacher_softcap: float | None = None
+    process_group: object = None
+    vocab_start: int | None = None
+    check_shards: bool | None = None
+    fsdp_gather: str = "auto"
+    teacher_precision: str | None = None
+
+
 @torch.no_grad()
-def teacher_topk(
-    teacher_input: torch.Tensor,  # (..., H)
-    teacher_weight: torch.Tensor,  # (Vt, H)
-    k: int,
-    *,
-    temperature: float = 1.0,
-    teacher_bias: torch.Tensor | None = None,  # (Vt,)
-    vocab_size: int | None = None,
-    chunk_size: int | None = None,
-    backend: str = "auto",
-    teacher_logit_scale: float = 1.0,
-    teacher_softcap: float | None = None,
-    process_group=None,
-    vocab_start: int | None = None,
-    check_shards: bool | None = None,
-    fsdp_gather: str = "auto",
-    teacher_precision: str | None = None,
-):
-    """The teacher's k most likely ids per row and their log-probs at `temperature`.
-
-    Returns (ids, logprobs): (..., k) int64 and (..., k) float32 (float64 for float64
-    inputs, computed in float64), sorted by decreasing log-prob,
-    log p = z/τ − logsumexp(z/τ) over the whole vocab, z the logits as the teacher's head transforms
-    them (z = c · tanh(σ · logits / c) with σ = `teacher_logit_scale`, c = `teacher_softcap`; z = σ ·
-    logits without a cap; as in `fused_linear_distill`), the ids those of the k largest z (a negative σ
-    reverses the order) — the targets of `fused_linear_distill_topk(..., temperature=τ)`. Never holds more than one chunk of logits
-    (R·Vt·E bytes, R rows per chunk, plus fp32 temporaries of the same size on the torch backend).
-
-    vocab_size: the student's vocab V when the teacher head is padded (Vt > V): ids >= V are
-    dropped before the softmax, as in `fused_linear_distill`.
-
-    temperature: a finite float > 0 (LossSpec's rule). A row with a NaN or +inf logit (NaN or inf in
-    the hidden states, weight or bias; −inf logits, a masked id, are fine) raises ValueError naming
-    the row of teacher_input: no NaN targets come back. torch.autocast changes nothing: the logits come
-    from a GEMM in the inputs' dtype.
-
-    On the Triton backend each chunk costs the GEMM, two reads of its logits and one host sync (rows
-    whose top-k candidates overflowed, normally none, are redone with torch.topk; the same sync finds
-    non-finite rows); on the torch backend one host sync a chunk, for the non-finite rows.
-
-    process_group, vocab_start: a vocab-parallel teacher head, this rank holding its rows
-    [vocab_start, vocab_start + V_r); every rank passes the same teacher_input and gets the same
-    global top-k (vocab_size is then the whole vocab's). A DTensor head (FSDP2): `fsdp_gather`. See
-    `flashkd.distributed`.
-
-    teacher_precision: None, or "fp8" / "fp8-rowwise" / "fp8-1x128", the logits from an e4m3 GEMM
-    (as in `fused_linear_distill`; `flashkd.fp8`): the top-k targets are then those of the
-    FP8 teacher.
-    """
-    if _any_dtensor(teacher_weight, teacher_bias):
-        return _distributed("teacher_topk", locals())
-    _check_tensors({"teacher_input": teacher_input})
+def run(call: TopKCall, shard=None):
+    """`flashkd.teacher_topk` of a call without DTensors. shard(V_r, device): a vocab slice's
+    ShardedVocab (`flashkd.distributed`), called once the local tensors are checked; None: the whole
+    vocab is here."""
+    teacher_input, teacher_weight, teacher_bias, k = call.teacher_input, call.teacher_weight, call.teacher_bias, call.k
+    temperature, vocab_size, chunk_size, backend = call.temperature, call.vocab_size, call.chunk_size, call.backend
+    teacher_logit_scale, teacher_softcap = call.teacher_logit_scale, call.teacher_softcap
+    vocab_start, fsdp_gather, teacher_precision = call.vocab_start, call.fsdp_gather, call.teacher_precision
+    chunks.check_tensors({"teacher_input": teacher_input})
     x, w, b = teacher_input, teacher_weight, teacher_bias
-    if x.dtype not in _FLOATS:
+    if x.dtype not in chunks.FLOATS:
         raise TypeError(f"teacher_input: expected a floating dtype (float16, bfloat16, float32, float64), got {x.dtype}")
-    _check_tensors({"teacher_weight": w, "teacher_bias": b}, x.dtype, x.device, like="teacher_input")
+    chunks.check_tensors({"teacher_weight": w, "teacher_bias": b}, x.dtype, x.device, like="teacher_input")
     if w.dim() != 2 or 0 in w.shape:  # an empty vocab or hidden size has no distribution
         raise ValueError(f"teacher_weight: expected a 2-D (vocab, hidden) tensor, both >= 1, got shape {tuple(w.shape)}")
     if x.dim() < 1 or x.shape[-1] != w.shape[1]:
@@ -77,11 +62,8 @@ def teacher_topk(
         raise ValueError(f"teacher_bias: expected shape ({w.shape[0]},), got {tuple(b.shape)}")
     v = w.shape[0]
     vocab = None
-    if process_group is not None:
-        from .distributed import parallel
-
-        vocab = parallel.shard(parallel._check_group(process_group), vocab_start, v, x.device,
-                               True if check_shards is None else check_shards, None)
+    if shard is not None:
+        vocab = shard(v, x.device)
         v = vocab.total  # ids and vocab_size are the whole vocab's
     elif vocab_start is not None:
         raise ValueError(f"vocab_start: expected None without process_group, got {vocab_start!r}")
@@ -97,7 +79,7 @@ def teacher_topk(
         raise ValueError(f"k: expected an int in [1, {v}] (the vocab size), got {k!r}")
     LossSpec(temperature=temperature)  # the losses' rule: a finite float > 0 (inf would give uniform log-probs)
     check_logit_transform("teacher_logit_scale", teacher_logit_scale, "teacher_softcap", teacher_softcap)
-    backend = _pick_backend(backend, x)
+    backend = chunks.pick_backend(backend, x)
     if chunk_size is not None and (isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1):
         raise ValueError(f"chunk_size: expected a positive int or None, got {chunk_size!r}")
 
@@ -112,13 +94,13 @@ def teacher_topk(
         v, backend = vocab.plan_size, "torch"  # every rank plans the same chunks
     transformed = teacher_logit_scale != 1.0 or teacher_softcap is not None
     per_row = v * x.element_size() + (v * 4 * (3 if transformed else 2) if backend == "torch" else 0)
-    chunk = chunk_size or _even_chunks(n, _LOGITS_BUDGET[backend] // per_row)
+    chunk = chunk_size or chunks.even_chunks(n, chunks.LOGITS_BUDGET[backend] // per_row)
     work = torch.promote_types(x.dtype, torch.float32)
     ids = torch.empty(n, k, dtype=torch.int64, device=x.device)
     logprobs = torch.empty(n, k, dtype=work, device=x.device)
     for start in range(0, n, chunk):
         c = slice(start, min(start + chunk, n))
-        with _autocast_off(x.device):  # the GEMM in the inputs' dtype, as in the losses
+        with chunks.autocast_off(x.device):  # the GEMM in the inputs' dtype, as in the losses
             if scaling is not None:
                 logits = fp8.linear(x[c], w, b).contiguous()  # the top-k kernel reads unit-stride rows (a padded vocab is a view)
             else:

@@ -1,7 +1,7 @@
 """Row backends: each exposes `rows` (dense teacher) and `topk_rows` (sparse teacher), both
 `(s, t, labels, spec, scale, grad, stats=False) -> (soft, hard)`.
 
-The chunk loop in `flashkd.distill` computes one block of logits with two GEMMs and hands it to a
+The chunk loop in `flashkd.chunks` computes one block of logits with two GEMMs and hands it to a
 backend's `rows`, which returns the per-row losses and, when `grad`, overwrites `s` with dL/ds:
 
     s:      (R, V) student logits of the block, contiguous; overwritten with dL/ds when `grad`

@@ -1,7 +1,7 @@
 """Vocab-parallel losses over torch.distributed, and FSDP2 heads that are never gathered.
 
-A layer above the core: `flashkd.distill` and `flashkd.teacher` import it only when a call passes
-`process_group=` or a head that is a DTensor (`dispatch`). Transport is torch.distributed's
+A layer above the core: the public functions (`flashkd.distill`) route a call here only when it
+passes `process_group=` or a head that is a DTensor (`run`, `teacher_topk`). Transport is torch.distributed's
 (NCCL on GPUs, gloo on CPU).
 
 Vocab-parallel (`process_group=`, `vocab_start=`)
@@ -50,13 +50,22 @@ from __future__ import annotations
 
 from .vocab import ShardedVocab
 
-__all__ = ["ShardedVocab", "dispatch"]
+__all__ = ["ShardedVocab", "run", "teacher_topk"]
 
 
-def dispatch(name: str, args: dict):
-    """A public function's call that is vocab-parallel or has a DTensor head, by its name and arguments."""
+def run(call):
+    """A loss call (`flashkd.chunks.Call`) that is vocab-parallel or has a DTensor head."""
     from . import fsdp, parallel
 
-    if fsdp.has_dtensor_head(name, args):
-        return fsdp.call(name, args)
-    return parallel.call(name, args)
+    if fsdp.has_dtensor_head(call):
+        return fsdp.run(call)
+    return parallel.run(call)
+
+
+def teacher_topk(call):
+    """A `flashkd.teacher.TopKCall` that is vocab-parallel or has a DTensor head."""
+    from . import fsdp, parallel
+
+    if fsdp.has_dtensor_head(call):
+        return fsdp.run(call)
+    return parallel.teacher_topk(call)

@@ -43,24 +43,20 @@ must be sharded like its weight (a DTensor) or, for the teacher, be a plain tens
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 import torch.distributed as dist
 
-from .. import distill
+from .. import chunks, teacher
 
-_HEADS = {
-    "fused_linear_distill": ("student_weight", "student_bias", "teacher_weight", "teacher_bias"),
-    "fused_linear_distill_logits": ("student_weight", "student_bias"),
-    "fused_linear_distill_topk": ("student_weight", "student_bias"),
-    "teacher_topk": ("teacher_weight", "teacher_bias"),
-}
-# Rows that every rank has its own of, per form: gathered on the rows route.
-_ROWS = {
-    "fused_linear_distill": ("student_input", "teacher_input", "labels", "row_weight"),
-    "fused_linear_distill_logits": ("student_input", "teacher_logits", "labels", "row_weight"),
-    "fused_linear_distill_topk": ("student_input", "teacher_ids", "teacher_logprobs", "labels", "row_weight"),
-    "teacher_topk": ("teacher_input",),
-}
+# A call's heads (`flashkd.chunks.HEAD`, `TEACHER_HEAD`: gathered on the heads route, sliced on the rows
+# route) and its rows (`ROWS`: each rank's own, gathered on the rows route) are the fields its class
+# marks so, by their public names.
+
+
+def _heads(call) -> dict:
+    return {**chunks.tensors(call, chunks.HEAD), **chunks.tensors(call, chunks.TEACHER_HEAD)}
 
 
 def _dtensor_type():
@@ -69,8 +65,8 @@ def _dtensor_type():
     return DTensor
 
 
-def has_dtensor_head(name, args) -> bool:
-    return distill._any_dtensor(*(args.get(k) for k in _HEADS[name]))
+def has_dtensor_head(call) -> bool:
+    return chunks.any_dtensor(*_heads(call).values())
 
 
 def _check_placement(name, x):
@@ -89,18 +85,19 @@ def _check_placement(name, x):
     return mesh, offset[0], shape[0]
 
 
-def call(name, args):
-    if args.get("process_group") is not None:
+def run(call):
+    """A call (`flashkd.chunks.Call` or `flashkd.teacher.TopKCall`) with a DTensor head."""
+    if call.process_group is not None:
         raise ValueError(
             "process_group: expected None with a DTensor head (its device mesh is the group), got a process group"
         )
-    if args.get("vocab_start") is not None:
-        raise ValueError(f"vocab_start: expected None with a DTensor head (its placement says it), got {args['vocab_start']!r}")
-    gather = args["fsdp_gather"]
+    if call.vocab_start is not None:
+        raise ValueError(f"vocab_start: expected None with a DTensor head (its placement says it), got {call.vocab_start!r}")
+    gather = call.fsdp_gather
     if gather not in ("auto", "rows", "heads"):
         raise ValueError(f"fsdp_gather: expected 'auto', 'rows' or 'heads', got {gather!r}")
     DTensor = _dtensor_type()
-    heads = {k: args[k] for k in _HEADS[name] if isinstance(args.get(k), DTensor)}
+    heads = {k: x for k, x in _heads(call).items() if isinstance(x, DTensor)}
     placed = {k: _check_placement(k, x) for k, x in heads.items()}
     mesh = next(iter(placed.values()))[0]
     for k, (m, _, _) in placed.items():
@@ -108,13 +105,13 @@ def call(name, args):
             raise ValueError(f"{k}: expected a DTensor on the device mesh of the other heads ({mesh}), got one on {m}")
     group = mesh.get_group()
     world = dist.get_world_size(group)
-    weight = "teacher_weight" if name == "teacher_topk" else "student_weight"
+    weight = call.sharded_by
     if weight not in heads:
         raise TypeError(
             f"{weight}: expected a DTensor sharded like {', '.join(heads)} (the rows route shards the vocab "
-            f"by the weight), got a {type(args[weight]).__name__}; pass {', '.join(heads)}.full_tensor()"
+            f"by the weight), got a {type(_heads(call)[weight]).__name__}; pass {', '.join(heads)}.full_tensor()"
         )
-    if name == "fused_linear_distill_logits":
+    if _is_logits(call):
         if gather == "rows":
             raise ValueError(
                 "fsdp_gather: 'rows' is not available for dense teacher logits (it would move each rank's "
@@ -123,42 +120,48 @@ def call(name, args):
         gather = "heads"  # the only route of dense teacher logits: no row counts needed
     counts = None
     if gather != "heads":
-        first = args[_ROWS[name][0]]
+        first = next(iter(chunks.tensors(call, chunks.ROWS).values()))  # the hidden states
         n_local = first.reshape(-1, first.shape[-1]).shape[0] if first.dim() >= 1 else 0
         counts = _exchange_counts(group, n_local, first.device)
     if gather == "auto":
-        gather = choose(name, args, heads, sum(counts), world)
+        gather = choose(call, heads, sum(counts), world)
     if gather == "heads":
-        return _heads_route(name, args, heads)
-    return _rows_route(name, args, heads, placed, group, counts)
+        return _heads_route(call, heads)
+    return _rows_route(call, heads, placed, group, counts)
 
 
-def route_bytes(name, args, heads, n, world) -> dict:
-    """The bytes each rank receives per call on each route (the module's formulas)."""
+def _is_logits(call) -> bool:
+    return isinstance(call, chunks.Call) and isinstance(call.teacher, chunks.Logits)
+
+
+def route_bytes(call, heads, n, world) -> dict:
+    """The bytes each rank receives per call on each route (the module's formulas); heads: the call's
+    heads that are DTensors, by name."""
     f = (world - 1) / world
-    weight = args["teacher_weight" if name == "teacher_topk" else "student_weight"]
+    weight = _heads(call)[call.sharded_by]
     v, h = weight.shape
     e = weight.dtype.itemsize
-    if name == "teacher_topk":
-        k = args["k"]
+    if isinstance(call, teacher.TopKCall):
+        k = call.k
         return {"rows": f * n * h * e + (world - 1) * n * (2 * k + 2) * 8, "heads": f * v * h * e}
     heads_bytes = 2 * f * v * h * e
-    if "teacher_weight" in heads:
-        vt, ht = heads["teacher_weight"].shape
-        heads_bytes += f * vt * ht * heads["teacher_weight"].dtype.itemsize
-    if name == "fused_linear_distill_logits":
+    sharded_teacher = heads.get("teacher_weight")
+    if sharded_teacher is not None:
+        vt, ht = sharded_teacher.shape
+        heads_bytes += f * vt * ht * sharded_teacher.dtype.itemsize
+    if _is_logits(call):
         return {"rows": float("inf"), "heads": heads_bytes}
-    if name == "fused_linear_distill":
-        teacher, stats = args["teacher_input"].shape[-1] * e, 13
+    if isinstance(call.teacher, chunks.Heads):
+        teacher_bytes, stats = call.teacher.teacher_input.shape[-1] * e, 13
     else:
-        ids, lp = args["teacher_ids"], args["teacher_logprobs"]
-        teacher, stats = ids.shape[-1] * (ids.dtype.itemsize + lp.dtype.itemsize), ids.shape[-1] + 6
-    rows_bytes = f * n * (h * e + teacher + 8) + f * n * h * e + 2 * f * n * 4 * stats
+        ids, lp = call.teacher.teacher_ids, call.teacher.teacher_logprobs
+        teacher_bytes, stats = ids.shape[-1] * (ids.dtype.itemsize + lp.dtype.itemsize), ids.shape[-1] + 6
+    rows_bytes = f * n * (h * e + teacher_bytes + 8) + f * n * h * e + 2 * f * n * 4 * stats
     return {"rows": rows_bytes, "heads": heads_bytes}
 
 
-def choose(name, args, heads, n, world) -> str:
-    cost = route_bytes(name, args, heads, n, world)
+def choose(call, heads, n, world) -> str:
+    cost = route_bytes(call, heads, n, world)
     return "rows" if cost["rows"] < cost["heads"] else "heads"
 
 
@@ -169,25 +172,15 @@ def _exchange_counts(group, n_local, device) -> list:
     return counts.tolist()  # a host sync on GPU: the union's shape
 
 
-def _heads_route(name, args, heads):
+def _heads_route(call, heads):
     from torch.distributed.tensor import Partial
 
-    args = dict(args)
+    gathered = {}
     for k, x in heads.items():
         # the student's gradient: a sum over the ranks' batches, averaged into each shard (FSDP's mean)
-        args[k] = x.full_tensor(grad_placements=[Partial("avg")]) if x.requires_grad else x.full_tensor()
-    return _public(name)(**_call_args(name, args))
-
-
-def _public(name):
-    from .. import distill, teacher
-
-    return getattr(teacher if name == "teacher_topk" else distill, name)
-
-
-def _call_args(name, args):
-    """The keyword arguments of a public call from its locals (teacher_topk's `k` included)."""
-    return {k: v for k, v in args.items() if k != "__class__"}
+        gathered[k] = x.full_tensor(grad_placements=[Partial("avg")]) if x.requires_grad else x.full_tensor()
+    call = chunks.with_tensors(call, **gathered)
+    return teacher.run(call) if isinstance(call, teacher.TopKCall) else chunks.compute(call)
 
 
 class _GatherRows(torch.autograd.Function):
@@ -225,14 +218,15 @@ def _gather(x, group, counts):
     return torch.cat([out[r * most : r * most + c] for r, c in enumerate(counts)])
 
 
-def _rows_route(name, args, heads, placed, group, counts):
+def _rows_route(call, heads, placed, group, counts):
+    from . import parallel
+
     world, rank = len(counts), dist.get_rank(group)
-    weight = "teacher_weight" if name == "teacher_topk" else "student_weight"
+    weight = call.sharded_by
     _, start, size = placed[weight]
-    args = dict(args)
-    full_v = args[weight].shape[0]
-    for k in _HEADS[name]:
-        x = args.get(k)
+    full_v = _heads(call)[weight].shape[0]
+    local = {}
+    for k, x in _heads(call).items():
         if x is None:
             continue
         if k in heads:
@@ -240,63 +234,61 @@ def _rows_route(name, args, heads, placed, group, counts):
                 raise ValueError(
                     f"{k}: expected {full_v} rows (a DTensor sharded like {weight}), got {heads[k].shape[0]}"
                 )
-            args[k] = heads[k].to_local()  # its gradient comes back as a DTensor with the same placement
-        elif k.endswith("bias") and k.startswith("student"):
+            local[k] = heads[k].to_local()  # its gradient comes back as a DTensor with the same placement
+        elif k in chunks.tensors(call, chunks.HEAD):  # the student's bias: it gets a gradient of the slice
             raise TypeError(f"{k}: expected a DTensor sharded like {weight}, got a {type(x).__name__}")
         else:
-            args[k] = x[start : start + size]  # a plain teacher head: this rank's rows of it
-    if name != "teacher_topk" and args["return_stats"]:
+            local[k] = x[start : start + size]  # a plain teacher head: this rank's rows of it
+    if isinstance(call, chunks.Call) and call.return_stats:
         raise ValueError("return_stats: not available on the FSDP rows route yet; pass fsdp_gather='heads'")
-    lead = args[_ROWS[name][0]].shape[:-1]  # this rank's rows, as it passed them
-    for k in _ROWS[name]:
-        x = args.get(k)
+    own_rows = chunks.tensors(call, chunks.ROWS)
+    lead = next(iter(own_rows.values())).shape[:-1]  # this rank's rows, as it passed them
+    for k, x in own_rows.items():
         if x is None:
             continue
         # (N_r, ...) rows: the trailing dim stays for the hidden states and top-k targets
-        flat = x.reshape(counts[rank], *(x.shape[-1:] if k in _TRAILING else ()))
-        args[k] = _GatherRows.apply(flat, group, counts) if flat.requires_grad else _gather(flat, group, counts)
+        flat = x.reshape(counts[rank], *(x.shape[-1:] if chunks.trailing(call, k) else ()))
+        local[k] = _GatherRows.apply(flat, group, counts) if flat.requires_grad else _gather(flat, group, counts)
     offset = sum(counts[:rank])
     own = slice(offset, offset + counts[rank])
-    args.update(process_group=group, vocab_start=start, fsdp_gather="auto")
-    if name == "teacher_topk":
-        ids, logprobs = _public(name)(**_call_args(name, args))
+    call = dataclasses.replace(chunks.with_tensors(call, **local), process_group=group, vocab_start=start,
+                               fsdp_gather="auto")
+    if isinstance(call, teacher.TopKCall):
+        ids, logprobs = parallel.teacher_topk(call)
         return ids[own].reshape(*lead, -1), logprobs[own].reshape(*lead, -1)
-    return _rows_loss(name, args, own, counts)
+    return _rows_loss(call, own, counts)
 
 
-_TRAILING = ("student_input", "teacher_input", "teacher_ids", "teacher_logprobs")
-
-
-def _rows_loss(name, args, own, counts):
+def _rows_loss(call, own, counts):
     """The vocab-parallel call over the union of the rows, each row weighted so that the union's loss
     J is the sum over the ranks of their own losses: dX of a rank's rows is then its own loss's, and
     dW / world the average of theirs. The rank's own loss is J's graph with its own value."""
     from . import parallel
 
     world = len(counts)
-    spec_weights = (args["weight_hard_loss"], args["weight_soft_loss"])
-    y, device = args["labels"], args["student_input"].device
-    work = torch.promote_types(args["student_input"].dtype, torch.float32)
-    n = args["student_input"].shape[0]
+    spec = call.spec
+    y, device = call.labels, call.student_input.device
+    work = torch.promote_types(call.student_input.dtype, torch.float32)
+    n = call.student_input.shape[0]
     rank_of = torch.repeat_interleave(torch.arange(world, device=device), torch.tensor(counts, device=device))
-    if args["reduction"] == "mean":
-        valid = torch.ones(n, dtype=work, device=device) if y is None else (y != args["ignore_index"]).to(work)
+    if spec.reduction == "mean":
+        valid = torch.ones(n, dtype=work, device=device) if y is None else (y != spec.ignore_index).to(work)
         per_rank = torch.zeros(world, dtype=work, device=device).index_add_(0, rank_of, valid)
         row_scale = 1.0 / per_rank.clamp_min(1.0)[rank_of]
     else:
         row_scale = torch.ones(n, dtype=work, device=device)
-    if args.get("row_weight") is not None:
-        row_scale = row_scale * args["row_weight"].to(work)
+    if call.row_weight is not None:
+        row_scale = row_scale * call.row_weight.to(work)
     recorded = []
-    args.update(row_weight=row_scale, reduction="sum")
-    out = parallel.call(name, args, reduce_dx=False, dw_scale=1.0 / world, record=recorded)
+    call = dataclasses.replace(call, row_weight=row_scale, spec=dataclasses.replace(spec, reduction="sum"))
+    out = parallel.run(call, reduce_dx=False, dw_scale=1.0 / world, record=recorded)
     union = out[0] if isinstance(out, tuple) else out
     soft = torch.cat([r[0] for r in recorded])[own] * row_scale[own]
     hard = torch.cat([r[1] for r in recorded])[own] * row_scale[own]
-    tau2 = args["temperature"] ** 2 if args["temperature_squared"] else 1.0
+    tau2 = spec.temperature ** 2 if spec.temperature_squared else 1.0
     soft_sum, hard_sum = soft.sum() * tau2, hard.sum()
-    mine = spec_weights[0] * hard_sum + spec_weights[1] * soft_sum
+    mine = spec.weight_hard * hard_sum + spec.weight_soft * soft_sum
     loss = union + (mine - union).detach() if union.requires_grad else mine.to(union.dtype)
-    if args["return_soft_hard_loss"]:
+    if call.return_soft_hard_loss:
         return loss, soft_sum.to(union.dtype), hard_sum.to(union.dtype)
     return loss

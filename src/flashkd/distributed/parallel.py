@@ -12,42 +12,41 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from .. import distill
+from .. import chunks, teacher
 from .vocab import ShardedVocab
 
 # The exchanged layout row of a rank whose vocab_start is not an int (it raises with the others).
 _NOT_AN_INT = -(1 << 62)
 
 
-def call(name, args, **vocab_options):
-    """A public loss function's call with process_group (its arguments as a dict); vocab_options go to
-    the ShardedVocab (the FSDP route's)."""
-    group = _check_group(args["process_group"])
-    spec = distill._spec(args)
-    xs, ws, bs, y = distill._check_student(args["student_input"], args["student_weight"], args["student_bias"], args["labels"])
-    if name == "fused_linear_distill":
-        form = "heads"
-        teacher = distill._check_teacher_heads(
-            xs, args["student_input"], ws, args["teacher_input"], args["teacher_weight"], args["teacher_bias"]
-        )
-        replicated = {"student_input": xs, "teacher_input": teacher[0]}
-    elif name == "fused_linear_distill_logits":
-        form = "logits"
-        teacher = (distill._check_teacher_logits(xs, args["student_input"], ws, args["teacher_logits"]),)
-        replicated = {"student_input": xs}
-    else:
-        form = "topk"
-        teacher = distill._check_teacher_topk(xs, args["student_input"], ws, args["teacher_ids"], args["teacher_logprobs"])
-        replicated = {"student_input": xs, "teacher_ids": teacher[0], "teacher_logprobs": teacher[1]}
-    vocab = shard(group, args["vocab_start"], ws.shape[0], xs.device, args["check_shards"], args["chunk_size"],
+def run(call, **vocab_options):
+    """A loss call with process_group (`flashkd.chunks.Call`); vocab_options go to the ShardedVocab
+    (the FSDP route's)."""
+    group = _check_group(call.process_group)
+    rows = chunks.check(call)
+    xs, ws, teacher = rows.xs, rows.ws, rows.teacher
+    replicated = {"student_input": xs}  # a dense teacher's logits are the rank's own vocab columns
+    if isinstance(call.teacher, chunks.Heads):
+        replicated["teacher_input"] = teacher[0]
+    elif isinstance(call.teacher, chunks.TopK):
+        replicated.update(teacher_ids=teacher[0], teacher_logprobs=teacher[1])
+    vocab = shard(group, call.vocab_start, ws.shape[0], xs.device, call.check_shards, call.chunk_size,
                   **vocab_options)
-    if args["check_replicas"]:
-        check_replicas(group, {**replicated, "labels": y})
-    if form == "topk":
-        check_teacher = args["check_teacher"]
-        if check_teacher if check_teacher is not None else xs.device.type == "cpu":
-            distill._check_topk_values(*teacher, int(vocab.total), spec, y)
-    return distill._run(spec, form, teacher, xs, ws, bs, y, args, vocab)
+    if call.check_replicas:
+        check_replicas(group, {**replicated, "labels": rows.y})
+    chunks.check_teacher_values(call, rows, vocab.total)
+    return chunks.run(call, rows, vocab)
+
+
+def teacher_topk(call):
+    """A `flashkd.teacher.TopKCall` with process_group: the group's layout exchanged once the local
+    tensors are checked, every rank the same global top-k."""
+
+    def sharded(local_size, device):
+        check_shards = True if call.check_shards is None else call.check_shards
+        return shard(_check_group(call.process_group), call.vocab_start, local_size, device, check_shards, None)
+
+    return teacher.run(call, sharded)
 
 
 def _check_group(group):

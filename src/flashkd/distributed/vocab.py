@@ -96,7 +96,7 @@ class ShardedVocab(Vocab):
             at += f.shape[1]
         return out
 
-    # --- the chunk loop's hooks (flashkd.distill._chunk_loop) ---
+    # --- the chunk loop's hooks (flashkd.chunks._chunk_loop) ---
     def rows(self, form):
         """The row function of the chunk loop: the torch definition over this slice, on every backend."""
         from ..backends import torch_rows

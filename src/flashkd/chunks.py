@@ -1,0 +1,797 @@
+"""The chunk loop: the student's LM head + a distillation loss, chunked over rows, grads computed in forward.
+
+The package's internal API of a loss call (the public functions in `flashkd.distill` make and route it;
+`flashkd.distributed` runs it on a vocab slice):
+
+    make_call(teacher, student_input, student_weight, labels, **keywords) -> Call
+                        the one validating function of the public keywords: LossSpec, flags
+    check(call) -> Rows the tensors checked and flattened;  check_teacher_values(call, rows, v)
+    run(call, rows, vocab=None)                               plan and run (vocab: a rank's slice)
+    compute(call)       check + run, on this process alone
+    Heads, Logits, TopK the teacher's three forms; tensors(call, part) and with_tensors(call, ...)
+                        reach a call's tensors by their public names
+
+Three input forms of the teacher share one chunk loop:
+
+    fused_linear_distill         teacher hidden states and LM head: T[c] = Xt[c] @ Wt[:V]^T (+ bt[:V])
+    fused_linear_distill_logits  precomputed dense teacher logits:  T[c] = teacher_logits[c, :V]
+    fused_linear_distill_topk    sparse teacher: (ids, logprobs)[c], K per row (losses.topk_row_losses)
+
+    validate + flatten (..., H) -> (N, H)
+    plan: rows per chunk R, and teacher rows at a time Rt <= R, from a memory budget
+    for each chunk c of rows:
+        S = Xs[c] @ Ws^T (+ bs)                     (R, V) in the input dtype
+        for each block b of Rt rows of c:
+            T = the teacher's block for b           only when the soft term is wanted
+            soft, hard = backend.rows(S[b], T, ...) S[b] is overwritten with dL/dS when grads are wanted
+        dXs[c] = dS @ Ws;  dWs += dS^T @ Xs[c] (fp32);  dbs += Σ_rows dS (fp32)
+    loss = scale · (w_hard Σ hard + w_soft Σ soft);   backward multiplies the saved grads by grad_output
+
+Extra memory, bytes, beyond the inputs (E = element size of the inputs):
+    logits:  R·V·E + Rt·V·E with teacher heads (Rt = R unless the plan splits a chunk's teacher
+             logits); R·V·E for dense teacher logits, which are read in place, and for a top-k
+             teacher; + backend temporaries (torch: ≈ 6·R·V·4, + R·V·4 with labels; triton: none
+             beyond O(R·K)); + R·Hs·E with labels (the chunk's rows of Xs, ignored rows zeroed)
+    grads:   N·Hs·E (dXs) + V·Hs·A (dWs accumulator: A = 4 for fp32, A = E when all rows fit one
+             chunk or grad_accum_dtype is the weight's dtype), made for the first chunk's dW GEMM,
+             once its teacher logits are freed; rounded to V·Hs·E after the loop (no copy when A = E)
+    peak:    one chunk   N·Hs·E + max(logits, R·V·E + V·Hs·E)
+             chunks      N·Hs·E + max(logits + V·Hs·A,  V·Hs·(A + E))    (second term only when A ≠ E)
+             (`peak_bytes`; without dW wanted, V·Hs terms are 0)
+The default plan (triton) keeps the logits within 1 GiB, in equal chunks with R = Rt; or, when that
+takes more than one chunk and the weight's gradient is wanted, all N rows in one chunk (with teacher
+heads, their logits in two blocks of ceil(N/2) rows) if its peak is no higher: its dW is then one
+GEMM, with no accumulation.
+Backward scales the saved grads by grad_output in place (no host sync, no copy); only when the graph
+is retained (retain_graph=True, gradcheck) does it return new tensors, another
+N·Hs·E + V·Hs·E. Nothing of size N × V is ever allocated. The gradients are first order: a backward
+with create_graph=True raises.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+import os
+import sys
+from typing import ClassVar
+
+import torch
+
+from . import fp8
+from .losses import DistillStats, LossSpec, check_finite_float
+from .backends import torch_rows
+
+# Default memory for one chunk's logits. Bigger chunks make the GEMMs more efficient; past a few
+# thousand rows they stop getting faster. The torch backend also keeps fp32 autograd temporaries.
+LOGITS_BUDGET = {"triton": 1 << 30, "torch": 512 << 20}
+FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    spec: LossSpec
+    chunk: int
+    backend: str
+    grad_accum_dtype: torch.dtype
+    form: str  # the teacher's input form: "heads" (Xt, Wt, bt), "logits" (T,) or "topk" (ids, logprobs)
+    teacher_chunk: int  # rows of teacher logits computed at a time within a chunk (heads only)
+    stats: bool = False  # also sum the DistillStats
+    vocab: object = None  # a rank's slice of the vocab (flashkd.distributed.ShardedVocab); None: all of it
+
+
+
+# ------------------------------------------------------------------------------------------ the call
+# A call's tensors are marked by their part, so that the distributed layer can treat the forms alike by
+# the fields' own names (which are the public keywords): HEAD, the student's head (V rows, it gets a
+# gradient); TEACHER_HEAD, the teacher's; ROWS, one per row of the batch (TRAILING: with a trailing dim).
+HEAD, TEACHER_HEAD, ROWS = "head", "teacher head", "rows"
+
+
+def tensor_field(part: str, trailing: bool = False, default=dataclasses.MISSING):
+    """A call's tensor field, marked with its part."""
+    return dataclasses.field(default=default, metadata={"part": part, "trailing": trailing})
+
+
+@dataclasses.dataclass(frozen=True)
+class Heads:
+    """The teacher as hidden states and an LM head: its logits made a chunk at a time."""
+
+    form: ClassVar[str] = "heads"
+    teacher_input: torch.Tensor = tensor_field(ROWS, trailing=True)  # (..., Ht)
+    teacher_weight: torch.Tensor = tensor_field(TEACHER_HEAD)  # (Vt, Ht)
+    teacher_bias: torch.Tensor | None = tensor_field(TEACHER_HEAD, default=None)  # (Vt,)
+
+
+@dataclasses.dataclass(frozen=True)
+class Logits:
+    """The teacher as precomputed dense logits, read in place."""
+
+    form: ClassVar[str] = "logits"
+    teacher_logits: torch.Tensor = tensor_field(ROWS, trailing=True)  # (..., Vt)
+
+
+@dataclasses.dataclass(frozen=True)
+class TopK:
+    """A sparse teacher: its top-k ids and log-probs per row."""
+
+    form: ClassVar[str] = "topk"
+    teacher_ids: torch.Tensor = tensor_field(ROWS, trailing=True)  # (..., K)
+    teacher_logprobs: torch.Tensor = tensor_field(ROWS, trailing=True)  # (..., K)
+
+
+@dataclasses.dataclass(frozen=True)
+class Call:
+    """One call of a public loss function: its loss spec, its teacher in one of the three forms, its
+    tensors as passed and its options, under the public keywords' names (`make_call` makes it)."""
+
+    sharded_by: ClassVar[str] = "student_weight"  # the head whose rows are a rank's vocab slice (FSDP)
+    spec: LossSpec
+    teacher: Heads | Logits | TopK
+    student_input: torch.Tensor = tensor_field(ROWS, trailing=True)  # (..., Hs): the first ROWS field
+    student_weight: torch.Tensor = tensor_field(HEAD)  # (V, Hs)
+    labels: torch.Tensor | None = tensor_field(ROWS, default=None)  # (...)
+    student_bias: torch.Tensor | None = tensor_field(HEAD, default=None)  # (V,)
+    row_weight: torch.Tensor | None = tensor_field(ROWS, default=None)  # (...)
+    chunk_size: int | None = None
+    backend: str = "auto"
+    return_soft_hard_loss: bool = False
+    return_stats: bool = False
+    grad_accum_dtype: torch.dtype | None = None
+    check_labels: bool | None = None
+    check_teacher: bool | None = None  # top-k teacher only
+    teacher_precision: str | None = None  # teacher heads only
+    process_group: object = None
+    vocab_start: int | None = None
+    check_shards: bool | None = None
+    check_replicas: bool = False
+    fsdp_gather: str = "auto"
+
+
+def make_call(
+    teacher: Heads | Logits | TopK,
+    student_input,
+    student_weight,
+    labels,
+    *,
+    loss: str,
+    beta: float,
+    temperature: float,
+    weight_hard_loss: float,
+    weight_soft_loss: float,
+    ignore_index: int,
+    student_bias,
+    reduction: str,
+    chunk_size,
+    backend: str,
+    return_soft_hard_loss: bool,
+    temperature_squared: bool,
+    grad_accum_dtype,
+    check_labels,
+    student_logit_scale: float,
+    student_softcap,
+    row_weight,
+    return_stats: bool,
+    process_group,
+    vocab_start,
+    check_shards,
+    check_replicas: bool,
+    fsdp_gather: str,
+    teacher_logit_scale: float = 1.0,  # a top-k teacher has none: its log-probs are its distribution
+    teacher_softcap: float | None = None,
+    tail: str | None = None,  # only the top-k form has one
+    check_teacher: bool | None = None,
+    teacher_precision: str | None = None,
+) -> Call:
+    """The Call of a public function's keywords: its LossSpec (the one place where the public weights'
+    names meet LossSpec's fields, checked under the public names first) and its flags checked. The
+    tensors are checked by `check`, on the local or the distributed route."""
+    for flag, value, optional in (("return_soft_hard_loss", return_soft_hard_loss, False),
+                                  ("return_stats", return_stats, False),
+                                  ("temperature_squared", temperature_squared, False),
+                                  ("check_labels", check_labels, True), ("check_teacher", check_teacher, True)):
+        if not isinstance(value, bool) and not (optional and value is None):
+            raise TypeError(f"{flag}: expected a bool{' or None' if optional else ''}, got {value!r}")
+    for name, value in (("weight_hard_loss", weight_hard_loss), ("weight_soft_loss", weight_soft_loss)):
+        check_finite_float(name, value)
+    has_labels = labels is not None
+    w_hard, w_soft = weight_hard_loss, weight_soft_loss
+    logged = return_soft_hard_loss or return_stats
+    spec = LossSpec(
+        loss=loss,
+        beta=beta,
+        temperature=temperature,
+        weight_hard=w_hard,
+        weight_soft=w_soft,
+        temperature_squared=temperature_squared,
+        ignore_index=ignore_index,
+        reduction=reduction,
+        want_hard=has_labels and (w_hard != 0.0 or logged),
+        # With both weights 0 the soft term is still computed, so the loss and grads are true zeros.
+        want_soft=w_soft != 0.0 or logged or not has_labels or w_hard == 0.0,
+        tail=tail,
+        student_logit_scale=student_logit_scale,
+        student_softcap=student_softcap,
+        teacher_logit_scale=teacher_logit_scale,
+        teacher_softcap=teacher_softcap,
+    )
+    if not has_labels and w_hard != 0.0:
+        raise ValueError(f"weight_hard_loss: expected 0 when labels is None (no hard labels to train on), got {w_hard!r}")
+    return Call(spec, teacher, student_input, student_weight, labels, student_bias, row_weight, chunk_size, backend,
+                return_soft_hard_loss, return_stats, grad_accum_dtype, check_labels, check_teacher, teacher_precision,
+                process_group, vocab_start, check_shards, check_replicas, fsdp_gather)
+
+
+def tensors(call, part: str) -> dict:
+    """The tensors of one part (HEAD, TEACHER_HEAD, ROWS) of a call (a Call, with its teacher's, or
+    a `flashkd.teacher.TopKCall`), by their public names, None where not given."""
+    found = {}
+    for obj in (call, getattr(call, "teacher", None)):
+        if dataclasses.is_dataclass(obj):
+            found.update({f.name: getattr(obj, f.name) for f in dataclasses.fields(obj) if f.metadata.get("part") == part})
+    return found
+
+
+def trailing(call, name: str) -> bool:
+    """Whether the call's ROWS tensor `name` has a trailing dim beyond the rows (hidden, vocab or K)."""
+    for obj in (call, getattr(call, "teacher", None)):
+        if dataclasses.is_dataclass(obj):
+            for f in dataclasses.fields(obj):
+                if f.name == name:
+                    return f.metadata["trailing"]
+    raise KeyError(name)
+
+
+def with_tensors(call, **named):
+    """The call with some of its (or its teacher's) tensors replaced, by name."""
+    teacher = getattr(call, "teacher", None)
+    if dataclasses.is_dataclass(teacher):
+        own = {f.name for f in dataclasses.fields(teacher)}
+        mine = {k: v for k, v in named.items() if k in own}
+        if mine:
+            call = dataclasses.replace(call, teacher=dataclasses.replace(teacher, **mine))
+        named = {k: v for k, v in named.items() if k not in own}
+    return dataclasses.replace(call, **named)
+
+
+@dataclasses.dataclass(frozen=True)
+class Rows:
+    """A call's tensors checked and flattened to rows: what the chunk loop reads."""
+
+    xs: torch.Tensor  # (N, Hs)
+    ws: torch.Tensor  # (V, Hs)
+    bs: torch.Tensor | None  # (V,)
+    y: torch.Tensor | None  # (N,)
+    teacher: tuple  # heads (Xt (N, Ht), Wt[:V], bt[:V]); logits (T[:, :V],); topk (ids, logprobs) (N, K)
+
+
+def check(call: Call) -> Rows:
+    """The call's tensors checked (types, dtypes, devices, shapes) and flattened to rows."""
+    xs, ws, bs, y = check_student(call.student_input, call.student_weight, call.student_bias, call.labels)
+    t = call.teacher
+    if isinstance(t, Heads):
+        teacher = check_teacher_heads(xs, call.student_input, ws, t.teacher_input, t.teacher_weight, t.teacher_bias)
+    elif isinstance(t, Logits):
+        teacher = (check_teacher_logits(xs, call.student_input, ws, t.teacher_logits),)
+    else:
+        teacher = check_teacher_topk(xs, call.student_input, ws, t.teacher_ids, t.teacher_logprobs)
+    return Rows(xs, ws, bs, y, teacher)
+
+
+def check_teacher_values(call: Call, rows: Rows, v) -> None:
+    """A top-k teacher's values, as `check_teacher` asks (default: on CPU tensors), against a vocab of
+    v ids (an int, or a device tensor, read only when checking)."""
+    if not isinstance(call.teacher, TopK):
+        return
+    check = call.check_teacher
+    if check if check is not None else rows.xs.device.type == "cpu":
+        check_topk_values(*rows.teacher, int(v), call.spec, rows.y)
+
+
+def compute(call: Call):
+    """A call on this process alone (no process group, no DTensor head): checked, planned and run."""
+    rows = check(call)
+    check_teacher_values(call, rows, rows.ws.shape[0])
+    return run(call, rows)
+
+
+def renamed(error: Exception, names: dict) -> Exception:
+    """`error` with the argument its message starts with ("name: expected ...") renamed by `names`."""
+    field, sep, rest = str(error).partition(":")
+    return type(error)(f"{names[field]}{sep}{rest}") if field in names else error
+
+
+
+def any_dtensor(*xs) -> bool:
+    dtensor = sys.modules.get("torch.distributed.tensor")  # not imported: none can be one
+    return dtensor is not None and any(isinstance(x, dtensor.DTensor) for x in xs)
+
+
+
+def run(call: Call, rows: Rows, vocab=None):
+    """Plan and run a call on its checked rows; the shared tail of the three forms. vocab: a rank's
+    slice of the vocab (`flashkd.distributed`); its calls use the torch row definition on every
+    backend and plan their chunks for the group's largest slice, `vocab.plan_size`."""
+    spec, form = call.spec, call.teacher.form
+    xs, ws, bs, y, teacher = rows.xs, rows.ws, rows.bs, rows.y, rows.teacher
+    check_labels, grad_accum_dtype = call.check_labels, call.grad_accum_dtype
+    if vocab is None and call.vocab_start is not None:
+        raise ValueError(f"vocab_start: expected None without process_group, got {call.vocab_start!r}")
+    if call.fsdp_gather not in ("auto", "rows", "heads"):
+        raise ValueError(f"fsdp_gather: expected 'auto', 'rows' or 'heads', got {call.fsdp_gather!r}")
+    if check_labels is None:
+        check_labels = xs.device.type == "cpu"
+    if check_labels and y is not None:
+        check_label_range(y, ws.shape[0] if vocab is None else int(vocab.total), spec.ignore_index)
+    wide = torch.promote_types(ws.dtype, torch.float32)
+    if grad_accum_dtype is None:
+        grad_accum_dtype = wide
+    # Only these two: another would round dW to a format it does not have (fp16 for bf16 weights), or
+    # ask cuBLAS for an output dtype it does not offer (fp64 from fp32 operands).
+    if grad_accum_dtype not in (wide, ws.dtype):
+        raise TypeError(f"grad_accum_dtype: expected {wide} or student_weight's dtype {ws.dtype}, got {grad_accum_dtype!r}")
+    backend = pick_backend(call.backend, xs)
+    if vocab is not None:
+        backend = "torch"
+    want_dw = torch.is_grad_enabled() and ws.requires_grad
+    accum_bytes = grad_accum_dtype.itemsize if want_dw else 0
+    v = ws.shape[0] if vocab is None else vocab.plan_size
+    chunk, teacher_chunk = chunk_rows(call.chunk_size, xs, ws, backend, form, accum_bytes, v)
+    rw = check_row_weight(call.row_weight, xs, call.student_input)
+    stats = call.return_stats
+    if form == "heads":
+        teacher = _teacher_head(teacher, call.teacher_precision)
+    plan = Plan(spec, chunk, backend, grad_accum_dtype, form, teacher_chunk, stats, vocab)
+    loss_, soft, hard, *sums = apply(xs, ws, bs, y, rw, plan, *teacher)
+    out = (loss_, soft, hard) if call.return_soft_hard_loss else (loss_,)
+    if stats:
+        out += (DistillStats(*sums[:4], sums[4] if form == "topk" else None),)
+    return out if len(out) > 1 else loss_
+
+
+
+@torch.compiler.disable  # one graph break: the chunk loop runs eagerly inside compiled code
+def apply(xs, ws, bs, y, rw, plan, *teacher):
+    with autocast_off(xs.device):
+        if torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in (xs, ws, bs)):
+            return _FusedDistill.apply(xs, ws, bs, y, rw, plan, *teacher)
+        # Evaluation: no autograd node, and no gradient work at all. The teacher is a constant: without
+        # no_grad a teacher that requires grad would get a graph through every chunk's logits (and a grad).
+        with torch.no_grad():
+            return _chunk_loop(xs, ws, bs, y, rw, teacher, plan, False, False, False)[0]
+
+
+def autocast_off(device: torch.device):
+    """torch.autocast switched off on `device`: the GEMMs run in the inputs' dtype, which the checks
+    made one, and write into buffers of it (autocast would make their logits bf16 from fp32 inputs,
+    and fail on the fp32 dX written in place). To compute in autocast's dtype, pass tensors of it."""
+    if torch.amp.is_autocast_available(device.type):
+        return torch.autocast(device.type, enabled=False)
+    return contextlib.nullcontext()
+
+
+_NO_DOUBLE_BACKWARD = ("flashkd: a fused distillation loss computes its gradients in its forward pass, so they carry "
+                       "no graph: backward with create_graph=True (double backward, a gradient penalty, "
+                       "gradgradcheck) is not supported; take second-order terms from the unfused logits")
+
+
+def _first_order_only(backward):
+    """A backward that refuses create_graph=True. torch's once_differentiable marks the gradients as not
+    differentiable only when grad_output requires grad: with a plain seed they came back as constants,
+    and a term built on them (a gradient penalty) silently added nothing to the gradients. Giving them
+    a graph that raises when reached would need the inputs saved for backward (N·Hs·E more bytes)."""
+
+    @functools.wraps(backward)
+    def wrapper(ctx, *grad_outputs):
+        if torch.is_grad_enabled():  # autograd runs a backward with grad mode on only for create_graph=True
+            raise RuntimeError(_NO_DOUBLE_BACKWARD)
+        return backward(ctx, *grad_outputs)
+
+    return wrapper
+
+
+class _FusedDistill(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, xs, ws, bs, y, rw, plan: Plan, *teacher):
+        want_dx, want_dw, want_db = ctx.needs_input_grad[:3]
+        (loss, *logged), dxs, dws, dbs = _chunk_loop(xs, ws, bs, y, rw, teacher, plan, want_dx, want_dw, want_db)
+        ctx.save_for_backward(dxs, dws, dbs)
+        ctx.num_teacher = len(teacher)
+        ctx.backend = plan.backend
+        ctx.mark_non_differentiable(*logged)
+        return loss, *logged
+
+    @staticmethod
+    @_first_order_only
+    def backward(ctx, grad_loss, *_grad_logged):
+        # grad_loss is a 0-d device tensor: scaling by it needs no host sync, whatever its value. The
+        # saved grads are ours alone and freed after this call unless the graph is kept for another
+        # backward: only then must they stay unscaled, and the scaled grads be new tensors.
+        keep = getattr(torch._C._autograd, "_get_current_graph_task_keep_graph", lambda: True)()
+        if keep:
+            grads = tuple(None if g is None else g * grad_loss.to(g.dtype) for g in ctx.saved_tensors)
+        elif ctx.backend == "triton":
+            from .backends import triton_rows
+
+            grads = tuple(None if g is None else triton_rows.scale_(g, grad_loss) for g in ctx.saved_tensors)
+        else:
+            grads = tuple(None if g is None else g.mul_(grad_loss.to(g.dtype)) for g in ctx.saved_tensors)
+        return (*grads, None, None, None, *(None,) * ctx.num_teacher)
+
+
+def _chunk_loop(xs, ws, bs, y, rw, teacher, plan: Plan, want_dx, want_dw, want_db):
+    """((loss, soft, hard, *sums of DistillStats when plan.stats), dxs, dws, dbs)."""
+    spec = plan.spec
+    n, v = xs.shape[0], ws.shape[0]
+    rows = _rows(plan)
+    grad = want_dx or want_dw or want_db
+    device = xs.device
+    # Loss math and accumulators in fp32, or fp64 for fp64 inputs (which float64 gradcheck relies on).
+    f32 = dict(device=device, dtype=torch.promote_types(xs.dtype, torch.float32))
+    if y is None or spec.reduction == "sum":
+        scale = torch.full((), 1.0 if spec.reduction == "sum" else 1.0 / max(n, 1), **f32)
+    else:
+        scale = 1.0 / (y != spec.ignore_index).sum().clamp_min(1).to(f32["dtype"])
+    if rw is not None:
+        rw = rw.to(f32["dtype"])  # N numbers, read in the loss math's precision
+    soft_sum = torch.zeros((), **f32)
+    hard_sum = torch.zeros((), **f32)
+    entropy_sum = torch.zeros((), **f32)
+    mass_sum = torch.zeros((), **f32)
+    dxs = torch.empty_like(xs, memory_format=torch.contiguous_format) if want_dx else None
+    # With one chunk there is nothing to accumulate: the GEMM accumulates in fp32 and rounds once either
+    # way. dWs is made for the first chunk's GEMM (beta = 0 fills it), after that chunk's teacher logits
+    # are freed: one chunk then peaks at max(S + T, S + dWs), not S + T + dWs.
+    accum = plan.grad_accum_dtype if n > plan.chunk else ws.dtype
+    dws = torch.zeros(ws.shape, device=device, dtype=ws.dtype) if want_dw and n == 0 else None
+    dbs = torch.zeros(v, **f32) if want_db else None
+    for start in range(0, n, plan.chunk):
+        c = slice(start, min(start + plan.chunk, n))
+        # Ignored rows (padding) may hold NaN or inf: zeroed, they cannot reach dW = dSᵀX as 0 · NaN, nor
+        # dS through a NaN logit. One select over R·Hs elements and R·Hs·E bytes a chunk (1/V of its
+        # GEMM), on the device: no host sync.
+        x = xs[c] if y is None else torch.where((y[c] != spec.ignore_index)[:, None], xs[c], 0.0)
+        s = linear(x, ws, bs)
+        for sub in range(c.start, c.stop, plan.teacher_chunk):
+            b = slice(sub, min(sub + plan.teacher_chunk, c.stop))
+            t = _teacher_block(plan.form, teacher, b) if spec.want_soft else None
+            s_b = s[b.start - c.start : b.stop - c.start]  # rows of s: contiguous
+            row_scale = scale if rw is None else scale * rw[b]
+            soft, hard, *extra = rows(s_b, t, None if y is None else y[b], spec, row_scale, grad, plan.stats)
+            if rw is not None:
+                soft, hard = soft * rw[b], hard * rw[b]
+            soft_sum += soft.sum()
+            hard_sum += hard.sum()
+            if plan.stats:
+                entropy_sum += extra[0].sum()
+                if len(extra) > 1:
+                    mass_sum += extra[1].sum()
+            del t, s_b  # a view left alive would keep this chunk's logits past `del s`
+        if want_dx:
+            torch.mm(s, ws, out=dxs[c])
+            if plan.vocab is not None:
+                plan.vocab.chunk_dx(dxs[c])
+        if want_dw:
+            if start == 0:
+                dws = torch.empty(ws.shape, device=device, dtype=accum)
+            accumulate_mm(dws, s.t(), x, beta=0.0 if start == 0 else 1.0)
+        if want_db:
+            dbs += s.sum(0, dtype=dbs.dtype)
+        del s, x  # before the next chunk's GEMM allocates, and before dWs is cast below
+    soft_total = soft_sum * scale * (spec.temperature**2 if spec.temperature_squared else 1.0)
+    hard_total = hard_sum * scale
+    loss = spec.total(soft_sum, hard_sum) * scale
+    if plan.vocab is not None:
+        dxs, dws, dbs = plan.vocab.finish(dxs, dws, dbs)
+    if dws is not None:
+        dws = dws.to(ws.dtype)
+    if dbs is not None:
+        dbs = dbs.to(bs.dtype)
+    logged = (loss, soft_total, hard_total)
+    if plan.stats:
+        count = torch.full((), n, device=device) if y is None else (y != spec.ignore_index).sum()
+        logged += (soft_sum, hard_sum, count, entropy_sum, mass_sum)
+    return logged, dxs, dws, dbs
+
+
+def _rows(plan: Plan):
+    """The backend's row function for the plan's teacher form (see `flashkd.backends`)."""
+    if plan.vocab is not None:
+        return plan.vocab.rows(plan.form)
+    if plan.backend == "triton":
+        from .backends import triton_rows, triton_topk
+
+        return triton_topk.topk_rows if plan.form == "topk" else triton_rows.rows
+    return torch_rows.topk_rows if plan.form == "topk" else torch_rows.rows
+
+
+def _teacher_head(teacher, precision):
+    """(xt, wt, bt) with wt the cached FP8 head of teacher_precision "fp8...", else as it came."""
+    xt, wt, bt = teacher
+    scaling = fp8.scaling_of(precision, xt.device)
+    if scaling is None:
+        return teacher
+    fp8.check_dtype(xt.dtype)
+    return xt, fp8.head(wt, scaling), bt
+
+
+def _teacher_block(form, teacher, c):
+    if form == "heads":
+        xt, wt, bt = teacher
+        if isinstance(wt, fp8.Head):
+            return fp8.linear(xt[c], wt, bt)
+        return linear(xt[c], wt, bt)
+    if form == "logits":
+        return teacher[0][c]
+    ids, lp = teacher
+    return ids[c], lp[c]
+
+
+def linear(x, w, b):
+    return x @ w.t() if b is None else torch.addmm(b, x, w.t())
+
+
+def accumulate_mm(acc, a, b, beta):
+    """acc = beta · acc + a @ b, accumulated in acc's dtype (fp32 for bf16 operands on CUDA).
+    beta = 0 on the first chunk: acc is then never read, so it needs no zero-fill."""
+    if a.dtype == acc.dtype:
+        acc.addmm_(a, b, beta=beta)
+    elif acc.is_cuda:
+        torch.addmm(acc, a, b, beta=beta, out_dtype=acc.dtype, out=acc)
+    else:
+        acc.addmm_(a.to(acc.dtype), b.to(acc.dtype), beta=beta)
+
+
+def pick_backend(backend, x):
+    if backend not in ("auto", "torch", "triton"):
+        raise ValueError(f"backend: expected 'auto', 'torch' or 'triton', got {backend!r}")
+    interpret = os.environ.get("TRITON_INTERPRET") == "1"
+    if backend == "auto":
+        return "triton" if x.is_cuda and _has_triton() else "torch"
+    if backend == "triton":
+        if not _has_triton():
+            raise ValueError("backend: 'triton' was asked for, but the triton package is not installed")
+        if not (x.is_cuda or interpret):
+            raise ValueError(
+                f"backend: 'triton' needs CUDA tensors (or TRITON_INTERPRET=1), got tensors on {x.device}"
+            )
+    # The Triton kernels compute in fp32: fp64 inputs (float64 gradcheck, references) get the torch rows'
+    # fp64 math on every backend.
+    return "torch" if x.dtype == torch.float64 else backend
+
+
+def _has_triton() -> bool:
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def chunk_rows(chunk_size, xs, ws, backend, form, accum_bytes, v=None) -> tuple[int, int]:
+    """(rows per chunk, teacher rows at a time): chunk_size for both, or the plan in the module's doc.
+    accum_bytes: element size of the dW accumulator; 0 when dW is not wanted. v: the vocab rows to
+    plan for (the weight's, or the largest slice of a vocab-parallel group)."""
+    n, hs = xs.shape[0], ws.shape[1]
+    v = ws.shape[0] if v is None else v
+    if chunk_size is not None:
+        if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
+            raise ValueError(f"chunk_size: expected a positive int or None, got {chunk_size!r}")
+        rows = min(chunk_size, max(n, 1))
+        return rows, rows
+    row = v * xs.element_size()  # one row of logits
+    blocks = 2 if form == "heads" else 1
+    budget = LOGITS_BUDGET[backend]
+    if backend == "torch":
+        rows = even_chunks(n, budget // (row * blocks + v * 4 * 6))
+        return rows, rows
+    rows = even_chunks(n, budget // (row * blocks))
+    if rows < n and accum_bytes:
+        # One chunk needs no dW accumulator (its GEMM rounds once, into dW's dtype): taken when that
+        # makes the peak no higher.
+        teacher = -(-n // 2) if form == "heads" else n
+        peak = functools.partial(peak_bytes, n, v, hs, xs.element_size(), form=form, accum_bytes=accum_bytes)
+        if peak(n, teacher) <= peak(rows, rows):
+            return n, teacher
+    return rows, rows
+
+
+def peak_bytes(n, v, hs, e, rows, teacher_rows, *, form, accum_bytes) -> int:
+    """Peak extra bytes of a plan, as the module's doc gives them (e: bytes of an input element,
+    accum_bytes: of a dW accumulator element, 0 when dW is not wanted; the bias grad's V fp32 left out)."""
+    logits = rows * v * e + (teacher_rows * v * e if form == "heads" else 0)
+    dw = v * hs * e if accum_bytes else 0
+    if rows >= n:
+        return n * hs * e + max(logits, rows * v * e + dw)
+    acc = v * hs * accum_bytes
+    return n * hs * e + max(logits + acc, acc + dw if accum_bytes != e else 0)
+
+
+# Chunks of a multiple of this many rows fill the GEMMs' row tiles (128 or 256 rows on an H200):
+# at N = 8192 with teacher heads, 4 × 2048 rows instead of 3 × 2092 + 1916 (BENCHMARKS.md).
+_ROW_TILE = 256
+
+
+def even_chunks(n: int, fit: int) -> int:
+    """Rows per chunk for n rows when at most `fit` fit: as few chunks as fit allows, of equal size,
+    rounded up to a multiple of _ROW_TILE where that still fits."""
+    if n <= fit:
+        return max(n, 1)
+    rows = -(-n // -(-n // max(fit, 1)))  # ceil(n / count), count = ceil(n / fit)
+    aligned = -(-rows // _ROW_TILE) * _ROW_TILE
+    return aligned if aligned <= fit else rows
+
+
+def check_tensors(named: dict, dtype=None, device=None, like="student_input"):
+    """Type, dtype (when given) and device of optional tensor arguments, against the tensor `like`."""
+    for name, x in named.items():
+        if x is None:
+            continue
+        if not isinstance(x, torch.Tensor):
+            raise TypeError(f"{name}: expected a torch.Tensor, got {type(x).__name__}")
+        dtensor = sys.modules.get("torch.distributed.tensor")  # not imported: x cannot be one
+        if dtensor is not None and isinstance(x, dtensor.DTensor):
+            # FSDP2's parameters outside the module's forward: the GEMMs would fail deep inside
+            raise TypeError(f"{name}: expected a local torch.Tensor, got a DTensor ({x.placements} over "
+                            f"{x.device_mesh}); call where FSDP has gathered it (inside the module's forward), "
+                            f"or pass {name}.full_tensor()")
+        if dtype is not None and x.dtype != dtype:
+            raise TypeError(f"{name}: expected dtype {dtype} (the dtype of {like}), got {x.dtype}")
+        if device is not None and x.device != device:
+            raise ValueError(f"{name}: expected a tensor on {device} (the device of {like}), got {x.device}")
+
+
+def check_student(xs, ws, bs, y):
+    """The student side and labels, common to every input form; returns them flattened to rows."""
+    check_tensors({"student_input": xs})
+    if xs.dtype not in FLOATS:
+        raise TypeError(f"student_input: expected a floating dtype (float16, bfloat16, float32, float64), got {xs.dtype}")
+    check_tensors({"student_weight": ws, "student_bias": bs}, xs.dtype, xs.device)
+    check_tensors({"labels": y}, device=xs.device)
+    # The dtypes the Triton kernel reads: narrower ones would wrap ignore_index (-100 is 156 in uint8).
+    if y is not None and y.dtype not in (torch.int64, torch.int32):
+        raise TypeError(f"labels: expected an integer dtype (torch.int64 or torch.int32), got {y.dtype}")
+    if ws.dim() != 2 or 0 in ws.shape:  # an empty vocab or hidden size has no distribution
+        raise ValueError(f"student_weight: expected a 2-D (vocab, hidden) tensor, both >= 1, got shape {tuple(ws.shape)}")
+    if xs.dim() < 1:
+        raise ValueError("student_input: expected a tensor of shape (..., hidden), got a 0-d tensor")
+    v, hs = ws.shape
+    if xs.shape[-1] != hs:
+        raise ValueError(
+            f"student_input: expected hidden size {hs} (student_weight is {tuple(ws.shape)}), got {xs.shape[-1]}"
+        )
+    if y is not None and y.shape != xs.shape[:-1]:
+        raise ValueError(f"labels: expected shape {tuple(xs.shape[:-1])} (student_input's leading dims), got {tuple(y.shape)}")
+    if bs is not None and bs.shape != (v,):
+        raise ValueError(f"student_bias: expected shape ({v},), got {tuple(bs.shape)}")
+    return xs.reshape(-1, hs), ws, bs, None if y is None else y.reshape(-1)
+
+
+def check_row_weight(rw, xs, student_input):
+    """row_weight flattened to (N,), or None; its values are checked on CPU only (a host sync)."""
+    if rw is None:
+        return None
+    check_tensors({"row_weight": rw}, device=xs.device)
+    if rw.dtype not in FLOATS:
+        raise TypeError(f"row_weight: expected a floating dtype (float16, bfloat16, float32, float64), got {rw.dtype}")
+    if rw.requires_grad:
+        raise TypeError("row_weight: expected a constant tensor (requires_grad=False): no gradient flows to "
+                        "it; got one that requires grad (pass row_weight.detach())")
+    if rw.shape != student_input.shape[:-1]:
+        raise ValueError(f"row_weight: expected shape {tuple(student_input.shape[:-1])} (student_input's leading "
+                         f"dims, as labels), got {tuple(rw.shape)}")
+    rw = rw.reshape(-1)
+    if rw.device.type == "cpu":
+        bad = ~torch.isfinite(rw)
+        if bad.any():
+            raise ValueError(f"row_weight: expected finite values, got {rw[bad][0].item()} in row {int(bad.nonzero()[0, 0])}")
+    return rw
+
+
+def _check_leading(name, x, student_input, trailing):
+    if x.dim() < 1:
+        raise ValueError(f"{name}: expected a tensor of shape (..., {trailing}), got a 0-d tensor")
+    if x.shape[:-1] != student_input.shape[:-1]:
+        raise ValueError(
+            f"{name}: expected leading dims {tuple(student_input.shape[:-1])} (those of student_input), "
+            f"got {tuple(x.shape[:-1])}"
+        )
+
+
+def _check_vocab(name, vt, v):
+    if vt < v:
+        raise ValueError(
+            f"{name}: expected a vocab of at least {v} (the student's), got {vt}; a teacher vocab "
+            "smaller than the student's is not a padded head of the same tokenizer"
+        )
+
+
+def check_teacher_heads(xs, student_input, ws, xt, wt, bt):
+    check_tensors({"teacher_input": xt, "teacher_weight": wt, "teacher_bias": bt}, xs.dtype, xs.device)
+    if wt.dim() != 2 or 0 in wt.shape:  # an empty vocab or hidden size has no distribution
+        raise ValueError(f"teacher_weight: expected a 2-D (vocab, hidden) tensor, both >= 1, got shape {tuple(wt.shape)}")
+    _check_leading("teacher_input", xt, student_input, "hidden")
+    v = ws.shape[0]
+    vt, ht = wt.shape
+    if xt.shape[-1] != ht:
+        raise ValueError(
+            f"teacher_input: expected hidden size {ht} (teacher_weight is {tuple(wt.shape)}), got {xt.shape[-1]}"
+        )
+    _check_vocab("teacher_weight", vt, v)
+    if bt is not None and bt.shape != (vt,):
+        raise ValueError(f"teacher_bias: expected shape ({vt},), got {tuple(bt.shape)}")
+    # A padded teacher head: its extra ids (>= V) are not tokens of the student's vocab; drop them.
+    return xt.reshape(-1, ht), wt[:v], None if bt is None else bt[:v]
+
+
+def check_teacher_logits(xs, student_input, ws, tl):
+    check_tensors({"teacher_logits": tl}, xs.dtype, xs.device)
+    _check_leading("teacher_logits", tl, student_input, "vocab")
+    v = ws.shape[0]
+    _check_vocab("teacher_logits", tl.shape[-1], v)
+    try:
+        flat = tl.view(-1, tl.shape[-1])
+    except RuntimeError:
+        raise ValueError(
+            f"teacher_logits: expected leading dims that flatten without a copy (e.g. a contiguous tensor), "
+            f"got strides {tuple(tl.stride())} for shape {tuple(tl.shape)}"
+        ) from None
+    return flat[:, :v]  # a padded teacher head's ids >= V are dropped, as for teacher_weight
+
+
+def check_teacher_topk(xs, student_input, ws, ids, lp):
+    check_tensors({"teacher_ids": ids, "teacher_logprobs": lp}, device=xs.device)
+    if ids.dtype not in (torch.int64, torch.int32):
+        raise TypeError(f"teacher_ids: expected an integer dtype (torch.int64 or torch.int32), got {ids.dtype}")
+    if lp.dtype not in FLOATS:
+        raise TypeError(f"teacher_logprobs: expected a floating dtype (float16, bfloat16, float32, float64), got {lp.dtype}")
+    _check_leading("teacher_ids", ids, student_input, "k")
+    if ids.shape[-1] < 1:
+        raise ValueError(f"teacher_ids: expected at least one slot per row (K >= 1), got shape {tuple(ids.shape)}")
+    if lp.shape != ids.shape:
+        raise ValueError(f"teacher_logprobs: expected shape {tuple(ids.shape)} (that of teacher_ids), got {tuple(lp.shape)}")
+    k = ids.shape[-1]
+    return ids.reshape(-1, k), lp.reshape(-1, k)
+
+
+def check_topk_values(ids, lp, v, spec, y):
+    """Value checks of a top-k teacher on the rows that count (host syncs: run by default on CPU only);
+    rows whose label is ignore_index contribute nothing, whatever they hold."""
+    counted = torch.ones(ids.shape[0], dtype=torch.bool, device=ids.device) if y is None else y != spec.ignore_index
+    bad = ((ids < -1) | (ids >= v)) & counted[:, None]
+    if bad.any():
+        raise ValueError(f"teacher_ids: expected ids in [0, {v}) or -1 (unused slot), got {ids[bad][0].item()}")
+    used = (ids >= 0) & counted[:, None]
+    bad = used & ~(lp <= 0)
+    if bad.any():
+        raise ValueError(
+            f"teacher_logprobs: expected log-probabilities <= 0 (not NaN) at used slots, got {lp[bad][0].item()}"
+        )
+    if spec.tail == "bucket":
+        # Stored log-probs round (flashkd.data): by up to u·|log p|, u = 2^-11 in float16 and 2^-8 in
+        # bfloat16, whose values may arrive widened to float32. Over K slots that lifts Σ p by at most
+        # K^u − 1 (+ u for K < 3, + the fp32 rounding of the log-probs themselves): more is not a
+        # distribution, which the bucket would silently renormalise (p_rest = 0).
+        u = 2.0**-11 if lp.dtype == torch.float16 else 2.0**-8
+        tol = ids.shape[-1] ** u - 1.0 + u + 1e-5
+        mass = torch.where(used, lp.double().exp(), 0.0).sum(-1)
+        if (mass > 1.0 + tol).any():
+            row = int((mass > 1.0 + tol).nonzero()[0, 0])
+            raise ValueError(
+                f"teacher_logprobs: expected probabilities summing to at most 1 over a row's used slots "
+                f"(tail='bucket'; tolerance {tol:.2g} for the log-probs' rounding), got {mass[row].item():.6g} in row {row}"
+            )
+    ordered = torch.where(used, ids, -1 - torch.arange(ids.shape[-1], device=ids.device)).sort(-1).values
+    dup = (ordered[:, 1:] == ordered[:, :-1]).any(-1)
+    if dup.any():
+        row = int(dup.nonzero()[0, 0])
+        dups = ordered[row, 1:][ordered[row, 1:] == ordered[row, :-1]]
+        raise ValueError(f"teacher_ids: expected distinct ids within a row, got id {dups[0].item()} twice in row {row}")
+
+
+def check_label_range(y, v, ignore_index):
+    bad = ((y < 0) | (y >= v)) & (y != ignore_index)
+    if bad.any():
+        first = y[bad][0].item()
+        raise ValueError(f"labels: expected values in [0, {v}) or ignore_index={ignore_index}, got {first}")
