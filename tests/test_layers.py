@@ -68,6 +68,134 @@ def test_the_checker_sees_an_upward_import():
     assert "flashkd.bench" in _imported("import flashkd.bench\n", "flashkd.records")
 
 
+# The package's layers, lowest first: a module imports only from its own layer or lower ones. The core
+# (the losses, the row backends, the FP8 head, the chunk loop, teacher_topk's loop) knows nothing of the
+# distributed layer, the public functions, the data on disk, the integrations, the records or the bench.
+FINE_LAYERS = (
+    ("kernels", ("flashkd.losses", "flashkd.backends", "flashkd.fp8")),
+    ("core", ("flashkd.chunks", "flashkd.teacher")),
+    ("distributed", ("flashkd.distributed",)),
+    ("api", ("flashkd", "flashkd.distill", "flashkd.modules", "flashkd.data")),
+    ("integrations", ("flashkd.integrations",)),
+    ("records", ("flashkd.records",)),
+    ("bench", ("flashkd.bench",)),
+    ("command", ("flashkd.cli", "flashkd.__main__")),
+)
+
+
+def _modules() -> dict[str, Path]:
+    """Every module of the package by its dotted name (a package by its own, for its __init__)."""
+    return {".".join(("flashkd", *p.relative_to(ROOT).with_suffix("").parts)).removesuffix(".__init__"): p
+            for p in sorted(ROOT.rglob("*.py"))}
+
+
+def _fine_layer(module: str) -> int:
+    """The index in FINE_LAYERS of a module: its longest matching prefix."""
+    best, found = -1, None
+    for i, (_, prefixes) in enumerate(FINE_LAYERS):
+        for prefix in prefixes:
+            if (module == prefix or module.startswith(prefix + ".")) and len(prefix) > best:
+                best, found = len(prefix), i
+    assert found is not None, f"{module}: in no layer of FINE_LAYERS"
+    return found
+
+
+def _edges(source: str, module: str, modules) -> tuple[set[str], list[str]]:
+    """(the flashkd modules `module` imports, in functions too; the other modules' private names it
+    reaches: `from m import _x`, or `m._x` with m an imported flashkd module)."""
+    package = module if module in modules and modules[module].name == "__init__.py" else module.rsplit(".", 1)[0]
+    tree = ast.parse(source)
+    targets, private, aliases = set(), [], {}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for a in node.names:
+                if a.name.split(".")[0] == "flashkd":
+                    targets.add(a.name)
+                    aliases[a.asname or a.name.split(".")[0]] = a.asname and a.name or "flashkd"
+        elif isinstance(node, ast.ImportFrom):
+            base = package.split(".")
+            if node.level:
+                base = base[: len(base) - node.level + 1]
+            target = ".".join(base + ([node.module] if node.module else [])) if node.level else node.module
+            if not target or target.split(".")[0] != "flashkd":
+                continue
+            for a in node.names:
+                if f"{target}.{a.name}" in modules:  # `from . import chunks`: a module
+                    targets.add(f"{target}.{a.name}")
+                    aliases[a.asname or a.name] = f"{target}.{a.name}"
+                else:
+                    targets.add(target)
+                    if a.name.startswith("_") and not a.name.startswith("__"):
+                        private.append(f"{module} imports {a.name} from {target}")
+    for node in ast.walk(tree):
+        if (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id in aliases
+                and node.attr.startswith("_") and not node.attr.startswith("__")):
+            owner = aliases[node.value.id]
+            if owner != module and f"{owner}.{node.attr}" not in modules:
+                private.append(f"{module} reads {owner}.{node.attr}")
+    return {t for t in targets if t != module}, private
+
+
+def _graph():
+    modules = _modules()
+    graph, private = {}, []
+    for module, path in modules.items():
+        graph[module], found = _edges(path.read_text("utf-8"), module, modules)
+        private += found
+    return graph, private
+
+
+def _cycle(graph) -> list[str] | None:
+    """One import circle of the graph (its modules, the first repeated at the end), or None."""
+    state = {}
+
+    def visit(m, path):
+        state[m] = "open"
+        for t in sorted(graph.get(m, ())):
+            if state.get(t) == "open":
+                return path[path.index(t):] + [t]
+            if t not in state:
+                found = visit(t, path + [t])
+                if found:
+                    return found
+        state[m] = "done"
+        return None
+
+    for m in sorted(graph):
+        if m not in state:
+            found = visit(m, [m])
+            if found:
+                return found
+    return None
+
+
+def test_the_import_graph_has_no_circle_no_upward_import_no_private_reach():
+    """From the code's own imports (inside functions too): no import circle anywhere in the package, no
+    module importing from a higher layer (FINE_LAYERS), and no module taking another module's _private
+    names (by `from m import _x` or `m._x`)."""
+    graph, private = _graph()
+    assert _cycle(graph) is None, " -> ".join(_cycle(graph))
+    upward = [f"{m} ({FINE_LAYERS[_fine_layer(m)][0]}) imports {t} ({FINE_LAYERS[_fine_layer(t)][0]})"
+              for m, targets in sorted(graph.items()) for t in sorted(targets) if _fine_layer(t) > _fine_layer(m)]
+    assert upward == []
+    assert private == []
+
+
+def test_the_graph_checks_can_fail():
+    """The checks above see a circle, an upward import inside a function, and both kinds of private reach."""
+    assert _cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": set()}) == ["a", "b", "c", "a"]
+    assert _cycle({"a": {"b"}, "b": set()}) is None
+    modules = _modules()
+    targets, _ = _edges("def f():\n    from .distributed import parallel\n", "flashkd.chunks", modules)
+    assert targets == {"flashkd.distributed.parallel"}
+    assert _fine_layer("flashkd.distributed.parallel") > _fine_layer("flashkd.chunks")
+    _, private = _edges("from ..chunks import _rows\nfrom . import triton_rows\nx = triton_rows._head\n",
+                        "flashkd.backends.triton_topk", modules)
+    assert private == ["flashkd.backends.triton_topk imports _rows from flashkd.chunks",
+                       "flashkd.backends.triton_topk reads flashkd.backends.triton_rows._head"]
+    assert _fine_layer("flashkd.records.site") > _fine_layer("flashkd") > _fine_layer("flashkd.teacher")
+
+
 def test_nothing_reads_a_folder_beside_the_repository():
     """A clone has nothing beside it: tests, examples and the README's commands use only its own files."""
     repo = Path(__file__).resolve().parents[1]

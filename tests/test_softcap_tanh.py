@@ -1,4 +1,4 @@
-"""The softcap's arithmetic in the Triton kernels (`triton_rows._tanh`, `_head`): accuracy against
+"""The softcap's arithmetic in the Triton kernels (`triton_common.softcap_tanh`, `head`): accuracy against
 float64 over dense grids and the edge cases (±0, tiny, saturated, huge, ±inf, NaN), with the
 reciprocal on either pipe; then the row kernel with each pipe's masks against the torch rows."""
 
@@ -16,14 +16,14 @@ if HAS_TRITON:
     import triton
     import triton.language as tl
 
-    from flashkd.backends import torch_rows, triton_rows
+    from flashkd.backends import torch_rows, triton_common, triton_rows
 
     @triton.jit
     def _head_kernel(x_ptr, z_ptr, d_ptr, n, mul, HEAD: tl.constexpr, RCP_FMA: tl.constexpr,
                      BLOCK: tl.constexpr):
         offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
         x = tl.load(x_ptr + offs, mask=offs < n)
-        z, d = triton_rows._head(x, mul, HEAD, RCP_FMA)
+        z, d = triton_common.head(x, mul, HEAD, RCP_FMA)
         tl.store(z_ptr + offs, z, mask=offs < n)
         tl.store(d_ptr + offs, d + tl.zeros_like(x), mask=offs < n)
 
@@ -34,7 +34,7 @@ PIPES = [False, True]  # RCP_FMA
 
 
 def _head(x, sigma, cap, rcp_fma):
-    head, fold, mul = triton_rows.head_mode(sigma, cap)
+    head, fold, mul = triton_common.head_mode(sigma, cap)
     x = x.to(DEVICE, torch.float32)
     z, d = torch.empty_like(x), torch.empty_like(x)
     _head_kernel[(triton.cdiv(x.numel(), BLOCK),)](x, z, d, x.numel(), mul, HEAD=head, RCP_FMA=rcp_fma,
@@ -60,7 +60,7 @@ def _division(t, fused, steps=1, correct=True):
     f32 = np.float32
     fma = _fused if fused else (lambda a, b, c: (a * b).astype(f32) + c)
     u, w = f32(1.0) + t, f32(1.0) - t
-    r = fma(fma(t, f32(triton_rows.RCP_P2), f32(triton_rows.RCP_P1)), t, f32(triton_rows.RCP_P0))
+    r = fma(fma(t, f32(triton_common.RCP_P2), f32(triton_common.RCP_P1)), t, f32(triton_common.RCP_P0))
     for _ in range(steps):
         r = fma(r, fma(-u, r, f32(1.0)), r)
     q = fma(-t, r, r)

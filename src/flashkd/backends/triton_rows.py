@@ -27,17 +27,17 @@ log2(e)·fold for the CE's, fold in the CE value, the online KL's d = a − b·f
 norms). Without a softcap and with σ > 0, fold is σ and nothing is made at load; the constexpr SCALED
 brings the folded constants into the loops only when a fold is not 1, so the path without a transform
 compiles to the same loops as before. A negative σ (whose max is s's min) makes z = σ s at every load
-(fold 1), a softcap tanh(σ s / c) (fold c: the cap costs no multiply an element) (`_head`: the
+(fold 1), a softcap tanh(σ s / c) (fold c: the cap costs no multiply an element) (`head`: the
 constexpr S_HEAD / T_HEAD, keyed on the sign and on None, never a float); σ = dz/ds is in the
 gradient's weights, and a softcap multiplies dL/dz by 1 − tanh² where dL/ds is written. tanh is
-±(1 − t)/(1 + t), t = e^(−2|y|) (`_tanh`: odd, exactly ±1 when saturated, an absolute error of ~2^-23
+±(1 − t)/(1 + t), t = e^(−2|y|) (`softcap_tanh`: odd, exactly ±1 when saturated, an absolute error of ~2^-23
 at most), with 1 − tanh² = 4t/(1 + t)², so saturated logits (|s| ≫ c) keep finite,
 accurate gradients. A softcap costs its tanh per element and pass on each capped side: an exp2 on the
 SFU and a reciprocal, on the SFU or the FMA pipe by a constexpr mask (SOFTCAP_RCP_FMA: by the compiled
 instruction counts the SFU binds the capped JSD passes); the first version, both on the SFU with the
 cap and sign applied at each load, took 1.23× the floor at the JSD seed with softcap 30 on both heads,
 against 1.18× without (BENCHMARKS.md).
-With `stats` (constexpr STATS) pass 1 also sums the gaps below the running max under q (`_lane_gap`),
+With `stats` (constexpr STATS) pass 1 also sums the gaps below the running max under q (`lane_gap`),
 for the entropy of q: no extra pass.
 
 Bytes moved per element, b = bytes of the input dtype (2 for bf16), grad / no grad:
@@ -64,7 +64,7 @@ an element): fewer instructions, not fewer transcendentals, make it faster.
 
 Numerics: every load is widened to fp32 and all math is fp32 whatever the input dtype (fp64 inputs
 included: they are computed in fp32, the losses come back in fp32 and dL/ds is rounded to fp64; the
-public functions send fp64 to the torch rows instead, `distill._pick_backend`);
+public functions send fp64 to the torch rows instead, `chunks.pick_backend`);
 dL/ds is rounded once, to the input dtype, at the store. The softmaxes run on exp2/log2 in units of
 log2: log2 q = (s − m_s)·log2(e)/τ − log2 l_s, one multiply by a constant prepared on the host, with
 the row max subtracted first so that the large elements, which carry the losses, have small exponents
@@ -78,7 +78,6 @@ bounded, by logs that are finite wherever a probability is 0 (`_mixture`).
 from __future__ import annotations
 
 import math
-import os
 import types
 
 import torch
@@ -86,6 +85,8 @@ import triton
 import triton.language as tl
 
 from ..losses import COSINE_EPS, LOSS_ID, LossSpec
+from .triton_common import (FAST_LOG2, INTERPRET, LN2, LOG2E, M_START, head, head_grad, head_mode, lane_gap, lane_sum,
+                            lane_sums, times)
 
 # Compiled tiles, measured on an H200 at V = 128256 bf16 (BENCHMARKS.md): 1024 columns over 8 warps
 # (4 elements per thread per tensor, 32 registers, 8 programs an SM). At the chunk loop's 1024–4096
@@ -97,16 +98,12 @@ from ..losses import COSINE_EPS, LOSS_ID, LossSpec
 # when V is a multiple of 16 (rows then start aligned). Under TRITON_INTERPRET=1 every tile op is a
 # numpy call on the CPU: small tiles keep the tests fast and make their small V span several tiles
 # with a ragged last one.
-_INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
-BLOCK_V = 256 if _INTERPRET else 1024
+BLOCK_V = 256 if INTERPRET else 1024
 NUM_WARPS = 8
 # Registers a thread may use: at 32, 8 programs of 8 warps fill an SM's 64 K registers; at the 36–37
 # the compiler picks for TVD, and for forward KL and cosine with the CE, only 6 fit (those kernels took
 # 4–6 % longer; TVD's 4 bytes of spill cost less than the 2 programs).
 MAX_REGS = 32
-# The hardware log2 (lg2.approx, abs. error ~2^-22 on [1, 2]) instead of libdevice's ~30-instruction
-# log2f; the interpreter has no inline PTX.
-_FAST_LOG2: tl.constexpr = tl.constexpr(not _INTERPRET)
 
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
 _LABEL_DTYPES = (torch.int32, torch.int64)
@@ -118,69 +115,20 @@ _REVERSE_KL: tl.constexpr = tl.constexpr(LOSS_ID["reverse_kl"])
 _JSD: tl.constexpr = tl.constexpr(LOSS_ID["jsd"])
 _TVD: tl.constexpr = tl.constexpr(LOSS_ID["tvd"])
 _COSINE: tl.constexpr = tl.constexpr(LOSS_ID["cosine"])
-_LOG2E: tl.constexpr = tl.constexpr(math.log2(math.e))
-_LN2: tl.constexpr = tl.constexpr(math.log(2.0))
 _NORM_EPS: tl.constexpr = tl.constexpr(COSINE_EPS)
 _LOG2_MIN: tl.constexpr = tl.constexpr(-(2.0**100))  # see _mixture
-# Start of the running max: finite, so that a tile whose logits are all −inf (masked columns first in
-# the row) gives 2^(−inf − m) = 0 instead of 2^(−inf + inf) = NaN.
-_M_START: tl.constexpr = tl.constexpr(-3.0e38)
 
 
 # ---------------------------------------------------------------------------------------------- helpers
 
 
-@triton.jit
-def _lane_sum(l_i, m_i, x, k):
-    """Per-lane online sum-exp: l_i = Σ 2^((x − m_i)·k) over the lane's elements so far, m_i the lane's
-    max before x; the caller then moves m_i to max(m_i, x). One exp2 per element: of the smaller of x
-    and m_i, 2^(−|x − m_i|·k) either scales the old sum (x is the new max) or is added to it.
-    Masked lanes (x = −inf) add 2^−inf = 0. With k = log2(e)/τ, l_i = Σ e^((x − m_i)/τ); the max is
-    subtracted before scaling, so an element near the max gets an exponent near 0 with no rounding
-    error of the size of m_i·k."""
-    e = tl.exp2(tl.abs(x - m_i) * -k)  # −k, not −|·|: the abs folds into the multiply (one instruction fewer)
-    return tl.where(x > m_i, l_i * e + 1.0, l_i + e)
-
-
-@triton.jit
-def _lane_sums(l_i, r_i, m_i, x, d, k):
-    """_lane_sum, and beside it r_i = Σ 2^((x − m_i)·k)·d on the same rescalings: a softmax(x/τ)-weighted
-    sum of d, unnormalised, in one more multiply-add an element. d = ±inf adds ±inf where the weight is
-    not 0 (a KL that is infinite stays so); a weight of 0 adds nothing, also to a NaN d (masked lanes)."""
-    e = tl.exp2(tl.abs(x - m_i) * -k)
-    new = x > m_i
-    return tl.where(new, l_i * e + 1.0, l_i + e), tl.where(new, _times(e, r_i) + d, r_i + _times(e, d))
-
-
-@triton.jit
-def _lane_gap(r_i, l_i, m_i, x, k):
-    """Beside `_lane_sum` (called before it, with its l_i and m_i): r_i = Σ 2^((x − m_i)·k)·(x − m_i),
-    the softmax-weighted sum of each element's gap below the lane's running max, moved with the max
-    (when x is the new max, the old terms' gaps grow by x − m_i). No large value is ever subtracted
-    from another, so E_q[s] − max(s), and the entropy from it, keep fp32's relative accuracy even
-    where |s| is large. Its exp2 is the same expression as `_lane_sum`'s: computed once."""
-    d = x - m_i
-    e = tl.exp2(tl.abs(d) * -k)
-    return tl.where(x > m_i, e * (r_i - l_i * d), r_i + _times(e, d))
-
-
-@triton.jit
-def _rcp(x):
-    """1 / x: the hardware reciprocal (rcp.approx, within 1 ulp) instead of an IEEE division's ~10
-    instructions; the interpreter has no inline PTX."""
-    if _FAST_LOG2:
-        return tl.inline_asm_elementwise("rcp.approx.ftz.f32 $0, $1;", "=r,r", [x], dtype=tl.float32,
-                                         is_pure=True, pack=1)
-    return 1.0 / x
-
-
-# The softcap's tanh (`_tanh`) takes one exp2 and one reciprocal an element and pass: two MUFU (SFU)
+# The softcap's tanh (`softcap_tanh`) takes one exp2 and one reciprocal an element and pass: two MUFU (SFU)
 # instructions by default, on a pipe with 1/8 of the FMA pipe's throughput on sm_90 (16 against 128
 # results a clock and SM, so a MUFU instruction costs a warp scheduler 8 cycles to the others' 1).
 # With a softcap on both heads the JSD kernel (CE and grad, bf16, compiled for sm_90) issues 153,
 # 167, 192 instructions per 4 elements a thread in its three passes, 24, 32, 28 of them MUFU:
 # 192 + 256 + 224 cycles of SFU against 512 of issue, where the kernel without a transform issues
-# 93 + 107 + 116 with 8, 16, 12 MUFU. `_tanh` can take its reciprocal (RCP_FMA) on the FMA pipe
+# 93 + 107 + 116 with 8, 16, 12 MUFU. `softcap_tanh` can take its reciprocal (RCP_FMA) on the FMA pipe
 # instead: +6 instructions for one MUFU fewer. Which loads do is a constexpr bit mask of `_rows_kernel`,
 # bit 2·(pass − 1) + side (side 0: s, 1: t), set by the launcher per loss from this table (on the sides
 # with a softcap; 0 where a loss is not in it). The entries balance issue against the SFU pass by pass on those counts, max(issued,
@@ -192,78 +140,6 @@ def _rcp(x):
 # nowhere. The variants were timed by benchmarks/bench_softcap.py, in the history at ea784f5 (BENCHMARKS.md).
 SOFTCAP_RCP_FMA = types.MappingProxyType({"jsd": 0b101110, "tvd": 0b000110})
 
-# 1/u on u in [1, 2]: the minimax quadratic for the relative error, whose residual 1 − u·p(u) is
-# T3(2u − 3)/99 (T3 the Chebyshev polynomial), at most 1/99; each Newton step squares it. In
-# t = u − 1: p = (98 − 80 t + 32 t²)/99.
-RCP_P0 = 98.0 / 99.0
-RCP_P1 = -80.0 / 99.0
-RCP_P2 = 32.0 / 99.0
-_RCP_P0: tl.constexpr = tl.constexpr(RCP_P0)
-_RCP_P1: tl.constexpr = tl.constexpr(RCP_P1)
-_RCP_P2: tl.constexpr = tl.constexpr(RCP_P2)
-@triton.jit
-def _tanh(x, k, NEG: tl.constexpr, RCP_FMA: tl.constexpr):
-    """(tanh y, 1 − tanh² y) in fp32 for y = σ x / c, given k = −2 log2(e)·|σ|/c and NEG = σ < 0, from
-    t = e^(−2|y|) = 2^(k·|x|) in [0, 1] alone: tanh |y| = (1 − t)/(1 + t), whose sign (x's, flipped for
-    NEG) is set bitwise; odd by construction (−0 gives ∓0), exactly ±1 where tanh rounds to ±1
-    (saturated: 1 + t rounds to 1, r = 1, and r − t·r to 1), and 1 − tanh² = 4t/(1 + t)², accurate
-    there too. No overflow for any x. Absolute error ~2^-23 at most, mostly the exp2's (ex2.approx: ~2^-22 relative; 1 − t is
-    exact near 0, the division within an ulp).
-    The exp2 on the SFU (ex2.approx). The division:
-    the hardware reciprocal r of u = 1 + t, then r − t·r, one FFMA; or with RCP_FMA on the FMA pipe
-    alone: r from the quadratic start and one Newton step (relative error 2^-13), the quotient
-    q = r − t·r, then one correction by its residual, q + r·((1 − t) − u·q), which squares the error
-    (seven FFMA in all); a second Newton step gives r itself to fp32 accuracy for 4t·r², only where the
-    derivative is used (elsewhere the compiler drops it)."""
-    t = tl.exp2(tl.abs(x) * k)
-    u = 1.0 + t
-    # −v as v · −1, which the compiler turns into a negated operand; Triton's −v is 0 − v, an instruction
-    nt = t * -1.0
-    if RCP_FMA:
-        nu = u * -1.0
-        r = tl.fma(tl.fma(t, _RCP_P2, _RCP_P1), t, _RCP_P0)
-        r = tl.fma(r, tl.fma(nu, r, 1.0), r)
-        th = tl.fma(nt, r, r)
-        th = tl.fma(r, tl.fma(nu, th, 1.0 - t), th)
-        r = tl.fma(r, tl.fma(nu, r, 1.0), r)
-    else:
-        r = _rcp(u)
-        th = tl.fma(nt, r, r)  # (1 − t)·r rounded once
-    sign = x.to(tl.int32, bitcast=True) & -2147483648
-    if NEG:
-        sign = sign ^ -2147483648
-    th = (th.to(tl.int32, bitcast=True) ^ sign).to(tl.float32, bitcast=True)
-    return th, 4.0 * t * r * r
-
-
-@triton.jit
-def _head(x, mul, HEAD: tl.constexpr, RCP_FMA: tl.constexpr = False):
-    """(z / fold, dz/dx / σ) of a head's transform of loaded logits x (`head_mode`): HEAD 0 none here,
-    (x, 1) (the scale σ is the fold, in the caller's constants); 1 z = mul · x (a negative scale:
-    mul = σ), (z, 1); 2 and 3 (σ < 0) z = c · tanh(σ x / c) with the cap c as the fold:
-    (tanh(σ x / c), 1 − tanh²) (`_tanh`, mul = −2 log2(e)·|σ|/c), its reciprocal where RCP_FMA says.
-    The default, on the SFU, is the top-k kernels' (`triton_topk`): compiled
-    for sm_90 their passes bind on the SFU by less than the FMA pipe's reciprocal adds to their issue
-    (stats 157 instructions per 8 elements a thread with 24 MUFU, against 206 with 16). −inf (a masked
-    lane, or a column the top-k kernels wrote −inf over) stays −inf: an absent column. The derivative
-    is used only where dL/ds is written: elsewhere the compiler drops it."""
-    if HEAD == 0:
-        return x, 1.0
-    elif HEAD == 1:
-        return tl.where(x == -float("inf"), x, x * mul), 1.0
-    else:
-        th, d = _tanh(x, mul, HEAD == 3, RCP_FMA)
-        return tl.where(x == -float("inf"), x, th), d
-
-
-@triton.jit
-def _head_grad(g, d, HEAD: tl.constexpr):
-    """g · dz/dx without σ (folded into g's factors): times 1 − tanh² for a softcap, else g itself."""
-    if HEAD >= 2:
-        return g * d
-    return g
-
-
 @triton.jit
 def _minus(x, y, ratio, SCALED: tl.constexpr):
     """x − y·ratio (one FMA), or x − y when no scale is folded."""
@@ -273,21 +149,15 @@ def _minus(x, y, ratio, SCALED: tl.constexpr):
 
 
 @triton.jit
-def _times(w, d):
-    """w · d, taken as 0 where w is 0 (0·log 0 = 0; masked lanes, where d is NaN, add nothing)."""
-    return tl.where(w > 0.0, w * d, 0.0)
-
-
-@triton.jit
 def _log2_1p(x):
     """log2(1 + x) for x in [0, 1], accurate for small x too: log2 of u = 1 + x, corrected by the
     rounding error of u, which (u − 1) − x gives exactly."""
     u = 1.0 + x
-    if _FAST_LOG2:
+    if FAST_LOG2:
         # lg2.approx's own error (~2^-22 absolute) exceeds the correction below: one instruction
         return tl.inline_asm_elementwise("lg2.approx.f32 $0, $1;", "=r,r", [u], dtype=tl.float32,
                                          is_pure=True, pack=1)
-    return tl.log2(u) - ((u - 1.0) - x) / u * _LOG2E
+    return tl.log2(u) - ((u - 1.0) - x) / u * LOG2E
 
 
 @triton.jit
@@ -364,7 +234,7 @@ def _rows_kernel(
     GRAD_PASS: tl.constexpr,  # pass that writes dL/ds: 2, 3, or 0 for no grad
     CE_IS_Q: tl.constexpr,  # τ = 1 and a softmax loss: softmax(s) is q, so the CE reuses q's statistics
     ONLINE_KL: tl.constexpr,  # a KL whose loss pass 1 takes online (reverse_kl; forward_kl without grad)
-    S_HEAD: tl.constexpr,  # the student's transform at load (`_head`): 0 none (σ folded), 1 σ < 0, 2 softcap
+    S_HEAD: tl.constexpr,  # the student's transform at load (`head`): 0 none (σ folded), 1 σ < 0, 2 softcap
     T_HEAD: tl.constexpr,  # the teacher's
     SCALED: tl.constexpr,  # a fold is not 1: the loops read log2e_tau_t, log2e_ce, kl_ratio
     STATS: tl.constexpr,  # write the entropy of q
@@ -390,6 +260,167 @@ def _rows_kernel(
 
 
 @triton.jit
+def _stats_pass(
+    s_row, t_row, V, cols,  # the row: its logits (t read when SOFT), its length, a tile's columns
+    log2e_tau, log2e_tau_t, log2e_ce, kl_ratio, s_mul, t_mul,  # the row's constants (`_rows_kernel`)
+    LOSS: tl.constexpr, SOFT: tl.constexpr, CE: tl.constexpr, CE_IS_Q: tl.constexpr, ONLINE_KL: tl.constexpr,
+    S_HEAD: tl.constexpr, T_HEAD: tl.constexpr, SCALED: tl.constexpr, STATS: tl.constexpr, RCP_FMA: tl.constexpr,
+    BLOCK_V: tl.constexpr,
+):
+    """Pass 1: the row statistics, kept per lane (no cross-lane reduction, hence no barrier, inside the
+    loop: the warps stream the row independently); the caller merges them once.
+    Returns the lanes (m_s, l_s, l_c, m_t, l_t, r_kl, ss, tt, st, r_ent)."""
+    m_s = tl.full([BLOCK_V], M_START, tl.float32)  # running max of s, per lane
+    l_s = tl.zeros([BLOCK_V], tl.float32)  # Σ 2^((s − m_s)·log2(e)/τ), per lane
+    l_c = tl.zeros([BLOCK_V], tl.float32)  # Σ 2^((s − m_s)·log2(e)), for the untempered CE
+    m_t = tl.full([BLOCK_V], M_START, tl.float32)  # running max of t
+    l_t = tl.zeros([BLOCK_V], tl.float32)  # Σ 2^((t − m_t)·log2(e)/τ)
+    r_kl = tl.zeros([BLOCK_V], tl.float32)  # ONLINE_KL: Σ 2^((s − m_s)·log2(e)/τ)·(s − t) (reverse),
+    # Σ 2^((t − m_t)·log2(e)/τ)·(t − s) (forward): E_q[s − t], E_p[t − s] times l_s, l_t
+    ss = tl.zeros([BLOCK_V], tl.float32)  # cosine: Σ s², Σ t², Σ s·t, per lane
+    tt = tl.zeros([BLOCK_V], tl.float32)
+    st = tl.zeros([BLOCK_V], tl.float32)
+    r_ent = tl.zeros([BLOCK_V], tl.float32)  # STATS: Σ 2^((s − m_s)·log2(e)/τ)·(s − m_s) (`lane_gap`)
+    for start in range(0, V, BLOCK_V):
+        offs = start + cols
+        mask = offs < V
+        a = head(tl.load(s_row + offs, mask=mask, other=-float("inf")).to(tl.float32), s_mul, S_HEAD,
+                 RCP_FMA & 1)[0]
+        if STATS:
+            r_ent = lane_gap(r_ent, l_s, m_s, a, log2e_tau)
+        if SOFT:
+            b = head(tl.load(t_row + offs, mask=mask, other=-float("inf")).to(tl.float32), t_mul, T_HEAD,
+                     (RCP_FMA >> 1) & 1)[0]
+            if LOSS == _COSINE:
+                a0 = tl.where(mask, a, 0.0)
+                b0 = tl.where(mask, b, 0.0)
+                ss += a0 * a0
+                tt += b0 * b0
+                st += a0 * b0
+                if STATS:  # cosine has no softmax of its own
+                    l_s = lane_sum(l_s, m_s, a, log2e_tau)
+            else:
+                # the KLs' d = z_s − z_t (reverse), z_t − z_s (forward) over the side's fold: an FMA
+                # where there was a subtraction, exact for equal folds
+                if ONLINE_KL and LOSS == _REVERSE_KL:
+                    l_s, r_kl = lane_sums(l_s, r_kl, m_s, a, _minus(a, b, kl_ratio, SCALED), log2e_tau)
+                else:
+                    l_s = lane_sum(l_s, m_s, a, log2e_tau)
+                if ONLINE_KL and LOSS == _FORWARD_KL:
+                    l_t, r_kl = lane_sums(l_t, r_kl, m_t, b, _minus(b, a, kl_ratio, SCALED), log2e_tau_t)
+                else:
+                    l_t = lane_sum(l_t, m_t, b, log2e_tau_t)
+                m_t = tl.maximum(m_t, b)
+        if CE and not CE_IS_Q:
+            l_c = lane_sum(l_c, m_s, a, log2e_ce)
+        m_s = tl.maximum(m_s, a)
+    return m_s, l_s, l_c, m_t, l_t, r_kl, ss, tt, st, r_ent
+
+
+@triton.jit
+def _loss_pass(
+    s_row, t_row, V, n_tiles, cols, label,  # the row, its tiles, its label (-1 without)
+    m_s, m_t, log2_l_s, log2_l_t, log2_l_c,  # pass 1's statistics, merged
+    log2e_tau, log2e_tau_t, log2e_ce, s_mul, t_mul, log2_beta, log2_1mbeta,  # the row's constants
+    f_q, f_p, f1, f0, f_a, f_b, c_ce,  # the gradient's factors (scale, weights, 1/τ and units folded in)
+    LOSS: tl.constexpr, SOFT: tl.constexpr, GRAD_SOFT: tl.constexpr, GRAD_CE: tl.constexpr,
+    GRAD_PASS: tl.constexpr, CE_IS_Q: tl.constexpr, ONLINE_KL: tl.constexpr, S_HEAD: tl.constexpr,
+    T_HEAD: tl.constexpr, RCP_FMA: tl.constexpr, BLOCK_V: tl.constexpr,
+):
+    """Pass 2, backwards over the row: the per-element loss terms, summed per lane (acc, acc2, acc3,
+    acc4: see the divergences' row scalars in `_one_row`), and dL/ds written over s when GRAD_PASS is 2."""
+    fold_q = GRAD_SOFT and GRAD_CE and CE_IS_Q
+    acc = tl.zeros([BLOCK_V], tl.float32)
+    acc2 = tl.zeros([BLOCK_V], tl.float32)
+    acc3 = tl.zeros([BLOCK_V], tl.float32)
+    acc4 = tl.zeros([BLOCK_V], tl.float32)
+    if (SOFT and LOSS != _COSINE and not ONLINE_KL) or GRAD_PASS == 2:
+        for i in range(0, n_tiles):
+            offs = (n_tiles - 1 - i) * BLOCK_V + cols
+            mask = offs < V
+            a, da = head(tl.load(s_row + offs, mask=mask, other=-float("inf")).to(tl.float32), s_mul, S_HEAD,
+                         (RCP_FMA >> 2) & 1)
+            g = tl.zeros([BLOCK_V], tl.float32)  # dL/ds when GRAD_PASS == 2
+            q = a  # q = softmax(s/τ) of the tile where a softmax loss computes it below
+            if SOFT:
+                b = head(tl.load(t_row + offs, mask=mask, other=-float("inf")).to(tl.float32), t_mul, T_HEAD,
+                         (RCP_FMA >> 3) & 1)[0]
+                if LOSS == _COSINE:
+                    if GRAD_SOFT:
+                        g = a * f_a + b * f_b
+                else:
+                    lq = (a - m_s) * log2e_tau - log2_l_s  # log2 q
+                    lp = (b - m_t) * log2e_tau_t - log2_l_t  # log2 p
+                    q = tl.exp2(lq)
+                    if LOSS == _FORWARD_KL:
+                        p = tl.exp2(lp)
+                        acc += times(p, lp - lq)
+                        if GRAD_SOFT:
+                            g = q * f_q + p * f_p
+                    elif LOSS == _REVERSE_KL:
+                        if GRAD_SOFT:
+                            g = times(q, f1 * (lq - lp) + f0)
+                    elif LOSS == _JSD:
+                        p = tl.exp2(lp)
+                        z, w = _mixture(lq, lp, log2_beta, log2_1mbeta)
+                        # p log2(p/M) and q log2(q/M) without their constant parts −p log2 β and
+                        # −q log2(1 − β), added once a row, as Σ p = Σ q = 1 times them. Finite logs:
+                        # no 0·log 0 guard. (This pass is bound by its instruction count.)
+                        acc += p * (tl.minimum(z, 0.0) - w)
+                        acc2 -= q * (w + tl.maximum(z, 0.0))
+                    else:  # _TVD: acc2, acc3, acc4 = the mass of q where q < p, q > p, q = p
+                        p = tl.exp2(lp)
+                        acc += tl.abs(q - p)
+                        acc2 += tl.where(lq < lp, q, 0.0)
+                        acc3 += tl.where(lq > lp, q, 0.0)
+                        acc4 += tl.where(lq == lp, q, 0.0)
+            if GRAD_PASS == 2:
+                if fold_q:
+                    g -= tl.where(offs == label, c_ce, 0.0)
+                elif GRAD_CE:
+                    g += c_ce * (_softmax(a, m_s, log2_l_c, log2e_ce, q, CE_IS_Q) - tl.where(offs == label, 1.0, 0.0))
+                g = head_grad(g, da, S_HEAD)
+                tl.store(s_row + offs, g.to(s_row.dtype.element_ty), mask=mask)
+
+    return acc, acc2, acc3, acc4
+
+
+@triton.jit
+def _grad_pass(
+    s_row, t_row, V, cols, label,  # the row, a tile's columns, its label (-1 without)
+    m_s, m_t, log2_l_s, log2_l_t, log2_l_c,  # pass 1's statistics, merged
+    log2e_tau, log2e_tau_t, log2e_ce, s_mul, t_mul, log2_beta, log2_1mbeta,  # the row's constants
+    f1, f0, f_lo, f_hi, f_eq, c_ce,  # the gradient's factors (JSD: f1, f0; TVD: f_lo, f_hi, f_eq)
+    LOSS: tl.constexpr, GRAD_SOFT: tl.constexpr, GRAD_CE: tl.constexpr, CE_IS_Q: tl.constexpr,
+    S_HEAD: tl.constexpr, T_HEAD: tl.constexpr, RCP_FMA: tl.constexpr, BLOCK_V: tl.constexpr,
+):
+    """Pass 3, for jsd and tvd: dL/ds = q · (f1 · x + f0) written over s, x the element's log-ratio
+    (or TVD's sign)."""
+    fold_q = GRAD_SOFT and GRAD_CE and CE_IS_Q
+    for start in range(0, V, BLOCK_V):
+        offs = start + cols
+        mask = offs < V
+        a, da = head(tl.load(s_row + offs, mask=mask, other=-float("inf")).to(tl.float32), s_mul, S_HEAD,
+                     (RCP_FMA >> 4) & 1)
+        b = head(tl.load(t_row + offs, mask=mask, other=-float("inf")).to(tl.float32), t_mul, T_HEAD,
+                 (RCP_FMA >> 5) & 1)[0]
+        lq = (a - m_s) * log2e_tau - log2_l_s
+        lp = (b - m_t) * log2e_tau_t - log2_l_t
+        q = tl.exp2(lq)
+        if LOSS == _JSD:
+            z, w = _mixture(lq, lp, log2_beta, log2_1mbeta)
+            g = q * (f1 * (w + tl.maximum(z, 0.0)) + f0)
+        else:  # σ = sign(q − p) taken on the logs, as in pass 2
+            g = q * tl.where(lq > lp, f_hi, tl.where(lq < lp, f_lo, f_eq))
+        if fold_q:
+            g -= tl.where(offs == label, c_ce, 0.0)
+        elif GRAD_CE:
+            g += c_ce * (_softmax(a, m_s, log2_l_c, log2e_ce, q, CE_IS_Q) - tl.where(offs == label, 1.0, 0.0))
+        g = head_grad(g, da, S_HEAD)
+        tl.store(s_row + offs, g.to(s_row.dtype.element_ty), mask=mask)
+
+
+@triton.jit
 def _one_row(
     s_row, t_row, label_ptr, soft_ptr, hard_ptr, ent_ptr, scale_ptr, V, n_tiles, cols, ignore_index, log2e_tau,
     log2e_tau_t, log2e_ce, inv_tau, fold_s, fold_t, kl_ratio, s_mul, t_mul, beta,
@@ -402,7 +433,7 @@ def _one_row(
     """The three passes over one row; the kernel's arguments, advanced to the row."""
     if not SCALED:  # no fold: the loops run on the constants they had before heads had transforms
         log2e_tau_t = log2e_tau
-        log2e_ce = _LOG2E
+        log2e_ce = LOG2E
 
     valid = True
     label = -1
@@ -413,71 +444,31 @@ def _one_row(
     hard = 0.0
     entropy = 0.0
     if valid:
-        # -------- pass 1: row statistics, kept per lane (no cross-lane reduction, hence no barrier,
-        # inside the loop: the warps stream the row independently) and merged once after it
-        m_s = tl.full([BLOCK_V], _M_START, tl.float32)  # running max of s, per lane
-        l_s = tl.zeros([BLOCK_V], tl.float32)  # Σ 2^((s − m_s)·log2(e)/τ), per lane
-        l_c = tl.zeros([BLOCK_V], tl.float32)  # Σ 2^((s − m_s)·log2(e)), for the untempered CE
-        m_t = tl.full([BLOCK_V], _M_START, tl.float32)  # running max of t
-        l_t = tl.zeros([BLOCK_V], tl.float32)  # Σ 2^((t − m_t)·log2(e)/τ)
-        r_kl = tl.zeros([BLOCK_V], tl.float32)  # ONLINE_KL: Σ 2^((s − m_s)·log2(e)/τ)·(s − t) (reverse),
-        # Σ 2^((t − m_t)·log2(e)/τ)·(t − s) (forward): E_q[s − t], E_p[t − s] times l_s, l_t
-        ss = tl.zeros([BLOCK_V], tl.float32)  # cosine: Σ s², Σ t², Σ s·t, per lane
-        tt = tl.zeros([BLOCK_V], tl.float32)
-        st = tl.zeros([BLOCK_V], tl.float32)
-        r_ent = tl.zeros([BLOCK_V], tl.float32)  # STATS: Σ 2^((s − m_s)·log2(e)/τ)·(s − m_s) (`_lane_gap`)
         s_y = 0.0
         if CE:
             in_range = (label >= 0) & (label < V)
             s_y = tl.load(s_row + tl.where(in_range, label, 0)).to(tl.float32)  # before s is overwritten
-            s_y = _head(s_y, s_mul, S_HEAD, RCP_FMA & 1)[0]
-        for start in range(0, V, BLOCK_V):
-            offs = start + cols
-            mask = offs < V
-            a = _head(tl.load(s_row + offs, mask=mask, other=-float("inf")).to(tl.float32), s_mul, S_HEAD,
-                      RCP_FMA & 1)[0]
-            if STATS:
-                r_ent = _lane_gap(r_ent, l_s, m_s, a, log2e_tau)
-            if SOFT:
-                b = _head(tl.load(t_row + offs, mask=mask, other=-float("inf")).to(tl.float32), t_mul, T_HEAD,
-                          (RCP_FMA >> 1) & 1)[0]
-                if LOSS == _COSINE:
-                    a0 = tl.where(mask, a, 0.0)
-                    b0 = tl.where(mask, b, 0.0)
-                    ss += a0 * a0
-                    tt += b0 * b0
-                    st += a0 * b0
-                    if STATS:  # cosine has no softmax of its own
-                        l_s = _lane_sum(l_s, m_s, a, log2e_tau)
-                else:
-                    # the KLs' d = z_s − z_t (reverse), z_t − z_s (forward) over the side's fold: an FMA
-                    # where there was a subtraction, exact for equal folds
-                    if ONLINE_KL and LOSS == _REVERSE_KL:
-                        l_s, r_kl = _lane_sums(l_s, r_kl, m_s, a, _minus(a, b, kl_ratio, SCALED), log2e_tau)
-                    else:
-                        l_s = _lane_sum(l_s, m_s, a, log2e_tau)
-                    if ONLINE_KL and LOSS == _FORWARD_KL:
-                        l_t, r_kl = _lane_sums(l_t, r_kl, m_t, b, _minus(b, a, kl_ratio, SCALED), log2e_tau_t)
-                    else:
-                        l_t = _lane_sum(l_t, m_t, b, log2e_tau_t)
-                    m_t = tl.maximum(m_t, b)
-            if CE and not CE_IS_Q:
-                l_c = _lane_sum(l_c, m_s, a, log2e_ce)
-            m_s = tl.maximum(m_s, a)
+            s_y = head(s_y, s_mul, S_HEAD, RCP_FMA & 1)[0]
+        # -------- pass 1: row statistics per lane, merged once after it
+        m_s, l_s, l_c, m_t, l_t, r_kl, ss, tt, st, r_ent = _stats_pass(
+            s_row, t_row, V, cols,
+            log2e_tau, log2e_tau_t, log2e_ce, kl_ratio, s_mul, t_mul,
+            LOSS, SOFT, CE, CE_IS_Q, ONLINE_KL, S_HEAD, T_HEAD, SCALED, STATS, RCP_FMA, BLOCK_V,
+        )
         m_row = tl.max(m_s, 0)
         f = tl.exp2((m_s - m_row) * log2e_tau)
         if STATS:  # the lanes' gaps, moved to the row's max
-            r_ent = tl.sum(_times(f, r_ent + l_s * (m_s - m_row)), 0)
+            r_ent = tl.sum(times(f, r_ent + l_s * (m_s - m_row)), 0)
         l_s = tl.sum(l_s * f, 0)
         if ONLINE_KL and LOSS == _REVERSE_KL:
-            r_kl = tl.sum(_times(f, r_kl), 0)
+            r_kl = tl.sum(times(f, r_kl), 0)
         l_c = tl.sum(l_c * tl.exp2((m_s - m_row) * log2e_ce), 0)
         m_s = m_row
         m_row = tl.max(m_t, 0)
         f = tl.exp2((m_t - m_row) * log2e_tau_t)
         l_t = tl.sum(l_t * f, 0)
         if ONLINE_KL and LOSS == _FORWARD_KL:
-            r_kl = tl.sum(_times(f, r_kl), 0)
+            r_kl = tl.sum(times(f, r_kl), 0)
         m_t = m_row
         # log2 q = (s − m_s)·log2(e)/τ − log2 l_s, log2 p likewise,
         # log2 softmax(s) = (s − m_s)·log2(e) − log2 l_c
@@ -488,9 +479,9 @@ def _one_row(
         else:
             log2_l_c = tl.log2(l_c)
         if CE:  # logsumexp(z) − z_y
-            hard = tl.where(in_range, (m_s - s_y) * fold_s + _LN2 * log2_l_c, float("nan"))
+            hard = tl.where(in_range, (m_s - s_y) * fold_s + LN2 * log2_l_c, float("nan"))
         if STATS:  # H(q) = logsumexp(z/τ) − E_q[z]/τ = log l_s − E_q[z − max z]/τ
-            entropy = _LN2 * log2_l_s - r_ent / l_s * (fold_s * inv_tau)
+            entropy = LN2 * log2_l_s - r_ent / l_s * (fold_s * inv_tau)
 
         scale = tl.load(scale_ptr).to(tl.float32)
         c_soft = scale * w_soft
@@ -505,10 +496,10 @@ def _one_row(
             # KL(q‖p) = E_q[s − t]/τ − (m_s − m_t)/τ + log(l_t / l_s), and KL(p‖q) with s and t swapped
             # (in z units: r_kl is over the fold of its own side, the maxima over theirs)
             if ONLINE_KL and LOSS == _REVERSE_KL:
-                kl_qp = (r_kl / l_s * fold_s - (m_s * fold_s - m_t * fold_t)) * inv_tau + _LN2 * (log2_l_t - log2_l_s)
+                kl_qp = (r_kl / l_s * fold_s - (m_s * fold_s - m_t * fold_t)) * inv_tau + LN2 * (log2_l_t - log2_l_s)
                 soft = kl_qp
             elif ONLINE_KL:
-                soft = (r_kl / l_t * fold_t - (m_t * fold_t - m_s * fold_s)) * inv_tau + _LN2 * (log2_l_s - log2_l_t)
+                soft = (r_kl / l_t * fold_t - (m_t * fold_t - m_s * fold_s)) * inv_tau + LN2 * (log2_l_s - log2_l_t)
             if LOSS == _COSINE:
                 # soft = β (1 − cos), cos = Σst / (max(‖s‖, ε) max(‖t‖, ε));
                 # dsoft/ds = −β (t / (max(‖s‖, ε) max(‖t‖, ε)) − cos · s / (max(‖s‖, ε) ‖s‖)),
@@ -529,61 +520,17 @@ def _one_row(
         c_st = c_soft * inv_tau
         f_q = c_st + c_q  # forward_kl: c_soft (q − p) / τ
         f_p = -c_st
-        f1 = c_st * _LN2  # reverse_kl: c_soft q (log(q/p) − KL(q‖p)) / τ, log(q/p) = ln 2 · (lq − lp)
+        f1 = c_st * LN2  # reverse_kl: c_soft q (log(q/p) − KL(q‖p)) / τ, log(q/p) = ln 2 · (lq − lp)
         f0 = c_q - c_st * kl_qp
         f_a = c_soft * beta * cos_aa * fold_s  # cosine: c_soft · dsoft/dz above, z = fold · the loaded value
         f_b = -c_soft * beta * inv_nn * fold_t
-        acc = tl.zeros([BLOCK_V], tl.float32)
-        acc2 = tl.zeros([BLOCK_V], tl.float32)
-        acc3 = tl.zeros([BLOCK_V], tl.float32)
-        acc4 = tl.zeros([BLOCK_V], tl.float32)
-        if (SOFT and LOSS != _COSINE and not ONLINE_KL) or GRAD_PASS == 2:
-            for i in range(0, n_tiles):
-                offs = (n_tiles - 1 - i) * BLOCK_V + cols
-                mask = offs < V
-                a, da = _head(tl.load(s_row + offs, mask=mask, other=-float("inf")).to(tl.float32), s_mul, S_HEAD,
-                              (RCP_FMA >> 2) & 1)
-                g = tl.zeros([BLOCK_V], tl.float32)  # dL/ds when GRAD_PASS == 2
-                q = a  # q = softmax(s/τ) of the tile where a softmax loss computes it below
-                if SOFT:
-                    b = _head(tl.load(t_row + offs, mask=mask, other=-float("inf")).to(tl.float32), t_mul, T_HEAD,
-                              (RCP_FMA >> 3) & 1)[0]
-                    if LOSS == _COSINE:
-                        if GRAD_SOFT:
-                            g = a * f_a + b * f_b
-                    else:
-                        lq = (a - m_s) * log2e_tau - log2_l_s  # log2 q
-                        lp = (b - m_t) * log2e_tau_t - log2_l_t  # log2 p
-                        q = tl.exp2(lq)
-                        if LOSS == _FORWARD_KL:
-                            p = tl.exp2(lp)
-                            acc += _times(p, lp - lq)
-                            if GRAD_SOFT:
-                                g = q * f_q + p * f_p
-                        elif LOSS == _REVERSE_KL:
-                            if GRAD_SOFT:
-                                g = _times(q, f1 * (lq - lp) + f0)
-                        elif LOSS == _JSD:
-                            p = tl.exp2(lp)
-                            z, w = _mixture(lq, lp, log2_beta, log2_1mbeta)
-                            # p log2(p/M) and q log2(q/M) without their constant parts −p log2 β and
-                            # −q log2(1 − β), added once a row, as Σ p = Σ q = 1 times them. Finite logs:
-                            # no 0·log 0 guard. (This pass is bound by its instruction count.)
-                            acc += p * (tl.minimum(z, 0.0) - w)
-                            acc2 -= q * (w + tl.maximum(z, 0.0))
-                        else:  # _TVD: acc2, acc3, acc4 = the mass of q where q < p, q > p, q = p
-                            p = tl.exp2(lp)
-                            acc += tl.abs(q - p)
-                            acc2 += tl.where(lq < lp, q, 0.0)
-                            acc3 += tl.where(lq > lp, q, 0.0)
-                            acc4 += tl.where(lq == lp, q, 0.0)
-                if GRAD_PASS == 2:
-                    if fold_q:
-                        g -= tl.where(offs == label, c_ce, 0.0)
-                    elif GRAD_CE:
-                        g += c_ce * (_softmax(a, m_s, log2_l_c, log2e_ce, q, CE_IS_Q) - tl.where(offs == label, 1.0, 0.0))
-                    g = _head_grad(g, da, S_HEAD)
-                    tl.store(s_row + offs, g.to(s_row.dtype.element_ty), mask=mask)
+        acc, acc2, acc3, acc4 = _loss_pass(
+            s_row, t_row, V, n_tiles, cols, label,
+            m_s, m_t, log2_l_s, log2_l_t, log2_l_c,
+            log2e_tau, log2e_tau_t, log2e_ce, s_mul, t_mul, log2_beta, log2_1mbeta,
+            f_q, f_p, f1, f0, f_a, f_b, c_ce,
+            LOSS, SOFT, GRAD_SOFT, GRAD_CE, GRAD_PASS, CE_IS_Q, ONLINE_KL, S_HEAD, T_HEAD, RCP_FMA, BLOCK_V,
+        )
 
         # row scalars of the divergences (natural log units)
         k_jsd = 0.0
@@ -592,10 +539,10 @@ def _one_row(
         tvd_zero = 0.0
         if SOFT:
             if LOSS == _FORWARD_KL and not ONLINE_KL:
-                soft = _LN2 * tl.sum(acc, 0)
+                soft = LN2 * tl.sum(acc, 0)
             elif LOSS == _JSD:
-                k_jsd = _LN2 * (tl.sum(acc2, 0) - log2_1mbeta)  # K = Σ q log(q/M)
-                soft = beta * _LN2 * (tl.sum(acc, 0) - log2_beta) + (1.0 - beta) * k_jsd
+                k_jsd = LN2 * (tl.sum(acc2, 0) - log2_1mbeta)  # K = Σ q log(q/M)
+                soft = beta * LN2 * (tl.sum(acc, 0) - log2_beta) + (1.0 - beta) * k_jsd
             elif LOSS == _TVD:
                 soft = 0.5 * tl.sum(acc, 0)
                 # σ − Σ q σ, for σ = +1, −1, 0, from the masses below / above / at p, which sum to 1:
@@ -615,33 +562,19 @@ def _one_row(
             f_hi = 0.0
             f_eq = 0.0
             if LOSS == _JSD:  # c_st (1 − β) q (log(q/M) − K), log2(q/M) = −(w + max(z, 0)) − log2(1 − β)
-                f1 = -c_st * (1.0 - beta) * _LN2
+                f1 = -c_st * (1.0 - beta) * LN2
                 f0 = c_q + f1 * log2_1mbeta - c_st * (1.0 - beta) * k_jsd
             else:  # _TVD: c_st q (σ − Σ q σ) / 2
                 f_lo = c_q + 0.5 * c_st * tvd_neg
                 f_hi = c_q + 0.5 * c_st * tvd_pos
                 f_eq = c_q + 0.5 * c_st * tvd_zero
-            for start in range(0, V, BLOCK_V):
-                offs = start + cols
-                mask = offs < V
-                a, da = _head(tl.load(s_row + offs, mask=mask, other=-float("inf")).to(tl.float32), s_mul, S_HEAD,
-                              (RCP_FMA >> 4) & 1)
-                b = _head(tl.load(t_row + offs, mask=mask, other=-float("inf")).to(tl.float32), t_mul, T_HEAD,
-                          (RCP_FMA >> 5) & 1)[0]
-                lq = (a - m_s) * log2e_tau - log2_l_s
-                lp = (b - m_t) * log2e_tau_t - log2_l_t
-                q = tl.exp2(lq)
-                if LOSS == _JSD:
-                    z, w = _mixture(lq, lp, log2_beta, log2_1mbeta)
-                    g = q * (f1 * (w + tl.maximum(z, 0.0)) + f0)
-                else:  # σ = sign(q − p) taken on the logs, as in pass 2
-                    g = q * tl.where(lq > lp, f_hi, tl.where(lq < lp, f_lo, f_eq))
-                if fold_q:
-                    g -= tl.where(offs == label, c_ce, 0.0)
-                elif GRAD_CE:
-                    g += c_ce * (_softmax(a, m_s, log2_l_c, log2e_ce, q, CE_IS_Q) - tl.where(offs == label, 1.0, 0.0))
-                g = _head_grad(g, da, S_HEAD)
-                tl.store(s_row + offs, g.to(s_row.dtype.element_ty), mask=mask)
+            _grad_pass(
+                s_row, t_row, V, cols, label,
+                m_s, m_t, log2_l_s, log2_l_t, log2_l_c,
+                log2e_tau, log2e_tau_t, log2e_ce, s_mul, t_mul, log2_beta, log2_1mbeta,
+                f1, f0, f_lo, f_hi, f_eq, c_ce,
+                LOSS, GRAD_SOFT, GRAD_CE, CE_IS_Q, S_HEAD, T_HEAD, RCP_FMA, BLOCK_V,
+            )
     else:
         if GRAD_PASS != 0:
             _fill_zeros(s_row, V, BLOCK_V)
@@ -775,21 +708,6 @@ def rows(s, t, labels, spec: LossSpec, scale: torch.Tensor, grad: bool, stats: b
         maxnreg=MAX_REGS,
     )
     return out
-
-
-def head_mode(scale: float, softcap: float | None):
-    """(HEAD, fold, mul) of `_head` for a head's σ and c: the kernels load x and make z / fold of it,
-    and multiply fold into their constants (log2(e)·fold/τ for the softmax, ...), which must be > 0
-    (a max stays a max). Without a cap and σ > 0: HEAD 0, fold σ, nothing made at load (the path
-    without a transform is unchanged); σ < 0: HEAD 1, z = σ·x at load, fold 1; a softcap: HEAD 2, or
-    3 where σ < 0 (a constexpr switch keyed on None and the sign), tanh(σ x / c) at load with
-    mul = −2 log2(e)·|σ|/c, and fold c, so that c · tanh takes no multiply an element."""
-    scale = float(scale)
-    if softcap is not None:
-        return 2 if scale >= 0.0 else 3, float(softcap), -2.0 * math.log2(math.e) * abs(scale) / softcap
-    if scale < 0.0:
-        return 1, 1.0, scale
-    return 0, scale, 1.0
 
 
 def _cap_bits(mask: int, s_head: int, t_head: int) -> int:

@@ -20,9 +20,9 @@ write (expand) of s, as for forward KL on dense logits, but without a teacher ro
 Under tail="renormalize" nothing off the ids enters the divergence: without the CE (or stats) the
 stats kernel only gathers and the expand kernel writes zeros and the ids' values.
 The student's logit scale and softcap are applied as in `triton_rows` (folded into the constants, and z / fold
-made at load by `triton_rows._head` where needed, dz/ds = σ (1 − tanh²) applied where dL/ds is written); the ids'
+made at load by `triton_common.head` where needed, dz/ds = σ (1 − tanh²) applied where dL/ds is written); the ids'
 z and dz/ds are made in torch from the gathered logits. With `stats` the stats kernel also streams
-the gaps below the max off the ids (`triton_rows._lane_gap`): the entropy of q and its mass on the ids
+the gaps below the max off the ids (`triton_common.lane_gap`): the entropy of q and its mass on the ids
 follow on (R, K + 1) in `_topk_stats`.
 """
 
@@ -35,13 +35,12 @@ import triton
 import triton.language as tl
 
 from ..losses import LossSpec, category_logprobs, logit_transform
-from . import triton_rows
+from . import triton_common, triton_rows
 
 # Tiles of the kernels here (measured on an H200, benchmarks/bench_rows.py: the top-k row kernels at
 # 8192 × 128256 bf16 take 1.85 ms with 1024 columns over 4 warps, 1.97 with 512, 1.92 with 2048 over 8).
-BLOCK_V = 256 if triton_rows._INTERPRET else 1024
+BLOCK_V = 256 if triton_common.INTERPRET else 1024
 NUM_WARPS = 4
-_M_START: tl.constexpr = tl.constexpr(-3.0e38)  # finite start of a running max (see triton_rows)
 _LN2 = math.log(2.0)
 
 
@@ -56,12 +55,12 @@ def _stats_kernel(
     gap_ptr,  # (R,) fp32 out: E[s − m] off the ids under softmax(z/τ)     (written when STATS)
     V,
     K,
-    log2e_tau,  # log2(e)·fold / τ (fold: σ folded, c with a softcap, else 1: triton_rows.head_mode)
+    log2e_tau,  # log2(e)·fold / τ (fold: σ folded, c with a softcap, else 1: triton_common.head_mode)
     log2e_one,  # log2(e)·fold
-    mul,  # triton_rows._head's
+    mul,  # triton_common.head's
     STREAM: tl.constexpr,  # stream the row (else only gather)
     ONE: tl.constexpr,  # also the sum at τ = 1 (the CE's, when τ ≠ 1)
-    HEAD: tl.constexpr,  # the student's transform at load (triton_rows._head)
+    HEAD: tl.constexpr,  # the student's transform at load (triton_common.head)
     STATS: tl.constexpr,
     BLOCK_V: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -77,26 +76,26 @@ def _stats_kernel(
         tl.store(s_row + ids, tl.full([BLOCK_K], -float("inf"), tl.float32).to(s_row.dtype.element_ty), mask=used)
         tl.debug_barrier()  # the row's other threads read those columns below
         cols = tl.arange(0, BLOCK_V)
-        m = tl.full([BLOCK_V], _M_START, tl.float32)
+        m = tl.full([BLOCK_V], triton_common.M_START, tl.float32)
         l_tau = tl.zeros([BLOCK_V], tl.float32)
         l_one = tl.zeros([BLOCK_V], tl.float32)
         gap = tl.zeros([BLOCK_V], tl.float32)
         for start in range(0, V, BLOCK_V):
             offs = start + cols
-            a = triton_rows._head(tl.load(s_row + offs, mask=offs < V, other=-float("inf")).to(tl.float32), mul,
-                                  HEAD)[0]
+            a = triton_common.head(tl.load(s_row + offs, mask=offs < V, other=-float("inf")).to(tl.float32), mul,
+                                   HEAD)[0]
             if STATS:
-                gap = triton_rows._lane_gap(gap, l_tau, m, a, log2e_tau)
-            l_tau = triton_rows._lane_sum(l_tau, m, a, log2e_tau)
+                gap = triton_common.lane_gap(gap, l_tau, m, a, log2e_tau)
+            l_tau = triton_common.lane_sum(l_tau, m, a, log2e_tau)
             if ONE:
-                l_one = triton_rows._lane_sum(l_one, m, a, log2e_one)
+                l_one = triton_common.lane_sum(l_one, m, a, log2e_one)
             m = tl.maximum(m, a)
         m_row = tl.max(m, 0)
         tl.store(m_ptr + row, m_row)
         f = tl.exp2((m - m_row) * log2e_tau)
         if STATS:
             l_row = tl.sum(l_tau * f, 0)
-            tl.store(gap_ptr + row, tl.sum(triton_rows._times(f, gap + l_tau * (m - m_row)), 0) / l_row)
+            tl.store(gap_ptr + row, tl.sum(triton_common.times(f, gap + l_tau * (m - m_row)), 0) / l_row)
         tl.store(l_tau_ptr + row, tl.log2(tl.sum(l_tau * f, 0)))
         if ONE:
             tl.store(l_one_ptr + row, tl.log2(tl.sum(l_one * tl.exp2((m - m_row) * log2e_one), 0)))
@@ -147,13 +146,13 @@ def _expand_kernel(
         mask = offs < V
         g = tl.zeros([BLOCK_V], tl.float32)
         if REST or CE:
-            a, da = triton_rows._head(tl.load(s_row + offs, mask=mask, other=-float("inf")).to(tl.float32), mul, HEAD)
+            a, da = triton_common.head(tl.load(s_row + offs, mask=mask, other=-float("inf")).to(tl.float32), mul, HEAD)
             if REST:
                 # the ids' columns hold −inf: 0 there (and no −inf + inf when the rest is empty)
                 g += tl.where(a > -float("inf"), coef * tl.exp2((a - m) * log2e_tau - l_tau), 0.0)
             if CE:
                 g += c_ce * (tl.exp2((a - m) * log2e_one - l_one) - tl.where(offs == label, 1.0, 0.0))
-            g = triton_rows._head_grad(g, da, HEAD)
+            g = triton_common.head_grad(g, da, HEAD)
         tl.store(s_row + offs, g.to(s_row.dtype.element_ty), mask=mask)
     tl.debug_barrier()  # the ids' values go over what the row's threads stored above
     kk = tl.arange(0, BLOCK_K)
@@ -183,8 +182,8 @@ def topk_rows(s, t, labels, spec: LossSpec, scale: torch.Tensor, grad: bool, sta
     stream = bucket or ce or stats
     work = torch.promote_types(s.dtype, torch.float32)
     f32 = dict(device=s.device, dtype=torch.float32)
-    # the student's head: σ folded into the constants (fold), or z / fold made at load (triton_rows.head_mode)
-    head, fold, mul = triton_rows.head_mode(spec.student_logit_scale, spec.student_softcap)
+    # the student's head: σ folded into the constants (fold), or z / fold made at load (triton_common.head_mode)
+    head, fold, mul = triton_common.head_mode(spec.student_logit_scale, spec.student_softcap)
     sigma = float(spec.student_logit_scale)
     log2e = math.log2(math.e)
 
@@ -293,12 +292,12 @@ _INTERPRET_LANES = 64
 
 
 def _topk_lanes(k: int) -> int:
-    if triton_rows._INTERPRET:
+    if triton_common.INTERPRET:
         return _INTERPRET_LANES
     return 256 if k <= 64 else 512 if k <= 128 else 1024
 
 
-TOPK_MAX_K = _INTERPRET_LANES if triton_rows._INTERPRET else _CAP  # the sort keeps CAP candidates
+TOPK_MAX_K = _INTERPRET_LANES if triton_common.INTERPRET else _CAP  # the sort keeps CAP candidates
 
 
 @triton.jit
@@ -316,7 +315,7 @@ _EMPTY: tl.constexpr = tl.constexpr(-(2**63))  # below every packed key: an unus
 def _candidate(x_row, col, c, slot: tl.constexpr, mul, HEAD: tl.constexpr):
     """The packed keys of each lane's candidate in `slot` (re-read from the row: a few per row)."""
     used = c > slot
-    a = triton_rows._head(tl.load(x_row + col, mask=used, other=0.0).to(tl.float32), mul, HEAD)[0]
+    a = triton_common.head(tl.load(x_row + col, mask=used, other=0.0).to(tl.float32), mul, HEAD)[0]
     return tl.where(used, _packed_key(a, col), _EMPTY)
 
 
@@ -332,8 +331,8 @@ def _compact(buf, keys, n, CAP: tl.constexpr):
 @triton.jit
 def _load_tile(x_row, offs, V, mul, HEAD: tl.constexpr):
     """A tile of z, the transformed logits where the kernel makes them (−inf past V)."""
-    return triton_rows._head(tl.load(x_row + offs, mask=offs < V, other=-float("inf")).to(tl.float32), mul,
-                             HEAD)[0]
+    return triton_common.head(tl.load(x_row + offs, mask=offs < V, other=-float("inf")).to(tl.float32), mul,
+                              HEAD)[0]
 
 
 @triton.jit
@@ -365,7 +364,7 @@ def _topk_kernel(
     scratch_ptr,  # (R, CAP) int64: the row's candidates, packed, compacted
     V,
     k,
-    log2e_tau,  # log2(e)·fold / τ (triton_rows.head_mode: the scale folded, or z / fold made at load)
+    log2e_tau,  # log2(e)·fold / τ (triton_common.head_mode: the scale folded, or z / fold made at load)
     mul,
     HEAD: tl.constexpr,
     SLOTS: tl.constexpr,
@@ -381,22 +380,22 @@ def _topk_kernel(
     row = tl.program_id(0)
     x_row = x_ptr + row.to(tl.int64) * V
     cols = tl.arange(0, BLOCK_V)
-    m = tl.full([BLOCK_V], _M_START, tl.float32)
+    m = tl.full([BLOCK_V], triton_common.M_START, tl.float32)
     l = tl.zeros([BLOCK_V], tl.float32)
     for start in range(0, V, 4 * BLOCK_V):
         o = start + cols
         a0, a1, a2, a3 = _four_tiles(x_row, o, V, mul, HEAD, BLOCK_V)
-        l = triton_rows._lane_sum(l, m, a0, log2e_tau)
+        l = triton_common.lane_sum(l, m, a0, log2e_tau)
         m = tl.maximum(m, a0)
-        l = triton_rows._lane_sum(l, m, a1, log2e_tau)
+        l = triton_common.lane_sum(l, m, a1, log2e_tau)
         m = tl.maximum(m, a1)
-        l = triton_rows._lane_sum(l, m, a2, log2e_tau)
+        l = triton_common.lane_sum(l, m, a2, log2e_tau)
         m = tl.maximum(m, a2)
-        l = triton_rows._lane_sum(l, m, a3, log2e_tau)
+        l = triton_common.lane_sum(l, m, a3, log2e_tau)
         m = tl.maximum(m, a3)
     m_row = tl.max(m, 0)
     l_row = tl.sum(l * tl.exp2((m - m_row) * log2e_tau), 0)
-    tl.store(lse_ptr + row, (m_row * log2e_tau + tl.log2(l_row)) * triton_rows._LN2)
+    tl.store(lse_ptr + row, (m_row * log2e_tau + tl.log2(l_row)) * triton_common.LN2)
     theta = tl.sum(tl.where(cols == k - 1, tl.sort(m, descending=True), 0.0), 0)
 
     tl.static_assert(SLOTS == 4)
@@ -445,7 +444,7 @@ def row_topk(x: torch.Tensor, k: int, temperature: float, scale: float = 1.0, so
     ids, vals, redo, lse = _kernel_topk(x, k, temperature, scale, softcap)
     # the log-probs from the values the kernel sorted (a softcap's tanh there is not torch's: taking
     # torch's here could break the order of near ties by an ulp)
-    logprobs = vals * (triton_rows.head_mode(scale, softcap)[1] / temperature) - lse[:, None]
+    logprobs = vals * (triton_common.head_mode(scale, softcap)[1] / temperature) - lse[:, None]
     rows = (redo.bool() | ~torch.isfinite(lse)).nonzero()[:, 0]  # the one host sync
     nonfinite = rows[:0]
     if rows.numel():
@@ -465,7 +464,7 @@ def _kernel_topk(x: torch.Tensor, k: int, temperature: float, scale: float = 1.0
     redo = torch.empty(R, dtype=torch.int8, device=x.device)
     lse = torch.empty(R, dtype=torch.float32, device=x.device)
     scratch = torch.empty(R, _CAP, dtype=torch.int64, device=x.device)
-    head, fold, mul = triton_rows.head_mode(scale, softcap)
+    head, fold, mul = triton_common.head_mode(scale, softcap)
     if R:
         _topk_kernel[(R,)](
             x, ids, vals, redo, lse, scratch, V, k, math.log2(math.e) * fold / temperature, mul, HEAD=head,

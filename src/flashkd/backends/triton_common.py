@@ -1,0 +1,167 @@
+"""Triton helpers that the row kernels share (`triton_rows`, `triton_topk`): the per-lane online
+sum-exp, the heads' logit transforms at load (scale and softcap, the softcap's tanh), and the constants
+they work in. The numerics of each are in its docstring; the kernels' own docs say where they use them.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+
+import triton
+import triton.language as tl
+
+# Under TRITON_INTERPRET=1 every tile op is a numpy call on the CPU (the kernels pick small tiles).
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+# The hardware log2 (lg2.approx, abs. error ~2^-22 on [1, 2]) instead of libdevice's ~30-instruction
+# log2f; the interpreter has no inline PTX.
+FAST_LOG2: tl.constexpr = tl.constexpr(not INTERPRET)
+LOG2E: tl.constexpr = tl.constexpr(math.log2(math.e))
+LN2: tl.constexpr = tl.constexpr(math.log(2.0))
+# Start of the running max: finite, so that a tile whose logits are all −inf (masked columns first in
+# the row) gives 2^(−inf − m) = 0 instead of 2^(−inf + inf) = NaN.
+M_START: tl.constexpr = tl.constexpr(-3.0e38)
+
+
+# ------------------------------------------------------------------------------ online sums per lane
+
+
+@triton.jit
+def lane_sum(l_i, m_i, x, k):
+    """Per-lane online sum-exp: l_i = Σ 2^((x − m_i)·k) over the lane's elements so far, m_i the lane's
+    max before x; the caller then moves m_i to max(m_i, x). One exp2 per element: of the smaller of x
+    and m_i, 2^(−|x − m_i|·k) either scales the old sum (x is the new max) or is added to it.
+    Masked lanes (x = −inf) add 2^−inf = 0. With k = log2(e)/τ, l_i = Σ e^((x − m_i)/τ); the max is
+    subtracted before scaling, so an element near the max gets an exponent near 0 with no rounding
+    error of the size of m_i·k."""
+    e = tl.exp2(tl.abs(x - m_i) * -k)  # −k, not −|·|: the abs folds into the multiply (one instruction fewer)
+    return tl.where(x > m_i, l_i * e + 1.0, l_i + e)
+
+
+@triton.jit
+def lane_sums(l_i, r_i, m_i, x, d, k):
+    """lane_sum, and beside it r_i = Σ 2^((x − m_i)·k)·d on the same rescalings: a softmax(x/τ)-weighted
+    sum of d, unnormalised, in one more multiply-add an element. d = ±inf adds ±inf where the weight is
+    not 0 (a KL that is infinite stays so); a weight of 0 adds nothing, also to a NaN d (masked lanes)."""
+    e = tl.exp2(tl.abs(x - m_i) * -k)
+    new = x > m_i
+    return tl.where(new, l_i * e + 1.0, l_i + e), tl.where(new, times(e, r_i) + d, r_i + times(e, d))
+
+
+@triton.jit
+def lane_gap(r_i, l_i, m_i, x, k):
+    """Beside `lane_sum` (called before it, with its l_i and m_i): r_i = Σ 2^((x − m_i)·k)·(x − m_i),
+    the softmax-weighted sum of each element's gap below the lane's running max, moved with the max
+    (when x is the new max, the old terms' gaps grow by x − m_i). No large value is ever subtracted
+    from another, so E_q[s] − max(s), and the entropy from it, keep fp32's relative accuracy even
+    where |s| is large. Its exp2 is the same expression as `lane_sum`'s: computed once."""
+    d = x - m_i
+    e = tl.exp2(tl.abs(d) * -k)
+    return tl.where(x > m_i, e * (r_i - l_i * d), r_i + times(e, d))
+
+
+@triton.jit
+def times(w, d):
+    """w · d, taken as 0 where w is 0 (0·log 0 = 0; masked lanes, where d is NaN, add nothing)."""
+    return tl.where(w > 0.0, w * d, 0.0)
+
+
+
+# ---------------------------------------------------------------------------- the heads' transforms
+
+
+@triton.jit
+def rcp(x):
+    """1 / x: the hardware reciprocal (rcp.approx, within 1 ulp) instead of an IEEE division's ~10
+    instructions; the interpreter has no inline PTX."""
+    if FAST_LOG2:
+        return tl.inline_asm_elementwise("rcp.approx.ftz.f32 $0, $1;", "=r,r", [x], dtype=tl.float32,
+                                         is_pure=True, pack=1)
+    return 1.0 / x
+
+
+# 1/u on u in [1, 2]: the minimax quadratic for the relative error, whose residual 1 − u·p(u) is
+# T3(2u − 3)/99 (T3 the Chebyshev polynomial), at most 1/99; each Newton step squares it. In
+# t = u − 1: p = (98 − 80 t + 32 t²)/99.
+RCP_P0 = 98.0 / 99.0
+RCP_P1 = -80.0 / 99.0
+RCP_P2 = 32.0 / 99.0
+_RCP_P0: tl.constexpr = tl.constexpr(RCP_P0)
+_RCP_P1: tl.constexpr = tl.constexpr(RCP_P1)
+_RCP_P2: tl.constexpr = tl.constexpr(RCP_P2)
+@triton.jit
+def softcap_tanh(x, k, NEG: tl.constexpr, RCP_FMA: tl.constexpr):
+    """(tanh y, 1 − tanh² y) in fp32 for y = σ x / c, given k = −2 log2(e)·|σ|/c and NEG = σ < 0, from
+    t = e^(−2|y|) = 2^(k·|x|) in [0, 1] alone: tanh |y| = (1 − t)/(1 + t), whose sign (x's, flipped for
+    NEG) is set bitwise; odd by construction (−0 gives ∓0), exactly ±1 where tanh rounds to ±1
+    (saturated: 1 + t rounds to 1, r = 1, and r − t·r to 1), and 1 − tanh² = 4t/(1 + t)², accurate
+    there too. No overflow for any x. Absolute error ~2^-23 at most, mostly the exp2's (ex2.approx: ~2^-22 relative; 1 − t is
+    exact near 0, the division within an ulp).
+    The exp2 on the SFU (ex2.approx). The division:
+    the hardware reciprocal r of u = 1 + t, then r − t·r, one FFMA; or with RCP_FMA on the FMA pipe
+    alone: r from the quadratic start and one Newton step (relative error 2^-13), the quotient
+    q = r − t·r, then one correction by its residual, q + r·((1 − t) − u·q), which squares the error
+    (seven FFMA in all); a second Newton step gives r itself to fp32 accuracy for 4t·r², only where the
+    derivative is used (elsewhere the compiler drops it)."""
+    t = tl.exp2(tl.abs(x) * k)
+    u = 1.0 + t
+    # −v as v · −1, which the compiler turns into a negated operand; Triton's −v is 0 − v, an instruction
+    nt = t * -1.0
+    if RCP_FMA:
+        nu = u * -1.0
+        r = tl.fma(tl.fma(t, _RCP_P2, _RCP_P1), t, _RCP_P0)
+        r = tl.fma(r, tl.fma(nu, r, 1.0), r)
+        th = tl.fma(nt, r, r)
+        th = tl.fma(r, tl.fma(nu, th, 1.0 - t), th)
+        r = tl.fma(r, tl.fma(nu, r, 1.0), r)
+    else:
+        r = rcp(u)
+        th = tl.fma(nt, r, r)  # (1 − t)·r rounded once
+    sign = x.to(tl.int32, bitcast=True) & -2147483648
+    if NEG:
+        sign = sign ^ -2147483648
+    th = (th.to(tl.int32, bitcast=True) ^ sign).to(tl.float32, bitcast=True)
+    return th, 4.0 * t * r * r
+
+
+@triton.jit
+def head(x, mul, HEAD: tl.constexpr, RCP_FMA: tl.constexpr = False):
+    """(z / fold, dz/dx / σ) of a head's transform of loaded logits x (`head_mode`): HEAD 0 none here,
+    (x, 1) (the scale σ is the fold, in the caller's constants); 1 z = mul · x (a negative scale:
+    mul = σ), (z, 1); 2 and 3 (σ < 0) z = c · tanh(σ x / c) with the cap c as the fold:
+    (tanh(σ x / c), 1 − tanh²) (`softcap_tanh`, mul = −2 log2(e)·|σ|/c), its reciprocal where RCP_FMA says.
+    The default, on the SFU, is the top-k kernels' (`triton_topk`): compiled
+    for sm_90 their passes bind on the SFU by less than the FMA pipe's reciprocal adds to their issue
+    (stats 157 instructions per 8 elements a thread with 24 MUFU, against 206 with 16). −inf (a masked
+    lane, or a column the top-k kernels wrote −inf over) stays −inf: an absent column. The derivative
+    is used only where dL/ds is written: elsewhere the compiler drops it."""
+    if HEAD == 0:
+        return x, 1.0
+    elif HEAD == 1:
+        return tl.where(x == -float("inf"), x, x * mul), 1.0
+    else:
+        th, d = softcap_tanh(x, mul, HEAD == 3, RCP_FMA)
+        return tl.where(x == -float("inf"), x, th), d
+
+
+@triton.jit
+def head_grad(g, d, HEAD: tl.constexpr):
+    """g · dz/dx without σ (folded into g's factors): times 1 − tanh² for a softcap, else g itself."""
+    if HEAD >= 2:
+        return g * d
+    return g
+
+
+def head_mode(scale: float, softcap: float | None):
+    """(HEAD, fold, mul) of `head` for a head's σ and c: the kernels load x and make z / fold of it,
+    and multiply fold into their constants (log2(e)·fold/τ for the softmax, ...), which must be > 0
+    (a max stays a max). Without a cap and σ > 0: HEAD 0, fold σ, nothing made at load (the path
+    without a transform is unchanged); σ < 0: HEAD 1, z = σ·x at load, fold 1; a softcap: HEAD 2, or
+    3 where σ < 0 (a constexpr switch keyed on None and the sign), tanh(σ x / c) at load with
+    mul = −2 log2(e)·|σ|/c, and fold c, so that c · tanh takes no multiply an element."""
+    scale = float(scale)
+    if softcap is not None:
+        return 2 if scale >= 0.0 else 3, float(softcap), -2.0 * math.log2(math.e) * abs(scale) / softcap
+    if scale < 0.0:
+        return 1, 1.0, scale
+    return 0, scale, 1.0
