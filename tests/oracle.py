@@ -16,17 +16,17 @@ def distill_loss(
     xs, ws, xt, wt, labels=None, *, loss="jsd", beta=0.5, temperature=1.0, weight_hard_loss=0.5,
     weight_soft_loss=0.5, ignore_index=-100, student_bias=None, teacher_bias=None, reduction="mean",
     temperature_squared=False, plain=False, teacher_logits=None, student_logit_scale=1.0, teacher_logit_scale=1.0,
-    student_softcap=None, teacher_softcap=None, row_weight=None,
+    student_softcap=None, teacher_softcap=None, row_weight=None, student_logits=None,
 ):
     """float64 loss, differentiable w.r.t. xs, ws and student_bias; also returns (soft, hard).
 
     plain=True is instead what a user would write in plain torch: GEMMs in the input dtype, the loss
     math in fp32 — the baseline whose error the fused op must match. teacher_logits (..., Vt), when
-    given, replaces xt @ wt^T (xt, wt are then ignored).
+    given, replaces xt @ wt^T (xt, wt are then ignored); student_logits (..., V) likewise xs @ ws^T.
     """
-    v = ws.shape[0]
     up = (lambda x: x) if plain else (lambda x: x.double())
-    logits_s = up(xs) @ up(ws).T
+    logits_s = up(xs) @ up(ws).T if student_logits is None else up(student_logits)
+    v = logits_s.shape[-1]
     if teacher_logits is not None:
         logits_t = up(teacher_logits)[..., :v]
     else:
@@ -81,12 +81,13 @@ def student_stats(xs, ws, labels=None, ids=None, *, temperature=1.0, student_bia
 def topk_loss(
     xs, ws, ids, logprobs, labels=None, *, loss="forward_kl", tail="bucket", beta=0.5, temperature=1.0,
     weight_hard_loss=0.0, weight_soft_loss=1.0, ignore_index=-100, student_bias=None, reduction="mean",
-    temperature_squared=False, student_logit_scale=1.0, student_softcap=None, row_weight=None,
+    temperature_squared=False, student_logit_scale=1.0, student_softcap=None, row_weight=None, student_logits=None,
 ):
     """float64 loss of a sparse teacher, row by row from the definition: the categories are the used
-    ids (+ the rest of the vocab for tail="bucket"), probabilities summed explicitly."""
-    v = ws.shape[0]
-    logits_s = xs.double() @ ws.double().T
+    ids (+ the rest of the vocab for tail="bucket"), probabilities summed explicitly. student_logits, when
+    given, replaces xs @ ws^T and sets the precision (the fp32 pipeline's bar)."""
+    logits_s = xs.double() @ ws.double().T if student_logits is None else student_logits
+    v = logits_s.shape[-1]
     if student_bias is not None:
         logits_s = logits_s + student_bias.double()
     logits_s = head(logits_s.reshape(-1, v), student_logit_scale, student_softcap)

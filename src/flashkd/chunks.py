@@ -23,22 +23,28 @@ Three input forms of the teacher share one chunk loop:
         S = Xs[c] @ Ws^T (+ bs)                     (R, V) in the input dtype
         for each block b of Rt rows of c:
             T = the teacher's block for b           only when the soft term is wanted
-            soft, hard = backend.rows(S[b], T, ...) S[b] is overwritten with dL/dS when grads are wanted
+            soft, hard = backend.rows(S[b], T, ...) dL/dS[b] written (rounded to the inputs' dtype)
         dXs[c] = dS @ Ws;  dWs += dS^T @ Xs[c] (fp32);  dbs += Σ_rows dS (fp32)
     loss = scale · (w_hard Σ hard + w_soft Σ soft);   backward multiplies the saved grads by grad_output
 
-Extra memory, bytes, beyond the inputs (E = element size of the inputs):
-    logits:  R·V·E + Rt·V·E with teacher heads (Rt = R unless the plan splits a chunk's teacher
-             logits); R·V·E for dense teacher logits, which are read in place, and for a top-k
-             teacher; + backend temporaries (torch: ≈ 6·R·V·4, + R·V·4 with labels; triton: none
+Logits at fp32 accuracy: S and T of bf16 / fp16 inputs are the GEMMs' fp32 accumulators (`linear`),
+never rounded to the inputs' dtype; the loss math reads them in fp32, and dL/dS is rounded once, to
+the inputs' dtype, for the dX and dW GEMMs (bf16: 2^-9 relative, as any bf16 gradient GEMM's input).
+Dense teacher logits are read as the caller passes them (bf16 ones carry their own rounding).
+
+Extra memory, bytes, beyond the inputs (E = element size of the inputs, L = 4 for bf16 / fp16 inputs,
+else E: the logits' element size):
+    logits:  R·V·L + Rt·V·L with teacher heads (Rt = R unless the plan splits a chunk's teacher
+             logits); R·V·L for dense teacher logits, which are read in place, and for a top-k
+             teacher; + R·V·E for dL/dS in the inputs' dtype when L ≠ E; + backend temporaries (torch: ≈ 6·R·V·4, + R·V·4 with labels; triton: none
              beyond O(R·K)); + R·Hs·E with labels (the chunk's rows of Xs, ignored rows zeroed)
     grads:   N·Hs·E (dXs) + V·Hs·A (dWs accumulator: A = 4 for fp32, A = E when all rows fit one
              chunk or grad_accum_dtype is the weight's dtype), made for the first chunk's dW GEMM,
              once its teacher logits are freed; rounded to V·Hs·E after the loop (no copy when A = E)
-    peak:    one chunk   N·Hs·E + max(logits, R·V·E + V·Hs·E)
+    peak:    one chunk   N·Hs·E + max(logits, R·V·E + V·Hs·E)        (the second term: dL/dS and dW)
              chunks      N·Hs·E + max(logits + V·Hs·A,  V·Hs·(A + E))    (second term only when A ≠ E)
              (`peak_bytes`; without dW wanted, V·Hs terms are 0)
-The default plan (triton) keeps the logits within 1 GiB, in equal chunks with R = Rt; or, when that
+The default plan (triton) keeps R·V·L + Rt·V·L within 1 GiB, in equal chunks with R = Rt; or, when that
 takes more than one chunk and the weight's gradient is wanted, all N rows in one chunk (with teacher
 heads, their logits in two blocks of ceil(N/2) rows) if its peak is no higher: its dW is then one
 GEMM, with no accumulation.
@@ -67,6 +73,7 @@ from .backends import torch_rows
 # thousand rows they stop getting faster. The torch backend also keeps fp32 autograd temporaries.
 LOGITS_BUDGET = {"triton": 1 << 30, "torch": 512 << 20}
 FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+NARROW = (torch.float16, torch.bfloat16)  # inputs whose logits are formed in fp32 (`linear`)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -453,12 +460,18 @@ def _chunk_loop(xs, ws, bs, y, rw, teacher, plan: Plan, want_dx, want_dw, want_d
         # GEMM), on the device: no host sync.
         x = xs[c] if y is None else torch.where((y[c] != spec.ignore_index)[:, None], xs[c], 0.0)
         s = linear(x, ws, bs)
+        # fp32 logits of narrow inputs: the Triton rows write dL/ds once, rounded for the gradient GEMMs,
+        # into a buffer of the inputs' dtype (the top-k and torch rows write it over s, rounded below)
+        narrow = grad and s.dtype != ws.dtype
+        ds = torch.empty(s.shape, device=device, dtype=ws.dtype) if narrow and plan.form != "topk" \
+            and plan.backend == "triton" and plan.vocab is None else None
         for sub in range(c.start, c.stop, plan.teacher_chunk):
             b = slice(sub, min(sub + plan.teacher_chunk, c.stop))
             t = _teacher_block(plan.form, teacher, b) if spec.want_soft else None
             s_b = s[b.start - c.start : b.stop - c.start]  # rows of s: contiguous
             row_scale = scale if rw is None else scale * rw[b]
-            soft, hard, *extra = rows(s_b, t, None if y is None else y[b], spec, row_scale, grad, plan.stats)
+            out = {} if ds is None else {"ds": ds[b.start - c.start : b.stop - c.start]}
+            soft, hard, *extra = rows(s_b, t, None if y is None else y[b], spec, row_scale, grad, plan.stats, **out)
             if rw is not None:
                 soft, hard = soft * rw[b], hard * rw[b]
             soft_sum += soft.sum()
@@ -468,6 +481,9 @@ def _chunk_loop(xs, ws, bs, y, rw, teacher, plan: Plan, want_dx, want_dw, want_d
                 if len(extra) > 1:
                     mass_sum += extra[1].sum()
             del t, s_b  # a view left alive would keep this chunk's logits past `del s`
+        if narrow:
+            s = s.to(ws.dtype) if ds is None else ds
+        del ds
         if want_dx:
             torch.mm(s, ws, out=dxs[c])
             if plan.vocab is not None:
@@ -529,7 +545,21 @@ def _teacher_block(form, teacher, c):
 
 
 def linear(x, w, b):
-    return x @ w.t() if b is None else torch.addmm(b, x, w.t())
+    """x @ w^T (+ b) at fp32 accuracy: fp32 for bf16 / fp16 operands (the GEMM's fp32 accumulator, not
+    its rounding to the inputs' dtype), else in their dtype. A trained head's logits reach 20-40, where
+    bf16's ulp is 1/8: a logit stored in bf16 moves a top token's probability by up to ~6 %."""
+    if x.dtype not in NARROW:
+        return x @ w.t() if b is None else torch.addmm(b, x, w.t())
+    if x.is_cuda:  # cuBLAS writes its fp32 accumulator: 1.05-1.1x the narrow output's time (BENCHMARKS.md)
+        z = torch.mm(x, w.t(), out_dtype=torch.float32)
+    else:  # the CPU GEMM has no fp32 output for narrow operands: exact products, fp32 sums
+        z = x.float() @ w.float().t()
+    return z if b is None else z.add_(b)
+
+
+def logit_size(dtype: torch.dtype) -> int:
+    """Bytes of a logit (`linear`): fp32 for narrow inputs, else the inputs' element size."""
+    return max(dtype.itemsize, 4)
 
 
 def accumulate_mm(acc, a, b, beta):
@@ -580,7 +610,7 @@ def chunk_rows(chunk_size, xs, ws, backend, form, accum_bytes, v=None) -> tuple[
             raise ValueError(f"chunk_size: expected a positive int or None, got {chunk_size!r}")
         rows = min(chunk_size, max(n, 1))
         return rows, rows
-    row = v * xs.element_size()  # one row of logits
+    row = v * logit_size(xs.dtype)  # one row of logits
     blocks = 2 if form == "heads" else 1
     budget = LOGITS_BUDGET[backend]
     if backend == "torch":
@@ -598,9 +628,12 @@ def chunk_rows(chunk_size, xs, ws, backend, form, accum_bytes, v=None) -> tuple[
 
 
 def peak_bytes(n, v, hs, e, rows, teacher_rows, *, form, accum_bytes) -> int:
-    """Peak extra bytes of a plan, as the module's doc gives them (e: bytes of an input element,
-    accum_bytes: of a dW accumulator element, 0 when dW is not wanted; the bias grad's V fp32 left out)."""
-    logits = rows * v * e + (teacher_rows * v * e if form == "heads" else 0)
+    """Peak extra bytes of a plan, as the module's doc gives them (e: bytes of an input element, a
+    logit L = max(e, 4) (`logit_size`), accum_bytes: of a dW accumulator element, 0 when dW is not
+    wanted; the bias grad's V fp32 left out). Narrow inputs (L ≠ e) also hold the chunk's dL/ds in
+    their dtype, beside its fp32 logits."""
+    logit = max(e, 4)
+    logits = rows * v * logit + (teacher_rows * v * logit if form == "heads" else 0) + (rows * v * e if logit != e else 0)
     dw = v * hs * e if accum_bytes else 0
     if rows >= n:
         return n * hs * e + max(logits, rows * v * e + dw)

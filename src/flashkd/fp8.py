@@ -182,15 +182,16 @@ def dequantize(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
 
 
 def linear(x: torch.Tensor, h: Head, bias: torch.Tensor | None) -> torch.Tensor:
-    """The teacher logits (R, v) in x's dtype from the FP8 GEMM: x (R, K), bias (v,) or None. The
-    result is a view of (R, Vp) rows when the vocab was padded (rows Vp apart)."""
+    """The teacher logits (R, v) in fp32 (the GEMM's accumulator, as `chunks.linear` gives them) from
+    the FP8 GEMM: x (R, K), bias (v,) or None. The result is a view of (R, Vp) rows when the vocab was
+    padded (rows Vp apart)."""
     xq, sx = quantize(x, h.scaling)
     if h.scaling == "1x128":
         sx = sx.t().contiguous().t()  # (R, K/128), outer-dim-major: strides (1, R)
-    fused_bias = bias is not None and x.dtype != torch.float32 and h.q.shape[0] == h.v  # scaled_mm's rule
-    t = torch._scaled_mm(xq, h.q.t(), sx, h.scale, bias=bias if fused_bias else None, out_dtype=x.dtype)
+    # scaled_mm fuses a bias only into a narrow output: the fp32 logits take it in one add
+    t = torch._scaled_mm(xq, h.q.t(), sx, h.scale, out_dtype=torch.float32)
     if h.q.shape[0] != h.v:
         t = t[:, : h.v]
-    if bias is not None and not fused_bias:
+    if bias is not None:
         t += bias
     return t

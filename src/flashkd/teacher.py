@@ -93,7 +93,7 @@ def run(call: TopKCall, shard=None):
     if vocab is not None:
         v, backend = vocab.plan_size, "torch"  # every rank plans the same chunks
     transformed = teacher_logit_scale != 1.0 or teacher_softcap is not None
-    per_row = v * x.element_size() + (v * 4 * (3 if transformed else 2) if backend == "torch" else 0)
+    per_row = v * chunks.logit_size(x.dtype) + (v * 4 * (3 if transformed else 2) if backend == "torch" else 0)
     chunk = chunk_size or chunks.even_chunks(n, chunks.LOGITS_BUDGET[backend] // per_row)
     work = torch.promote_types(x.dtype, torch.float32)
     ids = torch.empty(n, k, dtype=torch.int64, device=x.device)
@@ -104,7 +104,7 @@ def run(call: TopKCall, shard=None):
             if scaling is not None:
                 logits = fp8.linear(x[c], w, b).contiguous()  # the top-k kernel reads unit-stride rows (a padded vocab is a view)
             else:
-                logits = x[c] @ w.t() if b is None else torch.addmm(b, x[c], w.t())
+                logits = chunks.linear(x[c], w, b)  # fp32 accuracy: a bf16 logit near 30 is off by up to 1/16
         if vocab is None:
             ids[c], logprobs[c], nonfinite = _topk(logits, k, temperature, backend, teacher_logit_scale, teacher_softcap)
         else:  # the merged top-k's log-probs are NaN or infinite where any rank's row had a NaN or inf logit

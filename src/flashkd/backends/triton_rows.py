@@ -78,6 +78,7 @@ bounded, by logs that are finite wherever a probability is 0 (`_mixture`).
 from __future__ import annotations
 
 import math
+import os
 import types
 
 import torch
@@ -190,14 +191,27 @@ def _fill_zeros(ptr, V, BLOCK_V: tl.constexpr):
         tl.store(ptr + offs, tl.zeros([BLOCK_V], tl.float32).to(ptr.dtype.element_ty), mask=offs < V)
 
 
+@triton.jit
+def _store_grad(ptr, g, mask, RTNE_BITS: tl.constexpr):
+    """dL/ds stored, rounded to the nearest even of ptr's dtype. RTNE_BITS: round fp32 to bf16 on the bits
+    first, for Triton's CPU interpreter, whose bf16 conversion truncates (the GPU's rounds to nearest
+    even, and then equals this); a NaN is kept a NaN."""
+    if RTNE_BITS:
+        u = g.to(tl.uint32, bitcast=True)
+        u = (u + 0x7FFF + ((u >> 16) & 1)) & 0xFFFF0000
+        g = tl.where(g == g, u.to(tl.float32, bitcast=True), g)
+    tl.store(ptr, g.to(ptr.dtype.element_ty), mask=mask)
+
+
 # ----------------------------------------------------------------------------------------------- kernel
 
 
 @triton.jit
 def _rows_kernel(
     # data
-    s_ptr,  # (R, V) student logits; overwritten with dL/ds when GRAD_PASS != 0
-    t_ptr,  # (R, V) teacher logits, same dtype, rows stride_t apart (not read unless SOFT)
+    s_ptr,  # (R, V) student logits
+    g_ptr,  # (R, V) dL/ds out, rows stride_g apart, when GRAD_PASS != 0: s itself, or a narrower buffer
+    t_ptr,  # (R, V) teacher logits, any float dtype, rows stride_t apart (not read unless SOFT)
     labels_ptr,  # (R,) int32 / int64 (not read unless LABELS)
     soft_ptr,  # (R,) fp32 out: unweighted divergence, 0 on ignored rows
     hard_ptr,  # (R,) fp32 out: untempered CE, 0 on ignored rows, NaN for a label outside [0, V)
@@ -207,6 +221,7 @@ def _rows_kernel(
     V,
     stride_scale,  # 0 for one factor, 1 for one a row
     stride_t,
+    stride_g,
     ignore_index,
     # runtime floats: a new value never recompiles. fold_s, fold_t: a head's scale σ where the kernel
     # does not transform at load (S_HEAD / T_HEAD 0: z = σ·s, σ > 0), else 1 (the loaded value is z)
@@ -238,6 +253,7 @@ def _rows_kernel(
     T_HEAD: tl.constexpr,  # the teacher's
     SCALED: tl.constexpr,  # a fold is not 1: the loops read log2e_tau_t, log2e_ce, kl_ratio
     STATS: tl.constexpr,  # write the entropy of q
+    RTNE_BITS: tl.constexpr,  # `_store_grad`: under the interpreter, with a bf16 dL/ds
     RCP_FMA: tl.constexpr,  # softcap loads whose reciprocal is on the FMA pipe, bit 2·(pass − 1) + side
     # (0: s, 1: t); see SOFTCAP_RCP_FMA
     BLOCK_V: tl.constexpr,
@@ -247,6 +263,7 @@ def _rows_kernel(
     row = tl.program_id(0)
     _one_row(
         s_ptr + row.to(tl.int64) * V,  # int64: R × V may exceed 2^31
+        g_ptr + row.to(tl.int64) * stride_g,
         t_ptr + row.to(tl.int64) * stride_t,
         labels_ptr + row,
         soft_ptr + row,
@@ -255,7 +272,7 @@ def _rows_kernel(
         scale_ptr + row * stride_scale, V, tl.cdiv(V, BLOCK_V), tl.arange(0, BLOCK_V), ignore_index, log2e_tau,
         log2e_tau_t, log2e_ce, inv_tau, fold_s, fold_t, kl_ratio, s_mul, t_mul, beta,
         log2_beta, log2_1mbeta, w_hard, w_soft, LOSS, SOFT, CE, LABELS, GRAD_SOFT, GRAD_CE, GRAD_PASS,
-        CE_IS_Q, ONLINE_KL, S_HEAD, T_HEAD, SCALED, STATS, RCP_FMA, BLOCK_V,
+        CE_IS_Q, ONLINE_KL, S_HEAD, T_HEAD, SCALED, STATS, RTNE_BITS, RCP_FMA, BLOCK_V,
     )
 
 
@@ -319,13 +336,13 @@ def _stats_pass(
 
 @triton.jit
 def _loss_pass(
-    s_row, t_row, V, n_tiles, cols, label,  # the row, its tiles, its label (-1 without)
+    s_row, g_row, t_row, V, n_tiles, cols, label,  # the row, its tiles, its label (-1 without)
     m_s, m_t, log2_l_s, log2_l_t, log2_l_c,  # pass 1's statistics, merged
     log2e_tau, log2e_tau_t, log2e_ce, s_mul, t_mul, log2_beta, log2_1mbeta,  # the row's constants
     f_q, f_p, f1, f0, f_a, f_b, c_ce,  # the gradient's factors (scale, weights, 1/τ and units folded in)
     LOSS: tl.constexpr, SOFT: tl.constexpr, GRAD_SOFT: tl.constexpr, GRAD_CE: tl.constexpr,
     GRAD_PASS: tl.constexpr, CE_IS_Q: tl.constexpr, ONLINE_KL: tl.constexpr, S_HEAD: tl.constexpr,
-    T_HEAD: tl.constexpr, RCP_FMA: tl.constexpr, BLOCK_V: tl.constexpr,
+    T_HEAD: tl.constexpr, RTNE_BITS: tl.constexpr, RCP_FMA: tl.constexpr, BLOCK_V: tl.constexpr,
 ):
     """Pass 2, backwards over the row: the per-element loss terms, summed per lane (acc, acc2, acc3,
     acc4: see the divergences' row scalars in `_one_row`), and dL/ds written over s when GRAD_PASS is 2."""
@@ -380,19 +397,20 @@ def _loss_pass(
                 elif GRAD_CE:
                     g += c_ce * (_softmax(a, m_s, log2_l_c, log2e_ce, q, CE_IS_Q) - tl.where(offs == label, 1.0, 0.0))
                 g = head_grad(g, da, S_HEAD)
-                tl.store(s_row + offs, g.to(s_row.dtype.element_ty), mask=mask)
+                _store_grad(g_row + offs, g, mask, RTNE_BITS)
 
     return acc, acc2, acc3, acc4
 
 
 @triton.jit
 def _grad_pass(
-    s_row, t_row, V, cols, label,  # the row, a tile's columns, its label (-1 without)
+    s_row, g_row, t_row, V, cols, label,  # the row, a tile's columns, its label (-1 without)
     m_s, m_t, log2_l_s, log2_l_t, log2_l_c,  # pass 1's statistics, merged
     log2e_tau, log2e_tau_t, log2e_ce, s_mul, t_mul, log2_beta, log2_1mbeta,  # the row's constants
     f1, f0, f_lo, f_hi, f_eq, c_ce,  # the gradient's factors (JSD: f1, f0; TVD: f_lo, f_hi, f_eq)
     LOSS: tl.constexpr, GRAD_SOFT: tl.constexpr, GRAD_CE: tl.constexpr, CE_IS_Q: tl.constexpr,
-    S_HEAD: tl.constexpr, T_HEAD: tl.constexpr, RCP_FMA: tl.constexpr, BLOCK_V: tl.constexpr,
+    S_HEAD: tl.constexpr, T_HEAD: tl.constexpr, RTNE_BITS: tl.constexpr, RCP_FMA: tl.constexpr,
+    BLOCK_V: tl.constexpr,
 ):
     """Pass 3, for jsd and tvd: dL/ds = q · (f1 · x + f0) written over s, x the element's log-ratio
     (or TVD's sign)."""
@@ -417,18 +435,18 @@ def _grad_pass(
         elif GRAD_CE:
             g += c_ce * (_softmax(a, m_s, log2_l_c, log2e_ce, q, CE_IS_Q) - tl.where(offs == label, 1.0, 0.0))
         g = head_grad(g, da, S_HEAD)
-        tl.store(s_row + offs, g.to(s_row.dtype.element_ty), mask=mask)
+        _store_grad(g_row + offs, g, mask, RTNE_BITS)
 
 
 @triton.jit
 def _one_row(
-    s_row, t_row, label_ptr, soft_ptr, hard_ptr, ent_ptr, scale_ptr, V, n_tiles, cols, ignore_index, log2e_tau,
+    s_row, g_row, t_row, label_ptr, soft_ptr, hard_ptr, ent_ptr, scale_ptr, V, n_tiles, cols, ignore_index, log2e_tau,
     log2e_tau_t, log2e_ce, inv_tau, fold_s, fold_t, kl_ratio, s_mul, t_mul, beta,
     log2_beta, log2_1mbeta, w_hard, w_soft,
     LOSS: tl.constexpr, SOFT: tl.constexpr, CE: tl.constexpr, LABELS: tl.constexpr,
     GRAD_SOFT: tl.constexpr, GRAD_CE: tl.constexpr, GRAD_PASS: tl.constexpr, CE_IS_Q: tl.constexpr,
     ONLINE_KL: tl.constexpr, S_HEAD: tl.constexpr, T_HEAD: tl.constexpr, SCALED: tl.constexpr,
-    STATS: tl.constexpr, RCP_FMA: tl.constexpr, BLOCK_V: tl.constexpr,
+    STATS: tl.constexpr, RTNE_BITS: tl.constexpr, RCP_FMA: tl.constexpr, BLOCK_V: tl.constexpr,
 ):
     """The three passes over one row; the kernel's arguments, advanced to the row."""
     if not SCALED:  # no fold: the loops run on the constants they had before heads had transforms
@@ -525,11 +543,12 @@ def _one_row(
         f_a = c_soft * beta * cos_aa * fold_s  # cosine: c_soft · dsoft/dz above, z = fold · the loaded value
         f_b = -c_soft * beta * inv_nn * fold_t
         acc, acc2, acc3, acc4 = _loss_pass(
-            s_row, t_row, V, n_tiles, cols, label,
+            s_row, g_row, t_row, V, n_tiles, cols, label,
             m_s, m_t, log2_l_s, log2_l_t, log2_l_c,
             log2e_tau, log2e_tau_t, log2e_ce, s_mul, t_mul, log2_beta, log2_1mbeta,
             f_q, f_p, f1, f0, f_a, f_b, c_ce,
-            LOSS, SOFT, GRAD_SOFT, GRAD_CE, GRAD_PASS, CE_IS_Q, ONLINE_KL, S_HEAD, T_HEAD, RCP_FMA, BLOCK_V,
+            LOSS, SOFT, GRAD_SOFT, GRAD_CE, GRAD_PASS, CE_IS_Q, ONLINE_KL, S_HEAD, T_HEAD, RTNE_BITS, RCP_FMA,
+            BLOCK_V,
         )
 
         # row scalars of the divergences (natural log units)
@@ -569,15 +588,15 @@ def _one_row(
                 f_hi = c_q + 0.5 * c_st * tvd_pos
                 f_eq = c_q + 0.5 * c_st * tvd_zero
             _grad_pass(
-                s_row, t_row, V, cols, label,
+                s_row, g_row, t_row, V, cols, label,
                 m_s, m_t, log2_l_s, log2_l_t, log2_l_c,
                 log2e_tau, log2e_tau_t, log2e_ce, s_mul, t_mul, log2_beta, log2_1mbeta,
                 f1, f0, f_lo, f_hi, f_eq, c_ce,
-                LOSS, GRAD_SOFT, GRAD_CE, CE_IS_Q, S_HEAD, T_HEAD, RCP_FMA, BLOCK_V,
+                LOSS, GRAD_SOFT, GRAD_CE, CE_IS_Q, S_HEAD, T_HEAD, RTNE_BITS, RCP_FMA, BLOCK_V,
             )
     else:
         if GRAD_PASS != 0:
-            _fill_zeros(s_row, V, BLOCK_V)
+            _fill_zeros(g_row, V, BLOCK_V)
     tl.store(soft_ptr, soft)
     tl.store(hard_ptr, hard)
     if STATS:
@@ -587,15 +606,17 @@ def _one_row(
 # --------------------------------------------------------------------------------------------- launcher
 
 
-def rows(s, t, labels, spec: LossSpec, scale: torch.Tensor, grad: bool, stats: bool = False):
-    """Per-row (soft, hard) losses of one block, (R,) fp32 each; with `grad`, s is overwritten with
-    dL/ds = scale · (w_hard · dCE/ds + soft_scale · dsoft/ds). See `flashkd.backends` for the contract.
+def rows(s, t, labels, spec: LossSpec, scale: torch.Tensor, grad: bool, stats: bool = False, *, ds=None):
+    """Per-row (soft, hard) losses of one block, (R,) fp32 each; with `grad`, ds (default: s, overwritten)
+    gets dL/ds = scale · (w_hard · dCE/ds + soft_scale · dsoft/ds). See `flashkd.backends` for the contract.
 
     s:      (R, V) student logits, contiguous, bf16 / fp16 / fp32 / fp64
-    t:      (R, V) teacher logits, same dtype, any row stride (copied if the vocab stride is not 1);
+    t:      (R, V) teacher logits, any of those dtypes, any row stride (copied if the vocab stride is not 1);
             None allowed when not spec.want_soft
     labels: (R,) int32 / int64, or None (every row valid, no CE)
     scale:  () or (R,) fp32 tensor on s's device, read by the kernel (no host sync); fp64 is accepted too
+    ds:     (R, V) of those dtypes, unit vocab stride, sharing no memory with s or t, or None (s): the fp32
+            logits of bf16 inputs write their gradient once, rounded to bf16, for the gradient GEMMs
     """
     # (1) check
     if stats and not spec.want_soft:
@@ -614,8 +635,8 @@ def rows(s, t, labels, spec: LossSpec, scale: torch.Tensor, grad: bool, stats: b
             raise ValueError(f"t: expected the teacher logits (spec.want_soft is True), got {_describe(t)}")
         if t.shape != s.shape:
             raise ValueError(f"t: expected shape {tuple(s.shape)} like s, got {tuple(t.shape)}")
-        if t.dtype != s.dtype:
-            raise TypeError(f"t: expected dtype {s.dtype} like s, got {t.dtype}")
+        if t.dtype not in _DTYPES:  # read in fp32 like s: fp32 s with bf16 t for dense teacher logits as passed
+            raise TypeError(f"t: expected bfloat16, float16, float32 or float64, got {t.dtype}")
         if t.device != s.device:
             raise ValueError(f"t: expected device {s.device} like s, got {t.device}")
         if t.stride(1) != 1 and V > 1:
@@ -631,6 +652,12 @@ def rows(s, t, labels, spec: LossSpec, scale: torch.Tensor, grad: bool, stats: b
         raise TypeError(f"scale: expected a 0-d or ({R},) float32 (or float64) tensor, got {_describe(scale)}")
     if scale.device != s.device:
         raise ValueError(f"scale: expected device {s.device} like s, got {scale.device}")
+
+    if ds is None:
+        ds = s
+    elif not isinstance(ds, torch.Tensor) or ds.shape != s.shape or ds.dtype not in _DTYPES or ds.device != s.device \
+            or (ds.stride(1) != 1 and V > 1):
+        raise ValueError(f"ds: expected an ({R}, {V}) float tensor with unit vocab stride on {s.device}, got {_describe(ds)}")
 
     # (2) allocate: every program writes its row's soft and hard (and entropy)
     soft = torch.empty(R, dtype=torch.float32, device=s.device)
@@ -663,6 +690,7 @@ def rows(s, t, labels, spec: LossSpec, scale: torch.Tensor, grad: bool, stats: b
     log2e = math.log2(math.e)
     _rows_kernel[(R,)](
         s,
+        ds,
         t if use_soft else s,  # never read when not SOFT
         labels if labels is not None else s,  # never read when not LABELS
         soft,
@@ -672,6 +700,7 @@ def rows(s, t, labels, spec: LossSpec, scale: torch.Tensor, grad: bool, stats: b
         V,
         scale.stride(0) if scale.dim() else 0,
         t.stride(0) if use_soft else V,
+        ds.stride(0),
         spec.ignore_index,
         # float(): an int weight would be specialised (and recompiled) by value
         log2e * fold_s / spec.temperature,
@@ -701,6 +730,7 @@ def rows(s, t, labels, spec: LossSpec, scale: torch.Tensor, grad: bool, stats: b
         T_HEAD=t_head,
         SCALED=fold_s != 1.0 or (use_soft and fold_t != 1.0),
         STATS=stats,
+        RTNE_BITS=ds.dtype == torch.bfloat16 and os.environ.get("TRITON_INTERPRET") == "1",
         # only where a side has a softcap: other kernels keep one specialisation whatever the masks
         RCP_FMA=_cap_bits(SOFTCAP_RCP_FMA.get(kind, 0), s_head, t_head),
         BLOCK_V=block,

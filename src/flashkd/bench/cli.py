@@ -21,7 +21,7 @@ from .. import fp8
 from ..losses import LOSSES, TAILS
 from . import measure, report
 from .providers import PROVIDERS
-from .workloads import DTYPES, FORMS, PRESETS, Workload, default_preset, expand
+from .workloads import DTYPES, FORMS, INPUTS, PRESETS, Workload, default_preset, expand
 
 USAGE = """\
 Times each provider on the same seeded inputs, after checking its loss and gradients against an fp32
@@ -147,6 +147,8 @@ def add_bench_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--weight-hard", type=_finite, help="weight of the CE term (default 0.5)")
     p.add_argument("--weight-soft", type=_finite, help="weight of the distillation term (default 0.5)")
     p.add_argument("--temperature", type=_finite, help="τ (default 1.0)")
+    p.add_argument("--inputs", choices=INPUTS, help="bench: Liger's inputs (logits of a few tenths); trained: a trained "
+                   "head's logit magnitudes, std 4 and every 4th row peaked at 32 (default: the preset's)")
     p.add_argument("--softcap", type=_finite, metavar="C", help="both heads' logit softcap, c·tanh(z/c) (default: none)")
     p.add_argument("--teacher-precision", choices=[name for name in fp8.PRECISIONS if name is not None],
                    help="flashkd's teacher GEMM in FP8 (forms heads, teacher_topk); other providers skip, the "
@@ -271,6 +273,7 @@ def plan(args: argparse.Namespace) -> Plan:
         ("beta", args.beta), ("weight_hard", args.weight_hard), ("weight_soft", args.weight_soft),
         ("temperature", args.temperature), ("seed", args.seed), ("form", args.form), ("k", args.k),
         ("tail", args.tail), ("softcap", args.softcap), ("teacher_precision", args.teacher_precision),
+        ("inputs", args.inputs),
     ) if value is not None}
     try:  # bad options fail here, before any input is made
         workloads = expand(PRESETS[preset], n=args.n, loss=args.loss, **fields)

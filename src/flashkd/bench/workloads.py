@@ -31,6 +31,11 @@ DTYPES = {
     "float32": torch.float32, "fp32": torch.float32,
 }
 FORMS = ("heads", "logits", "topk", "teacher_topk")
+# "bench": Liger's inputs, whose logits are a few tenths; "trained": logits of std TRAINED_STD with every
+# TRAINED_EVERY-th row one logit at TRAINED_PEAK, as a trained LM head gives them (bf16's ulp is 1/8 on
+# [16, 32): where a stored logit's rounding shows)
+INPUTS = ("bench", "trained")
+TRAINED_STD, TRAINED_PEAK, TRAINED_EVERY = 4.0, 32.0, 4
 
 
 @dataclasses.dataclass(frozen=True)
@@ -51,10 +56,13 @@ class Workload:
     tail: str = "bucket"  # the mass outside the K ids (form topk): one of losses.TAILS
     softcap: float | None = None  # both heads' logit softcap c (a top-k teacher's: in its targets)
     teacher_precision: str | None = None  # flashkd's teacher GEMM (forms heads, teacher_topk): None or "fp8..."
+    inputs: str = "bench"  # one of INPUTS: Liger's benchmark inputs, or a trained head's logit magnitudes
 
     def __post_init__(self):
         if self.form not in FORMS:
             raise ValueError(f"form: expected one of {', '.join(FORMS)}, got {self.form!r}")
+        if self.inputs not in INPUTS:
+            raise ValueError(f"inputs: expected one of {', '.join(INPUTS)}, got {self.inputs!r}")
         if self.tail not in TAILS:
             raise ValueError(f"tail: expected one of {', '.join(TAILS)}, got {self.tail!r}")
         if self.form in ("topk", "teacher_topk") and not 1 <= self.k <= self.v:
@@ -94,7 +102,8 @@ class Workload:
         if self.form == "teacher_topk":
             return f"H={self.h} V={self.v} K={self.k} {self.dtype}"
         topk = f" K={self.k} tail={self.tail}" if self.form == "topk" else ""
-        return f"H={self.h} (student {self.hs}) V={self.v}{topk} {self.dtype}"
+        trained = "" if self.inputs == "bench" else " trained-head logits"
+        return f"H={self.h} (student {self.hs}) V={self.v}{topk} {self.dtype}{trained}"
 
     def canonical(self) -> Workload:
         """The same case with the fields its form does not read at their defaults: equal cases compare equal."""
@@ -124,6 +133,8 @@ class Workload:
         softcap = {} if self.softcap is None else {"softcap": self.softcap}  # absent: earlier rows' keys
         if self.teacher_precision is not None:
             softcap["teacher_precision"] = self.teacher_precision
+        if self.inputs != "bench":  # absent: earlier rows' keys
+            softcap["inputs"] = self.inputs
         if self.form == "teacher_topk":
             return {"H": self.h, "V": self.v, "dtype": str(self.torch_dtype), "bias": False,
                     "temperature": self.temperature, "seed": self.seed, "form": self.form, "k": self.k, **softcap}
@@ -164,6 +175,13 @@ PRESETS: dict[str, tuple[Workload, ...]] = {
     "topk": (Workload("forward_kl", 8192, weight_hard=0.0, weight_soft=1.0, form="topk", k=64, **_SEED_SHAPE),),
     "logits": (Workload("jsd", 8192, form="logits", **_SEED_SHAPE),),
     "teacher-topk": (Workload(n=8192, form="teacher_topk", k=64, **_SEED_SHAPE),),
+    # Exactness where it shows: the seed JSD and the JSD soft term alone (TRL's configuration) on a trained
+    # head's logit magnitudes, and with a softcap of 30 on both heads (Gemma's)
+    "trained": (
+        Workload("jsd", 8192, inputs="trained", **_SEED_SHAPE),
+        Workload("jsd", 4096, weight_hard=0.0, weight_soft=1.0, inputs="trained", **_SEED_SHAPE),
+        Workload("jsd", 8192, softcap=30.0, inputs="trained", **_SEED_SHAPE),
+    ),
     # A laptop CPU: every provider, mode and plot in seconds. V = 4099 and K = 61 are prime, so no
     # size is a multiple of any block or chunk.
     "small": (
@@ -201,10 +219,15 @@ def make_inputs(w: Workload, device: torch.device) -> Inputs:
     values; then the form's teacher targets from them (not timed)."""
     torch.manual_seed(w.seed)
     dt = w.torch_dtype
-    xs = torch.rand(w.n, w.hs, device=device).to(dt).requires_grad_()  # (N, Hs)
-    xt = torch.rand(w.n, w.h, device=device).to(dt)  # (N, Ht)
-    ws = torch.nn.Linear(w.hs, w.v, bias=False, device=device).weight.detach().to(dt).requires_grad_()  # (V, Hs)
-    wt = torch.nn.Linear(w.h, w.v, bias=False, device=device).weight.detach().to(dt)  # (V, Ht)
+    if w.inputs == "trained":
+        xs, ws = _trained_head(w.n, w.hs, w.v, device)
+        xt, wt = _trained_head(w.n, w.h, w.v, device)
+        xs, xt, ws, wt = xs.to(dt).requires_grad_(), xt.to(dt), ws.to(dt).requires_grad_(), wt.to(dt)
+    else:
+        xs = torch.rand(w.n, w.hs, device=device).to(dt).requires_grad_()  # (N, Hs)
+        xt = torch.rand(w.n, w.h, device=device).to(dt)  # (N, Ht)
+        ws = torch.nn.Linear(w.hs, w.v, bias=False, device=device).weight.detach().to(dt).requires_grad_()  # (V, Hs)
+        wt = torch.nn.Linear(w.h, w.v, bias=False, device=device).weight.detach().to(dt)  # (V, Ht)
     y = torch.randint(0, w.v, (w.n,), device=device)  # (N,)
     if w.form == "heads":
         return Inputs(xs, ws, xt, wt, y)
@@ -216,3 +239,15 @@ def make_inputs(w: Workload, device: torch.device) -> Inputs:
             return Inputs(xs, ws, None, None, y, tl=xt @ wt.t())  # (N, V), the workload's dtype
         ids, lp = flashkd.teacher_topk(xt, wt, w.k, temperature=w.temperature, teacher_softcap=w.softcap)  # (N, K) each
     return Inputs(xs, ws, None, None, y, ids=ids, lp=lp)
+
+
+def _trained_head(n: int, h: int, v: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """fp32 (x (n, h), w (v, h)) whose logits x @ w^T have std TRAINED_STD, and every TRAINED_EVERY-th row
+    one logit (a random id) moved to TRAINED_PEAK along that id's weight row: a confident token."""
+    x = torch.randn(n, h, device=device)
+    w = torch.randn(v, h, device=device) * (TRAINED_STD / h**0.5)
+    rows = torch.arange(0, n, TRAINED_EVERY, device=device)
+    wj = w[torch.randint(0, v, (rows.numel(),), device=device)]  # (n / every, h)
+    gap = TRAINED_PEAK - (x[rows] * wj).sum(-1)
+    x[rows] += (gap / (wj * wj).sum(-1))[:, None] * wj
+    return x, w

@@ -1,0 +1,167 @@
+"""Exactness at a trained model's logit magnitudes (std ~4, peaks ~30): bf16 inputs, every loss and form.
+
+The bar is the fp32-logit pipeline a careful user would write: the same bf16 inputs, logits at fp32
+accuracy, the loss and dL/dz in fp32, dL/dz rounded to bf16 for the bf16 gradient GEMMs, whose results
+come back in bf16. flashkd's dX and dW must be within 1.3x that pipeline's error against the float64
+truth of the same inputs, and its loss within 1e-5 relative of the truth. Logits stored in bf16 fail
+this by 3x or more: bf16's ulp is 1/8 on [16, 32), so a top token's probability moves by up to ~6 %.
+"""
+
+import math
+
+import pytest
+import torch
+
+import flashkd
+from conftest import BACKENDS
+from oracle import distill_loss, head, topk_loss
+
+N, HS, HT, V = 29, 40, 56, 517  # irregular: multiples of no block size
+LOSSES = ["jsd", "forward_kl", "reverse_kl", "tvd", "cosine"]
+RATIO = 1.3  # flashkd's gradient error over the fp32-logit pipeline's, at most
+LOSS_RTOL = 1e-5
+
+
+def trained_head(n, h, v, gen, *, std=4.0, peak=30.0, every=4):
+    """bf16 (x (n, h), w (v, h)) whose logits x @ w^T have std `std`, and every `every`-th row one logit
+    set to `peak` (a confident token), as a trained LM head gives them."""
+    x = torch.randn(n, h, generator=gen, dtype=torch.float64)
+    w = torch.randn(v, h, generator=gen, dtype=torch.float64) * (std / math.sqrt(h))
+    for r in range(0, n, every):
+        j = int(torch.randint(v, (1,), generator=gen))
+        x[r] += (peak - x[r] @ w[j]) / (w[j] @ w[j]) * w[j]
+    return x.to(torch.bfloat16), w.to(torch.bfloat16)
+
+
+def make_case(seed, *, ignore=True):
+    gen = torch.Generator().manual_seed(seed)
+    xs, ws = trained_head(N, HS, V, gen)
+    xt, wt = trained_head(N, HT, V, gen)
+    labels = torch.randint(V, (N,), generator=gen)
+    if ignore:
+        labels[1::7] = -100
+    return xs, ws, xt, wt, labels
+
+
+def rel(a, b):
+    return ((a.double() - b.double()).norm() / b.double().norm()).item()
+
+
+def pipeline_grads(loss_of_logits, xs, ws):
+    """The fp32-logit pipeline's (dX, dW): dL/dz in fp32 from fp32 logits, rounded to bf16, through
+    GEMMs that accumulate exactly and round their results to bf16."""
+    zs = (xs.double() @ ws.double().T).float().requires_grad_()
+    (dz,) = torch.autograd.grad(loss_of_logits(zs), zs)
+    dz = dz.to(xs.dtype).double()
+    return (dz @ ws.double()).to(xs.dtype), (dz.T @ xs.double()).to(ws.dtype)
+
+
+def truth_grads(loss_of_inputs, xs, ws):
+    x, w = xs.double().requires_grad_(), ws.double().requires_grad_()
+    loss = loss_of_inputs(x, w)
+    return (loss, *torch.autograd.grad(loss, (x, w)))
+
+
+def check(out, grads, truth, pipeline):
+    loss, dx, dw = truth
+    assert abs(out.item() - loss.item()) <= LOSS_RTOL * abs(loss.item()), (out.item(), loss.item())
+    for name, got, want, base in (("dX", grads[0], dx, pipeline[0]), ("dW", grads[1], dw, pipeline[1])):
+        err, err_base = rel(got, want), rel(base, want)
+        assert err <= RATIO * err_base, f"{name}: error {err:.3e}, fp32-logit pipeline {err_base:.3e}"
+
+
+OPTIONS = {
+    "plain": {},
+    "tau": {"temperature": 0.7},
+    "softcap": {"student_softcap": 30.0, "teacher_softcap": 30.0},
+    "scale": {"student_logit_scale": 0.8, "teacher_logit_scale": 1.25, "temperature": 1.5},
+}
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("loss", LOSSES)
+@pytest.mark.parametrize("option", list(OPTIONS))
+def test_heads_exact_at_trained_magnitudes(backend, loss, option, seed):
+    xs, ws, xt, wt, labels = make_case(seed)
+    opts = dict(OPTIONS[option], loss=loss)
+    xs_, ws_ = xs.clone().requires_grad_(), ws.clone().requires_grad_()
+    out = flashkd.fused_linear_distill(xs_, ws_, xt, wt, labels, backend=backend, chunk_size=16, **opts)
+    grads = torch.autograd.grad(out, (xs_, ws_))
+    zt = (xt.double() @ wt.double().T).float()
+
+    def of_logits(zs):  # the fp32 pipeline: fp32 logits, the formula in fp32
+        return distill_loss(None, None, None, None, labels, teacher_logits=zt, plain=True, student_logits=zs, **opts)[0]
+
+    truth = truth_grads(lambda x, w: distill_loss(x, w, xt, wt, labels, **opts)[0], xs, ws)
+    check(out, grads, truth, pipeline_grads(of_logits, xs, ws))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("loss", ["jsd", "reverse_kl", "tvd"])
+def test_dense_logits_exact_at_trained_magnitudes(backend, loss, seed):
+    """The teacher's logits are read as passed: bf16 ones carry their own rounding, which the truth here
+    shares (it reads the same bf16 values); the student's side must be exact."""
+    xs, ws, xt, wt, labels = make_case(seed)
+    tl = (xt.double() @ wt.double().T).to(xs.dtype)
+    xs_, ws_ = xs.clone().requires_grad_(), ws.clone().requires_grad_()
+    out = flashkd.fused_linear_distill_logits(xs_, ws_, tl, labels, loss=loss, backend=backend, chunk_size=16,
+                                              temperature=0.9)
+    grads = torch.autograd.grad(out, (xs_, ws_))
+    opts = dict(loss=loss, temperature=0.9)
+
+    def of_logits(zs):
+        return distill_loss(None, None, None, None, labels, teacher_logits=tl.float(), plain=True, student_logits=zs,
+                            **opts)[0]
+
+    truth = truth_grads(lambda x, w: distill_loss(x, w, None, None, labels, teacher_logits=tl, **opts)[0], xs, ws)
+    check(out, grads, truth, pipeline_grads(of_logits, xs, ws))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("loss,tail", [("forward_kl", "bucket"), ("reverse_kl", "renormalize"), ("jsd", "bucket"),
+                                       ("tvd", "renormalize")])
+def test_topk_exact_at_trained_magnitudes(backend, loss, tail, seed):
+    xs, ws, xt, wt, labels = make_case(seed)
+    ids, lp = flashkd.teacher_topk(xt.double(), wt.double(), 9, temperature=0.8)
+    lp = lp.float()
+    xs_, ws_ = xs.clone().requires_grad_(), ws.clone().requires_grad_()
+    opts = dict(loss=loss, tail=tail, temperature=0.8, weight_hard_loss=0.5, weight_soft_loss=0.5)
+    out = flashkd.fused_linear_distill_topk(xs_, ws_, ids, lp, labels, backend=backend, chunk_size=16, **opts)
+    grads = torch.autograd.grad(out, (xs_, ws_))
+
+    def of_logits(zs):
+        return topk_loss(None, None, ids, lp, labels, student_logits=zs, **opts)[0]
+
+    truth = truth_grads(lambda x, w: topk_loss(x, w, ids, lp, labels, **opts)[0], xs, ws)
+    check(out, grads, truth, pipeline_grads(of_logits, xs, ws))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("cap", [None, 30.0])
+def test_teacher_topk_exact_at_trained_magnitudes(backend, cap, seed):
+    """bf16 hidden states and head: the ids and log-probs of the float64 truth of the same inputs, to
+    fp32 accuracy (bf16 logits would move a log-prob near 30 by up to 1/16)."""
+    gen = torch.Generator().manual_seed(seed)
+    xt, wt = trained_head(N, HT, V, gen)
+    ids, lp = flashkd.teacher_topk(xt, wt, 5, backend=backend, teacher_softcap=cap, chunk_size=16)
+    z = head(xt.double() @ wt.double().T, 1.0, cap)
+    want = torch.log_softmax(z, -1)
+    got_lp = want.gather(-1, ids)  # the truth's log-probs of the ids flashkd chose
+    # the truth's top-k, up to near-ties that fp32 cannot order (bf16 logits move an entry near 30 by 1/16)
+    assert (got_lp >= want.topk(5, -1).values[:, -1:] - 1e-4).all()
+    assert (lp.double() - got_lp).abs().max().item() <= 2e-5 * max(1.0, got_lp.abs().max().item())
+
+
+def test_bench_trained_inputs_have_a_trained_heads_magnitudes():
+    """The bench's --inputs trained: logits of std ~4, and every 4th row's max at ~32."""
+    from flashkd.bench.workloads import Workload, make_inputs
+
+    w = Workload("jsd", 64, h=128, v=2053, dtype="float32", inputs="trained")
+    x = make_inputs(w, torch.device("cpu"))
+    for h, wt in ((x.xs, x.ws), (x.xt, x.wt)):
+        z = (h @ wt.T).detach()
+        assert 3.5 < z[1::4].std().item() < 4.5  # rows without a planted peak
+        assert torch.allclose(z[::4].max(-1).values, torch.full((16,), 32.0), atol=0.05)
+        assert z[1::4].max().item() < 25.0  # the other rows: no planted peak
+    with pytest.raises(ValueError, match="inputs: expected one of bench, trained"):
+        Workload(inputs="real")
