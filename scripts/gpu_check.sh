@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The whole GPU check in one command, on a CUDA machine from a checkout of this repository:
-#   bash scripts/gpu_check.sh [tests] [rows] [breakdown] [profile] [bench-seed] [bench-sweep] [bench-losses]
+#   bash scripts/gpu_check.sh [tests] [rows] [breakdown] [profile] [bench-seed] [bench-trained] [bench-sweep] [bench-losses]
 #                             [bench-softonly] [memory] [bench-topk] [bench-logits] [bench-teacher-topk]
 #                             [bench-softcap] [bench-trl] [bench-trl-step] [bench-fp8]
 # (default: all of them, about 20 minutes on an H200; each of the last five a minute or two, bench-trl-step
@@ -15,7 +15,7 @@ if compgen -G ".whl/*.whl" >/dev/null; then
   python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/flashkd-site .whl/*.whl \
     && export PYTHONPATH="$PYTHONPATH:/tmp/flashkd-site"
 fi
-stages=${*:-tests rows breakdown profile bench-seed bench-sweep bench-losses bench-softonly memory bench-topk bench-logits bench-teacher-topk bench-softcap bench-trl bench-trl-step bench-fp8}
+stages=${*:-tests rows breakdown profile bench-seed bench-trained bench-sweep bench-losses bench-softonly memory bench-topk bench-logits bench-teacher-topk bench-softcap bench-trl bench-trl-step bench-fp8}
 status=0
 nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm --format=csv | tee "$OUT/env.txt"
 python3 -c "import torch, triton; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'triton', triton.__version__)" | tee -a "$OUT/env.txt"
@@ -23,7 +23,13 @@ echo "commit ${FLASHKD_COMMIT:-$(git rev-parse HEAD 2>/dev/null || echo unknown)
 for stage in $stages; do
   echo "=== $stage"
   case $stage in
-    tests) python3 -m pytest -q -m "gpu or not gpu" tests/test_gpu.py tests/test_triton_rows.py tests/test_softcap_tanh.py 2>&1 | tee "$OUT/tests.log" | tail -25 || status=1 ;;
+    tests) { python3 -m pytest -q -m "gpu or not gpu" tests/test_gpu.py tests/test_triton_rows.py tests/test_softcap_tanh.py \
+        && python3 -m pytest -q -m gpu tests/test_exact.py; } 2>&1 | tee "$OUT/tests.log" | tail -25 || status=1 ;;
+    # a trained head's logit magnitudes (std 4, peaks 32): every provider's errors against the fp32 truth, TRL's kernel
+    # on the soft term alone
+    bench-trained) ( python3 -c "import datasets" 2>/dev/null || export PYTHONPATH="$PYTHONPATH:$PWD/benchmarks/_datasets_stub"
+      python3 -m flashkd bench --preset trained --providers flashkd trl liger floor --modes full --out "$OUT/trained" ) \
+      2>&1 | tee "$OUT/bench-trained.log" || status=1 ;;
     rows) python3 benchmarks/bench_rows.py 2>&1 | tee "$OUT/rows.log" || status=1 ;;
     breakdown) python3 benchmarks/bench_breakdown.py 2>&1 | tee "$OUT/breakdown.log" || status=1 ;;
     profile) python3 benchmarks/bench_profile.py 2>&1 | tee "$OUT/profile.log" || status=1 ;;
