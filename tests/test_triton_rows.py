@@ -340,8 +340,10 @@ def test_rejects_bad_inputs():
         triton_rows.rows(s, None, y, spec, one, True)
     with pytest.raises(ValueError, match="t: expected shape"):
         triton_rows.rows(s, t[:, :5].contiguous(), y, spec, one, True)
-    with pytest.raises(TypeError, match="t: expected dtype"):
-        triton_rows.rows(s, t.bfloat16(), y, spec, one, True)
+    with pytest.raises(TypeError, match="t: expected bfloat16, float16, float32 or float64"):
+        triton_rows.rows(s, t.to(torch.int32), y, spec, one, True)
+    with pytest.raises(ValueError, match="ds: expected an"):
+        triton_rows.rows(s, t, y, spec, one, True, ds=s[:, :5])
     with pytest.raises(ValueError, match="labels: expected shape"):
         triton_rows.rows(s, t, y[:2], spec, one, True)
     with pytest.raises(TypeError, match="labels: expected int32 or int64"):
