@@ -480,7 +480,7 @@ def _chunk_loop(xs, ws, bs, y, rw, teacher, plan: Plan, want_dx, want_dw, want_d
                 entropy_sum += extra[0].sum()
                 if len(extra) > 1:
                     mass_sum += extra[1].sum()
-            del t, s_b  # a view left alive would keep this chunk's logits past `del s`
+            del t, s_b, out  # a view left alive would keep this chunk's logits (or dL/ds) past `del s`
         if narrow:
             s = s.to(ws.dtype) if ds is None else ds
         del ds
