@@ -295,7 +295,7 @@ def test_fp8_teacher_is_the_loss_of_its_own_logits(loss, dtype, vocab, precision
         assert rel(a, b) <= 2e-3  # the same logits up to the GEMM's rounding in another row split
     xq, sx = fp8.quantize(xt, scaling)
     ref = fp8.dequantize(xq, sx) @ fp8.dequantize(h.q, h.scale.t()).t()[:, :v] + bt[:v].float()
-    assert rel(t, ref) <= 1e-5  # t: the product, in fp32
+    assert rel(t, ref) <= 5e-4  # t: the product in fp32, up to the FP8 GEMM's accumulation (1e-4); bf16 output: ~1e-3
     assert fp8.head(wt[:v], scaling) is h  # cached: quantised once
 
 
