@@ -255,3 +255,18 @@ def test_half_inputs_are_as_accurate_as_plain_torch(seed, dtype):
     assert abs(loss.item() - truth.item()) / abs(truth.item()) <= max(3 * abs(plain.item() - truth.item()) / abs(truth.item()), 1e-5)
     assert err(dx, tdx) <= 1.5 * err(pdx, tdx) + 1e-4
     assert err(dw, tdw) <= 1.5 * err(pdw, tdw) + 1e-4
+
+
+def test_hf_integration_without_transformers_names_the_extra():
+    """As on a machine without transformers (its import blocked): the import error says what to install,
+    as flashkd.data's and flashkd.integrations.trl's do."""
+    import subprocess
+    import sys
+
+    code = ("import sys; sys.modules['transformers'] = None\n"
+            "from flashkd.integrations.transformers import DistillationTrainer\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 1
+    last = done.stderr.strip().splitlines()[-1]
+    assert last.startswith("ImportError: flashkd.integrations.transformers needs transformers"), done.stderr
+    assert 'pip install "flashkd[hf]"' in last
