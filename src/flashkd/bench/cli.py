@@ -71,6 +71,15 @@ _OPTIONS = {
 }
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse's parser with its usage errors in one line, as flashkd's own are: "flashkd bench: error:
+    argument --loss: invalid choice: 'foo' (choose from ...)", exit status 2, with where to look for
+    the options rather than the whole usage block. Its subparsers are of this class too."""
+
+    def error(self, message):
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
 def _run(args: argparse.Namespace) -> int:
     try:
         code = args.run(args)
@@ -96,7 +105,7 @@ class Plan:
 
 def main(argv: list[str] | None = None) -> int:
     """`flashkd <command> [options]`; commands: bench."""
-    parser = argparse.ArgumentParser(prog="flashkd", description="flashkd command-line tools")
+    parser = _Parser(prog="flashkd", description="flashkd command-line tools")
     commands = parser.add_subparsers(dest="command", required=True, metavar="command")
     # One subparser per command; a new command adds its parser here with set_defaults(run=...).
     bench_parser = commands.add_parser("bench", help="time and check the fused losses", description=USAGE,
@@ -122,7 +131,7 @@ def parse_bench(argv: list[str]) -> argparse.Namespace:
     argv = list(argv)
     if argv[:1] == ["bench"]:
         argv = argv[1:]
-    parser = argparse.ArgumentParser(prog="python -m flashkd.bench", description=USAGE,
+    parser = _Parser(prog="python -m flashkd.bench", description=USAGE,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     add_bench_arguments(parser)
     return parser.parse_args(argv)

@@ -1,4 +1,4 @@
-"""`flashkd records ...`: import-liger, verify, compare. Each returns the exit status."""
+"""`flashkd records ...`: import-liger, verify, compare, site. Each returns the exit status."""
 
 from __future__ import annotations
 
@@ -31,7 +31,7 @@ PATH is a bundle file or a folder of them.
 
 def add_records_parser(commands) -> argparse.ArgumentParser:
     """Adds `records` to an argparse subparsers object; each command sets args.run(args) -> int."""
-    p = commands.add_parser("records", help="KernelIndex benchmark records: import, verify, compare",
+    p = commands.add_parser("records", help="KernelIndex records: import-liger, verify, compare, site",
                             description=USAGE, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="records_command", required=True, metavar="command")
     q = sub.add_parser("import-liger", help="Liger-Kernel benchmark CSV -> bundles")
