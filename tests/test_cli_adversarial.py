@@ -124,6 +124,35 @@ def test_bench_refuses_a_seed_no_record_can_carry(tmp_path, capsys, seed):
 TINY_RUN = [*FAST, "-n", "7", "--preset", "seed", "--loss", "jsd", "--modes", "full", "--providers", "flashkd", "torch"]
 
 
+def _liger_not_installed(monkeypatch):
+    from flashkd.bench import providers
+
+    def make(w, x):  # as when liger-kernel cannot be imported: its make skips every workload
+        raise providers.Skip(why())
+
+    def why():
+        return "liger-kernel is not importable (No module named 'liger_kernel'); pip install liger-kernel==0.8.5"
+    monkeypatch.setitem(providers.PROVIDERS, "liger", providers.Provider(make, lambda: "not installed", missing=why))
+
+
+def test_bench_refuses_a_named_provider_that_is_not_installed(tmp_path, capsys, monkeypatch):
+    """`--providers liger` without liger-kernel ran, skipped it in every row and exited 0."""
+    _liger_not_installed(monkeypatch)
+    err = _usage_error(capsys, [*FAST, "--providers", "flashkd", "liger", "--out", str(tmp_path / "run")])
+    assert err == ("flashkd bench: --providers liger: liger-kernel is not importable (No module named 'liger_kernel'); "
+                   "pip install liger-kernel==0.8.5")
+    assert not (tmp_path / "run").exists()
+
+
+def test_bench_skips_a_default_provider_that_is_not_installed_with_a_note(tmp_path, capsys, monkeypatch):
+    _liger_not_installed(monkeypatch)
+    argv = [a for a in TINY_RUN if a not in ("--providers", "flashkd", "torch")]  # the default providers
+    assert cli.main(["bench", *argv, "--out", str(tmp_path / "run")]) == 0
+    out = capsys.readouterr().out
+    assert "liger: liger-kernel is not importable (No module named 'liger_kernel'); pip install liger-kernel==0.8.5" in out
+    assert json.loads((tmp_path / "run" / "run.json").read_text())["providers"] == ["flashkd", "liger", "torch", "floor"]
+
+
 def test_bench_checks_its_records_before_writing_them(tmp_path, capsys, monkeypatch):
     """A record that would not verify is not written: said, and the exit status is 1."""
     import flashkd.records as records

@@ -150,8 +150,9 @@ def add_bench_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tail", choices=TAILS, help="mass outside the K ids (form topk; default bucket)")
     p.add_argument("--modes", nargs="+", choices=measure.MODES, default=list(measure.MODES), metavar="MODE",
                    help=f"of {', '.join(measure.MODES)} (default: all)")
-    p.add_argument("--providers", nargs="+", choices=list(PROVIDERS), default=list(DEFAULT_PROVIDERS),
-                   metavar="P", help=f"of {', '.join(PROVIDERS)} (default: {' '.join(DEFAULT_PROVIDERS)})")
+    p.add_argument("--providers", nargs="+", choices=list(PROVIDERS), metavar="P",
+                   help=f"of {', '.join(PROVIDERS)} (default: {' '.join(DEFAULT_PROVIDERS)}, those installed); "
+                        "one named here and not installed is an error")
     p.add_argument("--beta", type=_finite, help="JSD β / cosine weight (default 0.5)")
     p.add_argument("--weight-hard", type=_finite, help="weight of the CE term (default 0.5)")
     p.add_argument("--weight-soft", type=_finite, help="weight of the distillation term (default 0.5)")
@@ -310,10 +311,15 @@ def plan(args: argparse.Namespace) -> Plan:
         min_reps=min_reps if args.min_reps is None else args.min_reps,
         rounds=rounds if args.rounds is None else args.rounds,
     )
+    # A provider named with --providers must run: not installed, it is an error, not a row of skips. The
+    # default ones that are not installed are skipped, each with its note (pip install ...) in the report.
+    for name in dict.fromkeys(args.providers or ()):
+        if why := PROVIDERS[name].missing():
+            raise UsageError(f"flashkd bench: --providers {name}: {why}")
     out = args.out or Path(time.strftime("bench-%Y%m%d-%H%M%S"))
     _check_out(out)
-    return Plan(preset, workloads, list(dict.fromkeys(args.providers)), list(dict.fromkeys(args.modes)),
-                settings, out)
+    return Plan(preset, workloads, list(dict.fromkeys(args.providers or DEFAULT_PROVIDERS)),
+                list(dict.fromkeys(args.modes)), settings, out)
 
 
 def _named(message: str) -> str:
