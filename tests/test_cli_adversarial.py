@@ -58,6 +58,34 @@ def test_bench_usage_errors_exit_2_naming_the_option(tmp_path, capsys, argv, mes
     assert not (tmp_path / "run").exists()
 
 
+@pytest.mark.parametrize("preset", ["seed", "sweep", "topk", "logits", "teacher-topk"])
+def test_bench_refuses_gpu_sized_presets_on_cpu_unless_asked(tmp_path, capsys, preset):
+    """`--preset sweep` on a CPU ran for minutes printing nothing (hours to finish): refused up front,
+    one line saying why and what to do; --large-on-cpu runs it (here only planned)."""
+    err = _usage_error(capsys, ["--device", "cpu", "--preset", preset, "--out", str(tmp_path / "run")])
+    assert "is sized for a GPU: " in err and "TFLOP of GEMMs a call" in err, err
+    assert err.endswith("use --preset small there, or smaller -n/--h/--v, or --large-on-cpu to run it anyway")
+    p = cli.plan(cli.parse_bench(["--device", "cpu", "--preset", preset, "--large-on-cpu", "--out", str(tmp_path / "run")]))
+    assert p.workloads and not (tmp_path / "run").exists()
+    # shrunk to a CPU's size, the preset runs without the flag
+    cli.plan(cli.parse_bench(["--device", "cpu", "--preset", preset, "-n", "64", "--h", "64", "--v", "1000"]))
+
+
+def test_bench_says_what_it_runs_when_not_on_a_terminal(tmp_path, capsys):
+    """No terminal (a log, a pipe): no progress bar, so a line as each workload starts, and on a CPU that
+    the times are no speed comparison."""
+    i = TINY_RUN.index("--loss")
+    argv = [*TINY_RUN[:i], "--loss", "jsd", "tvd", *TINY_RUN[i + 2:]]  # two workloads
+    assert cli.main(["bench", *argv, "--out", str(tmp_path / "run")]) == 0
+    said = capsys.readouterr().out.splitlines()
+    assert "flashkd bench: on a CPU the times are wall clock on this machine: a check that every provider runs and " \
+           "is right, not a speed comparison of the kernels (they are built for GPUs)" in said
+    started = [line for line in said if line.startswith("flashkd bench: workload ")]
+    assert [line.split(" (")[0] for line in started] == ["flashkd bench: workload 1/2, jsd N=7",
+                                                          "flashkd bench: workload 2/2, tvd N=7"]
+    assert started[0].endswith("(step 0 of 8, 0:00 elapsed)")
+
+
 def test_bench_out_errors_exit_2(tmp_path, capsys):
     afile = tmp_path / "afile"
     afile.write_text("keep")
