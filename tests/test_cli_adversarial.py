@@ -542,7 +542,7 @@ def test_a_site_is_written_whole_or_not_at_all(tmp_path, capsys, run_records, mo
         return real(manifest)
     monkeypatch.setattr(site, "canonical_identity", killed)
     with pytest.raises(KeyboardInterrupt):
-        cli.main(["records", "site", str(tmp_path / "in"), "--out", str(out)])
+        cli.main(["records", "site", str(tmp_path / "in"), "--out", str(out), "--replace"])
     assert {p.relative_to(out): p.read_bytes() for p in out.rglob("*") if p.is_file()} == before
     assert sorted(p.name for p in tmp_path.iterdir()) == ["in", "site"]  # no partial build left beside it
     monkeypatch.undo()

@@ -388,14 +388,19 @@ def test_out_folder_and_arguments(tmp_path, capsys):
     site = tmp_path / "site"
     assert _cli(["records", "site", str(tmp_path / "b"), "--out", str(site)], capsys)[0] == 0
     (site / "runs" / "stale.html").write_text("old")
-    assert _cli(["records", "site", str(tmp_path / "b"), "--out", str(site)], capsys)[0] == 0  # rebuilt in place
+    # an earlier site is not replaced without a word: refused, unless --replace asks for it
+    code, _, err = _cli(["records", "site", str(tmp_path / "b"), "--out", str(site)], capsys)
+    assert code == 2 and err.strip() == (f"flashkd records site: --out {site}: holds a site written before; pass "
+                                         "--replace to replace it, or name a new folder")
+    assert (site / "runs" / "stale.html").exists()
+    assert _cli(["records", "site", str(tmp_path / "b"), "--out", str(site), "--replace"], capsys)[0] == 0  # rebuilt
     assert not (site / "runs" / "stale.html").exists()
     (tmp_path / "empty").mkdir()
-    code, _, err = _cli(["records", "site", str(tmp_path / "empty"), "--out", str(site)], capsys)
+    code, _, err = _cli(["records", "site", str(tmp_path / "empty"), "--out", str(site), "--replace"], capsys)
     assert code == 2 and "no bundle files found" in err
-    code, _, err = _cli(["records", "site", str(tmp_path / "missing.json"), "--out", str(site)], capsys)
+    code, _, err = _cli(["records", "site", str(tmp_path / "missing.json"), "--out", str(site), "--replace"], capsys)
     assert code == 1 and "missing.json: cannot read" in err
-    code, _, err = _cli(["records", "site", str(tmp_path / "b"), "--out", str(site), "--compare", "abcdef12",
+    code, _, err = _cli(["records", "site", str(tmp_path / "b"), "--out", str(site), "--replace", "--compare", "abcdef12",
                          str(tmp_path / "b" / "v.json")], capsys)
     assert code == 2 and "--compare abcdef12: expected one sound run" in err
 

@@ -501,14 +501,26 @@ def compare_name(a: Run, b: Run) -> str:
     return f"{a.id}-vs-{b.id}.html"
 
 
-def write(site: Site, out: Path) -> int:
-    """Writes the site into `out`, whole or not at all: built in a hidden sibling (.NAME.<pid>.partial)
-    and renamed into place when complete, so a killed or failing build never leaves half a site there.
-    A folder this module wrote before is then replaced; any other non-empty folder is refused with
-    ValueError. Returns the number of pages."""
+def check_out(out: Path, replace: bool = False) -> None:
+    """`out` may be written: new, an empty folder, or, with `replace`, a site this module wrote before.
+    Anything else is refused with ValueError: a non-empty folder, as `flashkd bench` refuses one for its
+    --out, and an earlier site unless its replacement is asked for."""
     out = Path(out)
     if out.exists() and (not out.is_dir() or (any(out.iterdir()) and not (out / MARKER).exists())):
-        raise ValueError(f"--out {out}: exists and is not a site written by flashkd records site")
+        raise ValueError(f"--out {out}: exists and is not a site written by flashkd records site; "
+                         "name a new or empty folder")
+    if out.is_dir() and any(out.iterdir()) and not replace:
+        raise ValueError(f"--out {out}: holds a site written before; pass --replace to replace it, "
+                         "or name a new folder")
+
+
+def write(site: Site, out: Path, replace: bool = False) -> int:
+    """Writes the site into `out`, whole or not at all: built in a hidden sibling (.NAME.<pid>.partial)
+    and renamed into place when complete, so a killed or failing build never leaves half a site there.
+    A folder this module wrote before is replaced only with `replace`; other folders are refused
+    (`check_out`). Returns the number of pages."""
+    out = Path(out)
+    check_out(out, replace)
     building = out.absolute().parent / f".{out.absolute().name}.{os.getpid()}{PARTIAL}"
     shutil.rmtree(building, ignore_errors=True)
     try:
@@ -578,13 +590,15 @@ def _write(site: Site, out: Path) -> int:
     return pages
 
 
-def build(paths, out, compare_pairs=()) -> Site:
+def build(paths, out, compare_pairs=(), replace=False) -> Site:
     """read() then write(); the Site says what was rendered and what was rejected. Raises ValueError
-    when no bundle file is found, a --compare pair is not two runs, or `out` is another folder."""
+    when no bundle file is found, a --compare pair is not two runs, or `out` may not be written
+    (`check_out`: checked first)."""
+    check_out(out, replace)
     site = read(paths, compare_pairs)
     if not site.files:
         raise ValueError("no bundle files found")
-    site.pages = write(site, out)
+    site.pages = write(site, out, replace)
     return site
 
 
@@ -592,7 +606,7 @@ def main(args) -> int:
     """`flashkd records site PATH... --out DIR [--compare RUN RUN]...`: 0, 1 when a file was rejected
     (the site is still written, the file listed on its index), 2 when nothing could be written."""
     try:
-        site = build(args.paths, args.out, [tuple(p) for p in args.compare])
+        site = build(args.paths, args.out, [tuple(p) for p in args.compare], args.replace)
     except ValueError as e:
         print(f"flashkd records site: {e}", file=sys.stderr)
         return 2
