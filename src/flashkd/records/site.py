@@ -92,7 +92,13 @@ class Run:
 
     @property
     def axes_text(self) -> str:
-        return ", ".join(f"{k}={v}" for k, v in self["workload"]["spec"]["axes"].items())
+        return ", ".join(f"{k}={v}" for k, v in shown_axes(self["workload"]["spec"]).items())
+
+    @property
+    def imported(self) -> bool:
+        """A record converted from another harness's published rows (it carries their source), not a run
+        measured by the user (`flashkd bench`)."""
+        return "sourceNative" in self.spec
 
     @property
     def refs(self) -> list[tuple[str, str]]:
@@ -141,6 +147,17 @@ class Group:
     def ranked_count(self) -> int:
         return sum(r.rank is not None for r in self.runs)
 
+    @property
+    def imported(self) -> bool:
+        return all(r.imported for r in self.runs)
+
+    @property
+    def title(self) -> str:
+        """The operation, the workload (`Run.case`) and the protocol, whose timed pass (forward, full, ...)
+        is what groups of one workload differ in."""
+        r = self.first
+        return f"{r.operation_title} · {r.case} · {_title(r['protocol'])}"
+
 
 @dataclasses.dataclass
 class Sweep:
@@ -152,6 +169,12 @@ class Sweep:
     @property
     def first(self) -> Run:
         return self.groups[0].first
+
+    @property
+    def fixed_text(self) -> str:
+        """The other axes, named as the site names them (`shown_axes`)."""
+        shown = shown_axes({"axes": self.fixed, "tensors": self.first["workload"]["spec"].get("tensors", {})})
+        return ", ".join(f"{k} = {v}" for k, v in shown.items())
 
     def series(self) -> list[tuple[str, list[tuple[float, Run]]]]:
         """(implementation title, [(axis value, run)]) per implementation with a ranked run."""
@@ -184,6 +207,28 @@ class Site:
 
 def _title(manifest: dict) -> str:
     return manifest["metadata"].get("title") or manifest["metadata"]["name"]
+
+
+def shown_axes(workload_spec: dict) -> dict:
+    """A workload's axes as the site names them: a `hidden` axis that is the teacher's width (its
+    teacher_input's last dim) is shown as `teacher_hidden`, beside the student's (`student_hidden`, from
+    student_input), so every form and harness reads alike. Display only: the record's axes, which its
+    digest covers, are as written."""
+    axes, tensors = workload_spec["axes"], workload_spec.get("tensors", {})
+
+    def width(name):
+        shape = tensors.get(name, {}).get("shape")
+        return shape[-1] if isinstance(shape, list) and len(shape) == 2 else None
+
+    out = {}
+    for name, value in axes.items():
+        if name == "hidden" and width("teacher_input") == value:
+            if "student_hidden" not in axes and width("student_input") is not None:
+                out["student_hidden"] = width("student_input")
+            out["teacher_hidden"] = value
+        else:
+            out[name] = value
+    return out
 
 
 def _hex(digest: str, n: int = 16) -> str:
@@ -232,7 +277,7 @@ def read(paths, compare_pairs=()) -> Site:
     for kind, items in (("run", runs), ("comparison group", all_groups)):
         if len({x.id for x in items}) != len(items):
             raise ValueError(f"two {kind}s share the first 16 hex digits of their digest")
-    all_groups.sort(key=_group_order)
+    all_groups.sort(key=lambda g: (g.imported, *_group_order(g)))  # the user's own runs first
     runs = [r for g in all_groups for r in g.runs]
     pairs = [(a, b) for g in all_groups for a, b in itertools.combinations(g.runs, 2)]
     for spelled in compare_pairs:
