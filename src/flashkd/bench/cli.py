@@ -44,7 +44,7 @@ presets:
 examples:
   flashkd bench
   flashkd bench --preset sweep --modes full no-grad-forward
-  flashkd bench -n 1024 4096 --loss jsd tvd --providers flashkd floor --out runs/a
+  flashkd bench -n 1024 4096 --loss jsd tvd --providers flashkd floor --out out/a
 """
 DEFAULT_PROVIDERS = ("flashkd", "liger", "torch", "floor")
 # Per device: (rep_ms, warmup_ms, min_reps, rounds). CUDA: long enough for a real p20–p80 spread (Liger's
