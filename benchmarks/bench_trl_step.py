@@ -31,8 +31,9 @@ when the losses differ by more than --loss-rtol.
 Needs trl==1.16.0, transformers, accelerate. Where `datasets` is not installed (TRL imports it), the
 stand-in in benchmarks/_datasets_stub is used instead (its header says why that is enough here).
 
-Usage: python benchmarks/bench_trl_step.py --out DIR           (one GPU)
-       python benchmarks/bench_trl_step.py --tiny --out DIR    (tiny shapes, fp32, CPU: seconds)
+Usage: python benchmarks/bench_trl_step.py [--out DIR]           (one GPU)
+       python benchmarks/bench_trl_step.py --tiny [--out DIR]    (tiny shapes, fp32, CPU: seconds)
+results.json and summary.md go into --out (default: a new bench-trl-step-YYYYmmdd-HHMMSS/).
 """
 
 import argparse
@@ -72,7 +73,8 @@ SPECIAL = ["<pad>", "<eos>", "<unk>"]  # ids 0, 1, 2; the data never contains th
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--out", type=Path, required=True, help="folder for results.json and summary.md")
+    p.add_argument("--out", type=Path, default=None,
+                   help="folder for results.json and summary.md (default: bench-trl-step-YYYYmmdd-HHMMSS)")
     p.add_argument("--tiny", action="store_true", help="tiny shapes in fp32 (CPU where there is no GPU): checks, not timings")
     p.add_argument("--vocab", type=int, default=128256)
     p.add_argument("--student-hidden", type=int, default=2048)
@@ -305,8 +307,14 @@ def _quantile(xs, q):
 
 def main(argv=None):
     args = parse_args(argv)
+    args.out = args.out or Path(time.strftime("bench-trl-step-%Y%m%d-%H%M%S"))
     args.out.mkdir(parents=True, exist_ok=True)
-    args.trainer_dir = tempfile.mkdtemp(prefix="bench-trl-step-")  # the trainer's output_dir; it saves nothing
+    with tempfile.TemporaryDirectory(prefix="bench-trl-step-") as trainer_dir:  # the trainers' output_dir: they save nothing
+        args.trainer_dir = trainer_dir
+        return _main(args)
+
+
+def _main(args):
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     n_rows = args.batch * (args.warmup + args.steps)
     g = torch.Generator().manual_seed(args.seed)
@@ -370,6 +378,7 @@ def main(argv=None):
     (args.out / "results.json").write_text(json.dumps(summary, indent=1))
     (args.out / "summary.md").write_text(markdown(shape, env, results, check))
     print((args.out / "summary.md").read_text())
+    print(f"wrote {args.out / 'results.json'}, {args.out / 'summary.md'}")
     return 0 if check is None or check["agree"] else 1
 
 

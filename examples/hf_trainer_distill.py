@@ -4,6 +4,8 @@ The loss takes both models' last hidden states (their LM heads run fused in flas
 shifts the labels, masks padding and is exact under gradient accumulation. Tiny Llama-style models and
 a word-level tokenizer, all in memory; seconds on CPU. Needs transformers and datasets."""
 
+import tempfile
+
 import torch
 from datasets import Dataset
 from tokenizers import Tokenizer, models, pre_tokenizers
@@ -35,13 +37,14 @@ for _ in range(128):  # runs of consecutive words, of random lengths
     texts.append(" ".join(words[3 + (start + i) % 58] for i in range(length)) + " <eos>")
 data = Dataset.from_dict({"input_ids": [tokenizer(t)["input_ids"] for t in texts]})
 
-args = TrainingArguments(output_dir="/tmp/flashkd-example-hf", per_device_train_batch_size=4,
-                         gradient_accumulation_steps=2, max_steps=8, learning_rate=3e-2, logging_steps=1,
-                         report_to=[], save_strategy="no", disable_tqdm=True, use_cpu=not torch.cuda.is_available())
-trainer = DistillationTrainer(model=student, teacher_model=teacher, args=args, train_dataset=data,
-                              data_collator=DataCollatorForLanguageModeling(tokenizer, mlm=False),
-                              loss="jsd", beta=0.5, temperature=1.0, weight_hard_loss=0.5, weight_soft_loss=0.5)
-trainer.train()
+with tempfile.TemporaryDirectory() as out:  # the Trainer's output_dir: it saves nothing here, but makes it
+    args = TrainingArguments(output_dir=out, per_device_train_batch_size=4,
+                             gradient_accumulation_steps=2, max_steps=8, learning_rate=3e-2, logging_steps=1,
+                             report_to=[], save_strategy="no", disable_tqdm=True, use_cpu=not torch.cuda.is_available())
+    trainer = DistillationTrainer(model=student, teacher_model=teacher, args=args, train_dataset=data,
+                                  data_collator=DataCollatorForLanguageModeling(tokenizer, mlm=False),
+                                  loss="jsd", beta=0.5, temperature=1.0, weight_hard_loss=0.5, weight_soft_loss=0.5)
+    trainer.train()
 for h in trainer.state.log_history:
     if "loss" in h:
         print(f"step {h['step']}: loss {h['loss']:.4f}")

@@ -45,13 +45,14 @@ def examples():
             yield row["key"], teacher.model(input_ids=torch.tensor([row["input_ids"]])).last_hidden_state[0]
 
 
-out = tempfile.mkdtemp()
-flashkd.write_topk_targets(out, examples(), teacher.lm_head.weight, k=8, temperature=1.0, overwrite=True)
+workdir = tempfile.TemporaryDirectory()  # the targets and the Trainer's output_dir; removed at the end
+out = f"{workdir.name}/targets"
+flashkd.write_topk_targets(out, examples(), teacher.lm_head.weight, k=8, temperature=1.0)
 del teacher
 
 # 2. the student's training: the collator adds teacher_ids / teacher_logprobs, padded like the batch
 collator = flashkd.TopKCollator(flashkd.TopKTargets(out), DataCollatorForLanguageModeling(tokenizer, mlm=False))
-args = TrainingArguments(output_dir="/tmp/flashkd-example-topk", per_device_train_batch_size=8, max_steps=16,
+args = TrainingArguments(output_dir=f"{workdir.name}/trainer", per_device_train_batch_size=8, max_steps=16,
                          learning_rate=3e-2, logging_steps=2, report_to=[], save_strategy="no", disable_tqdm=True,
                          remove_unused_columns=False,  # keep "key": the collator looks the targets up by it
                          use_cpu=not torch.cuda.is_available())
@@ -62,3 +63,4 @@ trainer.train()
 for h in trainer.state.log_history:
     if "loss" in h:
         print(f"step {h['step']}: loss {h['loss']:.4f}")
+workdir.cleanup()

@@ -18,10 +18,10 @@ student_head = torch.nn.Linear(h_student, vocab, bias=False, device=device)
 corpus = {f"doc-{i}": torch.randint(0, vocab, (int(torch.randint(20, 60, ())),)) for i in range(32)}
 
 # 1. once: the teacher's targets, streamed to disk one sequence at a time
+workdir = tempfile.TemporaryDirectory()  # removed at the end
 with torch.no_grad():
     examples = ((key, teacher_embed(ids.to(device))) for key, ids in corpus.items())  # (key, (L, H))
-    out = tempfile.mkdtemp()
-    targets = flashkd.write_topk_targets(out, examples, teacher_head.weight, k, overwrite=True)
+    targets = flashkd.write_topk_targets(f"{workdir.name}/targets", examples, teacher_head.weight, k)
 
 
 # 2. every epoch: batches of token ids with their targets, padded alike
@@ -47,3 +47,4 @@ for step, batch in enumerate(loader):
     loss.backward()
     opt.step()
     print(f"step {step}: loss {loss.item():.4f}")
+workdir.cleanup()

@@ -3,6 +3,8 @@
 Tiny Llama-style student and teacher built from configs and a word-level tokenizer, all in memory;
 seconds on CPU. Needs the `trl` extra (pip install -e ".[trl]")."""
 
+import tempfile
+
 import torch
 from datasets import Dataset
 from tokenizers import Tokenizer, models, pre_tokenizers
@@ -31,15 +33,16 @@ def llama(hidden, seed, init):
 student, teacher = llama(16, 0, 0.02), llama(32, 1, 1.0)
 g = torch.Generator().manual_seed(0)
 prompts = [" ".join(words[3 + int(i)] for i in torch.randint(0, 58, (4,), generator=g)) for _ in range(64)]
-args = DistillationConfig(
-    output_dir="/tmp/flashkd-example-trl", per_device_train_batch_size=8, max_completion_length=8, max_steps=8,
-    learning_rate=3e-2, lr_scheduler_type="constant", beta=0.5, temperature=1.0, logging_steps=1, report_to=[],
-    save_strategy="no", use_cpu=not torch.cuda.is_available(), bf16=False, gradient_checkpointing=False,
-    disable_tqdm=True,
-)
-trainer = DistillationTrainer(model=student, teacher_model=teacher, args=args, processing_class=tokenizer,
-                              train_dataset=Dataset.from_dict({"prompt": prompts}))
-trainer.train()
+with tempfile.TemporaryDirectory() as out:  # the trainer's output_dir: it saves nothing here, but makes it
+    args = DistillationConfig(
+        output_dir=out, per_device_train_batch_size=8, max_completion_length=8, max_steps=8,
+        learning_rate=3e-2, lr_scheduler_type="constant", beta=0.5, temperature=1.0, logging_steps=1, report_to=[],
+        save_strategy="no", use_cpu=not torch.cuda.is_available(), bf16=False, gradient_checkpointing=False,
+        disable_tqdm=True,
+    )
+    trainer = DistillationTrainer(model=student, teacher_model=teacher, args=args, processing_class=tokenizer,
+                                  train_dataset=Dataset.from_dict({"prompt": prompts}))
+    trainer.train()
 for h in trainer.state.log_history:
     if "loss" in h:
         print(f"step {h['step']}: loss {h['loss']:.4f}  student entropy {h['entropy']:.3f}")

@@ -418,14 +418,14 @@ def test_backward_twice_is_torchs_error_and_retain_graph_accumulates(backend):
 # ----------------------------------------------------------------------------------- HF Trainer options
 
 
-def test_trainer_refuses_unknown_distill_options_when_built():
+def test_trainer_refuses_unknown_distill_options_when_built(tmp_path):
     """A misspelt distill_options key used to pass the Trainer's construction and fail at the first
     training step with Python's 'unexpected keyword argument'."""
     transformers = pytest.importorskip("transformers")
     import tiny_models
     from flashkd.integrations.transformers import DistillationTrainer
 
-    args = transformers.TrainingArguments(output_dir="/tmp/flashkd-test-hf", use_cpu=True, report_to=[])
+    args = transformers.TrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to=[])
     with pytest.raises(TypeError, match=r"distill_options: expected keyword options of flashkd.fused_linear_distill "
                                         r"or fused_linear_distill_topk, got 'chunksize'"):
         DistillationTrainer(model=tiny_models.llama(16, 0), args=args, distill_options={"chunksize": 8})

@@ -191,6 +191,33 @@ def test_modules_match_the_function():
     assert "tvd" in repr(flashkd.FusedLinearDistillLoss("tvd"))
 
 
+
+@pytest.mark.parametrize("make,error,words", [
+    (lambda: flashkd.FusedLinearDistillLoss(loss="bogus"), ValueError, ["loss", "'bogus'"]),
+    (lambda: flashkd.FusedLinearDistillLoss("jsd", temperature=0.0), ValueError, ["temperature", "0.0"]),
+    (lambda: flashkd.FusedLinearDistillLoss("jsd", reduction="max"), ValueError, ["reduction", "'max'"]),
+    (lambda: flashkd.FusedLinearDistillLoss("jsd", return_stats=1), TypeError, ["return_stats", "bool"]),
+    (lambda: flashkd.FusedLinearDistillLoss("jsd", teacher_precision="fp4"), ValueError, ["teacher_precision"]),
+    (lambda: flashkd.FusedLinearJSDLoss(beta=-1.0), ValueError, ["beta", "-1.0"]),
+    (lambda: flashkd.FusedLinearCosineSimilarityLoss(weight_soft_loss=float("nan")), TypeError, ["weight_soft_loss"]),
+    (lambda: flashkd.FusedLinearJSD(1.5), ValueError, ["jsd_beta", "1.5"]),
+])
+def test_modules_check_their_options_when_made(make, error, words):
+    """A bad option value is refused where the module is made, with the call's own message, not at the
+    first forward (which may come much later, inside a trainer)."""
+    with pytest.raises(error) as e:
+        make()
+    assert all(w in str(e.value) for w in words), str(e.value)
+
+
+def test_liger_style_attributes_check_the_value_set():
+    module = flashkd.FusedLinearJSDLoss()
+    with pytest.raises(ValueError, match="beta"):
+        module.beta = 2.0
+    assert module.beta == 0.5  # unchanged
+    module.beta = 0.25
+    assert module.options["beta"] == 0.25
+
 def test_inside_torch_compile():
     xs, ws, xt, wt, y = inputs()
 
@@ -228,3 +255,18 @@ def test_half_inputs_are_as_accurate_as_plain_torch(seed, dtype):
     assert abs(loss.item() - truth.item()) / abs(truth.item()) <= max(3 * abs(plain.item() - truth.item()) / abs(truth.item()), 1e-5)
     assert err(dx, tdx) <= 1.5 * err(pdx, tdx) + 1e-4
     assert err(dw, tdw) <= 1.5 * err(pdw, tdw) + 1e-4
+
+
+def test_hf_integration_without_transformers_names_the_extra():
+    """As on a machine without transformers (its import blocked): the import error says what to install,
+    as flashkd.data's and flashkd.integrations.trl's do."""
+    import subprocess
+    import sys
+
+    code = ("import sys; sys.modules['transformers'] = None\n"
+            "from flashkd.integrations.transformers import DistillationTrainer\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 1
+    last = done.stderr.strip().splitlines()[-1]
+    assert last.startswith("ImportError: flashkd.integrations.transformers needs transformers"), done.stderr
+    assert 'pip install "flashkd[hf]"' in last

@@ -244,7 +244,15 @@ def test_backward_tables_say_where_gradients_are_computed():
     titles = [title for title, _, _ in report.tables(results)]
     backward = next(t for t in titles if " · backward · " in t)
     assert "flashkd computes gradients in forward: its backward only scales them" in backward
+    assert "(one pass over dX and dW, no loss math)" in backward and "≈ 0" not in backward
     assert not any("gradients in forward" in t for t in titles if " · backward · " not in t)
+    # on CPU, what that pass's wall clock is made of (flashkd's and Liger's alike)
+    lines = report.notes(results, {"device": "cpu", "timer": "time.perf_counter", "cpu_threads": 2})
+    assert any(line.startswith("backward: that pass over dX and dW is small; on a CPU its wall clock is mostly "
+                               "waking torch's threads") for line in lines)
+    assert any("not a speed comparison" in line for line in lines)
+    assert not any(line.startswith("backward:") for line in report.notes(
+        results, {"device": "cpu", "timer": "time.perf_counter", "cpu_threads": 1}))
 
 
 def test_cli_end_to_end(tmp_path, capsys):

@@ -50,15 +50,22 @@ def test_tiny_fixed_completions(tmp_path):
 
 
 def test_tiny_sampled_without_datasets(tmp_path):
-    """As on a machine without `datasets`: an import of it fails, the script falls back to its stand-in."""
+    """As on a machine without `datasets`: an import of it fails, the script falls back to its stand-in.
+    Without --out, as the README runs it: a new bench-trl-step-* folder where it runs, and nothing left in
+    the temporary folder (the trainers' output_dir)."""
     blocker = tmp_path / "blocker" / "datasets"
     blocker.mkdir(parents=True)
     (blocker / "__init__.py").write_text('raise ImportError("datasets is not installed")\n')
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(blocker.parent), os.environ.get("PYTHONPATH", "")]))
-    out = tmp_path / "out"
-    done = subprocess.run([sys.executable, str(SCRIPT), "--tiny", "--generation", "student", "--out", str(out)],
-                          capture_output=True, text=True, timeout=300, env=env)
+    (tmp_path / "tmp").mkdir()
+    (tmp_path / "run").mkdir()
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(blocker.parent), os.environ.get("PYTHONPATH", "")]),
+               TMPDIR=str(tmp_path / "tmp"))
+    done = subprocess.run([sys.executable, str(SCRIPT), "--tiny", "--generation", "student"],
+                          capture_output=True, text=True, timeout=300, env=env, cwd=tmp_path / "run")
     assert done.returncode == 0, done.stderr[-3000:]
+    (out,) = (tmp_path / "run").iterdir()
+    assert out.name.startswith("bench-trl-step-") and not any((tmp_path / "tmp").iterdir())
+    assert done.stdout.strip().splitlines()[-1] == f"wrote {out.name}/results.json, {out.name}/summary.md"
     runs = _check(out, "stand-in")
     # the student sampled the completions: the same ones in both variants (same seed, same weights at step 1)
     assert runs["trl"]["completion_tokens_per_step"][0] == runs["flashkd"]["completion_tokens_per_step"][0]

@@ -17,15 +17,15 @@ FAST = ["--device", "cpu", "--h", "12", "--v", "37", "--rep", "1", "--warmup", "
 
 
 def _usage_error(capsys, argv) -> str:
-    """`flashkd bench argv` is refused as a usage error: exit status 2 and one line on stderr (after
-    argparse's usage lines, for the errors argparse finds); that line."""
+    """`flashkd bench argv` is refused as a usage error: exit status 2 and one line on stderr (also for
+    the errors argparse finds: no usage block); that line."""
     with pytest.raises(SystemExit) as e:
         cli.main(["bench", *argv])
     assert e.value.code == 2, e.value.code
     err = capsys.readouterr().err.strip()
     assert err and "Traceback" not in err, err
     lines = err.splitlines()
-    assert len(lines) == 1 or lines[0].startswith("usage: "), err
+    assert len(lines) == 1, err
     return lines[-1]
 
 
@@ -58,6 +58,34 @@ def test_bench_usage_errors_exit_2_naming_the_option(tmp_path, capsys, argv, mes
     assert not (tmp_path / "run").exists()
 
 
+@pytest.mark.parametrize("preset", ["seed", "sweep", "topk", "logits", "teacher-topk"])
+def test_bench_refuses_gpu_sized_presets_on_cpu_unless_asked(tmp_path, capsys, preset):
+    """`--preset sweep` on a CPU ran for minutes printing nothing (hours to finish): refused up front,
+    one line saying why and what to do; --large-on-cpu runs it (here only planned)."""
+    err = _usage_error(capsys, ["--device", "cpu", "--preset", preset, "--out", str(tmp_path / "run")])
+    assert "is sized for a GPU: " in err and "TFLOP of GEMMs a call" in err, err
+    assert err.endswith("use --preset small there, or smaller -n/--h/--v, or --large-on-cpu to run it anyway")
+    p = cli.plan(cli.parse_bench(["--device", "cpu", "--preset", preset, "--large-on-cpu", "--out", str(tmp_path / "run")]))
+    assert p.workloads and not (tmp_path / "run").exists()
+    # shrunk to a CPU's size, the preset runs without the flag
+    cli.plan(cli.parse_bench(["--device", "cpu", "--preset", preset, "-n", "64", "--h", "64", "--v", "1000"]))
+
+
+def test_bench_says_what_it_runs_when_not_on_a_terminal(tmp_path, capsys):
+    """No terminal (a log, a pipe): no progress bar, so a line as each workload starts, and on a CPU that
+    the times are no speed comparison."""
+    i = TINY_RUN.index("--loss")
+    argv = [*TINY_RUN[:i], "--loss", "jsd", "tvd", *TINY_RUN[i + 2:]]  # two workloads
+    assert cli.main(["bench", *argv, "--out", str(tmp_path / "run")]) == 0
+    said = capsys.readouterr().out.splitlines()
+    assert "flashkd bench: on a CPU the times are wall clock on this machine: a check that every provider runs and " \
+           "is right, not a speed comparison of the kernels (they are built for GPUs)" in said
+    started = [line for line in said if line.startswith("flashkd bench: workload ")]
+    assert [line.split(" (")[0] for line in started] == ["flashkd bench: workload 1/2, jsd N=7",
+                                                          "flashkd bench: workload 2/2, tvd N=7"]
+    assert started[0].endswith("(step 0 of 8, 0:00 elapsed)")
+
+
 def test_bench_out_errors_exit_2(tmp_path, capsys):
     afile = tmp_path / "afile"
     afile.write_text("keep")
@@ -80,6 +108,40 @@ def test_bench_usage_error_from_the_console_entry_point(tmp_path):
     assert done.stderr.strip() == "flashkd bench: --softcap: expected a finite float > 0 (or None for no cap), got 0.0"
 
 
+def _entry_point(*argv):
+    src = str(Path(flashkd.__file__).resolve().parents[1])
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([src, os.environ.get("PYTHONPATH", "")])}
+    return subprocess.run([sys.executable, "-m", "flashkd", *argv], capture_output=True, text=True, env=env)
+
+
+@pytest.mark.parametrize("argv, line", [
+    (["bench", "--loss", "foo"], "flashkd bench: error: argument --loss: invalid choice: 'foo' (choose from "),
+    (["bench", "--modes", "fwd"], "flashkd bench: error: argument --modes: invalid choice: 'fwd' (choose from "),
+    (["bench", "-n", "0"], "flashkd bench: error: argument -n/--n: expected a positive integer, got 0"),
+    (["records", "site", "x"], "flashkd records site: error: the following arguments are required: --out"),
+    (["records", "nope"], "flashkd records: error: argument command: invalid choice: 'nope'"),
+    ([], "flashkd: error: the following arguments are required: command"),
+])
+def test_argparse_usage_errors_are_one_line(argv, line):
+    """argparse's own errors as flashkd's are: one line naming the argument (and where the options are
+    listed), exit status 2; not its usage block."""
+    done = _entry_point(*argv)
+    assert done.returncode == 2 and done.stdout == "", (done.returncode, done.stdout)
+    assert len(done.stderr.splitlines()) == 1, done.stderr
+    assert done.stderr.startswith(line), done.stderr
+    assert done.stderr.rstrip().endswith(f"(see flashkd{''.join(' ' + a for a in argv[:2] if a in ('bench', 'records', 'site'))} --help)")
+
+
+def test_help_lists_every_records_command():
+    done = _entry_point("--help")
+    assert done.returncode == 0
+    assert "import-liger, verify, compare, site" in " ".join(done.stdout.split())
+    records = _entry_point("records", "--help").stdout
+    listed = {line.split()[0] for line in records.split("positional arguments:")[1].splitlines()[2:] if line.startswith("    ")
+              and line.split()}
+    assert {"import-liger", "verify", "compare", "site"} <= listed, records
+
+
 @pytest.mark.parametrize("seed", ["-1", str(2**53), "1.5"])
 def test_bench_refuses_a_seed_no_record_can_carry(tmp_path, capsys, seed):
     """A negative seed ran, and wrote records that `records verify` refuses (the site then had 0 runs)."""
@@ -88,6 +150,35 @@ def test_bench_refuses_a_seed_no_record_can_carry(tmp_path, capsys, seed):
 
 
 TINY_RUN = [*FAST, "-n", "7", "--preset", "seed", "--loss", "jsd", "--modes", "full", "--providers", "flashkd", "torch"]
+
+
+def _liger_not_installed(monkeypatch):
+    from flashkd.bench import providers
+
+    def make(w, x):  # as when liger-kernel cannot be imported: its make skips every workload
+        raise providers.Skip(why())
+
+    def why():
+        return "liger-kernel is not importable (No module named 'liger_kernel'); pip install liger-kernel==0.8.5"
+    monkeypatch.setitem(providers.PROVIDERS, "liger", providers.Provider(make, lambda: "not installed", missing=why))
+
+
+def test_bench_refuses_a_named_provider_that_is_not_installed(tmp_path, capsys, monkeypatch):
+    """`--providers liger` without liger-kernel ran, skipped it in every row and exited 0."""
+    _liger_not_installed(monkeypatch)
+    err = _usage_error(capsys, [*FAST, "--providers", "flashkd", "liger", "--out", str(tmp_path / "run")])
+    assert err == ("flashkd bench: --providers liger: liger-kernel is not importable (No module named 'liger_kernel'); "
+                   "pip install liger-kernel==0.8.5")
+    assert not (tmp_path / "run").exists()
+
+
+def test_bench_skips_a_default_provider_that_is_not_installed_with_a_note(tmp_path, capsys, monkeypatch):
+    _liger_not_installed(monkeypatch)
+    argv = [a for a in TINY_RUN if a not in ("--providers", "flashkd", "torch")]  # the default providers
+    assert cli.main(["bench", *argv, "--out", str(tmp_path / "run")]) == 0
+    out = capsys.readouterr().out
+    assert "liger: liger-kernel is not importable (No module named 'liger_kernel'); pip install liger-kernel==0.8.5" in out
+    assert json.loads((tmp_path / "run" / "run.json").read_text())["providers"] == ["flashkd", "liger", "torch", "floor"]
 
 
 def test_bench_checks_its_records_before_writing_them(tmp_path, capsys, monkeypatch):
@@ -451,7 +542,7 @@ def test_a_site_is_written_whole_or_not_at_all(tmp_path, capsys, run_records, mo
         return real(manifest)
     monkeypatch.setattr(site, "canonical_identity", killed)
     with pytest.raises(KeyboardInterrupt):
-        cli.main(["records", "site", str(tmp_path / "in"), "--out", str(out)])
+        cli.main(["records", "site", str(tmp_path / "in"), "--out", str(out), "--replace"])
     assert {p.relative_to(out): p.read_bytes() for p in out.rglob("*") if p.is_file()} == before
     assert sorted(p.name for p in tmp_path.iterdir()) == ["in", "site"]  # no partial build left beside it
     monkeypatch.undo()

@@ -29,10 +29,17 @@ def _dataset(n, seed, keys=False):
     return Dataset.from_dict(columns), tok
 
 
+@pytest.fixture(autouse=True)
+def _in_tmp_path(tmp_path, monkeypatch):
+    """Each test in its own tmp_path: the Trainer makes its output_dir ("trainer", relative) there, not in
+    a fixed folder of /tmp that outlives the tests."""
+    monkeypatch.chdir(tmp_path)
+
+
 def _args(steps, batch, accumulation=1, **kw):
     kw.setdefault("learning_rate", 3e-2)
     return transformers.TrainingArguments(
-        output_dir="/tmp/flashkd-test-hf", per_device_train_batch_size=batch // accumulation,
+        output_dir="trainer", per_device_train_batch_size=batch // accumulation,
         gradient_accumulation_steps=accumulation, max_steps=steps, logging_steps=1, report_to=[], use_cpu=True,
         save_strategy="no", disable_tqdm=True, seed=0, lr_scheduler_type="constant", dataloader_num_workers=0, **kw,
     )

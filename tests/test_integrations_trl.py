@@ -185,6 +185,13 @@ class _Record(__import__("transformers").TrainerCallback):
         self.grads.append(torch.cat([p.grad.reshape(-1) for p in model.parameters() if p.grad is not None]).clone())
 
 
+@pytest.fixture(autouse=True)
+def _in_tmp_path(tmp_path, monkeypatch):
+    """Each test in its own tmp_path: the trainer makes its output_dir ("trainer", relative) in the test's tmp_path, not in a fixed folder
+    of /tmp that outlives the tests."""
+    monkeypatch.chdir(tmp_path)
+
+
 def _train(steps, batch=8, accumulation=1, seed=0, record=None, optim="adamw_torch", lr=3e-2):
     from datasets import Dataset
 
@@ -192,7 +199,7 @@ def _train(steps, batch=8, accumulation=1, seed=0, record=None, optim="adamw_tor
     teacher = tiny_models.llama(24, seed + 1, init=1.0)  # peaked: a loss that has somewhere to fall
     prompts = Dataset.from_dict({"prompt": tiny_models.sentences(batch * steps, seed, 2, 6)})
     args = trl.DistillationConfig(
-        output_dir="/tmp/flashkd-test-trl", per_device_train_batch_size=batch // accumulation,
+        output_dir="trainer", per_device_train_batch_size=batch // accumulation,  # in the test's tmp_path
         gradient_accumulation_steps=accumulation, max_completion_length=8, max_steps=steps, learning_rate=lr, optim=optim, lr_scheduler_type="constant",
         logging_steps=1, report_to=[], use_cpu=True, bf16=False, save_strategy="no", beta=0.5, temperature=1.0,
         disable_tqdm=True, seed=seed, shuffle_dataset=False, gradient_checkpointing=False,

@@ -388,14 +388,19 @@ def test_out_folder_and_arguments(tmp_path, capsys):
     site = tmp_path / "site"
     assert _cli(["records", "site", str(tmp_path / "b"), "--out", str(site)], capsys)[0] == 0
     (site / "runs" / "stale.html").write_text("old")
-    assert _cli(["records", "site", str(tmp_path / "b"), "--out", str(site)], capsys)[0] == 0  # rebuilt in place
+    # an earlier site is not replaced without a word: refused, unless --replace asks for it
+    code, _, err = _cli(["records", "site", str(tmp_path / "b"), "--out", str(site)], capsys)
+    assert code == 2 and err.strip() == (f"flashkd records site: --out {site}: holds a site written before; pass "
+                                         "--replace to replace it, or name a new folder")
+    assert (site / "runs" / "stale.html").exists()
+    assert _cli(["records", "site", str(tmp_path / "b"), "--out", str(site), "--replace"], capsys)[0] == 0  # rebuilt
     assert not (site / "runs" / "stale.html").exists()
     (tmp_path / "empty").mkdir()
-    code, _, err = _cli(["records", "site", str(tmp_path / "empty"), "--out", str(site)], capsys)
+    code, _, err = _cli(["records", "site", str(tmp_path / "empty"), "--out", str(site), "--replace"], capsys)
     assert code == 2 and "no bundle files found" in err
-    code, _, err = _cli(["records", "site", str(tmp_path / "missing.json"), "--out", str(site)], capsys)
+    code, _, err = _cli(["records", "site", str(tmp_path / "missing.json"), "--out", str(site), "--replace"], capsys)
     assert code == 1 and "missing.json: cannot read" in err
-    code, _, err = _cli(["records", "site", str(tmp_path / "b"), "--out", str(site), "--compare", "abcdef12",
+    code, _, err = _cli(["records", "site", str(tmp_path / "b"), "--out", str(site), "--replace", "--compare", "abcdef12",
                          str(tmp_path / "b" / "v.json")], capsys)
     assert code == 2 and "--compare abcdef12: expected one sound run" in err
 
@@ -408,6 +413,49 @@ def _restamp(bundle: dict) -> dict:
         bundle[name].pop("canonical", None)
         bundle[name]["digest"] = digest(bundle[name]["manifest"])
     return bundle
+
+
+def test_index_opens_with_the_runs_measured_here(built):
+    """The index opened with the imported Liger rows (their operation's title sorts first), the user's own
+    runs further down."""
+    text = _parse(built["site"] / "index.html").text
+    assert text.index("Runs measured here, by operation") < text.index("Imported records, by operation")
+    assert text.index("flashkd bench · full") < text.index("Liger benchmark harness")
+    every = _parse(built["site"] / "index.html").rows
+    first = next(r for r in every if len(r) == 6 and r[-1]["text"] == "json")  # the "Every run" table
+    assert first[0]["text"].startswith("distill_jsd_loss · ")  # a bench run's title, not a Liger row's
+
+
+def _group_titles(site: Path) -> list[str]:
+    return [re.search(r"<h1>(.*?)</h1>", p.read_text("utf-8")).group(1) for p in (site / "groups").glob("*.html")]
+
+
+def test_group_titles_name_the_timed_pass(built, tmp_path, capsys):
+    """Groups of one workload differ in their protocol (forward, full, ...): the title says it (four
+    groups of a run's four modes had one title)."""
+    for h1 in _group_titles(built["site"]):
+        assert h1.endswith((" · flashkd bench · full · cpu", " · Liger benchmark harness · forward pass")), h1
+    out = tmp_path / "modes"
+    assert cli.main(["bench", "--device", "cpu", "-n", "5", "--loss", "jsd", "--form", "heads", "--weight-hard", "0.5",
+                     "--weight-soft", "0.5", "--providers", "flashkd", *FAST_ARGS, "--out", str(out)]) == 0
+    titles = _group_titles(out / "site")
+    assert len(titles) == 4 and len(set(titles)) == 4, titles  # full, forward, backward, no-grad-forward
+
+
+def test_hidden_sizes_are_named_alike_in_every_form(built, tmp_path, capsys):
+    """The heads form's workloads said `hidden=` (the teacher's) where a top-k teacher's said
+    `student_hidden=`: shown as student_hidden and teacher_hidden alike; the records keep their axes."""
+    index = _parse(built["site"] / "index.html").text
+    assert "tokens=5, student_hidden=6, teacher_hidden=12, vocab=37" in index  # the bench's heads form
+    assert "tokens=1024, student_hidden=2048, teacher_hidden=4096, vocab=128256" in index  # Liger's rows
+    assert not re.search(r"(?<![a-z_])hidden=", index)
+    bench = [b for p, b in _good_bundles(built) if "bench" in p.parts]
+    assert {tuple(b["workload"]["manifest"]["spec"]["axes"]) for b in bench} == {("tokens", "hidden", "vocab")}
+    out = tmp_path / "topk"
+    assert cli.main(["bench", "--device", "cpu", "-n", "5", "--form", "topk", "--loss", "forward_kl", "--k", "3",
+                     "--modes", "full", "--providers", "flashkd", *FAST_ARGS, "--out", str(out)]) == 0
+    text = _parse(out / "site" / "index.html").text
+    assert "tokens=5, student_hidden=6, vocab=37, k=3" in text and not re.search(r"(?<![a-z_])hidden=", text)
 
 
 def test_metadata_is_escaped(tmp_path, capsys):
@@ -587,3 +635,23 @@ def test_each_page_type_loads_without_console_errors(built, browser):
         assert title["result"]["value"].endswith("|0px"), f"{kind}: the stylesheet did not apply"
         browser.screenshot(shots / f"{kind}.png")
         assert (shots / f"{kind}.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.browser
+def test_a_long_primary_value_stays_in_its_cell(browser, tmp_path, capsys):
+    """A long "#1 primary" value ran into the group link beside it (a fixed column, no wrap)."""
+    rows = _liger_csv().replace("60.24163055419922,60.24163055419922,60.24163055419922",
+                                "123456789.125,123456789.125,123456789.125")
+    (tmp_path / "rows.csv").write_text(rows)
+    assert _cli(["records", "import-liger", str(tmp_path / "rows.csv"), "--out", str(tmp_path / "in")], capsys)[0] == 0
+    assert _cli(["records", "site", str(tmp_path / "in"), "--out", str(tmp_path / "site")], capsys)[0] == 0
+    index = tmp_path / "site" / "index.html"
+    assert "123456789.1250 ms" in index.read_text("utf-8")
+    for width in (1280, 900):
+        browser.call("Emulation.setDeviceMetricsOverride", session=True, width=width, height=800,
+                     deviceScaleFactor=1, mobile=False)
+        assert browser.load(index.as_uri()) == []
+        spilled = browser.call("Runtime.evaluate", session=True, returnByValue=True, expression="""
+            [...document.querySelectorAll('table.groups td')]
+              .filter(td => td.scrollWidth > td.clientWidth + 1).map(td => td.textContent)""")["result"]["value"]
+        assert spilled == [], (width, spilled)

@@ -360,3 +360,30 @@ def test_no_rows():
     s, t = _logits(0, 7, torch.float32, seed=0)
     soft, hard = triton_rows.rows(s, t, None, LossSpec(), torch.tensor(1.0, device=DEVICE), True)
     assert soft.shape == hard.shape == (0,)
+
+
+@pytest.mark.skipif(not INTERPRET, reason="the interpreter's numpy warnings: CPU only")
+def test_interpreted_kernels_do_not_warn_about_masked_lanes():
+    """Under TRITON_INTERPRET=1 numpy evaluated the masked lanes too and its RuntimeWarnings (overflow in
+    multiply, log2 of 0, inf − inf) reached users of backend="triton" on CPU. They are dropped around
+    flashkd's own launches only: the filters outside are what they were."""
+    import warnings
+
+    import flashkd
+
+    torch.manual_seed(0)
+    xs, ws = torch.randn(9, 16, requires_grad=True), torch.randn(301, 16, requires_grad=True)
+    xt, wt, y = torch.randn(9, 24), torch.randn(301, 24), torch.randint(0, 301, (9,))
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")  # pytest's own filters (pyproject) ignore them: a user's do not
+        before = list(warnings.filters)
+        flashkd.fused_linear_distill(xs, ws, xt, wt, y, backend="triton", student_softcap=30.0).backward()
+        ids, lp = flashkd.teacher_topk(xt, wt, 8, backend="triton")
+        flashkd.fused_linear_distill_topk(xs, ws, ids, lp, y, backend="triton").backward()
+        assert warnings.filters == before
+        import numpy
+
+        with numpy.errstate(over="warn"):
+            numpy.float32(3e38) * numpy.float32(10)  # anyone else's still warns
+    runtime = [str(w.message) for w in seen if issubclass(w.category, RuntimeWarning)]
+    assert runtime == ["overflow encountered in scalar multiply"], runtime[:4]

@@ -11,6 +11,7 @@ import inspect
 
 import torch
 
+from . import chunks, fp8
 from .chunks import renamed
 from .distill import fused_linear_distill
 
@@ -18,8 +19,20 @@ from .distill import fused_linear_distill
 # forward's arguments, and the keyword options of fused_linear_distill the constructor takes
 _PER_CALL = ("student_input", "student_weight", "teacher_input", "teacher_weight", "labels", "student_bias",
              "teacher_bias", "row_weight")
-_OPTIONS = frozenset(name for name, p in inspect.signature(fused_linear_distill).parameters.items()
-                     if p.kind is p.KEYWORD_ONLY and name not in _PER_CALL and name != "loss")
+_DEFAULTS = {name: p.default for name, p in inspect.signature(fused_linear_distill).parameters.items()
+             if p.kind is p.KEYWORD_ONLY}
+_OPTIONS = frozenset(name for name in _DEFAULTS if name not in _PER_CALL and name != "loss")
+
+
+def _check_options(options: dict) -> None:
+    """The options' values, checked by the call's own validation (chunks.make_call: the loss and its
+    numbers, the flags; fp8.check_precision) as a forward with labels would check them: a bad value fails
+    where the module is made, not at its first forward. Options that need the tensors (backend,
+    chunk_size, grad_accum_dtype) are checked by the call."""
+    keywords = {**_DEFAULTS, **options}
+    del keywords["teacher_bias"]  # the teacher's, per call
+    chunks.make_call(None, None, None, ..., **keywords)  # labels: given (not None), as the usual forward has them
+    fp8.check_precision(keywords["teacher_precision"])
 
 
 class FusedLinearDistillLoss(torch.nn.Module):
@@ -33,6 +46,7 @@ class FusedLinearDistillLoss(torch.nn.Module):
             if name not in _OPTIONS:
                 raise TypeError(f"{name}: expected a keyword option of flashkd.fused_linear_distill "
                                 f"({', '.join(sorted(_OPTIONS))}), got {name}={options[name]!r}")
+        _check_options(dict(loss=loss, **options))
         self.options = dict(loss=loss, **options)
 
     def forward(
@@ -68,12 +82,13 @@ class FusedLinearDistillLoss(torch.nn.Module):
 
 def _option(name: str) -> property:
     """A Liger-style attribute that reads and writes `self.options[name]`: setting it changes the
-    next forward, as setting the attribute of Liger's module does."""
+    next forward, as setting the attribute of Liger's module does; a bad value is refused at once."""
 
     def get(self):
         return self.options[name]
 
     def set(self, value):
+        _check_options({**self.options, name: value})
         self.options[name] = value
 
     return property(get, set, doc=f"The `{name}` option of every forward call (`self.options[{name!r}]`).")
@@ -161,6 +176,11 @@ class FusedLinearJSD(torch.nn.Module):
     def __init__(self, jsd_beta: float = 0.5, ignore_index: int = -100, temperature: float = 1.0,
                  accum_dtype: torch.dtype | None = None):
         super().__init__()
+        try:  # checked here, as the forward's call will check them
+            _check_options(dict(loss="jsd", beta=jsd_beta, temperature=temperature, ignore_index=ignore_index,
+                                weight_hard_loss=0.0, weight_soft_loss=1.0))
+        except (TypeError, ValueError) as e:
+            raise renamed(e, {"beta": "jsd_beta"}) from None
         self.jsd_beta, self.ignore_index, self.temperature, self.accum_dtype = jsd_beta, ignore_index, temperature, accum_dtype
 
     def forward(self, student_input, student_weight, teacher_input, teacher_weight, shift_labels=None):

@@ -5,8 +5,10 @@ they work in. The numerics of each are in its docstring; the kernels' own docs s
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
+import warnings
 
 import triton
 import triton.language as tl
@@ -21,6 +23,21 @@ LN2: tl.constexpr = tl.constexpr(math.log(2.0))
 # Start of the running max: finite, so that a tile whose logits are all −inf (masked columns first in
 # the row) gives 2^(−inf − m) = 0 instead of 2^(−inf + inf) = NaN.
 M_START: tl.constexpr = tl.constexpr(-3.0e38)
+
+
+@contextlib.contextmanager
+def launching():
+    """Around a launch of one of flashkd's kernels. Under TRITON_INTERPRET=1 the tile ops are numpy
+    calls that also evaluate the masked lanes (−inf − (−inf), log2 0, an overflowing product past a
+    row's end), which the kernels then discard; numpy's RuntimeWarnings about those lanes are dropped
+    here, for the interpreter's frames and for the launch alone, so that a user of backend="triton" on
+    CPU does not see them. Compiled kernels raise none: nothing is filtered on a GPU."""
+    if not INTERPRET:
+        yield
+        return
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", category=RuntimeWarning, module=r"triton\.runtime\.interpreter")
+        yield
 
 
 # ------------------------------------------------------------------------------ online sums per lane

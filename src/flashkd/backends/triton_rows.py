@@ -87,7 +87,7 @@ import triton.language as tl
 
 from ..losses import COSINE_EPS, LOSS_ID, LossSpec
 from .triton_common import (FAST_LOG2, INTERPRET, LN2, LOG2E, M_START, head, head_grad, head_mode, lane_gap, lane_sum,
-                            lane_sums, times)
+                            lane_sums, launching, times)
 
 # Compiled tiles, measured on an H200 at V = 128256 bf16 (BENCHMARKS.md): 1024 columns over 8 warps
 # (4 elements per thread per tensor, 32 registers, 8 programs an SM). At the chunk loop's 1024–4096
@@ -107,6 +107,8 @@ NUM_WARPS = 8
 MAX_REGS = 32
 
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
+
+
 _LABEL_DTYPES = (torch.int32, torch.int64)
 _SCALE_DTYPES = (torch.float32, torch.float64)  # read as fp32 either way
 _LATE_GRAD = ("jsd", "tvd")  # their gradient needs a row scalar that pass 2 computes
@@ -688,55 +690,56 @@ def rows(s, t, labels, spec: LossSpec, scale: torch.Tensor, grad: bool, stats: b
     t_head = t_head if use_soft else 0
     sigma_s = float(spec.student_logit_scale)  # dz/ds, but for a softcap's 1 − (z/c)² (in the kernel)
     log2e = math.log2(math.e)
-    _rows_kernel[(R,)](
-        s,
-        ds,
-        t if use_soft else s,  # never read when not SOFT
-        labels if labels is not None else s,  # never read when not LABELS
-        soft,
-        hard,
-        entropy,
-        scale,
-        V,
-        scale.stride(0) if scale.dim() else 0,
-        t.stride(0) if use_soft else V,
-        ds.stride(0),
-        spec.ignore_index,
-        # float(): an int weight would be specialised (and recompiled) by value
-        log2e * fold_s / spec.temperature,
-        log2e * fold_t / spec.temperature,
-        log2e * fold_s,
-        1.0 / spec.temperature,
-        fold_s,
-        fold_t,
-        fold_s / fold_t if kind == "forward_kl" else fold_t / fold_s,
-        s_mul,
-        t_mul,
-        float(spec.beta),
-        math.log2(spec.beta) if jsd else 0.0,
-        math.log1p(-spec.beta) / math.log(2.0) if jsd else 0.0,
-        float(spec.weight_hard) * sigma_s,
-        float(spec.soft_scale) * sigma_s,
-        LOSS=LOSS_ID[kind],
-        SOFT=use_soft,
-        CE=use_ce,
-        LABELS=labels is not None,
-        GRAD_SOFT=grad_soft,
-        GRAD_CE=grad_ce,
-        GRAD_PASS=grad_pass,
-        CE_IS_Q=ce_is_q,
-        ONLINE_KL=online_kl,
-        S_HEAD=s_head,
-        T_HEAD=t_head,
-        SCALED=fold_s != 1.0 or (use_soft and fold_t != 1.0),
-        STATS=stats,
-        RTNE_BITS=ds.dtype == torch.bfloat16 and os.environ.get("TRITON_INTERPRET") == "1",
-        # only where a side has a softcap: other kernels keep one specialisation whatever the masks
-        RCP_FMA=_cap_bits(SOFTCAP_RCP_FMA.get(kind, 0), s_head, t_head),
-        BLOCK_V=block,
-        num_warps=max(1, min(NUM_WARPS, block // 128)),
-        maxnreg=MAX_REGS,
-    )
+    with launching():
+        _rows_kernel[(R,)](
+            s,
+            ds,
+            t if use_soft else s,  # never read when not SOFT
+            labels if labels is not None else s,  # never read when not LABELS
+            soft,
+            hard,
+            entropy,
+            scale,
+            V,
+            scale.stride(0) if scale.dim() else 0,
+            t.stride(0) if use_soft else V,
+            ds.stride(0),
+            spec.ignore_index,
+            # float(): an int weight would be specialised (and recompiled) by value
+            log2e * fold_s / spec.temperature,
+            log2e * fold_t / spec.temperature,
+            log2e * fold_s,
+            1.0 / spec.temperature,
+            fold_s,
+            fold_t,
+            fold_s / fold_t if kind == "forward_kl" else fold_t / fold_s,
+            s_mul,
+            t_mul,
+            float(spec.beta),
+            math.log2(spec.beta) if jsd else 0.0,
+            math.log1p(-spec.beta) / math.log(2.0) if jsd else 0.0,
+            float(spec.weight_hard) * sigma_s,
+            float(spec.soft_scale) * sigma_s,
+            LOSS=LOSS_ID[kind],
+            SOFT=use_soft,
+            CE=use_ce,
+            LABELS=labels is not None,
+            GRAD_SOFT=grad_soft,
+            GRAD_CE=grad_ce,
+            GRAD_PASS=grad_pass,
+            CE_IS_Q=ce_is_q,
+            ONLINE_KL=online_kl,
+            S_HEAD=s_head,
+            T_HEAD=t_head,
+            SCALED=fold_s != 1.0 or (use_soft and fold_t != 1.0),
+            STATS=stats,
+            RTNE_BITS=ds.dtype == torch.bfloat16 and os.environ.get("TRITON_INTERPRET") == "1",
+            # only where a side has a softcap: other kernels keep one specialisation whatever the masks
+            RCP_FMA=_cap_bits(SOFTCAP_RCP_FMA.get(kind, 0), s_head, t_head),
+            BLOCK_V=block,
+            num_warps=max(1, min(NUM_WARPS, block // 128)),
+            maxnreg=MAX_REGS,
+        )
     return out
 
 
@@ -771,5 +774,6 @@ def scale_(x: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
     n = x.numel()
     if n:
         block = 4096
-        _scale_kernel[(triton.cdiv(n, block),)](x, g, n, BLOCK=block, num_warps=NUM_WARPS)
+        with launching():
+            _scale_kernel[(triton.cdiv(n, block),)](x, g, n, BLOCK=block, num_warps=NUM_WARPS)
     return x

@@ -199,10 +199,11 @@ def topk_rows(s, t, labels, spec: LossSpec, scale: torch.Tensor, grad: bool, sta
     l_one = torch.empty(R, **f32) if one else l_tau
     gap = torch.empty(R if stats else 0, **f32)
     block_k = triton.next_power_of_2(K)
-    _stats_kernel[(R,)](
-        s, ids, s_k, m, l_tau, l_one, gap if stats else m, V, K, log2e * fold / tau, log2e * fold, mul,
-        STREAM=stream, ONE=one, HEAD=head, STATS=stats, BLOCK_V=BLOCK_V, BLOCK_K=block_k, num_warps=NUM_WARPS,
-    )
+    with triton_common.launching():
+        _stats_kernel[(R,)](
+            s, ids, s_k, m, l_tau, l_one, gap if stats else m, V, K, log2e * fold / tau, log2e * fold, mul,
+            STREAM=stream, ONE=one, HEAD=head, STATS=stats, BLOCK_V=BLOCK_V, BLOCK_K=block_k, num_warps=NUM_WARPS,
+        )
 
     # the categories, in the loss math's precision, with the torch definition's code; m is in the
     # kernels' units (s, or z / fold where made at load), m_z = fold · m in z's
@@ -246,12 +247,13 @@ def topk_rows(s, t, labels, spec: LossSpec, scale: torch.Tensor, grad: bool, sta
     # dz/ds at the ids: σ, times 1 − tanh² = cosh⁻² (in fp64: exact where tanh saturates) with a cap
     dz = sigma if head < 2 else (sigma * torch.cosh(s_k.double() * (sigma / spec.student_softcap)).pow(-2)).float()
     coef = g[:, K] / tau * sigma if bucket else None
-    _expand_kernel[(R,)](
-        s, ids, (id_grad * dz).contiguous(), coef if bucket else m, m, l_tau,
-        c_ce * sigma if grad_ce else m, l_one_rel if grad_ce else m,
-        labels if grad_ce else ids, V, K, log2e * fold / tau, log2e * fold, mul,
-        REST=bucket, CE=grad_ce, HEAD=head, BLOCK_V=BLOCK_V, BLOCK_K=block_k, num_warps=NUM_WARPS,
-    )
+    with triton_common.launching():
+        _expand_kernel[(R,)](
+            s, ids, (id_grad * dz).contiguous(), coef if bucket else m, m, l_tau,
+            c_ce * sigma if grad_ce else m, l_one_rel if grad_ce else m,
+            labels if grad_ce else ids, V, K, log2e * fold / tau, log2e * fold, mul,
+            REST=bucket, CE=grad_ce, HEAD=head, BLOCK_V=BLOCK_V, BLOCK_K=block_k, num_warps=NUM_WARPS,
+        )
     return out
 
 
@@ -466,8 +468,9 @@ def _kernel_topk(x: torch.Tensor, k: int, temperature: float, scale: float = 1.0
     scratch = torch.empty(R, _CAP, dtype=torch.int64, device=x.device)
     head, fold, mul = triton_common.head_mode(scale, softcap)
     if R:
-        _topk_kernel[(R,)](
-            x, ids, vals, redo, lse, scratch, V, k, math.log2(math.e) * fold / temperature, mul, HEAD=head,
-            SLOTS=_SLOTS, CAP=_CAP, BLOCK_V=_topk_lanes(k), num_warps=NUM_WARPS,
-        )
+        with triton_common.launching():
+            _topk_kernel[(R,)](
+                x, ids, vals, redo, lse, scratch, V, k, math.log2(math.e) * fold / temperature, mul, HEAD=head,
+                SLOTS=_SLOTS, CAP=_CAP, BLOCK_V=_topk_lanes(k), num_warps=NUM_WARPS,
+            )
     return ids, vals, redo, lse

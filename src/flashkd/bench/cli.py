@@ -36,13 +36,15 @@ presets:
   teacher-topk  teacher_topk (no gradient: no-grad-forward only), K=64; N=8192, H=4096, V=128256, bf16
   small         jsd and cosine N=128 256, topk forward_kl and logits jsd N=256; H=256, V=4099, fp32
                 (the default on CPU)
-  -n, --loss multiply the preset's workloads; --h, --v, --dtype, --beta, --form ... replace its values.
+  -n, --loss multiply the preset's workloads (--loss jsd tvd: each workload once per loss); --h, --v,
+  --dtype, --beta, --form ... replace its values. On a CPU the GPU-sized presets (all but small) are
+  refused unless --large-on-cpu: hours of GEMMs there.
   forms: heads (the teacher's hidden states and head), logits, topk (--k, --tail), teacher_topk.
 
 examples:
   flashkd bench
   flashkd bench --preset sweep --modes full no-grad-forward
-  flashkd bench -n 1024 4096 --loss jsd tvd --providers flashkd floor --out runs/a
+  flashkd bench -n 1024 4096 --loss jsd tvd --providers flashkd floor --out out/a
 """
 DEFAULT_PROVIDERS = ("flashkd", "liger", "torch", "floor")
 # Per device: (rep_ms, warmup_ms, min_reps, rounds). CUDA: long enough for a real p20–p80 spread (Liger's
@@ -71,6 +73,15 @@ _OPTIONS = {
 }
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse's parser with its usage errors in one line, as flashkd's own are: "flashkd bench: error:
+    argument --loss: invalid choice: 'foo' (choose from ...)", exit status 2, with where to look for
+    the options rather than the whole usage block. Its subparsers are of this class too."""
+
+    def error(self, message):
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
 def _run(args: argparse.Namespace) -> int:
     try:
         code = args.run(args)
@@ -96,7 +107,7 @@ class Plan:
 
 def main(argv: list[str] | None = None) -> int:
     """`flashkd <command> [options]`; commands: bench."""
-    parser = argparse.ArgumentParser(prog="flashkd", description="flashkd command-line tools")
+    parser = _Parser(prog="flashkd", description="flashkd command-line tools")
     commands = parser.add_subparsers(dest="command", required=True, metavar="command")
     # One subparser per command; a new command adds its parser here with set_defaults(run=...).
     bench_parser = commands.add_parser("bench", help="time and check the fused losses", description=USAGE,
@@ -122,7 +133,7 @@ def parse_bench(argv: list[str]) -> argparse.Namespace:
     argv = list(argv)
     if argv[:1] == ["bench"]:
         argv = argv[1:]
-    parser = argparse.ArgumentParser(prog="python -m flashkd.bench", description=USAGE,
+    parser = _Parser(prog="python -m flashkd.bench", description=USAGE,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     add_bench_arguments(parser)
     return parser.parse_args(argv)
@@ -141,8 +152,9 @@ def add_bench_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tail", choices=TAILS, help="mass outside the K ids (form topk; default bucket)")
     p.add_argument("--modes", nargs="+", choices=measure.MODES, default=list(measure.MODES), metavar="MODE",
                    help=f"of {', '.join(measure.MODES)} (default: all)")
-    p.add_argument("--providers", nargs="+", choices=list(PROVIDERS), default=list(DEFAULT_PROVIDERS),
-                   metavar="P", help=f"of {', '.join(PROVIDERS)} (default: {' '.join(DEFAULT_PROVIDERS)})")
+    p.add_argument("--providers", nargs="+", choices=list(PROVIDERS), metavar="P",
+                   help=f"of {', '.join(PROVIDERS)} (default: {' '.join(DEFAULT_PROVIDERS)}, those installed); "
+                        "one named here and not installed is an error")
     p.add_argument("--beta", type=_finite, help="JSD β / cosine weight (default 0.5)")
     p.add_argument("--weight-hard", type=_finite, help="weight of the CE term (default 0.5)")
     p.add_argument("--weight-soft", type=_finite, help="weight of the distillation term (default 0.5)")
@@ -167,6 +179,9 @@ def add_bench_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", type=Path,
                    help="output folder, new or empty: a run never mixes its files with another's "
                         "(default: bench-YYYYmmdd-HHMMSS)")
+    p.add_argument("--large-on-cpu", action="store_true",
+                   help="run workloads sized for a GPU (presets seed, sweep, topk, logits, teacher-topk) on a CPU "
+                        "anyway: hours; without it they are refused there")
 
 
 def _positive(text: str) -> int:
@@ -288,6 +303,13 @@ def plan(args: argparse.Namespace) -> Plan:
     for w in workloads:
         if w.h < 2:
             raise UsageError(f"flashkd bench: --h: expected at least 2 (the student's is H//2), got {w.h}")
+    large = max(workloads, key=gemm_flops)
+    if device.type == "cpu" and gemm_flops(large) > CPU_FLOPS and not args.large_on_cpu:
+        # Said before anything runs: such a run printed nothing for minutes and would take hours.
+        raise UsageError(
+            f"flashkd bench: {large.tag} N={large.n} (H={large.h}, V={large.v}) is sized for a GPU: "
+            f"{gemm_flops(large) / 1e12:.1f} TFLOP of GEMMs a call, hundreds of calls, hours on a CPU; use "
+            f"--preset small there, or smaller -n/--h/--v, or --large-on-cpu to run it anyway")
     cpus = os.cpu_count() or 1
     if args.threads is not None and args.threads > cpus:  # past it the timings mean nothing, and far past it
         # OpenMP fails to make its threads and the process dies (a segfault at 100000)
@@ -301,10 +323,29 @@ def plan(args: argparse.Namespace) -> Plan:
         min_reps=min_reps if args.min_reps is None else args.min_reps,
         rounds=rounds if args.rounds is None else args.rounds,
     )
+    # A provider named with --providers must run: not installed, it is an error, not a row of skips. The
+    # default ones that are not installed are skipped, each with its note (pip install ...) in the report.
+    for name in dict.fromkeys(args.providers or ()):
+        if why := PROVIDERS[name].missing():
+            raise UsageError(f"flashkd bench: --providers {name}: {why}")
     out = args.out or Path(time.strftime("bench-%Y%m%d-%H%M%S"))
     _check_out(out)
-    return Plan(preset, workloads, list(dict.fromkeys(args.providers)), list(dict.fromkeys(args.modes)),
-                settings, out)
+    return Plan(preset, workloads, list(dict.fromkeys(args.providers or DEFAULT_PROVIDERS)),
+                list(dict.fromkeys(args.modes)), settings, out)
+
+
+# A CPU run refuses (without --large-on-cpu) a workload whose GEMMs take more than this a call (seconds
+# to minutes there, times the hundreds of calls of a run): the small preset's largest takes 1.3 GFLOP, the
+# GPU presets' smallest (sweep, N = 1024) 2.7 TFLOP.
+CPU_FLOPS = 1e12
+
+
+def gemm_flops(w: Workload) -> int:
+    """The flops of one full (forward + backward) call's GEMMs: the student's logits, dX and dW, and the
+    teacher's logits where the teacher comes as hidden states; teacher_topk: the teacher's logits."""
+    if w.form == "teacher_topk":
+        return 2 * w.n * w.v * w.h
+    return 2 * w.n * w.v * (3 * w.hs + (w.h if w.form == "heads" else 0))
 
 
 def _named(message: str) -> str:
@@ -329,6 +370,9 @@ def bench(args: argparse.Namespace) -> int:
     console = _console()
     _say(console, f"flashkd bench: preset {p.preset}, {len(p.workloads)} workload(s) on {env['gpu_name']}, "
                   f"torch {env['torch']}, flashkd {env['flashkd']} -> {p.out}")
+    if p.settings.device.type != "cuda":
+        _say(console, "flashkd bench: on a CPU the times are wall clock on this machine: a check that every "
+                      "provider runs and is right, not a speed comparison of the kernels (they are built for GPUs)")
     # What was asked and what it resolved to: enough to rerun the same measurement. The run's first
     # file, made exclusively: of two runs started into one new --out, the second stops here.
     try:
@@ -346,7 +390,7 @@ def bench(args: argparse.Namespace) -> int:
         if skipped:
             _say(console, f"{tag}: no gradient, so only no-grad-forward applies; not timed: {', '.join(skipped)}")
     total = len(p.workloads) * len(p.providers) * (1 + len(p.modes))
-    with _progress(console, total) as advance:
+    with _progress(console, total, len(p.workloads)) as advance:
         results = measure.run(p.workloads, p.providers, p.modes, p.settings, advance)
     report.write_csv(results, p.out / "results.csv", env)
     report.write_errors(results, p.out / "errors.csv")
@@ -411,10 +455,21 @@ def _say(console, text: str) -> None:
 
 
 @contextlib.contextmanager
-def _progress(console, total: int):
-    """Yields advance(label, steps): a rich progress bar on a terminal, nothing otherwise."""
+def _progress(console, total: int, workloads: int):
+    """Yields advance(label, steps): a rich progress bar on a terminal; elsewhere (a log file, a pipe, no
+    rich) one line as each workload starts, with the steps done and the time taken so far."""
     if console is None or not console.is_terminal:
-        yield lambda label, steps: None
+        start, done, seen = time.monotonic(), [0], []
+
+        def advance(label: str, steps: int) -> None:
+            done[0] += steps
+            workload = " ".join(label.split(" ", 2)[:2])  # measure.run's labels start "<tag> N=<n>"
+            if workload not in seen:
+                seen.append(workload)
+                elapsed = int(time.monotonic() - start)
+                _say(console, f"flashkd bench: workload {len(seen)}/{workloads}, {workload} (step {done[0]} of "
+                              f"{total}, {elapsed // 60}:{elapsed % 60:02d} elapsed)")
+        yield advance
         return
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 

@@ -78,13 +78,15 @@ def run(
     settings: Settings,
     advance: Callable[[str, int], None] = lambda label, steps: None,
 ) -> list[Result]:
-    """Every (workload, provider, mode). `advance(label, steps)` reports progress: what runs now and
-    how many of the len(workloads) · len(providers) · (1 + len(modes)) steps just ended."""
+    """Every (workload, provider, mode). `advance(label, steps)` reports progress: what runs now (a label
+    that starts "<tag> N=<n>", the workload's) and how many of the len(workloads) · len(providers) ·
+    (1 + len(modes)) steps just ended."""
     if settings.device.type == "cuda" and settings.device.index is not None:
         torch.cuda.set_device(settings.device)  # do_bench, events and memory stats use the current device
     results = []
     warm: set[str] = set()  # providers warmed up: see _warm_up
     for w in workloads:
+        advance(f"{w.tag} N={w.n} inputs and fp32 reference", 0)
         try:
             x = make_inputs(w, settings.device)
             ref = reference(w, x) if any(PROVIDERS[p].has_loss for p in providers) else None

@@ -47,6 +47,8 @@ class Provider:
     # True: the loss computes its gradients in the forward call (as flashkd and Liger's fused losses do),
     # so its "backward" mode only scales saved gradients and its cost shows in "forward" and "full".
     grads_in_forward: bool = False
+    # Why the provider cannot run on this machine at all (its package missing), in one line; None when it can.
+    missing: Callable[[], str | None] = lambda: None
 
 
 def teacher_block(x: Inputs, c: slice = slice(None)):
@@ -116,10 +118,9 @@ def _liger(w: Workload, x: Inputs) -> LossFn:
     if w.form != "heads":
         what = {"logits": "dense-logits teacher", "topk": "top-k teacher", "teacher_topk": "teacher_topk"}[w.form]
         raise Skip(f"liger has no {what} (its distillation losses take the teacher's hidden states and head)")
-    try:
-        from liger_kernel.chunked_loss import cosine_similarity_loss, jsd_loss
-    except ImportError as e:
-        raise Skip(f"liger-kernel is not importable ({e}); pip install liger-kernel==0.8.5") from None
+    if why := _liger_missing():
+        raise Skip(why)
+    from liger_kernel.chunked_loss import cosine_similarity_loss, jsd_loss
     functions = {
         "jsd": jsd_loss.LigerFusedLinearJSDFunction,
         "cosine": cosine_similarity_loss.LigerFusedLinearCosineSimilarityFunction,
@@ -147,10 +148,9 @@ def _trl(w: Workload, x: Inputs) -> LossFn:
         raise Skip(f"trl has no {w.loss} loss (its kernel has jsd, forward_kl, reverse_kl)")
     if w.weight_hard != 0.0:
         raise Skip("trl's kernel computes the soft term only: a soft-only workload needs --weight-hard 0")
-    try:
-        from trl.kernels.chunked_divergence import ChunkedDivergenceFunction
-    except ImportError as e:
-        raise Skip(f"trl is not importable ({e}); pip install trl==1.16.0") from None
+    if why := _trl_missing():
+        raise Skip(why)
+    from trl.kernels.chunked_divergence import ChunkedDivergenceFunction
     # flashkd's "mean": the rows whose label is not ignore_index (the mask and count made here, untimed)
     valid = (x.y != w.ignore_index).to(torch.float32)
     scale = w.weight_soft / valid.sum().clamp_min(1)
@@ -199,6 +199,22 @@ def _floor(w: Workload, x: Inputs) -> LossFn:
     return lambda: _Floor.apply(x.xs, x.ws, ds, teacher)
 
 
+def _liger_missing() -> str | None:
+    try:
+        import liger_kernel.chunked_loss  # noqa: F401
+    except ImportError as e:
+        return f"liger-kernel is not importable ({e}); pip install liger-kernel==0.8.5"
+    return None
+
+
+def _trl_missing() -> str | None:
+    try:
+        import trl.kernels.chunked_divergence  # noqa: F401
+    except ImportError as e:
+        return f"trl is not importable ({e}); pip install trl==1.16.0"
+    return None
+
+
 def _liger_version() -> str:
     try:
         return importlib.metadata.version("liger-kernel")
@@ -216,7 +232,8 @@ def _trl_version() -> str:
 PROVIDERS: dict[str, Provider] = {
     "flashkd": Provider(_flashkd, lambda: flashkd.__version__, grads_in_forward=True),
     "torch": Provider(_torch, lambda: torch.__version__),
-    "liger": Provider(_liger, _liger_version, grads_in_forward=True),
-    "trl": Provider(_trl, _trl_version),  # its backward recomputes the logits: gradients are not made in forward
+    "liger": Provider(_liger, _liger_version, grads_in_forward=True, missing=_liger_missing),
+    # its backward recomputes the logits: gradients are not made in forward
+    "trl": Provider(_trl, _trl_version, missing=_trl_missing),
     "floor": Provider(_floor, lambda: torch.__version__, has_loss=False),
 }

@@ -204,7 +204,15 @@ def notes(results: list[Result], env: dict) -> list[str]:
         lines.append("teacher_topk: err loss is the error of its top-k probabilities, err ids how far its ids fall "
                      "short of the true top k (ties within rounding pass); tol probabilities/ids")
     if env["device"] != "cuda":
-        lines.append(f"memory: not measured on {env['device']} (n/m); times are wall clock ({env['timer']})")
+        lines.append(f"memory: not measured on {env['device']} (n/m); times are wall clock ({env['timer']}) on "
+                     "this machine: a check that everything runs, not a speed comparison of the kernels (built "
+                     "for GPUs)")
+        if env.get("cpu_threads") != 1 and any(
+                r.mode == "backward" and getattr(PROVIDERS.get(r.provider), "grads_in_forward", False)
+                for r in _timed(results)):
+            # measured: flashkd's and Liger's backward alike, 20 ms at 2 threads on a busy 2-core machine, 0.6-0.9 at 1
+            lines.append("backward: that pass over dX and dW is small; on a CPU its wall clock is mostly waking "
+                         "torch's threads, milliseconds on a busy machine (--threads 1 steadies it)")
     lines.append("÷b: this provider's median time / provider b's, same workload and mode (< 1: faster than b)")
     return lines
 
@@ -251,8 +259,11 @@ def backward_note(providers) -> str:
     fused = [p for p in dict.fromkeys(providers) if getattr(PROVIDERS.get(p), "grads_in_forward", False)]
     if not fused:
         return ""
+    # What runs there: one elementwise pass over dX and dW (flashkd: × grad_output, a copy here since the
+    # timing keeps the graph; Liger: autograd copying its saved grads into .grad), no loss math, no GEMM.
     return (f"{' and '.join(fused)} compute{'s' if len(fused) == 1 else ''} gradients in forward: "
-            f"{'its' if len(fused) == 1 else 'their'} backward only scales them (≈ 0), see full")
+            f"{'its' if len(fused) == 1 else 'their'} backward only scales them (one pass over dX and dW, "
+            f"no loss math), see full")
 
 
 def _log_labels(axis, low: float, high: float) -> None:

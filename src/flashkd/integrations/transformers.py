@@ -50,7 +50,14 @@ import contextlib
 import inspect
 
 import torch
-import transformers
+
+try:
+    import transformers
+except ModuleNotFoundError as e:  # only transformers itself missing gets the hint; a broken install raises as it is
+    if e.name != "transformers":
+        raise
+    raise ImportError('flashkd.integrations.transformers needs transformers (and accelerate, which its Trainer '
+                      'uses): pip install "flashkd[hf]"', name="transformers") from None
 
 from ..distill import fused_linear_distill, fused_linear_distill_topk
 from . import compute_dtype, full_head, per_item

@@ -1,4 +1,4 @@
-"""`flashkd records ...`: import-liger, verify, compare. Each returns the exit status."""
+"""`flashkd records ...`: import-liger, verify, compare, site. Each returns the exit status."""
 
 from __future__ import annotations
 
@@ -24,14 +24,15 @@ commands:
                                 CSV, Liger-Kernel's published rows that flashkd ships (BSD-2-Clause)
   verify PATH...                recompute digests, check references and schemas; exit 1 on any problem
   compare PATH...               runs grouped by comparison key, ranked by primary statistic (lower first)
-  site PATH... --out DIR        static HTML pages (run, group, compare, index) that open from disk
+  site PATH... --out DIR        static HTML pages (run, group, compare, index) that open from disk;
+                                --replace to rebuild a site written before at DIR
 PATH is a bundle file or a folder of them.
 """
 
 
 def add_records_parser(commands) -> argparse.ArgumentParser:
     """Adds `records` to an argparse subparsers object; each command sets args.run(args) -> int."""
-    p = commands.add_parser("records", help="KernelIndex benchmark records: import, verify, compare",
+    p = commands.add_parser("records", help="KernelIndex records: import-liger, verify, compare, site",
                             description=USAGE, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="records_command", required=True, metavar="command")
     q = sub.add_parser("import-liger", help="Liger-Kernel benchmark CSV -> bundles")
@@ -50,7 +51,9 @@ def add_records_parser(commands) -> argparse.ArgumentParser:
     q.set_defaults(run=compare)
     q = sub.add_parser("site", help="static HTML pages of the runs, ranked, that open from disk")
     q.add_argument("paths", nargs="+", type=Path, metavar="PATH")
-    q.add_argument("--out", type=Path, required=True, help="folder for the site (index.html)")
+    q.add_argument("--out", type=Path, required=True,
+                   help="folder for the site (index.html): new or empty, or a site written before with --replace")
+    q.add_argument("--replace", action="store_true", help="replace the site written before at --out")
     q.add_argument("--compare", nargs=2, action="append", default=[], metavar=("RUN", "RUN"),
                    help="also a compare page for these two runs (bundle files or run digest prefixes)")
     q.set_defaults(run=site)

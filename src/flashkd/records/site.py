@@ -92,7 +92,13 @@ class Run:
 
     @property
     def axes_text(self) -> str:
-        return ", ".join(f"{k}={v}" for k, v in self["workload"]["spec"]["axes"].items())
+        return ", ".join(f"{k}={v}" for k, v in shown_axes(self["workload"]["spec"]).items())
+
+    @property
+    def imported(self) -> bool:
+        """A record converted from another harness's published rows (it carries their source), not a run
+        measured by the user (`flashkd bench`)."""
+        return "sourceNative" in self.spec
 
     @property
     def refs(self) -> list[tuple[str, str]]:
@@ -141,6 +147,17 @@ class Group:
     def ranked_count(self) -> int:
         return sum(r.rank is not None for r in self.runs)
 
+    @property
+    def imported(self) -> bool:
+        return all(r.imported for r in self.runs)
+
+    @property
+    def title(self) -> str:
+        """The operation, the workload (`Run.case`) and the protocol, whose timed pass (forward, full, ...)
+        is what groups of one workload differ in."""
+        r = self.first
+        return f"{r.operation_title} · {r.case} · {_title(r['protocol'])}"
+
 
 @dataclasses.dataclass
 class Sweep:
@@ -152,6 +169,12 @@ class Sweep:
     @property
     def first(self) -> Run:
         return self.groups[0].first
+
+    @property
+    def fixed_text(self) -> str:
+        """The other axes, named as the site names them (`shown_axes`)."""
+        shown = shown_axes({"axes": self.fixed, "tensors": self.first["workload"]["spec"].get("tensors", {})})
+        return ", ".join(f"{k} = {v}" for k, v in shown.items())
 
     def series(self) -> list[tuple[str, list[tuple[float, Run]]]]:
         """(implementation title, [(axis value, run)]) per implementation with a ranked run."""
@@ -184,6 +207,28 @@ class Site:
 
 def _title(manifest: dict) -> str:
     return manifest["metadata"].get("title") or manifest["metadata"]["name"]
+
+
+def shown_axes(workload_spec: dict) -> dict:
+    """A workload's axes as the site names them: a `hidden` axis that is the teacher's width (its
+    teacher_input's last dim) is shown as `teacher_hidden`, beside the student's (`student_hidden`, from
+    student_input), so every form and harness reads alike. Display only: the record's axes, which its
+    digest covers, are as written."""
+    axes, tensors = workload_spec["axes"], workload_spec.get("tensors", {})
+
+    def width(name):
+        shape = tensors.get(name, {}).get("shape")
+        return shape[-1] if isinstance(shape, list) and len(shape) == 2 else None
+
+    out = {}
+    for name, value in axes.items():
+        if name == "hidden" and width("teacher_input") == value:
+            if "student_hidden" not in axes and width("student_input") is not None:
+                out["student_hidden"] = width("student_input")
+            out["teacher_hidden"] = value
+        else:
+            out[name] = value
+    return out
 
 
 def _hex(digest: str, n: int = 16) -> str:
@@ -232,7 +277,7 @@ def read(paths, compare_pairs=()) -> Site:
     for kind, items in (("run", runs), ("comparison group", all_groups)):
         if len({x.id for x in items}) != len(items):
             raise ValueError(f"two {kind}s share the first 16 hex digits of their digest")
-    all_groups.sort(key=_group_order)
+    all_groups.sort(key=lambda g: (g.imported, *_group_order(g)))  # the user's own runs first
     runs = [r for g in all_groups for r in g.runs]
     pairs = [(a, b) for g in all_groups for a, b in itertools.combinations(g.runs, 2)]
     for spelled in compare_pairs:
@@ -501,14 +546,26 @@ def compare_name(a: Run, b: Run) -> str:
     return f"{a.id}-vs-{b.id}.html"
 
 
-def write(site: Site, out: Path) -> int:
-    """Writes the site into `out`, whole or not at all: built in a hidden sibling (.NAME.<pid>.partial)
-    and renamed into place when complete, so a killed or failing build never leaves half a site there.
-    A folder this module wrote before is then replaced; any other non-empty folder is refused with
-    ValueError. Returns the number of pages."""
+def check_out(out: Path, replace: bool = False) -> None:
+    """`out` may be written: new, an empty folder, or, with `replace`, a site this module wrote before.
+    Anything else is refused with ValueError: a non-empty folder, as `flashkd bench` refuses one for its
+    --out, and an earlier site unless its replacement is asked for."""
     out = Path(out)
     if out.exists() and (not out.is_dir() or (any(out.iterdir()) and not (out / MARKER).exists())):
-        raise ValueError(f"--out {out}: exists and is not a site written by flashkd records site")
+        raise ValueError(f"--out {out}: exists and is not a site written by flashkd records site; "
+                         "name a new or empty folder")
+    if out.is_dir() and any(out.iterdir()) and not replace:
+        raise ValueError(f"--out {out}: holds a site written before; pass --replace to replace it, "
+                         "or name a new folder")
+
+
+def write(site: Site, out: Path, replace: bool = False) -> int:
+    """Writes the site into `out`, whole or not at all: built in a hidden sibling (.NAME.<pid>.partial)
+    and renamed into place when complete, so a killed or failing build never leaves half a site there.
+    A folder this module wrote before is replaced only with `replace`; other folders are refused
+    (`check_out`). Returns the number of pages."""
+    out = Path(out)
+    check_out(out, replace)
     building = out.absolute().parent / f".{out.absolute().name}.{os.getpid()}{PARTIAL}"
     shutil.rmtree(building, ignore_errors=True)
     try:
@@ -578,13 +635,15 @@ def _write(site: Site, out: Path) -> int:
     return pages
 
 
-def build(paths, out, compare_pairs=()) -> Site:
+def build(paths, out, compare_pairs=(), replace=False) -> Site:
     """read() then write(); the Site says what was rendered and what was rejected. Raises ValueError
-    when no bundle file is found, a --compare pair is not two runs, or `out` is another folder."""
+    when no bundle file is found, a --compare pair is not two runs, or `out` may not be written
+    (`check_out`: checked first)."""
+    check_out(out, replace)
     site = read(paths, compare_pairs)
     if not site.files:
         raise ValueError("no bundle files found")
-    site.pages = write(site, out)
+    site.pages = write(site, out, replace)
     return site
 
 
@@ -592,7 +651,7 @@ def main(args) -> int:
     """`flashkd records site PATH... --out DIR [--compare RUN RUN]...`: 0, 1 when a file was rejected
     (the site is still written, the file listed on its index), 2 when nothing could be written."""
     try:
-        site = build(args.paths, args.out, [tuple(p) for p in args.compare])
+        site = build(args.paths, args.out, [tuple(p) for p in args.compare], args.replace)
     except ValueError as e:
         print(f"flashkd records site: {e}", file=sys.stderr)
         return 2
