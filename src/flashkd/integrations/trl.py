@@ -1,8 +1,16 @@
-"""TRL's DistillationTrainer with flashkd's loss: `patch()` swaps TRL's loss helper for flashkd's.
+"""TRL's distillation trainers with flashkd's loss: `patch()` swaps TRL's loss helpers for flashkd's.
+
+Two helpers, each looked up by name in its module on every call:
+- `trl.trainer.distillation_trainer._chunked_divergence_loss` (dense teacher: DistillationTrainer)
+  becomes `chunked_divergence_loss` below;
+- `trl.experimental.async_distillation.async_distillation_trainer._chunked_jsd_loss` (a served
+  teacher's top-k log-probs: AsyncDistillationTrainer, on-policy) becomes `chunked_jsd_loss`, the
+  top-k form (`fused_linear_distill_topk`); see its docstring for what is the same and what differs.
+TRL's ServerDistillationTrainer computes its sparse loss inside its `compute_loss` from the model's
+full logits and is not affected (README, "On-policy distillation with TRL", says why).
 
 TRL 1.16's `trl.trainer.distillation_trainer.DistillationTrainer` (and any subclass that keeps its
-`_compute_loss`; TRL's experimental server and async trainers compute sparse losses of their own and
-are not affected) computes its loss in the module-level helper
+`_compute_loss`) computes its loss in the module-level helper
 `_chunked_divergence_loss(student_hidden_states, teacher_hidden_states, student_lm_head_weight,
 teacher_lm_head_weight, completion_mask, beta, ...)`, which `_compute_loss` looks up by name in that
 module on every call. `patch()` puts `chunked_divergence_loss` below in its place:
@@ -41,11 +49,12 @@ import contextlib
 import importlib
 import importlib.metadata
 import inspect
+import math
 
 import torch
 
 from .. import fp8
-from ..distill import fused_linear_distill
+from ..distill import fused_linear_distill, fused_linear_distill_topk
 from . import compute_dtype, full_head, per_item
 
 TESTED_TRL_VERSIONS = ("1.16.0",)
@@ -60,7 +69,19 @@ _SIGNATURE = (
 _MODULE = "trl.trainer.distillation_trainer"
 _HELPER = "_chunked_divergence_loss"
 
+# AsyncDistillationTrainer's top-k helper, likewise.
+_JSD_SIGNATURE = (
+    "hidden_valid", "lm_head_weight", "lm_head_bias", "logit_scale", "final_logit_softcapping", "target_ids",
+    "teacher_target_logps", "valid_candidate_mask", "beta", "temperature", "add_tail_bucket", "teacher_id_idx",
+    "num_teachers", "chunk_size",
+)
+_JSD_MODULE = "trl.experimental.async_distillation.async_distillation_trainer"
+_JSD_HELPER = "_chunked_jsd_loss"
+# TRL's `_add_tail_bucket` clamps the log of the ids' summed probability at -1e-7 (checked by `_check_jsd`).
+TRL_TAIL_CLAMP = 1e-7
+
 _original = None  # TRL's helper while patched
+_original_jsd = None  # TRL's top-k helper while patched
 _options: dict = {}  # fused_linear_distill keywords the patch was given
 
 
@@ -108,6 +129,61 @@ def chunked_divergence_loss(
     return per_item(loss, n_valid, num_items_in_batch), stats.entropy_sum, n_valid
 
 
+def chunked_jsd_loss(
+    hidden_valid: torch.Tensor,  # (N, H) the student's hidden states at the positions with teacher signal
+    lm_head_weight: torch.Tensor,  # (V, H)
+    lm_head_bias: torch.Tensor | None,  # (V,)
+    logit_scale: float,
+    final_logit_softcapping: float | None,
+    target_ids: torch.Tensor,  # (N, K) candidate ids (any value where valid_candidate_mask is False)
+    teacher_target_logps: torch.Tensor,  # (N, K) the teacher's log-probs at them
+    valid_candidate_mask: torch.Tensor,  # (N, K) bool, True where a slot is a candidate
+    beta: float,
+    temperature: float,
+    add_tail_bucket: bool,
+    teacher_id_idx: torch.Tensor | None,  # (N,) each row's teacher, or None with one teacher
+    num_teachers: int,
+    chunk_size: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """TRL's `_chunked_jsd_loss`, computed by flashkd's top-k form: (loss, jsd sum, student entropy
+    sum, teacher entropy sum, per-teacher stats (3 · num_teachers,)).
+
+    The same as TRL's helper, for every argument TRL passes: the loss summed over the rows (not
+    divided: the trainer divides), TRL's generalized JSD over the candidates (β = 0 forward KL, 1
+    reverse KL, between: mixture (1 − β) q + β p), the tail bucket of `_add_tail_bucket` (each side's
+    rest 1 − Σ with the log of the sum clamped at −1e-7, nothing renormalised: flashkd's
+    `tail_clamp`) or without it the candidates renormalised, masked candidate slots, rows without any
+    candidate (loss 0; counted in the statistics), logit scale then softcap then temperature on the
+    student's logits, the bias; the student's entropy over the whole vocab, the teacher's over the
+    support (the candidates and the bucket), and per teacher (count, JSD sum, teacher entropy sum);
+    gradients to the hidden states, the head's weight and bias. `chunk_size` is not used (flashkd
+    plans its own chunks).
+
+    What differs: speed and memory, and the GEMM's dtype: flashkd computes the logits in the hidden
+    states' dtype (the weight cast to it; bf16 in a bf16 model) where TRL's rounds nothing before
+    fp32; the loss math is fp32 as in TRL. The student's rest mass is taken from the logsumexp of the
+    logits off the candidates rather than TRL's 1 − Σ in fp32, which cancels where the candidates hold
+    nearly all the mass (fp32 log-probs of a peaked row near 30 carry ~2e-6 of absolute error).
+    """
+    dtype = compute_dtype(hidden_valid)
+    ws, bs = full_head(lm_head_weight, lm_head_bias, dtype)
+    ids = torch.where(valid_candidate_mask, target_ids, -1)  # flashkd's unused slot
+    tail = dict(tail="bucket", tail_clamp=TRL_TAIL_CLAMP) if add_tail_bucket else dict(tail="renormalize")
+    loss, stats = fused_linear_distill_topk(
+        hidden_valid.to(dtype), ws.to(dtype), ids, teacher_target_logps, None,
+        student_bias=None if bs is None else bs.to(dtype),
+        loss="jsd", beta=float(beta), temperature=float(temperature), reduction="sum",
+        student_logit_scale=float(logit_scale), student_softcap=_cap(final_logit_softcapping),
+        return_stats=True, teacher_index=teacher_id_idx, num_teachers=None if teacher_id_idx is None else num_teachers,
+        **tail,
+    )
+    if teacher_id_idx is None:
+        per_teacher = loss.new_zeros(3 * num_teachers)
+    else:
+        per_teacher = stats.per_teacher.reshape(-1)
+    return loss, stats.soft_sum, stats.entropy_sum, stats.teacher_entropy_sum, per_teacher
+
+
 def patch(*, teacher_precision: str | None = None):
     """Make TRL's distillation trainers compute their loss with flashkd; returns a context manager
     whose exit undoes this call's patch (`with patch(): ...`). Patching twice is a no-op (but for
@@ -119,21 +195,26 @@ def patch(*, teacher_precision: str | None = None):
     if teacher_precision is not None:
         _options["teacher_precision"] = teacher_precision
     module = _check()
+    jsd_module = _check_jsd()
     installed = _original is None
     if installed:
+        global _original_jsd
         _original = getattr(module, _HELPER)
+        _original_jsd = getattr(jsd_module, _JSD_HELPER)
         setattr(module, _HELPER, chunked_divergence_loss)
+        setattr(jsd_module, _JSD_HELPER, chunked_jsd_loss)
     return _Undo(installed)
 
 
 def unpatch() -> None:
-    """Put TRL's own helper back (nothing to do when not patched)."""
-    global _original
+    """Put TRL's own helpers back (nothing to do when not patched)."""
+    global _original, _original_jsd
     if _original is not None:
         import sys
 
         setattr(sys.modules[_MODULE], _HELPER, _original)
-        _original = None
+        setattr(sys.modules[_JSD_MODULE], _JSD_HELPER, _original_jsd)
+        _original = _original_jsd = None
 
 
 def is_patched() -> bool:
@@ -171,6 +252,34 @@ def _check():
             f"flashkd.integrations.trl.patch: TRL {version}'s {_MODULE}.{_HELPER} is not what the patch was "
             f"written for (tested with TRL {tested}): expected a helper taking ({', '.join(_SIGNATURE)}) and "
             f"called by DistillationTrainer._compute_loss, got {found}"
+        )
+    return module
+
+
+def _check_jsd():
+    """AsyncDistillationTrainer's module, once its top-k helper, that helper's caller and the tail
+    bucket's clamp are as tested (the version was checked by `_check`)."""
+    import warnings
+
+    with warnings.catch_warnings():  # TRL warns on importing trl.experimental: flashkd imports it, not the user
+        warnings.filterwarnings("ignore", message=".*trl.experimental.*")
+        module = importlib.import_module(_JSD_MODULE)
+    helper = getattr(module, _JSD_HELPER, None) if _original_jsd is None else _original_jsd
+    trainer = getattr(module, "AsyncDistillationTrainer", None)
+    found = None if helper is None else tuple(inspect.signature(helper).parameters)
+    caller = getattr(getattr(trainer, "_compute_loss", None), "__code__", None)
+    clamp = None
+    bucket = getattr(module, "_add_tail_bucket", None)
+    if bucket is not None:  # where the log of a sum of 1 lands: −ε, its tail log(1 − e^−ε)
+        tail = bucket(torch.zeros(1, 1, dtype=torch.float64), torch.ones(1, 1, dtype=torch.bool))[0][0, 1].item()
+        clamp = -math.log1p(-math.exp(tail))
+    if (found != _JSD_SIGNATURE or caller is None or _JSD_HELPER not in caller.co_names
+            or clamp is None or abs(clamp - TRL_TAIL_CLAMP) > 1e-6 * TRL_TAIL_CLAMP):
+        raise RuntimeError(
+            f"flashkd.integrations.trl.patch: TRL {importlib.metadata.version('trl')}'s {_JSD_MODULE}.{_JSD_HELPER} "
+            f"is not what the patch was written for (tested with TRL {', '.join(TESTED_TRL_VERSIONS)}): expected a "
+            f"helper taking ({', '.join(_JSD_SIGNATURE)}), called by AsyncDistillationTrainer._compute_loss, and "
+            f"_add_tail_bucket clamping at -{TRL_TAIL_CLAMP:g}; got {found}, clamp {clamp}"
         )
     return module
 
