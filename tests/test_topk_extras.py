@@ -10,7 +10,17 @@ import flashkd
 from conftest import BACKENDS
 from oracle import student_stats, topk_loss
 from test_forms import K, _tolerance, check_against_oracle, make_student, make_topk
-from test_distill import V
+from test_distill import rel_err
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    """These tests' tensors are tiny: one intra-op thread. On a loaded machine two threads make each
+    small op wait for the other's core (7 ms a 16 x 32 linear against 33 us, measured here)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
 
 
 def _peaked_topk(lead, dtype, *, past_one=False):
@@ -48,16 +58,33 @@ def _run(backend, dtype, lead, ids, logprobs, *, bias=False, ignore="some", teac
     ("jsd", 0.35, 0.3), ("tvd", 0.5, 0.3),
 ])
 def test_tail_clamp_matches_oracle(backend, loss, beta, clamp, seed):
+    """The torch rows in float64 to 1e-9; the kernel in fp32 to 2e-5, or where fp32 itself is further off
+    the oracle on these inputs (a reverse KL against a rest clamped to 1e-7 weighs log-ratios of ~16: the
+    torch rows in fp32 are up to 1.5e-4 off in dX on some draws, e.g. seed 7), to twice their error."""
     dtype, tol = _tolerance(backend)
     lead = (13,)
-    ids, logprobs = _peaked_topk(lead, dtype, past_one=True)
     options = dict(loss=loss, beta=beta, tail="bucket", tail_clamp=clamp, temperature=0.8, reduction="sum",
                    weight_hard_loss=0.3 if loss == "tvd" else 0.0, weight_soft_loss=0.9)
-    out, grads, ref, ref_grads, leaves, labels, entropy, *_ = _run(backend, dtype, lead, ids, logprobs, bias=True,
-                                                                  scale=3.0, **options)
+
+    def run(backend):
+        torch.manual_seed(seed)  # the same inputs on every call
+        ids, logprobs = _peaked_topk(lead, dtype, past_one=True)
+        return _run(backend, dtype, lead, ids, logprobs, bias=True, scale=3.0, **options)
+
+    out, grads, ref, ref_grads, leaves, labels, entropy, *_ = run(backend)
     loss_, soft, hard, stats = out
-    check_against_oracle((loss_, soft, hard), ref, grads, ref_grads, leaves, tol, labels, -100)
     assert abs(stats.teacher_entropy_sum.item() - entropy.sum().item()) <= tol * max(entropy.sum().item(), 1.0)
+    if backend == "torch":
+        check_against_oracle((loss_, soft, hard), ref, grads, ref_grads, leaves, tol, labels, -100)
+        return
+    plain = run("torch")  # the torch rows on the same fp32 inputs
+    errors = lambda o, g: [abs(o[i].item() - ref[i].item()) / max(abs(ref[i].item()), 1.0) for i in range(3)] + [  # noqa: E731
+        rel_err(a, b) for a, b in zip(g, ref_grads)]
+    for name, err, err_plain in zip(("loss", "soft", "hard", "dXs", "dWs", "dbs"), errors(out, grads),
+                                    errors(plain[0], plain[1])):
+        assert err <= max(tol, 2 * err_plain), (name, err, err_plain)
+    ignored = labels == -100
+    assert grads[0][ignored].abs().max() == 0
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
