@@ -344,3 +344,72 @@ def test_async_trainer_patched_equals_unpatched_step_for_step(tmp_path, monkeypa
     # the steps moved the student (a comparison of two untrained students would pass as well)
     start = tiny_models.llama(16, 0)
     assert max((a - b).abs().max() for a, b in zip(m0.parameters(), start.parameters())) > 1e-3
+
+
+# ---- ServerDistillationTrainer end to end, its teacher server a local model -------------------------
+
+
+class LocalTeacherServer:
+    """TRL's VLLMClient as ServerDistillationTrainer uses it (`get_sequence_logprobs`), served by a local
+    teacher: per completion position its top-k log-probs at the temperature, rank-sorted and padded with
+    -inf / id 0, and the sampled token's log-prob (vLLM's prompt_logprobs always hold it)."""
+
+    teacher = None  # set by the test
+
+    def __init__(self, *args, **kwargs):
+        pass
+
+    def get_sequence_logprobs(self, sequences, prompt_lengths, top_logprobs=100, temperature=1.0, **kwargs):
+        out = {"logprobs": [], "logprob_token_ids": [], "actual_logprobs": [], "actual_token_ids": []}
+        for seq, start in zip(sequences, prompt_lengths):
+            with torch.no_grad():
+                lp = torch.log_softmax(self.teacher(torch.tensor([seq])).logits[0].double() / temperature, -1)
+            top = lp[start - 1:len(seq) - 1].topk(top_logprobs, -1)  # position j's distribution predicts token j
+            out["logprobs"].append(top.values.tolist())
+            out["logprob_token_ids"].append(top.indices.tolist())
+            out["actual_logprobs"].append([[float(lp[j - 1, seq[j]])] for j in range(start, len(seq))])
+            out["actual_token_ids"].append([[seq[j]] for j in range(start, len(seq))])
+        return out
+
+
+def _train_server(monkeypatch, *, beta, tail, top_k, steps=3, batch=4):
+    from datasets import Dataset
+
+    import trl.generation.vllm_client
+    from trl.experimental.server_distillation import ServerDistillationConfig, ServerDistillationTrainer
+
+    LocalTeacherServer.teacher = tiny_models.llama(24, 1, init=1.0)
+    monkeypatch.setattr(trl.generation.vllm_client, "VLLMClient", LocalTeacherServer)
+    student = tiny_models.llama(16, 0)
+    args = ServerDistillationConfig(
+        output_dir="/tmp/flashkd-test-trl-server", teacher_model_server_url="http://unused", beta=beta,
+        loss_top_k=top_k, loss_add_tail=tail, temperature=1.0, per_device_train_batch_size=batch,
+        max_completion_length=6, max_steps=steps, learning_rate=1.0, optim="sgd", lr_scheduler_type="constant",
+        logging_steps=1, report_to=[], use_cpu=True, bf16=False, save_strategy="no", disable_tqdm=True, seed=0,
+        shuffle_dataset=False, gradient_checkpointing=False,
+    )
+    prompts = Dataset.from_dict({"prompt": tiny_models.sentences(batch * steps, 0, 2, 6)})
+    trainer = ServerDistillationTrainer(model=student, args=args, train_dataset=prompts,
+                                        processing_class=tiny_models.tokenizer("left"))
+    trainer.train()
+    return [h["loss"] for h in trainer.state.log_history if "loss" in h], student
+
+
+@pytest.mark.parametrize("beta, tail, top_k", [(0.0, True, 3), (0.5, False, 1), (1.0, True, 1)])
+def test_server_trainer_patched_equals_unpatched_step_for_step(monkeypatch, beta, tail, top_k):
+    import inspect
+
+    from trl.experimental.server_distillation import ServerDistillationTrainer
+
+    runs = []
+    for patched in (False, True):
+        with fk_trl.patch() if patched else __import__("contextlib").nullcontext():
+            assert (inspect.unwrap(ServerDistillationTrainer.compute_loss) is fk_trl.server_compute_loss) == patched
+            runs.append(_train_server(monkeypatch, beta=beta, tail=tail, top_k=top_k))
+    (l0, s0), (l1, s1) = runs
+    assert len(l0) == len(l1) == 3 and all(math.isfinite(x) and x > 0 for x in l0)
+    torch.testing.assert_close(torch.tensor(l1), torch.tensor(l0), rtol=1e-5, atol=1e-7)
+    for (name, a), b in zip(s1.named_parameters(), s0.parameters()):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=lambda m: f"{name}: {m}")
+    start = tiny_models.llama(16, 0)
+    assert max((a - b).abs().max() for a, b in zip(s0.parameters(), start.parameters())) > 1e-3

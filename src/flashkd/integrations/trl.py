@@ -6,8 +6,10 @@ Two helpers, each looked up by name in its module on every call:
 - `trl.experimental.async_distillation.async_distillation_trainer._chunked_jsd_loss` (a served
   teacher's top-k log-probs: AsyncDistillationTrainer, on-policy) becomes `chunked_jsd_loss`, the
   top-k form (`fused_linear_distill_topk`); see its docstring for what is the same and what differs.
-TRL's ServerDistillationTrainer computes its sparse loss inside its `compute_loss` from the model's
-full logits and is not affected (README, "On-policy distillation with TRL", says why).
+and one method:
+- `trl.experimental.server_distillation.ServerDistillationTrainer.compute_loss` (a served teacher's
+  top-1 / top-k log-probs, computed by TRL from the student's full (B, T, V) logits) becomes
+  `server_compute_loss`: the student's backbone only, and the same top-k form on its hidden states.
 
 TRL 1.16's `trl.trainer.distillation_trainer.DistillationTrainer` (and any subclass that keeps its
 `_compute_loss`) computes its loss in the module-level helper
@@ -80,8 +82,13 @@ _JSD_HELPER = "_chunked_jsd_loss"
 # TRL's `_add_tail_bucket` clamps the log of the ids' summed probability at -1e-7 (checked by `_check_jsd`).
 TRL_TAIL_CLAMP = 1e-7
 
+# ServerDistillationTrainer: its compute_loss, and the methods of TRL's the patched one calls.
+_SERVER_MODULE = "trl.experimental.server_distillation.server_distillation_trainer"
+_SERVER_METHODS = ("_compute_prompt_length", "_get_teacher_token_logprobs_from_server", "_get_last_hidden_state")
+
 _original = None  # TRL's helper while patched
 _original_jsd = None  # TRL's top-k helper while patched
+_original_server = None  # ServerDistillationTrainer.compute_loss while patched
 _options: dict = {}  # fused_linear_distill keywords the patch was given
 
 
@@ -184,6 +191,97 @@ def chunked_jsd_loss(
     return loss, stats.soft_sum, stats.entropy_sum, stats.teacher_entropy_sum, per_teacher
 
 
+def server_compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+    """ServerDistillationTrainer.compute_loss, with the student's backbone in place of its whole forward
+    and flashkd's top-k form in place of TRL's loss on the (B, T, V) log-softmax.
+
+    The same as TRL's: the batch layout, the teacher server's request (TRL's own method), its checks of
+    missing log-probs (ValueError, as TRL), the support (β = 0: the teacher's top-`loss_top_k` ids
+    with a finite log-prob; β > 0: the teacher's top-1 and the sampled token, counted once when they
+    are one token; β = 1: the sampled token), `loss_add_tail` (TRL's clamped tail bucket, else the
+    support renormalised), the temperature on the student's logits, the mean over the completion
+    tokens the teacher scored (not `num_items_in_batch`, as TRL), the division by the gradient
+    accumulation steps in training. The logits' transform comes from the config as TRL reads it
+    (`flashkd.integrations.transformers.head_transform`) where TRL's server path takes the model's own
+    logits. `return_outputs=True` (the model's outputs asked for) is TRL's own method."""
+    if return_outputs:
+        return _original_server(self, model, inputs, return_outputs, num_items_in_batch)
+    # TRL's layout of the batch, as its compute_loss rebuilds it
+    prompt_ids, prompt_mask = inputs["prompt_ids"], inputs["prompt_mask"]
+    completion_ids, completion_mask = inputs["completion_ids"], inputs["completion_mask"]
+    input_ids = torch.cat([prompt_ids, completion_ids], dim=1)
+    attention_mask = torch.cat([prompt_mask, completion_mask], dim=1)
+    completion_labels = torch.where(completion_mask.bool(), completion_ids, torch.full_like(completion_ids, -100))
+    labels = torch.cat([torch.full_like(prompt_ids, -100), completion_labels], dim=1)
+    inputs = {**inputs, "input_ids": input_ids, "attention_mask": attention_mask, "labels": labels,
+              "prompt_attention_mask": prompt_mask}
+    prompt_length = self._compute_prompt_length(inputs)
+    teacher = self._get_teacher_token_logprobs_from_server(inputs, prompt_length)
+    comp_len = teacher["actual_logprobs"].shape[1]
+    labels = labels[:, prompt_length:][:, :comp_len]
+    ids, logprobs = _server_support(self, teacher, input_ids[:, prompt_length:][:, :comp_len], labels)
+    unwrapped = self.accelerator.unwrap_model(model)
+    # inside the student wrapper's forward, as DistillationTrainer's loss: DDP and FSDP hooks fire, FSDP keeps
+    # the head gathered for the projection
+    loss = self._forward_redirection(model, unwrapped, _server_loss, self, unwrapped, input_ids, attention_mask,
+                                     input_ids.shape[1] - prompt_length, comp_len, ids, logprobs, labels)
+    if self.model.training:
+        loss = loss / self.current_gradient_accumulation_steps
+    return loss
+
+
+def _server_support(trainer, teacher, tokens, labels):
+    """(ids, logprobs) (B, T, K) of ServerDistillationTrainer's sparse support, −1 at a slot not in it."""
+    top_lp, top_ids, actual_lp = teacher["topk_logprobs"], teacher["topk_token_ids"], teacher["actual_logprobs"]
+    required = labels != -100
+    if trainer.beta == 0:
+        valid = top_lp > float("-inf")
+        return torch.where(valid, top_ids, -1), top_lp
+    # TRL's checks, word for word (host syncs, as in TRL)
+    missing_actual = required & ~torch.isfinite(actual_lp)
+    if missing_actual.any():
+        raise ValueError(
+            "Teacher server is missing actual-token logprobs for required reverse-KL positions: "
+            f"{int(missing_actual.sum().item())}/{int(required.sum().item())}."
+        )
+    if trainer.beta < 1:
+        missing_top1 = required & ~torch.isfinite(top_lp[..., 0])
+        if missing_top1.any():
+            raise ValueError(
+                "Teacher server is missing top-1 logprobs for required forward-KL positions: "
+                f"{int(missing_top1.sum().item())}/{int(required.sum().item())}."
+            )
+    if trainer.beta == 1:
+        return tokens[..., None], actual_lp[..., None]
+    top1 = top_ids[..., 0]
+    ids = torch.stack([top1, torch.where(tokens != top1, tokens, -1)], -1)
+    return ids, torch.stack([top_lp[..., 0], actual_lp], -1)
+
+
+def _server_loss(trainer, unwrapped, input_ids, attention_mask, keep, comp_len, ids, logprobs, labels):
+    """The student's hidden states at the completion positions the teacher scored, and the top-k form's
+    mean over those whose label is not -100."""
+    from trl.trainer.utils import maybe_gather_lm_head_ctx
+
+    from .transformers import head_transform
+
+    hidden = trainer._get_last_hidden_state(unwrapped, input_ids, attention_mask, keep)[:, :comp_len]
+    head = unwrapped.get_output_embeddings()
+    dtype = compute_dtype(hidden)
+    ws, bs = full_head(head.weight, head.bias, dtype)
+    hidden = hidden.to(ws.device)
+    scale, cap = head_transform(unwrapped.config)
+    tail = dict(tail="bucket", tail_clamp=TRL_TAIL_CLAMP) if trainer.loss_add_tail else dict(tail="renormalize")
+    # an unscored position's -inf log-probs (TRL zeroes them) never reach the loss: its label is -100
+    with maybe_gather_lm_head_ctx(ws, bs):
+        return fused_linear_distill_topk(
+            hidden.to(dtype), ws.to(dtype), ids.to(ws.device), logprobs.to(ws.device), labels.to(ws.device),
+            student_bias=None if bs is None else bs.to(dtype), loss="jsd", beta=float(trainer.beta),
+            temperature=float(trainer.temperature), weight_hard_loss=0.0, weight_soft_loss=1.0, reduction="mean",
+            student_logit_scale=scale, student_softcap=cap, **tail,
+        )
+
+
 def patch(*, teacher_precision: str | None = None):
     """Make TRL's distillation trainers compute their loss with flashkd; returns a context manager
     whose exit undoes this call's patch (`with patch(): ...`). Patching twice is a no-op (but for
@@ -196,25 +294,31 @@ def patch(*, teacher_precision: str | None = None):
         _options["teacher_precision"] = teacher_precision
     module = _check()
     jsd_module = _check_jsd()
+    server = _check_server()
     installed = _original is None
     if installed:
-        global _original_jsd
+        global _original_jsd, _original_server
         _original = getattr(module, _HELPER)
         _original_jsd = getattr(jsd_module, _JSD_HELPER)
+        _original_server = server.__dict__["compute_loss"]
         setattr(module, _HELPER, chunked_divergence_loss)
         setattr(jsd_module, _JSD_HELPER, chunked_jsd_loss)
+        from trl.extras.profiling import profiling_decorator
+
+        server.compute_loss = profiling_decorator(server_compute_loss)  # TRL's timing of the method, kept
     return _Undo(installed)
 
 
 def unpatch() -> None:
     """Put TRL's own helpers back (nothing to do when not patched)."""
-    global _original, _original_jsd
+    global _original, _original_jsd, _original_server
     if _original is not None:
         import sys
 
         setattr(sys.modules[_MODULE], _HELPER, _original)
         setattr(sys.modules[_JSD_MODULE], _JSD_HELPER, _original_jsd)
-        _original = _original_jsd = None
+        sys.modules[_SERVER_MODULE].ServerDistillationTrainer.compute_loss = _original_server
+        _original = _original_jsd = _original_server = None
 
 
 def is_patched() -> bool:
@@ -282,6 +386,30 @@ def _check_jsd():
             f"_add_tail_bucket clamping at -{TRL_TAIL_CLAMP:g}; got {found}, clamp {clamp}"
         )
     return module
+
+
+def _check_server():
+    """ServerDistillationTrainer, once its compute_loss and the methods the patched one calls are as tested."""
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*trl.experimental.*")
+        module = importlib.import_module(_SERVER_MODULE)
+    trainer = getattr(module, "ServerDistillationTrainer", None)
+    method = trainer.__dict__.get("compute_loss") if _original_server is None else _original_server
+    found = None if method is None else tuple(inspect.signature(method).parameters)
+    expected = ("self", "model", "inputs", "return_outputs", "num_items_in_batch")
+    called = getattr(getattr(inspect.unwrap(method), "__code__", None), "co_names", ()) if method else ()
+    missing = [m for m in _SERVER_METHODS if not callable(getattr(trainer, m, None))]
+    if found != expected or missing or "_get_teacher_token_logprobs_from_server" not in called:
+        raise RuntimeError(
+            f"flashkd.integrations.trl.patch: TRL {importlib.metadata.version('trl')}'s "
+            f"{_SERVER_MODULE}.ServerDistillationTrainer is not what the patch was written for (tested with TRL "
+            f"{', '.join(TESTED_TRL_VERSIONS)}): expected compute_loss{expected} calling "
+            f"_get_teacher_token_logprobs_from_server, and methods {', '.join(_SERVER_METHODS)}; got {found}, "
+            f"missing {missing}"
+        )
+    return trainer
 
 
 def _cap(softcap):
