@@ -2,10 +2,11 @@
 # The whole GPU check in one command, on a CUDA machine from a checkout of this repository:
 #   bash scripts/gpu_check.sh [tests] [rows] [breakdown] [profile] [bench-seed] [bench-trained] [bench-sweep] [bench-losses]
 #                             [bench-softonly] [memory] [bench-topk] [bench-logits] [bench-teacher-topk]
-#                             [bench-softcap] [bench-trl] [bench-trl-step] [bench-fp8]
+#                             [bench-softcap] [bench-trl] [bench-trl-step] [bench-trl-onpolicy] [bench-fp8]
 # (default: all of them, about 20 minutes on an H200; each of the last five a minute or two, bench-trl-step
 # at most about five: it needs trl 1.16.0 and accelerate (from .whl/); no PYTHONPATH beyond this script's, as
-# benchmarks/bench_trl_step.py falls back to its own stand-in for `datasets` where that is not installed)
+# benchmarks/bench_trl_step.py falls back to its own stand-in for `datasets` where that is not installed;
+# bench-trl-onpolicy the same, a few minutes: TRL's on-policy loss vs the patch, and AsyncDistillationTrainer steps)
 # Logs and results go to $OUT (default ./gpu-out). Liger-Kernel is installed from .whl/ when present.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -15,7 +16,7 @@ if compgen -G ".whl/*.whl" >/dev/null; then
   python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/flashkd-site .whl/*.whl \
     && export PYTHONPATH="$PYTHONPATH:/tmp/flashkd-site"
 fi
-stages=${*:-tests rows breakdown profile bench-seed bench-trained bench-sweep bench-losses bench-softonly memory bench-topk bench-logits bench-teacher-topk bench-softcap bench-trl bench-trl-step bench-fp8}
+stages=${*:-tests rows breakdown profile bench-seed bench-trained bench-sweep bench-losses bench-softonly memory bench-topk bench-logits bench-teacher-topk bench-softcap bench-trl bench-trl-step bench-trl-onpolicy bench-fp8}
 status=0
 nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm --format=csv | tee "$OUT/env.txt"
 python3 -c "import torch, triton; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'triton', triton.__version__)" | tee -a "$OUT/env.txt"
@@ -56,6 +57,10 @@ for stage in $stages; do
     bench-trl-step) python3 benchmarks/bench_trl_step.py --out "$OUT/trl-step" 2>&1 | tee "$OUT/bench-trl-step.log" || status=1
       timeout 300 python3 benchmarks/bench_trl_step.py --generation student --warmup 1 --steps 2 \
         --out "$OUT/trl-step-sampled" 2>&1 | tee "$OUT/bench-trl-step-sampled.log" || status=1 ;;
+    # AsyncDistillationTrainer's loss (a served teacher's top-k) at 8192 positions, K 2 / 20 / 100, and whole
+    # optimizer steps of the trainer with a stand-in rollout worker (no vLLM)
+    bench-trl-onpolicy) python3 benchmarks/bench_trl_onpolicy.py --out "$OUT/trl-onpolicy" 2>&1 \
+      | tee "$OUT/bench-trl-onpolicy.log" || status=1 ;;
     bench-fp8) python3 benchmarks/bench_fp8.py --out "$OUT/fp8" 2>&1 | tee "$OUT/bench-fp8.log" || status=1
       for p in fp8 fp8-1x128; do
         python3 -m flashkd bench --preset seed -n 8192 --loss jsd --providers flashkd floor --modes full no-grad-forward \

@@ -82,10 +82,13 @@ def topk_loss(
     xs, ws, ids, logprobs, labels=None, *, loss="forward_kl", tail="bucket", beta=0.5, temperature=1.0,
     weight_hard_loss=0.0, weight_soft_loss=1.0, ignore_index=-100, student_bias=None, reduction="mean",
     temperature_squared=False, student_logit_scale=1.0, student_softcap=None, row_weight=None, student_logits=None,
+    tail_clamp=None, teacher_entropy=False,
 ):
     """float64 loss of a sparse teacher, row by row from the definition: the categories are the used
     ids (+ the rest of the vocab for tail="bucket"), probabilities summed explicitly. student_logits, when
-    given, replaces xs @ ws^T and sets the precision (the fp32 pipeline's bar)."""
+    given, replaces xs @ ws^T and sets the precision (the fp32 pipeline's bar). tail_clamp ε: TRL's
+    bucket, each side's rest 1 − min(Σ over the ids, e^−ε), nothing renormalised. teacher_entropy: also
+    return each row's −Σ p log p over the categories (zero on ignored rows)."""
     logits_s = xs.double() @ ws.double().T if student_logits is None else student_logits
     v = logits_s.shape[-1]
     if student_bias is not None:
@@ -94,28 +97,81 @@ def topk_loss(
     q = torch.softmax(logits_s / temperature, -1)
     ids = ids.reshape(-1, ids.shape[-1])
     logprobs = logprobs.reshape(ids.shape).double()
-    soft = []
+    soft, entropy = [], []
     for r, row in enumerate(ids.tolist()):
         slots = [j for j, i in enumerate(row) if i >= 0]
         on = [row[j] for j in slots]
         q_ids = q[r, on]
         p_ids = logprobs[r, slots].exp()
-        if tail == "bucket":
+        if tail == "bucket" and tail_clamp is not None:
+            cap = math.exp(-tail_clamp)
+            q_ids = torch.cat([q_ids, (1 - torch.clamp(q_ids.sum(), max=cap)).reshape(1)])
+            p_ids = torch.cat([p_ids, (1 - torch.clamp(p_ids.sum(), max=cap)).reshape(1)])
+        elif tail == "bucket":
             rest = torch.ones(v, dtype=torch.bool, device=q.device)
             rest[on] = False
             if rest.any():
                 q_ids = torch.cat([q_ids, q[r, rest].sum().reshape(1)])
                 p_ids = torch.cat([p_ids, (1 - p_ids.sum()).clamp_min(0).reshape(1)])
+            p_ids = p_ids / p_ids.sum()
         elif not on:  # renormalize without teacher ids: no information, loss 0
             soft.append(q[r].sum() * 0)
+            entropy.append(q.new_zeros(()))
             continue
         else:
-            q_ids = q_ids / q_ids.sum()
-        soft.append(_divergence(q_ids, p_ids / p_ids.sum(), loss, beta))
+            q_ids, p_ids = q_ids / q_ids.sum(), p_ids / p_ids.sum()
+        soft.append(_divergence(q_ids, p_ids, loss, beta))
+        entropy.append(-torch.xlogy(p_ids, p_ids).sum())
     soft = torch.stack(soft) if soft else q.new_zeros(0)
     if temperature_squared:
         soft = soft * temperature**2
-    return _reduce(soft, logits_s, labels, ignore_index, reduction, weight_hard_loss, weight_soft_loss, row_weight)
+    out = _reduce(soft, logits_s, labels, ignore_index, reduction, weight_hard_loss, weight_soft_loss, row_weight)
+    if not teacher_entropy:
+        return out
+    entropy = torch.stack(entropy) if entropy else q.new_zeros(0)
+    if labels is not None:
+        entropy = torch.where(labels.reshape(-1) != ignore_index, entropy, 0.0)
+    return out, entropy
+
+
+def trl_jsd_loss(hidden, weight, bias, ids, logprobs, mask, *, beta, temperature, add_tail_bucket, logit_scale=1.0,
+                 softcap=None, teacher_index=None, num_teachers=1, clamp=1e-7):
+    """float64 TRL's `_chunked_jsd_loss`, from its definition: the student's log-softmax over the whole
+    vocab, its probabilities and the teacher's at the masked-in candidates, a tail 1 − min(Σ, e^−ε) on
+    each side (nothing renormalised) or both renormalised over the candidates, the generalized JSD
+    (β 0: KL(p‖q), 1: KL(q‖p)) summed. Returns (loss, jsd sum, student entropy sum over the vocab,
+    teacher entropy sum over the support, per-teacher (count, jsd, teacher entropy) flat)."""
+    logits = hidden.double() @ weight.double().T
+    if bias is not None:
+        logits = logits + bias.double()
+    z = head(logits, logit_scale, softcap) / temperature
+    q = torch.softmax(z, -1)
+    student_entropy = -torch.xlogy(q, q).sum(-1)
+    rows, teacher_entropy = [], []
+    for r in range(z.shape[0]):
+        slots = mask[r].nonzero()[:, 0].tolist()
+        q_c = q[r, ids[r, slots]]
+        p_c = logprobs[r, slots].double().exp()
+        if add_tail_bucket:
+            cap = math.exp(-clamp)
+            q_c = torch.cat([q_c, (1 - torch.clamp(q_c.sum(), max=cap)).reshape(1)])
+            p_c = torch.cat([p_c, (1 - torch.clamp(p_c.sum(), max=cap)).reshape(1)])
+        elif not slots:  # nothing to compare: 0, the teacher's entropy 0 too
+            rows.append(q[r].sum() * 0)
+            teacher_entropy.append(q.new_zeros(()))
+            continue
+        else:
+            q_c, p_c = q_c / q_c.sum(), p_c / p_c.sum()
+        rows.append(_divergence(q_c, p_c, "jsd", beta))
+        teacher_entropy.append(-torch.xlogy(p_c, p_c).sum())
+    jsd = torch.stack(rows)
+    teacher_entropy = torch.stack(teacher_entropy)
+    per_teacher = torch.zeros(3 * num_teachers, dtype=torch.float64)
+    if teacher_index is not None:
+        per_teacher = torch.stack([x for t in range(num_teachers) for x in (
+            (teacher_index == t).sum().double(), jsd.detach()[teacher_index == t].sum(),
+            teacher_entropy[teacher_index == t].sum())])
+    return jsd.sum(), jsd.detach().sum(), student_entropy.detach().sum(), teacher_entropy.sum(), per_teacher
 
 
 def _divergence(q, p, loss, beta):

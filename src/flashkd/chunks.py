@@ -86,6 +86,9 @@ class Plan:
     teacher_chunk: int  # rows of teacher logits computed at a time within a chunk (heads only)
     stats: bool = False  # also sum the DistillStats
     vocab: object = None  # a rank's slice of the vocab (flashkd.distributed.ShardedVocab); None: all of it
+    # top-k with teacher_index: DistillStats.per_teacher's (N,) index (−1: no teacher) and its number of teachers
+    teacher_index: torch.Tensor | None = dataclasses.field(default=None, compare=False)
+    num_teachers: int = 0
 
 
 
@@ -126,6 +129,8 @@ class TopK:
     form: ClassVar[str] = "topk"
     teacher_ids: torch.Tensor = tensor_field(ROWS, trailing=True)  # (..., K)
     teacher_logprobs: torch.Tensor = tensor_field(ROWS, trailing=True)  # (..., K)
+    teacher_index: torch.Tensor | None = tensor_field(ROWS, default=None)  # (...) each row's teacher, for the stats
+    num_teachers: int | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -188,6 +193,7 @@ def make_call(
     teacher_logit_scale: float = 1.0,  # a top-k teacher has none: its log-probs are its distribution
     teacher_softcap: float | None = None,
     tail: str | None = None,  # only the top-k form has one
+    tail_clamp: float | None = None,
     check_teacher: bool | None = None,
     teacher_precision: str | None = None,
 ) -> Call:
@@ -218,6 +224,7 @@ def make_call(
         # With both weights 0 the soft term is still computed, so the loss and grads are true zeros.
         want_soft=w_soft != 0.0 or logged or not has_labels or w_hard == 0.0,
         tail=tail,
+        tail_clamp=tail_clamp,
         student_logit_scale=student_logit_scale,
         student_softcap=student_softcap,
         teacher_logit_scale=teacher_logit_scale,
@@ -349,11 +356,13 @@ def run(call: Call, rows: Rows, vocab=None):
     stats = call.return_stats
     if form == "heads":
         teacher = _teacher_head(teacher, call.teacher_precision)
-    plan = Plan(spec, chunk, backend, grad_accum_dtype, form, teacher_chunk, stats, vocab)
+    index, teachers = check_teacher_index(call, rows) if form == "topk" else (None, 0)
+    plan = Plan(spec, chunk, backend, grad_accum_dtype, form, teacher_chunk, stats, vocab, index, teachers)
     loss_, soft, hard, *sums = apply(xs, ws, bs, y, rw, plan, *teacher)
     out = (loss_, soft, hard) if call.return_soft_hard_loss else (loss_,)
     if stats:
-        out += (DistillStats(*sums[:4], sums[4] if form == "topk" else None),)
+        topk = (sums[4], sums[5], sums[6] if index is not None else None) if form == "topk" else (None,)
+        out += (DistillStats(*sums[:4], *topk),)
     return out if len(out) > 1 else loss_
 
 
@@ -446,6 +455,9 @@ def _chunk_loop(xs, ws, bs, y, rw, teacher, plan: Plan, want_dx, want_dw, want_d
     hard_sum = torch.zeros((), **f32)
     entropy_sum = torch.zeros((), **f32)
     mass_sum = torch.zeros((), **f32)
+    teacher_entropy_sum = torch.zeros((), **f32)
+    per_teacher = torch.zeros(plan.num_teachers, 3, **f32)
+    teacher_ids = None if plan.teacher_index is None else torch.arange(plan.num_teachers, device=device)
     dxs = torch.empty_like(xs, memory_format=torch.contiguous_format) if want_dx else None
     # With one chunk there is nothing to accumulate: the GEMM accumulates in fp32 and rounds once either
     # way. dWs is made for the first chunk's GEMM (beta = 0 fills it), after that chunk's teacher logits
@@ -480,6 +492,13 @@ def _chunk_loop(xs, ws, bs, y, rw, teacher, plan: Plan, want_dx, want_dw, want_d
                 entropy_sum += extra[0].sum()
                 if len(extra) > 1:
                     mass_sum += extra[1].sum()
+                    teacher_entropy_sum += extra[2].sum()
+                if teacher_ids is not None:
+                    counted = torch.ones_like(soft) if y is None else (y[b] != spec.ignore_index).to(soft.dtype)
+                    # (R, T) one-hot: an index outside [0, T) is in no teacher's sums (and no device assert);
+                    # a select, not a product, so that one row's NaN stays in its own teacher's sums
+                    of = plan.teacher_index[b, None] == teacher_ids
+                    per_teacher += torch.where(of[:, :, None], torch.stack([counted, soft, extra[2]], 1)[:, None], 0.0).sum(0)
             del t, s_b, out  # a view left alive would keep this chunk's logits (or dL/ds) past `del s`
         if narrow:
             s = s.to(ws.dtype) if ds is None else ds
@@ -507,7 +526,7 @@ def _chunk_loop(xs, ws, bs, y, rw, teacher, plan: Plan, want_dx, want_dw, want_d
     logged = (loss, soft_total, hard_total)
     if plan.stats:
         count = torch.full((), n, device=device) if y is None else (y != spec.ignore_index).sum()
-        logged += (soft_sum, hard_sum, count, entropy_sum, mass_sum)
+        logged += (soft_sum, hard_sum, count, entropy_sum, mass_sum, teacher_entropy_sum, per_teacher)
     return logged, dxs, dws, dbs
 
 
@@ -803,7 +822,7 @@ def check_topk_values(ids, lp, v, spec, y):
         raise ValueError(
             f"teacher_logprobs: expected log-probabilities <= 0 (not NaN) at used slots, got {lp[bad][0].item()}"
         )
-    if spec.tail == "bucket":
+    if spec.tail == "bucket" and spec.tail_clamp is None:  # a clamped tail defines a mass past 1
         # Stored log-probs round (flashkd.data): by up to u·|log p|, u = 2^-11 in float16 and 2^-8 in
         # bfloat16, whose values may arrive widened to float32. Over K slots that lifts Σ p by at most
         # K^u − 1 (+ u for K < 3, + the fp32 rounding of the log-probs themselves): more is not a
@@ -823,6 +842,41 @@ def check_topk_values(ids, lp, v, spec, y):
         row = int(dup.nonzero()[0, 0])
         dups = ordered[row, 1:][ordered[row, 1:] == ordered[row, :-1]]
         raise ValueError(f"teacher_ids: expected distinct ids within a row, got id {dups[0].item()} twice in row {row}")
+
+
+def check_teacher_index(call: Call, rows: Rows):
+    """(teacher_index flattened to (N,), num_teachers) of a top-k call, or (None, 0) without one; its
+    values checked on the rows that count with check_teacher (default: on CPU, a host sync elsewhere)."""
+    index, count = call.teacher.teacher_index, call.teacher.num_teachers
+    if index is None:
+        if count is not None:
+            raise ValueError(f"num_teachers: expected None without teacher_index (it sizes the per-teacher sums), got {count!r}")
+        return None, 0
+    xs, y, spec = rows.xs, rows.y, call.spec
+    check_tensors({"teacher_index": index}, device=xs.device)
+    if index.dtype not in (torch.int64, torch.int32):
+        raise TypeError(f"teacher_index: expected an integer dtype (torch.int64 or torch.int32), got {index.dtype}")
+    lead = call.student_input.shape[:-1]
+    if index.shape != lead:
+        raise ValueError(f"teacher_index: expected shape {tuple(lead)} (student_input's leading dims, as labels), "
+                         f"got {tuple(index.shape)}")
+    if isinstance(count, bool) or not isinstance(count, int):
+        raise TypeError(f"num_teachers: expected an int with teacher_index, got {count!r}")
+    if count < 1:
+        raise ValueError(f"num_teachers: expected an int >= 1, got {count!r}")
+    if not call.return_stats:
+        raise ValueError("teacher_index: expected return_stats=True with it (it only splits the statistics by "
+                         "teacher; the loss does not depend on it), got return_stats=False")
+    index = index.reshape(-1)
+    check = call.check_teacher
+    if check if check is not None else xs.device.type == "cpu":
+        bad = (index < -1) | (index >= count)
+        if y is not None:
+            bad &= y != spec.ignore_index
+        if bad.any():
+            raise ValueError(f"teacher_index: expected values in [0, {count}) or -1 (no teacher), got "
+                             f"{index[bad][0].item()} in row {int(bad.nonzero()[0, 0])}")
+    return index, count
 
 
 def check_label_range(y, v, ignore_index):

@@ -184,6 +184,7 @@ def fused_linear_distill_topk(
     *,
     loss: str = "forward_kl",
     tail: str = "bucket",
+    tail_clamp: float | None = None,
     beta: float = 0.5,
     temperature: float = 1.0,
     weight_hard_loss: float = 0.0,
@@ -202,6 +203,8 @@ def fused_linear_distill_topk(
     student_softcap: float | None = None,
     row_weight: torch.Tensor | None = None,
     return_stats: bool = False,
+    teacher_index: torch.Tensor | None = None,  # (...) like labels, integer
+    num_teachers: int | None = None,
     process_group=None,
     vocab_start: int | None = None,
     check_shards: bool | None = None,
@@ -227,12 +230,25 @@ def fused_linear_distill_topk(
       ignored (−inf is fine there). They are the teacher's final distribution: only the student has a
       logit scale and softcap here (`student_logit_scale`, `student_softcap`, as in
       `fused_linear_distill`); `teacher_topk` takes the teacher's.
+    - tail_clamp: None, or ε > 0 with tail="bucket" for TRL's tail bucket (its `_add_tail_bucket`,
+      ε = 1e-7): on each side the rest is 1 − exp(min(log Σ over the ids, −ε)), at least 1 − e^−ε ≈ ε, and
+      nothing is renormalised (a teacher whose probabilities sum past 1 keeps them, with a rest of
+      ≈ ε; the sum is then not checked). The divergence is the same formula on those categories.
     - row_weight, return_stats: as in `fused_linear_distill`; the stats' `topk_mass_sum` is the
-      student's probability mass on the teacher's ids, summed over the rows that count.
+      student's probability mass on the teacher's ids, and `teacher_entropy_sum` the teacher's entropy
+      over the categories (as the loss sees them), each summed over the rows that count.
+    - teacher_index, num_teachers: with return_stats, per-teacher sums in `DistillStats.per_teacher`
+      (num_teachers, 3): rows, soft sum, teacher entropy sum of the rows of each teacher (several
+      teachers scoring different rows, as TRL's multi-teacher on-policy distillation does).
+      teacher_index: an int64 or int32 constant of the labels' shape, on the device, each row's teacher
+      in [0, num_teachers), or −1 for a row in no teacher's sums (it still counts in the totals).
+      Checked with check_teacher; unchecked on GPU, another value is in no teacher's sums. The loss
+      and gradients do not depend on it.
     - reverse_kl with tail="bucket" is infinite on a row whose teacher puts no mass outside the K ids
       (p_rest = 0) while the student does: use "jsd" or "renormalize" for such targets.
     - check_teacher: raise on ids outside [-1, V), duplicate ids in a row, log-probs > 0 or NaN at
-      used slots, and with tail="bucket" probabilities summing past 1 over the used slots (beyond
+      used slots, teacher_index values outside [-1, num_teachers), and with tail="bucket" (no
+      tail_clamp) probabilities summing past 1 over the used slots (beyond
       K^u + u, the rounding of log-probs stored in fp16, u = 2^-11, or bf16, u = 2^-8 for any other
       dtype), in rows whose label is not ignore_index. Default: on CPU tensors; off on GPU (a host
       sync), where an out-of-range id or a NaN log-prob gives a NaN loss on its row, duplicates give
@@ -240,7 +256,7 @@ def fused_linear_distill_topk(
     - With `process_group`, `teacher_ids` are ids of the whole vocab, the same on every rank.
     """
     call = chunks.make_call(
-        chunks.TopK(teacher_ids, teacher_logprobs), student_input, student_weight, labels,
+        chunks.TopK(teacher_ids, teacher_logprobs, teacher_index, num_teachers), student_input, student_weight, labels,
         loss=loss, beta=beta, temperature=temperature, weight_hard_loss=weight_hard_loss,
         weight_soft_loss=weight_soft_loss, ignore_index=ignore_index, student_bias=student_bias, reduction=reduction,
         chunk_size=chunk_size, backend=backend, return_soft_hard_loss=return_soft_hard_loss,
@@ -248,7 +264,7 @@ def fused_linear_distill_topk(
         student_logit_scale=student_logit_scale, student_softcap=student_softcap, row_weight=row_weight,
         return_stats=return_stats, process_group=process_group, vocab_start=vocab_start, check_shards=check_shards,
         check_replicas=check_replicas, fsdp_gather=fsdp_gather,
-        tail=tail, check_teacher=check_teacher,
+        tail=tail, tail_clamp=tail_clamp, check_teacher=check_teacher,
     )
     return _route(call)
 

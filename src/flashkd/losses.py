@@ -34,10 +34,12 @@ A top-k teacher gives p at K ids per row only. The divergences above (not cosine
 over categories: the K ids and one bucket for the rest of the vocab (tail "bucket": q_rest = Σ q off
 the ids, p_rest = max(1 − Σ p, 0)), or the K ids with q and p renormalised over them ("renormalize").
 q over the categories is softmax(z) of z = (a_ids/τ, logsumexp(a_rest/τ)), so dL/da follows from the
-table through dz_rest/da_j = softmax(a_rest/τ)_j / τ.
+table through dz_rest/da_j = softmax(a_rest/τ)_j / τ. With a tail clamp ε (TRL's bucket) each side's
+rest is max(1 − Σ_ids, 1 − e^−ε) and nothing is renormalised; the divergence is the table's formula on
+those (not quite normalised) vectors, and dL/dz still reaches a through z = (a_ids/τ, z_rest).
 
 With `stats`, the row functions also give each row's entropy H(q) = −Σ q log q (and, for a top-k
-teacher, q's mass on the ids): the terms of `DistillStats`.
+teacher, q's mass on the ids and the teacher's entropy over the categories): the terms of `DistillStats`.
 
 `row_losses` and `topk_row_losses` below are the single torch definition of these formulas: the torch
 backend differentiates them chunk by chunk with autograd, the benchmark's naive provider runs them over
@@ -82,6 +84,9 @@ class LossSpec:
     student_softcap: float | None = None
     teacher_logit_scale: float = 1.0
     teacher_softcap: float | None = None
+    # tail "bucket" only: None, or ε > 0 for each side's rest taken as 1 − exp(min(log Σ_ids, −ε)), nothing
+    # renormalised (TRL's `_add_tail_bucket`, ε = 1e-7): `category_logprobs`
+    tail_clamp: float | None = None
 
     def __post_init__(self):
         allowed, teacher = (LOSSES, "") if self.tail is None else (DIVERGENCES, " for a top-k teacher")
@@ -101,6 +106,15 @@ class LossSpec:
             raise ValueError(f"ignore_index: expected an int64 value, got {self.ignore_index!r}")
         if self.tail is not None and self.tail not in TAILS:
             raise ValueError(f"tail: expected 'bucket' or 'renormalize', got {self.tail!r}")
+        if self.tail_clamp is not None:
+            clamp = self.tail_clamp
+            if isinstance(clamp, bool) or not isinstance(clamp, (int, float)):
+                raise TypeError(f"tail_clamp: expected a Python float or None, got {clamp!r}")
+            if not (math.isfinite(clamp) and clamp > 0.0):
+                raise ValueError(f"tail_clamp: expected a finite float > 0 (or None), got {clamp!r}")
+            if self.tail != "bucket":
+                raise ValueError(f"tail_clamp: expected None with tail={self.tail!r} (it clamps the tail bucket, "
+                                 f"tail='bucket'), got {clamp!r}")
         check_logit_transform("student_logit_scale", self.student_logit_scale, "student_softcap", self.student_softcap)
         check_logit_transform("teacher_logit_scale", self.teacher_logit_scale, "teacher_softcap", self.teacher_softcap)
 
@@ -132,8 +146,9 @@ class LossSpec:
 
 
 class DistillStats(NamedTuple):
-    """Per-call sums for logging, returned with `return_stats=True`; 0-d tensors, detached, on the
-    inputs' device (no host sync). Sums, not means, so that they add across micro-batches and ranks.
+    """Per-call sums for logging, returned with `return_stats=True`; 0-d tensors (but per_teacher),
+    detached, on the inputs' device (no host sync), in the loss's dtype (fp32; fp64 for fp64 inputs;
+    rows int64). Sums, not means, so that they add across micro-batches and ranks.
 
     soft_sum       Σ row_weight · soft over the rows that count: the divergence itself (before
                    w_soft and τ²; cosine's β (1 − cos) included)
@@ -144,6 +159,14 @@ class DistillStats(NamedTuple):
                    transformed student logits (the per-token entropy TRL logs is entropy_sum / rows)
     topk_mass_sum  top-k teacher only (else None): Σ over the rows that count of the student's
                    probability mass q on the teacher's used ids, unweighted
+    teacher_entropy_sum  top-k teacher only (else None): Σ over the rows that count of the teacher's
+                   entropy −Σ p log p over the categories the divergence is taken on (the used ids, and
+                   the tail bucket with tail="bucket"; p as the loss sees it: renormalised, or clamped
+                   and not renormalised with tail_clamp), unweighted, in nats
+    per_teacher    top-k teacher with `teacher_index` only (else None): (num_teachers, 3), row i
+                   the sums over the rows that count whose teacher_index is i: (rows, soft_sum,
+                   teacher_entropy_sum), weighted as the totals above (the row counts as floats).
+                   `per_teacher.reshape(-1)` is the layout of TRL's per-teacher statistics
     """
 
     soft_sum: torch.Tensor
@@ -151,6 +174,8 @@ class DistillStats(NamedTuple):
     rows: torch.Tensor
     entropy_sum: torch.Tensor
     topk_mass_sum: torch.Tensor | None
+    teacher_entropy_sum: torch.Tensor | None = None
+    per_teacher: torch.Tensor | None = None
 
 
 def check_finite_float(name: str, value) -> None:
@@ -227,9 +252,9 @@ def row_losses(s: torch.Tensor, t: torch.Tensor, labels: torch.Tensor | None, sp
     log_q = logp[0] if logp else None
     after = ()
     if kind in DIVERGENCES:
-        after += (_divergence(log_q, logp[1], spec),)
+        after += (divergence(log_q, logp[1], spec),)
     if stats:
-        after += (_entropy(log_q.detach()),)
+        after += (row_entropy(log_q.detach()),)
     after = vocab.merge(sums=after)[2] if after else ()
     if kind is None:
         soft = s.new_zeros(s.shape[0])
@@ -261,7 +286,10 @@ def topk_row_losses(s: torch.Tensor, t, labels: torch.Tensor | None, spec: LossS
     An id outside [0, V) gives a NaN soft loss on its row. The student's logits are transformed
     (`LossSpec.student`); the teacher's log-probs are used as given. With `stats` (and `spec.want_soft`),
     also per row (R,) the entropy of q = softmax(a/τ) over the whole vocab and q's mass on the used
-    ids, both zero on ignored rows: (soft, hard, entropy, mass).
+    ids, both zero on ignored rows, and the teacher's entropy over the categories (`DistillStats`):
+    (soft, hard, entropy, mass, teacher_entropy).
+    With `spec.tail_clamp` ε the bucket is TRL's (`category_logprobs`): on each side the rest is
+    1 − Σ over the ids with the log of that sum clamped at −ε, and nothing is renormalised.
     """
     vocab = vocab or WHOLE_VOCAB
     work = torch.promote_types(s.dtype, torch.float32)
@@ -279,8 +307,9 @@ def topk_row_losses(s: torch.Tensor, t, labels: torch.Tensor | None, spec: LossS
         z_k = torch.where(used, sums[0], -torch.inf)
         z_rest = lse[0][:, None] if spec.tail == "bucket" else None
         rest_empty = None if z_rest is None else z_rest == -torch.inf  # the ids cover the vocab
-        log_q, log_p = category_logprobs(z_k, z_rest, _drop_ignored(logprobs, labels, spec).to(work), used, rest_empty, spec.tail)
-        soft = _divergence(log_q, log_p, spec)
+        log_q, log_p = category_logprobs(z_k, z_rest, _drop_ignored(logprobs, labels, spec).to(work), used, rest_empty,
+                                         spec.tail, spec.tail_clamp)
+        soft = divergence(log_q, log_p, spec)
         bad = ((ids >= v) | (ids < -1)).any(-1)
         soft = torch.where(bad, torch.nan, soft)
     else:
@@ -288,16 +317,23 @@ def topk_row_losses(s: torch.Tensor, t, labels: torch.Tensor | None, spec: LossS
     soft, hard = _with_hard(soft, lse[-1] - sums[-1] if ce else None, labels, spec, v)
     if not stats:
         return soft, hard
+    teacher_entropy = _valid_only(category_entropy(log_p, used), labels, spec)
     # q over the whole vocab at τ: its entropy, and its mass on the used ids (z at them is merged above)
     z = s.detach() / spec.temperature
     (log_q,), _, _ = vocab.merge(log_softmax=(z,))
-    (entropy,) = vocab.merge(sums=(_entropy(log_q),))[2]
+    (entropy,) = vocab.merge(sums=(row_entropy(log_q),))[2]
     lse_z = (z - log_q)[:, :1]  # z − log q is the row's logsumexp in every column
     mass = torch.where(used, (sums[0].detach() - lse_z).exp(), 0.0).sum(-1)
-    return soft, hard, _valid_only(entropy, labels, spec), _valid_only(mass, labels, spec)
+    return soft, hard, _valid_only(entropy, labels, spec), _valid_only(mass, labels, spec), teacher_entropy
 
 
-def _entropy(log_q: torch.Tensor) -> torch.Tensor:
+def category_entropy(log_p: torch.Tensor, used: torch.Tensor) -> torch.Tensor:
+    """The teacher's entropy over a top-k row's categories (`category_logprobs`' log p), per row; 0 on
+    a row without a used slot (its bucket alone, or under "renormalize" a stand-in uniform)."""
+    return torch.where(used.any(-1), row_entropy(log_p), 0.0)
+
+
+def row_entropy(log_q: torch.Tensor) -> torch.Tensor:
     """−Σ q log q per row, with 0 · log 0 = 0 (this block's part of the sum over the vocab)."""
     return -_plogr(log_q.exp(), log_q)
 
@@ -319,11 +355,27 @@ def topk_parts(z: torch.Tensor, ids: torch.Tensor, used: torch.Tensor, tail: str
     return (torch.where(on_ids, -torch.inf, z),), (z_k,)
 
 
-def category_logprobs(z_k, z_rest, logprobs, used, rest_empty, tail: str):
-    """The categories of `topk_categories` from their parts: z_k (R, K) the tempered student logits
+def category_logprobs(z_k, z_rest, logprobs, used, rest_empty, tail: str, clamp: float | None = None):
+    """The categories of `topk_row_losses` from their parts: z_k (R, K) the tempered student logits
     at the ids (−inf where unused), z_rest (R, 1) the logsumexp of z off the ids and rest_empty (R, 1)
-    whether the ids cover the vocab (both None for "renormalize"), used (R, K)."""
+    whether the ids cover the vocab (both None for "renormalize"), used (R, K). Returns (log q, log p),
+    (R, K + 1) with the bucket, else (R, K); −inf at unused slots.
+
+    clamp ε (tail "bucket" only): TRL's `_add_tail_bucket` on each side, log rest = log(1 − exp(min(log
+    Σ_ids, −ε))), and nothing renormalised: the categories may sum past 1 by up to ~ε (the student's)
+    or by the teacher's excess. The student's rest is the same thing taken from the rest's own
+    logsumexp, max(log q_rest, log(1 − e^−ε)): exact where 1 − Σ q_ids would cancel."""
     lp_k = torch.where(used, logprobs, -torch.inf)
+    if tail == "bucket" and clamp is not None:
+        lse = torch.logaddexp(z_rest, _LogSumExp.apply(z_k)[:, None])  # the student's whole-vocab logsumexp at τ
+        floor = math.log(-math.expm1(-clamp))
+        log_q_rest = z_rest - lse
+        log_q_rest = torch.where(log_q_rest > floor, log_q_rest, floor)
+        # The teacher's Σ p over the ids in float64 (R numbers): in fp32 its rounding, ~6e-8, is all of a
+        # rest near the clamp, whose log a reverse KL weighs with q_rest
+        wide = lp_k.double() if lp_k.device.type != "mps" else lp_k
+        log_p_rest = torch.log(-torch.expm1(torch.logsumexp(wide, -1, keepdim=True).clamp_max(-clamp))).to(lp_k.dtype)
+        return torch.cat([z_k - lse, log_q_rest], -1), torch.cat([lp_k, log_p_rest], -1)
     if tail == "bucket":
         p_rest = (1.0 - lp_k.exp().sum(-1, keepdim=True)).clamp_min(0.0)
         a = torch.cat([z_k, torch.where(rest_empty, -torch.inf, z_rest)], -1)
@@ -419,7 +471,9 @@ WHOLE_VOCAB = Vocab()
 COSINE_EPS = 1e-12
 
 
-def _divergence(log_q: torch.Tensor, log_p: torch.Tensor, spec: LossSpec) -> torch.Tensor:
+def divergence(log_q: torch.Tensor, log_p: torch.Tensor, spec: LossSpec) -> torch.Tensor:
+    """The table's divergence per row of log q and log p over the last dim (−inf: probability 0);
+    the formula as written, also on vectors that do not quite sum to 1 (a clamped tail bucket)."""
     q, p = log_q.exp(), log_p.exp()
     kind = spec.kind
     if kind == "forward_kl":

@@ -18,7 +18,8 @@ backend's `rows`, which returns the per-row losses and, when `grad`, overwrites 
     returns (soft, hard): (R,) fp32 each (torch: fp64 for fp64 inputs), unweighted and unscaled, 0 on
             ignored rows; without labels `hard` is 0. A label outside [0, V) that is not ignore_index
             gives a NaN `hard` on its row and no CE gradient there. With stats: (soft, hard, entropy)
-            for `rows`, (soft, hard, entropy, mass) for `topk_rows`, each (R,), 0 on ignored rows.
+            for `rows`, (soft, hard, entropy, mass, teacher_entropy) for `topk_rows`, each (R,), 0 on
+            ignored rows.
     The logits are the heads' raw outputs: the spec's logit scales and softcaps are the backend's to
     apply (`flashkd.losses.logit_transform`), and dL/ds is w.r.t. the raw s.
 """

@@ -23,7 +23,10 @@ The student's logit scale and softcap are applied as in `triton_rows` (folded in
 made at load by `triton_common.head` where needed, dz/ds = σ (1 − tanh²) applied where dL/ds is written); the ids'
 z and dz/ds are made in torch from the gathered logits. With `stats` the stats kernel also streams
 the gaps below the max off the ids (`triton_common.lane_gap`): the entropy of q and its mass on the ids
-follow on (R, K + 1) in `_topk_stats`.
+follow on (R, K + 1) in `_topk_stats`; the teacher's entropy over the categories is taken there in torch.
+With a tail clamp (TRL's bucket, `losses.category_logprobs`) the categories are not a softmax of anything,
+so the dense kernel gives way to autograd of the torch definition on the (R, K + 1) categories
+(`_clamped_categories`); the passes over the vocab are the same.
 """
 
 from __future__ import annotations
@@ -34,7 +37,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..losses import LossSpec, category_logprobs, logit_transform
+from ..losses import LossSpec, category_entropy, category_logprobs, divergence, logit_transform
 from . import triton_common, triton_rows
 
 # Tiles of the kernels here (measured on an H200, benchmarks/bench_rows.py: the top-k row kernels at
@@ -171,7 +174,7 @@ def topk_rows(s, t, labels, spec: LossSpec, scale: torch.Tensor, grad: bool, sta
     R, V = s.shape
     K = ids.shape[1]
     if R == 0:
-        return (s.new_zeros(0, dtype=torch.float32),) * (4 if stats else 2)
+        return (s.new_zeros(0, dtype=torch.float32),) * (5 if stats else 2)
     ids = ids.contiguous()
     if labels is not None:
         labels = labels.contiguous()  # the expand kernel reads them at row: R integers, a negligible copy
@@ -214,14 +217,18 @@ def topk_rows(s, t, labels, spec: LossSpec, scale: torch.Tensor, grad: bool, sta
     if bucket:
         z_rest = (m_z.to(work) / tau + _LN2 * l_tau.to(work))[:, None]
         rest_empty = (used.sum(1) == V)[:, None]  # the ids are distinct (checked on CPU; documented)
-    log_q, log_p = category_logprobs(z_k, z_rest, logprobs.to(work), used, rest_empty, spec.tail)
-    # The dense kernel at τ = 1 on the categories: softmax(log q) is q, so its dL/d(logits) is dL/dz_C.
-    cat_spec = LossSpec(
-        loss=spec.loss, beta=spec.beta, temperature=1.0, weight_hard=0.0, weight_soft=spec.soft_scale,
-        ignore_index=spec.ignore_index, reduction=spec.reduction, want_hard=False, want_soft=True,
-    )
-    g = log_q.to(torch.float32).contiguous()
-    soft, _ = triton_rows.rows(g, log_p.to(torch.float32).contiguous(), labels, cat_spec, scale, grad)
+    valid_rows = None if labels is None else valid
+    if spec.tail_clamp is not None:
+        soft, log_p, g = _clamped_categories(z_k, z_rest, logprobs.to(work), used, valid_rows, spec, scale, grad)
+    else:
+        log_q, log_p = category_logprobs(z_k, z_rest, logprobs.to(work), used, rest_empty, spec.tail)
+        # The dense kernel at τ = 1 on the categories: softmax(log q) is q, so its dL/d(logits) is dL/dz_C.
+        cat_spec = LossSpec(
+            loss=spec.loss, beta=spec.beta, temperature=1.0, weight_hard=0.0, weight_soft=spec.soft_scale,
+            ignore_index=spec.ignore_index, reduction=spec.reduction, want_hard=False, want_soft=True,
+        )
+        g = log_q.to(torch.float32).contiguous()
+        soft, _ = triton_rows.rows(g, log_p.to(torch.float32).contiguous(), labels, cat_spec, scale, grad)
     # an id outside the vocab, or a NaN log-prob at a used slot (the kernel's max would skip it): NaN,
     # as in the torch definition
     bad = ((ids < -1) | (ids >= V) | (used & logprobs.isnan())).any(1)
@@ -233,7 +240,12 @@ def topk_rows(s, t, labels, spec: LossSpec, scale: torch.Tensor, grad: bool, sta
         lse1 = torch.logaddexp(lse_rest, torch.logsumexp(z_ids, 1))
         hard = torch.where(in_range, lse1 - spec.student(s_y), torch.nan)
         hard = torch.where(valid, hard, 0.0)
-    out = (soft, hard) + (_topk_stats(z_ids / tau, m_z / tau, l_tau, gap * (fold / tau), used, labels, spec) if stats else ())
+    out = (soft, hard)
+    if stats:
+        teacher_entropy = category_entropy(log_p, used).float()
+        if labels is not None:
+            teacher_entropy = torch.where(valid, teacher_entropy, 0.0)
+        out += _topk_stats(z_ids / tau, m_z / tau, l_tau, gap * (fold / tau), used, labels, spec) + (teacher_entropy,)
     if not grad:
         return out
 
@@ -255,6 +267,27 @@ def topk_rows(s, t, labels, spec: LossSpec, scale: torch.Tensor, grad: bool, sta
             REST=bucket, CE=grad_ce, HEAD=head, BLOCK_V=BLOCK_V, BLOCK_K=block_k, num_warps=NUM_WARPS,
         )
     return out
+
+
+def _clamped_categories(z_k, z_rest, logprobs, used, valid, spec: LossSpec, scale, grad):
+    """(soft (R,), log p (R, K + 1), g = dL/dz_C (R, K + 1) fp32 or None) of TRL's clamped bucket
+    (`spec.tail_clamp`) from the categories' parts: z_k (R, K) z/τ at the ids (−inf unused), z_rest
+    (R, 1) the off-ids logsumexp of z/τ. Its categories are no softmax (nothing is renormalised), so
+    the dense kernel does not apply: the torch definition on these R · (K + 1) numbers, differentiated
+    by autograd (a few small launches a block; no pass over the vocab). valid: (R,) or None."""
+    if valid is not None:  # an ignored row's NaN log-probs must not reach the gradient through 0 · NaN
+        logprobs = torch.where(valid[:, None], logprobs, 0.0)
+    with torch.enable_grad():
+        z_k, z_rest = z_k.detach().requires_grad_(grad), z_rest.detach().requires_grad_(grad)
+        log_q, log_p = category_logprobs(z_k, z_rest, logprobs, used, None, "bucket", spec.tail_clamp)
+        soft = divergence(log_q, log_p, spec)
+        if valid is not None:
+            soft = torch.where(valid, soft, 0.0)
+        g = None
+        if grad:
+            w = scale.to(soft.dtype) * spec.soft_scale  # () or (R,): as the dense kernel's scale and weight
+            g = torch.cat(torch.autograd.grad((soft * w).sum(), (z_k, z_rest)), 1).float().contiguous()
+    return soft.detach().float(), log_p.detach(), g
 
 
 def _topk_stats(z_k, z_max, log2_l, gap, used, labels, spec: LossSpec):

@@ -1,6 +1,8 @@
 """flashkd inside the trainers people use. Each submodule imports its peer library only when imported:
 
-    flashkd.integrations.trl           patch(): TRL's DistillationTrainer computes its loss with flashkd
+    flashkd.integrations.trl           patch(): TRL's distillation trainers (DistillationTrainer, and the
+                                       on-policy AsyncDistillationTrainer and ServerDistillationTrainer)
+                                       compute their loss with flashkd
     flashkd.integrations.transformers  DistillationTrainer / DistillationLossMixin: an HF Trainer's
                                        compute_loss from a live teacher or flashkd.data top-k targets
 

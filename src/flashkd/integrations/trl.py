@@ -1,8 +1,18 @@
-"""TRL's DistillationTrainer with flashkd's loss: `patch()` swaps TRL's loss helper for flashkd's.
+"""TRL's distillation trainers with flashkd's loss: `patch()` swaps TRL's loss helpers for flashkd's.
+
+Two helpers, each looked up by name in its module on every call:
+- `trl.trainer.distillation_trainer._chunked_divergence_loss` (dense teacher: DistillationTrainer)
+  becomes `chunked_divergence_loss` below;
+- `trl.experimental.async_distillation.async_distillation_trainer._chunked_jsd_loss` (a served
+  teacher's top-k log-probs: AsyncDistillationTrainer, on-policy) becomes `chunked_jsd_loss`, the
+  top-k form (`fused_linear_distill_topk`); see its docstring for what is the same and what differs.
+and one method:
+- `trl.experimental.server_distillation.ServerDistillationTrainer.compute_loss` (a served teacher's
+  top-1 / top-k log-probs, computed by TRL from the student's full (B, T, V) logits) becomes
+  `server_compute_loss`: the student's backbone only, and the same top-k form on its hidden states.
 
 TRL 1.16's `trl.trainer.distillation_trainer.DistillationTrainer` (and any subclass that keeps its
-`_compute_loss`; TRL's experimental server and async trainers compute sparse losses of their own and
-are not affected) computes its loss in the module-level helper
+`_compute_loss`) computes its loss in the module-level helper
 `_chunked_divergence_loss(student_hidden_states, teacher_hidden_states, student_lm_head_weight,
 teacher_lm_head_weight, completion_mask, beta, ...)`, which `_compute_loss` looks up by name in that
 module on every call. `patch()` puts `chunked_divergence_loss` below in its place:
@@ -41,11 +51,12 @@ import contextlib
 import importlib
 import importlib.metadata
 import inspect
+import math
 
 import torch
 
 from .. import fp8
-from ..distill import fused_linear_distill
+from ..distill import fused_linear_distill, fused_linear_distill_topk
 from . import compute_dtype, full_head, per_item
 
 TESTED_TRL_VERSIONS = ("1.16.0",)
@@ -60,7 +71,24 @@ _SIGNATURE = (
 _MODULE = "trl.trainer.distillation_trainer"
 _HELPER = "_chunked_divergence_loss"
 
+# AsyncDistillationTrainer's top-k helper, likewise.
+_JSD_SIGNATURE = (
+    "hidden_valid", "lm_head_weight", "lm_head_bias", "logit_scale", "final_logit_softcapping", "target_ids",
+    "teacher_target_logps", "valid_candidate_mask", "beta", "temperature", "add_tail_bucket", "teacher_id_idx",
+    "num_teachers", "chunk_size",
+)
+_JSD_MODULE = "trl.experimental.async_distillation.async_distillation_trainer"
+_JSD_HELPER = "_chunked_jsd_loss"
+# TRL's `_add_tail_bucket` clamps the log of the ids' summed probability at -1e-7 (checked by `_check_jsd`).
+TRL_TAIL_CLAMP = 1e-7
+
+# ServerDistillationTrainer: its compute_loss, and the methods of TRL's the patched one calls.
+_SERVER_MODULE = "trl.experimental.server_distillation.server_distillation_trainer"
+_SERVER_METHODS = ("_compute_prompt_length", "_get_teacher_token_logprobs_from_server", "_get_last_hidden_state")
+
 _original = None  # TRL's helper while patched
+_original_jsd = None  # TRL's top-k helper while patched
+_original_server = None  # ServerDistillationTrainer.compute_loss while patched
 _options: dict = {}  # fused_linear_distill keywords the patch was given
 
 
@@ -108,32 +136,191 @@ def chunked_divergence_loss(
     return per_item(loss, n_valid, num_items_in_batch), stats.entropy_sum, n_valid
 
 
+def chunked_jsd_loss(
+    hidden_valid: torch.Tensor,  # (N, H) the student's hidden states at the positions with teacher signal
+    lm_head_weight: torch.Tensor,  # (V, H)
+    lm_head_bias: torch.Tensor | None,  # (V,)
+    logit_scale: float,
+    final_logit_softcapping: float | None,
+    target_ids: torch.Tensor,  # (N, K) candidate ids (any value where valid_candidate_mask is False)
+    teacher_target_logps: torch.Tensor,  # (N, K) the teacher's log-probs at them
+    valid_candidate_mask: torch.Tensor,  # (N, K) bool, True where a slot is a candidate
+    beta: float,
+    temperature: float,
+    add_tail_bucket: bool,
+    teacher_id_idx: torch.Tensor | None,  # (N,) each row's teacher, or None with one teacher
+    num_teachers: int,
+    chunk_size: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """TRL's `_chunked_jsd_loss`, computed by flashkd's top-k form: (loss, jsd sum, student entropy
+    sum, teacher entropy sum, per-teacher stats (3 · num_teachers,)).
+
+    The same as TRL's helper, for every argument TRL passes: the loss summed over the rows (not
+    divided: the trainer divides), TRL's generalized JSD over the candidates (β = 0 forward KL, 1
+    reverse KL, between: mixture (1 − β) q + β p), the tail bucket of `_add_tail_bucket` (each side's
+    rest 1 − Σ with the log of the sum clamped at −1e-7, nothing renormalised: flashkd's
+    `tail_clamp`) or without it the candidates renormalised, masked candidate slots, rows without any
+    candidate (loss 0; counted in the statistics), logit scale then softcap then temperature on the
+    student's logits, the bias; the student's entropy over the whole vocab, the teacher's over the
+    support (the candidates and the bucket), and per teacher (count, JSD sum, teacher entropy sum);
+    gradients to the hidden states, the head's weight and bias. `chunk_size` is not used (flashkd
+    plans its own chunks).
+
+    What differs: speed and memory, and the GEMM's dtype: flashkd computes the logits in the hidden
+    states' dtype (the weight cast to it; bf16 in a bf16 model) where TRL's rounds nothing before
+    fp32; the loss math is fp32 as in TRL. The student's rest mass is taken from the logsumexp of the
+    logits off the candidates rather than TRL's 1 − Σ in fp32, which cancels where the candidates hold
+    nearly all the mass (fp32 log-probs of a peaked row near 30 carry ~2e-6 of absolute error).
+    """
+    dtype = compute_dtype(hidden_valid)
+    ws, bs = full_head(lm_head_weight, lm_head_bias, dtype)
+    ids = torch.where(valid_candidate_mask, target_ids, -1)  # flashkd's unused slot
+    tail = dict(tail="bucket", tail_clamp=TRL_TAIL_CLAMP) if add_tail_bucket else dict(tail="renormalize")
+    loss, stats = fused_linear_distill_topk(
+        hidden_valid.to(dtype), ws.to(dtype), ids, teacher_target_logps, None,
+        student_bias=None if bs is None else bs.to(dtype),
+        loss="jsd", beta=float(beta), temperature=float(temperature), reduction="sum",
+        student_logit_scale=float(logit_scale), student_softcap=_cap(final_logit_softcapping),
+        return_stats=True, teacher_index=teacher_id_idx, num_teachers=None if teacher_id_idx is None else num_teachers,
+        **tail,
+    )
+    if teacher_id_idx is None:
+        per_teacher = loss.new_zeros(3 * num_teachers)
+    else:
+        per_teacher = stats.per_teacher.reshape(-1)
+    return loss, stats.soft_sum, stats.entropy_sum, stats.teacher_entropy_sum, per_teacher
+
+
+def server_compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+    """ServerDistillationTrainer.compute_loss, with the student's backbone in place of its whole forward
+    and flashkd's top-k form in place of TRL's loss on the (B, T, V) log-softmax.
+
+    The same as TRL's: the batch layout, the teacher server's request (TRL's own method), its checks of
+    missing log-probs (ValueError, as TRL), the support (β = 0: the teacher's top-`loss_top_k` ids
+    with a finite log-prob; β > 0: the teacher's top-1 and the sampled token, counted once when they
+    are one token; β = 1: the sampled token), `loss_add_tail` (TRL's clamped tail bucket, else the
+    support renormalised), the temperature on the student's logits, the mean over the completion
+    tokens the teacher scored (not `num_items_in_batch`, as TRL), the division by the gradient
+    accumulation steps in training. The logits' transform comes from the config as TRL reads it
+    (`flashkd.integrations.transformers.head_transform`) where TRL's server path takes the model's own
+    logits. `return_outputs=True` (the model's outputs asked for) is TRL's own method."""
+    if return_outputs:
+        return _original_server(self, model, inputs, return_outputs, num_items_in_batch)
+    # TRL's layout of the batch, as its compute_loss rebuilds it
+    prompt_ids, prompt_mask = inputs["prompt_ids"], inputs["prompt_mask"]
+    completion_ids, completion_mask = inputs["completion_ids"], inputs["completion_mask"]
+    input_ids = torch.cat([prompt_ids, completion_ids], dim=1)
+    attention_mask = torch.cat([prompt_mask, completion_mask], dim=1)
+    completion_labels = torch.where(completion_mask.bool(), completion_ids, torch.full_like(completion_ids, -100))
+    labels = torch.cat([torch.full_like(prompt_ids, -100), completion_labels], dim=1)
+    inputs = {**inputs, "input_ids": input_ids, "attention_mask": attention_mask, "labels": labels,
+              "prompt_attention_mask": prompt_mask}
+    prompt_length = self._compute_prompt_length(inputs)
+    teacher = self._get_teacher_token_logprobs_from_server(inputs, prompt_length)
+    comp_len = teacher["actual_logprobs"].shape[1]
+    labels = labels[:, prompt_length:][:, :comp_len]
+    ids, logprobs = _server_support(self, teacher, input_ids[:, prompt_length:][:, :comp_len], labels)
+    unwrapped = self.accelerator.unwrap_model(model)
+    # inside the student wrapper's forward, as DistillationTrainer's loss: DDP and FSDP hooks fire, FSDP keeps
+    # the head gathered for the projection
+    loss = self._forward_redirection(model, unwrapped, _server_loss, self, unwrapped, input_ids, attention_mask,
+                                     input_ids.shape[1] - prompt_length, comp_len, ids, logprobs, labels)
+    if self.model.training:
+        loss = loss / self.current_gradient_accumulation_steps
+    return loss
+
+
+def _server_support(trainer, teacher, tokens, labels):
+    """(ids, logprobs) (B, T, K) of ServerDistillationTrainer's sparse support, −1 at a slot not in it."""
+    top_lp, top_ids, actual_lp = teacher["topk_logprobs"], teacher["topk_token_ids"], teacher["actual_logprobs"]
+    required = labels != -100
+    if trainer.beta == 0:
+        valid = top_lp > float("-inf")
+        return torch.where(valid, top_ids, -1), top_lp
+    # TRL's checks, word for word (host syncs, as in TRL)
+    missing_actual = required & ~torch.isfinite(actual_lp)
+    if missing_actual.any():
+        raise ValueError(
+            "Teacher server is missing actual-token logprobs for required reverse-KL positions: "
+            f"{int(missing_actual.sum().item())}/{int(required.sum().item())}."
+        )
+    if trainer.beta < 1:
+        missing_top1 = required & ~torch.isfinite(top_lp[..., 0])
+        if missing_top1.any():
+            raise ValueError(
+                "Teacher server is missing top-1 logprobs for required forward-KL positions: "
+                f"{int(missing_top1.sum().item())}/{int(required.sum().item())}."
+            )
+    if trainer.beta == 1:
+        return tokens[..., None], actual_lp[..., None]
+    top1 = top_ids[..., 0]
+    ids = torch.stack([top1, torch.where(tokens != top1, tokens, -1)], -1)
+    return ids, torch.stack([top_lp[..., 0], actual_lp], -1)
+
+
+def _server_loss(trainer, unwrapped, input_ids, attention_mask, keep, comp_len, ids, logprobs, labels):
+    """The student's hidden states at the completion positions the teacher scored, and the top-k form's
+    mean over those whose label is not -100."""
+    from trl.trainer.utils import maybe_gather_lm_head_ctx
+
+    from .transformers import head_transform
+
+    hidden = trainer._get_last_hidden_state(unwrapped, input_ids, attention_mask, keep)[:, :comp_len]
+    head = unwrapped.get_output_embeddings()
+    dtype = compute_dtype(hidden)
+    ws, bs = full_head(head.weight, head.bias, dtype)
+    hidden = hidden.to(ws.device)
+    scale, cap = head_transform(unwrapped.config)
+    tail = dict(tail="bucket", tail_clamp=TRL_TAIL_CLAMP) if trainer.loss_add_tail else dict(tail="renormalize")
+    # an unscored position's -inf log-probs (TRL zeroes them) never reach the loss: its label is -100
+    with maybe_gather_lm_head_ctx(ws, bs):
+        return fused_linear_distill_topk(
+            hidden.to(dtype), ws.to(dtype), ids.to(ws.device), logprobs.to(ws.device), labels.to(ws.device),
+            student_bias=None if bs is None else bs.to(dtype), loss="jsd", beta=float(trainer.beta),
+            temperature=float(trainer.temperature), weight_hard_loss=0.0, weight_soft_loss=1.0, reduction="mean",
+            student_logit_scale=scale, student_softcap=cap, **tail,
+        )
+
+
 def patch(*, teacher_precision: str | None = None):
-    """Make TRL's distillation trainers compute their loss with flashkd; returns a context manager
-    whose exit undoes this call's patch (`with patch(): ...`). Patching twice is a no-op (but for
+    """Make TRL's distillation trainers (DistillationTrainer, AsyncDistillationTrainer,
+    ServerDistillationTrainer) compute their loss with flashkd; returns a context manager whose exit
+    undoes this call's patch (`with patch(): ...`). Patching twice is a no-op (but for
     teacher_precision, which the latest call sets). teacher_precision: `fused_linear_distill`'s,
-    e.g. "fp8" for an FP8 teacher GEMM (README, "FP8 teacher": faster, and not TRL's numbers)."""
+    e.g. "fp8" for an FP8 teacher GEMM (README, "FP8 teacher": faster, and not TRL's numbers); it
+    applies to DistillationTrainer's teacher head (the on-policy trainers' teachers are served)."""
     global _original
     fp8.check_precision(teacher_precision)
     _options.clear()
     if teacher_precision is not None:
         _options["teacher_precision"] = teacher_precision
     module = _check()
+    jsd_module = _check_jsd()
+    server = _check_server()
     installed = _original is None
     if installed:
+        global _original_jsd, _original_server
         _original = getattr(module, _HELPER)
+        _original_jsd = getattr(jsd_module, _JSD_HELPER)
+        _original_server = server.__dict__["compute_loss"]
         setattr(module, _HELPER, chunked_divergence_loss)
+        setattr(jsd_module, _JSD_HELPER, chunked_jsd_loss)
+        from trl.extras.profiling import profiling_decorator
+
+        server.compute_loss = profiling_decorator(server_compute_loss)  # TRL's timing of the method, kept
     return _Undo(installed)
 
 
 def unpatch() -> None:
-    """Put TRL's own helper back (nothing to do when not patched)."""
-    global _original
+    """Put TRL's own helpers back (nothing to do when not patched)."""
+    global _original, _original_jsd, _original_server
     if _original is not None:
         import sys
 
         setattr(sys.modules[_MODULE], _HELPER, _original)
-        _original = None
+        setattr(sys.modules[_JSD_MODULE], _JSD_HELPER, _original_jsd)
+        sys.modules[_SERVER_MODULE].ServerDistillationTrainer.compute_loss = _original_server
+        _original = _original_jsd = _original_server = None
 
 
 def is_patched() -> bool:
@@ -173,6 +360,58 @@ def _check():
             f"called by DistillationTrainer._compute_loss, got {found}"
         )
     return module
+
+
+def _check_jsd():
+    """AsyncDistillationTrainer's module, once its top-k helper, that helper's caller and the tail
+    bucket's clamp are as tested (the version was checked by `_check`)."""
+    import warnings
+
+    with warnings.catch_warnings():  # TRL warns on importing trl.experimental: flashkd imports it, not the user
+        warnings.filterwarnings("ignore", message=".*trl.experimental.*")
+        module = importlib.import_module(_JSD_MODULE)
+    helper = getattr(module, _JSD_HELPER, None) if _original_jsd is None else _original_jsd
+    trainer = getattr(module, "AsyncDistillationTrainer", None)
+    found = None if helper is None else tuple(inspect.signature(helper).parameters)
+    caller = getattr(getattr(trainer, "_compute_loss", None), "__code__", None)
+    clamp = None
+    bucket = getattr(module, "_add_tail_bucket", None)
+    if bucket is not None:  # where the log of a sum of 1 lands: −ε, its tail log(1 − e^−ε)
+        tail = bucket(torch.zeros(1, 1, dtype=torch.float64), torch.ones(1, 1, dtype=torch.bool))[0][0, 1].item()
+        clamp = -math.log1p(-math.exp(tail))
+    if (found != _JSD_SIGNATURE or caller is None or _JSD_HELPER not in caller.co_names
+            or clamp is None or abs(clamp - TRL_TAIL_CLAMP) > 1e-6 * TRL_TAIL_CLAMP):
+        raise RuntimeError(
+            f"flashkd.integrations.trl.patch: TRL {importlib.metadata.version('trl')}'s {_JSD_MODULE}.{_JSD_HELPER} "
+            f"is not what the patch was written for (tested with TRL {', '.join(TESTED_TRL_VERSIONS)}): expected a "
+            f"helper taking ({', '.join(_JSD_SIGNATURE)}), called by AsyncDistillationTrainer._compute_loss, and "
+            f"_add_tail_bucket clamping at -{TRL_TAIL_CLAMP:g}; got {found}, clamp {clamp}"
+        )
+    return module
+
+
+def _check_server():
+    """ServerDistillationTrainer, once its compute_loss and the methods the patched one calls are as tested."""
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*trl.experimental.*")
+        module = importlib.import_module(_SERVER_MODULE)
+    trainer = getattr(module, "ServerDistillationTrainer", None)
+    method = trainer.__dict__.get("compute_loss") if _original_server is None else _original_server
+    found = None if method is None else tuple(inspect.signature(method).parameters)
+    expected = ("self", "model", "inputs", "return_outputs", "num_items_in_batch")
+    called = getattr(getattr(inspect.unwrap(method), "__code__", None), "co_names", ()) if method else ()
+    missing = [m for m in _SERVER_METHODS if not callable(getattr(trainer, m, None))]
+    if found != expected or missing or "_get_teacher_token_logprobs_from_server" not in called:
+        raise RuntimeError(
+            f"flashkd.integrations.trl.patch: TRL {importlib.metadata.version('trl')}'s "
+            f"{_SERVER_MODULE}.ServerDistillationTrainer is not what the patch was written for (tested with TRL "
+            f"{', '.join(TESTED_TRL_VERSIONS)}): expected compute_loss{expected} calling "
+            f"_get_teacher_token_logprobs_from_server, and methods {', '.join(_SERVER_METHODS)}; got {found}, "
+            f"missing {missing}"
+        )
+    return trainer
 
 
 def _cap(softcap):
