@@ -208,7 +208,8 @@ def test_bench_huge_n(tmp_path, capsys):
     err = _usage_error(capsys, [*FAST, "-n", str(2**64), "--out", str(tmp_path / "a")])
     assert f"argument -n/--n: expected at most 2^53 - 1 (what a record carries), got {2**64}" in err
     out = tmp_path / "b"
-    assert cli.main(["bench", *TINY_RUN[:-1], "-n", "7", str(2**50), "--out", str(out)]) == 1
+    # --large-on-cpu: without it such an N is refused before anything runs (see the test of GPU-sized presets)
+    assert cli.main(["bench", *TINY_RUN[:-1], "-n", "7", str(2**50), "--large-on-cpu", "--out", str(out)]) == 1
     said = capsys.readouterr().out
     assert "inputs or fp32 reference not made: RuntimeError:" in said and "not written" not in said
     rows = [line.split(",") for line in (out / "errors.csv").read_text().splitlines()[1:]]
@@ -377,7 +378,7 @@ def test_one_run_in_two_files(tmp_path, capsys, run_records):
     assert code == 1 and said in out and out.strip().endswith("3 bundle(s) checked, 1 problem(s)")
     code, _, err = _records(capsys, "compare", a, b, other)
     assert code == 1 and said in err
-    code, _, err = _records(capsys, "site", a, b, other, "--out", tmp_path / "site")
+    code, _, err = _records(capsys, "site", a, b, other, "--out", tmp_path / "site", "--replace")
     assert code == 1 and said in err and "1 file(s) rejected" in err
 
 
