@@ -160,6 +160,32 @@ def test_chunked_jsd_loss_at_trained_magnitudes(beta, tail, backend, seed, monke
         assert err <= max(2 * err_trl, 1e-4), (name, err, err_trl)
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("beta, tail", [(0.0, True), (0.3, True), (1.0, True), (0.3, False)])
+def test_chunked_jsd_loss_bf16_student(beta, tail, backend, seed, monkeypatch):
+    """A bf16 student (hidden states and head) at a trained model's magnitudes: TRL projects it in fp32, flashkd
+    forms the logits as the bf16 GEMM's fp32 accumulator, so the five results agree to 1e-5. The gradients
+    come back in bf16 from both; flashkd rounds dL/ds to bf16 for its gradient GEMMs as well as their output,
+    where TRL rounds only the output: against float64 truth, within 4x TRL's error (2.9x at most over 120
+    draws of these shapes; both ~2e-3, bf16's 2^-9)."""
+    monkeypatch.setattr(fk_trl, "fused_linear_distill_topk",
+                        functools.partial(fk_trl.fused_linear_distill_topk, backend=backend))
+    n, v, h, k = 40 if backend == "torch" else 13, 97, 32, 6
+    ids, logps, mask, index = targets(n, v, k, beta, teachers=3, teacher_std=6.0)
+    inputs = [t.detach().bfloat16().requires_grad_() for t in student(n, v, h, bias=True, peaked=True)]
+    args = (1.0, None, ids, logps, mask, beta, 1.0, tail, index, 3, 16)
+    (r0, g0), (r1, g1) = _both(inputs, args, backend)
+    for name, a, b in zip(("loss", "jsd_sum", "entropy_sum", "teacher_entropy_sum", "per_teacher_stats"), r1, r0):
+        assert a.dtype == b.dtype == torch.float32, (name, a.dtype, b.dtype)
+        assert _rel(a, b) <= 1e-5, (name, _rel(a, b))
+    leaves = [t.detach().double().requires_grad_() for t in inputs]
+    truth = trl_jsd_loss(*leaves, ids, logps, mask, beta=beta, temperature=1.0, add_tail_bucket=tail,
+                         teacher_index=index, num_teachers=3)
+    for name, a, b, t in zip(("d hidden", "d weight", "d bias"), g1, g0, torch.autograd.grad(truth[0], leaves)):
+        assert a.dtype == b.dtype == torch.bfloat16
+        assert _rel(a, t) <= 4 * _rel(b, t), (name, _rel(a, t), _rel(b, t))
+
+
 def test_oracle_is_trls_formula(seed):
     """The float64 oracle of TRL's loss agrees with TRL's own function on tame fp32 inputs (so the trained-
     magnitude test above measures against TRL's formula, not another)."""

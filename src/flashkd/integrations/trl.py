@@ -166,9 +166,11 @@ def chunked_jsd_loss(
     gradients to the hidden states, the head's weight and bias. `chunk_size` is not used (flashkd
     plans its own chunks).
 
-    What differs: speed and memory, and the GEMM's dtype: flashkd computes the logits in the hidden
-    states' dtype (the weight cast to it; bf16 in a bf16 model) where TRL's rounds nothing before
-    fp32; the loss math is fp32 as in TRL. The student's rest mass is taken from the logsumexp of the
+    What differs: speed and memory, and the gradients' rounding. flashkd's GEMMs take the hidden
+    states' dtype (the weight cast to it: a bf16 model's own) and form the logits as their fp32
+    accumulator, which is TRL's fp32 product of the same values up to the order of the sums; the loss
+    math is fp32 as in TRL. dL/ds is rounded to that dtype for the gradient GEMMs (TRL's are fp32, its
+    gradients rounded once at the end). The student's rest mass is taken from the logsumexp of the
     logits off the candidates rather than TRL's 1 − Σ in fp32, which cancels where the candidates hold
     nearly all the mass (fp32 log-probs of a peaked row near 30 carry ~2e-6 of absolute error).
     """
