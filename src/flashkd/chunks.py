@@ -542,7 +542,7 @@ def _rows(plan: Plan):
 
 
 def _teacher_head(teacher, precision):
-    """(xt, wt, bt) with wt the cached FP8 head of teacher_precision "fp8...", else as it came."""
+    """(xt, wt, bt) with wt the FP8 head (quantised now) of teacher_precision "fp8...", else as it came."""
     xt, wt, bt = teacher
     scaling = fp8.scaling_of(precision, xt.device)
     if scaling is None:
