@@ -75,6 +75,40 @@ def test_int32_labels_equal_int64(backend):
     assert torch.equal(call("heads", xs, ws, bs, y.to(torch.int32), t, backend=backend), want)
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("form", FORMS)
+def test_int32_labels_with_an_ignore_index_past_int32_are_refused(backend, form):
+    """2**32 + 5 wrapped to 5 in int32 (torch's comparison and the kernels'): the rows labelled 5 were
+    dropped, and the backends disagreed. int64 labels keep it, and every row counts (the oracle)."""
+    xs, ws, bs, y = student()
+    y[:] = 5
+    y[[1, 4]] = 2
+    t = teacher(form)
+    for bad in (2**32 + 5, 2**31, -(2**31) - 1):
+        with pytest.raises(ValueError, match=r"ignore_index: expected a value in \[-2\*\*31, 2\*\*31\) with torch.int32 labels"):
+            call(form, xs, ws, bs, y.to(torch.int32), t, backend=backend, ignore_index=bad)
+    opts = dict(weight_hard_loss=0.5, beta=0.3)
+    got, stats = call(form, xs, ws, bs, y, t, backend=backend, ignore_index=2**32 + 5, return_stats=True, **opts)
+    assert stats.rows.item() == N
+    leaves = [z.detach().double() for z in (xs, ws, bs)]
+    if form == "heads":
+        want = distill_loss(*leaves[:2], t["teacher_input"].double(), t["teacher_weight"].double(), y,
+                            student_bias=leaves[2], ignore_index=2**32 + 5, **opts)[0]
+    elif form == "logits":
+        want = distill_loss(*leaves[:2], None, None, y, student_bias=leaves[2], teacher_logits=t["teacher_logits"].double(),
+                            ignore_index=2**32 + 5, **opts)[0]
+    else:
+        want = topk_loss(*leaves[:2], t["teacher_ids"], t["teacher_logprobs"].double(), y, student_bias=leaves[2],
+                         ignore_index=2**32 + 5, **opts)[0]
+    assert got.item() == pytest.approx(want.item(), rel=1e-5)
+    # the edges of int32 stay usable with int32 labels, as with int64 ones
+    for edge in (2**31 - 1, -(2**31)):
+        y32 = y.to(torch.int32)
+        y32[0] = edge
+        assert torch.equal(call(form, xs, ws, bs, y32, t, backend=backend, ignore_index=edge),
+                           call(form, xs, ws, bs, y32.long(), t, backend=backend, ignore_index=edge))
+
+
 # ------------------------------------------------------------------------- non-finite values in ignored rows
 
 

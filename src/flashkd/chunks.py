@@ -232,6 +232,11 @@ def make_call(
     )
     if not has_labels and w_hard != 0.0:
         raise ValueError(f"weight_hard_loss: expected 0 when labels is None (no hard labels to train on), got {w_hard!r}")
+    # int32 labels are compared with ignore_index in int32 (torch and the kernels alike), where a value
+    # past int32 would wrap onto a real label: refused rather than widened, since no int32 label equals it
+    if isinstance(labels, torch.Tensor) and labels.dtype == torch.int32 and not -(2**31) <= spec.ignore_index < 2**31:
+        raise ValueError(f"ignore_index: expected a value in [-2**31, 2**31) with torch.int32 labels (no int32 label "
+                         f"can equal a larger one; pass int64 labels to use it), got {spec.ignore_index!r}")
     return Call(spec, teacher, student_input, student_weight, labels, student_bias, row_weight, chunk_size, backend,
                 return_soft_hard_loss, return_stats, grad_accum_dtype, check_labels, check_teacher, teacher_precision,
                 process_group, vocab_start, check_shards, check_replicas, fsdp_gather)

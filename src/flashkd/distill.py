@@ -86,7 +86,8 @@ def fused_linear_distill(
       (negative too); on CPU a non-finite weight is an error, on GPU it is not checked (a host sync)
       and gives a non-finite loss. To drop a row, set its label to ignore_index.
 
-    - labels: int64 or int32. labels=None: every row counts; `weight_hard_loss` must then be 0.
+    - labels: int64 or int32 (then ignore_index in int32's range). labels=None: every row counts;
+      `weight_hard_loss` must then be 0.
     - teacher vocab Vt > V (same tokenizer, padded head): teacher ids >= V are dropped, so the teacher
       distribution is the softmax over the student's V ids. Vt < V is an error.
     - temperature_squared: multiply the soft term by τ² (Hinton).
