@@ -159,9 +159,25 @@ class Call:
     check_shards: bool | None = None
     check_replicas: bool = False
     fsdp_gather: str = "auto"
+    failed: Exception | None = None  # with a process group: the check that failed in make_call, raised at the exchange
 
 
-def make_call(
+def make_call(teacher, student_input, student_weight, labels, **keywords) -> Call:
+    """The Call of a public function's keywords (`_make_call`, which checks them). With a process group
+    a check that fails is not raised here but carried in the Call (`failed`) to the group's exchange,
+    where every rank raises it (`flashkd.distributed.parallel.shard`): raised here, on one rank only,
+    it would leave the others waiting in a collective. Modules check their options with no teacher:
+    raised at once."""
+    try:
+        return _make_call(teacher, student_input, student_weight, labels, **keywords)
+    except (TypeError, ValueError) as e:
+        if keywords.get("process_group") is None or teacher is None:
+            raise
+        return Call(None, teacher, student_input, student_weight, labels, process_group=keywords["process_group"],
+                    vocab_start=keywords.get("vocab_start"), failed=e)
+
+
+def _make_call(
     teacher: Heads | Logits | TopK,
     student_input,
     student_weight,
