@@ -214,6 +214,22 @@ def _vocab_parallel_worker(rank, world, seed):
         got = flashkd.teacher_topk(xt, wt[start:stop], k, teacher_bias=bt[start:stop], **par, **options)
         assert torch.equal(got[0], want[0]), ("teacher_topk ids", k)
         _close(f"teacher_topk logprobs k={k}", got[1], want[1])
+    # ids >= 3 masked by a −inf bias: whole slices −inf in every row, and k past the finite ids. As
+    # unsharded: the 3 finite ids, then masked ids (which of the tied ones is open) with −inf log-probs
+    xt, wt = _inputs(gen, 9, dtype, device)[2:4]
+    bt = torch.zeros(V, dtype=dtype, device=device)
+    bt[3:] = -torch.inf
+    for k in (6, 3, V):
+        want = flashkd.teacher_topk(xt, wt, k, teacher_bias=bt)
+        got = flashkd.teacher_topk(xt, wt[start:stop], k, teacher_bias=bt[start:stop], **par)
+        n = min(k, 3)
+        assert torch.equal(got[0][:, :n], want[0][:, :n]), ("teacher_topk masked ids", k)
+        _close(f"teacher_topk masked logprobs k={k}", got[1][:, :n], want[1][:, :n])
+        assert torch.isfinite(want[1][:, :n]).all() and torch.isneginf(want[1][:, n:]).all()
+        rest = got[0][:, n:]
+        assert (rest >= 3).all() and (rest < V).all(), ("teacher_topk masked: the tied ids are masked ones", k)
+        assert (rest.sort(-1).values.diff(dim=-1) > 0).all(), ("teacher_topk masked: distinct ids", k)
+        assert torch.isneginf(got[1][:, n:]).all()
 
     # modules take the same options
     xs, ws, xt, wt, labels, _, _ = _inputs(gen, 8, dtype, device)
