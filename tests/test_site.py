@@ -405,6 +405,34 @@ def test_out_folder_and_arguments(tmp_path, capsys):
     assert code == 2 and "--compare abcdef12: expected one sound run" in err
 
 
+@pytest.mark.parametrize("unit,values", [("tokens", (1e308, 1.7976931348623157e308)), ("ns", (5e-324, 1e-300))])
+def test_a_sweep_of_measurements_at_the_doubles_ends_is_drawn(built, tmp_path, capsys, unit, values):
+    """Measurements near the double's maximum (which verify accepts) overflowed the sweep chart's axis
+    range (OverflowError, no site); near its minimum, shown in ms, they underflowed to 0."""
+    folder = tmp_path / "recs"
+    folder.mkdir()
+    for p in sorted((built["root"] / "bench" / "records").glob("*.json")):
+        b = json.loads(p.read_text())
+        spec = b["run"]["manifest"]["spec"]
+        spec.pop("timing", None)
+        value = values[1] if "-n9-" in p.name else values[0]
+        spec["measurements"] = [{"metric": "throughput", "statistic": "median", "unit": unit, "value": value}]
+        b["run"].pop("canonical", None)
+        b["run"]["digest"] = digest(b["run"]["manifest"])
+        assert check_bundle(b) == []  # a sound bundle
+        (folder / p.name).write_text(json.dumps(b))
+    code, out, err = _cli(["records", "site", str(folder), "--out", str(tmp_path / "site")], capsys)
+    assert code == 0 and "Traceback" not in err, err
+    sweeps = list((tmp_path / "site" / "sweeps").glob("*.html"))
+    assert sweeps
+    for page in sweeps:
+        parsed = _parse(page)
+        assert not parsed.errors
+        svg = page.read_text()
+        assert "nan" not in svg.lower().replace("nanos", "") and "inf" not in re.sub(r"[a-z]inf|inf[a-z]", "", svg)
+        assert "<circle" in svg
+
+
 def _restamp(bundle: dict) -> dict:
     """The bundle with its implementation and run digests recomputed (after an edit of their specs)."""
     for name in ("implementation", "run"):

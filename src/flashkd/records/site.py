@@ -433,12 +433,21 @@ def bar_chart(rows: list[tuple[str, float, float | None, float | None]], unit: s
     return "".join(parts) + "</svg>"
 
 
-def _ticks(lo: float, hi: float) -> list[float]:
-    """1-2-5 ticks covering [lo, hi] on a log scale."""
+def _ticks(lo: float, hi: float) -> list[tuple[float, str]]:
+    """1-2-5 ticks covering [10^lo, 10^hi] on a log scale, as (log10, label): bounds and ticks in
+    log10, since a measurement may lie near the double's ends, where the range with its margins (or a
+    tick) is past them. Without a 1-2-5 tick in the range, its two ends."""
     out = []
-    for e in range(math.floor(math.log10(lo)) - 1, math.ceil(math.log10(hi)) + 1):
-        out += [m * 10.0 ** e for m in (1, 2, 5) if lo <= m * 10.0 ** e <= hi]
-    return out or [lo, hi]
+    for e in range(math.floor(lo) - 1, math.ceil(hi) + 1):
+        out += [(math.log10(m) + e, _tick_label(math.log10(m) + e)) for m in (1, 2, 5) if lo <= math.log10(m) + e <= hi]
+    return out or [(lo, _tick_label(lo)), (hi, _tick_label(hi))]
+
+
+def _tick_label(log10: float) -> str:
+    e = math.floor(log10)
+    if -300 < e < 300:
+        return f"{10.0 ** log10:g}"
+    return f"{10.0 ** (log10 - e):.3g}e{e:+03d}"  # as :g writes it, for values past (or near) float's range
 
 
 def line_chart(series: list[tuple[str, list[tuple[float, float]]]], axis: str, unit: str, title: str) -> str:
@@ -448,23 +457,29 @@ def line_chart(series: list[tuple[str, list[tuple[float, float]]]], axis: str, u
     ys = [y for _, pts in series for _, y in pts]
     scale_y = 1e6 if unit == "ns" else 2**20 if unit == "bytes" else 1.0
     shown = {"ns": "ms", "bytes": "MiB"}.get(unit, unit)
-    y_lo, y_hi = min(ys) / scale_y / 1.25, max(ys) / scale_y * 1.25
-    x_lo, x_hi = xs[0] / 1.15, xs[-1] * 1.15
+    # the axes' ranges in log10, with margins: values near the double's maximum (or minimum) would
+    # overflow them as plain numbers
+    log_scale = math.log10(scale_y)
+    y_lo, y_hi = math.log10(min(ys)) - log_scale - math.log10(1.25), math.log10(max(ys)) - log_scale + math.log10(1.25)
+    x_lo, x_hi = math.log10(xs[0]) - math.log10(1.15), math.log10(xs[-1]) + math.log10(1.15)
 
     def X(x):
-        return left + math.log(x / x_lo) / math.log(x_hi / x_lo) * plot_w
+        return left + (math.log10(x) - x_lo) / (x_hi - x_lo) * plot_w
 
-    def Y(y):
-        return top + plot_h - math.log(y / y_lo) / math.log(y_hi / y_lo) * plot_h
+    def Y(log_y):  # log10 of a value in the shown unit
+        return top + plot_h - (log_y - y_lo) / (y_hi - y_lo) * plot_h
+
+    def Y_of(y):  # a measured value, in the record's unit
+        return Y(math.log10(y) - log_scale)
 
     height = top + plot_h + 44
     parts = [f'<svg xmlns="http://www.w3.org/2000/svg" class="chart" viewBox="0 0 {left + plot_w + right} {height}" '
              f'role="img" aria-label="{_esc(title)}">', f'<title>{_esc(title)}</title>',
              f'<text x="0" y="16" class="chart-title">{_esc(title)}</text>',
              f'<rect x="{left}" y="{top}" width="{plot_w}" height="{plot_h}" class="frame"/>']
-    for t in _ticks(y_lo, y_hi):
+    for t, label in _ticks(y_lo, y_hi):
         parts.append(f'<path d="M{left} {Y(t):.1f}h{plot_w}" class="grid"/>'
-                     f'<text x="{left - 6}" y="{Y(t) + 4:.1f}" text-anchor="end">{t:g}</text>')
+                     f'<text x="{left - 6}" y="{Y(t) + 4:.1f}" text-anchor="end">{label}</text>')
     for x in xs:
         parts.append(f'<path d="M{X(x):.1f} {top}v{plot_h}" class="grid"/>'
                      f'<text x="{X(x):.1f}" y="{top + plot_h + 16}" text-anchor="middle">{x:g}</text>')
@@ -474,9 +489,9 @@ def line_chart(series: list[tuple[str, list[tuple[float, float]]]], axis: str, u
     for i, (label, pts) in enumerate(series):
         color = PALETTE[i % len(PALETTE)]
         pts = sorted(pts)
-        path = "M" + "L".join(f"{X(x):.1f} {Y(y / scale_y):.1f}" for x, y in pts)
+        path = "M" + "L".join(f"{X(x):.1f} {Y_of(y):.1f}" for x, y in pts)
         parts.append(f'<path d="{path}" fill="none" stroke="{color}" stroke-width="2"/>')
-        parts += [f'<circle cx="{X(x):.1f}" cy="{Y(y / scale_y):.1f}" r="3.5" fill="{color}"/>' for x, y in pts]
+        parts += [f'<circle cx="{X(x):.1f}" cy="{Y_of(y):.1f}" r="3.5" fill="{color}"/>' for x, y in pts]
         ly = top + 10 + i * 18
         parts.append(f'<path d="M{left + plot_w + 12} {ly}h18" stroke="{color}" stroke-width="3"/>'
                      f'<text x="{left + plot_w + 36}" y="{ly + 4}">{_esc(label[:28])}</text>')
