@@ -12,6 +12,7 @@ import os
 import re
 import shutil
 import subprocess
+import sys
 import time
 from pathlib import Path
 from urllib.parse import unquote, urlparse
@@ -431,6 +432,53 @@ def test_a_sweep_of_measurements_at_the_doubles_ends_is_drawn(built, tmp_path, c
         svg = page.read_text()
         assert "nan" not in svg.lower().replace("nanos", "") and "inf" not in re.sub(r"[a-z]inf|inf[a-z]", "", svg)
         assert "<circle" in svg
+
+
+def test_two_builds_into_one_out_at_once(tmp_path, capsys, monkeypatch):
+    """Two builds into one --out: one of them died with a FileNotFoundError traceback (each removed the
+    site the other had just put there). Now the second says so in one line, exits 2 and writes nothing;
+    the first's site is whole."""
+    import threading
+
+    from flashkd.records import site as site_module
+
+    (tmp_path / "b").mkdir()
+    shutil.copy(VECTOR_PATH, tmp_path / "b" / "v.json")
+    out = tmp_path / "site"
+    assert _cli(["records", "site", str(tmp_path / "b"), "--out", str(out)], capsys)[0] == 0  # an earlier site
+    inside, release = threading.Event(), threading.Event()
+    real = site_module._write
+
+    def slow(site, building):
+        inside.set()
+        assert release.wait(60)
+        return real(site, building)
+
+    monkeypatch.setattr(site_module, "_write", slow)
+    first = {}
+    thread = threading.Thread(target=lambda: first.update(code=site_module.main(
+        type("Args", (), dict(paths=[tmp_path / "b"], out=out, compare=[], replace=True))())))
+    thread.start()
+    try:
+        assert inside.wait(60)
+        monkeypatch.setattr(site_module, "_write", real)
+        code, out_text, err = _cli(["records", "site", str(tmp_path / "b"), "--out", str(out), "--replace"], capsys)
+    finally:
+        release.set()
+        thread.join(60)
+    assert code == 2 and "Traceback" not in err
+    assert err.count("\n") == 1 and "another `flashkd records site` is building it now" in err, err
+    assert first["code"] == 0 and (out / "index.html").exists() and (out / ".flashkd-site").exists()
+    assert not list(tmp_path.glob(".site.*.partial")) and not (tmp_path / ".site.lock").exists()
+    # separate processes, started together: each says what it did, none dies with a traceback
+    cmd = [sys.executable, "-m", "flashkd", "records", "site", str(tmp_path / "b"), "--out", str(out), "--replace"]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
+    procs = [subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env) for _ in range(2)]
+    for p in procs:
+        _, err = p.communicate(timeout=120)
+        assert p.returncode in (0, 2) and "Traceback" not in err, err
+        assert p.returncode == 0 or "another `flashkd records site` is building it now" in err, err
+    assert (out / "index.html").exists()
 
 
 def _restamp(bundle: dict) -> dict:

@@ -20,6 +20,7 @@ as text, so every link in the site resolves to a file in it.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import itertools
@@ -30,6 +31,11 @@ import shutil
 import sys
 from importlib import resources
 from pathlib import Path
+
+try:
+    import fcntl
+except ImportError:  # not on Windows: there, builds into one --out are not kept apart
+    fcntl = None
 
 from .ranking import groups, ranked
 from .identity import canonical_identity, canonical_json, primary
@@ -578,20 +584,55 @@ def write(site: Site, out: Path, replace: bool = False) -> int:
     """Writes the site into `out`, whole or not at all: built in a hidden sibling (.NAME.<pid>.partial)
     and renamed into place when complete, so a killed or failing build never leaves half a site there.
     A folder this module wrote before is replaced only with `replace`; other folders are refused
-    (`check_out`). Returns the number of pages."""
+    (`check_out`). One build at a time per `out`: it holds a lock on a file beside it (.NAME.lock,
+    removed when it ends), and a second build meanwhile is refused with ValueError. Returns the number
+    of pages."""
     out = Path(out)
-    check_out(out, replace)
-    building = out.absolute().parent / f".{out.absolute().name}.{os.getpid()}{PARTIAL}"
-    shutil.rmtree(building, ignore_errors=True)
-    try:
-        pages = _write(site, building)
-        if out.exists():
-            shutil.rmtree(out)
-        os.replace(building, out)
-    except BaseException:
+    parent = out.absolute().parent
+    parent.mkdir(parents=True, exist_ok=True)
+    with _locked(parent / f".{out.absolute().name}.lock", out):
+        check_out(out, replace)  # again, under the lock: what another build left there counts
+        building = parent / f".{out.absolute().name}.{os.getpid()}{PARTIAL}"
         shutil.rmtree(building, ignore_errors=True)
-        raise
+        try:
+            pages = _write(site, building)
+            if out.exists():
+                shutil.rmtree(out)
+            os.replace(building, out)
+        except BaseException:
+            shutil.rmtree(building, ignore_errors=True)
+            raise
     return pages
+
+
+@contextlib.contextmanager
+def _locked(file: Path, out: Path):
+    """An exclusive flock on `file` (made if absent) for the block, refused at once with ValueError
+    when another build holds it; the file is removed at the end (no POSIX flock: no lock)."""
+    if fcntl is None:
+        yield
+        return
+    while True:
+        fd = os.open(file, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            raise ValueError(f"--out {out}: another `flashkd records site` is building it now (it holds {file}); "
+                             f"nothing written, run again when that one has finished") from None
+        # The build that held it before removes the file when it ends: a lock on a file no longer at
+        # that path excludes nobody, so take the one that is there now
+        try:
+            if os.path.samestat(os.fstat(fd), os.stat(file)):
+                break
+        except FileNotFoundError:
+            pass
+        os.close(fd)
+    try:
+        yield
+    finally:
+        os.unlink(file)
+        os.close(fd)
 
 
 def _write(site: Site, out: Path) -> int:
