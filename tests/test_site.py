@@ -481,6 +481,19 @@ def test_two_builds_into_one_out_at_once(tmp_path, capsys, monkeypatch):
     assert (out / "index.html").exists()
 
 
+def test_a_site_inside_its_input_folder_is_not_read_as_input(built, tmp_path, capsys):
+    """A rebuild into a folder under its own input read the site's copies of the bundles (each run
+    "shown once") and its canonical manifests (rejected: exit 1)."""
+    recs = tmp_path / "recs"
+    shutil.copytree(built["root"] / "bench" / "records", recs)
+    first = _cli(["records", "site", str(recs), "--out", str(recs / "site")], capsys)
+    # a killed earlier build left its hidden folder beside the site
+    shutil.copytree(recs / "site", recs / f".site.12345{'.partial'}")
+    again = _cli(["records", "site", str(recs), "--out", str(recs / "site"), "--replace"], capsys)
+    assert first[0] == again[0] == 0 and again[2] == "" and again[1] == first[1], again
+    assert (recs / ".site.12345.partial").exists()  # another build's: left as it was
+
+
 def _restamp(bundle: dict) -> dict:
     """The bundle with its implementation and run digests recomputed (after an edit of their specs)."""
     for name in ("implementation", "run"):

@@ -243,11 +243,13 @@ def _hex(digest: str, n: int = 16) -> str:
 
 # -- reading ----------------------------------------------------------------------------------------
 
-def read(paths, compare_pairs=()) -> Site:
+def read(paths, compare_pairs=(), out=None) -> Site:
     """Loads and checks every bundle under `paths`, groups and ranks the sound ones; `compare_pairs` are
     (run, run) spellings (a bundle file, or a run digest or its first hex digits) that get compare pages.
-    Raises ValueError when a pair names no run or several."""
-    files = bundle_paths(paths)
+    `out`: a site's folder, skipped with its builds in progress where `paths` hold it (its copies of the
+    bundles are not inputs). Raises ValueError when a pair names no run or several."""
+    ours = _own_output(out)
+    files = [p for p in bundle_paths(paths) if not ours(p)]
     good, rejected, raw = [], [], {}
     for path in files:
         try:  # read once: the bytes checked are the bytes served, whatever the file holds by then
@@ -261,7 +263,7 @@ def read(paths, compare_pairs=()) -> Site:
             rejected.append(Rejected(path, problems))
         else:
             good.append((path, bundle))
-    rejected += [Rejected(path, [INTERRUPTED]) for path in interrupted(paths)]
+    rejected += [Rejected(path, [INTERRUPTED]) for path in interrupted(paths) if not ours(path)]
     duplicates = []  # a run given twice is rendered once; two files that differ on it, not the second
     for path, earlier, identical in same_runs(good):
         good = [(p, b) for p, b in good if p is not path]
@@ -293,6 +295,20 @@ def read(paths, compare_pairs=()) -> Site:
         if (a, b) not in pairs and (b, a) not in pairs:
             pairs.append((a, b))
     return Site(runs, all_groups, _sweeps(all_groups), pairs, rejected, len(files), duplicates=duplicates)
+
+
+def _own_output(out):
+    """A test of paths: under `out`, or under one of its builds (.NAME.<pid>.partial beside it)."""
+    if out is None:
+        return lambda path: False
+    out = Path(out).resolve()
+    building = re.compile(re.escape(f".{out.name}.") + r"\d+" + re.escape(PARTIAL))
+
+    def ours(path):
+        path = Path(path).resolve()
+        return any(p == out or (p.parent == out.parent and building.fullmatch(p.name)) for p in (path, *path.parents))
+
+    return ours
 
 
 def _find(runs: list[Run], spelled: str) -> Run:
@@ -696,7 +712,7 @@ def build(paths, out, compare_pairs=(), replace=False) -> Site:
     when no bundle file is found, a --compare pair is not two runs, or `out` may not be written
     (`check_out`: checked first)."""
     check_out(out, replace)
-    site = read(paths, compare_pairs)
+    site = read(paths, compare_pairs, out)
     if not site.files:
         raise ValueError("no bundle files found")
     site.pages = write(site, out, replace)
