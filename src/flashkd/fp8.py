@@ -31,8 +31,9 @@ a cached copy can see every way a weight changes (fused optimizer steps, `.data`
 and other tensors sharing the storage all leave the version counter as it was), and reading the whole
 weight to compare it costs as much as quantising it. What it costs: one read of Wt and a write of
     Vp·Kp bytes (e4m3) + Vp·4 (rowwise) or Vp·ceil(Kp/128)·4 (1x128),   Vp, Kp: V, Ht rounded up to 16
-(128256 × 4096: 1.05 GB read, 525 MB + 0.5 or 16 MB written; measured in BENCHMARKS.md, "FP8 teacher
-head"), held for the call and freed with it. No host sync.
+(128256 × 4096: 1.05 GB read, 525 MB + 0.5 or 16 MB written, ~0.4 ms at an H200's copy speed against
+the ~5 ms the FP8 GEMM saves at 8192 rows; `benchmarks/bench_fp8.py --head-only` measures both), held
+for the call and freed with it. No host sync.
 Per block the quantised rows add R·Kp bytes + their scales (R·Kp/128·4) to the call's memory.
 """
 
