@@ -7,6 +7,11 @@ Measures, per call (median of --reps after --warmup, CUDA events on rank 0, a ba
   one-gpu        rank 0 alone, the whole heads (default backend: the Triton row kernel)
   one-gpu-torch  the same with backend="torch": the row definition the sharded calls use for now
   vocab-parallel every rank its slice of both heads, the same rows (target: <= 0.55x one-gpu)
+  agreement      the vocab-parallel call with chunk_size set (--chunk-size, default 2048), check_shards
+                 None (its checks' status, layout and options read on the host: one host sync) against
+                 False (no read, no sync), each right after ~5 ms of other GPU work is queued (what a
+                 sync then waits for: the CPU cannot queue the loss's kernels behind it). Runs on one
+                 GPU too: torchrun --nproc_per_node=1 benchmarks/bench_dist.py --only-agreement
   fsdp-rows      FSDP2-sharded heads (DTensor, Shard(0)), each rank N / world of the rows: the rows route
   fsdp-heads     the same inputs, the heads gathered instead
 and for the FSDP routes the bytes each rank receives by the formulas of flashkd.distributed.fsdp,
@@ -46,12 +51,32 @@ def timed(fn, reps, warmup, rank):
     return statistics.median(times)
 
 
+def agreement(x, ws_r, wt_r, lo, opts, a, rank):
+    """ms of a vocab-parallel fwd+bwd behind ~5 ms of queued GPU work, with and without the host read."""
+    m = torch.randn(8192, 8192, device=x.xs.device, dtype=torch.bfloat16)
+    out = {}
+    for check in (None, False):
+        def run():
+            for _ in range(3):  # other work queued ahead of the loss (a model's forward)
+                m @ m
+            xs = x.xs.detach().requires_grad_()
+            ws = ws_r.detach().requires_grad_()
+            flashkd.fused_linear_distill(xs, ws, x.xt, wt_r, x.y, process_group=dist.group.WORLD, vocab_start=lo,
+                                         check_shards=check, **opts).backward()
+        out[f"check_shards={check}"] = timed(run, a.reps, a.warmup, rank)
+    out["read costs ms"] = out["check_shards=None"] - out["check_shards=False"]
+    if rank == 0:
+        print("agreement:", out)
+    return out
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--reps", type=int, default=10)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--chunk-size", type=int, default=None)
     parser.add_argument("--out", default=None)
+    parser.add_argument("--only-agreement", action="store_true")
     a = parser.parse_args()
     dist.init_process_group("nccl")
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -79,6 +104,17 @@ def main():
         fn.ws = x.ws
         return fn
 
+    ws_r, wt_r = x.ws[lo:hi].contiguous(), x.wt[lo:hi].contiguous()
+    results["agreement"] = agreement(x, ws_r, wt_r, lo, dict(opts, chunk_size=a.chunk_size or 2048), a, rank)
+    if a.only_agreement:
+        if rank == 0:
+            print(json.dumps(results, indent=2))
+            if a.out:
+                with open(a.out, "w") as f:
+                    json.dump(results, f, indent=2)
+        dist.destroy_process_group()
+        return
+
     for name, backend in (("one-gpu", "auto"), ("one-gpu-torch", "torch")):
         if rank == 0:
             torch.cuda.reset_peak_memory_stats()
@@ -97,8 +133,6 @@ def main():
                     ms.append(e0.elapsed_time(e1))
         if rank == 0:
             results[name] = {"ms": statistics.median(ms), "peak_mib": torch.cuda.max_memory_allocated() / 2**20}
-
-    ws_r, wt_r = x.ws[lo:hi].contiguous(), x.wt[lo:hi].contiguous()
 
     def parallel(xs, ws):
         return flashkd.fused_linear_distill(xs, ws, x.xt, wt_r, x.y, process_group=dist.group.WORLD,

@@ -1,12 +1,16 @@
 """The FP8 teacher head (flashkd.fp8) on one GPU: the teacher GEMM's time and the accuracy of its logits.
 
-    python benchmarks/bench_fp8.py [--out DIR] [--rows 1024]
+    python benchmarks/bench_fp8.py [--out DIR] [--rows 1024] [--skip-timing] [--head-only]
 
 1. Time (triton.testing.do_bench, median and p20–p80, ms) of the teacher logits X·Wᵀ at M = 2048, 4096,
    8192, K = 4096, V = 128256: bf16 (cuBLAS) against torch._scaled_mm with e4m3 operands, rowwise and
    1x128 scales (flashkd.fp8), and 1x128 (X) × 128x128 (W) blocks; each with its X quantisation
    (flashkd's fused kernel) and without; the fused kernel against the same quantisation in torch ops.
-2. Accuracy on `--rows` rows against the fp32 GEMM of the same bf16 inputs (TF32 off): KL(p_true ‖ p),
+2. The head's quantisation, made anew on every call (flashkd.fp8's doc): fp8.head(W) at V = 128256,
+   K = 4096 bf16 (a read of V·K·2 bytes, a write of V·K), against the teacher GEMM it speeds up, at
+   M = 2048, 4096, 8192: bf16 GEMM, FP8 GEMM with X's quantisation, and the two added up with the head's.
+   `--head-only` runs this part alone.
+3. Accuracy on `--rows` rows against the fp32 GEMM of the same bf16 inputs (TF32 off): KL(p_true ‖ p),
    Σ|p_true − p| (L1) per row, mean over rows, and the JSD loss's relative error against a student
    distribution, for bf16 logits and each FP8 scaling, on three inputs:
      bench     the bench's inputs: X = rand (uniform [0, 1)), W as nn.Linear initialises it
@@ -94,7 +98,6 @@ def layouts(results):
             err = ((got - ref).abs().max() / ref.abs().max()).item()
             results["layouts"][f"{v}x{k} {scaling}"] = err
             print(f"layout {v}x{k} {scaling}: max rel err vs dequantised product {err:.2e} (bf16 rounding ~4e-3)")
-        fp8.clear_cache()
 
 
 def timing(results):
@@ -124,6 +127,28 @@ def timing(results):
         base = row["bf16"][0]
         print(f"M={m}: " + ", ".join(
             f"{n} {r[0]:.3f} ms ({r[0] / base:.2f}x)" if isinstance(r, list) else f"{n} {r}" for n, r in row.items()))
+
+
+def head_cost(results):
+    """The per-call quantisation of the head against the GEMM time it saves."""
+    v, k = 128256, 4096
+    torch.manual_seed(0)
+    w = (torch.rand(v, k, device="cuda") * 2 - 1).mul_(1 / math.sqrt(k)).to(torch.bfloat16)
+    for scaling in ("rowwise", "1x128"):
+        quant = _bench(lambda: fp8.head(w, scaling))
+        gbs = (v * k * 3) / (quant[0] * 1e-3) / 1e9  # bf16 read + e4m3 write
+        row = {"head quantise ms": quant, "head quantise GB/s": gbs}
+        h = fp8.head(w, scaling)
+        for m in (2048, 4096, 8192):
+            x = torch.rand(m, k, device="cuda", dtype=torch.bfloat16)
+            bf16 = _bench(lambda: x @ w.t())[0]
+            gemm = _bench(lambda: fp8.linear(x, h, None))[0]
+            call = _bench(lambda: fp8.linear(x, fp8.head(w, scaling), None))[0]
+            row[str(m)] = {"bf16 ms": bf16, "fp8 (X quantised) ms": gemm, "fp8 + head quantise ms": call,
+                           "saved ms": bf16 - call, "head share of the saving": quant[0] / (bf16 - gemm)}
+            print(f"{scaling} M={m}: head quantise {quant[0]:.3f} ms ({gbs:.0f} GB/s); bf16 {bf16:.3f}, "
+                  f"fp8 {gemm:.3f}, fp8 + head {call:.3f} ms ({call / bf16:.2f}x bf16)")
+        results["head"][scaling] = row
 
 
 def _case(name, rows, k, v, gen):
@@ -165,7 +190,6 @@ def accuracy(results, rows):
 
         j_true = jsd(lp_true).mean()
         row = {"teacher entropy (nats)": ent}
-        fp8.clear_cache()
         for name, (full, _) in _gemm_variants(w).items():
             try:
                 lp = torch.log_softmax(full(x).float(), -1)
@@ -197,7 +221,6 @@ def accuracy(results, rows):
             elif name != "teacher entropy (nats)":
                 print(f"  {name:22s} {r}")
         del truth, lp_true, student
-        fp8.clear_cache()
 
 
 def main():
@@ -205,14 +228,19 @@ def main():
     p.add_argument("--out", default=".")
     p.add_argument("--rows", type=int, default=1024)
     p.add_argument("--skip-timing", action="store_true")
+    p.add_argument("--head-only", action="store_true", help="only the head's per-call quantisation against the GEMM")
     a = p.parse_args()
     os.makedirs(a.out, exist_ok=True)
-    results = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "timing": {}, "accuracy": {}, "layouts": {},
+    results = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "timing": {}, "accuracy": {}, "layouts": {}, "head": {},
                "commit": os.environ.get("FLASHKD_COMMIT")}
-    layouts(results)
-    if not a.skip_timing:
-        timing(results)
-    accuracy(results, a.rows)
+    if a.head_only:
+        head_cost(results)
+    else:
+        layouts(results)
+        if not a.skip_timing:
+            timing(results)
+            head_cost(results)
+        accuracy(results, a.rows)
     with open(os.path.join(a.out, "fp8.json"), "w") as f:
         json.dump(results, f, indent=1)
 

@@ -180,6 +180,37 @@ def test_shard_symlink_is_refused(copy, tmp_path):
         TopKTargets(copy)
 
 
+def test_an_index_that_is_a_fifo_or_a_directory_is_refused_at_once(copy):
+    """A FIFO was opened in blocking mode before the regular-file check: TopKTargets waited forever for
+    a writer. A directory gave a raw IsADirectoryError naming file descriptor 3."""
+    import threading
+
+    index = copy / "index.json"
+    index.unlink()
+    os.mkfifo(index)
+    got = []
+
+    def open_targets():
+        try:
+            TopKTargets(copy)
+        except Exception as e:  # noqa: BLE001
+            got.append(e)
+
+    reader = threading.Thread(target=open_targets, daemon=True)
+    reader.start()
+    reader.join(10)
+    if reader.is_alive():  # blocked in open(): a writer that writes nothing lets it go, then the test fails
+        os.close(os.open(index, os.O_WRONLY | os.O_NONBLOCK))
+        reader.join(10)
+        pytest.fail("TopKTargets blocked on an index.json that is a FIFO")
+    assert len(got) == 1 and isinstance(got[0], TargetsError), got
+    assert "index.json: expected a regular file, got a FIFO" in str(got[0])
+    index.unlink()
+    index.mkdir()
+    with pytest.raises(TargetsError, match=r"index.json: expected a regular file, got a directory"):
+        TopKTargets(copy)
+
+
 def test_missing_shard_is_refused(copy):
     (copy / FILES[4]).unlink()
     with pytest.raises(TargetsError, match=rf"{FILES[4]}: expected the shard the index lists, got no such file"):

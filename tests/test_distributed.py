@@ -34,15 +34,16 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _spawn(worker, world: int, *args):
+def _spawn(worker, world: int, *args, timeout=120):
+    """worker(rank, world, seed, *args) on every rank; a collective waiting past `timeout` seconds raises."""
     if os.environ.get("FLASHKD_DIST_BACKEND") == "nccl" and torch.cuda.device_count() < world:
         pytest.skip(f"needs {world} GPUs")
     seed = int.from_bytes(os.urandom(4), "little")
     print(f"seed={seed}")
-    mp.spawn(_entry, args=(worker, world, _free_port(), seed, *args), nprocs=world, join=True)
+    mp.spawn(_entry, args=(worker, world, _free_port(), seed, timeout, *args), nprocs=world, join=True)
 
 
-def _entry(rank, worker, world, port, seed, *args):
+def _entry(rank, worker, world, port, seed, timeout, *args):
     import sys
 
     # a fresh process that has imported flashkd (and this module): the layer above the core is not loaded
@@ -51,7 +52,7 @@ def _entry(rank, worker, world, port, seed, *args):
     if backend == "nccl":
         torch.cuda.set_device(rank)
     dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=120))
+                            timeout=datetime.timedelta(seconds=timeout))
     try:
         worker(rank, world, seed, *args)
     except BaseException:
@@ -213,6 +214,22 @@ def _vocab_parallel_worker(rank, world, seed):
         got = flashkd.teacher_topk(xt, wt[start:stop], k, teacher_bias=bt[start:stop], **par, **options)
         assert torch.equal(got[0], want[0]), ("teacher_topk ids", k)
         _close(f"teacher_topk logprobs k={k}", got[1], want[1])
+    # ids >= 3 masked by a −inf bias: whole slices −inf in every row, and k past the finite ids. As
+    # unsharded: the 3 finite ids, then masked ids (which of the tied ones is open) with −inf log-probs
+    xt, wt = _inputs(gen, 9, dtype, device)[2:4]
+    bt = torch.zeros(V, dtype=dtype, device=device)
+    bt[3:] = -torch.inf
+    for k in (6, 3, V):
+        want = flashkd.teacher_topk(xt, wt, k, teacher_bias=bt)
+        got = flashkd.teacher_topk(xt, wt[start:stop], k, teacher_bias=bt[start:stop], **par)
+        n = min(k, 3)
+        assert torch.equal(got[0][:, :n], want[0][:, :n]), ("teacher_topk masked ids", k)
+        _close(f"teacher_topk masked logprobs k={k}", got[1][:, :n], want[1][:, :n])
+        assert torch.isfinite(want[1][:, :n]).all() and torch.isneginf(want[1][:, n:]).all()
+        rest = got[0][:, n:]
+        assert (rest >= 3).all() and (rest < V).all(), ("teacher_topk masked: the tied ids are masked ones", k)
+        assert (rest.sort(-1).values.diff(dim=-1) > 0).all(), ("teacher_topk masked: distinct ids", k)
+        assert torch.isneginf(got[1][:, n:]).all()
 
     # modules take the same options
     xs, ws, xt, wt, labels, _, _ = _inputs(gen, 8, dtype, device)
@@ -262,6 +279,86 @@ def _bad_inputs(rank, world, group, start, stop, device, gen):
 @pytest.mark.parametrize("world", [2, 3])
 def test_vocab_parallel_equals_unsharded(world):
     _spawn(_vocab_parallel_worker, world)
+
+
+def _one_rank_differs_worker(rank, world, seed):
+    """Calls wrong on one rank only (the last): every rank raises the same error at once, none waits
+    in a collective (the group's timeout is short: a rank left waiting fails the test)."""
+    import time
+
+    group, device = dist.group.WORLD, _device()
+    start, stop = LAYOUTS[world][rank]
+    gen = torch.Generator().manual_seed(seed)
+    xs, ws, xt, wt, labels, _, _ = _inputs(gen, 6, torch.float64, device)
+    odd = rank == world - 1
+    par = dict(process_group=group, vocab_start=start)
+    ids, lp = flashkd.teacher_topk(xt, wt, K)
+    tl = xt @ wt.t()
+
+    def heads(xs=xs, ws=ws[start:stop], xt=xt, wt=wt[start:stop], labels=labels, **kw):
+        return flashkd.fused_linear_distill(xs, ws, xt, wt, labels, **par, **kw)
+
+    def logits(ws=ws[start:stop], tl=tl[:, start:stop], **kw):
+        return flashkd.fused_linear_distill_logits(xs, ws, tl, labels, **par, **kw)
+
+    def topk(ws=ws[start:stop], ids=ids, **kw):
+        return flashkd.fused_linear_distill_topk(xs, ws, ids, lp, labels, **{"weight_hard_loss": 0.5, **par, **kw})
+
+    def targets(wt=wt[start:stop], k=K, xt=xt, **kw):
+        return flashkd.teacher_topk(xt, wt, k, **par, **kw)
+
+    empty = slice(stop, stop) if odd else slice(start, stop)
+    cases = [
+        # a check that fails on one rank: an empty vocab slice (each form and teacher_topk), a bad option,
+        # a tensor of the wrong shape or dtype
+        (ValueError, r"student_weight: expected a 2-D \(vocab, hidden\) tensor, both >= 1, got shape \(0, 6\)",
+         heads, dict(ws=ws[empty], wt=wt[empty])),
+        (ValueError, r"student_weight: expected a 2-D", logits, dict(ws=ws[empty], tl=tl[:, empty])),
+        (ValueError, r"student_weight: expected a 2-D", topk, dict(ws=ws[empty])),
+        (ValueError, r"teacher_weight: expected a 2-D \(vocab, hidden\) tensor, both >= 1", targets, dict(wt=wt[empty])),
+        (ValueError, r"beta: expected a value in \[0, 1\], got 2.0", heads, dict(beta=2.0 if odd else 0.5)),
+        (TypeError, r"labels: expected an integer dtype", heads, dict(labels=labels.double() if odd else labels)),
+        (ValueError, r"teacher_input: expected shape", targets, dict(xt=xt[:, :-1] if odd else xt)),
+        (ValueError, r"row_weight: expected", heads, dict(row_weight=torch.ones(5 if odd else 6, dtype=torch.float64, device=device))),
+        (TypeError, r"check_shards: expected a bool or None", heads, dict(check_shards="yes" if odd else None)),
+        # options that differ between ranks, each valid: named on every rank
+        (ValueError, r"temperature: expected the same value on every rank of process_group", heads,
+         dict(temperature=2.0 if odd else 1.0)),
+        (ValueError, r"loss: expected the same value on every rank", heads, dict(loss="tvd" if odd else "jsd")),
+        (ValueError, r"beta: expected the same value on every rank", logits, dict(beta=0.3 if odd else 0.5)),
+        (ValueError, r"weight_hard_loss: expected the same value on every rank", topk,
+         dict(weight_hard_loss=0.25 if odd else 0.5)),
+        (ValueError, r"weight_soft_loss: expected the same value", heads, dict(weight_soft_loss=0.25 if odd else 0.5)),
+        (ValueError, r"reduction: expected the same value", heads, dict(reduction="sum" if odd else "mean")),
+        (ValueError, r"temperature_squared: expected the same value", heads, dict(temperature_squared=odd)),
+        (ValueError, r"ignore_index: expected the same value", heads, dict(ignore_index=-1 if odd else -100)),
+        (ValueError, r"student_softcap: expected the same value", heads, dict(student_softcap=3.0 if odd else None)),
+        (ValueError, r"chunk_size: expected the same value", heads, dict(chunk_size=2 if odd else 3)),
+        (ValueError, r"tail: expected the same value", topk, dict(tail="renormalize" if odd else "bucket")),
+        (ValueError, r"k: expected the same value", targets, dict(k=K - 1 if odd else K)),
+        (ValueError, r"temperature: expected the same value", targets, dict(temperature=0.5 if odd else 1.0)),
+        (ValueError, r"labels given: expected the same value", heads,
+         dict(labels=None if odd else labels, weight_hard_loss=0.0)),
+        (ValueError, r"student_input: expected the same number of rows on every rank", heads,
+         dict(xs=xs[:5] if odd else xs, xt=xt[:5] if odd else xt, labels=labels[:5] if odd else labels)),
+        (ValueError, r"teacher_input: expected the same number of rows on every rank", targets,
+         dict(xt=xt[:5] if odd else xt)),
+    ]
+    for exc, match, fn, kw in cases:
+        began = time.monotonic()
+        _raises(exc, match, fn, **kw)
+        assert time.monotonic() - began < 10, (match, "every rank raised, but after waiting")
+    # the group is in step after all that: a right call is the unsharded one
+    _close("after the errors", heads(), flashkd.fused_linear_distill(xs, ws, xt, wt, labels))
+    got = targets()
+    assert torch.equal(got[0], ids)
+    # agreeing options that are equal values of other types: 2 and 2.0
+    _close("2 and 2.0", heads(temperature=2 if odd else 2.0), flashkd.fused_linear_distill(xs, ws, xt, wt, labels,
+                                                                                          temperature=2.0))
+
+
+def test_a_call_wrong_on_one_rank_raises_on_every_rank_at_once():
+    _spawn(_one_rank_differs_worker, 2, timeout=20)
 
 
 class _Student(torch.nn.Module):

@@ -2,7 +2,6 @@
 the interpreter), the cache, the argument checks, and the whole loss through CPU torch._scaled_mm
 against the float64 oracle fed the dequantised teacher logits. The GPU suite runs the cuBLAS path."""
 
-import gc
 import zlib
 
 import pytest
@@ -103,39 +102,18 @@ def test_one_outlier_sets_only_its_groups_scale_with_1x128():
     assert s[0, 0] == s_row[0, 0] and (s[0, 1:] < s[0, 0] / 100).all()
 
 
-# ---- the cache ------------------------------------------------------------------------------------
+# ---- the head: made from the weight's values at every call ------------------------------------------
 
 
-def test_the_cache_serves_an_unchanged_weight_and_requantises_a_changed_one():
-    fp8.clear_cache()
+def test_the_head_is_the_quantised_weight_and_clear_cache_is_a_no_op():
     w = torch.randn(100, 64)
     h = fp8.head(w, "rowwise")
-    assert fp8.head(w, "rowwise") is h
-    assert fp8.head(w, "1x128") is not h  # another scaling: another entry
-    assert fp8.cache_bytes() == h.nbytes + fp8.head(w, "1x128").nbytes
-    with torch.no_grad():
-        w.mul_(2)  # an optimizer step, a copy_: the version counter moves
-    h2 = fp8.head(w, "rowwise")
-    assert h2 is not h and torch.equal(h2.scale[:, :100], h.scale[:, :100] * 2)  # (rows past 100: padding)
-    w.data = torch.randn(100, 64)  # new storage under the same Parameter-like tensor
-    assert fp8.head(w, "rowwise") is not h2
-    v = w[:50]  # a view (a padded head's rows): its own entry, anchored on w
-    assert fp8.head(v, "rowwise").v == 50 and fp8.head(v, "rowwise") is fp8.head(w[:50], "rowwise")
-    first = fp8.head(v, "rowwise")
-    with torch.no_grad():
-        w[0] += 1  # written through the base: the view's version counter is the same one
-    assert fp8.head(v, "rowwise") is not first
-    assert fp8.clear_cache() > 0 and fp8.cache_bytes() == 0
-
-
-def test_an_entry_dies_with_its_weight():
-    fp8.clear_cache()
-    w = torch.randn(64, 32)
-    fp8.head(w, "rowwise")
-    assert fp8.cache_bytes() > 0
-    del w
-    gc.collect()
-    assert fp8.cache_bytes() == 0
+    q, s = fp8.quantize_reference(w, "rowwise", rows_to=16)
+    assert h.v == 100 and torch.equal(_bits(h.q), _bits(q)) and torch.equal(h.scale, s.reshape(1, -1))
+    h = fp8.head(w[:50], "1x128")  # a view (a padded head's rows)
+    q, s = fp8.quantize_reference(w[:50], "1x128", rows_to=16)
+    assert h.v == 50 and torch.equal(_bits(h.q), _bits(q)) and torch.equal(h.scale, s.t())
+    assert fp8.clear_cache() == 0 and fp8.cache_bytes() == 0  # kept for callers: nothing is cached
 
 
 # ---- argument checks -------------------------------------------------------------------------------
@@ -255,3 +233,75 @@ def test_the_trl_patch_passes_teacher_precision_on(monkeypatch):
         with pytest.raises(RuntimeError, match="stop"):
             trl_patch.chunked_divergence_loss(x, x, w, w, mask, 0.5)
     assert "teacher_precision" not in seen
+
+
+def _fused_step(opt):
+    def update(w):
+        step = opt([w], lr=0.1, fused=True)
+        w.grad = torch.randn_like(w)
+        step.step()
+
+    return update
+
+
+def _alias(w):
+    """Another tensor on w's storage (its own version counter)."""
+    return torch.empty(0, dtype=w.dtype).set_(w.untyped_storage(), w.storage_offset(), w.shape, w.stride())
+
+
+def _same_address_swap(w):
+    """`.data =` a tensor that shares w's storage (so the same address), then written through that tensor."""
+    new = _alias(w.data)
+    w.data = new
+    new.mul_(0.5).add_(1.0)
+
+
+# Updates that leave the version counter of the tensor passed as teacher_weight as it was
+UPDATES = {
+    "fused AdamW": _fused_step(torch.optim.AdamW),
+    "fused Adam": _fused_step(torch.optim.Adam),
+    "fused SGD": _fused_step(torch.optim.SGD),
+    "EMA through .data": lambda w: w.data.mul_(0.9).add_(torch.randn_like(w.data), alpha=0.1),
+    ".data = swap": _same_address_swap,
+    "numpy view": lambda w: w.detach().numpy().__imul__(-1.5),
+    "untyped_storage().copy_": lambda w: w.untyped_storage().copy_(torch.randn_like(w.data).untyped_storage()),
+    "another tensor on the storage": lambda w: _alias(w.detach()).add_(0.25),
+}
+
+
+@pytest.mark.parametrize("update", list(UPDATES))
+def test_an_updated_teacher_weight_is_never_served_stale(fp8_on_cpu, update):
+    """Every way a weight's values change, the FP8 loss and top-k targets are those of its new values
+    (those of a fresh copy of it), at every call."""
+    xs, ws, xt, wt, y = _inputs(seed=7)
+    w = torch.nn.Parameter(wt.clone())
+    kd = dict(teacher_precision="fp8", backend="torch", loss="jsd")
+
+    def loss(weight):
+        return flashkd.fused_linear_distill(xs, ws, xt, weight, y, **kd).item()
+
+    def topk(weight):
+        return flashkd.teacher_topk(xt, weight, 5, teacher_precision="fp8")
+
+    before, (ids_before, _) = loss(w), topk(w)
+    UPDATES[update](w)
+    fresh = w.detach().clone()  # a tensor no call has seen
+    assert not torch.equal(fresh, wt)  # the update did change the values
+    assert loss(w) == loss(fresh) != before
+    ids, lp = topk(w)
+    ids_fresh, lp_fresh = topk(fresh)
+    assert torch.equal(ids, ids_fresh) and torch.equal(lp, lp_fresh) and not torch.equal(ids, ids_before)
+
+
+def test_a_teacher_weight_made_under_inference_mode_works_like_bf16(fp8_on_cpu):
+    xs, ws, xt, wt, y = _inputs(seed=3)
+    with torch.inference_mode():
+        wi = wt.clone()
+    kd = dict(teacher_precision="fp8", backend="torch")
+    got = flashkd.fused_linear_distill(xs, ws, xt, wi, y, **kd)
+    want = flashkd.fused_linear_distill(xs, ws, xt, wt, y, **kd)
+    assert got.item() == want.item()
+    assert torch.equal(torch.autograd.grad(got, xs)[0], torch.autograd.grad(want, xs)[0])
+    ids, lp = flashkd.teacher_topk(xt, wi, 4, teacher_precision="fp8")
+    ids_want, lp_want = flashkd.teacher_topk(xt, wt, 4, teacher_precision="fp8")
+    assert torch.equal(ids, ids_want) and torch.equal(lp, lp_want)

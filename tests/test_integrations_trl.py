@@ -153,6 +153,21 @@ def test_patch_unpatch_and_context():
     assert trl_dt._chunked_divergence_loss is original
 
 
+def test_a_stale_context_exit_leaves_a_later_patch_alone():
+    original = _trl_helper()
+    stale = fk_trl.patch()
+    fk_trl.unpatch()
+    fk_trl.patch()  # independent of `stale`
+    with stale:
+        pass
+    assert fk_trl.is_patched() and trl_dt._chunked_divergence_loss is fk_trl.chunked_divergence_loss
+    with fk_trl.patch():  # already patched: its exit leaves the patch in place
+        pass
+    assert fk_trl.is_patched()
+    fk_trl.unpatch()
+    assert trl_dt._chunked_divergence_loss is original
+
+
 def test_refuses_untested_version(monkeypatch):
     real = fk_trl.importlib.metadata.version
     monkeypatch.setattr(fk_trl.importlib.metadata, "version", lambda name: "9.9.0" if name == "trl" else real(name))

@@ -12,6 +12,7 @@ import os
 import re
 import shutil
 import subprocess
+import sys
 import time
 from pathlib import Path
 from urllib.parse import unquote, urlparse
@@ -403,6 +404,94 @@ def test_out_folder_and_arguments(tmp_path, capsys):
     code, _, err = _cli(["records", "site", str(tmp_path / "b"), "--out", str(site), "--replace", "--compare", "abcdef12",
                          str(tmp_path / "b" / "v.json")], capsys)
     assert code == 2 and "--compare abcdef12: expected one sound run" in err
+
+
+@pytest.mark.parametrize("unit,values", [("tokens", (1e308, 1.7976931348623157e308)), ("ns", (5e-324, 1e-300))])
+def test_a_sweep_of_measurements_at_the_doubles_ends_is_drawn(built, tmp_path, capsys, unit, values):
+    """Measurements near the double's maximum (which verify accepts) overflowed the sweep chart's axis
+    range (OverflowError, no site); near its minimum, shown in ms, they underflowed to 0."""
+    folder = tmp_path / "recs"
+    folder.mkdir()
+    for p in sorted((built["root"] / "bench" / "records").glob("*.json")):
+        b = json.loads(p.read_text())
+        spec = b["run"]["manifest"]["spec"]
+        spec.pop("timing", None)
+        value = values[1] if "-n9-" in p.name else values[0]
+        spec["measurements"] = [{"metric": "throughput", "statistic": "median", "unit": unit, "value": value}]
+        b["run"].pop("canonical", None)
+        b["run"]["digest"] = digest(b["run"]["manifest"])
+        assert check_bundle(b) == []  # a sound bundle
+        (folder / p.name).write_text(json.dumps(b))
+    code, out, err = _cli(["records", "site", str(folder), "--out", str(tmp_path / "site")], capsys)
+    assert code == 0 and "Traceback" not in err, err
+    sweeps = list((tmp_path / "site" / "sweeps").glob("*.html"))
+    assert sweeps
+    for page in sweeps:
+        parsed = _parse(page)
+        assert not parsed.errors
+        svg = page.read_text()
+        assert "nan" not in svg.lower().replace("nanos", "") and "inf" not in re.sub(r"[a-z]inf|inf[a-z]", "", svg)
+        assert "<circle" in svg
+
+
+def test_two_builds_into_one_out_at_once(tmp_path, capsys, monkeypatch):
+    """Two builds into one --out: one of them died with a FileNotFoundError traceback (each removed the
+    site the other had just put there). Now the second says so in one line, exits 2 and writes nothing;
+    the first's site is whole."""
+    import threading
+
+    from flashkd.records import site as site_module
+
+    (tmp_path / "b").mkdir()
+    shutil.copy(VECTOR_PATH, tmp_path / "b" / "v.json")
+    out = tmp_path / "site"
+    assert _cli(["records", "site", str(tmp_path / "b"), "--out", str(out)], capsys)[0] == 0  # an earlier site
+    inside, release = threading.Event(), threading.Event()
+    real = site_module._write
+
+    def slow(site, building):
+        inside.set()
+        assert release.wait(60)
+        return real(site, building)
+
+    monkeypatch.setattr(site_module, "_write", slow)
+    first = {}
+    thread = threading.Thread(target=lambda: first.update(code=site_module.main(
+        type("Args", (), dict(paths=[tmp_path / "b"], out=out, compare=[], replace=True))())))
+    thread.start()
+    try:
+        assert inside.wait(60)
+        monkeypatch.setattr(site_module, "_write", real)
+        code, out_text, err = _cli(["records", "site", str(tmp_path / "b"), "--out", str(out), "--replace"], capsys)
+    finally:
+        release.set()
+        thread.join(60)
+    assert code == 2 and "Traceback" not in err
+    assert err.count("\n") == 1 and "another `flashkd records site` is building it now" in err, err
+    assert first["code"] == 0 and (out / "index.html").exists() and (out / ".flashkd-site").exists()
+    assert not list(tmp_path.glob(".site.*.partial")) and not (tmp_path / ".site.lock").exists()
+    # separate processes, started together: each says what it did, none dies with a traceback
+    cmd = [sys.executable, "-m", "flashkd", "records", "site", str(tmp_path / "b"), "--out", str(out), "--replace"]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
+    procs = [subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env) for _ in range(2)]
+    for p in procs:
+        _, err = p.communicate(timeout=120)
+        assert p.returncode in (0, 2) and "Traceback" not in err, err
+        assert p.returncode == 0 or "another `flashkd records site` is building it now" in err, err
+    assert (out / "index.html").exists()
+
+
+def test_a_site_inside_its_input_folder_is_not_read_as_input(built, tmp_path, capsys):
+    """A rebuild into a folder under its own input read the site's copies of the bundles (each run
+    "shown once") and its canonical manifests (rejected: exit 1)."""
+    recs = tmp_path / "recs"
+    shutil.copytree(built["root"] / "bench" / "records", recs)
+    first = _cli(["records", "site", str(recs), "--out", str(recs / "site")], capsys)
+    # a killed earlier build left its hidden folder beside the site
+    shutil.copytree(recs / "site", recs / f".site.12345{'.partial'}")
+    again = _cli(["records", "site", str(recs), "--out", str(recs / "site"), "--replace"], capsys)
+    assert first[0] == again[0] == 0 and again[2] == "" and again[1] == first[1], again
+    assert (recs / ".site.12345.partial").exists()  # another build's: left as it was
 
 
 def _restamp(bundle: dict) -> dict:

@@ -17,7 +17,7 @@ chunks of rows, so the [tokens × vocab] logits never exist in full:
     FusedLinearDistillLoss(loss=..., **options)
                                 fused_linear_distill as an nn.Module; FusedLinearJSDLoss and
                                 FusedLinearCosineSimilarityLoss are drop-ins for Liger-Kernel's modules
-    flashkd.fp8                 the FP8 teacher head behind teacher_precision="fp8" (clear_cache)
+    flashkd.fp8                 the FP8 teacher head behind teacher_precision="fp8"
     flashkd.data                top-k targets on disk (write_topk_targets), read lazily (TopKTargets)
                                 and placed into padded batches (TopKCollator); needs safetensors
 

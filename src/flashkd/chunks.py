@@ -159,9 +159,25 @@ class Call:
     check_shards: bool | None = None
     check_replicas: bool = False
     fsdp_gather: str = "auto"
+    failed: Exception | None = None  # with a process group: the check that failed in make_call, raised at the exchange
 
 
-def make_call(
+def make_call(teacher, student_input, student_weight, labels, **keywords) -> Call:
+    """The Call of a public function's keywords (`_make_call`, which checks them). With a process group
+    a check that fails is not raised here but carried in the Call (`failed`) to the group's exchange,
+    where every rank raises it (`flashkd.distributed.parallel.shard`): raised here, on one rank only,
+    it would leave the others waiting in a collective. Modules check their options with no teacher:
+    raised at once."""
+    try:
+        return _make_call(teacher, student_input, student_weight, labels, **keywords)
+    except (TypeError, ValueError) as e:
+        if keywords.get("process_group") is None or teacher is None:
+            raise
+        return Call(None, teacher, student_input, student_weight, labels, process_group=keywords["process_group"],
+                    vocab_start=keywords.get("vocab_start"), failed=e)
+
+
+def _make_call(
     teacher: Heads | Logits | TopK,
     student_input,
     student_weight,
@@ -232,6 +248,11 @@ def make_call(
     )
     if not has_labels and w_hard != 0.0:
         raise ValueError(f"weight_hard_loss: expected 0 when labels is None (no hard labels to train on), got {w_hard!r}")
+    # int32 labels are compared with ignore_index in int32 (torch and the kernels alike), where a value
+    # past int32 would wrap onto a real label: refused rather than widened, since no int32 label equals it
+    if isinstance(labels, torch.Tensor) and labels.dtype == torch.int32 and not -(2**31) <= spec.ignore_index < 2**31:
+        raise ValueError(f"ignore_index: expected a value in [-2**31, 2**31) with torch.int32 labels (no int32 label "
+                         f"can equal a larger one; pass int64 labels to use it), got {spec.ignore_index!r}")
     return Call(spec, teacher, student_input, student_weight, labels, student_bias, row_weight, chunk_size, backend,
                 return_soft_hard_loss, return_stats, grad_accum_dtype, check_labels, check_teacher, teacher_precision,
                 process_group, vocab_start, check_shards, check_replicas, fsdp_gather)
@@ -542,7 +563,7 @@ def _rows(plan: Plan):
 
 
 def _teacher_head(teacher, precision):
-    """(xt, wt, bt) with wt the cached FP8 head of teacher_precision "fp8...", else as it came."""
+    """(xt, wt, bt) with wt the FP8 head (quantised now) of teacher_precision "fp8...", else as it came."""
     xt, wt, bt = teacher
     scaling = fp8.scaling_of(precision, xt.device)
     if scaling is None:

@@ -771,14 +771,20 @@ def _read_index(path: Path) -> dict:
 
 
 def _read_regular(file: Path) -> bytes:
+    # O_NONBLOCK: opening a FIFO (or some devices) must not wait for a writer; what was opened is then
+    # checked on its descriptor (no race with a swap of the path) before a byte is read
     try:
-        fd = os.open(file, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
+        fd = os.open(file, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_NOFOLLOW", 0))
     except OSError as e:
         got = "a symbolic link" if os.path.islink(file) else e.strerror
         raise TargetsError(f"{file}: expected a regular file, got {got}") from None
+    mode = os.fstat(fd).st_mode
+    if not stat.S_ISREG(mode):
+        os.close(fd)
+        got = ("a directory" if stat.S_ISDIR(mode) else "a FIFO" if stat.S_ISFIFO(mode)
+               else "a socket" if stat.S_ISSOCK(mode) else "a device")
+        raise TargetsError(f"{file}: expected a regular file, got {got}")
     with os.fdopen(fd, "rb") as f:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            raise TargetsError(f"{file}: expected a regular file, got a directory or device")
         return f.read()
 
 

@@ -86,7 +86,8 @@ def fused_linear_distill(
       (negative too); on CPU a non-finite weight is an error, on GPU it is not checked (a host sync)
       and gives a non-finite loss. To drop a row, set its label to ignore_index.
 
-    - labels: int64 or int32. labels=None: every row counts; `weight_hard_loss` must then be 0.
+    - labels: int64 or int32 (then ignore_index in int32's range). labels=None: every row counts;
+      `weight_hard_loss` must then be 0.
     - teacher vocab Vt > V (same tokenizer, padded head): teacher ids >= V are dropped, so the teacher
       distribution is the softmax over the student's V ids. Vt < V is an error.
     - temperature_squared: multiply the soft term by τ² (Hinton).
@@ -101,8 +102,8 @@ def fused_linear_distill(
     - teacher_precision: None (the teacher's logits from a GEMM in its dtype), or "fp8" (the same as
       "fp8-rowwise") or "fp8-1x128": from an e4m3 GEMM with one scale per row (per 128 hidden units)
       of teacher_input and teacher_weight, on GPUs with FP8 tensor cores (sm_89+; 1x128 on sm_90
-      only). The quantised head is cached until teacher_weight changes or is freed
-      (`flashkd.fp8.clear_cache()`). Faster, and less exact: the teacher's probabilities move by
+      only). The head is quantised anew on every call (one read of teacher_weight, ~V·Ht bytes held
+      for the call). Faster, and less exact: the teacher's probabilities move by
       what e4m3's 3-bit mantissa does to its logits (README, BENCHMARKS.md). See `flashkd.fp8`.
     """
     call = chunks.make_call(

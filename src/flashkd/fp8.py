@@ -4,7 +4,7 @@ The teacher is frozen, and its GEMM is the largest of the four (Ht > Hs); Hopper
 about twice the bf16 rate. Only the teacher's logits change: the student's GEMMs and all the loss math
 stay as they are (bf16 GEMMs, fp32 math).
 
-    head(Wt)        once per teacher weight (cached, see below): Wq = e4m3(Wt / sw), sw its scales
+    head(Wt)        once per call (see below): Wq = e4m3(Wt / sw), sw its scales
     per block of teacher rows c:
         Xq, sx = quantize(Xt[c])                  one fused read of Xt[c], Xq (R, Kp) e4m3, sx fp32
         T = (Xq · sx) @ (Wq · sw)ᵀ (+ bt)          torch._scaled_mm, fp32 accumulation, T in Xt's dtype
@@ -26,20 +26,20 @@ their errors are the same on Gaussian hidden states (e4m3's 3-bit mantissa sets 
 range), and 1x128 halves the rowwise error when a few channels carry outliers 50× the rest (the
 massive activations of LLM hidden states). Hence rowwise by default, 1x128 on request.
 
-The cache: the quantised head of each teacher weight lives in memory until the weight is freed or
-`clear_cache()` is called, keyed by the weight object and checked on every call against its version
-counter, storage pointer, shape, strides, dtype, the vocab used and the scaling: an optimizer step, a
-`copy_` or a new `.data` re-quantises; nothing stale is served. Its memory per head:
+The head is quantised anew on every call (once per call, not per block), never cached: no check of
+a cached copy can see every way a weight changes (fused optimizer steps, `.data` updates, numpy views
+and other tensors sharing the storage all leave the version counter as it was), and reading the whole
+weight to compare it costs as much as quantising it. What it costs: one read of Wt and a write of
     Vp·Kp bytes (e4m3) + Vp·4 (rowwise) or Vp·ceil(Kp/128)·4 (1x128),   Vp, Kp: V, Ht rounded up to 16
-(128256 × 4096: 525 MB + 0.5 or 16 MB). A head that is gathered anew on every call (FSDP2) is
-quantised on every call: one read of Wt and a V·Ht-byte write, ~0.3 ms for 128256 × 4096 on an H200.
+(128256 × 4096: 1.05 GB read, 525 MB + 0.5 or 16 MB written, ~0.4 ms at an H200's copy speed against
+the ~5 ms the FP8 GEMM saves at 8192 rows; `benchmarks/bench_fp8.py --head-only` measures both), held
+for the call and freed with it. No host sync.
 Per block the quantised rows add R·Kp bytes + their scales (R·Kp/128·4) to the call's memory.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import weakref
 
 import torch
 
@@ -94,48 +94,28 @@ def check_dtype(dtype: torch.dtype):
         raise TypeError(f"teacher_precision: an FP8 teacher needs float16, bfloat16 or float32 inputs, got {dtype}")
 
 
-# ---- the cache ------------------------------------------------------------------------------------
-
-_CACHE: dict[int, tuple] = {}  # id(base weight) -> (weakref to it, {slot: (check, Head)})
+# ---- the head -------------------------------------------------------------------------------------
 
 
 def head(w: torch.Tensor, scaling: str) -> Head:
     """The quantised teacher weight w (V, K) (a tensor or a view of one: its rows [0, V) of a padded
-    head, or a rank's slice), from the cache when w has not changed since (see the module's doc). The
-    cache holds the weight's base tensor weakly: an entry dies with it."""
-    base = w if w._base is None else w._base
-    slot = (w.storage_offset(), tuple(w.shape), w.stride(), scaling)
-    check = (w._version, w.data_ptr(), w.dtype, w.device)  # the version counter is shared by views
-    ref, entries = _CACHE.get(id(base), (None, None))
-    if ref is None or ref() is not base:
-        entries = {}
-        _CACHE[id(base)] = (weakref.ref(base), entries)
-        weakref.finalize(base, _CACHE.pop, id(base), None)
-    hit = entries.get(slot)
-    if hit is not None and hit[0] == check:
-        return hit[1]
-    entries.pop(slot, None)  # a changed weight: its old quantisation is freed before the new one is made
+    head, or a rank's slice), made from w's values as they are now (see the module's doc)."""
     with torch.no_grad():
         wq, sw = quantize(w, scaling, rows_to=_ALIGN)
     # scaled_mm's scale_b: (1, Vp) for rowwise; (Kp/128, Vp) contiguous for 1x128 (its transpose is
     # the (Vp, Kp/128) outer-dim-major layout cuBLAS reads)
-    entry = Head(wq, sw.reshape(1, -1) if scaling == "rowwise" else sw.t().contiguous(), w.shape[0], scaling)
-    entries[slot] = (check, entry)
-    return entry
+    return Head(wq, sw.reshape(1, -1) if scaling == "rowwise" else sw.t().contiguous(), w.shape[0], scaling)
 
 
 def clear_cache() -> int:
-    """Drop every cached FP8 teacher head; returns the bytes they held (freed once nothing else holds
-    them)."""
-    freed = cache_bytes()
-    for _, entries in _CACHE.values():
-        entries.clear()
-    return freed
+    """Deprecated, does nothing: heads are no longer cached (see the module's doc). Returns 0, the
+    bytes freed."""
+    return 0
 
 
 def cache_bytes() -> int:
-    """Bytes held by the cached FP8 teacher heads."""
-    return sum(h.nbytes for _, entries in _CACHE.values() for _, h in entries.values())
+    """Deprecated: heads are no longer cached; always 0."""
+    return 0
 
 
 # ---- quantisation ---------------------------------------------------------------------------------

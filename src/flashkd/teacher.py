@@ -7,6 +7,7 @@ vocab slice through `flashkd.distributed`, which passes `run` its `shard`.
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import ClassVar
 
 import torch
@@ -40,30 +41,42 @@ class TopKCall:
 
 @torch.no_grad()
 def run(call: TopKCall, shard=None):
-    """`flashkd.teacher_topk` of a call without DTensors. shard(V_r, device): a vocab slice's
-    ShardedVocab (`flashkd.distributed`), called once the local tensors are checked; None: the whole
-    vocab is here."""
+    """`flashkd.teacher_topk` of a call without DTensors. shard(V_r, device, failed, rows): a vocab
+    slice's ShardedVocab (`flashkd.distributed`), called once the local tensors are checked (failed:
+    the exception a check raised, which it raises on every rank; rows: this rank's row count); None:
+    the whole vocab is here."""
     teacher_input, teacher_weight, teacher_bias, k = call.teacher_input, call.teacher_weight, call.teacher_bias, call.k
     temperature, vocab_size, chunk_size, backend = call.temperature, call.vocab_size, call.chunk_size, call.backend
     teacher_logit_scale, teacher_softcap = call.teacher_logit_scale, call.teacher_softcap
     vocab_start, fsdp_gather, teacher_precision = call.vocab_start, call.fsdp_gather, call.teacher_precision
-    chunks.check_tensors({"teacher_input": teacher_input})
     x, w, b = teacher_input, teacher_weight, teacher_bias
-    if x.dtype not in chunks.FLOATS:
-        raise TypeError(f"teacher_input: expected a floating dtype (float16, bfloat16, float32, float64), got {x.dtype}")
-    chunks.check_tensors({"teacher_weight": w, "teacher_bias": b}, x.dtype, x.device, like="teacher_input")
-    if w.dim() != 2 or 0 in w.shape:  # an empty vocab or hidden size has no distribution
-        raise ValueError(f"teacher_weight: expected a 2-D (vocab, hidden) tensor, both >= 1, got shape {tuple(w.shape)}")
-    if x.dim() < 1 or x.shape[-1] != w.shape[1]:
-        raise ValueError(
-            f"teacher_input: expected shape (..., {w.shape[1]}) (teacher_weight is {tuple(w.shape)}), got {tuple(x.shape)}"
-        )
-    if b is not None and b.shape != (w.shape[0],):
-        raise ValueError(f"teacher_bias: expected shape ({w.shape[0]},), got {tuple(b.shape)}")
-    v = w.shape[0]
+    failed = None
+    try:  # vocab-parallel: a check that fails on this rank alone fails on every rank, in `shard`
+        chunks.check_tensors({"teacher_input": teacher_input})
+        if x.dtype not in chunks.FLOATS:
+            raise TypeError(f"teacher_input: expected a floating dtype (float16, bfloat16, float32, float64), got {x.dtype}")
+        chunks.check_tensors({"teacher_weight": w, "teacher_bias": b}, x.dtype, x.device, like="teacher_input")
+        if w.dim() != 2 or 0 in w.shape:  # an empty vocab or hidden size has no distribution
+            raise ValueError(f"teacher_weight: expected a 2-D (vocab, hidden) tensor, both >= 1, got shape {tuple(w.shape)}")
+        if x.dim() < 1 or x.shape[-1] != w.shape[1]:
+            raise ValueError(
+                f"teacher_input: expected shape (..., {w.shape[1]}) (teacher_weight is {tuple(w.shape)}), got {tuple(x.shape)}"
+            )
+        if b is not None and b.shape != (w.shape[0],):
+            raise ValueError(f"teacher_bias: expected shape ({w.shape[0]},), got {tuple(b.shape)}")
+        if shard is not None:  # what the checks after the exchange read that can differ from rank to rank
+            chunks.pick_backend(backend, x)
+            if fp8.scaling_of(teacher_precision, x.device) is not None:
+                fp8.check_dtype(x.dtype)
+    except Exception as e:  # noqa: BLE001 (raised again as it came)
+        if shard is None:
+            raise
+        failed = e
+    v = 0 if failed is not None else w.shape[0]
     vocab = None
     if shard is not None:
-        vocab = shard(v, x.device)
+        vocab = shard(v, x.device if failed is None else None, failed,
+                      0 if failed is not None else math.prod(x.shape[:-1]))
         v = vocab.total  # ids and vocab_size are the whole vocab's
     elif vocab_start is not None:
         raise ValueError(f"vocab_start: expected None without process_group, got {vocab_start!r}")

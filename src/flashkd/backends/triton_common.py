@@ -56,13 +56,28 @@ def lane_sum(l_i, m_i, x, k):
 
 
 @triton.jit
-def lane_sums(l_i, r_i, m_i, x, d, k):
-    """lane_sum, and beside it r_i = Σ 2^((x − m_i)·k)·d on the same rescalings: a softmax(x/τ)-weighted
-    sum of d, unnormalised, in one more multiply-add an element. d = ±inf adds ±inf where the weight is
-    not 0 (a KL that is infinite stays so); a weight of 0 adds nothing, also to a NaN d (masked lanes)."""
-    e = tl.exp2(tl.abs(x - m_i) * -k)
+def lane_kl(l_i, r_i, m_i, m_o, x, y, ratio, k, SCALED: tl.constexpr):
+    """lane_sum of the weighting side x, and beside it r_i = Σ 2^((x − m_i)·k)·d for a KL, d each
+    element's gaps below both sides' running maxima, d = (x − m_i) − ratio·(y − m_o) (m_i of x's side,
+    m_o of the other side y, both as they were before this element; ratio only where SCALED), the gaps
+    moved with the maxima as `lane_gap` moves its own. Then E_q[d]·fold/τ is the KL's
+    E_q[z_s − z_t]/τ − (max z_s − max z_t)/τ with no large value subtracted from another: taken apart,
+    both terms were ~|z| and their difference ~0 where the sides agree, its few ulp of |z| multiplied
+    by 1/τ in the loss and again in its gradient (fp32 noise at τ ≤ 0.01 with unequal folds or one
+    softcap). Masked lanes (x = −inf) add nothing; y = −inf where x is not makes the KL +inf."""
+    m_o_new = tl.maximum(m_o, y)
+    grew = m_o_new - m_o
+    gap_y = y - m_o_new
+    if SCALED:
+        grew = grew * ratio
+        gap_y = gap_y * ratio
+    r_i = r_i + times(l_i, grew)  # the old terms' y-gaps grew with y's max
+    gap = x - m_i
+    e = tl.exp2(tl.abs(gap) * -k)
     new = x > m_i
-    return tl.where(new, l_i * e + 1.0, l_i + e), tl.where(new, times(e, r_i) + d, r_i + times(e, d))
+    d = tl.where(new, 0.0, gap) - gap_y
+    return (tl.where(new, l_i * e + 1.0, l_i + e),
+            tl.where(new, times(e, r_i - l_i * gap) + d, r_i + times(e, d)))
 
 
 @triton.jit

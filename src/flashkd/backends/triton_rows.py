@@ -10,7 +10,8 @@ One program owns one row of s, t: (R, V) and walks it in BLOCK_V tiles:
                             ... of s at τ = 1 when the CE is computed     -> (m_s, l_c)
                             Σ s², Σ t², Σ s·t for cosine                  -> ‖s‖, ‖t‖, cos
                             a KL online, on the same rescalings: reverse_kl always, forward_kl
-                            without grad -> soft (KL(q‖p) = E_q[s − t]/τ − lse(s/τ) + lse(t/τ))
+                            without grad -> soft (KL(q‖p) = E_q[(s − max s) − (t − max t)]/τ
+                            + log(l_t / l_s), the gaps moved with both running maxima: `lane_kl`)
             (merged across lanes once, after the loop: no barrier inside it)
     pass 2  read s (, t)    backwards over the row (the tiles pass 1 read last are likeliest in L2):
                             per-element loss terms -> soft, and the row scalars the gradient needs
@@ -23,8 +24,8 @@ Rows whose label is `ignore_index` skip all three passes; with grad they get one
 
 Heads' transforms (`flashkd.losses.logit_transform`, z = c · tanh(σ s / c), or σ s): the kernel works on
 z / fold, where fold > 0 is folded into the row's constants (log2(e)·fold/τ for each side's softmax,
-log2(e)·fold for the CE's, fold in the CE value, the online KL's d = a − b·fold_t/fold_s, the cosine
-norms). Without a softcap and with σ > 0, fold is σ and nothing is made at load; the constexpr SCALED
+log2(e)·fold for the CE's, fold in the CE value, the online KL's ratio fold_t/fold_s, the
+cosine norms). Without a softcap and with σ > 0, fold is σ and nothing is made at load; the constexpr SCALED
 brings the folded constants into the loops only when a fold is not 1, so the path without a transform
 compiles to the same loops as before. A negative σ (whose max is s's min) makes z = σ s at every load
 (fold 1), a softcap tanh(σ s / c) (fold c: the cap costs no multiply an element) (`head`: the
@@ -86,8 +87,8 @@ import triton
 import triton.language as tl
 
 from ..losses import COSINE_EPS, LOSS_ID, LossSpec
-from .triton_common import (FAST_LOG2, INTERPRET, LN2, LOG2E, M_START, head, head_grad, head_mode, lane_gap, lane_sum,
-                            lane_sums, launching, times)
+from .triton_common import (FAST_LOG2, INTERPRET, LN2, LOG2E, M_START, head, head_grad, head_mode, lane_gap, lane_kl,
+                            lane_sum, launching, times)
 
 # Compiled tiles, measured on an H200 at V = 128256 bf16 (BENCHMARKS.md): 1024 columns over 8 warps
 # (4 elements per thread per tensor, 32 registers, 8 programs an SM). At the chunk loop's 1024–4096
@@ -294,8 +295,9 @@ def _stats_pass(
     l_c = tl.zeros([BLOCK_V], tl.float32)  # Σ 2^((s − m_s)·log2(e)), for the untempered CE
     m_t = tl.full([BLOCK_V], M_START, tl.float32)  # running max of t
     l_t = tl.zeros([BLOCK_V], tl.float32)  # Σ 2^((t − m_t)·log2(e)/τ)
-    r_kl = tl.zeros([BLOCK_V], tl.float32)  # ONLINE_KL: Σ 2^((s − m_s)·log2(e)/τ)·(s − t) (reverse),
-    # Σ 2^((t − m_t)·log2(e)/τ)·(t − s) (forward): E_q[s − t], E_p[t − s] times l_s, l_t
+    # ONLINE_KL: Σ 2^((s − m_s)·log2(e)/τ)·((s − m_s) − (t − m_t)) (reverse; forward: s and t swapped),
+    # `lane_kl`: E_q[(s − max s) − (t − max t)] times l_s
+    r_kl = tl.zeros([BLOCK_V], tl.float32)
     ss = tl.zeros([BLOCK_V], tl.float32)  # cosine: Σ s², Σ t², Σ s·t, per lane
     tt = tl.zeros([BLOCK_V], tl.float32)
     st = tl.zeros([BLOCK_V], tl.float32)
@@ -319,14 +321,14 @@ def _stats_pass(
                 if STATS:  # cosine has no softmax of its own
                     l_s = lane_sum(l_s, m_s, a, log2e_tau)
             else:
-                # the KLs' d = z_s − z_t (reverse), z_t − z_s (forward) over the side's fold: an FMA
-                # where there was a subtraction, exact for equal folds
+                # the KLs' gaps (z_s − max z_s) − (z_t − max z_t) (reverse; forward: swapped) over the
+                # weighting side's fold, moved with both maxima (`lane_kl`); m_s moves at the loop's end
                 if ONLINE_KL and LOSS == _REVERSE_KL:
-                    l_s, r_kl = lane_sums(l_s, r_kl, m_s, a, _minus(a, b, kl_ratio, SCALED), log2e_tau)
+                    l_s, r_kl = lane_kl(l_s, r_kl, m_s, m_t, a, b, kl_ratio, log2e_tau, SCALED)
                 else:
                     l_s = lane_sum(l_s, m_s, a, log2e_tau)
                 if ONLINE_KL and LOSS == _FORWARD_KL:
-                    l_t, r_kl = lane_sums(l_t, r_kl, m_t, b, _minus(b, a, kl_ratio, SCALED), log2e_tau_t)
+                    l_t, r_kl = lane_kl(l_t, r_kl, m_t, m_s, b, a, kl_ratio, log2e_tau_t, SCALED)
                 else:
                     l_t = lane_sum(l_t, m_t, b, log2e_tau_t)
                 m_t = tl.maximum(m_t, b)
@@ -476,20 +478,20 @@ def _one_row(
             LOSS, SOFT, CE, CE_IS_Q, ONLINE_KL, S_HEAD, T_HEAD, SCALED, STATS, RCP_FMA, BLOCK_V,
         )
         m_row = tl.max(m_s, 0)
+        mt_row = tl.max(m_t, 0)
         f = tl.exp2((m_s - m_row) * log2e_tau)
         if STATS:  # the lanes' gaps, moved to the row's max
             r_ent = tl.sum(times(f, r_ent + l_s * (m_s - m_row)), 0)
+        if ONLINE_KL and LOSS == _REVERSE_KL:  # the lanes' KL gaps, moved to the row's maxima
+            r_kl = tl.sum(times(f, r_kl - times(l_s, _minus(m_row - m_s, mt_row - m_t, kl_ratio, SCALED))), 0)
         l_s = tl.sum(l_s * f, 0)
-        if ONLINE_KL and LOSS == _REVERSE_KL:
-            r_kl = tl.sum(times(f, r_kl), 0)
         l_c = tl.sum(l_c * tl.exp2((m_s - m_row) * log2e_ce), 0)
-        m_s = m_row
-        m_row = tl.max(m_t, 0)
-        f = tl.exp2((m_t - m_row) * log2e_tau_t)
-        l_t = tl.sum(l_t * f, 0)
+        f = tl.exp2((m_t - mt_row) * log2e_tau_t)
         if ONLINE_KL and LOSS == _FORWARD_KL:
-            r_kl = tl.sum(times(f, r_kl), 0)
-        m_t = m_row
+            r_kl = tl.sum(times(f, r_kl - times(l_t, _minus(mt_row - m_t, m_row - m_s, kl_ratio, SCALED))), 0)
+        l_t = tl.sum(l_t * f, 0)
+        m_s = m_row
+        m_t = mt_row
         # log2 q = (s − m_s)·log2(e)/τ − log2 l_s, log2 p likewise,
         # log2 softmax(s) = (s − m_s)·log2(e) − log2 l_c
         log2_l_s = tl.log2(l_s)
@@ -513,13 +515,13 @@ def _one_row(
         cos_aa = 0.0
         kl_qp = 0.0
         if SOFT:
-            # KL(q‖p) = E_q[s − t]/τ − (m_s − m_t)/τ + log(l_t / l_s), and KL(p‖q) with s and t swapped
-            # (in z units: r_kl is over the fold of its own side, the maxima over theirs)
+            # KL(q‖p) = E_q[(z_s − max z_s) − (z_t − max z_t)]/τ + log(l_t / l_s), and KL(p‖q) with s
+            # and t swapped (r_kl is over the fold of its own side)
             if ONLINE_KL and LOSS == _REVERSE_KL:
-                kl_qp = (r_kl / l_s * fold_s - (m_s * fold_s - m_t * fold_t)) * inv_tau + LN2 * (log2_l_t - log2_l_s)
+                kl_qp = r_kl / l_s * fold_s * inv_tau + LN2 * (log2_l_t - log2_l_s)
                 soft = kl_qp
             elif ONLINE_KL:
-                soft = (r_kl / l_t * fold_t - (m_t * fold_t - m_s * fold_s)) * inv_tau + LN2 * (log2_l_s - log2_l_t)
+                soft = r_kl / l_t * fold_t * inv_tau + LN2 * (log2_l_s - log2_l_t)
             if LOSS == _COSINE:
                 # soft = β (1 − cos), cos = Σst / (max(‖s‖, ε) max(‖t‖, ε));
                 # dsoft/ds = −β (t / (max(‖s‖, ε) max(‖t‖, ε)) − cos · s / (max(‖s‖, ε) ‖s‖)),

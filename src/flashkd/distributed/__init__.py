@@ -25,7 +25,8 @@ sum over the vocab, stacked) — O(R) fp32 per collective, never R × V. Collect
 adds the entropy to the last SUM, for a top-k teacher one more MAX and two SUMs). Per chunk
 dX[c] = dS_r · W_r is all-reduced (asynchronously, while the next chunk computes): R · Hs · E bytes,
 summed in dX's dtype (in bf16: one rounding per rank's part, where the unsharded GEMM rounds once);
-per call one all-gather of (vocab_start, V_r).
+per call one all-gather of a small int64 row per rank (its checks' status, vocab_start, V_r, row
+count and options, encoded; 4 + 80 int64).
 
 Memory per rank, beyond the inputs: the core's formulas ("Memory" in README.md) with V_r for V
 (logits R·V_r·E, dW V_r·Hs·A) and the torch backend's fp32 temporaries ≈ 6·R·V_r·4, plus O(R·n)
@@ -37,11 +38,17 @@ reverse KL's KL, TVD's Σ q σ) → one all-reduce SUM → gradient pass: 3 coll
 none in backward, as its gradients are analytic.
 
 Every rank must make the same call (shapes, options, requires_grad): the collectives are issued in
-the same order on every rank, and a call that is wrong on some ranks only can leave the others
-waiting in a collective. The layout is read on the host (and checked) on CPU, with
-check_shards=True, and whenever chunk_size is None (chunks are planned for the largest slice, the
-same on every rank); on GPU with chunk_size set and check_shards left at None there is no host sync.
-check_replicas=True checks (one small all-gather) that the replicated rows are the same on every rank.
+the same order on every rank. So that a call wrong on some ranks only leaves none waiting in a
+collective, each rank runs its local checks first and, instead of raising, puts their status in
+that one all-gather, read on the host (one host sync a call): then a rank whose check failed raises
+its error on every rank (the others name its rank; a second collective carries the text, on the
+failing path only), and a row count or an option that changes the loss or the collectives (loss,
+β, τ, the weights, reduction, ignore_index, the heads' transforms, k, chunk_size, ...; 2 and 2.0
+are the same) that differs between ranks is a ValueError on every rank naming it; then the slices
+must tile [0, V) without gaps or overlaps. check_shards=False skips that read: no host sync (with
+chunk_size set: V stays a device tensor), no check of the layout or the options, and a call wrong on
+some ranks only leaves the others waiting in a later collective. check_replicas=True checks (one
+small all-gather) that the replicated rows are the same on every rank.
 
 FSDP2 (a head weight that is a DTensor sharded on dim 0 over a 1-D mesh): `flashkd.distributed.fsdp`.
 """

@@ -9,10 +9,14 @@ the slice's.
 
 from __future__ import annotations
 
+import dataclasses
+import struct
+import zlib
+
 import torch
 import torch.distributed as dist
 
-from .. import chunks, teacher
+from .. import chunks, fp8, teacher
 from .vocab import ShardedVocab
 
 # The exchanged layout row of a rank whose vocab_start is not an int (it raises with the others).
@@ -23,15 +27,23 @@ def run(call, **vocab_options):
     """A loss call with process_group (`flashkd.chunks.Call`); vocab_options go to the ShardedVocab
     (the FSDP route's)."""
     group = _check_group(call.process_group)
-    rows = chunks.check(call)
-    xs, ws, teacher = rows.xs, rows.ws, rows.teacher
-    replicated = {"student_input": xs}  # a dense teacher's logits are the rank's own vocab columns
-    if isinstance(call.teacher, chunks.Heads):
-        replicated["teacher_input"] = teacher[0]
-    elif isinstance(call.teacher, chunks.TopK):
-        replicated.update(teacher_ids=teacher[0], teacher_logprobs=teacher[1])
-    vocab = shard(group, call.vocab_start, ws.shape[0], xs.device, call.check_shards, call.chunk_size,
-                  **vocab_options)
+    failed, local_size, count, agree = call.failed, 0, 0, None
+    try:  # a check that fails on this rank alone fails on every rank, after the exchange in `shard`
+        if failed is not None:  # the call's options, checked where it was made (chunks.make_call)
+            raise failed
+        rows = chunks.check(call)
+        xs, ws, teacher = rows.xs, rows.ws, rows.teacher
+        local_size, count = ws.shape[0], xs.shape[0]
+        replicated = {"student_input": xs}  # a dense teacher's logits are the rank's own vocab columns
+        if isinstance(call.teacher, chunks.Heads):
+            replicated["teacher_input"] = teacher[0]
+        elif isinstance(call.teacher, chunks.TopK):
+            replicated.update(teacher_ids=teacher[0], teacher_logprobs=teacher[1])
+        agree = _agreed(call, rows)
+    except Exception as e:  # noqa: BLE001 (raised again in `shard`, on this rank as it came)
+        failed = e
+    vocab = shard(group, call.vocab_start, local_size, _wire_device(group, call.student_input), call.check_shards,
+                  call.chunk_size, failed=failed, rows=("student_input", count), agree=agree, **vocab_options)
     if call.check_replicas:
         check_replicas(group, {**replicated, "labels": rows.y})
     chunks.check_teacher_values(call, rows, vocab.total)
@@ -40,13 +52,62 @@ def run(call, **vocab_options):
 
 def teacher_topk(call):
     """A `flashkd.teacher.TopKCall` with process_group: the group's layout exchanged once the local
-    tensors are checked, every rank the same global top-k."""
+    tensors are checked (a failed check, `failed`, raised on every rank), every rank the same global
+    top-k."""
 
-    def sharded(local_size, device):
+    def sharded(local_size, device, failed=None, rows=0):
         check_shards = True if call.check_shards is None else call.check_shards
-        return shard(_check_group(call.process_group), call.vocab_start, local_size, device, check_shards, None)
+        agree = None if failed is not None else _agreed(call, None, {"teacher_input's dtype": call.teacher_input.dtype})
+        group = _check_group(call.process_group)
+        return shard(group, call.vocab_start, local_size, device or _wire_device(group, call.teacher_input),
+                     check_shards, None, failed=failed, rows=("teacher_input", rows), agree=agree)
 
     return teacher.run(call, sharded)
+
+
+# What every rank of a call must pass alike (what changes the loss, or which collectives run), besides
+# its LossSpec: `_agreed` encodes them for `shard`'s one all-gather.
+_AGREED = ("chunk_size", "return_soft_hard_loss", "return_stats", "check_labels", "check_teacher", "check_replicas",
+           "check_shards", "teacher_precision", "fsdp_gather", "k", "temperature", "vocab_size", "teacher_logit_scale",
+           "teacher_softcap")
+_SPEC_NAMES = {"weight_hard": "weight_hard_loss", "weight_soft": "weight_soft_loss"}  # LossSpec's fields, as passed
+_FUNCTIONS = {"heads": "fused_linear_distill", "logits": "fused_linear_distill_logits", "topk": "fused_linear_distill_topk"}
+
+
+def _agreed(call, rows, derived=None) -> dict:
+    """{what: value} every rank of the call must agree on: the function, what the run reads before
+    its first collective that can differ from rank to rank (checked here: raises where it fails), the
+    loss spec's fields under their public names, the call's options and the derived facts."""
+    out = {"function": _FUNCTIONS.get(getattr(getattr(call, "teacher", None), "form", None), "teacher_topk")}
+    if rows is not None:  # a loss call (teacher_topk checks its own before it calls `shard`)
+        xs, ws, bs = rows.xs, rows.ws, rows.bs
+        chunks.check_row_weight(call.row_weight, xs, call.student_input)
+        chunks.pick_backend(call.backend, xs)
+        if isinstance(call.teacher, chunks.Heads) and fp8.scaling_of(call.teacher_precision, xs.device) is not None:
+            fp8.check_dtype(xs.dtype)
+        if isinstance(call.teacher, chunks.TopK):
+            chunks.check_teacher_index(call, rows)
+        grad = torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in (xs, ws, bs))
+        derived = {"student_input's dtype": xs.dtype, "labels given": rows.y is not None,
+                   "row_weight given": call.row_weight is not None,
+                   "gradients (grad mode, requires_grad; of student_input)": (grad, grad and xs.requires_grad),
+                   "teacher_ids' k": rows.teacher[0].shape[-1] if isinstance(call.teacher, chunks.TopK) else None,
+                   "num_teachers": getattr(call.teacher, "num_teachers", None)}
+        spec = call.spec
+        out.update({_SPEC_NAMES.get(f.name, f.name): getattr(spec, f.name) for f in dataclasses.fields(spec)
+                    if f.name not in ("want_hard", "want_soft")})  # those two follow from the weights and labels
+    out.update({k: getattr(call, k) for k in _AGREED if hasattr(call, k)})
+    out.update(derived or {})
+    return out
+
+
+def _wire_device(group, x):
+    """The device of the exchange: x's, or (x not a tensor, on a rank that will raise) the backend's."""
+    if isinstance(x, torch.Tensor):
+        return x.device
+    if dist.get_backend(group) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
 
 
 def _check_group(group):
@@ -55,28 +116,99 @@ def _check_group(group):
     return group
 
 
-def shard(group, start, local_size, device, check_shards, chunk_size, **options) -> ShardedVocab:
-    """The ShardedVocab of this rank, after one all-gather of every rank's (vocab_start, V_r).
+def shard(group, start, local_size, device, check_shards, chunk_size, *, failed=None, rows=("rows", 0), agree=None,
+          **options) -> ShardedVocab:
+    """The ShardedVocab of this rank, after one all-gather of a small int64 row per rank: whether its
+    local checks passed (`failed`: the exception they raised, or None), its (vocab_start, V_r), its
+    row count (`rows`: (the argument holding them, count)) and its `agree` options ({what: value},
+    encoded).
 
-    The layout is read on the host (and checked: the slices must tile [0, V) without gaps or
-    overlaps) when check_shards is True, by default on CPU, and whenever chunk_size is None (the
-    chunks are planned for the largest slice, which every rank must agree on). Otherwise the vocab's
-    size V stays a device tensor and no host sync happens. Every rank raises the same error."""
-    if check_shards is not None and not isinstance(check_shards, bool):
-        raise TypeError(f"check_shards: expected a bool or None, got {check_shards!r}")
+    The row is read on the host unless check_shards is False (then also when chunk_size is None: the
+    chunks are planned for the largest slice, which every rank must agree on): a rank whose checks
+    failed raises its error on every rank; rows or options that differ between ranks, or slices that
+    do not tile [0, V) without gaps or overlaps, raise the same error on every rank, naming what
+    differs. One host sync a call. check_shards=False skips the read: then no host sync (with
+    chunk_size set; V stays a device tensor), and a call that is wrong on some ranks only leaves the
+    others waiting in a later collective."""
+    if failed is None and check_shards is not None and not isinstance(check_shards, bool):
+        failed = TypeError(f"check_shards: expected a bool or None, got {check_shards!r}")
     good = not isinstance(start, bool) and isinstance(start, int)
-    mine = torch.tensor([start if good else _NOT_AN_INT, local_size], dtype=torch.int64, device=device)
+    codes = [c for value in (agree or {}).values() for c in _encode(value)]
+    if len(codes) > 2 * _SLOTS:
+        raise AssertionError(f"{len(codes) // 2} options to agree on, room for {_SLOTS}")
+    head = [int(failed is not None), start if good else _NOT_AN_INT, local_size, rows[1]]
+    mine = torch.tensor(head + codes + [0] * (2 * _SLOTS - len(codes)), dtype=torch.int64, device=device)
     world = dist.get_world_size(group)
-    layout = torch.empty(world * 2, dtype=torch.int64, device=device)
-    dist.all_gather_into_tensor(layout, mine, group=group)
-    layout = layout.view(world, 2)
+    every = torch.empty(world * mine.numel(), dtype=torch.int64, device=device)
+    dist.all_gather_into_tensor(every, mine, group=group)
+    every = every.view(world, -1)
+    layout = every[:, 1:3]
+    read = check_shards is not False or chunk_size is None
+    table = every.tolist() if read else None  # the call's one host sync
+    if read:
+        _raise_any_failure(group, table, failed)
+    elif failed is not None:
+        raise failed
     if not good:
         raise TypeError(f"vocab_start: expected an int (the global id of this rank's first vocab row), got {start!r}")
-    read = check_shards or (check_shards is None and device.type == "cpu") or chunk_size is None
     if not read:
         return ShardedVocab(group, start, local_size, (layout[:, 0] + layout[:, 1]).max(), **options)
-    total = _check_layout(layout.tolist(), dist.get_rank(group))
-    return ShardedVocab(group, start, local_size, total, plan_size=int(layout[:, 1].max()), **options)
+    _check_agreement(table, agree, rows, dist.get_rank(group))
+    total = _check_layout([row[1:3] for row in table], dist.get_rank(group))
+    return ShardedVocab(group, start, local_size, total, plan_size=max(row[2] for row in table), **options)
+
+
+_SLOTS = 40  # options `agree` may hold (two int64 each): the same width on every rank, whatever it calls
+_ERRORS = {"TypeError": TypeError, "ValueError": ValueError}
+
+
+def _encode(value) -> tuple[int, int]:
+    """(kind, code) of an option value, equal on two ranks exactly when the values are (2 and 2.0 alike;
+    strings, dtypes and tuples by a CRC-32 of their repr)."""
+    if value is None:
+        return 0, 0
+    if isinstance(value, bool):
+        return 1, int(value)
+    if isinstance(value, float) and value.is_integer() and abs(value) < 2**53:
+        value = int(value)
+    if isinstance(value, int) and -(2**63) <= value < 2**63:
+        return 2, value
+    if isinstance(value, float):
+        return 3, struct.unpack("<q", struct.pack("<d", value))[0]
+    return 4, zlib.crc32(repr(value).encode())
+
+
+def _raise_any_failure(group, table, failed):
+    """Every rank raises when a rank's local checks failed: that rank its own error, the others the
+    first failing rank's, with its rank (a second collective, on this path only, carries the text)."""
+    bad = [r for r, row in enumerate(table) if row[0]]
+    if not bad:
+        return
+    said = [None] * len(table)
+    dist.all_gather_object(said, None if failed is None else (type(failed).__name__, str(failed)), group=group)
+    if failed is not None:
+        raise failed
+    kind, text = said[bad[0]]
+    raise _ERRORS.get(kind, RuntimeError)(f"{text} (on rank {bad[0]} of process_group; this rank's call was checked "
+                                          f"and fine, and raises with it so that no rank waits in a collective)")
+
+
+def _check_agreement(table, agree, rows, rank):
+    """The same function, row count and options on every rank (their codes in table), else ValueError
+    on every rank naming the first that differs."""
+    items = list((agree or {}).items())
+    checks = [(what, value, [4 + 2 * i, 5 + 2 * i]) for i, (what, value) in enumerate(items)]
+    checks.insert(min(1, len(checks)), (rows[0], rows[1], [3]))  # after the function: the rows are its
+    for what, value, cols in checks:
+        differ = [r for r, row in enumerate(table) if [row[c] for c in cols] != [table[0][c] for c in cols]]
+        if not differ:
+            continue
+        if cols == [3]:
+            raise ValueError(f"{what}: expected the same number of rows on every rank of process_group (the rows are "
+                             f"replicated), got rank(s) {differ} with a number other than rank 0's; this rank's "
+                             f"(rank {rank}): {value}")
+        raise ValueError(f"{what}: expected the same value on every rank of process_group (every rank makes the same "
+                         f"call), got one on rank(s) {differ} that differs from rank 0's; this rank's (rank {rank}): {value!r}")
 
 
 def _check_layout(layout, rank) -> int:

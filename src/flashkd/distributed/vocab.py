@@ -140,10 +140,12 @@ class ShardedVocab(Vocab):
         pack = torch.full((r, 2 * k + 2), -torch.inf, dtype=torch.float64, device=logits.device)
         pack[:, :kk] = top.to(work).double()
         pack[:, k : k + kk] = (idx + self.start).double()
+        pack[:, k + kk : 2 * k] = -1.0  # no candidate (a slice narrower than k): never picked
         if width:
             m = z.amax(-1)
             pack[:, 2 * k] = m.double()
-            pack[:, 2 * k + 1] = torch.exp(z - m[:, None]).sum(-1).double()
+            # a row −inf throughout this slice (masked ids): no mass here, where exp(−inf − (−inf)) was NaN
+            pack[:, 2 * k + 1] = torch.exp(z - torch.where(m == -torch.inf, 0.0, m)[:, None]).sum(-1).double()
         else:
             pack[:, 2 * k + 1] = 0.0  # an empty slice: no mass
         world = self.copies
@@ -155,5 +157,10 @@ class ShardedVocab(Vocab):
         m, l = every[:, :, 2 * k], every[:, :, 2 * k + 1]  # (world, R)
         m_all = m.amax(0)
         lse = m_all + torch.log((l * torch.exp(torch.where(l > 0, m - m_all, 0.0))).sum(0))
-        best, at = torch.topk(values, k, dim=-1)
+        # the k best candidates, those of a slice before its padding: a stable sort with every slot that
+        # holds no candidate moved last, so that ties at −inf (masked ids) pick real ids
+        last = torch.sort((ids < 0).to(torch.int8), dim=-1, stable=True).indices
+        values, ids = values.gather(-1, last), ids.gather(-1, last)
+        best, at = torch.sort(values, dim=-1, descending=True, stable=True)
+        best, at = best[:, :k], at[:, :k]
         return ids.gather(-1, at).long(), (best / temperature - lse[:, None]).to(work)

@@ -89,6 +89,7 @@ _SERVER_METHODS = ("_compute_prompt_length", "_get_teacher_token_logprobs_from_s
 _original = None  # TRL's helper while patched
 _original_jsd = None  # TRL's top-k helper while patched
 _original_server = None  # ServerDistillationTrainer.compute_loss while patched
+_installed = None  # a token of the patch() call that installed the helpers, for its context's exit
 _options: dict = {}  # fused_linear_distill keywords the patch was given
 
 
@@ -291,7 +292,7 @@ def patch(*, teacher_precision: str | None = None):
     teacher_precision, which the latest call sets). teacher_precision: `fused_linear_distill`'s,
     e.g. "fp8" for an FP8 teacher GEMM (README, "FP8 teacher": faster, and not TRL's numbers); it
     applies to DistillationTrainer's teacher head (the on-policy trainers' teachers are served)."""
-    global _original
+    global _original, _installed
     fp8.check_precision(teacher_precision)
     _options.clear()
     if teacher_precision is not None:
@@ -299,8 +300,8 @@ def patch(*, teacher_precision: str | None = None):
     module = _check()
     jsd_module = _check_jsd()
     server = _check_server()
-    installed = _original is None
-    if installed:
+    token = None
+    if _original is None:
         global _original_jsd, _original_server
         _original = getattr(module, _HELPER)
         _original_jsd = getattr(jsd_module, _JSD_HELPER)
@@ -310,19 +311,20 @@ def patch(*, teacher_precision: str | None = None):
         from trl.extras.profiling import profiling_decorator
 
         server.compute_loss = profiling_decorator(server_compute_loss)  # TRL's timing of the method, kept
-    return _Undo(installed)
+        token = _installed = object()
+    return _Undo(token)
 
 
 def unpatch() -> None:
     """Put TRL's own helpers back (nothing to do when not patched)."""
-    global _original, _original_jsd, _original_server
+    global _original, _original_jsd, _original_server, _installed
     if _original is not None:
         import sys
 
         setattr(sys.modules[_MODULE], _HELPER, _original)
         setattr(sys.modules[_JSD_MODULE], _JSD_HELPER, _original_jsd)
         sys.modules[_SERVER_MODULE].ServerDistillationTrainer.compute_loss = _original_server
-        _original = _original_jsd = _original_server = None
+        _original = _original_jsd = _original_server = _installed = None
 
 
 def is_patched() -> bool:
@@ -330,11 +332,14 @@ def is_patched() -> bool:
 
 
 class _Undo(contextlib.AbstractContextManager):
-    def __init__(self, installed: bool):
-        self._installed = installed
+    """Undoes its patch() call's install, if that install is still the one in place: after an unpatch()
+    and a later, independent patch(), a stale context's exit leaves the later patch alone."""
+
+    def __init__(self, token):
+        self._token = token
 
     def __exit__(self, *exc):
-        if self._installed:
+        if self._token is not None and self._token is _installed:
             unpatch()
 
 

@@ -20,6 +20,7 @@ as text, so every link in the site resolves to a file in it.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import itertools
@@ -30,6 +31,11 @@ import shutil
 import sys
 from importlib import resources
 from pathlib import Path
+
+try:
+    import fcntl
+except ImportError:  # not on Windows: there, builds into one --out are not kept apart
+    fcntl = None
 
 from .ranking import groups, ranked
 from .identity import canonical_identity, canonical_json, primary
@@ -237,11 +243,13 @@ def _hex(digest: str, n: int = 16) -> str:
 
 # -- reading ----------------------------------------------------------------------------------------
 
-def read(paths, compare_pairs=()) -> Site:
+def read(paths, compare_pairs=(), out=None) -> Site:
     """Loads and checks every bundle under `paths`, groups and ranks the sound ones; `compare_pairs` are
     (run, run) spellings (a bundle file, or a run digest or its first hex digits) that get compare pages.
-    Raises ValueError when a pair names no run or several."""
-    files = bundle_paths(paths)
+    `out`: a site's folder, skipped with its builds in progress where `paths` hold it (its copies of the
+    bundles are not inputs). Raises ValueError when a pair names no run or several."""
+    ours = _own_output(out)
+    files = [p for p in bundle_paths(paths) if not ours(p)]
     good, rejected, raw = [], [], {}
     for path in files:
         try:  # read once: the bytes checked are the bytes served, whatever the file holds by then
@@ -255,7 +263,7 @@ def read(paths, compare_pairs=()) -> Site:
             rejected.append(Rejected(path, problems))
         else:
             good.append((path, bundle))
-    rejected += [Rejected(path, [INTERRUPTED]) for path in interrupted(paths)]
+    rejected += [Rejected(path, [INTERRUPTED]) for path in interrupted(paths) if not ours(path)]
     duplicates = []  # a run given twice is rendered once; two files that differ on it, not the second
     for path, earlier, identical in same_runs(good):
         good = [(p, b) for p, b in good if p is not path]
@@ -287,6 +295,20 @@ def read(paths, compare_pairs=()) -> Site:
         if (a, b) not in pairs and (b, a) not in pairs:
             pairs.append((a, b))
     return Site(runs, all_groups, _sweeps(all_groups), pairs, rejected, len(files), duplicates=duplicates)
+
+
+def _own_output(out):
+    """A test of paths: under `out`, or under one of its builds (.NAME.<pid>.partial beside it)."""
+    if out is None:
+        return lambda path: False
+    out = Path(out).resolve()
+    building = re.compile(re.escape(f".{out.name}.") + r"\d+" + re.escape(PARTIAL))
+
+    def ours(path):
+        path = Path(path).resolve()
+        return any(p == out or (p.parent == out.parent and building.fullmatch(p.name)) for p in (path, *path.parents))
+
+    return ours
 
 
 def _find(runs: list[Run], spelled: str) -> Run:
@@ -433,12 +455,21 @@ def bar_chart(rows: list[tuple[str, float, float | None, float | None]], unit: s
     return "".join(parts) + "</svg>"
 
 
-def _ticks(lo: float, hi: float) -> list[float]:
-    """1-2-5 ticks covering [lo, hi] on a log scale."""
+def _ticks(lo: float, hi: float) -> list[tuple[float, str]]:
+    """1-2-5 ticks covering [10^lo, 10^hi] on a log scale, as (log10, label): bounds and ticks in
+    log10, since a measurement may lie near the double's ends, where the range with its margins (or a
+    tick) is past them. Without a 1-2-5 tick in the range, its two ends."""
     out = []
-    for e in range(math.floor(math.log10(lo)) - 1, math.ceil(math.log10(hi)) + 1):
-        out += [m * 10.0 ** e for m in (1, 2, 5) if lo <= m * 10.0 ** e <= hi]
-    return out or [lo, hi]
+    for e in range(math.floor(lo) - 1, math.ceil(hi) + 1):
+        out += [(math.log10(m) + e, _tick_label(math.log10(m) + e)) for m in (1, 2, 5) if lo <= math.log10(m) + e <= hi]
+    return out or [(lo, _tick_label(lo)), (hi, _tick_label(hi))]
+
+
+def _tick_label(log10: float) -> str:
+    e = math.floor(log10)
+    if -300 < e < 300:
+        return f"{10.0 ** log10:g}"
+    return f"{10.0 ** (log10 - e):.3g}e{e:+03d}"  # as :g writes it, for values past (or near) float's range
 
 
 def line_chart(series: list[tuple[str, list[tuple[float, float]]]], axis: str, unit: str, title: str) -> str:
@@ -448,23 +479,29 @@ def line_chart(series: list[tuple[str, list[tuple[float, float]]]], axis: str, u
     ys = [y for _, pts in series for _, y in pts]
     scale_y = 1e6 if unit == "ns" else 2**20 if unit == "bytes" else 1.0
     shown = {"ns": "ms", "bytes": "MiB"}.get(unit, unit)
-    y_lo, y_hi = min(ys) / scale_y / 1.25, max(ys) / scale_y * 1.25
-    x_lo, x_hi = xs[0] / 1.15, xs[-1] * 1.15
+    # the axes' ranges in log10, with margins: values near the double's maximum (or minimum) would
+    # overflow them as plain numbers
+    log_scale = math.log10(scale_y)
+    y_lo, y_hi = math.log10(min(ys)) - log_scale - math.log10(1.25), math.log10(max(ys)) - log_scale + math.log10(1.25)
+    x_lo, x_hi = math.log10(xs[0]) - math.log10(1.15), math.log10(xs[-1]) + math.log10(1.15)
 
     def X(x):
-        return left + math.log(x / x_lo) / math.log(x_hi / x_lo) * plot_w
+        return left + (math.log10(x) - x_lo) / (x_hi - x_lo) * plot_w
 
-    def Y(y):
-        return top + plot_h - math.log(y / y_lo) / math.log(y_hi / y_lo) * plot_h
+    def Y(log_y):  # log10 of a value in the shown unit
+        return top + plot_h - (log_y - y_lo) / (y_hi - y_lo) * plot_h
+
+    def Y_of(y):  # a measured value, in the record's unit
+        return Y(math.log10(y) - log_scale)
 
     height = top + plot_h + 44
     parts = [f'<svg xmlns="http://www.w3.org/2000/svg" class="chart" viewBox="0 0 {left + plot_w + right} {height}" '
              f'role="img" aria-label="{_esc(title)}">', f'<title>{_esc(title)}</title>',
              f'<text x="0" y="16" class="chart-title">{_esc(title)}</text>',
              f'<rect x="{left}" y="{top}" width="{plot_w}" height="{plot_h}" class="frame"/>']
-    for t in _ticks(y_lo, y_hi):
+    for t, label in _ticks(y_lo, y_hi):
         parts.append(f'<path d="M{left} {Y(t):.1f}h{plot_w}" class="grid"/>'
-                     f'<text x="{left - 6}" y="{Y(t) + 4:.1f}" text-anchor="end">{t:g}</text>')
+                     f'<text x="{left - 6}" y="{Y(t) + 4:.1f}" text-anchor="end">{label}</text>')
     for x in xs:
         parts.append(f'<path d="M{X(x):.1f} {top}v{plot_h}" class="grid"/>'
                      f'<text x="{X(x):.1f}" y="{top + plot_h + 16}" text-anchor="middle">{x:g}</text>')
@@ -474,9 +511,9 @@ def line_chart(series: list[tuple[str, list[tuple[float, float]]]], axis: str, u
     for i, (label, pts) in enumerate(series):
         color = PALETTE[i % len(PALETTE)]
         pts = sorted(pts)
-        path = "M" + "L".join(f"{X(x):.1f} {Y(y / scale_y):.1f}" for x, y in pts)
+        path = "M" + "L".join(f"{X(x):.1f} {Y_of(y):.1f}" for x, y in pts)
         parts.append(f'<path d="{path}" fill="none" stroke="{color}" stroke-width="2"/>')
-        parts += [f'<circle cx="{X(x):.1f}" cy="{Y(y / scale_y):.1f}" r="3.5" fill="{color}"/>' for x, y in pts]
+        parts += [f'<circle cx="{X(x):.1f}" cy="{Y_of(y):.1f}" r="3.5" fill="{color}"/>' for x, y in pts]
         ly = top + 10 + i * 18
         parts.append(f'<path d="M{left + plot_w + 12} {ly}h18" stroke="{color}" stroke-width="3"/>'
                      f'<text x="{left + plot_w + 36}" y="{ly + 4}">{_esc(label[:28])}</text>')
@@ -563,20 +600,55 @@ def write(site: Site, out: Path, replace: bool = False) -> int:
     """Writes the site into `out`, whole or not at all: built in a hidden sibling (.NAME.<pid>.partial)
     and renamed into place when complete, so a killed or failing build never leaves half a site there.
     A folder this module wrote before is replaced only with `replace`; other folders are refused
-    (`check_out`). Returns the number of pages."""
+    (`check_out`). One build at a time per `out`: it holds a lock on a file beside it (.NAME.lock,
+    removed when it ends), and a second build meanwhile is refused with ValueError. Returns the number
+    of pages."""
     out = Path(out)
-    check_out(out, replace)
-    building = out.absolute().parent / f".{out.absolute().name}.{os.getpid()}{PARTIAL}"
-    shutil.rmtree(building, ignore_errors=True)
-    try:
-        pages = _write(site, building)
-        if out.exists():
-            shutil.rmtree(out)
-        os.replace(building, out)
-    except BaseException:
+    parent = out.absolute().parent
+    parent.mkdir(parents=True, exist_ok=True)
+    with _locked(parent / f".{out.absolute().name}.lock", out):
+        check_out(out, replace)  # again, under the lock: what another build left there counts
+        building = parent / f".{out.absolute().name}.{os.getpid()}{PARTIAL}"
         shutil.rmtree(building, ignore_errors=True)
-        raise
+        try:
+            pages = _write(site, building)
+            if out.exists():
+                shutil.rmtree(out)
+            os.replace(building, out)
+        except BaseException:
+            shutil.rmtree(building, ignore_errors=True)
+            raise
     return pages
+
+
+@contextlib.contextmanager
+def _locked(file: Path, out: Path):
+    """An exclusive flock on `file` (made if absent) for the block, refused at once with ValueError
+    when another build holds it; the file is removed at the end (no POSIX flock: no lock)."""
+    if fcntl is None:
+        yield
+        return
+    while True:
+        fd = os.open(file, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            raise ValueError(f"--out {out}: another `flashkd records site` is building it now (it holds {file}); "
+                             f"nothing written, run again when that one has finished") from None
+        # The build that held it before removes the file when it ends: a lock on a file no longer at
+        # that path excludes nobody, so take the one that is there now
+        try:
+            if os.path.samestat(os.fstat(fd), os.stat(file)):
+                break
+        except FileNotFoundError:
+            pass
+        os.close(fd)
+    try:
+        yield
+    finally:
+        os.unlink(file)
+        os.close(fd)
 
 
 def _write(site: Site, out: Path) -> int:
@@ -640,7 +712,7 @@ def build(paths, out, compare_pairs=(), replace=False) -> Site:
     when no bundle file is found, a --compare pair is not two runs, or `out` may not be written
     (`check_out`: checked first)."""
     check_out(out, replace)
-    site = read(paths, compare_pairs)
+    site = read(paths, compare_pairs, out)
     if not site.files:
         raise ValueError("no bundle files found")
     site.pages = write(site, out, replace)
