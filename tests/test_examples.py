@@ -12,10 +12,12 @@ EXAMPLES = sorted((pathlib.Path(__file__).parent.parent / "examples").glob("*.py
 
 
 @pytest.mark.parametrize("path", EXAMPLES, ids=lambda p: p.name)
-def test_example_runs(path, tmp_path):
+def test_example_runs(path, tmp_path, tmp_path_factory):
     tmp = tmp_path / "tmp"
     tmp.mkdir()
     env = {**os.environ, "TMPDIR": str(tmp)}  # tempfile's folder: what an example makes there must be gone after
+    # torch's own compile cache (torchinductor_<user>, under TMPDIR by default) is torch's, not the example's
+    env.setdefault("TORCHINDUCTOR_CACHE_DIR", str(tmp_path_factory.mktemp("torchinductor")))
     done = subprocess.run([sys.executable, str(path)], capture_output=True, text=True, timeout=300, env=env,
                           cwd=tmp_path)
     assert done.returncode == 0, done.stderr[-2000:]
