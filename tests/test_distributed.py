@@ -281,6 +281,103 @@ def test_vocab_parallel_equals_unsharded(world):
     _spawn(_vocab_parallel_worker, world)
 
 
+# The Triton rows' sharded phases: a vocab wide enough that the slices span several tiles of the
+# interpreter's 256 columns, a slice of one column, and one of exactly one tile.
+TV = 700
+TRITON_LAYOUTS = {2: [(0, 256), (256, TV)], 3: [(257, TV), (0, 256), (256, 257)]}
+
+
+def _triton_worker(rank, world, seed, dtype_name):
+    """Sharded calls on backend="triton" equal the unsharded Triton call: fp32 reductions reordered only."""
+    from flashkd.distributed.vocab import ShardedVocab
+
+    start, stop = TRITON_LAYOUTS[world][rank]
+    group, device = dist.group.WORLD, _device()
+    gen = torch.Generator().manual_seed(seed)
+    dtype = getattr(torch, dtype_name)
+    gathers = []
+    original = ShardedVocab.gather_rows
+
+    def counted(self, part):
+        gathers.append(part.shape)
+        return original(self, part)
+
+    ShardedVocab.gather_rows = counted  # the kernels' phases ran, not the torch definition
+    tol = 2e-5 if dtype == torch.float32 else 2e-2  # bf16: dL/ds rounded once more or less near a tie
+
+    def rand(*shape, scale=1.0):
+        return (scale * torch.randn(*shape, generator=gen, dtype=torch.float64)).to(dtype=dtype, device=device)
+
+    def run(fn, args, options, grad):
+        outs = []
+        for sharded in (False, True):
+            xs, ws, teacher, labels = args
+            ws = ws[start:stop] if sharded else ws
+            if sharded and teacher[0].shape[-1] == TV:  # the dense logits: the slice's columns
+                teacher = (teacher[0][:, start:stop],)
+            elif sharded and len(teacher) == 2:
+                teacher = (teacher[0], teacher[1][start:stop])
+            x, w = xs.clone().requires_grad_(grad), ws.clone().requires_grad_(grad)
+            extra = dict(process_group=group, vocab_start=start) if sharded else {}
+            before = len(gathers)
+            out = fn(x, w, *teacher, labels, backend="triton", **options, **extra)
+            assert not sharded or len(gathers) > before, "the sharded call ran the Triton phases"
+            flat = _flat(out)
+            grads = torch.autograd.grad(flat[0], (x, w)) if grad else ()
+            outs.append((flat, grads))
+        (want, dwant), (got, dgot) = outs
+        for i, (g, w) in enumerate(zip(got, want)):
+            _close(f"{options} grad={grad}: output {i}", g, w, tol)
+        if grad:
+            _close(f"{options}: dX", dgot[0], dwant[0], tol)
+            _close(f"{options}: dW", dgot[1], dwant[1][start:stop], tol)
+
+    cases = [
+        dict(loss="jsd", beta=0.3),
+        dict(loss="jsd", temperature=2.0, return_soft_hard_loss=True, chunk_size=3),
+        dict(loss="forward_kl"),
+        dict(loss="forward_kl", temperature=0.5, return_stats=True),
+        dict(loss="reverse_kl", reduction="sum"),
+        dict(loss="tvd", weight_hard_loss=0.2, weight_soft_loss=0.8),
+        dict(loss="cosine", beta=0.7),
+        dict(loss="jsd", weight_hard_loss=1.0, weight_soft_loss=0.0),  # CE alone
+        dict(loss="jsd", student_softcap=3.0, teacher_softcap=4.0, student_logit_scale=0.7, teacher_logit_scale=1.3,
+             return_stats=True),
+        dict(loss="reverse_kl", student_logit_scale=-0.8, row_weight=True, return_soft_hard_loss=True),
+        dict(loss="tvd", chunk_size=4, check_shards=False),
+    ]
+    n = 9
+    for options in cases:
+        if options.get("row_weight"):
+            options = dict(options, row_weight=torch.rand(n, generator=gen).to(device))
+        xs, ws = rand(n, HS), rand(TV, HS, scale=1.5)
+        xt, wt = rand(n, HT), rand(TV, HT, scale=1.5)
+        labels = torch.randint(0, TV, (n,), generator=gen).to(device)
+        labels[::4] = -100
+        labels[1], labels[3], labels[5] = 256, 0, TV - 1  # a slice's first column; a one-column slice's (world 3)
+        for grad in (True, False):
+            run(flashkd.fused_linear_distill, (xs, ws, (xt, wt), labels), options, grad)
+    # the dense-logits form, labels None
+    for options in (dict(loss="jsd", weight_hard_loss=0.0), dict(loss="forward_kl", weight_hard_loss=0.0, chunk_size=4)):
+        xs, ws = rand(n, HS), rand(TV, HS, scale=1.5)
+        logits = rand(n, TV, scale=3.0)
+        run(flashkd.fused_linear_distill_logits, (xs, ws, (logits,), None), options, True)
+    # a label out of [0, V) with check_labels off: NaN, as unsharded
+    xs, ws, xt, wt = rand(n, HS), rand(TV, HS), rand(n, HT), rand(TV, HT)
+    labels = torch.randint(0, TV, (n,), generator=gen).to(device)
+    labels[2] = TV + 3
+    got = flashkd.fused_linear_distill(xs, ws[start:stop], xt, wt[start:stop], labels, backend="triton",
+                                       check_labels=False, process_group=group, vocab_start=start)
+    assert torch.isnan(got), "an out-of-range label"
+    assert all(shape[-1] == 12 for shape in gathers)
+
+
+@pytest.mark.parametrize("world,dtype", [(2, "float32"), (3, "float32"), (3, "bfloat16")])
+def test_vocab_parallel_triton_rows_equal_unsharded(world, dtype):
+    pytest.importorskip("triton")
+    _spawn(_triton_worker, world, dtype, timeout=600)
+
+
 def _one_rank_differs_worker(rank, world, seed):
     """Calls wrong on one rank only (the last): every rank raises the same error at once, none waits
     in a collective (the group's timeout is short: a rank left waiting fails the test)."""

@@ -346,8 +346,8 @@ def any_dtensor(*xs) -> bool:
 
 def run(call: Call, rows: Rows, vocab=None):
     """Plan and run a call on its checked rows; the shared tail of the three forms. vocab: a rank's
-    slice of the vocab (`flashkd.distributed`); its calls use the torch row definition on every
-    backend and plan their chunks for the group's largest slice, `vocab.plan_size`."""
+    slice of the vocab (`flashkd.distributed`); its calls plan their chunks for the group's largest
+    slice, `vocab.plan_size`, and a top-k teacher's use the torch row definition on every backend."""
     spec, form = call.spec, call.teacher.form
     xs, ws, bs, y, teacher = rows.xs, rows.ws, rows.bs, rows.y, rows.teacher
     check_labels, grad_accum_dtype = call.check_labels, call.grad_accum_dtype
@@ -367,7 +367,7 @@ def run(call: Call, rows: Rows, vocab=None):
     if grad_accum_dtype not in (wide, ws.dtype):
         raise TypeError(f"grad_accum_dtype: expected {wide} or student_weight's dtype {ws.dtype}, got {grad_accum_dtype!r}")
     backend = pick_backend(call.backend, xs)
-    if vocab is not None:
+    if vocab is not None and form == "topk":
         backend = "torch"
     want_dw = torch.is_grad_enabled() and ws.requires_grad
     accum_bytes = grad_accum_dtype.itemsize if want_dw else 0
@@ -497,7 +497,7 @@ def _chunk_loop(xs, ws, bs, y, rw, teacher, plan: Plan, want_dx, want_dw, want_d
         # into a buffer of the inputs' dtype (the top-k and torch rows write it over s, rounded below)
         narrow = grad and s.dtype != ws.dtype
         ds = torch.empty(s.shape, device=device, dtype=ws.dtype) if narrow and plan.form != "topk" \
-            and plan.backend == "triton" and plan.vocab is None else None
+            and plan.backend == "triton" else None
         for sub in range(c.start, c.stop, plan.teacher_chunk):
             b = slice(sub, min(sub + plan.teacher_chunk, c.stop))
             t = _teacher_block(plan.form, teacher, b) if spec.want_soft else None
@@ -554,7 +554,7 @@ def _chunk_loop(xs, ws, bs, y, rw, teacher, plan: Plan, want_dx, want_dw, want_d
 def _rows(plan: Plan):
     """The backend's row function for the plan's teacher form (see `flashkd.backends`)."""
     if plan.vocab is not None:
-        return plan.vocab.rows(plan.form)
+        return plan.vocab.rows(plan.form, plan.backend)
     if plan.backend == "triton":
         from .backends import triton_rows, triton_topk
 

@@ -121,6 +121,10 @@ _TVD: tl.constexpr = tl.constexpr(LOSS_ID["tvd"])
 _COSINE: tl.constexpr = tl.constexpr(LOSS_ID["cosine"])
 _NORM_EPS: tl.constexpr = tl.constexpr(COSINE_EPS)
 _LOG2_MIN: tl.constexpr = tl.constexpr(-(2.0**100))  # see _mixture
+# A sharded row's part (PHASE 1): m_s, l_s, l_c, m_t, l_t, r_kl, Σs², Σt², Σst, r_ent over this rank's
+# slice at its own maxima, the CE's logit z_y (0 where the label's column is another rank's) and a 1
+# where it is this rank's
+_PARTS: tl.constexpr = tl.constexpr(12)
 
 
 # ---------------------------------------------------------------------------------------------- helpers
@@ -220,12 +224,17 @@ def _rows_kernel(
     hard_ptr,  # (R,) fp32 out: untempered CE, 0 on ignored rows, NaN for a label outside [0, V)
     ent_ptr,  # (R,) fp32 out: entropy of q, 0 on ignored rows (written when STATS)
     scale_ptr,  # () or (R,) fp32 (or fp64): the reduction's factor (per row: times the row's weight)
+    part_ptr,  # PHASE 1: (R, _PARTS) fp32 out, this rank's; 2, 3: (world, R, _PARTS), every rank's
+    acc_ptr,  # PHASE 2: (R, 4) fp32 out, pass 2's sums over this rank's slice; 3: their sums over the ranks
     # sizes
     V,
     stride_scale,  # 0 for one factor, 1 for one a row
     stride_t,
     stride_g,
     ignore_index,
+    label_lo,  # the global id of column 0 (a label's column is label − label_lo)
+    world,  # the ranks whose parts PHASE 2, 3 merge
+    stride_part,  # R · _PARTS: from one rank's parts to the next
     # runtime floats: a new value never recompiles. fold_s, fold_t: a head's scale σ where the kernel
     # does not transform at load (S_HEAD / T_HEAD 0: z = σ·s, σ > 0), else 1 (the loaded value is z)
     log2e_tau,  # log2(e)·fold_s / τ: (s − max)·log2e_tau is log2 of softmax(z/τ)'s numerator
@@ -259,6 +268,8 @@ def _rows_kernel(
     RTNE_BITS: tl.constexpr,  # `_store_grad`: under the interpreter, with a bf16 dL/ds
     RCP_FMA: tl.constexpr,  # softcap loads whose reciprocal is on the FMA pipe, bit 2·(pass − 1) + side
     # (0: s, 1: t); see SOFTCAP_RCP_FMA
+    PHASE: tl.constexpr,  # 0: the whole row; a row sharded over ranks' vocab slices: 1, 2, 3 (`rows`)
+    WORLD_BLOCK: tl.constexpr,  # a power of 2 >= world
     BLOCK_V: tl.constexpr,
 ):
     # One program per row. Pass 2 walks the row backwards, so it starts on the tiles pass 1 read last
@@ -272,10 +283,12 @@ def _rows_kernel(
         soft_ptr + row,
         hard_ptr + row,
         ent_ptr + row,
-        scale_ptr + row * stride_scale, V, tl.cdiv(V, BLOCK_V), tl.arange(0, BLOCK_V), ignore_index, log2e_tau,
-        log2e_tau_t, log2e_ce, inv_tau, fold_s, fold_t, kl_ratio, s_mul, t_mul, beta,
+        scale_ptr + row * stride_scale,
+        part_ptr + row * _PARTS,
+        acc_ptr + row * 4, V, tl.cdiv(V, BLOCK_V), tl.arange(0, BLOCK_V), ignore_index, label_lo, world, stride_part,
+        log2e_tau, log2e_tau_t, log2e_ce, inv_tau, fold_s, fold_t, kl_ratio, s_mul, t_mul, beta,
         log2_beta, log2_1mbeta, w_hard, w_soft, LOSS, SOFT, CE, LABELS, GRAD_SOFT, GRAD_CE, GRAD_PASS,
-        CE_IS_Q, ONLINE_KL, S_HEAD, T_HEAD, SCALED, STATS, RTNE_BITS, RCP_FMA, BLOCK_V,
+        CE_IS_Q, ONLINE_KL, S_HEAD, T_HEAD, SCALED, STATS, RTNE_BITS, RCP_FMA, PHASE, WORLD_BLOCK, BLOCK_V,
     )
 
 
@@ -443,16 +456,45 @@ def _grad_pass(
 
 
 @triton.jit
+def _merge(m_s, l_s, l_c, m_t, l_t, r_kl, ss, tt, st, r_ent, log2e_tau, log2e_tau_t, log2e_ce, kl_ratio,
+           LOSS: tl.constexpr, ONLINE_KL: tl.constexpr, SCALED: tl.constexpr, STATS: tl.constexpr):
+    """Pass 1's statistics of several parts of a row (a program's lanes, or the ranks' vocab slices)
+    merged into the row's: the sums moved to the row's maxima and added. Parts with nothing in them
+    (m at M_START, sums 0) add nothing."""
+    m_row = tl.max(m_s, 0)
+    mt_row = tl.max(m_t, 0)
+    f = tl.exp2((m_s - m_row) * log2e_tau)
+    if STATS:  # the parts' gaps, moved to the row's max
+        r_ent = tl.sum(times(f, r_ent + l_s * (m_s - m_row)), 0)
+    else:
+        r_ent = 0.0
+    if ONLINE_KL and LOSS == _REVERSE_KL:  # the parts' KL gaps, moved to the row's maxima
+        r_kl = tl.sum(times(f, r_kl - times(l_s, _minus(m_row - m_s, mt_row - m_t, kl_ratio, SCALED))), 0)
+    l_s = tl.sum(l_s * f, 0)
+    l_c = tl.sum(l_c * tl.exp2((m_s - m_row) * log2e_ce), 0)
+    f = tl.exp2((m_t - mt_row) * log2e_tau_t)
+    if ONLINE_KL and LOSS == _FORWARD_KL:
+        r_kl = tl.sum(times(f, r_kl - times(l_t, _minus(mt_row - m_t, m_row - m_s, kl_ratio, SCALED))), 0)
+    if not ONLINE_KL:
+        r_kl = 0.0
+    l_t = tl.sum(l_t * f, 0)
+    return m_row, l_s, l_c, mt_row, l_t, r_kl, tl.sum(ss, 0), tl.sum(tt, 0), tl.sum(st, 0), r_ent
+
+
+@triton.jit
 def _one_row(
-    s_row, g_row, t_row, label_ptr, soft_ptr, hard_ptr, ent_ptr, scale_ptr, V, n_tiles, cols, ignore_index, log2e_tau,
+    s_row, g_row, t_row, label_ptr, soft_ptr, hard_ptr, ent_ptr, scale_ptr, part_row, acc_row, V, n_tiles, cols,
+    ignore_index, label_lo, world, stride_part, log2e_tau,
     log2e_tau_t, log2e_ce, inv_tau, fold_s, fold_t, kl_ratio, s_mul, t_mul, beta,
     log2_beta, log2_1mbeta, w_hard, w_soft,
     LOSS: tl.constexpr, SOFT: tl.constexpr, CE: tl.constexpr, LABELS: tl.constexpr,
     GRAD_SOFT: tl.constexpr, GRAD_CE: tl.constexpr, GRAD_PASS: tl.constexpr, CE_IS_Q: tl.constexpr,
     ONLINE_KL: tl.constexpr, S_HEAD: tl.constexpr, T_HEAD: tl.constexpr, SCALED: tl.constexpr,
-    STATS: tl.constexpr, RTNE_BITS: tl.constexpr, RCP_FMA: tl.constexpr, BLOCK_V: tl.constexpr,
+    STATS: tl.constexpr, RTNE_BITS: tl.constexpr, RCP_FMA: tl.constexpr, PHASE: tl.constexpr,
+    WORLD_BLOCK: tl.constexpr, BLOCK_V: tl.constexpr,
 ):
-    """The three passes over one row; the kernel's arguments, advanced to the row."""
+    """The three passes over one row (PHASE 0), or a sharded row's phase of them (`_rows_kernel`); the
+    kernel's arguments, advanced to the row."""
     if not SCALED:  # no fold: the loops run on the constants they had before heads had transforms
         log2e_tau_t = log2e_tau
         log2e_ce = LOG2E
@@ -462,155 +504,189 @@ def _one_row(
     if LABELS:
         label = tl.load(label_ptr).to(tl.int64)
         valid = label != ignore_index
+        label = label - label_lo  # the label's column in this slice of the vocab
     soft = 0.0
     hard = 0.0
     entropy = 0.0
     if valid:
-        s_y = 0.0
-        if CE:
-            in_range = (label >= 0) & (label < V)
-            s_y = tl.load(s_row + tl.where(in_range, label, 0)).to(tl.float32)  # before s is overwritten
-            s_y = head(s_y, s_mul, S_HEAD, RCP_FMA & 1)[0]
-        # -------- pass 1: row statistics per lane, merged once after it
-        m_s, l_s, l_c, m_t, l_t, r_kl, ss, tt, st, r_ent = _stats_pass(
-            s_row, t_row, V, cols,
-            log2e_tau, log2e_tau_t, log2e_ce, kl_ratio, s_mul, t_mul,
-            LOSS, SOFT, CE, CE_IS_Q, ONLINE_KL, S_HEAD, T_HEAD, SCALED, STATS, RCP_FMA, BLOCK_V,
-        )
-        m_row = tl.max(m_s, 0)
-        mt_row = tl.max(m_t, 0)
-        f = tl.exp2((m_s - m_row) * log2e_tau)
-        if STATS:  # the lanes' gaps, moved to the row's max
-            r_ent = tl.sum(times(f, r_ent + l_s * (m_s - m_row)), 0)
-        if ONLINE_KL and LOSS == _REVERSE_KL:  # the lanes' KL gaps, moved to the row's maxima
-            r_kl = tl.sum(times(f, r_kl - times(l_s, _minus(m_row - m_s, mt_row - m_t, kl_ratio, SCALED))), 0)
-        l_s = tl.sum(l_s * f, 0)
-        l_c = tl.sum(l_c * tl.exp2((m_s - m_row) * log2e_ce), 0)
-        f = tl.exp2((m_t - mt_row) * log2e_tau_t)
-        if ONLINE_KL and LOSS == _FORWARD_KL:
-            r_kl = tl.sum(times(f, r_kl - times(l_t, _minus(mt_row - m_t, m_row - m_s, kl_ratio, SCALED))), 0)
-        l_t = tl.sum(l_t * f, 0)
-        m_s = m_row
-        m_t = mt_row
-        # log2 q = (s − m_s)·log2(e)/τ − log2 l_s, log2 p likewise,
-        # log2 softmax(s) = (s − m_s)·log2(e) − log2 l_c
-        log2_l_s = tl.log2(l_s)
-        log2_l_t = tl.log2(l_t)
-        if CE_IS_Q:
-            log2_l_c = log2_l_s
-        else:
-            log2_l_c = tl.log2(l_c)
-        if CE:  # logsumexp(z) − z_y
-            hard = tl.where(in_range, (m_s - s_y) * fold_s + LN2 * log2_l_c, float("nan"))
-        if STATS:  # H(q) = logsumexp(z/τ) − E_q[z]/τ = log l_s − E_q[z − max z]/τ
-            entropy = LN2 * log2_l_s - r_ent / l_s * (fold_s * inv_tau)
-
-        scale = tl.load(scale_ptr).to(tl.float32)
-        c_soft = scale * w_soft
-        c_ce = 0.0
-        if CE:
-            c_ce = tl.where(in_range, scale * w_hard, 0.0)  # out-of-range label: NaN loss, no CE gradient
-
-        inv_nn = 0.0
-        cos_aa = 0.0
-        kl_qp = 0.0
-        if SOFT:
-            # KL(q‖p) = E_q[(z_s − max z_s) − (z_t − max z_t)]/τ + log(l_t / l_s), and KL(p‖q) with s
-            # and t swapped (r_kl is over the fold of its own side)
-            if ONLINE_KL and LOSS == _REVERSE_KL:
-                kl_qp = r_kl / l_s * fold_s * inv_tau + LN2 * (log2_l_t - log2_l_s)
-                soft = kl_qp
-            elif ONLINE_KL:
-                soft = r_kl / l_t * fold_t * inv_tau + LN2 * (log2_l_s - log2_l_t)
-            if LOSS == _COSINE:
-                # soft = β (1 − cos), cos = Σst / (max(‖s‖, ε) max(‖t‖, ε));
-                # dsoft/ds = −β (t / (max(‖s‖, ε) max(‖t‖, ε)) − cos · s / (max(‖s‖, ε) ‖s‖)),
-                # without the second term when ‖s‖ < ε (the clamp is then constant)
-                n_s = tl.sqrt_rn(tl.sum(ss, 0)) * fold_s  # of z = fold · s (fold > 0)
-                n_t = tl.sqrt_rn(tl.sum(tt, 0)) * fold_t
-                inv_nn = 1.0 / (tl.maximum(n_s, _NORM_EPS) * tl.maximum(n_t, _NORM_EPS))
-                cos = tl.sum(st, 0) * (fold_s * fold_t) * inv_nn
-                cos_aa = tl.where(n_s >= _NORM_EPS, cos / (tl.maximum(n_s, _NORM_EPS) * n_s), 0.0)
-                soft = beta * (1.0 - cos)
-
-        # -------- pass 2: loss terms; dL/ds for forward_kl, reverse_kl, cosine, CE-only, its soft part
-        # with the row's factors folded in (and the CE's softmax(s) term, when that is q: `fold_q`)
-        fold_q = GRAD_SOFT and GRAD_CE and CE_IS_Q
-        c_q = 0.0  # the CE gradient's softmax(s) term when it is q (GRAD_SOFT holds then)
-        if fold_q:
-            c_q = c_ce
-        c_st = c_soft * inv_tau
-        f_q = c_st + c_q  # forward_kl: c_soft (q − p) / τ
-        f_p = -c_st
-        f1 = c_st * LN2  # reverse_kl: c_soft q (log(q/p) − KL(q‖p)) / τ, log(q/p) = ln 2 · (lq − lp)
-        f0 = c_q - c_st * kl_qp
-        f_a = c_soft * beta * cos_aa * fold_s  # cosine: c_soft · dsoft/dz above, z = fold · the loaded value
-        f_b = -c_soft * beta * inv_nn * fold_t
-        acc, acc2, acc3, acc4 = _loss_pass(
-            s_row, g_row, t_row, V, n_tiles, cols, label,
-            m_s, m_t, log2_l_s, log2_l_t, log2_l_c,
-            log2e_tau, log2e_tau_t, log2e_ce, s_mul, t_mul, log2_beta, log2_1mbeta,
-            f_q, f_p, f1, f0, f_a, f_b, c_ce,
-            LOSS, SOFT, GRAD_SOFT, GRAD_CE, GRAD_PASS, CE_IS_Q, ONLINE_KL, S_HEAD, T_HEAD, RTNE_BITS, RCP_FMA,
-            BLOCK_V,
-        )
-
-        # row scalars of the divergences (natural log units)
-        k_jsd = 0.0
-        tvd_pos = 0.0
-        tvd_neg = 0.0
-        tvd_zero = 0.0
-        if SOFT:
-            if LOSS == _FORWARD_KL and not ONLINE_KL:
-                soft = LN2 * tl.sum(acc, 0)
-            elif LOSS == _JSD:
-                k_jsd = LN2 * (tl.sum(acc2, 0) - log2_1mbeta)  # K = Σ q log(q/M)
-                soft = beta * LN2 * (tl.sum(acc, 0) - log2_beta) + (1.0 - beta) * k_jsd
-            elif LOSS == _TVD:
-                soft = 0.5 * tl.sum(acc, 0)
-                # σ − Σ q σ, for σ = +1, −1, 0, from the masses below / above / at p, which sum to 1:
-                # sums of non-negative terms, accurate even when Σ q σ is close to ±1
-                mass_lo = tl.sum(acc2, 0)
-                mass_hi = tl.sum(acc3, 0)
-                mass_eq = tl.sum(acc4, 0)
-                tvd_pos = 2.0 * mass_lo + mass_eq
-                tvd_neg = -(2.0 * mass_hi + mass_eq)
-                tvd_zero = mass_lo - mass_hi
-
-        # -------- pass 3: dL/ds for jsd, tvd, as q · (f1 · x + f0) with x the element's log-ratio (or
-        # TVD's sign) and the row's factors (scale, weight, 1/τ, units, its scalar, and the CE's when
-        # softmax(s) is q) folded into f1, f0 here: the pass is bound by its instruction count
-        if GRAD_PASS == 3:
-            f_lo = 0.0
-            f_hi = 0.0
-            f_eq = 0.0
-            if LOSS == _JSD:  # c_st (1 − β) q (log(q/M) − K), log2(q/M) = −(w + max(z, 0)) − log2(1 − β)
-                f1 = -c_st * (1.0 - beta) * LN2
-                f0 = c_q + f1 * log2_1mbeta - c_st * (1.0 - beta) * k_jsd
-            else:  # _TVD: c_st q (σ − Σ q σ) / 2
-                f_lo = c_q + 0.5 * c_st * tvd_neg
-                f_hi = c_q + 0.5 * c_st * tvd_pos
-                f_eq = c_q + 0.5 * c_st * tvd_zero
-            _grad_pass(
-                s_row, g_row, t_row, V, cols, label,
-                m_s, m_t, log2_l_s, log2_l_t, log2_l_c,
-                log2e_tau, log2e_tau_t, log2e_ce, s_mul, t_mul, log2_beta, log2_1mbeta,
-                f1, f0, f_lo, f_hi, f_eq, c_ce,
-                LOSS, GRAD_SOFT, GRAD_CE, CE_IS_Q, S_HEAD, T_HEAD, RTNE_BITS, RCP_FMA, BLOCK_V,
+        if PHASE <= 1:
+            s_y = 0.0
+            if CE:
+                in_range = (label >= 0) & (label < V)
+                s_y = tl.load(s_row + tl.where(in_range, label, 0)).to(tl.float32)  # before s is overwritten
+                s_y = tl.where(in_range, head(s_y, s_mul, S_HEAD, RCP_FMA & 1)[0], 0.0)
+            # -------- pass 1: row statistics per lane, merged once after it
+            m_s, l_s, l_c, m_t, l_t, r_kl, ss, tt, st, r_ent = _stats_pass(
+                s_row, t_row, V, cols,
+                log2e_tau, log2e_tau_t, log2e_ce, kl_ratio, s_mul, t_mul,
+                LOSS, SOFT, CE, CE_IS_Q, ONLINE_KL, S_HEAD, T_HEAD, SCALED, STATS, RCP_FMA, BLOCK_V,
             )
+            m_s, l_s, l_c, m_t, l_t, r_kl, ss, tt, st, r_ent = _merge(
+                m_s, l_s, l_c, m_t, l_t, r_kl, ss, tt, st, r_ent, log2e_tau, log2e_tau_t, log2e_ce, kl_ratio,
+                LOSS, ONLINE_KL, SCALED, STATS)
+        else:  # the ranks' statistics of the row (their `_PARTS`), merged as a program's lanes are
+            at = part_row + tl.arange(0, WORLD_BLOCK) * stride_part
+            here = tl.arange(0, WORLD_BLOCK) < world
+            m_s, l_s, l_c, m_t, l_t, r_kl, ss, tt, st, r_ent = _merge(
+                tl.load(at, mask=here, other=M_START), tl.load(at + 1, mask=here, other=0.0),
+                tl.load(at + 2, mask=here, other=0.0), tl.load(at + 3, mask=here, other=M_START),
+                tl.load(at + 4, mask=here, other=0.0), tl.load(at + 5, mask=here, other=0.0),
+                tl.load(at + 6, mask=here, other=0.0), tl.load(at + 7, mask=here, other=0.0),
+                tl.load(at + 8, mask=here, other=0.0), tl.load(at + 9, mask=here, other=0.0),
+                log2e_tau, log2e_tau_t, log2e_ce, kl_ratio, LOSS, ONLINE_KL, SCALED, STATS)
+            if CE:  # the one rank whose slice holds the label gave its logit and a 1
+                s_y = tl.sum(tl.load(at + 10, mask=here, other=0.0), 0)
+                in_range = tl.sum(tl.load(at + 11, mask=here, other=0.0), 0) > 0.5
+        if PHASE == 1:  # this rank's part of the row: pass 1's statistics (`_PARTS`)
+            tl.store(part_row, m_s)
+            tl.store(part_row + 1, l_s)
+            tl.store(part_row + 2, l_c)
+            tl.store(part_row + 3, m_t)
+            tl.store(part_row + 4, l_t)
+            tl.store(part_row + 5, r_kl)
+            tl.store(part_row + 6, ss)
+            tl.store(part_row + 7, tt)
+            tl.store(part_row + 8, st)
+            tl.store(part_row + 9, r_ent)
+            if CE:
+                tl.store(part_row + 10, s_y)
+                tl.store(part_row + 11, tl.where(in_range, 1.0, 0.0))
+        else:
+            # log2 q = (s − m_s)·log2(e)/τ − log2 l_s, log2 p likewise,
+            # log2 softmax(s) = (s − m_s)·log2(e) − log2 l_c
+            log2_l_s = tl.log2(l_s)
+            log2_l_t = tl.log2(l_t)
+            if CE_IS_Q:
+                log2_l_c = log2_l_s
+            else:
+                log2_l_c = tl.log2(l_c)
+            if CE:  # logsumexp(z) − z_y
+                hard = tl.where(in_range, (m_s - s_y) * fold_s + LN2 * log2_l_c, float("nan"))
+            if STATS:  # H(q) = logsumexp(z/τ) − E_q[z]/τ = log l_s − E_q[z − max z]/τ
+                entropy = LN2 * log2_l_s - r_ent / l_s * (fold_s * inv_tau)
+
+            scale = tl.load(scale_ptr).to(tl.float32)
+            c_soft = scale * w_soft
+            c_ce = 0.0
+            if CE:
+                c_ce = tl.where(in_range, scale * w_hard, 0.0)  # out-of-range label: NaN loss, no CE gradient
+
+            inv_nn = 0.0
+            cos_aa = 0.0
+            kl_qp = 0.0
+            if SOFT:
+                # KL(q‖p) = E_q[(z_s − max z_s) − (z_t − max z_t)]/τ + log(l_t / l_s), and KL(p‖q) with s
+                # and t swapped (r_kl is over the fold of its own side)
+                if ONLINE_KL and LOSS == _REVERSE_KL:
+                    kl_qp = r_kl / l_s * fold_s * inv_tau + LN2 * (log2_l_t - log2_l_s)
+                    soft = kl_qp
+                elif ONLINE_KL:
+                    soft = r_kl / l_t * fold_t * inv_tau + LN2 * (log2_l_s - log2_l_t)
+                if LOSS == _COSINE:
+                    # soft = β (1 − cos), cos = Σst / (max(‖s‖, ε) max(‖t‖, ε));
+                    # dsoft/ds = −β (t / (max(‖s‖, ε) max(‖t‖, ε)) − cos · s / (max(‖s‖, ε) ‖s‖)),
+                    # without the second term when ‖s‖ < ε (the clamp is then constant)
+                    n_s = tl.sqrt_rn(ss) * fold_s  # of z = fold · s (fold > 0)
+                    n_t = tl.sqrt_rn(tt) * fold_t
+                    inv_nn = 1.0 / (tl.maximum(n_s, _NORM_EPS) * tl.maximum(n_t, _NORM_EPS))
+                    cos = st * (fold_s * fold_t) * inv_nn
+                    cos_aa = tl.where(n_s >= _NORM_EPS, cos / (tl.maximum(n_s, _NORM_EPS) * n_s), 0.0)
+                    soft = beta * (1.0 - cos)
+
+            # -------- pass 2: loss terms; dL/ds for forward_kl, reverse_kl, cosine, CE-only, its soft part
+            # with the row's factors folded in (and the CE's softmax(s) term, when that is q: `fold_q`)
+            fold_q = GRAD_SOFT and GRAD_CE and CE_IS_Q
+            c_q = 0.0  # the CE gradient's softmax(s) term when it is q (GRAD_SOFT holds then)
+            if fold_q:
+                c_q = c_ce
+            c_st = c_soft * inv_tau
+            f_q = c_st + c_q  # forward_kl: c_soft (q − p) / τ
+            f_p = -c_st
+            f1 = c_st * LN2  # reverse_kl: c_soft q (log(q/p) − KL(q‖p)) / τ, log(q/p) = ln 2 · (lq − lp)
+            f0 = c_q - c_st * kl_qp
+            f_a = c_soft * beta * cos_aa * fold_s  # cosine: c_soft · dsoft/dz above, z = fold · the loaded value
+            f_b = -c_soft * beta * inv_nn * fold_t
+            if PHASE == 3:  # the ranks' sums of pass 2's terms
+                acc = tl.load(acc_row)
+                acc2 = tl.load(acc_row + 1)
+                acc3 = tl.load(acc_row + 2)
+                acc4 = tl.load(acc_row + 3)
+            else:
+                acc, acc2, acc3, acc4 = _loss_pass(
+                    s_row, g_row, t_row, V, n_tiles, cols, label,
+                    m_s, m_t, log2_l_s, log2_l_t, log2_l_c,
+                    log2e_tau, log2e_tau_t, log2e_ce, s_mul, t_mul, log2_beta, log2_1mbeta,
+                    f_q, f_p, f1, f0, f_a, f_b, c_ce,
+                    LOSS, SOFT, GRAD_SOFT, GRAD_CE, GRAD_PASS, CE_IS_Q, ONLINE_KL, S_HEAD, T_HEAD, RTNE_BITS,
+                    RCP_FMA, BLOCK_V,
+                )
+                acc = tl.sum(acc, 0)
+                acc2 = tl.sum(acc2, 0)
+                acc3 = tl.sum(acc3, 0)
+                acc4 = tl.sum(acc4, 0)
+            if PHASE == 2:  # this rank's sums, added over the ranks before phase 3
+                tl.store(acc_row, acc)
+                tl.store(acc_row + 1, acc2)
+                tl.store(acc_row + 2, acc3)
+                tl.store(acc_row + 3, acc4)
+
+            # row scalars of the divergences (natural log units)
+            k_jsd = 0.0
+            tvd_pos = 0.0
+            tvd_neg = 0.0
+            tvd_zero = 0.0
+            if SOFT:
+                if LOSS == _FORWARD_KL and not ONLINE_KL:
+                    soft = LN2 * acc
+                elif LOSS == _JSD:
+                    k_jsd = LN2 * (acc2 - log2_1mbeta)  # K = Σ q log(q/M)
+                    soft = beta * LN2 * (acc - log2_beta) + (1.0 - beta) * k_jsd
+                elif LOSS == _TVD:
+                    soft = 0.5 * acc
+                    # σ − Σ q σ, for σ = +1, −1, 0, from the masses below / above / at p, which sum to 1:
+                    # sums of non-negative terms, accurate even when Σ q σ is close to ±1
+                    mass_lo = acc2
+                    mass_hi = acc3
+                    mass_eq = acc4
+                    tvd_pos = 2.0 * mass_lo + mass_eq
+                    tvd_neg = -(2.0 * mass_hi + mass_eq)
+                    tvd_zero = mass_lo - mass_hi
+
+            # -------- pass 3: dL/ds for jsd, tvd, as q · (f1 · x + f0) with x the element's log-ratio (or
+            # TVD's sign) and the row's factors (scale, weight, 1/τ, units, its scalar, and the CE's when
+            # softmax(s) is q) folded into f1, f0 here: the pass is bound by its instruction count
+            if GRAD_PASS == 3 and PHASE != 2:
+                f_lo = 0.0
+                f_hi = 0.0
+                f_eq = 0.0
+                if LOSS == _JSD:  # c_st (1 − β) q (log(q/M) − K), log2(q/M) = −(w + max(z, 0)) − log2(1 − β)
+                    f1 = -c_st * (1.0 - beta) * LN2
+                    f0 = c_q + f1 * log2_1mbeta - c_st * (1.0 - beta) * k_jsd
+                else:  # _TVD: c_st q (σ − Σ q σ) / 2
+                    f_lo = c_q + 0.5 * c_st * tvd_neg
+                    f_hi = c_q + 0.5 * c_st * tvd_pos
+                    f_eq = c_q + 0.5 * c_st * tvd_zero
+                _grad_pass(
+                    s_row, g_row, t_row, V, cols, label,
+                    m_s, m_t, log2_l_s, log2_l_t, log2_l_c,
+                    log2e_tau, log2e_tau_t, log2e_ce, s_mul, t_mul, log2_beta, log2_1mbeta,
+                    f1, f0, f_lo, f_hi, f_eq, c_ce,
+                    LOSS, GRAD_SOFT, GRAD_CE, CE_IS_Q, S_HEAD, T_HEAD, RTNE_BITS, RCP_FMA, BLOCK_V,
+                )
     else:
-        if GRAD_PASS != 0:
+        if GRAD_PASS != 0 and (PHASE == 0 or PHASE == 2):
             _fill_zeros(g_row, V, BLOCK_V)
-    tl.store(soft_ptr, soft)
-    tl.store(hard_ptr, hard)
-    if STATS:
-        tl.store(ent_ptr, entropy)
+    if PHASE != 1:
+        tl.store(soft_ptr, soft)
+        tl.store(hard_ptr, hard)
+        if STATS:
+            tl.store(ent_ptr, entropy)
 
 
 # --------------------------------------------------------------------------------------------- launcher
 
 
-def rows(s, t, labels, spec: LossSpec, scale: torch.Tensor, grad: bool, stats: bool = False, *, ds=None):
+def rows(s, t, labels, spec: LossSpec, scale: torch.Tensor, grad: bool, stats: bool = False, *, ds=None, vocab=None):
     """Per-row (soft, hard) losses of one block, (R,) fp32 each; with `grad`, ds (default: s, overwritten)
     gets dL/ds = scale · (w_hard · dCE/ds + soft_scale · dsoft/ds). See `flashkd.backends` for the contract.
 
@@ -621,6 +697,10 @@ def rows(s, t, labels, spec: LossSpec, scale: torch.Tensor, grad: bool, stats: b
     scale:  () or (R,) fp32 tensor on s's device, read by the kernel (no host sync); fp64 is accepted too
     ds:     (R, V) of those dtypes, unit vocab stride, sharing no memory with s or t, or None (s): the fp32
             logits of bf16 inputs write their gradient once, rounded to bf16, for the gradient GEMMs
+    vocab:  None (s holds whole rows), or the rank's slice of a vocab sharded over a process group
+            (`flashkd.distributed.ShardedVocab`): s, t hold the columns [vocab.start, vocab.start + V) of
+            every row, labels are global ids, and the losses and dL/ds come out as those of the whole
+            rows, through `vocab.gather_rows` and `vocab.sum_rows`
     """
     # (1) check
     if stats and not spec.want_soft:
@@ -692,56 +772,81 @@ def rows(s, t, labels, spec: LossSpec, scale: torch.Tensor, grad: bool, stats: b
     t_head = t_head if use_soft else 0
     sigma_s = float(spec.student_logit_scale)  # dz/ds, but for a softcap's 1 − (z/c)² (in the kernel)
     log2e = math.log2(math.e)
-    with launching():
-        _rows_kernel[(R,)](
-            s,
-            ds,
-            t if use_soft else s,  # never read when not SOFT
-            labels if labels is not None else s,  # never read when not LABELS
-            soft,
-            hard,
-            entropy,
-            scale,
-            V,
-            scale.stride(0) if scale.dim() else 0,
-            t.stride(0) if use_soft else V,
-            ds.stride(0),
-            spec.ignore_index,
-            # float(): an int weight would be specialised (and recompiled) by value
-            log2e * fold_s / spec.temperature,
-            log2e * fold_t / spec.temperature,
-            log2e * fold_s,
-            1.0 / spec.temperature,
-            fold_s,
-            fold_t,
-            fold_s / fold_t if kind == "forward_kl" else fold_t / fold_s,
-            s_mul,
-            t_mul,
-            float(spec.beta),
-            math.log2(spec.beta) if jsd else 0.0,
-            math.log1p(-spec.beta) / math.log(2.0) if jsd else 0.0,
-            float(spec.weight_hard) * sigma_s,
-            float(spec.soft_scale) * sigma_s,
-            LOSS=LOSS_ID[kind],
-            SOFT=use_soft,
-            CE=use_ce,
-            LABELS=labels is not None,
-            GRAD_SOFT=grad_soft,
-            GRAD_CE=grad_ce,
-            GRAD_PASS=grad_pass,
-            CE_IS_Q=ce_is_q,
-            ONLINE_KL=online_kl,
-            S_HEAD=s_head,
-            T_HEAD=t_head,
-            SCALED=fold_s != 1.0 or (use_soft and fold_t != 1.0),
-            STATS=stats,
-            RTNE_BITS=ds.dtype == torch.bfloat16 and os.environ.get("TRITON_INTERPRET") == "1",
-            # only where a side has a softcap: other kernels keep one specialisation whatever the masks
-            RCP_FMA=_cap_bits(SOFTCAP_RCP_FMA.get(kind, 0), s_head, t_head),
-            BLOCK_V=block,
-            num_warps=max(1, min(NUM_WARPS, block // 128)),
-            maxnreg=MAX_REGS,
-        )
+
+    def launch(phase, parts=s, accs=s, world=1):
+        with launching():
+            _rows_kernel[(R,)](
+                s,
+                ds,
+                t if use_soft else s,  # never read when not SOFT
+                labels if labels is not None else s,  # never read when not LABELS
+                soft,
+                hard,
+                entropy,
+                scale,
+                parts,
+                accs,
+                V,
+                scale.stride(0) if scale.dim() else 0,
+                t.stride(0) if use_soft else V,
+                ds.stride(0),
+                spec.ignore_index,
+                0 if vocab is None else vocab.start,
+                world,
+                R * _PARTS.value,
+                # float(): an int weight would be specialised (and recompiled) by value
+                log2e * fold_s / spec.temperature,
+                log2e * fold_t / spec.temperature,
+                log2e * fold_s,
+                1.0 / spec.temperature,
+                fold_s,
+                fold_t,
+                fold_s / fold_t if kind == "forward_kl" else fold_t / fold_s,
+                s_mul,
+                t_mul,
+                float(spec.beta),
+                math.log2(spec.beta) if jsd else 0.0,
+                math.log1p(-spec.beta) / math.log(2.0) if jsd else 0.0,
+                float(spec.weight_hard) * sigma_s,
+                float(spec.soft_scale) * sigma_s,
+                LOSS=LOSS_ID[kind],
+                SOFT=use_soft,
+                CE=use_ce,
+                LABELS=labels is not None,
+                GRAD_SOFT=grad_soft,
+                GRAD_CE=grad_ce,
+                GRAD_PASS=grad_pass,
+                CE_IS_Q=ce_is_q,
+                ONLINE_KL=online_kl,
+                S_HEAD=s_head,
+                T_HEAD=t_head,
+                SCALED=fold_s != 1.0 or (use_soft and fold_t != 1.0),
+                STATS=stats,
+                RTNE_BITS=ds.dtype == torch.bfloat16 and os.environ.get("TRITON_INTERPRET") == "1",
+                # only where a side has a softcap: other kernels keep one specialisation whatever the masks
+                RCP_FMA=_cap_bits(SOFTCAP_RCP_FMA.get(kind, 0), s_head, t_head),
+                PHASE=phase,
+                WORLD_BLOCK=max(2, triton.next_power_of_2(world)),
+                BLOCK_V=block,
+                num_warps=max(1, min(NUM_WARPS, block // 128)),
+                maxnreg=MAX_REGS,
+            )
+
+    if vocab is None:
+        launch(0)
+        return out
+    # A row sharded over the ranks' vocab slices: pass 1 on each slice; one all-gather of its statistics
+    # (R · _PARTS fp32 a rank), merged in phase 2 as a program's lanes are; pass 2; where the loss (or its
+    # gradient) needs pass 2's sums over the whole row (forward KL's value, JSD's K, TVD's masses), one
+    # all-reduce of 4 fp32 a row and phase 3 (pass 3). Nothing O(R · V) leaves the rank.
+    parts = torch.empty(R, _PARTS.value, dtype=torch.float32, device=s.device)
+    launch(1, parts=parts)
+    parts = vocab.gather_rows(parts)
+    accs = torch.empty(R, 4, dtype=torch.float32, device=s.device)
+    launch(2, parts=parts, accs=accs, world=parts.shape[0])
+    if use_soft and (kind in _LATE_GRAD or (kind == "forward_kl" and not online_kl)):
+        vocab.sum_rows(accs)
+        launch(3, parts=parts, accs=accs, world=parts.shape[0])
     return out
 
 

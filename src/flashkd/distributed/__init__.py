@@ -10,11 +10,25 @@ Every rank of the group passes the same rows (hidden states, labels, top-k targe
 [vocab_start, vocab_start + V_r) of each head (a dense teacher's logits: those columns); the
 slices tile [0, V), in any order and of any sizes ≥ 1. Labels and top-k ids are global. The loss
 is the unsharded call's, on every rank; dX is the full gradient on every rank (all-reduced); dW
-and db are the slice's. Per block of R rows the torch row definition (`flashkd.losses`) merges
-its row statistics (`ShardedVocab.merge`: the logsumexps' maxima, then their sums with every other
-sum over the vocab, stacked) — O(R) fp32 per collective, never R × V. Collectives per block:
+and db are the slice's.
+
+On backend "triton" the dense forms run the fused row kernel in phases
+(`flashkd.backends.triton_rows.rows` with the `ShardedVocab`): pass 1 over the slice writes each
+row's statistics at the slice's own maxima (the max and sum-exp of s/τ, t/τ and s, the online KL's
+and the entropy's gap sums, cosine's three sums, the label's logit and whether the slice holds it:
+12 fp32); one all-gather of them (`ShardedVocab.gather_rows`) lets every rank merge the row's as a
+program merges its lanes; pass 2 takes the loss terms and writes dL/ds over the slice where its
+constants are known (forward and reverse KL, cosine, the CE alone); jsd, tvd and forward KL with
+grad add their pass-2 sums over the ranks (`ShardedVocab.sum_rows`, R·4 fp32: JSD's K, TVD's masses,
+forward KL's value) before pass 3 writes dL/ds. The gradients are analytic: no collective in
+backward. On backend "torch", and for a top-k teacher on every backend, the torch row definition
+(`flashkd.losses`) merges its row statistics (`ShardedVocab.merge`: the logsumexps' maxima, then
+their sums with every other sum over the vocab, stacked) and autograd differentiates the merges.
+O(R) fp32 per collective, never R × V. Collectives per block:
 
     form / loss                 forward                                   backward (with grads)
+    Triton rows, dense          all-gather (R·12 per rank); for jsd, tvd,  none
+                                forward KL with grad + SUM (R·4)
     dense divergence + CE       MAX (R·3), SUM (R·4: lse sums, label),    SUM (R·1), SUM (R·4)
                                 SUM (R·1: the divergence)
     cosine + CE                 MAX (R·1), SUM (R·5: lse, s·t, s·s, t·t, label)   SUM (R·5)
@@ -29,13 +43,8 @@ per call one all-gather of a small int64 row per rank (its checks' status, vocab
 count and options, encoded; 4 + 80 int64).
 
 Memory per rank, beyond the inputs: the core's formulas ("Memory" in README.md) with V_r for V
-(logits R·V_r·E, dW V_r·Hs·A) and the torch backend's fp32 temporaries ≈ 6·R·V_r·4, plus O(R·n)
-for the merges. Every backend runs the torch row definition on sharded calls for now (the Triton
-row kernels assume the whole row); the fused kernel is the next step: stats pass over the slice
-(m, l for s/τ, t/τ, s; the label's logit) → one all-reduce MAX + one SUM (or one all-gather of the
-(m, l) pairs) → loss pass (the divergence's row sums and the gradient's row constants: JSD's K,
-reverse KL's KL, TVD's Σ q σ) → one all-reduce SUM → gradient pass: 3 collectives per chunk and
-none in backward, as its gradients are analytic.
+(logits R·V_r·E, dW V_r·Hs·A), the torch backend's fp32 temporaries ≈ 6·R·V_r·4 where it runs,
+plus O(R·n) for the merges (the Triton rows: R·(12·w + 4) fp32).
 
 Every rank must make the same call (shapes, options, requires_grad): the collectives are issued in
 the same order on every rank. So that a call wrong on some ranks only leaves none waiting in a

@@ -3,8 +3,8 @@
 Each rank passes the same rows (hidden states, labels, top-k targets) and the rows
 [vocab_start, vocab_start + V_r) of each head. The core validates the local tensors, then runs its
 chunk loop with a `ShardedVocab`: the GEMMs give each rank its slice of every chunk's logits, the
-torch row definition merges the row statistics over the group, dX is all-reduced, dW and db stay
-the slice's.
+row backend (the Triton rows' phases, or the torch row definition) merges the row statistics over
+the group, dX is all-reduced, dW and db stay the slice's.
 """
 
 from __future__ import annotations

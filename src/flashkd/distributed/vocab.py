@@ -6,7 +6,8 @@
 not differentiated) and one differentiable all-reduce SUM of everything summed over the vocab,
 stacked into one (R, n) fp32 tensor. The SUM's backward is again an all-reduce SUM (autograd seeds
 each rank's copy of the replicated loss with 1/world, so that the sum over the ranks of their
-copies' gradients is the gradient of the loss).
+copies' gradients is the gradient of the loss). The Triton rows' sharded phases use
+`gather_rows` and `sum_rows` instead (`flashkd.backends.triton_rows.rows`).
 """
 
 from __future__ import annotations
@@ -97,19 +98,35 @@ class ShardedVocab(Vocab):
         return out
 
     # --- the chunk loop's hooks (flashkd.chunks._chunk_loop) ---
-    def rows(self, form):
-        """The row function of the chunk loop: the torch definition over this slice, on every backend."""
-        from ..backends import torch_rows
+    def rows(self, form, backend="torch"):
+        """The row function of the chunk loop over this slice: the Triton rows' sharded phases
+        (`flashkd.backends.triton_rows.rows` with vocab=self) for a dense teacher on backend "triton",
+        else the torch definition, whose autograd runs through `merge`."""
+        if backend == "triton" and form != "topk":
+            from ..backends.triton_rows import rows as fn
+        else:
+            from ..backends import torch_rows
 
-        fn = torch_rows.topk_rows if form == "topk" else torch_rows.rows
+            fn = torch_rows.topk_rows if form == "topk" else torch_rows.rows
 
-        def rows(s, t, labels, spec, scale, grad, *args):
-            out = fn(s, t, labels, spec, scale, grad, *args, vocab=self)
+        def rows(s, t, labels, spec, scale, grad, *args, **kw):
+            out = fn(s, t, labels, spec, scale, grad, *args, **kw, vocab=self)
             if self.recorded is not None:
                 self.recorded.append(out[:2])
             return out
 
         return rows
+
+    # --- the Triton rows' collectives (flashkd.backends.triton_rows.rows) ---
+    def gather_rows(self, part):
+        """(world, R, n): every rank's (R, n) part, in rank order (one all-gather)."""
+        every = torch.empty(self.copies * part.numel(), dtype=part.dtype, device=part.device)
+        dist.all_gather_into_tensor(every, part.contiguous().view(-1), group=self.group)
+        return every.view(self.copies, *part.shape)
+
+    def sum_rows(self, x):
+        """x summed over the group, in place (one all-reduce)."""
+        dist.all_reduce(x, group=self.group)
 
     def chunk_dx(self, dx):
         """dX of one chunk, Σ over this rank's vocab rows: summed over the group, asynchronously."""
