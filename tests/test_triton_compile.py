@@ -1,0 +1,70 @@
+"""The row kernel compiled for an H100/H200 (sm_90) on this machine, no GPU needed.
+
+The CPU tests run the kernels under TRITON_INTERPRET=1, which executes their Python: it accepts code
+that the GPU code generator refuses (a name bound in one branch of a runtime `if` and read after it,
+a scalar where a block is needed). Every phase of the kernel, for every loss, with and without a
+gradient, labels and the stats, goes through the real compiler here, down to the cubin (ptxas ships
+with triton): a kernel that would fail its first launch on a GPU fails here. The compiler runs in a
+process of its own, as whether `triton.jit` interprets is fixed when flashkd's kernels are defined.
+"""
+
+from __future__ import annotations
+
+import inspect
+import itertools
+import os
+import subprocess
+import sys
+
+import pytest
+
+_INTS = ("V", "stride_scale", "stride_t", "stride_g", "ignore_index", "label_lo", "world", "stride_part")
+_LOSSES = (("jsd", 3, False), ("tvd", 3, False), ("forward_kl", 2, False), ("forward_kl", 0, True),
+           ("reverse_kl", 2, True), ("reverse_kl", 0, True), ("cosine", 2, False), ("cosine", 0, False))
+
+
+def _compile_phase(phase: int) -> int:
+    """Compile every specialisation of one phase for sm_90; returns how many."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from flashkd.backends import triton_rows
+    from flashkd.losses import LOSS_ID
+
+    kernel = triton_rows._rows_kernel
+    names = list(inspect.signature(kernel.fn).parameters)
+    count = 0
+    for (loss, grad_pass, online), (labels, stats, softcap) in itertools.product(
+            _LOSSES, [(True, False, False), (False, True, True)]):
+        grad = grad_pass != 0
+        constexprs = dict(
+            LOSS=LOSS_ID[loss], SOFT=True, CE=labels, LABELS=labels, GRAD_SOFT=grad, GRAD_CE=grad and labels,
+            GRAD_PASS=grad_pass, CE_IS_Q=labels and loss != "cosine", ONLINE_KL=online, S_HEAD=2 if softcap else 0,
+            T_HEAD=0, SCALED=softcap, STATS=stats, RTNE_BITS=False, RCP_FMA=0, PHASE=phase, WORLD_BLOCK=4,
+            BLOCK_V=1024)
+        signature = {}
+        for name in names:
+            if name.endswith("_ptr"):
+                signature[name] = {"s_ptr": "*bf16", "g_ptr": "*bf16", "t_ptr": "*bf16", "labels_ptr": "*i64"}.get(name, "*fp32")
+            else:
+                signature[name] = "i32" if name in _INTS else "constexpr" if name in constexprs else "fp32"
+        compiled = triton.compile(ASTSource(fn=kernel, signature=signature, constexprs=constexprs),
+                                  target=GPUTarget("cuda", 90, 32), options=dict(num_warps=8, maxnreg=32))
+        assert compiled.asm.get("cubin"), (loss, grad_pass, labels)
+        count += 1
+    return count
+
+
+@pytest.mark.parametrize("phase", [0, 1, 2, 3])
+def test_the_row_kernel_compiles_for_sm90_in_every_phase(phase, tmp_path):
+    pytest.importorskip("triton")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["TRITON_CACHE_DIR"] = str(tmp_path / "cache")  # compiled afresh, not served from an earlier run
+    done = subprocess.run([sys.executable, __file__, str(phase)], env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-4000:]
+    assert done.stdout.strip() == f"compiled {2 * len(_LOSSES)}", done.stdout
+
+
+if __name__ == "__main__":
+    print(f"compiled {_compile_phase(int(sys.argv[1]))}")
