@@ -6,7 +6,9 @@ V = 128256, bf16, 0.5·CE + 0.5·JSD), forward + backward, NCCL. Run with two (o
 Measures, per call (median of --reps after --warmup, CUDA events on rank 0, a barrier around each):
   one-gpu        rank 0 alone, the whole heads (default backend: the Triton row kernel)
   one-gpu-torch  the same with backend="torch": the row definition the sharded calls use for now
-  vocab-parallel every rank its slice of both heads, the same rows (target: <= 0.55x one-gpu)
+  vocab-parallel every rank its slice of both heads, the same rows (target: <= 0.55x one-gpu on two
+                 GPUs; at one rank, <= 1.03x one-gpu: the Triton rows' phases and their collectives),
+                 and the bytes its collectives carry, counted, beside the README's formula
   agreement      the vocab-parallel call with chunk_size set (--chunk-size, default 2048), check_shards
                  None (its checks' status, layout and options read on the host: one host sync) against
                  False (no read, no sync), each right after ~5 ms of other GPU work is queued (what a
@@ -68,6 +70,37 @@ def agreement(x, ws_r, wt_r, lo, opts, a, rank):
     if rank == 0:
         print("agreement:", out)
     return out
+
+
+def count_collectives(run) -> dict:
+    """{collective: bytes} that one run() hands to torch.distributed (the payloads: an all-gather's
+    output, an all-reduce's tensor), counted by wrapping the functions the library calls."""
+    counts = {"all_gather_into_tensor": 0, "all_reduce": 0}
+    originals = {name: getattr(dist, name) for name in counts}
+
+    def wrap(name):
+        def counted(tensor_or_out, *args, **kw):
+            counts[name] += tensor_or_out.numel() * tensor_or_out.element_size()
+            return originals[name](tensor_or_out, *args, **kw)
+        return counted
+
+    for name in counts:
+        setattr(dist, name, wrap(name))
+    try:
+        run()
+        torch.cuda.synchronize()
+    finally:
+        for name, fn in originals.items():
+            setattr(dist, name, fn)
+    return counts
+
+
+def formula_bytes(w, x, world) -> dict:
+    """The README's bytes for the seed call on the Triton rows (dense JSD + CE, grad): per row 12 fp32 of
+    statistics from each rank and 4 fp32 of pass-2 sums; dX's all-reduce N·Hs·E; the layout's all-gather
+    of 84 int64 a rank."""
+    n, hs, e = w.n, x.xs.shape[1], x.xs.element_size()
+    return {"all_gather_into_tensor": n * 12 * 4 * world + 84 * 8 * world, "all_reduce": n * 4 * 4 + n * hs * e}
 
 
 def main():
@@ -141,6 +174,9 @@ def main():
     torch.cuda.reset_peak_memory_stats()
     results["vocab-parallel"] = {"ms": timed(step(parallel), a.reps, a.warmup, rank),
                                  "peak_mib": torch.cuda.max_memory_allocated() / 2**20}
+    counted = count_collectives(step(parallel))
+    results["vocab-parallel"]["collective_bytes"] = counted
+    results["vocab-parallel"]["formula_bytes"] = formula_bytes(w, x, world)
 
     # FSDP2: the heads as DTensors sharded on dim 0, each rank its N / world rows
     from torch.distributed.device_mesh import init_device_mesh

@@ -3,10 +3,12 @@
 #   bash scripts/gpu_check.sh [tests] [rows] [breakdown] [profile] [bench-seed] [bench-trained] [bench-sweep] [bench-losses]
 #                             [bench-softonly] [memory] [bench-topk] [bench-logits] [bench-teacher-topk]
 #                             [bench-softcap] [bench-trl] [bench-trl-step] [bench-trl-onpolicy] [bench-fp8]
+#                             [dist-one-gpu]
 # (default: all of them, about 20 minutes on an H200; each of the last five a minute or two, bench-trl-step
 # at most about five: it needs trl 1.16.0 and accelerate (from .whl/); no PYTHONPATH beyond this script's, as
 # benchmarks/bench_trl_step.py falls back to its own stand-in for `datasets` where that is not installed;
-# bench-trl-onpolicy the same, a few minutes: TRL's on-policy loss vs the patch, and AsyncDistillationTrainer steps)
+# bench-trl-onpolicy the same, a few minutes: TRL's on-policy loss vs the patch, and AsyncDistillationTrainer steps;
+# dist-one-gpu: the vocab-parallel Triton rows over NCCL at world size 1 and over gloo ranks sharing the GPU)
 # Logs and results go to $OUT (default ./gpu-out). Liger-Kernel is installed from .whl/ when present.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -16,7 +18,7 @@ if compgen -G ".whl/*.whl" >/dev/null; then
   python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/flashkd-site .whl/*.whl \
     && export PYTHONPATH="$PYTHONPATH:/tmp/flashkd-site"
 fi
-stages=${*:-tests rows breakdown profile bench-seed bench-trained bench-sweep bench-losses bench-softonly memory bench-topk bench-logits bench-teacher-topk bench-softcap bench-trl bench-trl-step bench-trl-onpolicy bench-fp8}
+stages=${*:-tests rows breakdown profile bench-seed bench-trained bench-sweep bench-losses bench-softonly memory bench-topk bench-logits bench-teacher-topk bench-softcap bench-trl bench-trl-step bench-trl-onpolicy bench-fp8 dist-one-gpu}
 status=0
 nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm --format=csv | tee "$OUT/env.txt"
 python3 -c "import torch, triton; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'triton', triton.__version__)" | tee -a "$OUT/env.txt"
@@ -70,6 +72,12 @@ for stage in $stages; do
         --out "$OUT/sweep-fp8" 2>&1 | tee -a "$OUT/bench-fp8.log" || status=1
       python3 -m flashkd bench --preset teacher-topk --modes no-grad-forward --providers flashkd floor --teacher-precision fp8 \
         --out "$OUT/teacher-topk-fp8" 2>&1 | tee -a "$OUT/bench-fp8.log" || status=1 ;;
+    # the vocab-parallel Triton rows on one GPU: NCCL at world size 1, and gloo ranks sharing the GPU (world 2, 3);
+    # then the sharded call at world size 1 against the unsharded one, and its collectives' bytes against the formula
+    dist-one-gpu) { FLASHKD_DIST_BACKEND=nccl python3 -m pytest -q tests/test_distributed.py -k "triton and 1-float32" \
+        && FLASHKD_DIST_DEVICE=cuda python3 -m pytest -q tests/test_distributed.py -k "triton and not 1-float32" \
+        && torchrun --standalone --nproc_per_node=1 benchmarks/bench_dist.py --out "$OUT/dist-one-gpu.json"; } 2>&1 \
+      | tee "$OUT/dist-one-gpu.log" || status=1 ;;
     *) echo "unknown stage $stage"; status=2 ;;
   esac
 done

@@ -62,7 +62,10 @@ def _entry(rank, worker, world, port, seed, timeout, *args):
 
 
 def _device():
-    return torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
+    """NCCL: a GPU per rank; gloo: the CPU, or with FLASHKD_DIST_DEVICE=cuda the one GPU every rank shares."""
+    if dist.get_backend() == "nccl" or os.environ.get("FLASHKD_DIST_DEVICE") == "cuda":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
 
 
 def _close(name, got, want, tol=TOL):
@@ -284,7 +287,7 @@ def test_vocab_parallel_equals_unsharded(world):
 # The Triton rows' sharded phases: a vocab wide enough that the slices span several tiles of the
 # interpreter's 256 columns, a slice of one column, and one of exactly one tile.
 TV = 700
-TRITON_LAYOUTS = {2: [(0, 256), (256, TV)], 3: [(257, TV), (0, 256), (256, 257)]}
+TRITON_LAYOUTS = {1: [(0, TV)], 2: [(0, 256), (256, TV)], 3: [(257, TV), (0, 256), (256, 257)]}
 
 
 def _triton_worker(rank, world, seed, dtype_name):
@@ -372,7 +375,7 @@ def _triton_worker(rank, world, seed, dtype_name):
     assert all(shape[-1] == 12 for shape in gathers)
 
 
-@pytest.mark.parametrize("world,dtype", [(2, "float32"), (3, "float32"), (3, "bfloat16")])
+@pytest.mark.parametrize("world,dtype", [(1, "float32"), (2, "float32"), (3, "float32"), (3, "bfloat16")])
 def test_vocab_parallel_triton_rows_equal_unsharded(world, dtype):
     pytest.importorskip("triton")
     _spawn(_triton_worker, world, dtype, timeout=600)
