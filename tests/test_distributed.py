@@ -291,7 +291,9 @@ TRITON_LAYOUTS = {1: [(0, TV)], 2: [(0, 256), (256, TV)], 3: [(257, TV), (0, 256
 
 
 def _triton_worker(rank, world, seed, dtype_name):
-    """Sharded calls on backend="triton" equal the unsharded Triton call: fp32 reductions reordered only."""
+    """Sharded calls on backend="triton" equal the unsharded Triton call (itself held to the float64
+    oracle elsewhere): fp32 reductions reordered only. Dense forms: the row kernel's phases; top-k: the
+    stats kernel's outputs merged."""
     from flashkd.distributed.vocab import ShardedVocab
 
     start, stop = TRITON_LAYOUTS[world][rank]
@@ -316,9 +318,9 @@ def _triton_worker(rank, world, seed, dtype_name):
         for sharded in (False, True):
             xs, ws, teacher, labels = args
             ws = ws[start:stop] if sharded else ws
-            if sharded and teacher[0].shape[-1] == TV:  # the dense logits: the slice's columns
+            if sharded and len(teacher) == 1:  # the dense logits: the slice's columns
                 teacher = (teacher[0][:, start:stop],)
-            elif sharded and len(teacher) == 2:
+            elif sharded and teacher[1].shape[0] == TV:  # a teacher head: its slice (top-k ids stay global)
                 teacher = (teacher[0], teacher[1][start:stop])
             x, w = xs.clone().requires_grad_(grad), ws.clone().requires_grad_(grad)
             extra = dict(process_group=group, vocab_start=start) if sharded else {}
@@ -365,6 +367,22 @@ def _triton_worker(rank, world, seed, dtype_name):
         xs, ws = rand(n, HS), rand(TV, HS, scale=1.5)
         logits = rand(n, TV, scale=3.0)
         run(flashkd.fused_linear_distill_logits, (xs, ws, (logits,), None), options, True)
+    # the top-k form: the stats kernel over each slice, its outputs merged, the expand kernel on the slice
+    for options in (dict(loss="forward_kl"), dict(loss="reverse_kl", tail="renormalize"),
+                    dict(loss="jsd", beta=0.4, temperature=1.5, return_stats=True),
+                    dict(loss="tvd", chunk_size=4, student_softcap=2.0, student_logit_scale=1.5),
+                    dict(loss="jsd", tail="renormalize", return_stats=True, weight_hard_loss=0.0, weight_soft_loss=1.0),
+                    dict(loss="forward_kl", tail_clamp=1e-7, return_stats=True)):
+        xs, ws = rand(n, HS), rand(TV, HS, scale=1.5)
+        ids, lp = flashkd.teacher_topk(rand(n, HT), rand(TV, HT, scale=1.5), K)
+        ids[0, 1], ids[2, 0] = 256, TV - 1  # a one-column slice's id (world 3), the last id
+        ids[3] = -1  # a row with no teacher ids
+        ids[4, :2] = -1
+        labels = torch.randint(0, TV, (n,), generator=gen).to(device)
+        labels[::4] = -100
+        labels[1] = 256
+        for grad in (True, False):
+            run(flashkd.fused_linear_distill_topk, (xs, ws, (ids, lp), labels), options, grad)
     # a label out of [0, V) with check_labels off: NaN, as unsharded
     xs, ws, xt, wt = rand(n, HS), rand(TV, HS), rand(n, HT), rand(TV, HT)
     labels = torch.randint(0, TV, (n,), generator=gen).to(device)
@@ -372,7 +390,6 @@ def _triton_worker(rank, world, seed, dtype_name):
     got = flashkd.fused_linear_distill(xs, ws[start:stop], xt, wt[start:stop], labels, backend="triton",
                                        check_labels=False, process_group=group, vocab_start=start)
     assert torch.isnan(got), "an out-of-range label"
-    assert all(shape[-1] == 12 for shape in gathers)
 
 
 @pytest.mark.parametrize("world,dtype", [(1, "float32"), (2, "float32"), (3, "float32"), (3, "bfloat16")])

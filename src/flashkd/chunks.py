@@ -347,7 +347,7 @@ def any_dtensor(*xs) -> bool:
 def run(call: Call, rows: Rows, vocab=None):
     """Plan and run a call on its checked rows; the shared tail of the three forms. vocab: a rank's
     slice of the vocab (`flashkd.distributed`); its calls plan their chunks for the group's largest
-    slice, `vocab.plan_size`, and a top-k teacher's use the torch row definition on every backend."""
+    slice, `vocab.plan_size`."""
     spec, form = call.spec, call.teacher.form
     xs, ws, bs, y, teacher = rows.xs, rows.ws, rows.bs, rows.y, rows.teacher
     check_labels, grad_accum_dtype = call.check_labels, call.grad_accum_dtype
@@ -367,8 +367,6 @@ def run(call: Call, rows: Rows, vocab=None):
     if grad_accum_dtype not in (wide, ws.dtype):
         raise TypeError(f"grad_accum_dtype: expected {wide} or student_weight's dtype {ws.dtype}, got {grad_accum_dtype!r}")
     backend = pick_backend(call.backend, xs)
-    if vocab is not None and form == "topk":
-        backend = "torch"
     want_dw = torch.is_grad_enabled() and ws.requires_grad
     accum_bytes = grad_accum_dtype.itemsize if want_dw else 0
     v = ws.shape[0] if vocab is None else vocab.plan_size

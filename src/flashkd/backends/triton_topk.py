@@ -165,13 +165,18 @@ def _expand_kernel(
     tl.store(s_row + ids, id_grad.to(s_row.dtype.element_ty), mask=used)
 
 
-def topk_rows(s, t, labels, spec: LossSpec, scale: torch.Tensor, grad: bool, stats: bool = False):
+def topk_rows(s, t, labels, spec: LossSpec, scale: torch.Tensor, grad: bool, stats: bool = False, *, vocab=None):
     """Per-row (soft, hard) for a top-k teacher t = (ids, logprobs); with `grad`, s is overwritten
-    with dL/ds; with `stats` also (entropy, mass). See `flashkd.backends` for the contract."""
+    with dL/ds; with `stats` also (entropy, mass). See `flashkd.backends` for the contract.
+    vocab: None, or the rank's slice of a sharded vocab (as `triton_rows.rows`'s): s holds the columns
+    [vocab.start, vocab.start + V) of each row, ids and labels are global. The stats kernel runs on the
+    slice, one all-gather merges its outputs into the whole row's (`_merged`), the (R, K + 1)
+    categories are then the same on every rank, and the expand kernel writes the slice's dL/ds."""
     if not spec.want_soft:  # the CE alone: the dense kernel does it without a teacher (no stats then)
-        return triton_rows.rows(s, None, labels, spec, scale, grad)
+        return triton_rows.rows(s, None, labels, spec, scale, grad, vocab=vocab)
     ids, logprobs = t
     R, V = s.shape
+    lo, total = (0, V) if vocab is None else (vocab.start, vocab.total)  # total: an int, or a 0-d device tensor
     K = ids.shape[1]
     if R == 0:
         return (s.new_zeros(0, dtype=torch.float32),) * (5 if stats else 2)
@@ -190,11 +195,15 @@ def topk_rows(s, t, labels, spec: LossSpec, scale: torch.Tensor, grad: bool, sta
     sigma = float(spec.student_logit_scale)
     log2e = math.log2(math.e)
 
-    used = (ids >= 0) & (ids < V)
+    used = (ids >= 0) & (ids < total)
+    # the kernels read the slice's own columns: an id (a label) elsewhere is an unused slot (no label) here
+    here_ids = ids if vocab is None else torch.where((ids >= lo) & (ids < lo + V), ids - lo, -1)
     if labels is not None:
         valid = labels != spec.ignore_index
-        in_range = (labels >= 0) & (labels < V)
-        s_y = s.gather(1, torch.where(in_range, labels, 0).long()[:, None])[:, 0].to(torch.float32)  # before the stats kernel writes −inf
+        in_range = (labels >= 0) & (labels < total)
+        here_labels = labels if vocab is None else labels - lo
+        here = (here_labels >= 0) & (here_labels < V)
+        s_y = s.gather(1, torch.where(here, here_labels, 0).long()[:, None])[:, 0].to(torch.float32)  # before the stats kernel writes −inf
     s_k = torch.empty(R, K, **f32)
     m = torch.empty(R, **f32)
     l_tau = torch.empty(R, **f32)
@@ -204,9 +213,14 @@ def topk_rows(s, t, labels, spec: LossSpec, scale: torch.Tensor, grad: bool, sta
     block_k = triton.next_power_of_2(K)
     with triton_common.launching():
         _stats_kernel[(R,)](
-            s, ids, s_k, m, l_tau, l_one, gap if stats else m, V, K, log2e * fold / tau, log2e * fold, mul,
+            s, here_ids, s_k, m, l_tau, l_one, gap if stats else m, V, K, log2e * fold / tau, log2e * fold, mul,
             STREAM=stream, ONE=one, HEAD=head, STATS=stats, BLOCK_V=BLOCK_V, BLOCK_K=block_k, num_warps=NUM_WARPS,
         )
+    if vocab is not None:
+        s_k, m, l_tau, l_one, gap, s_y = _merged(vocab, s_k, m, l_tau, l_one if one else None, gap if stats else None,
+                                                 torch.where(here, s_y, 0.0) if ce else None, log2e * fold / tau,
+                                                 log2e * fold)
+        l_one = l_one if one else l_tau
 
     # the categories, in the loss math's precision, with the torch definition's code; m is in the
     # kernels' units (s, or z / fold where made at load), m_z = fold · m in z's
@@ -216,7 +230,7 @@ def topk_rows(s, t, labels, spec: LossSpec, scale: torch.Tensor, grad: bool, sta
     z_rest = rest_empty = None
     if bucket:
         z_rest = (m_z.to(work) / tau + _LN2 * l_tau.to(work))[:, None]
-        rest_empty = (used.sum(1) == V)[:, None]  # the ids are distinct (checked on CPU; documented)
+        rest_empty = (used.sum(1) == total)[:, None]  # the ids are distinct (checked on CPU; documented)
     valid_rows = None if labels is None else valid
     if spec.tail_clamp is not None:
         soft, log_p, g = _clamped_categories(z_k, z_rest, logprobs.to(work), used, valid_rows, spec, scale, grad)
@@ -231,7 +245,7 @@ def topk_rows(s, t, labels, spec: LossSpec, scale: torch.Tensor, grad: bool, sta
         soft, _ = triton_rows.rows(g, log_p.to(torch.float32).contiguous(), labels, cat_spec, scale, grad)
     # an id outside the vocab, or a NaN log-prob at a used slot (the kernel's max would skip it): NaN,
     # as in the torch definition
-    bad = ((ids < -1) | (ids >= V) | (used & logprobs.isnan())).any(1)
+    bad = ((ids < -1) | (ids >= total) | (used & logprobs.isnan())).any(1)
     soft = torch.where(bad if labels is None else bad & valid, torch.nan, soft)
 
     hard = torch.zeros(R, **f32)
@@ -261,11 +275,39 @@ def topk_rows(s, t, labels, spec: LossSpec, scale: torch.Tensor, grad: bool, sta
     coef = g[:, K] / tau * sigma if bucket else None
     with triton_common.launching():
         _expand_kernel[(R,)](
-            s, ids, (id_grad * dz).contiguous(), coef if bucket else m, m, l_tau,
+            s, here_ids, (id_grad * dz).contiguous(), coef if bucket else m, m, l_tau,
             c_ce * sigma if grad_ce else m, l_one_rel if grad_ce else m,
-            labels if grad_ce else ids, V, K, log2e * fold / tau, log2e * fold, mul,
+            here_labels if grad_ce else ids, V, K, log2e * fold / tau, log2e * fold, mul,
             REST=bucket, CE=grad_ce, HEAD=head, BLOCK_V=BLOCK_V, BLOCK_K=block_k, num_warps=NUM_WARPS,
         )
+    return out
+
+
+def _merged(vocab, s_k, m, l_tau, l_one, gap, s_y, k_tau, k_one):
+    """The stats kernel's outputs over each rank's slice (s at the ids, −inf where an id is another
+    rank's; the off-ids max, the log2 sums relative to it, the gap; the label's logit, 0 where another
+    rank holds it) merged into the whole row's, from one all-gather of (R, K + 3..6) fp32 a rank: the
+    sums moved to the row's max and added, as `triton_rows` merges a program's lanes (l_one, gap, s_y:
+    None where not computed)."""
+    k = s_k.shape[1]
+    parts = [s_k, m[:, None], l_tau[:, None]] + [x[:, None] for x in (l_one, gap, s_y) if x is not None]
+    every = vocab.gather_rows(torch.cat(parts, 1))  # (world, R, K + n)
+    m_r = every[:, :, k]
+    m = m_r.amax(0)
+    w_tau = torch.exp2(every[:, :, k + 1] + (m_r - m) * k_tau)  # each slice's sum at τ, relative to the row's max
+    out = [every[:, :, :k].amax(0), m, torch.log2(w_tau.sum(0))]
+    at = k + 2
+    if l_one is not None:
+        out.append(torch.log2(torch.exp2(every[:, :, at] + (m_r - m) * k_one).sum(0)))
+        at += 1
+    else:
+        out.append(None)
+    if gap is not None:  # E[s − max] over the row: the slices' gaps moved to the row's max, weighted by their sums
+        out.append(torch.where(w_tau > 0, w_tau * (every[:, :, at] + (m_r - m)), 0.0).sum(0) / w_tau.sum(0))
+        at += 1
+    else:
+        out.append(None)
+    out.append(every[:, :, at].sum(0) if s_y is not None else None)
     return out
 
 

@@ -20,8 +20,12 @@ and the entropy's gap sums, cosine's three sums, the label's logit and whether t
 program merges its lanes; pass 2 takes the loss terms and writes dL/ds over the slice where its
 constants are known (forward and reverse KL, cosine, the CE alone); jsd, tvd and forward KL with
 grad add their pass-2 sums over the ranks (`ShardedVocab.sum_rows`, R·4 fp32: JSD's K, TVD's masses,
-forward KL's value) before pass 3 writes dL/ds. The gradients are analytic: no collective in
-backward. On backend "torch", and for a top-k teacher on every backend, the torch row definition
+forward KL's value) before pass 3 writes dL/ds. A top-k teacher's stats kernel runs on the slice
+(its ids and labels made local: another rank's are unused slots here), one all-gather of its outputs
+(s at the ids, the off-ids max and sums, the gap, the label's logit: R·(K + 3..6) fp32) gives the
+whole row's, the (R, K + 1) categories follow on every rank alike, and the expand kernel writes the
+slice's dL/ds (`flashkd.backends.triton_topk.topk_rows`). The gradients are analytic: no collective
+in backward. On backend "torch" the torch row definition
 (`flashkd.losses`) merges its row statistics (`ShardedVocab.merge`: the logsumexps' maxima, then
 their sums with every other sum over the vocab, stacked) and autograd differentiates the merges.
 O(R) fp32 per collective, never R × V. Collectives per block:
@@ -29,6 +33,7 @@ O(R) fp32 per collective, never R × V. Collectives per block:
     form / loss                 forward                                   backward (with grads)
     Triton rows, dense          all-gather (R·12 per rank); for jsd, tvd,  none
                                 forward KL with grad + SUM (R·4)
+    Triton rows, top-k          all-gather (R·(K + 3..6) per rank)        none
     dense divergence + CE       MAX (R·3), SUM (R·4: lse sums, label),    SUM (R·1), SUM (R·4)
                                 SUM (R·1: the divergence)
     cosine + CE                 MAX (R·1), SUM (R·5: lse, s·t, s·s, t·t, label)   SUM (R·5)

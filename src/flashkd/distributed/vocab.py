@@ -99,11 +99,13 @@ class ShardedVocab(Vocab):
 
     # --- the chunk loop's hooks (flashkd.chunks._chunk_loop) ---
     def rows(self, form, backend="torch"):
-        """The row function of the chunk loop over this slice: the Triton rows' sharded phases
-        (`flashkd.backends.triton_rows.rows` with vocab=self) for a dense teacher on backend "triton",
+        """The row function of the chunk loop over this slice: on backend "triton" the Triton rows'
+        sharded phases (`flashkd.backends.triton_rows.rows`, `triton_topk.topk_rows` with vocab=self),
         else the torch definition, whose autograd runs through `merge`."""
-        if backend == "triton" and form != "topk":
-            from ..backends.triton_rows import rows as fn
+        if backend == "triton":
+            from ..backends import triton_rows, triton_topk
+
+            fn = triton_topk.topk_rows if form == "topk" else triton_rows.rows
         else:
             from ..backends import torch_rows
 
