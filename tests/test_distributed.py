@@ -368,7 +368,8 @@ def _triton_worker(rank, world, seed, dtype_name):
         logits = rand(n, TV, scale=3.0)
         run(flashkd.fused_linear_distill_logits, (xs, ws, (logits,), None), options, True)
     # the top-k form: the stats kernel over each slice, its outputs merged, the expand kernel on the slice
-    for options in (dict(loss="forward_kl"), dict(loss="reverse_kl", tail="renormalize"),
+    # (fp32 with several slices: the interpreter's top-k kernels are slow, and the merges are what differ)
+    for options in () if dtype != torch.float32 or world == 1 else (dict(loss="forward_kl"), dict(loss="reverse_kl", tail="renormalize"),
                     dict(loss="jsd", beta=0.4, temperature=1.5, return_stats=True),
                     dict(loss="tvd", chunk_size=4, student_softcap=2.0, student_logit_scale=1.5),
                     dict(loss="jsd", tail="renormalize", return_stats=True, weight_hard_loss=0.0, weight_soft_loss=1.0),
@@ -383,6 +384,18 @@ def _triton_worker(rank, world, seed, dtype_name):
         labels[1] = 256
         for grad in (True, False):
             run(flashkd.fused_linear_distill_topk, (xs, ws, (ids, lp), labels), options, grad)
+    # teacher_topk: each slice's candidates from the top-k kernel, merged; the same ids as unsharded, and
+    # log-probs within fp32 (a masked tail: whole slices −inf in some rows)
+    # (a softcap far from saturating: tanh rounds to ±1 in fp32 past |y| ≈ 9, and exact ties have no one order)
+    for k, options in () if dtype != torch.float32 or world != 3 else (
+            (K, {}), (1, dict(temperature=0.5)), (K, dict(teacher_softcap=6.0, teacher_logit_scale=0.7))):
+        xt, wt, bt = rand(n, HT), rand(TV, HT, scale=1.5), rand(TV)
+        bt[300:] = -torch.inf
+        want = flashkd.teacher_topk(xt, wt, k, teacher_bias=bt, backend="triton", **options)
+        got = flashkd.teacher_topk(xt, wt[start:stop], k, teacher_bias=bt[start:stop], backend="triton",
+                                   process_group=group, vocab_start=start, **options)
+        assert torch.equal(got[0], want[0]), ("teacher_topk ids", k, options)
+        _close(f"teacher_topk {k} {options}", got[1], want[1], tol)
     # a label out of [0, V) with check_labels off: NaN, as unsharded
     xs, ws, xt, wt = rand(n, HS), rand(TV, HS), rand(n, HT), rand(TV, HT)
     labels = torch.randint(0, TV, (n,), generator=gen).to(device)

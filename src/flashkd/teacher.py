@@ -103,11 +103,12 @@ def run(call: TopKCall, shard=None):
     lead = x.shape[:-1]
     x = x.reshape(-1, x.shape[-1])
     n = x.shape[0]
+    plan = backend
     if vocab is not None:
-        v, backend = vocab.plan_size, "torch"  # every rank plans the same chunks
+        v, plan = vocab.plan_size, "torch"  # every rank plans the same chunks, for the torch path's temporaries
     transformed = teacher_logit_scale != 1.0 or teacher_softcap is not None
-    per_row = v * chunks.logit_size(x.dtype) + (v * 4 * (3 if transformed else 2) if backend == "torch" else 0)
-    chunk = chunk_size or chunks.even_chunks(n, chunks.LOGITS_BUDGET[backend] // per_row)
+    per_row = v * chunks.logit_size(x.dtype) + (v * 4 * (3 if transformed else 2) if plan == "torch" else 0)
+    chunk = chunk_size or chunks.even_chunks(n, chunks.LOGITS_BUDGET[plan] // per_row)
     work = torch.promote_types(x.dtype, torch.float32)
     ids = torch.empty(n, k, dtype=torch.int64, device=x.device)
     logprobs = torch.empty(n, k, dtype=work, device=x.device)
@@ -121,7 +122,7 @@ def run(call: TopKCall, shard=None):
         if vocab is None:
             ids[c], logprobs[c], nonfinite = _topk(logits, k, temperature, backend, teacher_logit_scale, teacher_softcap)
         else:  # the merged top-k's log-probs are NaN or infinite where any rank's row had a NaN or inf logit
-            ids[c], logprobs[c] = vocab.topk(logits, k, temperature, teacher_logit_scale, teacher_softcap)
+            ids[c], logprobs[c] = vocab.topk(logits, k, temperature, teacher_logit_scale, teacher_softcap, backend)
             nonfinite = (~torch.isfinite(logprobs[c, 0])).nonzero()[:, 0]
         del logits
         if nonfinite.numel():

@@ -504,7 +504,8 @@ def _topk_kernel(
     tl.store(redo_ptr + row, ((tl.max(c, 0) > SLOTS) | (n > CAP) | (n < k)).to(tl.int8))
 
 
-def row_topk(x: torch.Tensor, k: int, temperature: float, scale: float = 1.0, softcap: float | None = None):
+def row_topk(x: torch.Tensor, k: int, temperature: float, scale: float = 1.0, softcap: float | None = None, *,
+             with_lse: bool = False):
     """The k largest entries per row of z, the (R, V) contiguous logits x under a head's transform
     (`losses.logit_transform`: scale, softcap), and their log-probs log softmax(z/τ): (ids (R, k)
     int64, logprobs (R, k) fp32, nonfinite), sorted by decreasing value; k <= TOPK_MAX_K. nonfinite:
@@ -514,7 +515,8 @@ def row_topk(x: torch.Tensor, k: int, temperature: float, scale: float = 1.0, so
     One kernel, two reads of x. A row whose candidates did not fit (many ties at the threshold, or
     top values clustered in a few lanes) or that has fewer than k finite values is redone with
     torch.topk over the full row: finding out, and finding the non-finite rows, costs one host sync
-    per call.
+    per call. with_lse: also the rows' logsumexp of z/τ (R,) fp32, the kernel's (a vocab slice's
+    candidates are merged with it, `flashkd.distributed.ShardedVocab.topk`).
     """
     if not 1 <= k <= TOPK_MAX_K:
         raise ValueError(f"k: expected 1 <= k <= {TOPK_MAX_K} for the kernel, got {k}")
@@ -529,7 +531,7 @@ def row_topk(x: torch.Tensor, k: int, temperature: float, scale: float = 1.0, so
         top = torch.topk(z, k, dim=-1)
         ids[rows], logprobs[rows] = top.indices, top.values - torch.logsumexp(z, -1, keepdim=True)
         nonfinite = rows[~torch.isfinite(lse[rows])]
-    return ids, logprobs, nonfinite
+    return (ids, logprobs, nonfinite, lse) if with_lse else (ids, logprobs, nonfinite)
 
 
 def _kernel_topk(x: torch.Tensor, k: int, temperature: float, scale: float = 1.0, softcap: float | None = None):

@@ -145,28 +145,43 @@ class ShardedVocab(Vocab):
         return dxs, dws, dbs
 
     # --- teacher_topk's per-chunk top-k (flashkd.teacher) ---
-    def topk(self, logits, k, temperature, scale=1.0, softcap=None):
+    def topk(self, logits, k, temperature, scale=1.0, softcap=None, backend="torch"):
         """(ids, log-probs) of the global top-k of rows whose slice here is `logits` (R, V_r'): each rank's
-        local top-k candidates (global ids) and its (max, sum-exp) of logits/τ, in one all-gather of
-        (R, 2k + 2) fp64 (fp64 holds the ids and fp32 values exactly), merged on every rank."""
+        local top-k candidates (global ids, their z/τ) and its (max, sum-exp) of z/τ, in one all-gather
+        of (R, 2k + 2) fp64 (fp64 holds the ids and fp32 values exactly), merged on every rank. On
+        backend "triton" the local candidates and logsumexp come from the top-k kernel
+        (`flashkd.backends.triton_topk.row_topk`: two reads of the slice), passed as (lse, 1)."""
         work = torch.promote_types(logits.dtype, torch.float32)
-        if scale != 1.0 or softcap is not None:  # the head's transform in fp32, as the loss math reads it
-            logits = logit_transform(logits.to(work), scale, softcap)
         r, width = logits.shape
-        z = logits.to(work) / temperature
         kk = min(k, width)
-        top, idx = torch.topk(logits, kk, dim=-1)
         pack = torch.full((r, 2 * k + 2), -torch.inf, dtype=torch.float64, device=logits.device)
-        pack[:, :kk] = top.to(work).double()
-        pack[:, k : k + kk] = (idx + self.start).double()
         pack[:, k + kk : 2 * k] = -1.0  # no candidate (a slice narrower than k): never picked
-        if width:
-            m = z.amax(-1)
-            pack[:, 2 * k] = m.double()
-            # a row −inf throughout this slice (masked ids): no mass here, where exp(−inf − (−inf)) was NaN
-            pack[:, 2 * k + 1] = torch.exp(z - torch.where(m == -torch.inf, 0.0, m)[:, None]).sum(-1).double()
+        kernel = False
+        if backend == "triton" and width:
+            from ..backends import triton_topk
+
+            kernel = kk <= triton_topk.TOPK_MAX_K
+        if kernel:
+            idx, logprobs, _, lse = triton_topk.row_topk(logits, kk, temperature, scale, softcap, with_lse=True)
+            empty = lse == -torch.inf  # a row −inf throughout this slice (masked ids): no mass here
+            pack[:, :kk] = torch.where(empty[:, None], -torch.inf, logprobs.double() + lse.double()[:, None])
+            pack[:, k : k + kk] = (idx + self.start).double()
+            pack[:, 2 * k] = lse.double()
+            pack[:, 2 * k + 1] = torch.where(empty, 0.0, 1.0).double()
         else:
-            pack[:, 2 * k + 1] = 0.0  # an empty slice: no mass
+            if scale != 1.0 or softcap is not None:  # the head's transform in fp32, as the loss math reads it
+                logits = logit_transform(logits.to(work), scale, softcap)
+            z = logits.to(work) / temperature
+            top, idx = torch.topk(logits, kk, dim=-1)
+            pack[:, :kk] = top.to(work).double() / temperature
+            pack[:, k : k + kk] = (idx + self.start).double()
+            if width:
+                m = z.amax(-1)
+                pack[:, 2 * k] = m.double()
+                # a row −inf throughout this slice (masked ids): no mass here, where exp(−inf − (−inf)) was NaN
+                pack[:, 2 * k + 1] = torch.exp(z - torch.where(m == -torch.inf, 0.0, m)[:, None]).sum(-1).double()
+            else:
+                pack[:, 2 * k + 1] = 0.0  # an empty slice: no mass
         world = self.copies
         every = torch.empty(world * pack.numel(), dtype=pack.dtype, device=pack.device)
         dist.all_gather_into_tensor(every, pack.reshape(-1), group=self.group)
@@ -182,4 +197,4 @@ class ShardedVocab(Vocab):
         values, ids = values.gather(-1, last), ids.gather(-1, last)
         best, at = torch.sort(values, dim=-1, descending=True, stable=True)
         best, at = best[:, :k], at[:, :k]
-        return ids.gather(-1, at).long(), (best / temperature - lse[:, None]).to(work)
+        return ids.gather(-1, at).long(), (best - lse[:, None]).to(work)
