@@ -119,7 +119,6 @@ K·6 in float16 or bfloat16.
 from __future__ import annotations
 
 import collections.abc
-import contextlib
 import hashlib
 import json
 import math
@@ -131,6 +130,7 @@ from pathlib import Path
 
 import torch
 
+from . import files
 from .chunks import renamed
 from .distill import teacher_topk
 
@@ -245,7 +245,9 @@ def write_topk_targets(
               "teacher_dtype": str(teacher_weight.dtype).removeprefix("torch.")}
     partial = _sibling(out, "partial")
     out.parent.mkdir(parents=True, exist_ok=True)
-    with _locked(_sibling(out, "lock"), out):
+    lock = _sibling(out, "lock")
+    with files.exclusive(lock, f"out_dir: another write into {out} is running (it holds {lock}); wait for it to end "
+                               "or write elsewhere"):
         _check_out(out, overwrite)
         finished = _start(partial, index, writer, resume)
         done = list(index["examples"])  # keys of the finished shards, in the order they were written
@@ -563,39 +565,6 @@ def _same(a, b):
 
 def _sibling(out: Path, tag: str) -> Path:
     return out.parent / f".{out.name}.flashkd-{tag}"
-
-
-@contextlib.contextmanager
-def _locked(file: Path, out: Path):
-    """Hold an exclusive flock on `file` (made if absent) for the block; refuse at once if another
-    process holds it. The file is removed at the end."""
-    import fcntl  # POSIX only; imported here so that reading targets needs no more than Python
-
-    while True:
-        fd = os.open(file, os.O_RDWR | os.O_CREAT, 0o644)  # read-write: NFS maps flock to write locks
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            os.close(fd)
-            raise ValueError(
-                f"out_dir: another write into {out} is running (it holds {file}); wait for it to end or write elsewhere"
-            ) from None
-        except OSError as e:
-            os.close(fd)
-            raise OSError(e.errno, f"cannot lock {file} for the write into {out}: {e.strerror}") from None
-        # The writer that held the lock before removes the file when it ends: a lock on a file no longer
-        # at that path excludes nobody, so take the one that is there now.
-        try:
-            if os.path.samestat(os.fstat(fd), os.stat(file)):
-                break
-        except FileNotFoundError:
-            pass
-        os.close(fd)
-    try:
-        yield
-    finally:
-        os.unlink(file)
-        os.close(fd)
 
 
 def _check_out(out: Path, overwrite: bool):

@@ -20,7 +20,6 @@ as text, so every link in the site resolves to a file in it.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import hashlib
 import itertools
@@ -32,11 +31,7 @@ import sys
 from importlib import resources
 from pathlib import Path
 
-try:
-    import fcntl
-except ImportError:  # not on Windows: there, builds into one --out are not kept apart
-    fcntl = None
-
+from .. import files
 from .ranking import groups, ranked
 from .identity import canonical_identity, canonical_json, primary
 from .verify import (EMPTY, INTERRUPTED, OBJECTS, PARTIAL, bundle_paths, check_bundle, empty_folders, interrupted, load,
@@ -606,7 +601,9 @@ def write(site: Site, out: Path, replace: bool = False) -> int:
     out = Path(out)
     parent = out.absolute().parent
     parent.mkdir(parents=True, exist_ok=True)
-    with _locked(parent / f".{out.absolute().name}.lock", out):
+    lock = parent / f".{out.absolute().name}.lock"
+    with files.exclusive(lock, f"--out {out}: another `flashkd records site` is building it now (it holds {lock}); "
+                               "nothing written, run again when that one has finished", required=False):
         check_out(out, replace)  # again, under the lock: what another build left there counts
         building = parent / f".{out.absolute().name}.{os.getpid()}{PARTIAL}"
         shutil.rmtree(building, ignore_errors=True)
@@ -619,36 +616,6 @@ def write(site: Site, out: Path, replace: bool = False) -> int:
             shutil.rmtree(building, ignore_errors=True)
             raise
     return pages
-
-
-@contextlib.contextmanager
-def _locked(file: Path, out: Path):
-    """An exclusive flock on `file` (made if absent) for the block, refused at once with ValueError
-    when another build holds it; the file is removed at the end (no POSIX flock: no lock)."""
-    if fcntl is None:
-        yield
-        return
-    while True:
-        fd = os.open(file, os.O_RDWR | os.O_CREAT, 0o644)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            os.close(fd)
-            raise ValueError(f"--out {out}: another `flashkd records site` is building it now (it holds {file}); "
-                             f"nothing written, run again when that one has finished") from None
-        # The build that held it before removes the file when it ends: a lock on a file no longer at
-        # that path excludes nobody, so take the one that is there now
-        try:
-            if os.path.samestat(os.fstat(fd), os.stat(file)):
-                break
-        except FileNotFoundError:
-            pass
-        os.close(fd)
-    try:
-        yield
-    finally:
-        os.unlink(file)
-        os.close(fd)
 
 
 def _write(site: Site, out: Path) -> int:
