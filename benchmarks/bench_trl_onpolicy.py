@@ -43,19 +43,10 @@ from pathlib import Path
 
 os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # the benchmarks' shared helpers, however it is loaded
+from _trl_common import import_datasets, quantile as _quantile, seconds as _seconds, stamp as _stamp, sync as _sync  # noqa: E402
 
-def _import_datasets():
-    """'datasets X.Y' or 'stand-in': TRL imports `datasets`; where it is missing, put the stand-in in its place."""
-    try:
-        import datasets
-    except ImportError:
-        sys.modules.pop("datasets", None)
-        sys.path.insert(0, str(Path(__file__).resolve().parent / "_datasets_stub"))
-        import datasets
-    return "stand-in" if getattr(datasets, "STAND_IN", None) is True else f"datasets {datasets.__version__}"
-
-
-DATASETS = _import_datasets()
+DATASETS = import_datasets()
 
 import torch  # noqa: E402
 import transformers  # noqa: E402
@@ -97,31 +88,6 @@ def parse_args(argv=None):
                 setattr(args, name, value)
     args.dtype = torch.float32 if args.tiny else torch.bfloat16
     return args
-
-
-def _sync():
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
-
-
-def _stamp():
-    if torch.cuda.is_available():
-        event = torch.cuda.Event(enable_timing=True)
-        event.record()
-        return event
-    return time.perf_counter()
-
-
-def _seconds(a, b):
-    return a.elapsed_time(b) / 1e3 if isinstance(a, torch.cuda.Event) else b - a
-
-
-def _quantile(xs, q):
-    xs = sorted(xs)
-    pos = q * (len(xs) - 1)
-    lo = int(pos)
-    hi = min(lo + 1, len(xs) - 1)
-    return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
 
 
 def candidates(n, v, k, beta, device, g, teacher_std=3.0):

@@ -47,19 +47,10 @@ import tempfile
 import time
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # the benchmarks' shared helpers, however it is loaded
+from _trl_common import import_datasets, quantile as _quantile, seconds as _seconds, stamp as _stamp, sync as _sync  # noqa: E402
 
-def _import_datasets():
-    """'datasets X.Y' or 'stand-in': TRL imports `datasets`; where it is missing, put the stand-in in its place."""
-    try:
-        import datasets
-    except ImportError:
-        sys.modules.pop("datasets", None)
-        sys.path.insert(0, str(Path(__file__).resolve().parent / "_datasets_stub"))
-        import datasets
-    return "stand-in" if getattr(datasets, "STAND_IN", None) is True else f"datasets {datasets.__version__}"
-
-
-DATASETS = _import_datasets()
+DATASETS = import_datasets()
 
 import torch  # noqa: E402
 import transformers  # noqa: E402
@@ -151,11 +142,6 @@ class Prompts(torch.utils.data.Dataset):
         return {"prompt": self.texts[i]}
 
 
-def _sync():
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
-
-
 class Clock(transformers.TrainerCallback):
     """Seconds per optimizer step (on_step_begin to on_step_end, device synchronized at both ends)."""
 
@@ -187,19 +173,6 @@ def install_generation(trainer, completions, seconds):
         return out
 
     trainer._generate_single_turn = generate
-
-
-def _stamp():
-    """A point in time: a recorded CUDA event (read after the run, no sync now), or perf_counter on CPU."""
-    if torch.cuda.is_available():
-        event = torch.cuda.Event(enable_timing=True)
-        event.record()
-        return event
-    return time.perf_counter()
-
-
-def _seconds(a, b):
-    return a.elapsed_time(b) / 1e3 if isinstance(a, torch.cuda.Event) else b - a
 
 
 def timed_loss(helper, stamps):
@@ -295,14 +268,6 @@ def run_variant(name, args, student, initial_state, teacher, tok, data, completi
         "resident_bytes": resident,
         "peak_bytes": peak,
     }
-
-
-def _quantile(xs, q):
-    xs = sorted(xs)
-    pos = q * (len(xs) - 1)
-    lo = int(pos)
-    hi = min(lo + 1, len(xs) - 1)
-    return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
 
 
 def main(argv=None):
