@@ -474,6 +474,14 @@ def _one_rank_differs_worker(rank, world, seed):
         (ValueError, r"teacher_input: expected the same number of rows on every rank", targets,
          dict(xt=xt[:5] if odd else xt)),
     ]
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        pass
+    else:  # the backends' merges are different collectives: "triton" beside "torch" (on fp32) is refused
+        cases.append((ValueError, r"backend: expected the same value on every rank", heads,
+                      dict(xs=xs.float(), ws=ws[start:stop].float(), xt=xt.float(), wt=wt[start:stop].float(),
+                           backend="torch" if odd else "triton")))
     for exc, match, fn, kw in cases:
         began = time.monotonic()
         _raises(exc, match, fn, **kw)

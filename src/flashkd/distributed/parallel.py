@@ -82,13 +82,13 @@ def _agreed(call, rows, derived=None) -> dict:
     if rows is not None:  # a loss call (teacher_topk checks its own before it calls `shard`)
         xs, ws, bs = rows.xs, rows.ws, rows.bs
         chunks.check_row_weight(call.row_weight, xs, call.student_input)
-        chunks.pick_backend(call.backend, xs)
+        backend = chunks.pick_backend(call.backend, xs)  # the row backend's collectives differ: all ranks alike
         if isinstance(call.teacher, chunks.Heads) and fp8.scaling_of(call.teacher_precision, xs.device) is not None:
             fp8.check_dtype(xs.dtype)
         if isinstance(call.teacher, chunks.TopK):
             chunks.check_teacher_index(call, rows)
         grad = torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in (xs, ws, bs))
-        derived = {"student_input's dtype": xs.dtype, "labels given": rows.y is not None,
+        derived = {"backend": backend, "student_input's dtype": xs.dtype, "labels given": rows.y is not None,
                    "row_weight given": call.row_weight is not None,
                    "gradients (grad mode, requires_grad; of student_input)": (grad, grad and xs.requires_grad),
                    "teacher_ids' k": rows.teacher[0].shape[-1] if isinstance(call.teacher, chunks.TopK) else None,
