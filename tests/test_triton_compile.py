@@ -1,11 +1,12 @@
-"""The row kernel compiled for an H100/H200 (sm_90) on this machine, no GPU needed.
+"""The row kernels compiled for an H100/H200 (sm_90) on this machine, no GPU needed.
 
 The CPU tests run the kernels under TRITON_INTERPRET=1, which executes their Python: it accepts code
 that the GPU code generator refuses (a name bound in one branch of a runtime `if` and read after it,
-a scalar where a block is needed). Every phase of the kernel, for every loss, with and without a
-gradient, labels and the stats, goes through the real compiler here, down to the cubin (ptxas ships
-with triton): a kernel that would fail its first launch on a GPU fails here. The compiler runs in a
-process of its own, as whether `triton.jit` interprets is fixed when flashkd's kernels are defined.
+a scalar where a block is needed). Every phase of the dense row kernel, for every loss, with and
+without a gradient, labels and the stats, and the top-k backend's kernels go through the real
+compiler here, down to the cubin (ptxas ships with triton): a kernel that would fail its first launch
+on a GPU fails here. The compiler runs in a process of its own, as whether `triton.jit` interprets is
+fixed when flashkd's kernels are defined.
 """
 
 from __future__ import annotations
@@ -56,15 +57,44 @@ def _compile_phase(phase: int) -> int:
     return count
 
 
-@pytest.mark.parametrize("phase", [0, 1, 2, 3])
+def _compile_topk() -> int:
+    """The top-k backend's kernels (stats, expand, teacher top-k), each mode, for sm_90; returns how many."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from flashkd.backends import triton_topk
+
+    ints = ("V", "K", "k")
+    pointers = {"s_ptr": "*bf16", "x_ptr": "*bf16", "ids_ptr": "*i64", "labels_ptr": "*i64", "redo_ptr": "*i8",
+                "scratch_ptr": "*i64"}
+    variants = [(triton_topk._stats_kernel, dict(STREAM=stream, ONE=one, HEAD=head, STATS=stats, BLOCK_V=1024, BLOCK_K=64))
+                for stream, one, head, stats in ((True, True, 0, True), (True, False, 2, False), (False, False, 0, False))]
+    variants += [(triton_topk._expand_kernel, dict(REST=rest, CE=ce, HEAD=head, BLOCK_V=1024, BLOCK_K=64))
+                 for rest, ce, head in ((True, True, 0), (True, False, 2), (False, True, 1), (False, False, 0))]
+    variants += [(triton_topk._topk_kernel, dict(HEAD=head, SLOTS=4, CAP=256, BLOCK_V=256)) for head in (0, 2)]
+    for kernel, constexprs in variants:
+        signature = {}
+        for name in inspect.signature(kernel.fn).parameters:
+            if name.endswith("_ptr"):
+                signature[name] = pointers.get(name, "*fp32")
+            else:
+                signature[name] = "i32" if name in ints else "constexpr" if name in constexprs else "fp32"
+        compiled = triton.compile(ASTSource(fn=kernel, signature=signature, constexprs=constexprs),
+                                  target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4))
+        assert compiled.asm.get("cubin"), (kernel.fn.__name__, constexprs)
+    return len(variants)
+
+
+@pytest.mark.parametrize("phase", [0, 1, 2, 3, "topk"])
 def test_the_row_kernel_compiles_for_sm90_in_every_phase(phase, tmp_path):
     pytest.importorskip("triton")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["TRITON_CACHE_DIR"] = str(tmp_path / "cache")  # compiled afresh, not served from an earlier run
     done = subprocess.run([sys.executable, __file__, str(phase)], env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-4000:]
-    assert done.stdout.strip() == f"compiled {2 * len(_LOSSES)}", done.stdout
+    assert done.stdout.strip() == f"compiled {9 if phase == 'topk' else 2 * len(_LOSSES)}", done.stdout
 
 
 if __name__ == "__main__":
-    print(f"compiled {_compile_phase(int(sys.argv[1]))}")
+    print(f"compiled {_compile_topk() if sys.argv[1] == 'topk' else _compile_phase(int(sys.argv[1]))}")
