@@ -492,10 +492,9 @@ def _chunk_loop(xs, ws, bs, y, rw, teacher, plan: Plan, want_dx, want_dw, want_d
         x = xs[c] if y is None else torch.where((y[c] != spec.ignore_index)[:, None], xs[c], 0.0)
         s = linear(x, ws, bs)
         # fp32 logits of narrow inputs: the Triton rows write dL/ds once, rounded for the gradient GEMMs,
-        # into a buffer of the inputs' dtype (the top-k and torch rows write it over s, rounded below)
+        # into a buffer of the inputs' dtype (the torch rows write it over s, rounded below)
         narrow = grad and s.dtype != ws.dtype
-        ds = torch.empty(s.shape, device=device, dtype=ws.dtype) if narrow and plan.form != "topk" \
-            and plan.backend == "triton" else None
+        ds = torch.empty(s.shape, device=device, dtype=ws.dtype) if narrow and plan.backend == "triton" else None
         for sub in range(c.start, c.stop, plan.teacher_chunk):
             b = slice(sub, min(sub + plan.teacher_chunk, c.stop))
             t = _teacher_block(plan.form, teacher, b) if spec.want_soft else None

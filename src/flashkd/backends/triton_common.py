@@ -10,6 +10,7 @@ import math
 import os
 import warnings
 
+import torch
 import triton
 import triton.language as tl
 
@@ -197,3 +198,20 @@ def head_mode(scale: float, softcap: float | None):
     if scale < 0.0:
         return 1, 1.0, scale
     return 0, scale, 1.0
+
+
+@triton.jit
+def store_grad(ptr, g, mask, RTNE_BITS: tl.constexpr):
+    """dL/ds stored, rounded to the nearest even of ptr's dtype. RTNE_BITS: round fp32 to bf16 on the bits
+    first, for Triton's CPU interpreter, whose bf16 conversion truncates (the GPU's rounds to nearest
+    even, and then equals this); a NaN is kept a NaN."""
+    if RTNE_BITS:
+        u = g.to(tl.uint32, bitcast=True)
+        u = (u + 0x7FFF + ((u >> 16) & 1)) & 0xFFFF0000
+        g = tl.where(g == g, u.to(tl.float32, bitcast=True), g)
+    tl.store(ptr, g.to(ptr.dtype.element_ty), mask=mask)
+
+
+def rtne_bits(ds) -> bool:
+    """`store_grad`'s RTNE_BITS for a gradient buffer: bf16 under the interpreter."""
+    return INTERPRET and ds.dtype == torch.bfloat16

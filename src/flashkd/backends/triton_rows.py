@@ -79,7 +79,6 @@ bounded, by logs that are finite wherever a probability is 0 (`_mixture`).
 from __future__ import annotations
 
 import math
-import os
 import types
 
 import torch
@@ -88,7 +87,7 @@ import triton.language as tl
 
 from ..losses import COSINE_EPS, LOSS_ID, LossSpec
 from .triton_common import (FAST_LOG2, INTERPRET, LN2, LOG2E, M_START, head, head_grad, head_mode, lane_gap, lane_kl,
-                            lane_sum, launching, times)
+                            lane_sum, launching, rtne_bits, store_grad, times)
 
 # Compiled tiles, measured on an H200 at V = 128256 bf16 (BENCHMARKS.md): 1024 columns over 8 warps
 # (4 elements per thread per tensor, 32 registers, 8 programs an SM). At the chunk loop's 1024–4096
@@ -198,18 +197,6 @@ def _fill_zeros(ptr, V, BLOCK_V: tl.constexpr):
         tl.store(ptr + offs, tl.zeros([BLOCK_V], tl.float32).to(ptr.dtype.element_ty), mask=offs < V)
 
 
-@triton.jit
-def _store_grad(ptr, g, mask, RTNE_BITS: tl.constexpr):
-    """dL/ds stored, rounded to the nearest even of ptr's dtype. RTNE_BITS: round fp32 to bf16 on the bits
-    first, for Triton's CPU interpreter, whose bf16 conversion truncates (the GPU's rounds to nearest
-    even, and then equals this); a NaN is kept a NaN."""
-    if RTNE_BITS:
-        u = g.to(tl.uint32, bitcast=True)
-        u = (u + 0x7FFF + ((u >> 16) & 1)) & 0xFFFF0000
-        g = tl.where(g == g, u.to(tl.float32, bitcast=True), g)
-    tl.store(ptr, g.to(ptr.dtype.element_ty), mask=mask)
-
-
 # ----------------------------------------------------------------------------------------------- kernel
 
 
@@ -265,7 +252,7 @@ def _rows_kernel(
     T_HEAD: tl.constexpr,  # the teacher's
     SCALED: tl.constexpr,  # a fold is not 1: the loops read log2e_tau_t, log2e_ce, kl_ratio
     STATS: tl.constexpr,  # write the entropy of q
-    RTNE_BITS: tl.constexpr,  # `_store_grad`: under the interpreter, with a bf16 dL/ds
+    RTNE_BITS: tl.constexpr,  # `triton_common.store_grad`: under the interpreter, with a bf16 dL/ds
     RCP_FMA: tl.constexpr,  # softcap loads whose reciprocal is on the FMA pipe, bit 2·(pass − 1) + side
     # (0: s, 1: t); see SOFTCAP_RCP_FMA
     PHASE: tl.constexpr,  # 0: the whole row; a row sharded over ranks' vocab slices: 1, 2, 3 (`rows`)
@@ -414,7 +401,7 @@ def _loss_pass(
                 elif GRAD_CE:
                     g += c_ce * (_softmax(a, m_s, log2_l_c, log2e_ce, q, CE_IS_Q) - tl.where(offs == label, 1.0, 0.0))
                 g = head_grad(g, da, S_HEAD)
-                _store_grad(g_row + offs, g, mask, RTNE_BITS)
+                store_grad(g_row + offs, g, mask, RTNE_BITS)
 
     return acc, acc2, acc3, acc4
 
@@ -452,7 +439,7 @@ def _grad_pass(
         elif GRAD_CE:
             g += c_ce * (_softmax(a, m_s, log2_l_c, log2e_ce, q, CE_IS_Q) - tl.where(offs == label, 1.0, 0.0))
         g = head_grad(g, da, S_HEAD)
-        _store_grad(g_row + offs, g, mask, RTNE_BITS)
+        store_grad(g_row + offs, g, mask, RTNE_BITS)
 
 
 @triton.jit
@@ -822,7 +809,7 @@ def rows(s, t, labels, spec: LossSpec, scale: torch.Tensor, grad: bool, stats: b
                 T_HEAD=t_head,
                 SCALED=fold_s != 1.0 or (use_soft and fold_t != 1.0),
                 STATS=stats,
-                RTNE_BITS=ds.dtype == torch.bfloat16 and os.environ.get("TRITON_INTERPRET") == "1",
+                RTNE_BITS=rtne_bits(ds),
                 # only where a side has a softcap: other kernels keep one specialisation whatever the masks
                 RCP_FMA=_cap_bits(SOFTCAP_RCP_FMA.get(kind, 0), s_head, t_head),
                 PHASE=phase,

@@ -106,7 +106,8 @@ def _stats_kernel(
 
 @triton.jit
 def _expand_kernel(
-    s_ptr,  # (R, V) student logits, −inf at the ids; overwritten with dL/ds
+    s_ptr,  # (R, V) student logits, −inf at the ids
+    g_ptr,  # (R, V) dL/ds out, rows V apart: s itself, or a narrower buffer (bf16 dL/ds of fp32 logits)
     ids_ptr,  # (R, K) ids, −1 unused
     id_grad_ptr,  # (R, K) fp32: dL/ds at the ids
     coef_ptr,  # (R,) fp32: g_rest / τ (REST)
@@ -123,11 +124,13 @@ def _expand_kernel(
     REST: tl.constexpr,
     CE: tl.constexpr,
     HEAD: tl.constexpr,
+    RTNE_BITS: tl.constexpr,  # triton_common.store_grad's
     BLOCK_V: tl.constexpr,
     BLOCK_K: tl.constexpr,
 ):
     row = tl.program_id(0)
     s_row = s_ptr + row.to(tl.int64) * V
+    g_row = g_ptr + row.to(tl.int64) * V
     cols = tl.arange(0, BLOCK_V)
     coef = 0.0
     m = 0.0
@@ -156,24 +159,31 @@ def _expand_kernel(
             if CE:
                 g += c_ce * (tl.exp2((a - m) * log2e_one - l_one) - tl.where(offs == label, 1.0, 0.0))
             g = triton_common.head_grad(g, da, HEAD)
-        tl.store(s_row + offs, g.to(s_row.dtype.element_ty), mask=mask)
+        triton_common.store_grad(g_row + offs, g, mask, RTNE_BITS)
     tl.debug_barrier()  # the ids' values go over what the row's threads stored above
     kk = tl.arange(0, BLOCK_K)
     ids = tl.load(ids_ptr + row.to(tl.int64) * K + kk, mask=kk < K, other=-1).to(tl.int64)
     used = (ids >= 0) & (ids < V)
     id_grad = tl.load(id_grad_ptr + row.to(tl.int64) * K + kk, mask=used, other=0.0)
-    tl.store(s_row + ids, id_grad.to(s_row.dtype.element_ty), mask=used)
+    triton_common.store_grad(g_row + ids, id_grad, used, RTNE_BITS)
 
 
-def topk_rows(s, t, labels, spec: LossSpec, scale: torch.Tensor, grad: bool, stats: bool = False, *, vocab=None):
+def topk_rows(s, t, labels, spec: LossSpec, scale: torch.Tensor, grad: bool, stats: bool = False, *, ds=None,
+              vocab=None):
     """Per-row (soft, hard) for a top-k teacher t = (ids, logprobs); with `grad`, s is overwritten
-    with dL/ds; with `stats` also (entropy, mass). See `flashkd.backends` for the contract.
+    with dL/ds (or ds, contiguous, of s's shape: `triton_rows.rows`'s); with `stats` also (entropy,
+    mass). See `flashkd.backends` for the contract.
     vocab: None, or the rank's slice of a sharded vocab (as `triton_rows.rows`'s): s holds the columns
     [vocab.start, vocab.start + V) of each row, ids and labels are global. The stats kernel runs on the
     slice, one all-gather merges its outputs into the whole row's (`_merged`), the (R, K + 1)
     categories are then the same on every rank, and the expand kernel writes the slice's dL/ds."""
     if not spec.want_soft:  # the CE alone: the dense kernel does it without a teacher (no stats then)
-        return triton_rows.rows(s, None, labels, spec, scale, grad, vocab=vocab)
+        return triton_rows.rows(s, None, labels, spec, scale, grad, ds=ds, vocab=vocab)
+    if ds is None:
+        ds = s
+    elif not isinstance(ds, torch.Tensor) or ds.shape != s.shape or not ds.is_contiguous() or ds.device != s.device:
+        raise ValueError(f"ds: expected a contiguous tensor of shape {tuple(s.shape)} on {s.device}, got "
+                         f"{triton_rows._describe(ds)}")
     ids, logprobs = t
     R, V = s.shape
     lo, total = (0, V) if vocab is None else (vocab.start, vocab.total)  # total: an int, or a 0-d device tensor
@@ -275,10 +285,11 @@ def topk_rows(s, t, labels, spec: LossSpec, scale: torch.Tensor, grad: bool, sta
     coef = g[:, K] / tau * sigma if bucket else None
     with triton_common.launching():
         _expand_kernel[(R,)](
-            s, here_ids, (id_grad * dz).contiguous(), coef if bucket else m, m, l_tau,
+            s, ds, here_ids, (id_grad * dz).contiguous(), coef if bucket else m, m, l_tau,
             c_ce * sigma if grad_ce else m, l_one_rel if grad_ce else m,
             here_labels if grad_ce else ids, V, K, log2e * fold / tau, log2e * fold, mul,
-            REST=bucket, CE=grad_ce, HEAD=head, BLOCK_V=BLOCK_V, BLOCK_K=block_k, num_warps=NUM_WARPS,
+            REST=bucket, CE=grad_ce, HEAD=head, RTNE_BITS=triton_common.rtne_bits(ds), BLOCK_V=BLOCK_V,
+            BLOCK_K=block_k, num_warps=NUM_WARPS,
         )
     return out
 
