@@ -22,4 +22,9 @@ backend's `rows`, which returns the per-row losses and, when `grad`, overwrites 
             ignored rows.
     The logits are the heads' raw outputs: the spec's logit scales and softcaps are the backend's to
     apply (`flashkd.losses.logit_transform`), and dL/ds is w.r.t. the raw s.
+
+Keywords beyond the contract: `vocab` (every backend): the block's slice of a vocab sharded over a
+process group (`flashkd.distributed.ShardedVocab`; the torch rows merge through its `merge`, the Triton
+kernels through its `gather_rows` / `sum_rows`); `ds` (Triton): a buffer of s's shape that gets
+dL/ds instead of s, rounded once to its dtype (bf16 gradients of fp32 logits).
 """
