@@ -182,8 +182,8 @@ def topk_rows(s, t, labels, spec: LossSpec, scale: torch.Tensor, grad: bool, sta
     if ds is None:
         ds = s
     elif not isinstance(ds, torch.Tensor) or ds.shape != s.shape or not ds.is_contiguous() or ds.device != s.device:
-        raise ValueError(f"ds: expected a contiguous tensor of shape {tuple(s.shape)} on {s.device}, got "
-                         f"{triton_rows._describe(ds)}")
+        got = f"a {ds.dtype} tensor of shape {tuple(ds.shape)} on {ds.device}" if isinstance(ds, torch.Tensor) else repr(ds)
+        raise ValueError(f"ds: expected a contiguous tensor of shape {tuple(s.shape)} on {s.device}, got {got}")
     ids, logprobs = t
     R, V = s.shape
     lo, total = (0, V) if vocab is None else (vocab.start, vocab.total)  # total: an int, or a 0-d device tensor
