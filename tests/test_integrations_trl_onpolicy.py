@@ -75,14 +75,23 @@ def targets(n, v, k, beta, *, teachers=1, teacher_std=2.0, temperature=1.0, dtyp
 
 def student(n, v, h, *, bias, logit_std=2.0, peaked=False):
     """(hidden (n, h), head weight (v, h), bias or None), leaves with gradients. peaked: a trained
-    model's magnitudes, logits of std ~4 and every 4th row's logit at a random token moved to 30."""
-    x = torch.randn(n, h)
-    w = torch.randn(v, h) * (4.0 if peaked else logit_std) / math.sqrt(h)
-    if peaked:
+    model's magnitudes, logits of std ~4 and every 4th row's logit at a random token moved to 30.
+    Moving a row's peak moves its other logits too, so a draw's std scatters around 5; draws outside
+    3 < std < 6 are drawn again, so every run tests the regime it names."""
+    for _ in range(100):
+        x = torch.randn(n, h)
+        w = torch.randn(v, h) * (4.0 if peaked else logit_std) / math.sqrt(h)
+        b = 0.5 * torch.randn(v) if bias else None
+        if not peaked:
+            break
         rows = torch.arange(0, n, 4)
         wt = w[torch.randint(0, v, (len(rows),))]
         x[rows] += ((30.0 - (x[rows] * wt).sum(-1)) / (wt * wt).sum(-1))[:, None] * wt
-    b = 0.5 * torch.randn(v) if bias else None
+        z = x @ w.T + (0.0 if b is None else b)
+        if 3.0 < z.std() < 6.0 and z.max() > 25.0:
+            break
+    else:
+        raise AssertionError("no draw at a trained model's magnitudes in 100 tries")
     return [t if t is None else t.requires_grad_() for t in (x, w, b)]
 
 
@@ -164,7 +173,8 @@ def test_chunked_jsd_loss_at_trained_magnitudes(beta, tail, backend, seed, monke
 @pytest.mark.parametrize("beta, tail", [(0.0, True), (0.3, True), (1.0, True), (0.3, False)])
 def test_chunked_jsd_loss_bf16_student(beta, tail, backend, seed, monkeypatch):
     """A bf16 student (hidden states and head) at a trained model's magnitudes: TRL projects it in fp32, flashkd
-    forms the logits as the bf16 GEMM's fp32 accumulator, so the five results agree to 1e-5. The gradients
+    forms the logits as the bf16 GEMM's fp32 accumulator, so the five results are within 1e-5 of float64
+    truth, or 2x TRL's error where TRL's own fp32 lands further off (7.6e-5 in 2 of 40 draws). The gradients
     come back in bf16 from both; flashkd rounds dL/ds to bf16 for its gradient GEMMs as well as their output,
     where TRL rounds only the output: against float64 truth, within 4x TRL's error (2.9x at most over 120
     draws of these shapes; both ~2e-3, bf16's 2^-9), or within those two roundings, 2·2^-9, where TRL's
@@ -176,12 +186,13 @@ def test_chunked_jsd_loss_bf16_student(beta, tail, backend, seed, monkeypatch):
     inputs = [t.detach().bfloat16().requires_grad_() for t in student(n, v, h, bias=True, peaked=True)]
     args = (1.0, None, ids, logps, mask, beta, 1.0, tail, index, 3, 16)
     (r0, g0), (r1, g1) = _both(inputs, args, backend)
-    for name, a, b in zip(("loss", "jsd_sum", "entropy_sum", "teacher_entropy_sum", "per_teacher_stats"), r1, r0):
-        assert a.dtype == b.dtype == torch.float32, (name, a.dtype, b.dtype)
-        assert _rel(a, b) <= 1e-5, (name, _rel(a, b))
     leaves = [t.detach().double().requires_grad_() for t in inputs]
     truth = trl_jsd_loss(*leaves, ids, logps, mask, beta=beta, temperature=1.0, add_tail_bucket=tail,
                          teacher_index=index, num_teachers=3)
+    for name, a, b, t in zip(("loss", "jsd_sum", "entropy_sum", "teacher_entropy_sum", "per_teacher_stats"),
+                             r1, r0, truth):
+        assert a.dtype == b.dtype == torch.float32, (name, a.dtype, b.dtype)
+        assert _rel(a, t) <= max(2 * _rel(b, t), 1e-5), (name, _rel(a, t), _rel(b, t))
     for name, a, b, t in zip(("d hidden", "d weight", "d bias"), g1, g0, torch.autograd.grad(truth[0], leaves)):
         assert a.dtype == b.dtype == torch.bfloat16
         assert _rel(a, t) <= max(4 * _rel(b, t), 2 * 2.0**-9), (name, _rel(a, t), _rel(b, t))
