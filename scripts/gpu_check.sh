@@ -74,8 +74,9 @@ for stage in $stages; do
         --out "$OUT/teacher-topk-fp8" 2>&1 | tee -a "$OUT/bench-fp8.log" || status=1 ;;
     # the vocab-parallel Triton rows on one GPU: NCCL at world size 1, and gloo ranks sharing the GPU (world 2, 3);
     # then the sharded call at world size 1 against the unsharded one, and its collectives' bytes against the formula.
-    # FSDP2 is not run over gloo on a shared GPU (its CUDA collectives there fail on torch's side, before flashkd:
-    # BENCHMARKS.md): its tests run on CPU gloo and, on two GPUs, in scripts/gpu_dist_check.sh
+    # FSDP2 is not run over gloo on a shared GPU: there a rank segfaults inside torch's DTensor.full_tensor (the
+    # test's own gather of the parameters, functional collectives over gloo on CUDA; BENCHMARKS.md). Its tests run
+    # on CPU gloo and, on two GPUs, in scripts/gpu_dist_check.sh
     dist-one-gpu) { FLASHKD_DIST_BACKEND=nccl python3 -m pytest -q tests/test_distributed.py -k "triton and 1-float32" \
         && FLASHKD_DIST_DEVICE=cuda python3 -m pytest -q tests/test_distributed.py -k "vocab_parallel_triton and not 1-float32" \
         && torchrun --standalone --nproc_per_node=1 benchmarks/bench_dist.py --out "$OUT/dist-one-gpu.json"; } 2>&1 \
