@@ -41,7 +41,9 @@ def tile_relative(z, tile, dtype):
     n, v = z.shape
     zz = torch.nn.functional.pad(z.double(), (0, (-v) % tile), value=-math.inf).view(n, -1, tile)
     m = zz.amax(-1, keepdim=True).float().double()
-    d = (zz - m).clamp(min=torch.finfo(dtype).min).to(dtype).double()
+    m = m.masked_fill(m == -math.inf, 0.0)  # a tile of masked logits only
+    # a finite distance past the format's range saturates (its probability is 0 in fp32 either way); −inf stays
+    d = (zz - m).clamp(min=torch.finfo(dtype).min).to(dtype).double().masked_fill(zz == -math.inf, -math.inf)
     return (m + d).view(n, -1)[:, :v].float()
 
 
