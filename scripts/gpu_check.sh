@@ -3,7 +3,7 @@
 #   bash scripts/gpu_check.sh [tests] [rows] [breakdown] [profile] [bench-seed] [bench-trained] [bench-sweep] [bench-losses]
 #                             [bench-softonly] [memory] [bench-topk] [bench-logits] [bench-teacher-topk]
 #                             [bench-softcap] [bench-trl] [bench-trl-step] [bench-trl-onpolicy] [bench-fp8]
-#                             [dist-one-gpu]
+#                             [dist-one-gpu] [cute-probe]
 # (default: all of them, about 20 minutes on an H200; each of the last five a minute or two, bench-trl-step
 # at most about five: it needs trl 1.16.0 and accelerate (from .whl/); no PYTHONPATH beyond this script's, as
 # benchmarks/bench_trl_step.py falls back to its own stand-in for `datasets` where that is not installed;
@@ -81,6 +81,14 @@ for stage in $stages; do
         && FLASHKD_DIST_DEVICE=cuda python3 -m pytest -q tests/test_distributed.py -k "vocab_parallel_triton and not 1-float32" \
         && torchrun --standalone --nproc_per_node=1 benchmarks/bench_dist.py --out "$OUT/dist-one-gpu.json"; } 2>&1 \
       | tee "$OUT/dist-one-gpu.log" || status=1 ;;
+    # CuTe DSL on this GPU (not in the default stages): installs the carried .cute/ (bash ../shared/device/cute-payload.sh
+    # packs it) when the package is missing, then a row kernel's compile time with an empty on-disk cache and again
+    # in a second process, its result and its read speed
+    cute-probe) ( python3 -c "import cutlass.cute" 2>/dev/null || { bash .cute/install.sh \
+        && export PYTHONPATH="$PYTHONPATH:/tmp/cute:/tmp/cute/nvidia_cutlass_dsl/dsl_packages"; }
+      export CUTE_DSL_CACHE_DIR=/tmp/flashkd-cute-cache; rm -rf "$CUTE_DSL_CACHE_DIR"
+      python3 benchmarks/probe_cute_rows.py --out "$OUT/cute-probe-cold.json" \
+        && python3 benchmarks/probe_cute_rows.py --out "$OUT/cute-probe-warm.json" ) 2>&1 | tee "$OUT/cute-probe.log" || status=1 ;;
     *) echo "unknown stage $stage"; status=2 ;;
   esac
 done
