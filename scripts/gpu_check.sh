@@ -83,12 +83,13 @@ for stage in $stages; do
       | tee "$OUT/dist-one-gpu.log" || status=1 ;;
     # CuTe DSL on this GPU (not in the default stages): installs the carried .cute/ (bash ../shared/device/cute-payload.sh
     # packs it) when the package is missing, then a row kernel's compile time with an empty on-disk cache and again
-    # in a second process, its result and its read speed
+    # in a second process, its result and its read speed; then a JSD row pass reading S and T once (a cluster a row)
     cute-probe) ( python3 -c "import cutlass.cute" 2>/dev/null || { bash .cute/install.sh \
         && export PYTHONPATH="$PYTHONPATH:/tmp/cute:/tmp/cute/nvidia_cutlass_dsl/dsl_packages"; }
       export CUTE_DSL_CACHE_DIR=/tmp/flashkd-cute-cache; rm -rf "$CUTE_DSL_CACHE_DIR"
       python3 benchmarks/probe_cute_rows.py --out "$OUT/cute-probe-cold.json" \
-        && python3 benchmarks/probe_cute_rows.py --out "$OUT/cute-probe-warm.json" ) 2>&1 | tee "$OUT/cute-probe.log" || status=1 ;;
+        && python3 benchmarks/probe_cute_rows.py --out "$OUT/cute-probe-warm.json" \
+        && python3 benchmarks/probe_cute_jsd.py --out "$OUT/cute-probe-jsd.json" ) 2>&1 | tee "$OUT/cute-probe.log" || status=1 ;;
     *) echo "unknown stage $stage"; status=2 ;;
   esac
 done
