@@ -1,11 +1,12 @@
 """The probes in benchmarks/ on CPU, seconds. probe_logit_repr.py at small shapes: its representations keep the
 error bound they claim, and its fp32 line (the exact pipeline) meets the bar while the 2-byte lines' loss errors
-do not. probe_cute_rows.py: where it cannot run, it says so."""
+do not. The CuTe probes: where they cannot run, they say so."""
 
 import importlib.util
 import math
 import pathlib
 
+import pytest
 import torch
 
 SCRIPT = pathlib.Path(__file__).parent.parent / "benchmarks" / "probe_logit_repr.py"
@@ -54,17 +55,16 @@ def test_the_probe_separates_the_exact_line_from_the_two_byte_ones(capsys):
     assert worst[("bf16rel", "soft")][0] > 1e-5  # a representation that fails the bar is reported as failing
 
 
-def test_the_cute_probe_says_what_it_needs_where_it_cannot_run():
-    """benchmarks/probe_cute_rows.py is GPU only (CuTe DSL compiles for the GPU): without one, or without the
-    package, it exits non-zero with one line saying so, not a traceback."""
+@pytest.mark.parametrize("name", ["probe_cute_rows", "probe_cute_jsd"])
+def test_the_cute_probes_say_what_they_need_where_they_cannot_run(name):
+    """The CuTe probes are GPU only (CuTe DSL compiles for the GPU): without one, or without the package, each
+    exits non-zero with one line saying so, not a traceback."""
     import subprocess
     import sys
 
     if torch.cuda.is_available():
-        import pytest
-
-        pytest.skip("a GPU is here: the probe runs in scripts/gpu_check.sh cute-probe")
-    script = SCRIPT.parent / "probe_cute_rows.py"
-    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
+        pytest.skip("a GPU is here: the probes run in scripts/gpu_check.sh cute-probe")
+    done = subprocess.run([sys.executable, str(SCRIPT.parent / f"{name}.py")], capture_output=True, text=True,
+                          timeout=120)
     assert done.returncode != 0
-    assert "probe_cute_rows: needs" in done.stderr and "Traceback" not in done.stderr, done.stderr
+    assert f"{name}: needs" in done.stderr and "Traceback" not in done.stderr, done.stderr
