@@ -104,8 +104,13 @@ def run(call: TopKCall, shard=None):
     x = x.reshape(-1, x.shape[-1])
     n = x.shape[0]
     plan = backend
-    if vocab is not None:
-        v, plan = vocab.plan_size, "torch"  # every rank plans the same chunks, for the torch path's temporaries
+    if vocab is not None:  # every rank plans the same chunks (backend and k are agreed between the ranks)
+        v = vocab.plan_size
+        if plan == "triton":
+            from .backends import triton_topk
+
+            # the slice's candidates come from the top-k kernel up to its k, else from the torch path's temporaries
+            plan = "triton" if k <= triton_topk.TOPK_MAX_K else "torch"
     transformed = teacher_logit_scale != 1.0 or teacher_softcap is not None
     per_row = v * chunks.logit_size(x.dtype) + (v * 4 * (3 if transformed else 2) if plan == "torch" else 0)
     chunk = chunk_size or chunks.even_chunks(n, chunks.LOGITS_BUDGET[plan] // per_row)
