@@ -19,11 +19,12 @@ rows and a copy (median of --reps, CUDA events).
 import argparse
 import json
 import math
-import statistics
 import sys
 import time
 
 import torch
+
+from probe_cute_rows import median_ms, merge, warp_merge  # beside this file: run as a script from benchmarks/
 
 THREADS = 512
 EPT = 32  # elements a thread holds of each of S and T (64 registers of the 128 a thread has at 512)
@@ -40,15 +41,6 @@ def build(cluster):
     import cutlass.cute as cute
 
     l2b, l2nb = math.log2(BETA), math.log2(1.0 - BETA)
-
-    def merge(m, s, m_o, s_o):
-        n = cute.arch.fmax(m, m_o)
-        return n, s * cute.arch.exp2(m - n) + s_o * cute.arch.exp2(m_o - n)
-
-    def warp_merge(m, s):
-        for width in (16, 8, 4, 2, 1):
-            m, s = merge(m, s, cute.arch.shuffle_sync_bfly(m, offset=width), cute.arch.shuffle_sync_bfly(s, offset=width))
-        return m, s
 
     def warp_sum(x):
         for width in (16, 8, 4, 2, 1):
@@ -195,19 +187,6 @@ def reference(s, t):
     per_row = BETA * (lp.exp() * (lp - lm)).sum(-1) + (1 - BETA) * (lq.exp() * (lq - lm)).sum(-1)
     (g,) = torch.autograd.grad(per_row.sum(), s)
     return per_row.detach(), g
-
-
-def median_ms(fn, reps):
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        torch.cuda.synchronize()
-        times.append(a.elapsed_time(b))
-    q = statistics.quantiles(times, n=5)
-    return statistics.median(times), q[0], q[-1]
 
 
 def main():

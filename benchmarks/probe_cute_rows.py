@@ -28,20 +28,27 @@ LOG2E = 1.4426950408889634
 LOWEST = -3.0e38  # a finite start for the running max: −inf − (−inf) would be NaN
 
 
+# Trace-time helpers of the kernels here and in probe_cute_jsd.py: plain Python, called while a kernel is traced.
+def merge(m, s, m_o, s_o):
+    """Two (max, sum of 2^(x − max)) pairs into one."""
+    import cutlass.cute as cute
+
+    n = cute.arch.fmax(m, m_o)
+    return n, s * cute.arch.exp2(m - n) + s_o * cute.arch.exp2(m_o - n)
+
+
+def warp_merge(m, s):
+    """A warp's (max, sum-exp) pairs merged by five butterfly-shuffle rounds: every lane gets the warp's."""
+    import cutlass.cute as cute
+
+    for width in (16, 8, 4, 2, 1):
+        m, s = merge(m, s, cute.arch.shuffle_sync_bfly(m, offset=width), cute.arch.shuffle_sync_bfly(s, offset=width))
+    return m, s
+
+
 def build():
     import cutlass
     import cutlass.cute as cute
-
-    def merge(m, s, m_o, s_o):
-        n = cute.arch.fmax(m, m_o)
-        return n, s * cute.arch.exp2(m - n) + s_o * cute.arch.exp2(m_o - n)
-
-    def warp_merge(m, s):
-        for width in (16, 8, 4, 2, 1):  # plain Python at trace time: five shuffle rounds
-            m_o = cute.arch.shuffle_sync_bfly(m, offset=width)
-            s_o = cute.arch.shuffle_sync_bfly(s, offset=width)
-            m, s = merge(m, s, m_o, s_o)
-        return m, s
 
     @cute.kernel
     def row_lse_kernel(z: cute.Tensor, out: cute.Tensor, v: cutlass.Int32):

@@ -109,8 +109,8 @@ def run(call: TopKCall, shard=None):
         if plan == "triton":
             from .backends import triton_topk
 
-            # the slice's candidates come from the top-k kernel up to its k, else from the torch path's temporaries
-            plan = "triton" if k <= triton_topk.TOPK_MAX_K else "torch"
+            if k > triton_topk.TOPK_MAX_K:  # past the top-k kernel's k the torch path's temporaries make the candidates
+                plan = "torch"
     transformed = teacher_logit_scale != 1.0 or teacher_softcap is not None
     per_row = v * chunks.logit_size(x.dtype) + (v * 4 * (3 if transformed else 2) if plan == "torch" else 0)
     chunk = chunk_size or chunks.even_chunks(n, chunks.LOGITS_BUDGET[plan] // per_row)
