@@ -87,9 +87,9 @@ for stage in $stages; do
     cute-probe) ( python3 -c "import cutlass.cute" 2>/dev/null || { bash .cute/install.sh \
         && export PYTHONPATH="$PYTHONPATH:/tmp/cute:/tmp/cute/nvidia_cutlass_dsl/dsl_packages"; }
       export CUTE_DSL_CACHE_DIR=/tmp/flashkd-cute-cache; rm -rf "$CUTE_DSL_CACHE_DIR"
-      python3 benchmarks/probe_cute_rows.py --out "$OUT/cute-probe-cold.json" \
-        && python3 benchmarks/probe_cute_rows.py --out "$OUT/cute-probe-warm.json" \
-        && python3 benchmarks/probe_cute_jsd.py --out "$OUT/cute-probe-jsd.json" ) 2>&1 | tee "$OUT/cute-probe.log" || status=1 ;;
+      python3 probes/probe_cute_rows.py --out "$OUT/cute-probe-cold.json" \
+        && python3 probes/probe_cute_rows.py --out "$OUT/cute-probe-warm.json" \
+        && python3 probes/probe_cute_jsd.py --out "$OUT/cute-probe-jsd.json" ) 2>&1 | tee "$OUT/cute-probe.log" || status=1 ;;
     *) echo "unknown stage $stage"; status=2 ;;
   esac
 done

@@ -1,4 +1,4 @@
-"""The probes in benchmarks/ on CPU, seconds. probe_logit_repr.py at small shapes: its representations keep the
+"""The probes in probes/ on CPU, seconds. probe_logit_repr.py at small shapes: its representations keep the
 error bound they claim, and its fp32 line (the exact pipeline) meets the bar while the 2-byte lines' loss errors
 do not. The CuTe probes: where they cannot run, they say so."""
 
@@ -9,7 +9,7 @@ import pathlib
 import pytest
 import torch
 
-SCRIPT = pathlib.Path(__file__).parent.parent / "benchmarks" / "probe_logit_repr.py"
+SCRIPT = pathlib.Path(__file__).parent.parent / "probes" / "probe_logit_repr.py"
 
 
 def _probe():

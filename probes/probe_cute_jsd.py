@@ -13,7 +13,7 @@ JSD(β) soft term alone, τ = 1, per row: loss (R,) fp32 and dL/ds (R, V) bf16. 
 autograd on a sample of rows, and against flashkd's Triton rows on all of them; timed against those
 rows and a copy (median of --reps, CUDA events).
 
-    python benchmarks/probe_cute_jsd.py [--rows 8192] [--vocab 128256] [--reps 30] [--out FILE.json]
+    python probes/probe_cute_jsd.py [--rows 8192] [--vocab 128256] [--reps 30] [--out FILE.json]
 """
 
 import argparse
@@ -24,7 +24,7 @@ import time
 
 import torch
 
-from probe_cute_rows import median_ms, merge, warp_merge  # beside this file: run as a script from benchmarks/
+from probe_cute_rows import median_ms, merge, warp_merge  # beside this file: run as a script from probes/
 
 # (CTAs a row, threads a CTA, elements a thread holds of each of S and T, T's slice in shared memory). A CTA of
 # 512 threads holding S and T in 32 + 32 registers fills half the SM's register file, so one CTA runs an SM at

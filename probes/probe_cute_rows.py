@@ -9,7 +9,7 @@ over the columns it strides, merged across a warp by butterfly shuffles and acro
 memory. Checked against torch.logsumexp in float64; timed against torch.logsumexp and a copy of the
 block (the bytes' floor), CUDA events, median of --reps.
 
-    python benchmarks/probe_cute_rows.py [--rows 8192] [--vocab 128256] [--reps 50] [--out FILE.json]
+    python probes/probe_cute_rows.py [--rows 8192] [--vocab 128256] [--reps 50] [--out FILE.json]
 """
 
 

@@ -14,7 +14,7 @@ rounded to bf16 and goes through exact GEMMs whose results are rounded to bf16 (
 of tests/test_exact.py). Errors against float64 truth at a trained head's magnitudes (logits of std 4,
 every 4th row a token at 30). The targets: loss within 1e-5, dX and dW within 1.3x the fp32 line.
 
-    python benchmarks/probe_logit_repr.py [--n 32] [--v 32768] [--seeds 3] [--tile 256]
+    python probes/probe_logit_repr.py [--n 32] [--v 32768] [--seeds 3] [--tile 256]
 """
 
 from __future__ import annotations
