@@ -278,8 +278,17 @@ def timed_helper(helper, stamps):
     @functools.wraps(helper)
     def timed(hidden_valid, *a, **kw):
         marks = {"forward_start": _stamp()}
+        cuda = hidden_valid.is_cuda
+        if cuda:  # where the step's memory goes: the peak before the loss, inside its forward, and what it holds
+            marks["allocated_before"] = torch.cuda.memory_allocated()
+            marks["peak_before"] = torch.cuda.max_memory_allocated()
+            torch.cuda.reset_peak_memory_stats()
         out = helper(hidden_valid, *a, **kw)
         marks["forward_end"] = _stamp()
+        if cuda:
+            marks["allocated_after_forward"] = torch.cuda.memory_allocated()
+            marks["peak_forward"] = torch.cuda.max_memory_allocated()
+            torch.cuda.reset_peak_memory_stats()
         if out[0].requires_grad:
             out[0].register_hook(lambda g: marks.__setitem__("backward_start", _stamp()))
             hidden_valid.register_hook(lambda g: marks.__setitem__("backward_end", _stamp()))
@@ -333,7 +342,11 @@ def run_step_variant(name, args, model_dir, device):
             setattr(trl_ad, k, f)
     _sync()
     logs = [h for h in trainer.state.log_history if "loss" in h]
+    # the loss call resets the peak counter (timed_helper): the step's peak is the largest of the parts'
     peak = torch.cuda.max_memory_allocated() if device.type == "cuda" else 0
+    peak = max([peak] + [m[k] for m in stamps for k in ("peak_before", "peak_forward") if k in m])
+    memory = {k: max(m[k] for m in stamps) for k in ("allocated_before", "allocated_after_forward", "peak_before",
+                                                       "peak_forward") if stamps and k in stamps[0]}
     del trainer
     gc.collect()
     timed = clock.steps[args.warmup:]
@@ -345,7 +358,7 @@ def run_step_variant(name, args, model_dir, device):
         "median_loss_forward_s": statistics.median(forward[args.warmup:]),
         "median_loss_backward_s": statistics.median(backward[args.warmup:]),
         "losses": [h["loss"] for h in logs], "jsd": [h.get("jsd") for h in logs], "resident_bytes": resident,
-        "peak_bytes": peak,
+        "peak_bytes": peak, "memory_bytes": memory,
     }
 
 
@@ -367,7 +380,8 @@ def run_step(args, device):
         results.append(r)
         print(f"step {name}: median {r['median_s'] * 1e3:.1f} ms (p20 {r['p20_s'] * 1e3:.1f}, p80 {r['p80_s'] * 1e3:.1f}), "
               f"loss forward {r['median_loss_forward_s'] * 1e3:.1f} + backward {r['median_loss_backward_s'] * 1e3:.1f} ms, "
-              f"peak {r['peak_bytes'] / 2**30:.2f} GiB, losses {['%.6g' % x for x in r['losses']]}", flush=True)
+              f"peak {r['peak_bytes'] / 2**30:.2f} GiB"
+              + "".join(f", {k} {v / 2**30:.2f}" for k, v in r["memory_bytes"].items()) + f", losses {['%.6g' % x for x in r['losses']]}", flush=True)
     a, b = results[0]["losses"][0], results[1]["losses"][0]
     check = {"first_loss_trl": a, "first_loss_flashkd": b, "relative_difference": abs(b - a) / max(abs(a), 1e-30)}
     check["agree"] = check["relative_difference"] <= args.loss_rtol
