@@ -55,6 +55,9 @@ def _entry(rank, worker, world, port, seed, timeout, *args):
                             timeout=datetime.timedelta(seconds=timeout))
     try:
         worker(rank, world, seed, *args)
+        # every rank's queued collectives (FSDP2's gradient reduce-scatters run asynchronously) complete before
+        # the process group is torn down: one rank tearing down under a peer's pending work has aborted it
+        dist.barrier()
     except BaseException:
         raise AssertionError(f"rank {rank}, seed {seed}:\n{traceback.format_exc()}") from None
     finally:
