@@ -56,7 +56,7 @@ def _entry(rank, worker, world, port, seed, timeout, *args):
     try:
         worker(rank, world, seed, *args)
         # every rank's queued collectives (FSDP2's gradient reduce-scatters run asynchronously) complete before
-        # the process group is torn down: one rank tearing down under a peer's pending work has aborted it
+        # the process group is torn down (a rank once aborted in its C++ teardown after a passing FSDP2 run)
         dist.barrier()
     except BaseException:
         raise AssertionError(f"rank {rank}, seed {seed}:\n{traceback.format_exc()}") from None
