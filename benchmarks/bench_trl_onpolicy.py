@@ -23,8 +23,9 @@ gradient checkpointing on (TRL's default), batch --step-batch sequences of promp
 tokens. Timed per optimizer step between on_step_begin and on_step_end (device synchronized); loss
 forward and backward inside the step by CUDA events.
 
-Usage: python benchmarks/bench_trl_onpolicy.py --out DIR              (one GPU; a few minutes)
-       python benchmarks/bench_trl_onpolicy.py --tiny --out DIR       (tiny shapes, fp32, CPU: checks only)
+Usage: python benchmarks/bench_trl_onpolicy.py [--out DIR]           (one GPU; a few minutes)
+       python benchmarks/bench_trl_onpolicy.py --tiny [--out DIR]    (tiny shapes, fp32, CPU: checks only)
+results.json and summary.md go into --out (default: a new bench-trl-onpolicy-YYYYmmdd-HHMMSS/).
 Needs trl==1.16.0, transformers, accelerate; `datasets` or the stand-in in benchmarks/_datasets_stub.
 """
 
@@ -60,7 +61,8 @@ SPECIAL = 3  # ids 0, 1, 2: pad, eos, unk; never drawn
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--out", type=Path, required=True, help="folder for results.json and summary.md")
+    p.add_argument("--out", type=Path, default=None,
+                   help="folder for results.json and summary.md (default: bench-trl-onpolicy-YYYYmmdd-HHMMSS)")
     p.add_argument("--tiny", action="store_true", help="tiny shapes in fp32 (CPU where there is no GPU): checks only")
     p.add_argument("--parts", nargs="+", choices=["loss", "step"], default=["loss", "step"])
     p.add_argument("--positions", type=int, default=8192, help="valid positions in the loss")
@@ -401,14 +403,17 @@ def _tokenizer(vocab):
 
 def main(argv=None):
     args = parse_args(argv)
+    args.out = args.out or Path(time.strftime("bench-trl-onpolicy-%Y%m%d-%H%M%S"))
     args.out.mkdir(parents=True, exist_ok=True)
-    args.trainer_dir = tempfile.mkdtemp(prefix="bench-trl-onpolicy-")
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     threads = torch.get_num_threads()
     if device.type == "cpu":
         torch.set_num_threads(1)  # tiny shapes: one thread (two wait on each other on a loaded machine)
     try:
-        return _main(args, device)
+        # the student the trainers load and their output_dir (they save nothing)
+        with tempfile.TemporaryDirectory(prefix="bench-trl-onpolicy-") as trainer_dir:
+            args.trainer_dir = trainer_dir
+            return _main(args, device)
     finally:
         torch.set_num_threads(threads)
 
@@ -431,6 +436,7 @@ def _main(args, device):
     (args.out / "results.json").write_text(json.dumps(summary, indent=1))
     (args.out / "summary.md").write_text(markdown(summary, args))
     print((args.out / "summary.md").read_text())
+    print(f"wrote {args.out / 'results.json'}, {args.out / 'summary.md'}")
     return 0 if ok else 1
 
 

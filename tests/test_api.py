@@ -201,13 +201,19 @@ def test_modules_match_the_function():
     (lambda: flashkd.FusedLinearJSDLoss(beta=-1.0), ValueError, ["beta", "-1.0"]),
     (lambda: flashkd.FusedLinearCosineSimilarityLoss(weight_soft_loss=float("nan")), TypeError, ["weight_soft_loss"]),
     (lambda: flashkd.FusedLinearJSD(1.5), ValueError, ["jsd_beta", "1.5"]),
+    (lambda: flashkd.FusedLinearDistillLoss("jsd", backend="bogus"), ValueError, ["backend", "'triton'", "'bogus'"]),
+    (lambda: flashkd.FusedLinearDistillLoss("jsd", chunk_size=0), ValueError, ["chunk_size", "positive int", "0"]),
+    (lambda: flashkd.FusedLinearDistillLoss("jsd", grad_accum_dtype=torch.int32), TypeError,
+     ["grad_accum_dtype", "float32", "torch.int32"]),
+    (lambda: flashkd.FusedLinearJSDLoss(chunk_size=2.5), ValueError, ["chunk_size", "2.5"]),
+    (lambda: flashkd.FusedLinearJSD(accum_dtype=torch.int32), TypeError, ["accum_dtype", "torch.int32"]),
 ])
 def test_modules_check_their_options_when_made(make, error, words):
-    """A bad option value is refused where the module is made, with the call's own message, not at the
-    first forward (which may come much later, inside a trainer)."""
+    """A bad option value is refused where the module is made, with the call's own message naming the
+    argument as it was passed, not at the first forward (which may come much later, inside a trainer)."""
     with pytest.raises(error) as e:
         make()
-    assert all(w in str(e.value) for w in words), str(e.value)
+    assert str(e.value).startswith(words[0] + ":") and all(w in str(e.value) for w in words), str(e.value)
 
 
 def test_liger_style_attributes_check_the_value_set():
@@ -217,6 +223,9 @@ def test_liger_style_attributes_check_the_value_set():
     assert module.beta == 0.5  # unchanged
     module.beta = 0.25
     assert module.options["beta"] == 0.25
+    with pytest.raises(ValueError, match="chunk_size"):
+        module.chunk_size = 0
+    assert module.chunk_size is None
 
 def test_inside_torch_compile():
     xs, ws, xt, wt, y = inputs()

@@ -1,8 +1,11 @@
 """The examples run as a user would run them (CPU here), so they cannot rot; and they leave nothing
 behind in the temporary folder."""
 
+import ast
+import builtins
 import os
 import pathlib
+import re
 import subprocess
 import sys
 
@@ -50,6 +53,26 @@ def test_readme_snippets_are_python():
     assert len(blocks) >= 5
     for line, code, _ in blocks:
         compile(code, f"README.md:{line}", "exec")
+
+
+@pytest.mark.filterwarnings("ignore:You are importing from 'trl.experimental'")  # the on-policy snippet does
+def test_readme_snippets_define_what_they_use():
+    """Pasted into a fresh interpreter, a snippet fails only on the user's own objects, which its
+    `# yours: a, b` line names: it imports what it uses, and its imports import."""
+    for line, code, _ in _python_blocks():
+        tree = ast.parse(code)
+        yours = {n.strip() for names in re.findall(r"^# yours: (.*)$", code, re.M) for n in names.split(",")}
+        defined = set(dir(builtins)) | yours
+        for node in ast.walk(tree):
+            if isinstance(node, (ast.Import, ast.ImportFrom)):
+                defined |= {(a.asname or a.name).split(".")[0] for a in node.names}
+                exec(compile(ast.Module([node], []), f"README.md:{line}", "exec"), {})
+            elif isinstance(node, (ast.FunctionDef, ast.ClassDef)):
+                defined.add(node.name)
+            elif isinstance(node, ast.arg) or isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
+                defined.add(getattr(node, "arg", None) or node.id)
+        used = {n.id for n in ast.walk(tree) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Load)}
+        assert used <= defined, f"README.md:{line}: {sorted(used - defined)} neither imported nor marked as yours"
 
 
 @pytest.mark.parametrize("line, code", [(line, code) for line, code, marked in _python_blocks() if marked],

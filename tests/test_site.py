@@ -537,7 +537,11 @@ def test_hidden_sizes_are_named_alike_in_every_form(built, tmp_path, capsys):
     index = _parse(built["site"] / "index.html").text
     assert "tokens=5, student_hidden=6, teacher_hidden=12, vocab=37" in index  # the bench's heads form
     assert "tokens=1024, student_hidden=2048, teacher_hidden=4096, vocab=128256" in index  # Liger's rows
-    assert not re.search(r"(?<![a-z_])hidden=", index)
+    # every page, tooltips and the citation included: the run and compare pages named the workload by its title
+    for page in _pages(built["site"]):
+        assert not re.search(r"(?<![a-z_])hidden=", page.read_text()), page
+    for page in (built["site"] / "runs").glob("*.html"):  # the breadcrumb, the Workload row, How to cite
+        assert page.read_text().count("student_hidden=") == 3, page
     bench = [b for p, b in _good_bundles(built) if "bench" in p.parts]
     assert {tuple(b["workload"]["manifest"]["spec"]["axes"]) for b in bench} == {("tokens", "hidden", "vocab")}
     out = tmp_path / "topk"

@@ -4,7 +4,8 @@ The package's internal API of a loss call (the public functions in `flashkd.dist
 `flashkd.distributed` runs it on a vocab slice):
 
     make_call(teacher, student_input, student_weight, labels, **keywords) -> Call
-                        the one validating function of the public keywords: LossSpec, flags
+                        the one validating function of the public keywords: LossSpec, flags,
+                        chunk_size, backend, grad_accum_dtype (those alone; run checks them with the tensors)
     check(call) -> Rows the tensors checked and flattened;  check_teacher_values(call, rows, v)
     run(call, rows, vocab=None)                               plan and run (vocab: a rank's slice)
     compute(call)       check + run, on this process alone
@@ -224,6 +225,12 @@ def _make_call(
             raise TypeError(f"{flag}: expected a bool{' or None' if optional else ''}, got {value!r}")
     for name, value in (("weight_hard_loss", weight_hard_loss), ("weight_soft_loss", weight_soft_loss)):
         check_finite_float(name, value)
+    check_chunk_size(chunk_size)
+    check_backend(backend)
+    # the dtype alone (a module's options have no weight); `run` checks it against student_weight's
+    if grad_accum_dtype is not None and grad_accum_dtype not in FLOATS:
+        raise TypeError(f"grad_accum_dtype: expected None or a floating dtype (float16, bfloat16, float32, float64), "
+                        f"got {grad_accum_dtype!r}")
     has_labels = labels is not None
     w_hard, w_soft = weight_hard_loss, weight_soft_loss
     logged = return_soft_hard_loss or return_stats
@@ -610,9 +617,18 @@ def accumulate_mm(acc, a, b, beta):
         acc.addmm_(a.to(acc.dtype), b.to(acc.dtype), beta=beta)
 
 
-def pick_backend(backend, x):
+def check_backend(backend) -> None:
     if backend not in ("auto", "torch", "triton"):
         raise ValueError(f"backend: expected 'auto', 'torch' or 'triton', got {backend!r}")
+
+
+def check_chunk_size(chunk_size) -> None:
+    if chunk_size is not None and (isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1):
+        raise ValueError(f"chunk_size: expected a positive int or None, got {chunk_size!r}")
+
+
+def pick_backend(backend, x):
+    check_backend(backend)
     interpret = os.environ.get("TRITON_INTERPRET") == "1"
     if backend == "auto":
         return "triton" if x.is_cuda and _has_triton() else "torch"
@@ -642,9 +658,7 @@ def chunk_rows(chunk_size, xs, ws, backend, form, accum_bytes, v=None) -> tuple[
     plan for (the weight's, or the largest slice of a vocab-parallel group)."""
     n, hs = xs.shape[0], ws.shape[1]
     v = ws.shape[0] if v is None else v
-    if chunk_size is not None:
-        if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
-            raise ValueError(f"chunk_size: expected a positive int or None, got {chunk_size!r}")
+    if chunk_size is not None:  # checked by make_call
         rows = min(chunk_size, max(n, 1))
         return rows, rows
     row = v * logit_size(xs.dtype)  # one row of logits

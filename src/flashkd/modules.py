@@ -26,9 +26,10 @@ _OPTIONS = frozenset(name for name in _DEFAULTS if name not in _PER_CALL and nam
 
 def _check_options(options: dict) -> None:
     """The options' values, checked by the call's own validation (chunks.make_call: the loss and its
-    numbers, the flags; fp8.check_precision) as a forward with labels would check them: a bad value fails
-    where the module is made, not at its first forward. Options that need the tensors (backend,
-    chunk_size, grad_accum_dtype) are checked by the call."""
+    numbers, the flags, backend, chunk_size and grad_accum_dtype; fp8.check_precision) as a forward with
+    labels would check them: a bad value fails where the module is made, not at its first forward. What
+    depends on the tensors (triton on a CPU tensor, grad_accum_dtype against the weight's) is checked by
+    the call."""
     keywords = {**_DEFAULTS, **options}
     del keywords["teacher_bias"]  # the teacher's, per call
     chunks.make_call(None, None, None, ..., **keywords)  # labels: given (not None), as the usual forward has them
@@ -178,9 +179,9 @@ class FusedLinearJSD(torch.nn.Module):
         super().__init__()
         try:  # checked here, as the forward's call will check them
             _check_options(dict(loss="jsd", beta=jsd_beta, temperature=temperature, ignore_index=ignore_index,
-                                weight_hard_loss=0.0, weight_soft_loss=1.0))
+                                weight_hard_loss=0.0, weight_soft_loss=1.0, grad_accum_dtype=accum_dtype))
         except (TypeError, ValueError) as e:
-            raise renamed(e, {"beta": "jsd_beta"}) from None
+            raise renamed(e, {"beta": "jsd_beta", "grad_accum_dtype": "accum_dtype"}) from None
         self.jsd_beta, self.ignore_index, self.temperature, self.accum_dtype = jsd_beta, ignore_index, temperature, accum_dtype
 
     def forward(self, student_input, student_weight, teacher_input, teacher_weight, shift_labels=None):

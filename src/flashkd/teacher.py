@@ -93,8 +93,7 @@ def run(call: TopKCall, shard=None):
     LossSpec(temperature=temperature)  # the losses' rule: a finite float > 0 (inf would give uniform log-probs)
     check_logit_transform("teacher_logit_scale", teacher_logit_scale, "teacher_softcap", teacher_softcap)
     backend = chunks.pick_backend(backend, x)
-    if chunk_size is not None and (isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1):
-        raise ValueError(f"chunk_size: expected a positive int or None, got {chunk_size!r}")
+    chunks.check_chunk_size(chunk_size)
 
     scaling = fp8.scaling_of(teacher_precision, x.device)
     if scaling is not None:

@@ -78,7 +78,8 @@ class Run:
 
     @property
     def case(self) -> str:
-        """The workload in a few words: its axes and the float dtypes of its tensors."""
+        """The workload in a few words, as every page names it: its axes (`shown_axes`) and the float
+        dtypes of its tensors. Not its title, whose `hidden=` may be the teacher's width."""
         dtypes = sorted({t["dtype"] for t in self["workload"]["spec"]["tensors"].values()
                          if not t["dtype"].startswith(("int", "uint", "bool"))})
         return self.axes_text + (f" · {'/'.join(dtypes)}" if dtypes else "")
@@ -569,7 +570,7 @@ def _cite(run: Run) -> str:
     year = run.spec["observedAt"][:4]
     native = run.spec.get("sourceNative", {})
     source = f" Source: {native['source']}, {native['externalId']}." if "externalId" in native else ""
-    return (f"{run.implementation}. {_title(run['workload'])}; {_title(run['protocol'])}; "
+    return (f"{run.implementation}. {run.operation_title} · {run.case}; {_title(run['protocol'])}; "
             f"{_title(run['environment'])}. Benchmark run, observed {run.spec['observedAt']} ({year}). "
             f"KernelIndex record {run.digest} (kernelindex.dev/v1alpha1), comparison key {run.key}.{source}")
 
