@@ -734,7 +734,8 @@ def _rows_kernel(
 # --------------------------------------------------------------------------------------------- launcher
 
 
-def rows(s, t, labels, spec: LossSpec, scale: torch.Tensor, grad: bool, stats: bool = False, *, ds=None, vocab=None):
+def rows(s, t, labels, spec: LossSpec, scale: torch.Tensor, grad: bool, stats: bool = False, *, ds=None, vocab=None,
+         block_v=None, num_warps=None):
     """Per-row (soft, hard) losses of one block, (R,) fp32 each; with `grad`, ds (default: s, overwritten)
     gets dL/ds = scale · (w_hard · dCE/ds + soft_scale · dsoft/ds). See `flashkd.backends` for the contract.
 
@@ -749,6 +750,8 @@ def rows(s, t, labels, spec: LossSpec, scale: torch.Tensor, grad: bool, stats: b
             (`flashkd.distributed.ShardedVocab`): s, t hold the columns [vocab.start, vocab.start + V) of
             every row, labels are global ids, and the losses and dL/ds come out as those of the whole
             rows, through `vocab.gather_rows` and `vocab.sum_rows`
+    block_v, num_warps: the tile and its warps, None for BLOCK_V, NUM_WARPS (benchmarks/bench_rows.py compares
+            others)
     """
     # (1) check
     if stats and not spec.want_soft:
@@ -814,7 +817,8 @@ def rows(s, t, labels, spec: LossSpec, scale: torch.Tensor, grad: bool, stats: b
     online_kl = use_soft and (kind == "reverse_kl" or (kind == "forward_kl" and grad_pass != 2))
     # rows narrower than a tile (a top-k teacher's K + 1 categories) get a tile of their width, with
     # as many warps as keep 4 elements a thread
-    block = max(128, min(BLOCK_V, triton.next_power_of_2(V)))
+    block = max(128, min(BLOCK_V if block_v is None else block_v, triton.next_power_of_2(V)))
+    warps = max(1, min(NUM_WARPS if num_warps is None else num_warps, block // 128))
     s_head, fold_s, s_mul = head_mode(spec.student_logit_scale, spec.student_softcap)
     t_head, fold_t, t_mul = head_mode(spec.teacher_logit_scale, spec.teacher_softcap)
     t_head = t_head if use_soft else 0
@@ -876,7 +880,7 @@ def rows(s, t, labels, spec: LossSpec, scale: torch.Tensor, grad: bool, stats: b
                 PHASE=phase,
                 WORLD_BLOCK=max(2, triton.next_power_of_2(world)),
                 BLOCK_V=block,
-                num_warps=max(1, min(NUM_WARPS, block // 128)),
+                num_warps=warps,
                 maxnreg=MAX_REGS,
             )
 
