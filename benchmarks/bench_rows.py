@@ -29,7 +29,6 @@ def main():
     ap.add_argument("--lanes", type=int, nargs="+", default=None, help="teacher_topk kernel widths to compare")
     ap.add_argument("--parts", nargs="+", default=["dense", "topk", "teacher"], choices=["dense", "topk", "teacher"])
     args = ap.parse_args()
-    dense_default = (triton_rows.BLOCK_V, triton_rows.NUM_WARPS)
     dense_configs = args.configs or [f"{triton_rows.BLOCK_V}x{triton_rows.NUM_WARPS}"]
     topk_configs = args.configs or [f"{triton_topk.BLOCK_V}x{triton_topk.NUM_WARPS}"]
     r, v = args.rows, args.vocab
@@ -47,13 +46,12 @@ def main():
             spec = LossSpec(loss=loss, beta=0.5, weight_hard=w_hard, want_hard=w_hard != 0,
                             temperature=args.temperature)
             for config in dense_configs:
-                triton_rows.BLOCK_V, triton_rows.NUM_WARPS = map(int, config.split("x"))
-                ms = triton.testing.do_bench(lambda: triton_rows.rows(s, t, y, spec, scale, grad), rep=200)
+                block_v, num_warps = map(int, config.split("x"))
+                ms = triton.testing.do_bench(lambda: triton_rows.rows(s, t, y, spec, scale, grad, block_v=block_v,
+                                                                      num_warps=num_warps), rep=200)
                 nbytes = (3 if grad else 2) * s.numel() * 2
                 print(f"{loss:<12}{str(grad):>6}{w_hard:>8}{config:>12}{ms:>9.3f}{nbytes / ms / 1e6:>8.0f}")
                 s.copy_(s0)
-
-    triton_rows.BLOCK_V, triton_rows.NUM_WARPS = dense_default
 
     # top-k teacher: ids / log-probs of the block's t, shuffled slots
     lp_full = torch.log_softmax(t.float() / args.temperature, -1)
@@ -66,9 +64,10 @@ def main():
                 spec = LossSpec(loss=loss, beta=0.5, weight_hard=w_hard, weight_soft=1.0, want_hard=w_hard != 0,
                                 temperature=args.temperature, tail=tail)
                 for config in topk_configs:
-                    triton_topk.BLOCK_V, triton_topk.NUM_WARPS = map(int, config.split("x")[:2])
+                    block_v, num_warps = map(int, config.split("x")[:2])
                     ms = triton.testing.do_bench(
-                        lambda: (s.copy_(s0), triton_topk.topk_rows(s, (ids, logprobs), y, spec, scale, grad)),
+                        lambda: (s.copy_(s0), triton_topk.topk_rows(s, (ids, logprobs), y, spec, scale, grad,
+                                                                    block_v=block_v, num_warps=num_warps)),
                         rep=200)
                     ms -= copy_ms  # the copy restores the −inf the stats kernel writes over the ids
                     nbytes = (3 if grad else 1) * s.numel() * 2
@@ -80,13 +79,11 @@ def main():
     for k in args.k:
         ms = triton.testing.do_bench(lambda: torch.topk(s, k, dim=-1), rep=200)
         print(f"teacher_topk: torch.topk k={k}: {ms:.3f} ms")
-        default = triton_topk._topk_lanes
-        for lanes in args.lanes or [default(k)]:
-            triton_topk._topk_lanes = lambda _k, lanes=lanes: lanes
-            ms = triton.testing.do_bench(lambda: triton_topk.row_topk(s, k, args.temperature), rep=200)
+        for lanes in args.lanes or [triton_topk._topk_lanes(k)]:
+            ms = triton.testing.do_bench(lambda: triton_topk.row_topk(s, k, args.temperature, lanes=lanes), rep=200)
             # the kernel alone: without the redo check (a host sync) and the gather of the log-probs
-            ms_kernel = triton.testing.do_bench(lambda: triton_topk._kernel_topk(s, k, args.temperature), rep=200)
-            triton_topk._topk_lanes = default
+            ms_kernel = triton.testing.do_bench(
+                lambda: triton_topk._kernel_topk(s, k, args.temperature, lanes=lanes), rep=200)
             print(f"teacher_topk: row_topk k={k}, {lanes} lanes (ids, log-probs): {ms:.3f} ms "
                   f"({2 * s.numel() * 2 / ms / 1e6:.0f} GB/s over 2 reads)")
             print(f"teacher_topk: its kernel alone: {ms_kernel:.3f} ms")

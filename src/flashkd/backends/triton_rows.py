@@ -201,85 +201,6 @@ def _fill_zeros(ptr, V, BLOCK_V: tl.constexpr):
 
 
 @triton.jit
-def _rows_kernel(
-    # data
-    s_ptr,  # (R, V) student logits
-    g_ptr,  # (R, V) dL/ds out, rows stride_g apart, when GRAD_PASS != 0: s itself, or a narrower buffer
-    t_ptr,  # (R, V) teacher logits, any float dtype, rows stride_t apart (not read unless SOFT)
-    labels_ptr,  # (R,) int32 / int64 (not read unless LABELS)
-    soft_ptr,  # (R,) fp32 out: unweighted divergence, 0 on ignored rows
-    hard_ptr,  # (R,) fp32 out: untempered CE, 0 on ignored rows, NaN for a label outside [0, V)
-    ent_ptr,  # (R,) fp32 out: entropy of q, 0 on ignored rows (written when STATS)
-    scale_ptr,  # () or (R,) fp32 (or fp64): the reduction's factor (per row: times the row's weight)
-    part_ptr,  # PHASE 1: (R, _PARTS) fp32 out, this rank's; 2, 3: (world, R, _PARTS), every rank's
-    acc_ptr,  # PHASE 2: (R, 4) fp32 out, pass 2's sums over this rank's slice; 3: their sums over the ranks
-    # sizes
-    V,
-    stride_scale,  # 0 for one factor, 1 for one a row
-    stride_t,
-    stride_g,
-    ignore_index,
-    label_lo,  # the global id of column 0 (a label's column is label − label_lo)
-    world,  # the ranks whose parts PHASE 2, 3 merge
-    stride_part,  # R · _PARTS: from one rank's parts to the next
-    # runtime floats: a new value never recompiles. fold_s, fold_t: a head's scale σ where the kernel
-    # does not transform at load (S_HEAD / T_HEAD 0: z = σ·s, σ > 0), else 1 (the loaded value is z)
-    log2e_tau,  # log2(e)·fold_s / τ: (s − max)·log2e_tau is log2 of softmax(z/τ)'s numerator
-    log2e_tau_t,  # log2(e)·fold_t / τ, for t
-    log2e_ce,  # log2(e)·fold_s, for softmax(z) of the CE
-    inv_tau,  # 1 / τ
-    fold_s,
-    fold_t,
-    kl_ratio,  # ONLINE_KL: fold_t / fold_s (reverse), fold_s / fold_t (forward)
-    s_mul,  # S_HEAD 1: σ; 2, 3: −2 log2(e)·|σ|/c (`head_mode`)
-    t_mul,
-    beta,  # JSD mixture weight; cosine's factor
-    log2_beta,  # log2 β        (JSD only)
-    log2_1mbeta,  # log2 (1 − β)  (JSD only)
-    w_hard,  # weight of dCE/ds in dL/ds, times σ_s (dz/ds, but for a softcap's 1 − (z/c)²)
-    w_soft,  # weight of dsoft/ds in dL/ds (spec.soft_scale), times σ_s
-    # compile-time switches
-    LOSS: tl.constexpr,  # losses.LOSS_ID of spec.kind (JSD endpoints resolved)
-    SOFT: tl.constexpr,  # compute the divergence (t is read)
-    CE: tl.constexpr,  # compute the hard CE (labels given and wanted)
-    LABELS: tl.constexpr,  # labels given: rows equal to ignore_index are skipped
-    GRAD_SOFT: tl.constexpr,  # dsoft/ds enters dL/ds (grad, SOFT, w_soft != 0)
-    GRAD_CE: tl.constexpr,  # dCE/ds enters dL/ds (grad, CE, w_hard != 0)
-    GRAD_PASS: tl.constexpr,  # pass that writes dL/ds: 2, 3, or 0 for no grad
-    CE_IS_Q: tl.constexpr,  # τ = 1 and a softmax loss: softmax(s) is q, so the CE reuses q's statistics
-    ONLINE_KL: tl.constexpr,  # a KL whose loss pass 1 takes online (reverse_kl; forward_kl without grad)
-    S_HEAD: tl.constexpr,  # the student's transform at load (`head`): 0 none (σ folded), 1 σ < 0, 2 softcap
-    T_HEAD: tl.constexpr,  # the teacher's
-    SCALED: tl.constexpr,  # a fold is not 1: the loops read log2e_tau_t, log2e_ce, kl_ratio
-    STATS: tl.constexpr,  # write the entropy of q
-    RTNE_BITS: tl.constexpr,  # `triton_common.store_grad`: under the interpreter, with a bf16 dL/ds
-    RCP_FMA: tl.constexpr,  # softcap loads whose reciprocal is on the FMA pipe, bit 2·(pass − 1) + side
-    # (0: s, 1: t); see SOFTCAP_RCP_FMA
-    PHASE: tl.constexpr,  # 0: the whole row; a row sharded over ranks' vocab slices: 1, 2, 3 (`rows`)
-    WORLD_BLOCK: tl.constexpr,  # a power of 2 >= world
-    BLOCK_V: tl.constexpr,
-):
-    # One program per row. Pass 2 walks the row backwards, so it starts on the tiles pass 1 read last
-    # (the likeliest to be in L2), and pass 3 forwards again.
-    row = tl.program_id(0)
-    _one_row(
-        s_ptr + row.to(tl.int64) * V,  # int64: R × V may exceed 2^31
-        g_ptr + row.to(tl.int64) * stride_g,
-        t_ptr + row.to(tl.int64) * stride_t,
-        labels_ptr + row,
-        soft_ptr + row,
-        hard_ptr + row,
-        ent_ptr + row,
-        scale_ptr + row * stride_scale,
-        part_ptr + row * _PARTS,
-        acc_ptr + row * 4, V, tl.cdiv(V, BLOCK_V), tl.arange(0, BLOCK_V), ignore_index, label_lo, world, stride_part,
-        log2e_tau, log2e_tau_t, log2e_ce, inv_tau, fold_s, fold_t, kl_ratio, s_mul, t_mul, beta,
-        log2_beta, log2_1mbeta, w_hard, w_soft, LOSS, SOFT, CE, LABELS, GRAD_SOFT, GRAD_CE, GRAD_PASS,
-        CE_IS_Q, ONLINE_KL, S_HEAD, T_HEAD, SCALED, STATS, RTNE_BITS, RCP_FMA, PHASE, WORLD_BLOCK, BLOCK_V,
-    )
-
-
-@triton.jit
 def _stats_pass(
     s_row, t_row, V, cols,  # the row: its logits (t read when SOFT), its length, a tile's columns
     log2e_tau, log2e_tau_t, log2e_ce, kl_ratio, s_mul, t_mul,  # the row's constants (`_rows_kernel`)
@@ -288,8 +209,8 @@ def _stats_pass(
     BLOCK_V: tl.constexpr,
 ):
     """Pass 1: the row statistics, kept per lane (no cross-lane reduction, hence no barrier, inside the
-    loop: the warps stream the row independently); the caller merges them once.
-    Returns the lanes (m_s, l_s, l_c, m_t, l_t, r_kl, ss, tt, st, r_ent)."""
+    loop: the warps stream the row independently) and merged once after it.
+    Returns the row's (m_s, l_s, l_c, m_t, l_t, r_kl, ss, tt, st, r_ent)."""
     m_s = tl.full([BLOCK_V], M_START, tl.float32)  # running max of s, per lane
     l_s = tl.zeros([BLOCK_V], tl.float32)  # Σ 2^((s − m_s)·log2(e)/τ), per lane
     l_c = tl.zeros([BLOCK_V], tl.float32)  # Σ 2^((s − m_s)·log2(e)), for the untempered CE
@@ -335,7 +256,8 @@ def _stats_pass(
         if CE and not CE_IS_Q:
             l_c = lane_sum(l_c, m_s, a, log2e_ce)
         m_s = tl.maximum(m_s, a)
-    return m_s, l_s, l_c, m_t, l_t, r_kl, ss, tt, st, r_ent
+    return _merge(m_s, l_s, l_c, m_t, l_t, r_kl, ss, tt, st, r_ent, log2e_tau, log2e_tau_t, log2e_ce, kl_ratio,
+                  LOSS, ONLINE_KL, SCALED, STATS)
 
 
 @triton.jit
@@ -348,8 +270,8 @@ def _loss_pass(
     GRAD_PASS: tl.constexpr, CE_IS_Q: tl.constexpr, ONLINE_KL: tl.constexpr, S_HEAD: tl.constexpr,
     T_HEAD: tl.constexpr, RTNE_BITS: tl.constexpr, RCP_FMA: tl.constexpr, BLOCK_V: tl.constexpr,
 ):
-    """Pass 2, backwards over the row: the per-element loss terms, summed per lane (acc, acc2, acc3,
-    acc4: see the divergences' row scalars in `_one_row`), and dL/ds written over s when GRAD_PASS is 2."""
+    """Pass 2, backwards over the row: the per-element loss terms, summed per lane and then over the row
+    (acc, acc2, acc3, acc4: see `_divergence`), and dL/ds written over s when GRAD_PASS is 2."""
     fold_q = GRAD_SOFT and GRAD_CE and CE_IS_Q
     acc = tl.zeros([BLOCK_V], tl.float32)
     acc2 = tl.zeros([BLOCK_V], tl.float32)
@@ -402,8 +324,7 @@ def _loss_pass(
                     g += c_ce * (_softmax(a, m_s, log2_l_c, log2e_ce, q, CE_IS_Q) - tl.where(offs == label, 1.0, 0.0))
                 g = head_grad(g, da, S_HEAD)
                 store_grad(g_row + offs, g, mask, RTNE_BITS)
-
-    return acc, acc2, acc3, acc4
+    return tl.sum(acc, 0), tl.sum(acc2, 0), tl.sum(acc3, 0), tl.sum(acc4, 0)
 
 
 @triton.jit
@@ -469,135 +390,309 @@ def _merge(m_s, l_s, l_c, m_t, l_t, r_kl, ss, tt, st, r_ent, log2e_tau, log2e_ta
 
 
 @triton.jit
-def _one_row(
-    s_row, g_row, t_row, label_ptr, soft_ptr, hard_ptr, ent_ptr, scale_ptr, part_row, acc_row, V, n_tiles, cols,
-    ignore_index, label_lo, world, stride_part, log2e_tau,
-    log2e_tau_t, log2e_ce, inv_tau, fold_s, fold_t, kl_ratio, s_mul, t_mul, beta,
-    log2_beta, log2_1mbeta, w_hard, w_soft,
-    LOSS: tl.constexpr, SOFT: tl.constexpr, CE: tl.constexpr, LABELS: tl.constexpr,
-    GRAD_SOFT: tl.constexpr, GRAD_CE: tl.constexpr, GRAD_PASS: tl.constexpr, CE_IS_Q: tl.constexpr,
-    ONLINE_KL: tl.constexpr, S_HEAD: tl.constexpr, T_HEAD: tl.constexpr, SCALED: tl.constexpr,
-    STATS: tl.constexpr, RTNE_BITS: tl.constexpr, RCP_FMA: tl.constexpr, PHASE: tl.constexpr,
-    WORLD_BLOCK: tl.constexpr, BLOCK_V: tl.constexpr,
+def _row_label(labels_ptr, ignore_index, label_lo, LABELS: tl.constexpr):
+    """Whether the row counts (its label is not ignore_index), and its label's column (-1 without labels)."""
+    valid = True
+    label = -1
+    if LABELS:
+        label = tl.load(labels_ptr).to(tl.int64)
+        valid = label != ignore_index
+        label = label - label_lo  # the label's column in this slice of the vocab
+    return valid, label
+
+
+@triton.jit
+def _label_logit(s_row, label, V, s_mul, CE: tl.constexpr, S_HEAD: tl.constexpr, RCP_FMA: tl.constexpr):
+    """The CE's logit z_y, read before s is overwritten (0 where the label's column is not in s), and
+    whether the label is a column of s. Without CE: 0 and False, unused."""
+    s_y = 0.0
+    in_range = False
+    if CE:
+        in_range = (label >= 0) & (label < V)
+        s_y = tl.load(s_row + tl.where(in_range, label, 0)).to(tl.float32)
+        s_y = tl.where(in_range, head(s_y, s_mul, S_HEAD, RCP_FMA & 1)[0], 0.0)
+    return s_y, in_range
+
+
+@triton.jit
+def _store_parts(part_row, m_s, l_s, l_c, m_t, l_t, r_kl, ss, tt, st, r_ent, s_y, in_range, CE: tl.constexpr):
+    """PHASE 1: this rank's part of the row, pass 1's statistics (`_PARTS`)."""
+    tl.store(part_row, m_s)
+    tl.store(part_row + 1, l_s)
+    tl.store(part_row + 2, l_c)
+    tl.store(part_row + 3, m_t)
+    tl.store(part_row + 4, l_t)
+    tl.store(part_row + 5, r_kl)
+    tl.store(part_row + 6, ss)
+    tl.store(part_row + 7, tt)
+    tl.store(part_row + 8, st)
+    tl.store(part_row + 9, r_ent)
+    if CE:
+        tl.store(part_row + 10, s_y)
+        tl.store(part_row + 11, tl.where(in_range, 1.0, 0.0))
+
+
+@triton.jit
+def _merged_parts(
+    part_row, world, stride_part,  # the row's part on rank 0, the ranks, from one rank's parts to the next
+    log2e_tau, log2e_tau_t, log2e_ce, kl_ratio,  # the row's constants (`_rows_kernel`)
+    LOSS: tl.constexpr, CE: tl.constexpr, ONLINE_KL: tl.constexpr, SCALED: tl.constexpr, STATS: tl.constexpr,
+    WORLD_BLOCK: tl.constexpr,
 ):
-    """The three passes over one row (PHASE 0), or a sharded row's phase of them (`_rows_kernel`); the
-    kernel's arguments, advanced to the row."""
+    """PHASE 2, 3: the ranks' statistics of the row (their `_PARTS`), merged as a program's lanes are,
+    and `_label_logit`'s pair from the one rank whose slice holds the label (it gave its logit and a 1).
+    Returns (m_s, l_s, l_c, m_t, l_t, r_kl, ss, tt, st, r_ent, s_y, in_range)."""
+    at = part_row + tl.arange(0, WORLD_BLOCK) * stride_part
+    here = tl.arange(0, WORLD_BLOCK) < world
+    m_s, l_s, l_c, m_t, l_t, r_kl, ss, tt, st, r_ent = _merge(
+        tl.load(at, mask=here, other=M_START), tl.load(at + 1, mask=here, other=0.0),
+        tl.load(at + 2, mask=here, other=0.0), tl.load(at + 3, mask=here, other=M_START),
+        tl.load(at + 4, mask=here, other=0.0), tl.load(at + 5, mask=here, other=0.0),
+        tl.load(at + 6, mask=here, other=0.0), tl.load(at + 7, mask=here, other=0.0),
+        tl.load(at + 8, mask=here, other=0.0), tl.load(at + 9, mask=here, other=0.0),
+        log2e_tau, log2e_tau_t, log2e_ce, kl_ratio, LOSS, ONLINE_KL, SCALED, STATS)
+    s_y = 0.0
+    in_range = False
+    if CE:
+        s_y = tl.sum(tl.load(at + 10, mask=here, other=0.0), 0)
+        in_range = tl.sum(tl.load(at + 11, mask=here, other=0.0), 0) > 0.5
+    return m_s, l_s, l_c, m_t, l_t, r_kl, ss, tt, st, r_ent, s_y, in_range
+
+
+@triton.jit
+def _row_logs(m_s, l_s, l_c, l_t, r_ent, s_y, in_range, fold_s, inv_tau,
+              CE: tl.constexpr, CE_IS_Q: tl.constexpr, STATS: tl.constexpr):
+    """The softmaxes' log2 sums, from pass 1's statistics merged, and the CE and entropy they give.
+    Returns (log2_l_s, log2_l_t, log2_l_c, hard, entropy)."""
+    # log2 q = (s − m_s)·log2(e)/τ − log2 l_s, log2 p likewise,
+    # log2 softmax(s) = (s − m_s)·log2(e) − log2 l_c
+    log2_l_s = tl.log2(l_s)
+    log2_l_t = tl.log2(l_t)
+    if CE_IS_Q:
+        log2_l_c = log2_l_s
+    else:
+        log2_l_c = tl.log2(l_c)
+    hard = 0.0
+    entropy = 0.0
+    if CE:  # logsumexp(z) − z_y
+        hard = tl.where(in_range, (m_s - s_y) * fold_s + LN2 * log2_l_c, float("nan"))
+    if STATS:  # H(q) = logsumexp(z/τ) − E_q[z]/τ = log l_s − E_q[z − max z]/τ
+        entropy = LN2 * log2_l_s - r_ent / l_s * (fold_s * inv_tau)
+    return log2_l_s, log2_l_t, log2_l_c, hard, entropy
+
+
+@triton.jit
+def _pass2_factors(
+    scale_ptr, w_soft, w_hard, in_range,  # the row's factor, the weights, whether the label is in the vocab
+    l_s, l_t, log2_l_s, log2_l_t, r_kl, ss, tt, st,  # pass 1's statistics, merged, and `_row_logs`'
+    fold_s, fold_t, inv_tau, beta,  # the row's constants (`_rows_kernel`)
+    LOSS: tl.constexpr, SOFT: tl.constexpr, CE: tl.constexpr, GRAD_SOFT: tl.constexpr, GRAD_CE: tl.constexpr,
+    CE_IS_Q: tl.constexpr, ONLINE_KL: tl.constexpr,
+):
+    """The losses pass 1 takes whole (an online KL, cosine: 0 for the others) and pass 2's gradient
+    factors, its soft part with the row's factors folded in (and the CE's softmax(s) term, when that is q:
+    `fold_q`). Returns (soft, c_ce, c_q, c_st, f_q, f_p, f1, f0, f_a, f_b)."""
+    scale = tl.load(scale_ptr).to(tl.float32)
+    c_soft = scale * w_soft
+    c_ce = 0.0
+    if CE:
+        c_ce = tl.where(in_range, scale * w_hard, 0.0)  # out-of-range label: NaN loss, no CE gradient
+
+    soft = 0.0
+    inv_nn = 0.0
+    cos_aa = 0.0
+    kl_qp = 0.0
+    if SOFT:
+        # KL(q‖p) = E_q[(z_s − max z_s) − (z_t − max z_t)]/τ + log(l_t / l_s), and KL(p‖q) with s
+        # and t swapped (r_kl is over the fold of its own side)
+        if ONLINE_KL and LOSS == _REVERSE_KL:
+            kl_qp = r_kl / l_s * fold_s * inv_tau + LN2 * (log2_l_t - log2_l_s)
+            soft = kl_qp
+        elif ONLINE_KL:
+            soft = r_kl / l_t * fold_t * inv_tau + LN2 * (log2_l_s - log2_l_t)
+        if LOSS == _COSINE:
+            # soft = β (1 − cos), cos = Σst / (max(‖s‖, ε) max(‖t‖, ε));
+            # dsoft/ds = −β (t / (max(‖s‖, ε) max(‖t‖, ε)) − cos · s / (max(‖s‖, ε) ‖s‖)),
+            # without the second term when ‖s‖ < ε (the clamp is then constant)
+            n_s = tl.sqrt_rn(ss) * fold_s  # of z = fold · s (fold > 0)
+            n_t = tl.sqrt_rn(tt) * fold_t
+            inv_nn = 1.0 / (tl.maximum(n_s, _NORM_EPS) * tl.maximum(n_t, _NORM_EPS))
+            cos = st * (fold_s * fold_t) * inv_nn
+            cos_aa = tl.where(n_s >= _NORM_EPS, cos / (tl.maximum(n_s, _NORM_EPS) * n_s), 0.0)
+            soft = beta * (1.0 - cos)
+
+    fold_q = GRAD_SOFT and GRAD_CE and CE_IS_Q
+    c_q = 0.0  # the CE gradient's softmax(s) term when it is q (GRAD_SOFT holds then)
+    if fold_q:
+        c_q = c_ce
+    c_st = c_soft * inv_tau
+    f_q = c_st + c_q  # forward_kl: c_soft (q − p) / τ
+    f_p = -c_st
+    f1 = c_st * LN2  # reverse_kl: c_soft q (log(q/p) − KL(q‖p)) / τ, log(q/p) = ln 2 · (lq − lp)
+    f0 = c_q - c_st * kl_qp
+    f_a = c_soft * beta * cos_aa * fold_s  # cosine: c_soft · dsoft/dz above, z = fold · the loaded value
+    f_b = -c_soft * beta * inv_nn * fold_t
+    return soft, c_ce, c_q, c_st, f_q, f_p, f1, f0, f_a, f_b
+
+
+@triton.jit
+def _divergence(acc, acc2, acc3, acc4, soft, beta, log2_beta, log2_1mbeta,
+                LOSS: tl.constexpr, SOFT: tl.constexpr, ONLINE_KL: tl.constexpr):
+    """The divergences' row scalars (natural log units) from pass 2's sums: the loss where pass 2 takes it
+    (soft passes through otherwise), JSD's K and TVD's σ − Σ q σ for pass 3.
+    Returns (soft, k_jsd, tvd_pos, tvd_neg, tvd_zero)."""
+    k_jsd = 0.0
+    tvd_pos = 0.0
+    tvd_neg = 0.0
+    tvd_zero = 0.0
+    if SOFT:
+        if LOSS == _FORWARD_KL and not ONLINE_KL:
+            soft = LN2 * acc
+        elif LOSS == _JSD:
+            k_jsd = LN2 * (acc2 - log2_1mbeta)  # K = Σ q log(q/M)
+            soft = beta * LN2 * (acc - log2_beta) + (1.0 - beta) * k_jsd
+        elif LOSS == _TVD:
+            soft = 0.5 * acc
+            # σ − Σ q σ, for σ = +1, −1, 0, from the masses below / above / at p, which sum to 1:
+            # sums of non-negative terms, accurate even when Σ q σ is close to ±1
+            mass_lo = acc2
+            mass_hi = acc3
+            mass_eq = acc4
+            tvd_pos = 2.0 * mass_lo + mass_eq
+            tvd_neg = -(2.0 * mass_hi + mass_eq)
+            tvd_zero = mass_lo - mass_hi
+    return soft, k_jsd, tvd_pos, tvd_neg, tvd_zero
+
+
+@triton.jit
+def _pass3_factors(c_q, c_st, beta, log2_1mbeta, k_jsd, tvd_pos, tvd_neg, tvd_zero, LOSS: tl.constexpr):
+    """Pass 3's factors, dL/ds = q · (f1 · x + f0) (JSD) or q · f_lo, f_hi, f_eq by TVD's sign, with the
+    row's factors (scale, weight, 1/τ, units, its scalar, and the CE's when softmax(s) is q) folded in
+    here: the pass is bound by its instruction count. Returns (f1, f0, f_lo, f_hi, f_eq)."""
+    f1 = 0.0
+    f0 = 0.0
+    f_lo = 0.0
+    f_hi = 0.0
+    f_eq = 0.0
+    if LOSS == _JSD:  # c_st (1 − β) q (log(q/M) − K), log2(q/M) = −(w + max(z, 0)) − log2(1 − β)
+        f1 = -c_st * (1.0 - beta) * LN2
+        f0 = c_q + f1 * log2_1mbeta - c_st * (1.0 - beta) * k_jsd
+    else:  # _TVD: c_st q (σ − Σ q σ) / 2
+        f_lo = c_q + 0.5 * c_st * tvd_neg
+        f_hi = c_q + 0.5 * c_st * tvd_pos
+        f_eq = c_q + 0.5 * c_st * tvd_zero
+    return f1, f0, f_lo, f_hi, f_eq
+
+
+@triton.jit
+def _rows_kernel(
+    # data
+    s_ptr,  # (R, V) student logits
+    g_ptr,  # (R, V) dL/ds out, rows stride_g apart, when GRAD_PASS != 0: s itself, or a narrower buffer
+    t_ptr,  # (R, V) teacher logits, any float dtype, rows stride_t apart (not read unless SOFT)
+    labels_ptr,  # (R,) int32 / int64 (not read unless LABELS)
+    soft_ptr,  # (R,) fp32 out: unweighted divergence, 0 on ignored rows
+    hard_ptr,  # (R,) fp32 out: untempered CE, 0 on ignored rows, NaN for a label outside [0, V)
+    ent_ptr,  # (R,) fp32 out: entropy of q, 0 on ignored rows (written when STATS)
+    scale_ptr,  # () or (R,) fp32 (or fp64): the reduction's factor (per row: times the row's weight)
+    part_ptr,  # PHASE 1: (R, _PARTS) fp32 out, this rank's; 2, 3: (world, R, _PARTS), every rank's
+    acc_ptr,  # PHASE 2: (R, 4) fp32 out, pass 2's sums over this rank's slice; 3: their sums over the ranks
+    # sizes
+    V,
+    stride_scale,  # 0 for one factor, 1 for one a row
+    stride_t,
+    stride_g,
+    ignore_index,
+    label_lo,  # the global id of column 0 (a label's column is label − label_lo)
+    world,  # the ranks whose parts PHASE 2, 3 merge
+    stride_part,  # R · _PARTS: from one rank's parts to the next
+    # runtime floats: a new value never recompiles. fold_s, fold_t: a head's scale σ where the kernel
+    # does not transform at load (S_HEAD / T_HEAD 0: z = σ·s, σ > 0), else 1 (the loaded value is z)
+    log2e_tau,  # log2(e)·fold_s / τ: (s − max)·log2e_tau is log2 of softmax(z/τ)'s numerator
+    log2e_tau_t,  # log2(e)·fold_t / τ, for t
+    log2e_ce,  # log2(e)·fold_s, for softmax(z) of the CE
+    inv_tau,  # 1 / τ
+    fold_s,
+    fold_t,
+    kl_ratio,  # ONLINE_KL: fold_t / fold_s (reverse), fold_s / fold_t (forward)
+    s_mul,  # S_HEAD 1: σ; 2, 3: −2 log2(e)·|σ|/c (`head_mode`)
+    t_mul,
+    beta,  # JSD mixture weight; cosine's factor
+    log2_beta,  # log2 β        (JSD only)
+    log2_1mbeta,  # log2 (1 − β)  (JSD only)
+    w_hard,  # weight of dCE/ds in dL/ds, times σ_s (dz/ds, but for a softcap's 1 − (z/c)²)
+    w_soft,  # weight of dsoft/ds in dL/ds (spec.soft_scale), times σ_s
+    # compile-time switches
+    LOSS: tl.constexpr,  # losses.LOSS_ID of spec.kind (JSD endpoints resolved)
+    SOFT: tl.constexpr,  # compute the divergence (t is read)
+    CE: tl.constexpr,  # compute the hard CE (labels given and wanted)
+    LABELS: tl.constexpr,  # labels given: rows equal to ignore_index are skipped
+    GRAD_SOFT: tl.constexpr,  # dsoft/ds enters dL/ds (grad, SOFT, w_soft != 0)
+    GRAD_CE: tl.constexpr,  # dCE/ds enters dL/ds (grad, CE, w_hard != 0)
+    GRAD_PASS: tl.constexpr,  # pass that writes dL/ds: 2, 3, or 0 for no grad
+    CE_IS_Q: tl.constexpr,  # τ = 1 and a softmax loss: softmax(s) is q, so the CE reuses q's statistics
+    ONLINE_KL: tl.constexpr,  # a KL whose loss pass 1 takes online (reverse_kl; forward_kl without grad)
+    S_HEAD: tl.constexpr,  # the student's transform at load (`head`): 0 none (σ folded), 1 σ < 0, 2 softcap
+    T_HEAD: tl.constexpr,  # the teacher's
+    SCALED: tl.constexpr,  # a fold is not 1: the loops read log2e_tau_t, log2e_ce, kl_ratio
+    STATS: tl.constexpr,  # write the entropy of q
+    RTNE_BITS: tl.constexpr,  # `triton_common.store_grad`: under the interpreter, with a bf16 dL/ds
+    RCP_FMA: tl.constexpr,  # softcap loads whose reciprocal is on the FMA pipe, bit 2·(pass − 1) + side
+    # (0: s, 1: t); see SOFTCAP_RCP_FMA
+    PHASE: tl.constexpr,  # 0: the whole row; a row sharded over ranks' vocab slices: 1, 2, 3 (`rows`)
+    WORLD_BLOCK: tl.constexpr,  # a power of 2 >= world
+    BLOCK_V: tl.constexpr,
+):
+    """The three passes over one row (PHASE 0), or a sharded row's phase of them (`rows`). One program per
+    row. Pass 2 walks the row backwards, so it starts on the tiles pass 1 read last (the likeliest to be in
+    L2), and pass 3 forwards again."""
+    row = tl.program_id(0)  # the pointers advanced to the row
+    s_row = s_ptr + row.to(tl.int64) * V  # int64: R × V may exceed 2^31
+    g_row = g_ptr + row.to(tl.int64) * stride_g
+    t_row = t_ptr + row.to(tl.int64) * stride_t
+    labels_ptr += row
+    soft_ptr += row
+    hard_ptr += row
+    ent_ptr += row
+    scale_ptr += row * stride_scale
+    part_row = part_ptr + row * _PARTS
+    acc_row = acc_ptr + row * 4
+    n_tiles = tl.cdiv(V, BLOCK_V)
+    cols = tl.arange(0, BLOCK_V)
     if not SCALED:  # no fold: the loops run on the constants they had before heads had transforms
         log2e_tau_t = log2e_tau
         log2e_ce = LOG2E
 
-    valid = True
-    label = -1
-    if LABELS:
-        label = tl.load(label_ptr).to(tl.int64)
-        valid = label != ignore_index
-        label = label - label_lo  # the label's column in this slice of the vocab
+    valid, label = _row_label(labels_ptr, ignore_index, label_lo, LABELS)
     soft = 0.0
     hard = 0.0
     entropy = 0.0
     if valid:
         if PHASE <= 1:
-            s_y = 0.0
-            if CE:
-                in_range = (label >= 0) & (label < V)
-                s_y = tl.load(s_row + tl.where(in_range, label, 0)).to(tl.float32)  # before s is overwritten
-                s_y = tl.where(in_range, head(s_y, s_mul, S_HEAD, RCP_FMA & 1)[0], 0.0)
+            s_y, in_range = _label_logit(s_row, label, V, s_mul, CE, S_HEAD, RCP_FMA)
             # -------- pass 1: row statistics per lane, merged once after it
             m_s, l_s, l_c, m_t, l_t, r_kl, ss, tt, st, r_ent = _stats_pass(
                 s_row, t_row, V, cols,
                 log2e_tau, log2e_tau_t, log2e_ce, kl_ratio, s_mul, t_mul,
                 LOSS, SOFT, CE, CE_IS_Q, ONLINE_KL, S_HEAD, T_HEAD, SCALED, STATS, RCP_FMA, BLOCK_V,
             )
-            m_s, l_s, l_c, m_t, l_t, r_kl, ss, tt, st, r_ent = _merge(
-                m_s, l_s, l_c, m_t, l_t, r_kl, ss, tt, st, r_ent, log2e_tau, log2e_tau_t, log2e_ce, kl_ratio,
-                LOSS, ONLINE_KL, SCALED, STATS)
-        else:  # the ranks' statistics of the row (their `_PARTS`), merged as a program's lanes are
-            at = part_row + tl.arange(0, WORLD_BLOCK) * stride_part
-            here = tl.arange(0, WORLD_BLOCK) < world
-            m_s, l_s, l_c, m_t, l_t, r_kl, ss, tt, st, r_ent = _merge(
-                tl.load(at, mask=here, other=M_START), tl.load(at + 1, mask=here, other=0.0),
-                tl.load(at + 2, mask=here, other=0.0), tl.load(at + 3, mask=here, other=M_START),
-                tl.load(at + 4, mask=here, other=0.0), tl.load(at + 5, mask=here, other=0.0),
-                tl.load(at + 6, mask=here, other=0.0), tl.load(at + 7, mask=here, other=0.0),
-                tl.load(at + 8, mask=here, other=0.0), tl.load(at + 9, mask=here, other=0.0),
-                log2e_tau, log2e_tau_t, log2e_ce, kl_ratio, LOSS, ONLINE_KL, SCALED, STATS)
-            if CE:  # the one rank whose slice holds the label gave its logit and a 1
-                s_y = tl.sum(tl.load(at + 10, mask=here, other=0.0), 0)
-                in_range = tl.sum(tl.load(at + 11, mask=here, other=0.0), 0) > 0.5
-        if PHASE == 1:  # this rank's part of the row: pass 1's statistics (`_PARTS`)
-            tl.store(part_row, m_s)
-            tl.store(part_row + 1, l_s)
-            tl.store(part_row + 2, l_c)
-            tl.store(part_row + 3, m_t)
-            tl.store(part_row + 4, l_t)
-            tl.store(part_row + 5, r_kl)
-            tl.store(part_row + 6, ss)
-            tl.store(part_row + 7, tt)
-            tl.store(part_row + 8, st)
-            tl.store(part_row + 9, r_ent)
-            if CE:
-                tl.store(part_row + 10, s_y)
-                tl.store(part_row + 11, tl.where(in_range, 1.0, 0.0))
         else:
-            # log2 q = (s − m_s)·log2(e)/τ − log2 l_s, log2 p likewise,
-            # log2 softmax(s) = (s − m_s)·log2(e) − log2 l_c
-            log2_l_s = tl.log2(l_s)
-            log2_l_t = tl.log2(l_t)
-            if CE_IS_Q:
-                log2_l_c = log2_l_s
-            else:
-                log2_l_c = tl.log2(l_c)
-            if CE:  # logsumexp(z) − z_y
-                hard = tl.where(in_range, (m_s - s_y) * fold_s + LN2 * log2_l_c, float("nan"))
-            if STATS:  # H(q) = logsumexp(z/τ) − E_q[z]/τ = log l_s − E_q[z − max z]/τ
-                entropy = LN2 * log2_l_s - r_ent / l_s * (fold_s * inv_tau)
+            m_s, l_s, l_c, m_t, l_t, r_kl, ss, tt, st, r_ent, s_y, in_range = _merged_parts(
+                part_row, world, stride_part, log2e_tau, log2e_tau_t, log2e_ce, kl_ratio,
+                LOSS, CE, ONLINE_KL, SCALED, STATS, WORLD_BLOCK)
+        if PHASE == 1:
+            _store_parts(part_row, m_s, l_s, l_c, m_t, l_t, r_kl, ss, tt, st, r_ent, s_y, in_range, CE)
+        else:
+            log2_l_s, log2_l_t, log2_l_c, hard, entropy = _row_logs(
+                m_s, l_s, l_c, l_t, r_ent, s_y, in_range, fold_s, inv_tau, CE, CE_IS_Q, STATS)
+            soft, c_ce, c_q, c_st, f_q, f_p, f1, f0, f_a, f_b = _pass2_factors(
+                scale_ptr, w_soft, w_hard, in_range, l_s, l_t, log2_l_s, log2_l_t, r_kl, ss, tt, st,
+                fold_s, fold_t, inv_tau, beta, LOSS, SOFT, CE, GRAD_SOFT, GRAD_CE, CE_IS_Q, ONLINE_KL)
 
-            scale = tl.load(scale_ptr).to(tl.float32)
-            c_soft = scale * w_soft
-            c_ce = 0.0
-            if CE:
-                c_ce = tl.where(in_range, scale * w_hard, 0.0)  # out-of-range label: NaN loss, no CE gradient
-
-            inv_nn = 0.0
-            cos_aa = 0.0
-            kl_qp = 0.0
-            if SOFT:
-                # KL(q‖p) = E_q[(z_s − max z_s) − (z_t − max z_t)]/τ + log(l_t / l_s), and KL(p‖q) with s
-                # and t swapped (r_kl is over the fold of its own side)
-                if ONLINE_KL and LOSS == _REVERSE_KL:
-                    kl_qp = r_kl / l_s * fold_s * inv_tau + LN2 * (log2_l_t - log2_l_s)
-                    soft = kl_qp
-                elif ONLINE_KL:
-                    soft = r_kl / l_t * fold_t * inv_tau + LN2 * (log2_l_s - log2_l_t)
-                if LOSS == _COSINE:
-                    # soft = β (1 − cos), cos = Σst / (max(‖s‖, ε) max(‖t‖, ε));
-                    # dsoft/ds = −β (t / (max(‖s‖, ε) max(‖t‖, ε)) − cos · s / (max(‖s‖, ε) ‖s‖)),
-                    # without the second term when ‖s‖ < ε (the clamp is then constant)
-                    n_s = tl.sqrt_rn(ss) * fold_s  # of z = fold · s (fold > 0)
-                    n_t = tl.sqrt_rn(tt) * fold_t
-                    inv_nn = 1.0 / (tl.maximum(n_s, _NORM_EPS) * tl.maximum(n_t, _NORM_EPS))
-                    cos = st * (fold_s * fold_t) * inv_nn
-                    cos_aa = tl.where(n_s >= _NORM_EPS, cos / (tl.maximum(n_s, _NORM_EPS) * n_s), 0.0)
-                    soft = beta * (1.0 - cos)
-
-            # -------- pass 2: loss terms; dL/ds for forward_kl, reverse_kl, cosine, CE-only, its soft part
-            # with the row's factors folded in (and the CE's softmax(s) term, when that is q: `fold_q`)
-            fold_q = GRAD_SOFT and GRAD_CE and CE_IS_Q
-            c_q = 0.0  # the CE gradient's softmax(s) term when it is q (GRAD_SOFT holds then)
-            if fold_q:
-                c_q = c_ce
-            c_st = c_soft * inv_tau
-            f_q = c_st + c_q  # forward_kl: c_soft (q − p) / τ
-            f_p = -c_st
-            f1 = c_st * LN2  # reverse_kl: c_soft q (log(q/p) − KL(q‖p)) / τ, log(q/p) = ln 2 · (lq − lp)
-            f0 = c_q - c_st * kl_qp
-            f_a = c_soft * beta * cos_aa * fold_s  # cosine: c_soft · dsoft/dz above, z = fold · the loaded value
-            f_b = -c_soft * beta * inv_nn * fold_t
+            # -------- pass 2: loss terms; dL/ds for forward_kl, reverse_kl, cosine, CE-only
             if PHASE == 3:  # the ranks' sums of pass 2's terms
-                acc = tl.load(acc_row)
-                acc2 = tl.load(acc_row + 1)
-                acc3 = tl.load(acc_row + 2)
-                acc4 = tl.load(acc_row + 3)
+                acc, acc2 = tl.load(acc_row), tl.load(acc_row + 1)
+                acc3, acc4 = tl.load(acc_row + 2), tl.load(acc_row + 3)
             else:
                 acc, acc2, acc3, acc4 = _loss_pass(
                     s_row, g_row, t_row, V, n_tiles, cols, label,
@@ -607,52 +702,19 @@ def _one_row(
                     LOSS, SOFT, GRAD_SOFT, GRAD_CE, GRAD_PASS, CE_IS_Q, ONLINE_KL, S_HEAD, T_HEAD, RTNE_BITS,
                     RCP_FMA, BLOCK_V,
                 )
-                acc = tl.sum(acc, 0)
-                acc2 = tl.sum(acc2, 0)
-                acc3 = tl.sum(acc3, 0)
-                acc4 = tl.sum(acc4, 0)
             if PHASE == 2:  # this rank's sums, added over the ranks before phase 3
                 tl.store(acc_row, acc)
                 tl.store(acc_row + 1, acc2)
                 tl.store(acc_row + 2, acc3)
                 tl.store(acc_row + 3, acc4)
-
-            # row scalars of the divergences (natural log units)
-            k_jsd = 0.0
-            tvd_pos = 0.0
-            tvd_neg = 0.0
-            tvd_zero = 0.0
-            if SOFT:
-                if LOSS == _FORWARD_KL and not ONLINE_KL:
-                    soft = LN2 * acc
-                elif LOSS == _JSD:
-                    k_jsd = LN2 * (acc2 - log2_1mbeta)  # K = Σ q log(q/M)
-                    soft = beta * LN2 * (acc - log2_beta) + (1.0 - beta) * k_jsd
-                elif LOSS == _TVD:
-                    soft = 0.5 * acc
-                    # σ − Σ q σ, for σ = +1, −1, 0, from the masses below / above / at p, which sum to 1:
-                    # sums of non-negative terms, accurate even when Σ q σ is close to ±1
-                    mass_lo = acc2
-                    mass_hi = acc3
-                    mass_eq = acc4
-                    tvd_pos = 2.0 * mass_lo + mass_eq
-                    tvd_neg = -(2.0 * mass_hi + mass_eq)
-                    tvd_zero = mass_lo - mass_hi
+            soft, k_jsd, tvd_pos, tvd_neg, tvd_zero = _divergence(
+                acc, acc2, acc3, acc4, soft, beta, log2_beta, log2_1mbeta, LOSS, SOFT, ONLINE_KL)
 
             # -------- pass 3: dL/ds for jsd, tvd, as q · (f1 · x + f0) with x the element's log-ratio (or
-            # TVD's sign) and the row's factors (scale, weight, 1/τ, units, its scalar, and the CE's when
-            # softmax(s) is q) folded into f1, f0 here: the pass is bound by its instruction count
+            # TVD's sign)
             if GRAD_PASS == 3 and PHASE != 2:
-                f_lo = 0.0
-                f_hi = 0.0
-                f_eq = 0.0
-                if LOSS == _JSD:  # c_st (1 − β) q (log(q/M) − K), log2(q/M) = −(w + max(z, 0)) − log2(1 − β)
-                    f1 = -c_st * (1.0 - beta) * LN2
-                    f0 = c_q + f1 * log2_1mbeta - c_st * (1.0 - beta) * k_jsd
-                else:  # _TVD: c_st q (σ − Σ q σ) / 2
-                    f_lo = c_q + 0.5 * c_st * tvd_neg
-                    f_hi = c_q + 0.5 * c_st * tvd_pos
-                    f_eq = c_q + 0.5 * c_st * tvd_zero
+                f1, f0, f_lo, f_hi, f_eq = _pass3_factors(c_q, c_st, beta, log2_1mbeta, k_jsd, tvd_pos, tvd_neg,
+                                                          tvd_zero, LOSS)
                 _grad_pass(
                     s_row, g_row, t_row, V, cols, label,
                     m_s, m_t, log2_l_s, log2_l_t, log2_l_c,
@@ -660,9 +722,8 @@ def _one_row(
                     f1, f0, f_lo, f_hi, f_eq, c_ce,
                     LOSS, GRAD_SOFT, GRAD_CE, CE_IS_Q, S_HEAD, T_HEAD, RTNE_BITS, RCP_FMA, BLOCK_V,
                 )
-    else:
-        if GRAD_PASS != 0 and (PHASE == 0 or PHASE == 2):
-            _fill_zeros(g_row, V, BLOCK_V)
+    elif GRAD_PASS != 0 and (PHASE == 0 or PHASE == 2):
+        _fill_zeros(g_row, V, BLOCK_V)
     if PHASE != 1:
         tl.store(soft_ptr, soft)
         tl.store(hard_ptr, hard)
@@ -673,7 +734,8 @@ def _one_row(
 # --------------------------------------------------------------------------------------------- launcher
 
 
-def rows(s, t, labels, spec: LossSpec, scale: torch.Tensor, grad: bool, stats: bool = False, *, ds=None, vocab=None):
+def rows(s, t, labels, spec: LossSpec, scale: torch.Tensor, grad: bool, stats: bool = False, *, ds=None, vocab=None,
+         block_v=None, num_warps=None):
     """Per-row (soft, hard) losses of one block, (R,) fp32 each; with `grad`, ds (default: s, overwritten)
     gets dL/ds = scale · (w_hard · dCE/ds + soft_scale · dsoft/ds). See `flashkd.backends` for the contract.
 
@@ -688,6 +750,8 @@ def rows(s, t, labels, spec: LossSpec, scale: torch.Tensor, grad: bool, stats: b
             (`flashkd.distributed.ShardedVocab`): s, t hold the columns [vocab.start, vocab.start + V) of
             every row, labels are global ids, and the losses and dL/ds come out as those of the whole
             rows, through `vocab.gather_rows` and `vocab.sum_rows`
+    block_v, num_warps: the tile and its warps, None for BLOCK_V, NUM_WARPS (benchmarks/bench_rows.py compares
+            others)
     """
     # (1) check
     if stats and not spec.want_soft:
@@ -753,7 +817,8 @@ def rows(s, t, labels, spec: LossSpec, scale: torch.Tensor, grad: bool, stats: b
     online_kl = use_soft and (kind == "reverse_kl" or (kind == "forward_kl" and grad_pass != 2))
     # rows narrower than a tile (a top-k teacher's K + 1 categories) get a tile of their width, with
     # as many warps as keep 4 elements a thread
-    block = max(128, min(BLOCK_V, triton.next_power_of_2(V)))
+    block = max(128, min(BLOCK_V if block_v is None else block_v, triton.next_power_of_2(V)))
+    warps = max(1, min(NUM_WARPS if num_warps is None else num_warps, block // 128))
     s_head, fold_s, s_mul = head_mode(spec.student_logit_scale, spec.student_softcap)
     t_head, fold_t, t_mul = head_mode(spec.teacher_logit_scale, spec.teacher_softcap)
     t_head = t_head if use_soft else 0
@@ -815,7 +880,7 @@ def rows(s, t, labels, spec: LossSpec, scale: torch.Tensor, grad: bool, stats: b
                 PHASE=phase,
                 WORLD_BLOCK=max(2, triton.next_power_of_2(world)),
                 BLOCK_V=block,
-                num_warps=max(1, min(NUM_WARPS, block // 128)),
+                num_warps=warps,
                 maxnreg=MAX_REGS,
             )
 

@@ -169,14 +169,16 @@ def _expand_kernel(
 
 
 def topk_rows(s, t, labels, spec: LossSpec, scale: torch.Tensor, grad: bool, stats: bool = False, *, ds=None,
-              vocab=None):
+              vocab=None, block_v=None, num_warps=None):
     """Per-row (soft, hard) for a top-k teacher t = (ids, logprobs); with `grad`, s is overwritten
     with dL/ds (or ds, contiguous, of s's shape: `triton_rows.rows`'s); with `stats` also (entropy,
     mass). See `flashkd.backends` for the contract.
     vocab: None, or the rank's slice of a sharded vocab (as `triton_rows.rows`'s): s holds the columns
     [vocab.start, vocab.start + V) of each row, ids and labels are global. The stats kernel runs on the
     slice, one all-gather merges its outputs into the whole row's (`_merged`), the (R, K + 1)
-    categories are then the same on every rank, and the expand kernel writes the slice's dL/ds."""
+    categories are then the same on every rank, and the expand kernel writes the slice's dL/ds.
+    block_v, num_warps: the stats and expand kernels' tile and warps, None for BLOCK_V, NUM_WARPS
+    (benchmarks/bench_rows.py compares others)."""
     if not spec.want_soft:  # the CE alone: the dense kernel does it without a teacher (no stats then)
         return triton_rows.rows(s, None, labels, spec, scale, grad, ds=ds, vocab=vocab)
     if ds is None:
@@ -221,10 +223,12 @@ def topk_rows(s, t, labels, spec: LossSpec, scale: torch.Tensor, grad: bool, sta
     l_one = torch.empty(R, **f32) if one else l_tau
     gap = torch.empty(R if stats else 0, **f32)
     block_k = triton.next_power_of_2(K)
+    block_v = BLOCK_V if block_v is None else block_v
+    num_warps = NUM_WARPS if num_warps is None else num_warps
     with triton_common.launching():
         _stats_kernel[(R,)](
             s, here_ids, s_k, m, l_tau, l_one, gap if stats else m, V, K, log2e * fold / tau, log2e * fold, mul,
-            STREAM=stream, ONE=one, HEAD=head, STATS=stats, BLOCK_V=BLOCK_V, BLOCK_K=block_k, num_warps=NUM_WARPS,
+            STREAM=stream, ONE=one, HEAD=head, STATS=stats, BLOCK_V=block_v, BLOCK_K=block_k, num_warps=num_warps,
         )
     if vocab is not None:
         s_k, m, l_tau, l_one, gap, s_y = _merged(vocab, s_k, m, l_tau, l_one if one else None, gap if stats else None,
@@ -288,8 +292,8 @@ def topk_rows(s, t, labels, spec: LossSpec, scale: torch.Tensor, grad: bool, sta
             s, ds, here_ids, (id_grad * dz).contiguous(), coef if bucket else m, m, l_tau,
             c_ce * sigma if grad_ce else m, l_one_rel if grad_ce else m,
             here_labels if grad_ce else ids, V, K, log2e * fold / tau, log2e * fold, mul,
-            REST=bucket, CE=grad_ce, HEAD=head, RTNE_BITS=triton_common.rtne_bits(ds), BLOCK_V=BLOCK_V,
-            BLOCK_K=block_k, num_warps=NUM_WARPS,
+            REST=bucket, CE=grad_ce, HEAD=head, RTNE_BITS=triton_common.rtne_bits(ds), BLOCK_V=block_v,
+            BLOCK_K=block_k, num_warps=num_warps,
         )
     return out
 
@@ -516,7 +520,7 @@ def _topk_kernel(
 
 
 def row_topk(x: torch.Tensor, k: int, temperature: float, scale: float = 1.0, softcap: float | None = None, *,
-             with_lse: bool = False):
+             with_lse: bool = False, lanes: int | None = None):
     """The k largest entries per row of z, the (R, V) contiguous logits x under a head's transform
     (`losses.logit_transform`: scale, softcap), and their log-probs log softmax(z/τ): (ids (R, k)
     int64, logprobs (R, k) fp32, nonfinite), sorted by decreasing value; k <= TOPK_MAX_K. nonfinite:
@@ -527,11 +531,12 @@ def row_topk(x: torch.Tensor, k: int, temperature: float, scale: float = 1.0, so
     top values clustered in a few lanes) or that has fewer than k finite values is redone with
     torch.topk over the full row: finding out, and finding the non-finite rows, costs one host sync
     per call. with_lse: also the rows' logsumexp of z/τ (R,) fp32, the kernel's (a vocab slice's
-    candidates are merged with it, `flashkd.distributed.ShardedVocab.topk`).
+    candidates are merged with it, `flashkd.distributed.ShardedVocab.topk`). lanes: the kernel's width,
+    None for `_topk_lanes(k)` (benchmarks/bench_rows.py compares others).
     """
     if not 1 <= k <= TOPK_MAX_K:
         raise ValueError(f"k: expected 1 <= k <= {TOPK_MAX_K} for the kernel, got {k}")
-    ids, vals, redo, lse = _kernel_topk(x, k, temperature, scale, softcap)
+    ids, vals, redo, lse = _kernel_topk(x, k, temperature, scale, softcap, lanes=lanes)
     # the log-probs from the values the kernel sorted (a softcap's tanh there is not torch's: taking
     # torch's here could break the order of near ties by an ulp)
     logprobs = vals * (triton_common.head_mode(scale, softcap)[1] / temperature) - lse[:, None]
@@ -545,9 +550,10 @@ def row_topk(x: torch.Tensor, k: int, temperature: float, scale: float = 1.0, so
     return (ids, logprobs, nonfinite, lse) if with_lse else (ids, logprobs, nonfinite)
 
 
-def _kernel_topk(x: torch.Tensor, k: int, temperature: float, scale: float = 1.0, softcap: float | None = None):
+def _kernel_topk(x: torch.Tensor, k: int, temperature: float, scale: float = 1.0, softcap: float | None = None, *,
+                 lanes: int | None = None):
     """The kernel alone on a contiguous (R, V) x: (ids (R, k) int64, vals (R, k) fp32, redo (R,) int8,
-    lse (R,) fp32)."""
+    lse (R,) fp32); lanes: `row_topk`'s."""
     R, V = x.shape
     ids = torch.empty(R, k, dtype=torch.int64, device=x.device)
     vals = torch.empty(R, k, dtype=torch.float32, device=x.device)
@@ -559,6 +565,6 @@ def _kernel_topk(x: torch.Tensor, k: int, temperature: float, scale: float = 1.0
         with triton_common.launching():
             _topk_kernel[(R,)](
                 x, ids, vals, redo, lse, scratch, V, k, math.log2(math.e) * fold / temperature, mul, HEAD=head,
-                SLOTS=_SLOTS, CAP=_CAP, BLOCK_V=_topk_lanes(k), num_warps=NUM_WARPS,
+                SLOTS=_SLOTS, CAP=_CAP, BLOCK_V=_topk_lanes(k) if lanes is None else lanes, num_warps=NUM_WARPS,
             )
     return ids, vals, redo, lse
