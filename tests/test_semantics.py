@@ -271,7 +271,9 @@ def test_topk_mass_past_one_is_refused_with_tail_bucket(backend):
     xs, ws, bs, y = student()
     t = teacher("topk")
     ids = t["teacher_ids"]
-    lp = torch.log_softmax(torch.randn(N, K), -1)  # Σ p = 1 over the used slots
+    # Σ p = 1 over the used slots; logits in [0, 1) keep every p ≤ e / (e + K − 1) < 1 / 1.05, so the
+    # rescaled rows below pass 1 in their sum, never in one log-prob above 0 (another error)
+    lp = torch.log_softmax(torch.rand(N, K), -1)
     lp[0] = torch.tensor([0.3, 0.3, 0.4]).log()  # ids[0, -1] is unused: row 0 sums to 0.6, 0.63 over
     over = lp + math.log(1.05)
     with pytest.raises(ValueError, match=r"teacher_logprobs: expected probabilities summing to at most 1 .* in row 2"):
