@@ -306,6 +306,26 @@ def test_errors_name_the_keyword_the_caller_passed(form, keyword, value, error):
     assert str(info.value).startswith(f"{keyword}: expected"), str(info.value)
 
 
+@pytest.mark.parametrize("keyword,sign,exponent,error", [
+    ("temperature", 1, 400, TypeError), ("beta", -1, 400, TypeError), ("weight_soft_loss", 1, 400, TypeError),
+    ("student_softcap", 1, 400, ValueError), ("student_logit_scale", 1, 5000, ValueError),
+    ("ignore_index", 1, 5000, ValueError),
+])
+def test_an_int_too_large_for_a_float_is_an_error_naming_the_keyword(keyword, sign, exponent, error):
+    """math.isfinite raised OverflowError on it, an error no caller names the argument of (and a
+    vocab-parallel call did not carry it to the other ranks, which waited); past 4300 digits even its
+    repr raises."""
+    xs, ws, bs, y = student()
+    shown = rf"~{'-' if sign < 0 else ''}10\*\*{exponent} \(an int too large for a float\)"
+    with pytest.raises(error, match=rf"^{keyword}: expected .*, got {shown}$"):
+        call("heads", xs, ws, bs, y, teacher("heads"), **{keyword: sign * 10**exponent})
+    t = teacher("heads")
+    with pytest.raises(TypeError, match=r"^temperature: expected a finite Python float, got ~10\*\*400 "):
+        flashkd.teacher_topk(t["teacher_input"], t["teacher_weight"], 2, temperature=10**400)
+    with pytest.raises(ValueError, match=r"^teacher_softcap: expected a finite float > 0 \(or None for no cap\), got ~10"):
+        flashkd.teacher_topk(t["teacher_input"], t["teacher_weight"], 2, teacher_softcap=10**400)
+
+
 def test_modules_name_their_own_arguments():
     xs, ws, bs, y = student()
     t = teacher("heads")

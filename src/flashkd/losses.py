@@ -103,15 +103,15 @@ class LossSpec:
         if isinstance(self.ignore_index, bool) or not isinstance(self.ignore_index, int):
             raise TypeError(f"ignore_index: expected an int, got {self.ignore_index!r}")
         if not -(2**63) <= self.ignore_index < 2**63:  # compared with int64 labels
-            raise ValueError(f"ignore_index: expected an int64 value, got {self.ignore_index!r}")
+            raise ValueError(f"ignore_index: expected an int64 value, got {shown(self.ignore_index)}")
         if self.tail is not None and self.tail not in TAILS:
             raise ValueError(f"tail: expected 'bucket' or 'renormalize', got {self.tail!r}")
         if self.tail_clamp is not None:
             clamp = self.tail_clamp
             if isinstance(clamp, bool) or not isinstance(clamp, (int, float)):
                 raise TypeError(f"tail_clamp: expected a Python float or None, got {clamp!r}")
-            if not (math.isfinite(clamp) and clamp > 0.0):
-                raise ValueError(f"tail_clamp: expected a finite float > 0 (or None), got {clamp!r}")
+            if not (is_finite(clamp) and clamp > 0.0):
+                raise ValueError(f"tail_clamp: expected a finite float > 0 (or None), got {shown(clamp)}")
             if self.tail != "bucket":
                 raise ValueError(f"tail_clamp: expected None with tail={self.tail!r} (it clamps the tail bucket, "
                                  f"tail='bucket'), got {clamp!r}")
@@ -178,10 +178,27 @@ class DistillStats(NamedTuple):
     per_teacher: torch.Tensor | None = None
 
 
+def is_finite(value) -> bool:
+    """math.isfinite of a Python float or int; False for an int too large for a float, where
+    math.isfinite raises OverflowError (an error no caller names the argument of)."""
+    try:
+        return math.isfinite(value)
+    except OverflowError:
+        return False
+
+
+def shown(value) -> str:
+    """repr(value) for a message, an int too large for a float as its magnitude: its repr runs to
+    hundreds of digits, and past 4300 repr itself raises ValueError."""
+    if isinstance(value, int) and not isinstance(value, bool) and not is_finite(value):
+        return f"~{'-' if value < 0 else ''}10**{int(math.log10(abs(value)))} (an int too large for a float)"
+    return repr(value)
+
+
 def check_finite_float(name: str, value) -> None:
     """A finite Python float (an int is one too; a bool is not), as LossSpec's floats must be."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-        raise TypeError(f"{name}: expected a finite Python float, got {value!r}")
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not is_finite(value):
+        raise TypeError(f"{name}: expected a finite Python float, got {shown(value)}")
 
 
 def check_logit_transform(scale_name: str, scale, cap_name: str, cap) -> None:
@@ -191,10 +208,10 @@ def check_logit_transform(scale_name: str, scale, cap_name: str, cap) -> None:
             continue
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise TypeError(f"{name}: expected a Python float{' or None' if name == cap_name else ''}, got {value!r}")
-    if not math.isfinite(scale) or scale == 0.0:
-        raise ValueError(f"{scale_name}: expected a finite non-zero float, got {scale!r}")
-    if cap is not None and not (math.isfinite(cap) and cap > 0.0):
-        raise ValueError(f"{cap_name}: expected a finite float > 0 (or None for no cap), got {cap!r}")
+    if not is_finite(scale) or scale == 0.0:
+        raise ValueError(f"{scale_name}: expected a finite non-zero float, got {shown(scale)}")
+    if cap is not None and not (is_finite(cap) and cap > 0.0):
+        raise ValueError(f"{cap_name}: expected a finite float > 0 (or None for no cap), got {shown(cap)}")
 
 
 def logit_transform(x: torch.Tensor, scale: float, softcap: float | None) -> torch.Tensor:
