@@ -437,6 +437,10 @@ def _one_rank_differs_worker(rank, world, seed):
     def targets(wt=wt[start:stop], k=K, xt=xt, **kw):
         return flashkd.teacher_topk(xt, wt, k, **par, **kw)
 
+    def at(vocab_start):
+        return lambda: flashkd.fused_linear_distill(xs, ws[start:stop], xt, wt[start:stop], labels, process_group=group,
+                                                    vocab_start=vocab_start)
+
     empty = slice(stop, stop) if odd else slice(start, stop)
     cases = [
         # a check that fails on one rank: an empty vocab slice (each form and teacher_topk), a bad option,
@@ -451,6 +455,12 @@ def _one_rank_differs_worker(rank, world, seed):
         (ValueError, r"teacher_input: expected shape", targets, dict(xt=xt[:, :-1] if odd else xt)),
         (ValueError, r"row_weight: expected", heads, dict(row_weight=torch.ones(5 if odd else 6, dtype=torch.float64, device=device))),
         (TypeError, r"check_shards: expected a bool or None", heads, dict(check_shards="yes" if odd else None)),
+        # ints too large for a float or for int64 (their repr past 4300 digits raises)
+        (TypeError, r"temperature: expected a finite Python float, got ~10\*\*400 \(an int too large for a float\)",
+         heads, dict(temperature=10**400 if odd else 1.0)),
+        (ValueError, r"vocab_start: expected an int64 value .*, got 1180591620717411303424", at(2**70 if odd else start),
+         {}),
+        (ValueError, r"chunk_size: expected the same value on every rank", heads, dict(chunk_size=10**5000 if odd else 3)),
         # options that differ between ranks, each valid: named on every rank
         (ValueError, r"temperature: expected the same value on every rank of process_group", heads,
          dict(temperature=2.0 if odd else 1.0)),

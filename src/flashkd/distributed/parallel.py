@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 from .. import chunks, fp8, teacher
+from ..losses import shown
 from .vocab import ShardedVocab
 
 # The exchanged layout row of a rank whose vocab_start is not an int (it raises with the others).
@@ -133,10 +134,18 @@ def shard(group, start, local_size, device, check_shards, chunk_size, *, failed=
     if failed is None and check_shards is not None and not isinstance(check_shards, bool):
         failed = TypeError(f"check_shards: expected a bool or None, got {check_shards!r}")
     good = not isinstance(start, bool) and isinstance(start, int)
-    codes = [c for value in (agree or {}).values() for c in _encode(value)]
+    # Nothing here may raise before the all-gather: this rank alone would, and the others would wait in it
+    fits = good and -(2**63) <= start < 2**63
+    if failed is None and good and not fits:
+        failed = ValueError(f"vocab_start: expected an int64 value (the global id of this rank's first vocab row), "
+                            f"got {shown(start)}")
+    try:
+        codes = [c for value in (agree or {}).values() for c in _encode(value)]
+    except Exception as e:  # noqa: BLE001 (a value whose repr raises)
+        failed, codes = failed or e, []
     if len(codes) > 2 * _SLOTS:
         raise AssertionError(f"{len(codes) // 2} options to agree on, room for {_SLOTS}")
-    head = [int(failed is not None), start if good else _NOT_AN_INT, local_size, rows[1]]
+    head = [int(failed is not None), start if fits else _NOT_AN_INT, local_size, rows[1]]
     mine = torch.tensor(head + codes + [0] * (2 * _SLOTS - len(codes)), dtype=torch.int64, device=device)
     world = dist.get_world_size(group)
     every = torch.empty(world * mine.numel(), dtype=torch.int64, device=device)
@@ -171,8 +180,10 @@ def _encode(value) -> tuple[int, int]:
         return 1, int(value)
     if isinstance(value, float) and value.is_integer() and abs(value) < 2**53:
         value = int(value)
-    if isinstance(value, int) and -(2**63) <= value < 2**63:
-        return 2, value
+    if isinstance(value, int):  # past int64, by its bytes: its repr may be too long to make (4300 digits)
+        if -(2**63) <= value < 2**63:
+            return 2, value
+        return 4, zlib.crc32(value.to_bytes(value.bit_length() // 8 + 1, "little", signed=True))
     if isinstance(value, float):
         return 3, struct.unpack("<q", struct.pack("<d", value))[0]
     return 4, zlib.crc32(repr(value).encode())
@@ -208,7 +219,7 @@ def _check_agreement(table, agree, rows, rank):
                              f"replicated), got rank(s) {differ} with a number other than rank 0's; this rank's "
                              f"(rank {rank}): {value}")
         raise ValueError(f"{what}: expected the same value on every rank of process_group (every rank makes the same "
-                         f"call), got one on rank(s) {differ} that differs from rank 0's; this rank's (rank {rank}): {value!r}")
+                         f"call), got one on rank(s) {differ} that differs from rank 0's; this rank's (rank {rank}): {shown(value)}")
 
 
 def _check_layout(layout, rank) -> int:
