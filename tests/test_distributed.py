@@ -441,6 +441,9 @@ def _one_rank_differs_worker(rank, world, seed):
         return lambda: flashkd.fused_linear_distill(xs, ws[start:stop], xt, wt[start:stop], labels, process_group=group,
                                                     vocab_start=vocab_start)
 
+    def wider(x):  # one more hidden column
+        return torch.cat([x, x[:, :1]], 1)
+
     empty = slice(stop, stop) if odd else slice(start, stop)
     cases = [
         # a check that fails on one rank: an empty vocab slice (each form and teacher_topk), a bad option,
@@ -483,6 +486,16 @@ def _one_rank_differs_worker(rank, world, seed):
          dict(xs=xs[:5] if odd else xs, xt=xt[:5] if odd else xt, labels=labels[:5] if odd else labels)),
         (ValueError, r"teacher_input: expected the same number of rows on every rank", targets,
          dict(xt=xt[:5] if odd else xt)),
+        # hidden sizes that differ, each call right on its rank: dX's all-reduce aborted both processes
+        (ValueError, r"student_input's hidden size: expected the same value on every rank", heads,
+         dict(xs=_leaf(wider(xs) if odd else xs), ws=_leaf(wider(ws[start:stop]) if odd else ws[start:stop]))),
+        (ValueError, r"teacher_input's hidden size: expected the same value on every rank", heads,
+         dict(xt=wider(xt) if odd else xt, wt=wider(wt[start:stop]) if odd else wt[start:stop])),
+        (ValueError, r"teacher_input's hidden size: expected the same value on every rank", targets,
+         dict(xt=wider(xt) if odd else xt, wt=wider(wt[start:stop]) if odd else wt[start:stop])),
+        # checked after the exchange: a wrong value on one rank raised there alone
+        (ValueError, r"grad_accum_dtype: expected the same value on every rank", heads,
+         dict(xs=_leaf(xs), grad_accum_dtype=torch.float16 if odd else None)),
     ]
     try:
         import triton  # noqa: F401

@@ -58,7 +58,8 @@ def teacher_topk(call):
 
     def sharded(local_size, device, failed=None, rows=0):
         check_shards = True if call.check_shards is None else call.check_shards
-        agree = None if failed is not None else _agreed(call, None, {"teacher_input's dtype": call.teacher_input.dtype})
+        agree = None if failed is not None else _agreed(call, None, {"teacher_input's dtype": call.teacher_input.dtype,
+                                                                     "teacher_input's hidden size": call.teacher_input.shape[-1]})
         group = _check_group(call.process_group)
         return shard(group, call.vocab_start, local_size, device or _wire_device(group, call.teacher_input),
                      check_shards, None, failed=failed, rows=("teacher_input", rows), agree=agree)
@@ -66,11 +67,12 @@ def teacher_topk(call):
     return teacher.run(call, sharded)
 
 
-# What every rank of a call must pass alike (what changes the loss, or which collectives run), besides
-# its LossSpec: `_agreed` encodes them for `shard`'s one all-gather.
+# What every rank of a call must pass alike (what changes the loss, which collectives run, or what a
+# check after the exchange reads: grad_accum_dtype), besides its LossSpec: `_agreed` encodes them for
+# `shard`'s one all-gather.
 _AGREED = ("chunk_size", "return_soft_hard_loss", "return_stats", "check_labels", "check_teacher", "check_replicas",
            "check_shards", "teacher_precision", "fsdp_gather", "k", "temperature", "vocab_size", "teacher_logit_scale",
-           "teacher_softcap")
+           "teacher_softcap", "grad_accum_dtype")
 _SPEC_NAMES = {"weight_hard": "weight_hard_loss", "weight_soft": "weight_soft_loss"}  # LossSpec's fields, as passed
 _FUNCTIONS = {"heads": "fused_linear_distill", "logits": "fused_linear_distill_logits", "topk": "fused_linear_distill_topk"}
 
@@ -89,7 +91,10 @@ def _agreed(call, rows, derived=None) -> dict:
         if isinstance(call.teacher, chunks.TopK):
             chunks.check_teacher_index(call, rows)
         grad = torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in (xs, ws, bs))
-        derived = {"backend": backend, "student_input's dtype": xs.dtype, "labels given": rows.y is not None,
+        # the hidden sizes: dX's all-reduce is R·Hs a chunk (ranks that differ abort in it); the rows are replicated
+        derived = {"backend": backend, "student_input's dtype": xs.dtype, "student_input's hidden size": xs.shape[1],
+                   "teacher_input's hidden size": rows.teacher[0].shape[1] if isinstance(call.teacher, chunks.Heads) else None,
+                   "labels given": rows.y is not None,
                    "row_weight given": call.row_weight is not None,
                    "gradients (grad mode, requires_grad; of student_input)": (grad, grad and xs.requires_grad),
                    "teacher_ids' k": rows.teacher[0].shape[-1] if isinstance(call.teacher, chunks.TopK) else None,
