@@ -490,6 +490,39 @@ def test_two_writers_on_one_directory(tmp_path, reference):
     assert refused and files(out) == reference[1] and siblings(out) == []
 
 
+def test_what_sits_at_the_lock_path_is_named_and_only_flashkds_lock_file_is_removed(tmp_path, reference):
+    """A directory at the lock path gave a raw IsADirectoryError; a regular file or a FIFO the user had
+    there was deleted when the write ended."""
+    out, lock = tmp_path / "t", tmp_path / ".t.flashkd-lock"
+    lock.mkdir()
+    with pytest.raises(ValueError, match=rf"^out_dir: expected no file or a lock file at {lock} \(flashkd locks it "
+                                         r"while it writes\), got a directory; move it away$"):
+        write(out)
+    lock.rmdir()
+    os.mkfifo(lock)
+    with pytest.raises(ValueError, match=r"^out_dir: expected no file or a lock file at .*, got a FIFO; move it away$"):
+        write(out)
+    lock.unlink()
+    lock.symlink_to(tmp_path / "elsewhere")
+    with pytest.raises(ValueError, match=r"^out_dir: .*, got a symbolic link; move it away$"):
+        write(out)
+    assert not (tmp_path / "elsewhere").exists()
+    lock.unlink()
+    lock.write_text("the user's\n")  # a regular file: the lock, left as it was
+    write(out)
+    assert files(out) == reference[1] and lock.read_text() == "the user's\n"
+    lock.unlink()
+    write(tmp_path / "u", seed=1)  # flashkd's own lock file, made and removed
+    assert siblings(tmp_path / "u") == []
+    # a writer killed while it held the lock left its file: the next write takes it and removes it
+    killed = f"import os; from pathlib import Path; from flashkd import files; " \
+             f"held = files.exclusive(Path({str(lock)!r}), 'busy', what='out_dir'); held.__enter__(); os._exit(0)"
+    subprocess.run([sys.executable, "-c", killed], check=True, env=dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path)))
+    assert lock.is_file()
+    write(out, overwrite=True)
+    assert not lock.exists()
+
+
 def test_failed_write_leaves_nothing_and_is_refused_as_unfinished(tmp_path):
     out = tmp_path / "t"
     with pytest.raises(RuntimeError, match="stopped"):

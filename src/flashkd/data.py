@@ -62,7 +62,9 @@ the writer uses three siblings of it:
     .NAME.flashkd-lock       a lock file, held with flock(LOCK_EX) for the whole write, so a second
                              writer of the same out_dir is refused at once; it is removed when the
                              write ends (a killed writer's lock file is released by the kernel and
-                             taken over). flock (POSIX; the writer needs fcntl) is advisory: it
+                             taken over). A regular file flashkd did not make found there is used as
+                             the lock and kept; anything else there (a directory, a FIFO, a link) is
+                             a ValueError naming it. flock (POSIX; the writer needs fcntl) is advisory: it
                              keeps out other writers, on one machine; on NFS, Linux maps it to NFS
                              byte-range locks, which hold across clients only where the server
                              supports locking (not with the "nolock" mount option); some network
@@ -247,7 +249,7 @@ def write_topk_targets(
     out.parent.mkdir(parents=True, exist_ok=True)
     lock = _sibling(out, "lock")
     with files.exclusive(lock, f"out_dir: another write into {out} is running (it holds {lock}); wait for it to end "
-                               "or write elsewhere"):
+                               "or write elsewhere", what="out_dir"):
         _check_out(out, overwrite)
         finished = _start(partial, index, writer, resume)
         done = list(index["examples"])  # keys of the finished shards, in the order they were written
