@@ -109,6 +109,26 @@ def test_int32_labels_with_an_ignore_index_past_int32_are_refused(backend, form)
                            call(form, xs, ws, bs, y32.long(), t, backend=backend, ignore_index=edge))
 
 
+def test_the_reference_row_losses_refuse_int32_labels_with_an_ignore_index_past_int32():
+    """`flashkd.losses.row_losses` and `topk_row_losses`, the pure-torch reference, still compared in int32:
+    2**32 + 5 wrapped to 5 and the rows labelled 5 were dropped. Refused as the public functions refuse it."""
+    from flashkd.losses import row_losses, topk_row_losses
+
+    g = torch.Generator().manual_seed(0)
+    s, t = torch.randn(6, 11, generator=g), torch.randn(6, 11, generator=g)
+    y = torch.tensor([5, 1, 5, 2, 3, 4], dtype=torch.int32)
+    ids = t.topk(3).indices
+    topk = (ids, t.log_softmax(-1).gather(1, ids))
+    match = r"^ignore_index: expected a value in \[-2\*\*31, 2\*\*31\) with torch.int32 labels .*, got 4294967301$"
+    for rows, teacher, tail in ((row_losses, t, None), (topk_row_losses, topk, "bucket")):
+        spec = LossSpec(ignore_index=2**32 + 5, tail=tail)
+        with pytest.raises(ValueError, match=match):
+            rows(s, teacher, y, spec)
+        assert (rows(s, teacher, y.long(), spec)[1] > 0).all()  # int64 labels keep it: every row counts
+        edge = LossSpec(ignore_index=2**31 - 1, tail=tail)
+        assert torch.equal(rows(s, teacher, y, edge)[1], rows(s, teacher, y.long(), edge)[1])
+
+
 # ------------------------------------------------------------------------- non-finite values in ignored rows
 
 

@@ -234,7 +234,7 @@ def row_losses(s: torch.Tensor, t: torch.Tensor, labels: torch.Tensor | None, sp
     s:      (R, V) student logits, any float dtype, before the head's transform (`LossSpec.student`)
     t:      (R, V) teacher logits, same V, before its transform (unused, may be None, when
             `spec.want_soft` is False)
-    labels: (R,) integer labels or None
+    labels: (R,) integer labels or None (int32 with an ignore_index past int32: ValueError, `check_ignore_index`)
     vocab:  the block's place in the vocab and its reductions over it (`Vocab`); None: the block
             holds the whole vocab. With a slice of the vocab (`flashkd.distributed`) every rank
             gets the rows of the whole vocab.
@@ -243,6 +243,7 @@ def row_losses(s: torch.Tensor, t: torch.Tensor, labels: torch.Tensor | None, sp
     outside [0, V) that is not `ignore_index` gives a NaN hard loss on its row. With `stats`, also the
     entropy of q = softmax(a/τ) per row (R,), zero on ignored rows: (soft, hard, entropy).
     """
+    check_ignore_index(labels, spec.ignore_index)
     vocab = vocab or WHOLE_VOCAB
     work = torch.promote_types(s.dtype, torch.float32)
     s, t = _drop_ignored(s, labels, spec), _drop_ignored(t, labels, spec)
@@ -308,6 +309,7 @@ def topk_row_losses(s: torch.Tensor, t, labels: torch.Tensor | None, spec: LossS
     With `spec.tail_clamp` ε the bucket is TRL's (`category_logprobs`): on each side the rest is
     1 − Σ over the ids with the log of that sum clamped at −ε, and nothing is renormalised.
     """
+    check_ignore_index(labels, spec.ignore_index)
     vocab = vocab or WHOLE_VOCAB
     work = torch.promote_types(s.dtype, torch.float32)
     s = spec.student(_drop_ignored(s, labels, spec).to(work))
@@ -353,6 +355,15 @@ def category_entropy(log_p: torch.Tensor, used: torch.Tensor) -> torch.Tensor:
 def row_entropy(log_q: torch.Tensor) -> torch.Tensor:
     """−Σ q log q per row, with 0 · log 0 = 0 (this block's part of the sum over the vocab)."""
     return -_plogr(log_q.exp(), log_q)
+
+
+def check_ignore_index(labels, ignore_index: int) -> None:
+    """int32 labels are compared with ignore_index in int32 (torch and the kernels alike), where a value
+    past int32 wraps onto a real label (2**32 + 5 onto 5): refused rather than widened, since no int32
+    label can equal it."""
+    if isinstance(labels, torch.Tensor) and labels.dtype == torch.int32 and not -(2**31) <= ignore_index < 2**31:
+        raise ValueError(f"ignore_index: expected a value in [-2**31, 2**31) with torch.int32 labels (no int32 label "
+                         f"can equal a larger one; pass int64 labels to use it), got {ignore_index!r}")
 
 
 def _valid_only(x, labels, spec: LossSpec):
