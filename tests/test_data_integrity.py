@@ -211,6 +211,28 @@ def test_an_index_that_is_a_fifo_or_a_directory_is_refused_at_once(copy):
         TopKTargets(copy)
 
 
+def test_a_shard_or_index_that_is_not_a_regular_file_is_named_for_what_it_is(copy, monkeypatch):
+    """A shard that is a FIFO was "a directory or device"; an index.json that is a socket was "No such
+    device or address" (the errno's text of opening it)."""
+    import socket
+
+    shard = copy / FILES[3]
+    shard.unlink()
+    os.mkfifo(shard)
+    with pytest.raises(TargetsError, match=rf"{FILES[3]}: expected a regular file, got a FIFO$"):
+        TopKTargets(copy)
+    shard.unlink()
+    shard.mkdir()
+    with pytest.raises(TargetsError, match=rf"{FILES[3]}: expected a regular file, got a directory$"):
+        TopKTargets(copy)
+    (copy / "index.json").unlink()
+    monkeypatch.chdir(copy)  # a short path: a socket's is limited to ~108 bytes
+    with socket.socket(socket.AF_UNIX) as server:
+        server.bind("index.json")
+        with pytest.raises(TargetsError, match=r"index.json: expected a regular file, got a socket$"):
+            TopKTargets(copy)
+
+
 def test_missing_shard_is_refused(copy):
     (copy / FILES[4]).unlink()
     with pytest.raises(TargetsError, match=rf"{FILES[4]}: expected the shard the index lists, got no such file"):
@@ -271,6 +293,8 @@ def test_deeply_nested_index_is_refused(copy):
         (lambda i: i.update(temperature=True), r"temperature: expected a finite number > 0, got True"),
         (lambda i: i.update(temperature=0), r"temperature: expected a finite number > 0, got 0"),
         (lambda i: i.update(temperature="1.5"), r"temperature: expected a finite number > 0, got '1.5'"),
+        # an int too large for a float (no run of zeros in it: `seal` writes the digest over one)
+        (lambda i: i.update(temperature=3**700), r"temperature: expected a finite number > 0, got \d{300}"),
         (lambda i: i.update(logprob_dtype="int8"), r"logprob_dtype: expected one of 'float32'"),
         (lambda i: i.update(logprob_dtype=["float32"]), r"logprob_dtype: expected one of 'float32'"),
         (lambda i: i.update(teacher_description=7), r"teacher_description: expected a string or null, got 7"),

@@ -134,6 +134,7 @@ import torch
 
 from . import files
 from .chunks import renamed
+from .losses import is_finite
 from .distill import teacher_topk
 
 FORMAT = "flashkd.topk"
@@ -746,15 +747,18 @@ def _read_regular(file: Path) -> bytes:
     # checked on its descriptor (no race with a swap of the path) before a byte is read
     try:
         fd = os.open(file, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_NOFOLLOW", 0))
-    except OSError as e:
-        got = "a symbolic link" if os.path.islink(file) else e.strerror
-        raise TargetsError(f"{file}: expected a regular file, got {got}") from None
+    except OSError as e:  # a link (ELOOP), a socket (ENXIO), ...: named by what it is, not by the errno's text
+        try:
+            mode = os.lstat(file).st_mode
+        except OSError:
+            mode = None
+        if mode is None or stat.S_ISREG(mode):  # gone, or one we may not read
+            raise TargetsError(f"{file}: cannot open it: {e.strerror}") from None
+        raise TargetsError(f"{file}: expected a regular file, got {files.kind(mode)}") from None
     mode = os.fstat(fd).st_mode
     if not stat.S_ISREG(mode):
         os.close(fd)
-        got = ("a directory" if stat.S_ISDIR(mode) else "a FIFO" if stat.S_ISFIFO(mode)
-               else "a socket" if stat.S_ISSOCK(mode) else "a device")
-        raise TargetsError(f"{file}: expected a regular file, got {got}")
+        raise TargetsError(f"{file}: expected a regular file, got {files.kind(mode)}")
     with os.fdopen(fd, "rb") as f:
         return f.read()
 
@@ -804,7 +808,7 @@ def _check_index(index, raw: bytes, file: Path):
         raise bad("vocab_size", f"an int in [1, {_MAX_INT})")
     if not (_is_int(index["k"]) and 1 <= index["k"] <= v):
         raise bad("k", f"an int in [1, {v}] (vocab_size)")
-    if not (isinstance(t, (int, float)) and not isinstance(t, bool) and math.isfinite(t) and t > 0):
+    if not (isinstance(t, (int, float)) and not isinstance(t, bool) and is_finite(t) and t > 0):
         raise bad("temperature", "a finite number > 0")
     if not (isinstance(index["logprob_dtype"], str) and index["logprob_dtype"] in _DTYPES):
         raise bad("logprob_dtype", "one of " + ", ".join(map(repr, _DTYPES)))
@@ -847,9 +851,8 @@ def _check_shard_file(file: Path, size: int, sha256: str | None = None):
         s = os.lstat(file)
     except FileNotFoundError:
         raise TargetsError(f"{file}: expected the shard the index lists, got no such file") from None
-    if stat.S_ISLNK(s.st_mode) or not stat.S_ISREG(s.st_mode):
-        got = "a symbolic link" if stat.S_ISLNK(s.st_mode) else "a directory or device"
-        raise TargetsError(f"{file}: expected a regular file, got {got}")
+    if not stat.S_ISREG(s.st_mode):  # lstat: a link is one
+        raise TargetsError(f"{file}: expected a regular file, got {files.kind(s.st_mode)}")
     if s.st_size != size:
         raise TargetsError(f"{file}: expected {size} bytes (the index), got {s.st_size}: the file is truncated or changed")
     if sha256 is not None and (got := _file_sha256(file)) != sha256:
