@@ -211,6 +211,28 @@ def test_an_index_that_is_a_fifo_or_a_directory_is_refused_at_once(copy):
         TopKTargets(copy)
 
 
+def test_a_shard_or_index_that_is_not_a_regular_file_is_named_for_what_it_is(copy, monkeypatch):
+    """A shard that is a FIFO was "a directory or device"; an index.json that is a socket was "No such
+    device or address" (the errno's text of opening it)."""
+    import socket
+
+    shard = copy / FILES[3]
+    shard.unlink()
+    os.mkfifo(shard)
+    with pytest.raises(TargetsError, match=rf"{FILES[3]}: expected a regular file, got a FIFO$"):
+        TopKTargets(copy)
+    shard.unlink()
+    shard.mkdir()
+    with pytest.raises(TargetsError, match=rf"{FILES[3]}: expected a regular file, got a directory$"):
+        TopKTargets(copy)
+    (copy / "index.json").unlink()
+    monkeypatch.chdir(copy)  # a short path: a socket's is limited to ~108 bytes
+    with socket.socket(socket.AF_UNIX) as server:
+        server.bind("index.json")
+        with pytest.raises(TargetsError, match=r"index.json: expected a regular file, got a socket$"):
+            TopKTargets(copy)
+
+
 def test_missing_shard_is_refused(copy):
     (copy / FILES[4]).unlink()
     with pytest.raises(TargetsError, match=rf"{FILES[4]}: expected the shard the index lists, got no such file"):
@@ -271,6 +293,8 @@ def test_deeply_nested_index_is_refused(copy):
         (lambda i: i.update(temperature=True), r"temperature: expected a finite number > 0, got True"),
         (lambda i: i.update(temperature=0), r"temperature: expected a finite number > 0, got 0"),
         (lambda i: i.update(temperature="1.5"), r"temperature: expected a finite number > 0, got '1.5'"),
+        # an int too large for a float (no run of zeros in it: `seal` writes the digest over one)
+        (lambda i: i.update(temperature=3**700), r"temperature: expected a finite number > 0, got \d{300}"),
         (lambda i: i.update(logprob_dtype="int8"), r"logprob_dtype: expected one of 'float32'"),
         (lambda i: i.update(logprob_dtype=["float32"]), r"logprob_dtype: expected one of 'float32'"),
         (lambda i: i.update(teacher_description=7), r"teacher_description: expected a string or null, got 7"),
@@ -488,6 +512,39 @@ def test_two_writers_on_one_directory(tmp_path, reference):
 
     write_topk_targets(out, examples(), w, K, shard_bytes=SHARD_BYTES, temperature=1.5)
     assert refused and files(out) == reference[1] and siblings(out) == []
+
+
+def test_what_sits_at_the_lock_path_is_named_and_only_flashkds_lock_file_is_removed(tmp_path, reference):
+    """A directory at the lock path gave a raw IsADirectoryError; a regular file or a FIFO the user had
+    there was deleted when the write ended."""
+    out, lock = tmp_path / "t", tmp_path / ".t.flashkd-lock"
+    lock.mkdir()
+    with pytest.raises(ValueError, match=rf"^out_dir: expected no file or a lock file at {lock} \(flashkd locks it "
+                                         r"while it writes\), got a directory; move it away$"):
+        write(out)
+    lock.rmdir()
+    os.mkfifo(lock)
+    with pytest.raises(ValueError, match=r"^out_dir: expected no file or a lock file at .*, got a FIFO; move it away$"):
+        write(out)
+    lock.unlink()
+    lock.symlink_to(tmp_path / "elsewhere")
+    with pytest.raises(ValueError, match=r"^out_dir: .*, got a symbolic link; move it away$"):
+        write(out)
+    assert not (tmp_path / "elsewhere").exists()
+    lock.unlink()
+    lock.write_text("the user's\n")  # a regular file: the lock, left as it was
+    write(out)
+    assert files(out) == reference[1] and lock.read_text() == "the user's\n"
+    lock.unlink()
+    write(tmp_path / "u", seed=1)  # flashkd's own lock file, made and removed
+    assert siblings(tmp_path / "u") == []
+    # a writer killed while it held the lock left its file: the next write takes it and removes it
+    killed = f"import os; from pathlib import Path; from flashkd import files; " \
+             f"held = files.exclusive(Path({str(lock)!r}), 'busy', what='out_dir'); held.__enter__(); os._exit(0)"
+    subprocess.run([sys.executable, "-c", killed], check=True, env=dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path)))
+    assert lock.is_file()
+    write(out, overwrite=True)
+    assert not lock.exists()
 
 
 def test_failed_write_leaves_nothing_and_is_refused_as_unfinished(tmp_path):

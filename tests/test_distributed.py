@@ -434,11 +434,23 @@ def _one_rank_differs_worker(rank, world, seed):
     def logits(ws=ws[start:stop], tl=tl[:, start:stop], **kw):
         return flashkd.fused_linear_distill_logits(xs, ws, tl, labels, **par, **kw)
 
-    def topk(ws=ws[start:stop], ids=ids, **kw):
+    def topk(ws=ws[start:stop], ids=ids, lp=lp, labels=labels, **kw):
         return flashkd.fused_linear_distill_topk(xs, ws, ids, lp, labels, **{"weight_hard_loss": 0.5, **par, **kw})
 
     def targets(wt=wt[start:stop], k=K, xt=xt, **kw):
         return flashkd.teacher_topk(xt, wt, k, **par, **kw)
+
+    def at(vocab_start):
+        return lambda: flashkd.fused_linear_distill(xs, ws[start:stop], xt, wt[start:stop], labels, process_group=group,
+                                                    vocab_start=vocab_start)
+
+    def wider(x):  # one more hidden column
+        return torch.cat([x, x[:, :1]], 1)
+
+    def at_row_1(x, value):  # row 1 counts (rows 0 and 4 are ignored)
+        x = x.clone()
+        x.view(x.shape[0], -1)[1, 0] = value
+        return x
 
     empty = slice(stop, stop) if odd else slice(start, stop)
     cases = [
@@ -454,6 +466,12 @@ def _one_rank_differs_worker(rank, world, seed):
         (ValueError, r"teacher_input: expected shape", targets, dict(xt=xt[:, :-1] if odd else xt)),
         (ValueError, r"row_weight: expected", heads, dict(row_weight=torch.ones(5 if odd else 6, dtype=torch.float64, device=device))),
         (TypeError, r"check_shards: expected a bool or None", heads, dict(check_shards="yes" if odd else None)),
+        # ints too large for a float or for int64 (their repr past 4300 digits raises)
+        (TypeError, r"temperature: expected a finite Python float, got ~10\*\*400 \(an int too large for a float\)",
+         heads, dict(temperature=10**400 if odd else 1.0)),
+        (ValueError, r"vocab_start: expected an int64 value .*, got 1180591620717411303424", at(2**70 if odd else start),
+         {}),
+        (ValueError, r"chunk_size: expected the same value on every rank", heads, dict(chunk_size=10**5000 if odd else 3)),
         # options that differ between ranks, each valid: named on every rank
         (ValueError, r"temperature: expected the same value on every rank of process_group", heads,
          dict(temperature=2.0 if odd else 1.0)),
@@ -476,6 +494,26 @@ def _one_rank_differs_worker(rank, world, seed):
          dict(xs=xs[:5] if odd else xs, xt=xt[:5] if odd else xt, labels=labels[:5] if odd else labels)),
         (ValueError, r"teacher_input: expected the same number of rows on every rank", targets,
          dict(xt=xt[:5] if odd else xt)),
+        # hidden sizes that differ, each call right on its rank: dX's all-reduce aborted both processes
+        (ValueError, r"student_input's hidden size: expected the same value on every rank", heads,
+         dict(xs=_leaf(wider(xs) if odd else xs), ws=_leaf(wider(ws[start:stop]) if odd else ws[start:stop]))),
+        (ValueError, r"teacher_input's hidden size: expected the same value on every rank", heads,
+         dict(xt=wider(xt) if odd else xt, wt=wider(wt[start:stop]) if odd else wt[start:stop])),
+        (ValueError, r"teacher_input's hidden size: expected the same value on every rank", targets,
+         dict(xt=wider(xt) if odd else xt, wt=wider(wt[start:stop]) if odd else wt[start:stop])),
+        # values checked against the group's vocab, which only the exchange gives: they raised on one rank alone
+        (ValueError, r"labels: expected values in \[0, 37\) or ignore_index=-100, got 40", heads,
+         dict(labels=at_row_1(labels, V + 3) if odd else labels, check_labels=True)),
+        (ValueError, r"labels: expected values in \[0, 37\) or ignore_index=-100, got -7", topk,
+         dict(labels=at_row_1(labels, -7) if odd else labels)),  # check_labels=None: on CPU tensors, on
+        (ValueError, r"teacher_ids: expected ids in \[0, 37\) or -1 \(unused slot\), got 39", topk,
+         dict(ids=at_row_1(ids, V + 2) if odd else ids)),
+        (ValueError, r"teacher_ids: expected ids in \[0, 37\) or -1 \(unused slot\), got -2", topk,
+         dict(ids=at_row_1(ids, -2) if odd else ids, check_teacher=True)),
+        (ValueError, r"teacher_logprobs: expected log-probabilities <= 0", topk, dict(lp=at_row_1(lp, 0.5) if odd else lp)),
+        # checked after the exchange: a wrong value on one rank raised there alone
+        (ValueError, r"grad_accum_dtype: expected the same value on every rank", heads,
+         dict(xs=_leaf(xs), grad_accum_dtype=torch.float16 if odd else None)),
     ]
     try:
         import triton  # noqa: F401
@@ -489,7 +527,12 @@ def _one_rank_differs_worker(rank, world, seed):
         began = time.monotonic()
         _raises(exc, match, fn, **kw)
         assert time.monotonic() - began < 10, (match, "every rank raised, but after waiting")
-    # the group is in step after all that: a right call is the unsharded one
+    # the group is in step after all that: a right call is the unsharded one; an id or label out of range in
+    # a row that does not count (its label ignore_index) is no error, as in an unsharded call
+    bad_ignored = ids.clone()
+    bad_ignored[0, 0] = V + 2
+    _close("an ignored row", topk(ids=bad_ignored if odd else ids),
+           flashkd.fused_linear_distill_topk(xs, ws, ids, lp, labels, weight_hard_loss=0.5))
     _close("after the errors", heads(), flashkd.fused_linear_distill(xs, ws, xt, wt, labels))
     got = targets()
     assert torch.equal(got[0], ids)

@@ -109,6 +109,26 @@ def test_int32_labels_with_an_ignore_index_past_int32_are_refused(backend, form)
                            call(form, xs, ws, bs, y32.long(), t, backend=backend, ignore_index=edge))
 
 
+def test_the_reference_row_losses_refuse_int32_labels_with_an_ignore_index_past_int32():
+    """`flashkd.losses.row_losses` and `topk_row_losses`, the pure-torch reference, still compared in int32:
+    2**32 + 5 wrapped to 5 and the rows labelled 5 were dropped. Refused as the public functions refuse it."""
+    from flashkd.losses import row_losses, topk_row_losses
+
+    g = torch.Generator().manual_seed(0)
+    s, t = torch.randn(6, 11, generator=g), torch.randn(6, 11, generator=g)
+    y = torch.tensor([5, 1, 5, 2, 3, 4], dtype=torch.int32)
+    ids = t.topk(3).indices
+    topk = (ids, t.log_softmax(-1).gather(1, ids))
+    match = r"^ignore_index: expected a value in \[-2\*\*31, 2\*\*31\) with torch.int32 labels .*, got 4294967301$"
+    for rows, teacher, tail in ((row_losses, t, None), (topk_row_losses, topk, "bucket")):
+        spec = LossSpec(ignore_index=2**32 + 5, tail=tail)
+        with pytest.raises(ValueError, match=match):
+            rows(s, teacher, y, spec)
+        assert (rows(s, teacher, y.long(), spec)[1] > 0).all()  # int64 labels keep it: every row counts
+        edge = LossSpec(ignore_index=2**31 - 1, tail=tail)
+        assert torch.equal(rows(s, teacher, y, edge)[1], rows(s, teacher, y.long(), edge)[1])
+
+
 # ------------------------------------------------------------------------- non-finite values in ignored rows
 
 
@@ -306,6 +326,26 @@ def test_errors_name_the_keyword_the_caller_passed(form, keyword, value, error):
     with pytest.raises(error) as info:
         call(form, xs, ws, bs, y, teacher(form), **{keyword: value})
     assert str(info.value).startswith(f"{keyword}: expected"), str(info.value)
+
+
+@pytest.mark.parametrize("keyword,sign,exponent,error", [
+    ("temperature", 1, 400, TypeError), ("beta", -1, 400, TypeError), ("weight_soft_loss", 1, 400, TypeError),
+    ("student_softcap", 1, 400, ValueError), ("student_logit_scale", 1, 5000, ValueError),
+    ("ignore_index", 1, 5000, ValueError),
+])
+def test_an_int_too_large_for_a_float_is_an_error_naming_the_keyword(keyword, sign, exponent, error):
+    """math.isfinite raised OverflowError on it, an error no caller names the argument of (and a
+    vocab-parallel call did not carry it to the other ranks, which waited); past 4300 digits even its
+    repr raises."""
+    xs, ws, bs, y = student()
+    shown = rf"~{'-' if sign < 0 else ''}10\*\*{exponent} \(an int too large for a float\)"
+    with pytest.raises(error, match=rf"^{keyword}: expected .*, got {shown}$"):
+        call("heads", xs, ws, bs, y, teacher("heads"), **{keyword: sign * 10**exponent})
+    t = teacher("heads")
+    with pytest.raises(TypeError, match=r"^temperature: expected a finite Python float, got ~10\*\*400 "):
+        flashkd.teacher_topk(t["teacher_input"], t["teacher_weight"], 2, temperature=10**400)
+    with pytest.raises(ValueError, match=r"^teacher_softcap: expected a finite float > 0 \(or None for no cap\), got ~10"):
+        flashkd.teacher_topk(t["teacher_input"], t["teacher_weight"], 2, teacher_softcap=10**400)
 
 
 def test_modules_name_their_own_arguments():

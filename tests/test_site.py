@@ -481,6 +481,25 @@ def test_two_builds_into_one_out_at_once(tmp_path, capsys, monkeypatch):
     assert (out / "index.html").exists()
 
 
+def test_what_sits_at_the_lock_path_is_one_line_and_a_users_file_there_is_kept(tmp_path, capsys):
+    """A directory at --out's lock path (.NAME.lock) died with an IsADirectoryError traceback; a regular
+    file or a FIFO the user had there was deleted after the build."""
+    (tmp_path / "b").mkdir()
+    shutil.copy(VECTOR_PATH, tmp_path / "b" / "v.json")
+    out, lock = tmp_path / "site8", tmp_path / ".site8.lock"
+    argv = ["records", "site", str(tmp_path / "b"), "--out", str(out), "--replace"]
+    for make, got in ((lock.mkdir, "a directory"), (lambda: os.mkfifo(lock), "a FIFO")):
+        make()
+        code, _, err = _cli(argv, capsys)
+        assert code == 2 and err == (f"flashkd records site: --out {out}: expected no file or a lock file at {lock} "
+                                     f"(flashkd locks it while it writes), got {got}; move it away\n"), err
+        assert not out.exists()
+        lock.rmdir() if lock.is_dir() else lock.unlink()
+    lock.write_text("the user's\n")
+    assert _cli(argv, capsys)[0] == 0 and (out / "index.html").exists()
+    assert lock.read_text() == "the user's\n"
+
+
 def test_a_site_inside_its_input_folder_is_not_read_as_input(built, tmp_path, capsys):
     """A rebuild into a folder under its own input read the site's copies of the bundles (each run
     "shown once") and its canonical manifests (rejected: exit 1)."""

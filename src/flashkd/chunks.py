@@ -843,11 +843,13 @@ def check_teacher_topk(xs, student_input, ws, ids, lp):
 
 def check_topk_values(ids, lp, v, spec, y):
     """Value checks of a top-k teacher on the rows that count (host syncs: run by default on CPU only);
-    rows whose label is ignore_index contribute nothing, whatever they hold."""
+    rows whose label is ignore_index contribute nothing, whatever they hold. v None: all but the ids'
+    range (a vocab-parallel call checks it against the group's vocab, at its exchange)."""
     counted = torch.ones(ids.shape[0], dtype=torch.bool, device=ids.device) if y is None else y != spec.ignore_index
-    bad = ((ids < -1) | (ids >= v)) & counted[:, None]
-    if bad.any():
-        raise ValueError(f"teacher_ids: expected ids in [0, {v}) or -1 (unused slot), got {ids[bad][0].item()}")
+    if v is not None:
+        bad = ((ids < -1) | (ids >= v)) & counted[:, None]
+        if bad.any():
+            raise ValueError(f"teacher_ids: expected ids in [0, {v}) or -1 (unused slot), got {ids[bad][0].item()}")
     used = (ids >= 0) & counted[:, None]
     bad = used & ~(lp <= 0)
     if bad.any():

@@ -62,7 +62,9 @@ the writer uses three siblings of it:
     .NAME.flashkd-lock       a lock file, held with flock(LOCK_EX) for the whole write, so a second
                              writer of the same out_dir is refused at once; it is removed when the
                              write ends (a killed writer's lock file is released by the kernel and
-                             taken over). flock (POSIX; the writer needs fcntl) is advisory: it
+                             taken over). A regular file flashkd did not make found there is used as
+                             the lock and kept; anything else there (a directory, a FIFO, a link) is
+                             a ValueError naming it. flock (POSIX; the writer needs fcntl) is advisory: it
                              keeps out other writers, on one machine; on NFS, Linux maps it to NFS
                              byte-range locks, which hold across clients only where the server
                              supports locking (not with the "nolock" mount option); some network
@@ -132,6 +134,7 @@ import torch
 
 from . import files
 from .chunks import renamed
+from .losses import is_finite
 from .distill import teacher_topk
 
 FORMAT = "flashkd.topk"
@@ -247,7 +250,7 @@ def write_topk_targets(
     out.parent.mkdir(parents=True, exist_ok=True)
     lock = _sibling(out, "lock")
     with files.exclusive(lock, f"out_dir: another write into {out} is running (it holds {lock}); wait for it to end "
-                               "or write elsewhere"):
+                               "or write elsewhere", what="out_dir"):
         _check_out(out, overwrite)
         finished = _start(partial, index, writer, resume)
         done = list(index["examples"])  # keys of the finished shards, in the order they were written
@@ -744,15 +747,18 @@ def _read_regular(file: Path) -> bytes:
     # checked on its descriptor (no race with a swap of the path) before a byte is read
     try:
         fd = os.open(file, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_NOFOLLOW", 0))
-    except OSError as e:
-        got = "a symbolic link" if os.path.islink(file) else e.strerror
-        raise TargetsError(f"{file}: expected a regular file, got {got}") from None
+    except OSError as e:  # a link (ELOOP), a socket (ENXIO), ...: named by what it is, not by the errno's text
+        try:
+            mode = os.lstat(file).st_mode
+        except OSError:
+            mode = None
+        if mode is None or stat.S_ISREG(mode):  # gone, or one we may not read
+            raise TargetsError(f"{file}: cannot open it: {e.strerror}") from None
+        raise TargetsError(f"{file}: expected a regular file, got {files.kind(mode)}") from None
     mode = os.fstat(fd).st_mode
     if not stat.S_ISREG(mode):
         os.close(fd)
-        got = ("a directory" if stat.S_ISDIR(mode) else "a FIFO" if stat.S_ISFIFO(mode)
-               else "a socket" if stat.S_ISSOCK(mode) else "a device")
-        raise TargetsError(f"{file}: expected a regular file, got {got}")
+        raise TargetsError(f"{file}: expected a regular file, got {files.kind(mode)}")
     with os.fdopen(fd, "rb") as f:
         return f.read()
 
@@ -802,7 +808,7 @@ def _check_index(index, raw: bytes, file: Path):
         raise bad("vocab_size", f"an int in [1, {_MAX_INT})")
     if not (_is_int(index["k"]) and 1 <= index["k"] <= v):
         raise bad("k", f"an int in [1, {v}] (vocab_size)")
-    if not (isinstance(t, (int, float)) and not isinstance(t, bool) and math.isfinite(t) and t > 0):
+    if not (isinstance(t, (int, float)) and not isinstance(t, bool) and is_finite(t) and t > 0):
         raise bad("temperature", "a finite number > 0")
     if not (isinstance(index["logprob_dtype"], str) and index["logprob_dtype"] in _DTYPES):
         raise bad("logprob_dtype", "one of " + ", ".join(map(repr, _DTYPES)))
@@ -845,9 +851,8 @@ def _check_shard_file(file: Path, size: int, sha256: str | None = None):
         s = os.lstat(file)
     except FileNotFoundError:
         raise TargetsError(f"{file}: expected the shard the index lists, got no such file") from None
-    if stat.S_ISLNK(s.st_mode) or not stat.S_ISREG(s.st_mode):
-        got = "a symbolic link" if stat.S_ISLNK(s.st_mode) else "a directory or device"
-        raise TargetsError(f"{file}: expected a regular file, got {got}")
+    if not stat.S_ISREG(s.st_mode):  # lstat: a link is one
+        raise TargetsError(f"{file}: expected a regular file, got {files.kind(s.st_mode)}")
     if s.st_size != size:
         raise TargetsError(f"{file}: expected {size} bytes (the index), got {s.st_size}: the file is truncated or changed")
     if sha256 is not None and (got := _file_sha256(file)) != sha256:

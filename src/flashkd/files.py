@@ -5,15 +5,32 @@ from __future__ import annotations
 
 import contextlib
 import os
+import stat
 from pathlib import Path
+
+# What a lock file flashkd makes holds. Only a file holding it is removed when the block ends: a
+# regular file found at the path without it is someone else's, used as the lock and left as it was.
+_MARK = b"flashkd lock file: removed when its writer ends\n"
+
+
+def kind(mode: int) -> str:
+    """What a file of st_mode `mode` is, for a message: "a directory", "a FIFO", ..."""
+    for test, name in ((stat.S_ISREG, "a regular file"), (stat.S_ISDIR, "a directory"), (stat.S_ISLNK, "a symbolic link"),
+                       (stat.S_ISFIFO, "a FIFO"), (stat.S_ISSOCK, "a socket"), (stat.S_ISCHR, "a character device"),
+                       (stat.S_ISBLK, "a block device")):
+        if test(mode):
+            return name
+    return "a special file"
 
 
 @contextlib.contextmanager
-def exclusive(file: Path, busy: str, *, required: bool = True):
-    """Hold an exclusive flock on `file` (made if absent) for the block; the file is removed at the end.
-    Another process holding it: ValueError(busy) at once, nothing waits. flock is POSIX: without fcntl
-    the block runs unlocked where not `required`, and raises OSError where it is. The lock is advisory
-    (on NFS it holds across clients only where the server supports locking)."""
+def exclusive(file: Path, busy: str, *, what: str, required: bool = True):
+    """Hold an exclusive flock on `file` (made if absent) for the block; the file is removed at the end
+    if flashkd made it. Another process holding it: ValueError(busy) at once, nothing waits. Something
+    other than a regular file at the path (a directory, a FIFO, a link): ValueError naming `what` (the
+    argument the path follows from) and the path. flock is POSIX: without fcntl the block runs unlocked
+    where not `required`, and raises OSError where it is. The lock is advisory (on NFS it holds across
+    clients only where the server supports locking)."""
     try:
         import fcntl
     except ImportError:
@@ -22,7 +39,9 @@ def exclusive(file: Path, busy: str, *, required: bool = True):
         yield
         return
     while True:
-        fd = os.open(file, os.O_RDWR | os.O_CREAT, 0o644)  # read-write: NFS maps flock to write locks
+        fd = _open(file, what)
+        if fd is None:  # removed between our two opens by the writer that held it: make it again
+            continue
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -42,5 +61,49 @@ def exclusive(file: Path, busy: str, *, required: bool = True):
     try:
         yield
     finally:
-        os.unlink(file)
+        try:
+            if _made_by_flashkd(fd) and os.path.samestat(os.fstat(fd), os.lstat(file)):
+                os.unlink(file)
+        finally:
+            os.close(fd)
+
+
+def _open(file: Path, what: str) -> int | None:
+    """A read-write descriptor (NFS maps flock to write locks) of the lock file: made, and marked as
+    flashkd's, where absent; else the regular file there; None where it went between the two opens."""
+    try:
+        fd = os.open(file, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644)
+    except FileExistsError:
+        pass
+    else:
+        os.write(fd, _MARK)  # before the flock: whoever holds the lock then sees the file as flashkd's
+        return fd
+    # O_NONBLOCK: a FIFO must not wait for a writer; O_NOFOLLOW: a link could lead anywhere
+    try:
+        fd = os.open(file, os.O_RDWR | os.O_NONBLOCK | getattr(os, "O_NOFOLLOW", 0))
+    except FileNotFoundError:
+        return None
+    except OSError as e:  # a directory (EISDIR), a socket (ENXIO), a link (ELOOP), a file we may not write, ...
+        try:
+            mode = os.lstat(file).st_mode
+        except FileNotFoundError:
+            return None
+        if stat.S_ISREG(mode):
+            raise OSError(e.errno, f"cannot lock {file}: {e.strerror}") from None
+        raise _not_a_lock(file, what, kind(mode)) from None
+    mode = os.fstat(fd).st_mode
+    if not stat.S_ISREG(mode):
         os.close(fd)
+        raise _not_a_lock(file, what, kind(mode))
+    return fd
+
+
+def _not_a_lock(file: Path, what: str, got: str) -> ValueError:
+    return ValueError(f"{what}: expected no file or a lock file at {file} (flashkd locks it while it writes), got "
+                      f"{got}; move it away")
+
+
+def _made_by_flashkd(fd: int) -> bool:
+    """Whether the locked file is one flashkd made (by this writer, or by one killed before it removed
+    it): it holds _MARK and nothing else."""
+    return os.fstat(fd).st_size == len(_MARK) and os.pread(fd, len(_MARK), 0) == _MARK

@@ -103,15 +103,15 @@ class LossSpec:
         if isinstance(self.ignore_index, bool) or not isinstance(self.ignore_index, int):
             raise TypeError(f"ignore_index: expected an int, got {self.ignore_index!r}")
         if not -(2**63) <= self.ignore_index < 2**63:  # compared with int64 labels
-            raise ValueError(f"ignore_index: expected an int64 value, got {self.ignore_index!r}")
+            raise ValueError(f"ignore_index: expected an int64 value, got {shown(self.ignore_index)}")
         if self.tail is not None and self.tail not in TAILS:
             raise ValueError(f"tail: expected 'bucket' or 'renormalize', got {self.tail!r}")
         if self.tail_clamp is not None:
             clamp = self.tail_clamp
             if isinstance(clamp, bool) or not isinstance(clamp, (int, float)):
                 raise TypeError(f"tail_clamp: expected a Python float or None, got {clamp!r}")
-            if not (math.isfinite(clamp) and clamp > 0.0):
-                raise ValueError(f"tail_clamp: expected a finite float > 0 (or None), got {clamp!r}")
+            if not (is_finite(clamp) and clamp > 0.0):
+                raise ValueError(f"tail_clamp: expected a finite float > 0 (or None), got {shown(clamp)}")
             if self.tail != "bucket":
                 raise ValueError(f"tail_clamp: expected None with tail={self.tail!r} (it clamps the tail bucket, "
                                  f"tail='bucket'), got {clamp!r}")
@@ -178,10 +178,27 @@ class DistillStats(NamedTuple):
     per_teacher: torch.Tensor | None = None
 
 
+def is_finite(value) -> bool:
+    """math.isfinite of a Python float or int; False for an int too large for a float, where
+    math.isfinite raises OverflowError (an error no caller names the argument of)."""
+    try:
+        return math.isfinite(value)
+    except OverflowError:
+        return False
+
+
+def shown(value) -> str:
+    """repr(value) for a message, an int too large for a float as its magnitude: its repr runs to
+    hundreds of digits, and past 4300 repr itself raises ValueError."""
+    if isinstance(value, int) and not isinstance(value, bool) and not is_finite(value):
+        return f"~{'-' if value < 0 else ''}10**{int(math.log10(abs(value)))} (an int too large for a float)"
+    return repr(value)
+
+
 def check_finite_float(name: str, value) -> None:
     """A finite Python float (an int is one too; a bool is not), as LossSpec's floats must be."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-        raise TypeError(f"{name}: expected a finite Python float, got {value!r}")
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not is_finite(value):
+        raise TypeError(f"{name}: expected a finite Python float, got {shown(value)}")
 
 
 def check_logit_transform(scale_name: str, scale, cap_name: str, cap) -> None:
@@ -191,10 +208,10 @@ def check_logit_transform(scale_name: str, scale, cap_name: str, cap) -> None:
             continue
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise TypeError(f"{name}: expected a Python float{' or None' if name == cap_name else ''}, got {value!r}")
-    if not math.isfinite(scale) or scale == 0.0:
-        raise ValueError(f"{scale_name}: expected a finite non-zero float, got {scale!r}")
-    if cap is not None and not (math.isfinite(cap) and cap > 0.0):
-        raise ValueError(f"{cap_name}: expected a finite float > 0 (or None for no cap), got {cap!r}")
+    if not is_finite(scale) or scale == 0.0:
+        raise ValueError(f"{scale_name}: expected a finite non-zero float, got {shown(scale)}")
+    if cap is not None and not (is_finite(cap) and cap > 0.0):
+        raise ValueError(f"{cap_name}: expected a finite float > 0 (or None for no cap), got {shown(cap)}")
 
 
 def logit_transform(x: torch.Tensor, scale: float, softcap: float | None) -> torch.Tensor:
@@ -217,7 +234,7 @@ def row_losses(s: torch.Tensor, t: torch.Tensor, labels: torch.Tensor | None, sp
     s:      (R, V) student logits, any float dtype, before the head's transform (`LossSpec.student`)
     t:      (R, V) teacher logits, same V, before its transform (unused, may be None, when
             `spec.want_soft` is False)
-    labels: (R,) integer labels or None
+    labels: (R,) integer labels or None (int32 with an ignore_index past int32: ValueError, `check_ignore_index`)
     vocab:  the block's place in the vocab and its reductions over it (`Vocab`); None: the block
             holds the whole vocab. With a slice of the vocab (`flashkd.distributed`) every rank
             gets the rows of the whole vocab.
@@ -226,6 +243,7 @@ def row_losses(s: torch.Tensor, t: torch.Tensor, labels: torch.Tensor | None, sp
     outside [0, V) that is not `ignore_index` gives a NaN hard loss on its row. With `stats`, also the
     entropy of q = softmax(a/τ) per row (R,), zero on ignored rows: (soft, hard, entropy).
     """
+    check_ignore_index(labels, spec.ignore_index)
     vocab = vocab or WHOLE_VOCAB
     work = torch.promote_types(s.dtype, torch.float32)
     s, t = _drop_ignored(s, labels, spec), _drop_ignored(t, labels, spec)
@@ -291,6 +309,7 @@ def topk_row_losses(s: torch.Tensor, t, labels: torch.Tensor | None, spec: LossS
     With `spec.tail_clamp` ε the bucket is TRL's (`category_logprobs`): on each side the rest is
     1 − Σ over the ids with the log of that sum clamped at −ε, and nothing is renormalised.
     """
+    check_ignore_index(labels, spec.ignore_index)
     vocab = vocab or WHOLE_VOCAB
     work = torch.promote_types(s.dtype, torch.float32)
     s = spec.student(_drop_ignored(s, labels, spec).to(work))
@@ -336,6 +355,15 @@ def category_entropy(log_p: torch.Tensor, used: torch.Tensor) -> torch.Tensor:
 def row_entropy(log_q: torch.Tensor) -> torch.Tensor:
     """−Σ q log q per row, with 0 · log 0 = 0 (this block's part of the sum over the vocab)."""
     return -_plogr(log_q.exp(), log_q)
+
+
+def check_ignore_index(labels, ignore_index: int) -> None:
+    """int32 labels are compared with ignore_index in int32 (torch and the kernels alike), where a value
+    past int32 wraps onto a real label (2**32 + 5 onto 5): refused rather than widened, since no int32
+    label can equal it."""
+    if isinstance(labels, torch.Tensor) and labels.dtype == torch.int32 and not -(2**31) <= ignore_index < 2**31:
+        raise ValueError(f"ignore_index: expected a value in [-2**31, 2**31) with torch.int32 labels (no int32 label "
+                         f"can equal a larger one; pass int64 labels to use it), got {ignore_index!r}")
 
 
 def _valid_only(x, labels, spec: LossSpec):

@@ -45,7 +45,8 @@ adds the entropy to the last SUM, for a top-k teacher one more MAX and two SUMs)
 dX[c] = dS_r · W_r is all-reduced (asynchronously, while the next chunk computes): R · Hs · E bytes,
 summed in dX's dtype (in bf16: one rounding per rank's part, where the unsharded GEMM rounds once);
 per call one all-gather of a small int64 row per rank (its checks' status, vocab_start, V_r, row
-count and options, encoded; 4 + 80 int64).
+count, the least and largest of its labels and top-k ids where it checks them, and options, encoded;
+8 + 80 int64: world · 704 bytes gathered).
 
 Memory per rank, beyond the inputs: the core's formulas ("Memory" in README.md) with V_r for V
 (logits R·V_r·E, dW V_r·Hs·A), the torch backend's fp32 temporaries ≈ 6·R·V_r·4 where it runs,
@@ -59,7 +60,10 @@ its error on every rank (the others name its rank; a second collective carries t
 failing path only), and a row count or an option that changes the loss or the collectives (loss,
 β, τ, the weights, reduction, ignore_index, the heads' transforms, k, chunk_size, ...; 2 and 2.0
 are the same) that differs between ranks is a ValueError on every rank naming it; then the slices
-must tile [0, V) without gaps or overlaps. check_shards=False skips that read: no host sync (with
+must tile [0, V) without gaps or overlaps; then the labels and top-k ids must lie in [0, V) where
+check_labels and check_teacher check them (V is the group's: a rank sends the least and largest of
+its own, and the rank they fall outside of raises its own error, the others naming it; the checks
+that need no V run before the exchange). check_shards=False skips that read: no host sync (with
 chunk_size set: V stays a device tensor), no check of the layout or the options, and a call wrong on
 some ranks only leaves the others waiting in a later collective. check_replicas=True checks (one
 small all-gather) that the replicated rows are the same on every rank.

@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 from .. import chunks, fp8, teacher
+from ..losses import shown
 from .vocab import ShardedVocab
 
 # The exchanged layout row of a rank whose vocab_start is not an int (it raises with the others).
@@ -27,7 +28,8 @@ def run(call, **vocab_options):
     """A loss call with process_group (`flashkd.chunks.Call`); vocab_options go to the ShardedVocab
     (the FSDP route's)."""
     group = _check_group(call.process_group)
-    failed, local_size, count, agree = call.failed, 0, 0, None
+    failed, local_size, count, agree, ranges = call.failed, 0, 0, None, None
+    read = _reads(call.check_shards, call.chunk_size)
     try:  # a check that fails on this rank alone fails on every rank, after the exchange in `shard`
         if failed is not None:  # the call's options, checked where it was made (chunks.make_call)
             raise failed
@@ -40,14 +42,52 @@ def run(call, **vocab_options):
         elif isinstance(call.teacher, chunks.TopK):
             replicated.update(teacher_ids=teacher[0], teacher_logprobs=teacher[1])
         agree = _agreed(call, rows)
+        if read:
+            ranges = _ranges(call, rows)
     except Exception as e:  # noqa: BLE001 (raised again in `shard`, on this rank as it came)
         failed = e
     vocab = shard(group, call.vocab_start, local_size, _wire_device(group, call.student_input), call.check_shards,
-                  call.chunk_size, failed=failed, rows=("student_input", count), agree=agree, **vocab_options)
+                  call.chunk_size, failed=failed, rows=("student_input", count), agree=agree, ranges=ranges,
+                  **vocab_options)
     if call.check_replicas:
         check_replicas(group, {**replicated, "labels": rows.y})
+    if read:  # the labels and ids were checked against the group's vocab in `shard`, on every rank alike
+        return chunks.run(dataclasses.replace(call, check_labels=False), rows, vocab)
+    # check_shards=False: this rank's checks alone (a call wrong on some ranks can leave the others waiting)
     chunks.check_teacher_values(call, rows, vocab.total)
     return chunks.run(call, rows, vocab)
+
+
+def _ranges(call, rows) -> dict:
+    """{argument: (least, largest, check)} of the values this rank checks against the group's vocab V
+    (`_RANGED`; check(V) raises this rank's own error where they do not fit it), where check_teacher and
+    check_labels ask (default: on CPU tensors; host syncs); the top-k teacher's checks that need no V
+    run here, before the exchange."""
+    out, spec, y = {}, call.spec, rows.y
+    counted = None if y is None else y != spec.ignore_index
+    cpu = rows.xs.device.type == "cpu"
+    if isinstance(call.teacher, chunks.TopK) and (call.check_teacher if call.check_teacher is not None else cpu):
+        ids, lp = rows.teacher
+        chunks.check_topk_values(ids, lp, None, spec, y)
+        out["teacher_ids"] = (*_extremes(ids, counted), lambda v: chunks.check_topk_values(ids, lp, v, spec, y))
+    if y is not None and (call.check_labels if call.check_labels is not None else cpu):
+        out["labels"] = (*_extremes(y, counted), lambda v: chunks.check_label_range(y, v, spec.ignore_index))
+    return out
+
+
+def _extremes(x, counted) -> tuple[int, int]:
+    """(least, largest) of integer x's entries in the rows that count (counted: (N,) bool, None: all), or
+    `_NONE` where none does; one host sync."""
+    if x.numel() == 0:
+        return _NONE
+    if counted is not None:
+        keep = counted.view(-1, *(1,) * (x.dim() - 1))
+        info = torch.iinfo(x.dtype)
+        lo, hi = torch.where(keep, x, info.max).amin(), torch.where(keep, x, info.min).amax()
+    else:
+        lo, hi = x.amin(), x.amax()
+    lo, hi = torch.stack([lo, hi]).tolist()
+    return (lo, hi) if lo <= hi else _NONE
 
 
 def teacher_topk(call):
@@ -57,7 +97,8 @@ def teacher_topk(call):
 
     def sharded(local_size, device, failed=None, rows=0):
         check_shards = True if call.check_shards is None else call.check_shards
-        agree = None if failed is not None else _agreed(call, None, {"teacher_input's dtype": call.teacher_input.dtype})
+        agree = None if failed is not None else _agreed(call, None, {"teacher_input's dtype": call.teacher_input.dtype,
+                                                                     "teacher_input's hidden size": call.teacher_input.shape[-1]})
         group = _check_group(call.process_group)
         return shard(group, call.vocab_start, local_size, device or _wire_device(group, call.teacher_input),
                      check_shards, None, failed=failed, rows=("teacher_input", rows), agree=agree)
@@ -65,11 +106,12 @@ def teacher_topk(call):
     return teacher.run(call, sharded)
 
 
-# What every rank of a call must pass alike (what changes the loss, or which collectives run), besides
-# its LossSpec: `_agreed` encodes them for `shard`'s one all-gather.
+# What every rank of a call must pass alike (what changes the loss, which collectives run, or what a
+# check after the exchange reads: grad_accum_dtype), besides its LossSpec: `_agreed` encodes them for
+# `shard`'s one all-gather.
 _AGREED = ("chunk_size", "return_soft_hard_loss", "return_stats", "check_labels", "check_teacher", "check_replicas",
            "check_shards", "teacher_precision", "fsdp_gather", "k", "temperature", "vocab_size", "teacher_logit_scale",
-           "teacher_softcap")
+           "teacher_softcap", "grad_accum_dtype")
 _SPEC_NAMES = {"weight_hard": "weight_hard_loss", "weight_soft": "weight_soft_loss"}  # LossSpec's fields, as passed
 _FUNCTIONS = {"heads": "fused_linear_distill", "logits": "fused_linear_distill_logits", "topk": "fused_linear_distill_topk"}
 
@@ -88,7 +130,10 @@ def _agreed(call, rows, derived=None) -> dict:
         if isinstance(call.teacher, chunks.TopK):
             chunks.check_teacher_index(call, rows)
         grad = torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in (xs, ws, bs))
-        derived = {"backend": backend, "student_input's dtype": xs.dtype, "labels given": rows.y is not None,
+        # the hidden sizes: dX's all-reduce is R·Hs a chunk (ranks that differ abort in it); the rows are replicated
+        derived = {"backend": backend, "student_input's dtype": xs.dtype, "student_input's hidden size": xs.shape[1],
+                   "teacher_input's hidden size": rows.teacher[0].shape[1] if isinstance(call.teacher, chunks.Heads) else None,
+                   "labels given": rows.y is not None,
                    "row_weight given": call.row_weight is not None,
                    "gradients (grad mode, requires_grad; of student_input)": (grad, grad and xs.requires_grad),
                    "teacher_ids' k": rows.teacher[0].shape[-1] if isinstance(call.teacher, chunks.TopK) else None,
@@ -116,34 +161,50 @@ def _check_group(group):
     return group
 
 
+def _reads(check_shards, chunk_size) -> bool:
+    """Whether `shard` reads the exchanged rows on the host: unless check_shards is False, and then
+    also when chunk_size is None (the chunks are planned for the largest slice, which every rank must
+    agree on)."""
+    return check_shards is not False or chunk_size is None
+
+
 def shard(group, start, local_size, device, check_shards, chunk_size, *, failed=None, rows=("rows", 0), agree=None,
-          **options) -> ShardedVocab:
+          ranges=None, **options) -> ShardedVocab:
     """The ShardedVocab of this rank, after one all-gather of a small int64 row per rank: whether its
     local checks passed (`failed`: the exception they raised, or None), its (vocab_start, V_r), its
-    row count (`rows`: (the argument holding them, count)) and its `agree` options ({what: value},
-    encoded).
+    row count (`rows`: (the argument holding them, count)), the least and largest of the values it
+    checks against the group's vocab (`ranges`: {argument: (least, largest, check)}, `_RANGED`) and
+    its `agree` options ({what: value}, encoded).
 
-    The row is read on the host unless check_shards is False (then also when chunk_size is None: the
-    chunks are planned for the largest slice, which every rank must agree on): a rank whose checks
-    failed raises its error on every rank; rows or options that differ between ranks, or slices that
-    do not tile [0, V) without gaps or overlaps, raise the same error on every rank, naming what
-    differs. One host sync a call. check_shards=False skips the read: then no host sync (with
-    chunk_size set; V stays a device tensor), and a call that is wrong on some ranks only leaves the
-    others waiting in a later collective."""
+    The row is read on the host where `_reads`: a rank whose checks failed raises its error on every
+    rank; rows or options that differ between ranks, slices that do not tile [0, V) without gaps or
+    overlaps, or values outside [0, V) raise on every rank, naming what is wrong and where. One host
+    sync a call. check_shards=False skips the read: then no host sync (with chunk_size set; V stays a
+    device tensor), and a call that is wrong on some ranks only leaves the others waiting in a later
+    collective."""
     if failed is None and check_shards is not None and not isinstance(check_shards, bool):
         failed = TypeError(f"check_shards: expected a bool or None, got {check_shards!r}")
     good = not isinstance(start, bool) and isinstance(start, int)
-    codes = [c for value in (agree or {}).values() for c in _encode(value)]
+    # Nothing here may raise before the all-gather: this rank alone would, and the others would wait in it
+    fits = good and -(2**63) <= start < 2**63
+    if failed is None and good and not fits:
+        failed = ValueError(f"vocab_start: expected an int64 value (the global id of this rank's first vocab row), "
+                            f"got {shown(start)}")
+    try:
+        codes = [c for value in (agree or {}).values() for c in _encode(value)]
+    except Exception as e:  # noqa: BLE001 (a value whose repr raises)
+        failed, codes = failed or e, []
     if len(codes) > 2 * _SLOTS:
         raise AssertionError(f"{len(codes) // 2} options to agree on, room for {_SLOTS}")
-    head = [int(failed is not None), start if good else _NOT_AN_INT, local_size, rows[1]]
+    head = [int(failed is not None), start if fits else _NOT_AN_INT, local_size, rows[1]]
+    head += [c for name in _RANGED for c in (ranges or {}).get(name, _NONE)[:2]]
     mine = torch.tensor(head + codes + [0] * (2 * _SLOTS - len(codes)), dtype=torch.int64, device=device)
     world = dist.get_world_size(group)
     every = torch.empty(world * mine.numel(), dtype=torch.int64, device=device)
     dist.all_gather_into_tensor(every, mine, group=group)
     every = every.view(world, -1)
     layout = every[:, 1:3]
-    read = check_shards is not False or chunk_size is None
+    read = _reads(check_shards, chunk_size)
     table = every.tolist() if read else None  # the call's one host sync
     if read:
         _raise_any_failure(group, table, failed)
@@ -155,10 +216,18 @@ def shard(group, start, local_size, device, check_shards, chunk_size, *, failed=
         return ShardedVocab(group, start, local_size, (layout[:, 0] + layout[:, 1]).max(), **options)
     _check_agreement(table, agree, rows, dist.get_rank(group))
     total = _check_layout([row[1:3] for row in table], dist.get_rank(group))
+    _check_ranges(table, ranges or {}, total, agree, dist.get_rank(group))
     return ShardedVocab(group, start, local_size, total, plan_size=max(row[2] for row in table), **options)
 
 
 _SLOTS = 40  # options `agree` may hold (two int64 each): the same width on every rank, whatever it calls
+# The values a rank checks against the group's vocab V, which only the exchange gives (labels and a
+# top-k teacher's ids are global ids), in the order an unsharded call checks them: the least and the
+# largest of each in the row (`_NONE` where it checks none: checks off, no labels, no row that counts).
+_RANGED = ("teacher_ids", "labels")
+_NONE = (0, -1)
+_HEAD = 4 + 2 * len(_RANGED)  # the row's columns before the options' codes
+_FINE_HERE = "this rank's call was checked and fine, and raises with it so that no rank waits in a collective"
 _ERRORS = {"TypeError": TypeError, "ValueError": ValueError}
 
 
@@ -171,8 +240,10 @@ def _encode(value) -> tuple[int, int]:
         return 1, int(value)
     if isinstance(value, float) and value.is_integer() and abs(value) < 2**53:
         value = int(value)
-    if isinstance(value, int) and -(2**63) <= value < 2**63:
-        return 2, value
+    if isinstance(value, int):  # past int64, by its bytes: its repr may be too long to make (4300 digits)
+        if -(2**63) <= value < 2**63:
+            return 2, value
+        return 4, zlib.crc32(value.to_bytes(value.bit_length() // 8 + 1, "little", signed=True))
     if isinstance(value, float):
         return 3, struct.unpack("<q", struct.pack("<d", value))[0]
     return 4, zlib.crc32(repr(value).encode())
@@ -189,15 +260,31 @@ def _raise_any_failure(group, table, failed):
     if failed is not None:
         raise failed
     kind, text = said[bad[0]]
-    raise _ERRORS.get(kind, RuntimeError)(f"{text} (on rank {bad[0]} of process_group; this rank's call was checked "
-                                          f"and fine, and raises with it so that no rank waits in a collective)")
+    raise _ERRORS.get(kind, RuntimeError)(f"{text} (on rank {bad[0]} of process_group; {_FINE_HERE})")
+
+
+def _check_ranges(table, ranges, total, agree, rank):
+    """Every rank raises when a rank's labels or top-k ids fall outside the group's vocab [0, V): that
+    rank its own check's error (as an unsharded call words it), the others one naming its rank."""
+    for i, name in enumerate(_RANGED):
+        least = -1 if name == "teacher_ids" else 0  # -1: an unused slot
+        bad = [r for r, row in enumerate(table) if row[4 + 2 * i] < least or row[5 + 2 * i] >= total]
+        if not bad:
+            continue
+        if rank in bad and name in ranges:
+            ranges[name][2](total)  # raises this rank's own error
+        lo, hi = table[bad[0]][4 + 2 * i : 6 + 2 * i]
+        expected = (f"ids in [0, {total}) or -1 (unused slot)" if name == "teacher_ids"
+                    else f"values in [0, {total}) or ignore_index={agree['ignore_index']}")
+        raise ValueError(f"{name}: expected {expected}, got {lo if lo < least else hi} (on rank {bad[0]} of "
+                         f"process_group; {_FINE_HERE})")
 
 
 def _check_agreement(table, agree, rows, rank):
     """The same function, row count and options on every rank (their codes in table), else ValueError
     on every rank naming the first that differs."""
     items = list((agree or {}).items())
-    checks = [(what, value, [4 + 2 * i, 5 + 2 * i]) for i, (what, value) in enumerate(items)]
+    checks = [(what, value, [_HEAD + 2 * i, _HEAD + 1 + 2 * i]) for i, (what, value) in enumerate(items)]
     checks.insert(min(1, len(checks)), (rows[0], rows[1], [3]))  # after the function: the rows are its
     for what, value, cols in checks:
         differ = [r for r, row in enumerate(table) if [row[c] for c in cols] != [table[0][c] for c in cols]]
@@ -208,7 +295,7 @@ def _check_agreement(table, agree, rows, rank):
                              f"replicated), got rank(s) {differ} with a number other than rank 0's; this rank's "
                              f"(rank {rank}): {value}")
         raise ValueError(f"{what}: expected the same value on every rank of process_group (every rank makes the same "
-                         f"call), got one on rank(s) {differ} that differs from rank 0's; this rank's (rank {rank}): {value!r}")
+                         f"call), got one on rank(s) {differ} that differs from rank 0's; this rank's (rank {rank}): {shown(value)}")
 
 
 def _check_layout(layout, rank) -> int:

@@ -604,7 +604,8 @@ def write(site: Site, out: Path, replace: bool = False) -> int:
     parent.mkdir(parents=True, exist_ok=True)
     lock = parent / f".{out.absolute().name}.lock"
     with files.exclusive(lock, f"--out {out}: another `flashkd records site` is building it now (it holds {lock}); "
-                               "nothing written, run again when that one has finished", required=False):
+                               "nothing written, run again when that one has finished", what=f"--out {out}",
+                         required=False):
         check_out(out, replace)  # again, under the lock: what another build left there counts
         building = parent / f".{out.absolute().name}.{os.getpid()}{PARTIAL}"
         shutil.rmtree(building, ignore_errors=True)
