@@ -409,3 +409,11 @@ def test_emit_verify_round_trip(tmp_path, capsys, wrong_provider):
 def test_harness_commit():
     commit = harness_commit()
     assert commit is None or (len(commit) == 40 and set(commit) <= set("0123456789abcdef"))
+
+
+def test_an_int_too_large_for_a_double_is_not_a_number_of_a_record():
+    """json.loads reads 10**400 as an int, whose math.isfinite raised OverflowError."""
+    from flashkd.records import liger
+
+    assert [liger._number(x) for x in (10**400, -(10**400), 5, 1.5, float("inf"), True)] == [
+        False, False, True, True, False, False]

@@ -767,3 +767,12 @@ def test_a_long_primary_value_stays_in_its_cell(browser, tmp_path, capsys):
             [...document.querySelectorAll('table.groups td')]
               .filter(td => td.scrollWidth > td.clientWidth + 1).map(td => td.textContent)""")["result"]["value"]
         assert spilled == [], (width, spilled)
+
+
+def test_an_out_that_cannot_be_made_is_one_line(tmp_path, capsys):
+    """An OSError while the site is written (here --out under a regular file) was a traceback."""
+    (tmp_path / "b").mkdir()
+    shutil.copy(VECTOR_PATH, tmp_path / "b" / "v.json")
+    (tmp_path / "plain").write_text("")
+    code, out, err = _cli(["records", "site", str(tmp_path / "b"), "--out", str(tmp_path / "plain" / "site")], capsys)
+    assert code == 2 and out == "" and err.startswith("flashkd records site: ") and err.count("\n") == 1, err

@@ -67,7 +67,7 @@ from typing import ClassVar
 import torch
 
 from . import fp8
-from .losses import DistillStats, LossSpec, check_finite_float
+from .losses import DistillStats, LossSpec, check_finite_float, check_ignore_index
 from .backends import torch_rows
 
 # Default memory for one chunk's logits. Bigger chunks make the GEMMs more efficient; past a few
@@ -255,11 +255,7 @@ def _make_call(
     )
     if not has_labels and w_hard != 0.0:
         raise ValueError(f"weight_hard_loss: expected 0 when labels is None (no hard labels to train on), got {w_hard!r}")
-    # int32 labels are compared with ignore_index in int32 (torch and the kernels alike), where a value
-    # past int32 would wrap onto a real label: refused rather than widened, since no int32 label equals it
-    if isinstance(labels, torch.Tensor) and labels.dtype == torch.int32 and not -(2**31) <= spec.ignore_index < 2**31:
-        raise ValueError(f"ignore_index: expected a value in [-2**31, 2**31) with torch.int32 labels (no int32 label "
-                         f"can equal a larger one; pass int64 labels to use it), got {spec.ignore_index!r}")
+    check_ignore_index(labels, spec.ignore_index)
     return Call(spec, teacher, student_input, student_weight, labels, student_bias, row_weight, chunk_size, backend,
                 return_soft_hard_loss, return_stats, grad_accum_dtype, check_labels, check_teacher, teacher_precision,
                 process_group, vocab_start, check_shards, check_replicas, fsdp_gather)

@@ -26,6 +26,7 @@ import dataclasses
 import io
 import json
 import math
+import sys
 import re
 from datetime import datetime, timezone
 from typing import Callable
@@ -110,7 +111,9 @@ def _int(value):
 
 def _number(value) -> bool:
     """A finite JSON number (json.loads reads 1e400 as inf, which JSON cannot write back)."""
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    if isinstance(value, int) and not isinstance(value, bool):
+        return abs(value) <= sys.float_info.max  # math.isfinite of a larger int raises OverflowError
+    return isinstance(value, float) and math.isfinite(value)
 
 
 def _bind_jsd(x, x_name, config):

@@ -696,6 +696,10 @@ def main(args) -> int:
     except ValueError as e:
         print(f"flashkd records site: {e}", file=sys.stderr)
         return 2
+    except OSError as e:  # a folder it may not write or read: one line, as the command's other errors
+        where = f": {e.filename}" if e.filename else ""
+        print(f"flashkd records site: {e.strerror or e}{where}", file=sys.stderr)
+        return 2
     for x in site.rejected:
         for problem in x.problems:
             print(f"{x.path}: {problem}", file=sys.stderr)
