@@ -169,6 +169,80 @@ def test_chunked_jsd_loss_at_trained_magnitudes(beta, tail, backend, seed, monke
         assert err <= max(2 * err_trl, 1e-4), (name, err, err_trl)
 
 
+# Rows of the clamp's regime, by kind: (student peaked on its first candidate, the teacher's rest 1 − Σ p,
+# its other candidates' probabilities (about), the row's teacher). "Peaked": the candidates hold all but
+# ~1e-10 of the student's mass, log Σ q > −1e-7, so TRL clamps that side's tail at 1 − e^−1e-7.
+# Teacher 0: the student clamped against an open teacher, and both open; teacher 1: the student clamped, the
+# teacher nearly agreeing (rest 3e-2), and both clamped (Σ p 1 to rounding, past it or short of it); teacher 2:
+# an open student against a clamped teacher (rest 1e-9), and against one whose rest, 3e-7, is clamped at
+# 1e-6 but not at 1e-7. One dominant candidate on a clamped side keeps TRL's fp32 sums exact there.
+CLAMP_ROWS = {"A": (True, 0.3, 0.1, 0), "E": (False, 0.4, 0.1, 0), "a": (True, 3e-2, 1e-5, 1),
+              "C": (True, 0.0, 1e-10, 1), "B": (False, 1e-9, 1e-10, 2), "D": (False, 3e-7, 1e-13, 2)}
+
+
+def clamp_regime(kinds, v, h, k, peaks=8):
+    """A student (hidden (n, h), weight (v, h), bias (v,)) and a teacher's candidates (ids, fp32 log-probs,
+    mask, teacher index) with rows of `kinds` (CLAMP_ROWS). The first `peaks` tokens' head rows are
+    orthogonal to the rest's (hidden dims of their own), so a row's hidden state moved to one of them puts
+    its logit at 30 and moves no other logit."""
+    n = len(kinds)
+    w = torch.zeros(v, h)
+    w[:peaks, :peaks] = 2.0 * torch.eye(peaks)
+    w[peaks:, peaks:] = torch.randn(v - peaks, h - peaks) * 2.0 / math.sqrt(h - peaks)
+    b = 0.5 * torch.randn(v)
+    x = torch.randn(n, h)
+    ids = torch.stack([torch.randperm(v)[:k] for _ in range(n)])
+    logps = torch.empty(n, k, dtype=torch.float64)
+    index = torch.empty(n, dtype=torch.long)
+    for r, kind in enumerate(kinds):
+        peaked, rest, other, index[r] = CLAMP_ROWS[kind]
+        if peaked:
+            j = int(torch.randint(peaks, ()))
+            ids[r, ids[r] == j] = ids[r, 0]
+            ids[r, 0] = j
+            x[r, j] = (30.0 - b[j]) / 2.0
+        others = other * (0.5 + torch.rand(k - 1, dtype=torch.float64))
+        logps[r] = torch.cat([(1.0 - rest - others.sum()).reshape(1), others]).log()
+    mask = torch.ones(n, k, dtype=torch.bool)
+    return [t.requires_grad_() for t in (x, w, b)], ids, logps.float(), mask, index
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("beta", [0.0, 0.3, 1.0])
+def test_chunked_jsd_loss_where_the_tail_clamps(beta, backend, seed, monkeypatch):
+    """TRL's tail clamp at work: rows whose candidates hold all but ~1e-10 of the student's mass, or of the
+    teacher's, or both, beside rows where neither side clamps, and a teacher rest clamped at 1e-6 but not at
+    1e-7 (CLAMP_ROWS). Against float64 truth (TRL's formula, `oracle.trl_jsd_loss`): the loss, every
+    statistic (each per-teacher entry alone: the clamped rows have teachers of their own) and the gradients
+    within 1e-5 relative, or 2x TRL's own error where that is larger (over 50 draws both are at most 3.1e-6
+    off, the gradients 1.6e-6). A clamp of 1e-6, or none, fails this at every β: the loss moves by 1e-5 to
+    1e-1 (at β = 0.3 by ~1e-5 only: the mixture keeps tiny masses from mattering), teacher 1's JSD sum by
+    7e-5 or more, teacher 2's entropy by 0.3 to 3x."""
+    monkeypatch.setattr(fk_trl, "fused_linear_distill_topk",
+                        functools.partial(fk_trl.fused_linear_distill_topk, backend=backend))
+    kinds = "AEaCBD" * (4 if backend == "torch" else 2)
+    inputs, ids, logps, mask, index = clamp_regime(kinds, 61, 24, 3)
+    # the regime as named: log Σ over the candidates above −1e-7 on the clamped sides only, in float64
+    lq = torch.log_softmax((inputs[0] @ inputs[1].T + inputs[2]).detach().double(), -1).gather(1, ids)
+    clamped = torch.stack([lq.logsumexp(-1), logps.double().logsumexp(-1)], 1) > -1e-7
+    want = torch.tensor([[CLAMP_ROWS[c][0], CLAMP_ROWS[c][1] < 1e-7] for c in kinds])
+    assert torch.equal(clamped, want), (clamped, want)
+    args = (1.0, None, ids, logps, mask, beta, 1.0, True, index, 3, 8)
+    (r0, g0), (r1, g1) = _both(inputs, args, backend)
+    leaves = [t.detach().double().requires_grad_() for t in inputs]
+    truth = trl_jsd_loss(*leaves, ids, logps, mask, beta=beta, temperature=1.0, add_tail_bucket=True,
+                         teacher_index=index, num_teachers=3)
+    g_truth = torch.autograd.grad(truth[0], leaves)
+    names = ("loss", "jsd_sum", "entropy_sum", "teacher_entropy_sum") + tuple(
+        f"teacher {i} {s}" for i in range(3) for s in ("count", "jsd", "entropy"))
+    for name, a, b, t in zip(names, [*r1[:4], *r1[4]], [*r0[:4], *r0[4]], [*truth[:4], *truth[4]]):
+        err, err_trl = _rel(a, t), _rel(b, t)
+        assert err <= max(2 * err_trl, 1e-5), (name, err, err_trl)
+    for name, a, b, t in zip(("d hidden", "d weight", "d bias"), g1, g0, g_truth):
+        err, err_trl = _rel(a, t), _rel(b, t)
+        assert err <= max(2 * err_trl, 1e-5), (name, err, err_trl)
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("beta, tail", [(0.0, True), (0.3, True), (1.0, True), (0.3, False)])
 def test_chunked_jsd_loss_bf16_student(beta, tail, backend, seed, monkeypatch):
