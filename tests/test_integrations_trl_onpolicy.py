@@ -498,7 +498,7 @@ class LocalTeacherServer:
         return out
 
 
-def _train_server(monkeypatch, *, beta, tail, top_k, steps=3, batch=4):
+def _train_server(tmp_path, monkeypatch, *, beta, tail, top_k, steps=3, batch=4):
     from datasets import Dataset
 
     import trl.generation.vllm_client
@@ -508,7 +508,7 @@ def _train_server(monkeypatch, *, beta, tail, top_k, steps=3, batch=4):
     monkeypatch.setattr(trl.generation.vllm_client, "VLLMClient", LocalTeacherServer)
     student = tiny_models.llama(16, 0)
     args = ServerDistillationConfig(
-        output_dir="/tmp/flashkd-test-trl-server", teacher_model_server_url="http://unused", beta=beta,
+        output_dir=str(tmp_path / "out"), teacher_model_server_url="http://unused", beta=beta,
         loss_top_k=top_k, loss_add_tail=tail, temperature=1.0, per_device_train_batch_size=batch,
         max_completion_length=6, max_steps=steps, learning_rate=1.0, optim="sgd", lr_scheduler_type="constant",
         logging_steps=1, report_to=[], use_cpu=True, bf16=False, save_strategy="no", disable_tqdm=True, seed=0,
@@ -522,7 +522,7 @@ def _train_server(monkeypatch, *, beta, tail, top_k, steps=3, batch=4):
 
 
 @pytest.mark.parametrize("beta, tail, top_k", [(0.0, True, 3), (0.5, False, 1), (1.0, True, 1)])
-def test_server_trainer_patched_equals_unpatched_step_for_step(monkeypatch, beta, tail, top_k):
+def test_server_trainer_patched_equals_unpatched_step_for_step(tmp_path, monkeypatch, beta, tail, top_k):
     import inspect
 
     from trl.experimental.server_distillation import ServerDistillationTrainer
@@ -531,7 +531,7 @@ def test_server_trainer_patched_equals_unpatched_step_for_step(monkeypatch, beta
     for patched in (False, True):
         with fk_trl.patch() if patched else __import__("contextlib").nullcontext():
             assert (inspect.unwrap(ServerDistillationTrainer.compute_loss) is fk_trl.server_compute_loss) == patched
-            runs.append(_train_server(monkeypatch, beta=beta, tail=tail, top_k=top_k))
+            runs.append(_train_server(tmp_path, monkeypatch, beta=beta, tail=tail, top_k=top_k))
     (l0, s0), (l1, s1) = runs
     assert len(l0) == len(l1) == 3 and all(math.isfinite(x) and x > 0 for x in l0)
     torch.testing.assert_close(torch.tensor(l1), torch.tensor(l0), rtol=1e-5, atol=1e-7)
