@@ -153,6 +153,23 @@ def test_grad_output_scales(grad_output, backend):
     assert torch.isfinite(loss2)
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("retain", [False, True])
+def test_grad_output_scales_bf16_gradients_in_fp32(backend, retain):
+    """A loss divided by a token count before backward (TRL's trainers): bf16 gradients scaled by the fp32
+    grad_output and rounded once. grad_output rounded to bf16 first (1/3 → 0.333984) would scale every
+    gradient 0.2 % off."""
+    xs, ws, xt, wt, y = inputs(dtype=torch.bfloat16)
+    loss = flashkd.fused_linear_distill(xs, ws, xt, wt, y, backend=backend)
+    dx, dw = torch.autograd.grad(loss, (xs, ws))
+    scale = torch.tensor(1.0 / 3.0)
+    loss = flashkd.fused_linear_distill(xs, ws, xt, wt, y, backend=backend)
+    (loss / 3.0).backward(retain_graph=retain)
+    for got, once in ((xs.grad, dx), (ws.grad, dw)):
+        assert got.dtype == torch.bfloat16
+        assert torch.equal(got, (once.float() * scale).bfloat16()), (got, once)
+
+
 def test_no_gradient_work_without_grad(monkeypatch):
     calls = []
     real = flashkd.backends.torch_rows.rows

@@ -88,6 +88,70 @@ def test_tail_clamp_matches_oracle(backend, loss, beta, clamp, seed):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("beta", [0.0, 0.3, 1.0])
+def test_tail_clamp_in_fp32_at_large_logits(backend, beta, seed):
+    """Both sides clamped in fp32: the four ids' head rows are zero and their bias 25 (logits exact at 25 on
+    every row, q ~ 1/4 each, the rest ~1e-9), the teacher's mass on them 1 − 1e-9 or 1. The hidden states'
+    gradient is then the part off the ids alone, q_j times a sum over the categories that cancels at β
+    between 0 and 1. Loss and gradients within 1e-5 relative of float64 truth on each of 3 draws (dX at
+    β = 0.3 at most 5.3e-6 over 150 draws; categories taken as z − logsumexp of the logits, whose ~1e-6
+    rounding at 26 every q carries, gave 7e-6 to 2e-5 over 60)."""
+    n, v, h, k = 16, 50, 16, 4
+    for draw in range(3):
+        g = torch.Generator().manual_seed(seed + draw)
+        x = torch.randn(n, h, generator=g)
+        w = 0.1 * torch.randn(v, h, generator=g)
+        w[:k] = 0.0
+        b = torch.zeros(v)
+        b[:k] = 25.0
+        ids = torch.arange(k).repeat(n, 1)
+        logprobs = torch.log_softmax(torch.randn(n, k, generator=g), -1)
+        logprobs[: n // 2] += math.log1p(-1e-9)
+        options = dict(loss="jsd", beta=beta, tail="bucket", tail_clamp=1e-7, reduction="sum")
+        leaves = [t.requires_grad_() for t in (x, w, b)]
+        loss = flashkd.fused_linear_distill_topk(x, w, ids, logprobs, None, student_bias=b, backend=backend, **options)
+        grads = torch.autograd.grad(loss, leaves)
+        ref_leaves = [t.detach().double().requires_grad_() for t in leaves]
+        ref = topk_loss(ref_leaves[0], ref_leaves[1], ids, logprobs, student_bias=ref_leaves[2], **options)[0]
+        ref_grads = torch.autograd.grad(ref, ref_leaves)
+        assert abs(loss.item() - ref.item()) <= 1e-5 * abs(ref.item()), (draw, loss.item(), ref.item())
+        for name, a, r in zip(("dX", "dW", "db"), grads, ref_grads):
+            assert rel_err(a, r) <= 1e-5, (draw, name, rel_err(a, r))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("beta", [0.0, 0.3, 1.0])
+def test_tail_clamp_in_fp32_where_one_category_holds_the_mass(backend, beta, seed):
+    """dL/dz per row in fp32 against float64 truth, the logits exact (an identity head): rows of an open
+    student against a clamped teacher (the rest holds ~98 % of q; a reverse KL's g_rest ≈ 16 against a
+    dz_rest ~1e-2), and rows of a student whose first id's logit is 30 (q ≈ 1 − 1e-11 there, dL/dz ~1e-11)
+    against an open teacher. log_softmax's backward, g − q Σ g, cancels on both: 2e-4 and ~1 relative. The
+    peaked rows within 1e-3 (float64 truth is itself ~1e-5 off there: the same cancellation at 1e-16), the
+    open rows within 1e-5 at β 0 and 1 (at 0.3 the JSD's own gradient cancels to ~1e-4 on them, in TRL's
+    formula too), the whole gradient within 1e-5."""
+    n, v, k = 16, 40, 4
+    g = torch.Generator().manual_seed(seed)
+    z = 2.0 * torch.randn(n, v, generator=g)
+    ids = torch.stack([torch.randperm(v, generator=g)[:k] for _ in range(n)])
+    peaked = torch.arange(n) % 2 == 1
+    z[peaked, ids[peaked, 0]] = 30.0
+    rest = torch.where(peaked, 0.3, torch.where(torch.arange(n) % 4 == 0, 1e-9, 3e-7)).double()[:, None]
+    others = torch.where(peaked[:, None], 0.1, 1e-10) * (0.5 + torch.rand(n, k - 1, generator=g, dtype=torch.float64))
+    logprobs = torch.cat([1 - rest - others.sum(-1, keepdim=True), others], -1).log().float()
+    options = dict(loss="jsd", beta=beta, tail="bucket", tail_clamp=1e-7, reduction="sum")
+    x, eye = z.clone().requires_grad_(), torch.eye(v)
+    (dz,) = torch.autograd.grad(flashkd.fused_linear_distill_topk(x, eye, ids, logprobs, None, backend=backend,
+                                                                  **options), [x])
+    xd = z.double().requires_grad_()
+    (want,) = torch.autograd.grad(topk_loss(xd, eye.double(), ids, logprobs, **options)[0], [xd])
+    row = (dz.double() - want).norm(dim=1) / want.norm(dim=1)
+    assert row[peaked].max() <= 1e-3, row[peaked]
+    if beta != 0.3:
+        assert row[~peaked].max() <= 1e-5, row[~peaked]
+    assert rel_err(dz, want) <= 1e-5, rel_err(dz, want)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("tail, clamp", [("bucket", None), ("renormalize", None), ("bucket", 1e-7)])
 def test_teacher_entropy_and_per_teacher_stats(backend, tail, clamp, seed):
     """Each teacher's (rows, soft sum, teacher entropy sum) over the rows that count, the −1 rows in no

@@ -445,16 +445,18 @@ class _FusedDistill(torch.autograd.Function):
     def backward(ctx, grad_loss, *_grad_logged):
         # grad_loss is a 0-d device tensor: scaling by it needs no host sync, whatever its value. The
         # saved grads are ours alone and freed after this call unless the graph is kept for another
-        # backward: only then must they stay unscaled, and the scaled grads be new tensors.
+        # backward: only then must they stay unscaled, and the scaled grads be new tensors. grad_loss
+        # (fp32) enters the product as it is, multiplied in fp32 and rounded once: cast to bf16 first, a
+        # loss divided by a token count (1/3 → 0.333984) would scale every bf16 gradient up to 0.4 % off.
         keep = getattr(torch._C._autograd, "_get_current_graph_task_keep_graph", lambda: True)()
         if keep:
-            grads = tuple(None if g is None else g * grad_loss.to(g.dtype) for g in ctx.saved_tensors)
+            grads = tuple(None if g is None else g * grad_loss for g in ctx.saved_tensors)
         elif ctx.backend == "triton":
             from .backends import triton_rows
 
             grads = tuple(None if g is None else triton_rows.scale_(g, grad_loss) for g in ctx.saved_tensors)
         else:
-            grads = tuple(None if g is None else g.mul_(grad_loss.to(g.dtype)) for g in ctx.saved_tensors)
+            grads = tuple(None if g is None else g.mul_(grad_loss) for g in ctx.saved_tensors)
         return (*grads, None, None, None, *(None,) * ctx.num_teacher)
 
 

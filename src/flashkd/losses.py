@@ -392,18 +392,20 @@ def category_logprobs(z_k, z_rest, logprobs, used, rest_empty, tail: str, clamp:
     clamp ε (tail "bucket" only): TRL's `_add_tail_bucket` on each side, log rest = log(1 − exp(min(log
     Σ_ids, −ε))), and nothing renormalised: the categories may sum past 1 by up to ~ε (the student's)
     or by the teacher's excess. The student's rest is the same thing taken from the rest's own
-    logsumexp, max(log q_rest, log(1 − e^−ε)): exact where 1 − Σ q_ids would cancel."""
+    logsumexp, max(log q_rest, log(1 − e^−ε)): exact where 1 − Σ q_ids would cancel. The student's log q
+    are a log-softmax of (z_k, z_rest) (`_CategoryLogSoftmax`: relative to the row's largest, forward and
+    backward exact where one category holds nearly all the mass, as clamped rows do)."""
     lp_k = torch.where(used, logprobs, -torch.inf)
     if tail == "bucket" and clamp is not None:
-        lse = torch.logaddexp(z_rest, _LogSumExp.apply(z_k)[:, None])  # the student's whole-vocab logsumexp at τ
+        log_q = _CategoryLogSoftmax.apply(torch.cat([z_k, z_rest], -1))
         floor = math.log(-math.expm1(-clamp))
-        log_q_rest = z_rest - lse
+        log_q_rest = log_q[:, -1:]
         log_q_rest = torch.where(log_q_rest > floor, log_q_rest, floor)
         # The teacher's Σ p over the ids in float64 (R numbers): in fp32 its rounding, ~6e-8, is all of a
         # rest near the clamp, whose log a reverse KL weighs with q_rest
         wide = lp_k.double() if lp_k.device.type != "mps" else lp_k
         log_p_rest = torch.log(-torch.expm1(torch.logsumexp(wide, -1, keepdim=True).clamp_max(-clamp))).to(lp_k.dtype)
-        return torch.cat([z_k - lse, log_q_rest], -1), torch.cat([lp_k, log_p_rest], -1)
+        return torch.cat([log_q[:, :-1], log_q_rest], -1), torch.cat([lp_k, log_p_rest], -1)
     if tail == "bucket":
         p_rest = (1.0 - lp_k.exp().sum(-1, keepdim=True)).clamp_min(0.0)
         a = torch.cat([z_k, torch.where(rest_empty, -torch.inf, z_rest)], -1)
@@ -473,6 +475,36 @@ class Vocab:
         a row that is −inf throughout is −inf with a zero gradient (no NaN)."""
         lse = [_LogSumExp.apply(x) for x in lse]  # first: its temporaries meet fewer live blocks
         return [torch.log_softmax(x, -1) for x in log_softmax], lse, list(sums)
+
+
+class _CategoryLogSoftmax(torch.autograd.Function):
+    """The log-softmax over the last dim of a top-k row's categories (R, K + 1), exact where one
+    category holds nearly all the mass, forward and backward. Forward: z − max − log1p(Σ_(j ≠ top)
+    e^(z_j − max)), where torch.log_softmax takes the log of a sum near 1 (~6e-8 off in fp32, all of a
+    log q_top near 0). Backward: log_softmax's dz = g − q Σ g subtracts two numbers near g_top where
+    q_top ≈ 1 (a reverse KL of an open student against a clamped teacher rest: g_rest ≈ q_rest
+    log(q_rest / 1e-7) ≈ 16 against dz_rest ~1e-2); for the top category it is taken as g_top (1 − q_top)
+    − q_top Σ_(j ≠ top) g_j, with 1 − q_top = −expm1(log q_top): TRL's tail, 1 − Σ over the ids,
+    differentiates this way."""
+
+    @staticmethod
+    def forward(ctx, z):
+        m, top = z.max(-1, keepdim=True)
+        m = torch.where(m.isfinite(), m, 0.0)
+        is_top = torch.arange(z.shape[-1], device=z.device) == top
+        others = torch.where(is_top, 0.0, torch.exp(z - m)).sum(-1, keepdim=True)
+        out = z - m - torch.log1p(others)
+        ctx.save_for_backward(out, top)
+        return out
+
+    @staticmethod
+    def backward(ctx, g):
+        out, top = ctx.saved_tensors
+        is_top = torch.arange(out.shape[-1], device=out.device) == top
+        others = torch.where(is_top, 0.0, g).sum(-1, keepdim=True)  # Σ g off the top, not Σ g − g_top
+        log_top = out.gather(-1, top)
+        dz_top = g.gather(-1, top) * -torch.expm1(log_top) - log_top.exp() * others
+        return (g - out.exp() * g.sum(-1, keepdim=True)).scatter(-1, top, dz_top)
 
 
 class _LogSumExp(torch.autograd.Function):

@@ -918,13 +918,13 @@ def _describe(x) -> str:
 
 
 @triton.jit
-def _scale_kernel(x_ptr, g_ptr, n, BLOCK: tl.constexpr):
+def _scale_kernel(x_ptr, g_ptr, n, RTNE_BITS: tl.constexpr, BLOCK: tl.constexpr):
     g = tl.load(g_ptr).to(tl.float32)
     if g != 1.0:  # loss.backward() passes 1: then nothing is read or written, and no host sync told us
         offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
         mask = offs < n
         x = tl.load(x_ptr + offs, mask=mask).to(tl.float32)
-        tl.store(x_ptr + offs, (x * g).to(x_ptr.dtype.element_ty), mask=mask)
+        store_grad(x_ptr + offs, x * g, mask, RTNE_BITS)
 
 
 def scale_(x: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
@@ -934,5 +934,5 @@ def scale_(x: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
     if n:
         block = 4096
         with launching():
-            _scale_kernel[(triton.cdiv(n, block),)](x, g, n, BLOCK=block, num_warps=NUM_WARPS)
+            _scale_kernel[(triton.cdiv(n, block),)](x, g, n, RTNE_BITS=rtne_bits(x), BLOCK=block, num_warps=NUM_WARPS)
     return x
