@@ -26,24 +26,32 @@ import torch
 
 from probe_cute_rows import median_ms, merge, warp_merge  # beside this file: run as a script from probes/
 
-# (CTAs a row, threads a CTA, elements a thread holds of each of S and T, T's slice in shared memory). A CTA of
-# 512 threads holding S and T in 32 + 32 registers fills half the SM's register file, so one CTA runs an SM at
-# a time, and its barriers and partial exchanges leave the SM's loads idle. 256 threads holding S in 64
-# registers and T's slice in 64 KiB of shared memory let two CTAs share an SM and overlap each other's phases.
-# 16 CTAs a row (a non-portable cluster size, which Hopper allows) measured slower: a GPC of ~16 SMs then
-# runs one cluster at a time.
-CONFIGS = ((8, 512, 32, False), (8, 256, 64, True), (16, 128, 64, False))
+# (CTAs a row, threads a CTA, elements a thread holds of each of S and T, T's slice in shared memory, the
+# partials exchanged through distributed shared memory rather than global memory). A CTA of 512 threads
+# holding S and T in 32 + 32 registers fills half the SM's register file, so one CTA runs an SM at a time,
+# and its barriers and partial exchanges leave the SM's loads idle. 256 threads holding S in 64 registers
+# and T's slice in 64 KiB of shared memory let two CTAs share an SM. Each exchange through global memory
+# is a store and a load at L2's latency behind a cluster barrier; through distributed shared memory each
+# CTA's lane j stores its partials into CTA j's shared memory, and the barrier's release / acquire makes
+# them visible there.
+CONFIGS = ((8, 512, 32, False, False), (8, 512, 32, False, True), (8, 256, 64, True, True),
+           (16, 256, 32, False, True))
 LOG2E = 1.4426950408889634
 LN2 = 0.6931471805599453
 LOWEST = -3.0e38  # padding and the max's start: finite, so that differences of two stay finite
 BETA = 0.5
 
 
-def build(cluster, threads, ept, t_smem):
+def build(cluster, threads, ept, t_smem, dsmem):
     import cutlass
     import cutlass.cute as cute
 
     warps, slice_ = threads // 32, threads * ept
+
+    def got(xch, part, row, j, k):
+        """CTA j's k-th partial of the row: from this CTA's shared memory, where every CTA stored its
+        partials (dsmem), or from global memory."""
+        return xch[j * 8 + k] if dsmem else part[row, j, k]
 
     def t_slice(smem):
         if t_smem:
@@ -69,6 +77,7 @@ def build(cluster, threads, ept, t_smem):
         warp = cute.arch.warp_idx()
         smem = cutlass.memory.SmemAllocator()
         red = smem.allocate_tensor(cutlass.Float32, cute.make_layout(warps * 4))
+        xch = smem.allocate_tensor(cutlass.Float32, cute.make_layout(cluster * 8), byte_alignment=16)
         xs = cute.make_rmem_tensor(ept, cutlass.Float32)
         xt = t_slice(smem)
         base = rank * slice_ + tid
@@ -111,11 +120,19 @@ def build(cluster, threads, ept, t_smem):
                 et = red[lane * 4 + 3]
             ms, es = warp_merge(ms, es)
             mt, et = warp_merge(mt, et)
-            if lane == 0:
-                part[row, rank, 0] = ms
-                part[row, rank, 1] = es
-                part[row, rank, 2] = mt
-                part[row, rank, 3] = et
+            if cutlass.const_expr(dsmem):  # lane j stores this CTA's partials into CTA j's shared memory
+                if lane < cluster:
+                    peer = cute.make_tensor(cute.arch.map_dsmem_ptr(xch.iterator, lane), cute.make_layout(cluster * 8))
+                    peer[rank * 8 + 0] = ms
+                    peer[rank * 8 + 1] = es
+                    peer[rank * 8 + 2] = mt
+                    peer[rank * 8 + 3] = et
+            else:
+                if lane == 0:
+                    part[row, rank, 0] = ms
+                    part[row, rank, 1] = es
+                    part[row, rank, 2] = mt
+                    part[row, rank, 3] = et
         cute.arch.cluster_arrive()  # release: this CTA's partials, to the cluster
         cute.arch.cluster_wait()  # acquire: every CTA's
         ms = cutlass.Float32(LOWEST)
@@ -123,8 +140,8 @@ def build(cluster, threads, ept, t_smem):
         mt = cutlass.Float32(LOWEST)
         et = cutlass.Float32(0.0)
         for j in cutlass.range_constexpr(cluster):
-            ms, es = merge(ms, es, part[row, j, 0], part[row, j, 1])
-            mt, et = merge(mt, et, part[row, j, 2], part[row, j, 3])
+            ms, es = merge(ms, es, got(xch, part, row, j, 0), got(xch, part, row, j, 1))
+            mt, et = merge(mt, et, got(xch, part, row, j, 2), got(xch, part, row, j, 3))
         lse_s = ms + cute.math.log2(es)
         lse_t = mt + cute.math.log2(et)
 
@@ -159,16 +176,22 @@ def build(cluster, threads, ept, t_smem):
                 kq = red[lane * 4 + 1]
             kl = warp_sum(kl)
             kq = warp_sum(kq)
-            if lane == 0:
-                part[row, rank, 4] = kl
-                part[row, rank, 5] = kq
+            if cutlass.const_expr(dsmem):
+                if lane < cluster:
+                    peer = cute.make_tensor(cute.arch.map_dsmem_ptr(xch.iterator, lane), cute.make_layout(cluster * 8))
+                    peer[rank * 8 + 4] = kl
+                    peer[rank * 8 + 5] = kq
+            else:
+                if lane == 0:
+                    part[row, rank, 4] = kl
+                    part[row, rank, 5] = kq
         cute.arch.cluster_arrive()
         cute.arch.cluster_wait()
         k_row = cutlass.Float32(0.0)
         l_row = cutlass.Float32(0.0)
         for j in cutlass.range_constexpr(cluster):
-            l_row = l_row + part[row, j, 4]
-            k_row = k_row + part[row, j, 5]
+            l_row = l_row + got(xch, part, row, j, 4)
+            k_row = k_row + got(xch, part, row, j, 5)
         k_row = k_row * cutlass.Float32(LN2)
         if rank == 0:
             if tid == 0:
@@ -246,14 +269,14 @@ def main():
     calls = {"triton": triton_call, "copy of S": lambda: s.clone()}
     ds = torch.empty(R, V, device="cuda", dtype=torch.bfloat16)
     loss = torch.empty(R, device="cuda")
-    for cluster, threads, ept, t_smem in CONFIGS:
-        name = f"cute {cluster}x{threads}x{ept}" + (" T in smem" if t_smem else "")
+    for cluster, threads, ept, t_smem, dsmem in CONFIGS:
+        name = f"cute {cluster}x{threads}x{ept}" + (" T in smem" if t_smem else "") + (" dsmem" if dsmem else "")
         if cluster * threads * ept < V or (cluster - 1) * threads * ept >= V:
             continue  # a cluster that does not hold the row, or holds it with a CTA to spare
         part = torch.empty(R, cluster, 8, device="cuda")
         args = [from_dlpack(x, assumed_align=16) for x in (s, t, ds, loss, part)]
         t0 = time.perf_counter()
-        compiled = cute.compile(build(cluster, threads, ept, t_smem), *args, V)
+        compiled = cute.compile(build(cluster, threads, ept, t_smem, dsmem), *args, V)
         result[name] = {"compile_s": time.perf_counter() - t0}
         ds.zero_()
         compiled(*args, V)
