@@ -1,0 +1,378 @@
+"""Logits GEMMs on CuTe DSL (Hopper, sm_90): z = x · wᵀ written at fp32 (the WGMMA accumulator), with each
+(row, vocab tile)'s softmax statistics formed in the epilogue from the same registers, so the row kernels
+skip the pass that reads every logit to find them (`triton_rows.rows(..., tiles=...)`).
+
+Per output tile of TILE_M × TILE_N: TMA loads of x and w through a STAGES-deep shared-memory pipeline, two
+consumer warpgroups of WGMMA (64 rows each), and an epilogue that, for each row of the tile,
+  m  = max_j z_j                     (over the tile's columns inside the vocab)
+  l1 = Σ_j 2^((z_j − m) · k1)        (k1 = log2(e)·fold/τ: softmax(z/τ)'s numerator, in log2 units)
+  l2 = Σ_j 2^((z_j − m) · k2)        (SUMS = 2 only: the untempered CE's, k2 = log2(e)·fold)
+and stores z (fp32) and (m, l1[, l2]) into (R, n_tiles) planes. A row's four lanes of the accumulator
+(wgmma's layout: a row's 2·TILE_N/8 values a thread over a quad of lanes) merge theirs by two shuffles;
+nothing crosses warps, so the epilogue needs no shared memory and no barrier.
+
+Needs nvidia-cutlass-dsl (`pip install 'flashkd[cute]'`) and an sm_90 GPU; compiles once per
+(dtype, SUMS) in a process (JIT, a few seconds; `compile_seconds`).
+"""
+
+import math
+import time
+
+import torch
+
+TILE_M = 128
+TILE_N = 256
+TILE_K = 64
+STAGES = 4
+THREADS = 256  # two consumer warpgroups; warp 0 also issues the TMA loads
+
+_compiled = {}  # (dtype, sums, tile_n, stages, ws, sms) -> compiled executor
+compile_seconds = {}  # the same keys -> seconds spent in cute.compile (first call of a process)
+
+
+def n_tiles(v: int, tile_n: int = TILE_N) -> int:
+    """Vocab tiles of a row: the statistics planes' width."""
+    return -(-v // tile_n)
+
+
+def eligible(x: torch.Tensor, w: torch.Tensor) -> bool:
+    """Shapes and dtypes the kernel takes: bf16 / fp16 operands, K-contiguous, 16-byte aligned rows (TMA)."""
+    return (
+        x.is_cuda and x.dtype in (torch.bfloat16, torch.float16) and w.dtype == x.dtype
+        and x.dim() == 2 and w.dim() == 2 and x.shape[1] == w.shape[1] and x.shape[1] % 8 == 0
+        and x.stride(1) == 1 and w.stride(1) == 1 and x.stride(0) % 8 == 0 and w.stride(0) % 8 == 0
+        and x.data_ptr() % 16 == 0 and w.data_ptr() % 16 == 0
+        and torch.cuda.get_device_capability(x.device) == (9, 0)
+    )
+
+
+def available() -> bool:
+    try:
+        import cutlass.cute  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def _build(sums: int, tile_n: int = TILE_N, stages: int = STAGES, ws: bool = True, sms: int = 132):
+    """sums: 1 or 2 statistics sums (module doc), or 0 for the bare GEMM (z alone: for measuring).
+    ws: the persistent warp-specialised kernel on `sms` CTAs, else one CTA a tile, every warp multiplying."""
+    import cuda.bindings.driver as cuda
+    import cutlass
+    import cutlass.cute as cute
+    import cutlass.pipeline as pipeline
+    import cutlass.utils as utils
+    import cutlass.utils.hopper_helpers as sm90
+
+    f32 = cutlass.Float32
+    lowest = -math.inf
+
+    @cute.jit
+    def epilogue(acc: cute.Tensor, tCgC: cute.Tensor, tCcC: cute.Tensor, mC: cute.Tensor, mM: cute.Tensor,
+                 mL1: cute.Tensor, mL2: cute.Tensor, bn: cutlass.Int32, k1: cutlass.Float32, k2: cutlass.Float32):
+        """Statistics of each of the thread's two rows of the tile (module doc), then z."""
+        M, N = mC.shape[0], mC.shape[1]
+        lane = cute.arch.lane_idx()
+        n_values = cute.size(acc)
+        for r in cutlass.range_constexpr(2 if sums else 0):
+            m = f32(lowest)
+            for j in cutlass.range_constexpr(n_values // 4):
+                for c in cutlass.range_constexpr(2):
+                    i = c + 2 * r + 4 * j
+                    z = acc[i]
+                    if tCcC[i][1] >= N:  # past the vocab: out of the statistics (and never stored)
+                        z = f32(lowest)
+                    acc[i] = z
+                    m = cute.arch.fmax(m, z)
+            for width in cutlass.range_constexpr(1, 3):
+                m = cute.arch.fmax(m, cute.arch.shuffle_sync_bfly(m, offset=width))
+            l1 = f32(0.0)
+            l2 = f32(0.0)
+            for j in cutlass.range_constexpr(n_values // 4):
+                for c in cutlass.range_constexpr(2):
+                    d = acc[c + 2 * r + 4 * j] - m
+                    l1 = l1 + cute.math.exp2(d * k1, fastmath=True)
+                    if cutlass.const_expr(sums == 2):
+                        l2 = l2 + cute.math.exp2(d * k2, fastmath=True)
+            for width in cutlass.range_constexpr(1, 3):
+                l1 = l1 + cute.arch.shuffle_sync_bfly(l1, offset=width)
+                if cutlass.const_expr(sums == 2):
+                    l2 = l2 + cute.arch.shuffle_sync_bfly(l2, offset=width)
+            row = tCcC[2 * r][0]
+            if lane % 4 == 0 and row < M:
+                mM[row, bn] = m
+                mL1[row, bn] = l1
+                if cutlass.const_expr(sums == 2):
+                    mL2[row, bn] = l2
+        for i in cutlass.range_constexpr(n_values):
+            if cute.elem_less(tCcC[i], mC.shape):
+                tCgC[i] = acc[i]
+
+    @cute.kernel
+    def kernel_ws(
+        tma_a: cute.CopyAtom, mA: cute.Tensor, tma_b: cute.CopyAtom, mB: cute.Tensor,
+        mC: cute.Tensor, mM: cute.Tensor, mL1: cute.Tensor, mL2: cute.Tensor, k1: cutlass.Float32,
+        k2: cutlass.Float32, tiled_mma: cute.TiledMma, a_layout: cute.ComposedLayout, b_layout: cute.ComposedLayout,
+        storage_type: cutlass.Constexpr, tx_bytes: cutlass.Constexpr,
+    ):
+        """Persistent and warp-specialised: warpgroup 0 loads (warp 0 issues the TMA copies), warpgroups 1
+        and 2 multiply and run the epilogue, while the loads of the next tile already fill the stages."""
+        warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        tidx, _, _ = cute.arch.thread_idx()
+        first, _, _ = cute.arch.block_idx()
+        step, _, _ = cute.arch.grid_dim()
+        if warp == 0:
+            cute.nvgpu.cpasync.prefetch_descriptor(tma_a)
+            cute.nvgpu.cpasync.prefetch_descriptor(tma_b)
+        smem = utils.SmemAllocator()
+        storage = smem.allocate(storage_type)
+        pipe = pipeline.PipelineTmaAsync.create(
+            barrier_storage=storage.bars.data_ptr(),
+            num_stages=stages,
+            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
+            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 8),  # the consumer warps
+            tx_count=tx_bytes,
+            cta_layout_vmnk=cute.make_layout((1, 1, 1, 1)),
+        )
+        sA = storage.sA.get_tensor(a_layout.outer, swizzle=a_layout.inner)
+        sB = storage.sB.get_tensor(b_layout.outer, swizzle=b_layout.inner)
+        tiler = (TILE_M, tile_n, TILE_K)
+        every = (None, None, None, 0)
+        gA = cute.local_tile(mA, tiler, every, proj=(1, None, 1))  # (TILE_M, TILE_K, m tiles, k tiles)
+        gB = cute.local_tile(mB, tiler, every, proj=(None, 1, 1))  # (tile_n, TILE_K, n tiles, k tiles)
+        gC = cute.local_tile(mC, tiler, every, proj=(1, 1, None))  # (TILE_M, tile_n, m tiles, n tiles)
+        cC = cute.local_tile(cute.make_identity_tensor(mC.shape), tiler, every, proj=(1, 1, None))
+        m_tiles = cute.size(gC, mode=[2])
+        tiles = m_tiles * cute.size(gC, mode=[3])
+        k_tiles = cute.size(gA, mode=[3])
+
+        if warp < 4:
+            cute.arch.setmaxregister_decrease(40)
+            if warp == 0:
+                tAsA, tAgA = cute.nvgpu.cpasync.tma_partition(
+                    tma_a, 0, cute.make_layout(1), cute.group_modes(sA, 0, 2), cute.group_modes(gA, 0, 2))
+                tBsB, tBgB = cute.nvgpu.cpasync.tma_partition(
+                    tma_b, 0, cute.make_layout(1), cute.group_modes(sB, 0, 2), cute.group_modes(gB, 0, 2))
+                produce = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, stages)
+                for tile in cutlass.range(first, tiles, step, unroll=1):
+                    # m fastest: the CTAs running at once share few tiles of w, each read from memory once
+                    bm = tile % m_tiles
+                    bn = tile // m_tiles
+                    for kt in cutlass.range(k_tiles, unroll=1):
+                        pipe.producer_acquire(produce)
+                        bar = pipe.producer_get_barrier(produce)
+                        cute.copy(tma_a, tAgA[(None, bm, kt)], tAsA[(None, produce.index)], tma_bar_ptr=bar)
+                        cute.copy(tma_b, tBgB[(None, bn, kt)], tBsB[(None, produce.index)], tma_bar_ptr=bar)
+                        pipe.producer_commit(produce)
+                        produce.advance()
+        else:
+            cute.arch.setmaxregister_increase(232)
+            ctidx = tidx - 128
+            wg_mma = tiled_mma.get_slice(cute.arch.make_warp_uniform(ctidx // 128) * 128)
+            tCrA = tiled_mma.make_fragment_A(wg_mma.partition_A(sA))
+            tCrB = tiled_mma.make_fragment_B(wg_mma.partition_B(sB))
+            thr_mma = tiled_mma.get_slice(ctidx)
+            acc = cute.make_rmem_tensor(thr_mma.partition_C(gC[(None, None, 0, 0)]).shape, f32)
+            k_blocks = cute.size(tCrA, mode=[2])
+            consume = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, stages)
+            release = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, stages)
+            for tile in cutlass.range(first, tiles, step, unroll=1):
+                bm = tile % m_tiles
+                bn = tile // m_tiles
+                tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, False)
+                for kt in cutlass.range(k_tiles, unroll=1):
+                    pipe.consumer_wait(consume)
+                    cute.nvgpu.warpgroup.fence()
+                    for kb in cutlass.range(k_blocks, unroll_full=True):
+                        at = (None, None, kb, consume.index)
+                        cute.gemm(tiled_mma, acc, tCrA[at], tCrB[at], acc)
+                        tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, True)
+                    cute.nvgpu.warpgroup.commit_group()
+                    cute.nvgpu.warpgroup.wait_group(1)
+                    if kt > 0:  # the previous k tile's batch has retired: its stage goes back to the loads
+                        pipe.consumer_release(release)
+                        release.advance()
+                    consume.advance()
+                cute.nvgpu.warpgroup.wait_group(0)
+                pipe.consumer_release(release)
+                release.advance()
+                epilogue(acc, thr_mma.partition_C(gC[(None, None, bm, bn)]),
+                         thr_mma.partition_C(cC[(None, None, bm, bn)]), mC, mM, mL1, mL2, bn, k1, k2)
+
+    @cute.kernel
+    def kernel(
+        tma_a: cute.CopyAtom, mA: cute.Tensor, tma_b: cute.CopyAtom, mB: cute.Tensor,
+        mC: cute.Tensor, mM: cute.Tensor, mL1: cute.Tensor, mL2: cute.Tensor, k1: cutlass.Float32,
+        k2: cutlass.Float32, tiled_mma: cute.TiledMma, a_layout: cute.ComposedLayout, b_layout: cute.ComposedLayout,
+        storage_type: cutlass.Constexpr, tx_bytes: cutlass.Constexpr,
+    ):
+        warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        tidx, _, _ = cute.arch.thread_idx()
+        bm, bn, _ = cute.arch.block_idx()
+        if warp == 0:
+            cute.nvgpu.cpasync.prefetch_descriptor(tma_a)
+            cute.nvgpu.cpasync.prefetch_descriptor(tma_b)
+
+        smem = utils.SmemAllocator()
+        storage = smem.allocate(storage_type)
+        pipe = pipeline.PipelineTmaAsync.create(
+            barrier_storage=storage.bars.data_ptr(),
+            num_stages=stages,
+            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
+            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, THREADS // 32),
+            tx_count=tx_bytes,
+            cta_layout_vmnk=cute.make_layout((1, 1, 1, 1)),
+        )
+        sA = storage.sA.get_tensor(a_layout.outer, swizzle=a_layout.inner)
+        sB = storage.sB.get_tensor(b_layout.outer, swizzle=b_layout.inner)
+
+        tiler = (TILE_M, tile_n, TILE_K)
+        coord = (bm, bn, None, 0)
+        gA = cute.local_tile(mA, tiler, coord, proj=(1, None, 1))  # (TILE_M, TILE_K, k tiles)
+        gB = cute.local_tile(mB, tiler, coord, proj=(None, 1, 1))  # (tile_n, TILE_K, k tiles)
+        gC = cute.local_tile(mC, tiler, coord, proj=(1, 1, None))  # (TILE_M, tile_n)
+        cC = cute.local_tile(cute.make_identity_tensor(mC.shape), tiler, coord, proj=(1, 1, None))
+
+        tAsA, tAgA = cute.nvgpu.cpasync.tma_partition(
+            tma_a, 0, cute.make_layout(1), cute.group_modes(sA, 0, 2), cute.group_modes(gA, 0, 2))
+        tBsB, tBgB = cute.nvgpu.cpasync.tma_partition(
+            tma_b, 0, cute.make_layout(1), cute.group_modes(sB, 0, 2), cute.group_modes(gB, 0, 2))
+
+        # the shared-memory operands are described per warpgroup; the accumulator per thread
+        wg = cute.arch.make_warp_uniform(tidx // 128)
+        wg_mma = tiled_mma.get_slice(wg * 128)
+        tCrA = tiled_mma.make_fragment_A(wg_mma.partition_A(sA))
+        tCrB = tiled_mma.make_fragment_B(wg_mma.partition_B(sB))
+        thr_mma = tiled_mma.get_slice(tidx)
+        tCgC = thr_mma.partition_C(gC)
+        tCcC = thr_mma.partition_C(cC)
+        acc = cute.make_rmem_tensor(tCgC.shape, f32)
+
+        k_tiles = cute.size(gA, mode=[2])
+        produce = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, stages)
+        consume = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, stages)
+        release = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, stages)
+
+        if warp == 0:
+            for _ in cutlass.range(cutlass.min(stages, k_tiles), unroll=1):
+                pipe.producer_acquire(produce)
+                bar = pipe.producer_get_barrier(produce)
+                cute.copy(tma_a, tAgA[(None, produce.count)], tAsA[(None, produce.index)], tma_bar_ptr=bar)
+                cute.copy(tma_b, tBgB[(None, produce.count)], tBsB[(None, produce.index)], tma_bar_ptr=bar)
+                pipe.producer_commit(produce)
+                produce.advance()
+
+        tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, False)
+        k_blocks = cute.size(tCrA, mode=[2])
+        for kt in cutlass.range(k_tiles, unroll=1):
+            pipe.consumer_wait(consume)
+            cute.nvgpu.warpgroup.fence()
+            for kb in cutlass.range(k_blocks, unroll_full=True):
+                at = (None, None, kb, consume.index)
+                cute.gemm(tiled_mma, acc, tCrA[at], tCrB[at], acc)
+                tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, True)
+            cute.nvgpu.warpgroup.commit_group()
+            # one WGMMA batch in flight: the previous tile's stage is free once it retires, and is where
+            # the next load goes (the producer waits on that stage's release by every warp, its own too)
+            cute.nvgpu.warpgroup.wait_group(1)
+            if kt > 0:
+                pipe.consumer_release(release)
+                release.advance()
+                if warp == 0 and produce.count < k_tiles:
+                    pipe.producer_acquire(produce)
+                    bar = pipe.producer_get_barrier(produce)
+                    cute.copy(tma_a, tAgA[(None, produce.count)], tAsA[(None, produce.index)], tma_bar_ptr=bar)
+                    cute.copy(tma_b, tBgB[(None, produce.count)], tBsB[(None, produce.index)], tma_bar_ptr=bar)
+                    pipe.producer_commit(produce)
+                    produce.advance()
+            consume.advance()
+        cute.nvgpu.warpgroup.wait_group(0)
+
+        epilogue(acc, tCgC, tCcC, mC, mM, mL1, mL2, bn, k1, k2)
+
+    @cute.jit
+    def gemm(a: cute.Tensor, b: cute.Tensor, c: cute.Tensor, m: cute.Tensor, l1: cute.Tensor, l2: cute.Tensor,
+             k1: cutlass.Float32, k2: cutlass.Float32, stream: cuda.CUstream):
+        ab = a.element_type
+        tiled_mma = sm90.make_trivial_tiled_mma(
+            ab, ab, utils.LayoutEnum.from_tensor(a).sm90_mma_major_mode(),
+            utils.LayoutEnum.from_tensor(b).sm90_mma_major_mode(), f32, (2, 1, 1), tiler_mn=(64, tile_n))
+        tile = (TILE_M, tile_n, TILE_K)
+        a_layout = sm90.make_smem_layout_a(utils.LayoutEnum.from_tensor(a), tile, ab, stages)
+        b_layout = sm90.make_smem_layout_b(utils.LayoutEnum.from_tensor(b), tile, ab, stages)
+        op = cute.nvgpu.cpasync.CopyBulkTensorTileG2SOp()
+        tma_a, tA = cute.nvgpu.cpasync.make_tiled_tma_atom(
+            op, a, cute.slice_(a_layout, (None, None, 0)), (TILE_M, TILE_K))
+        tma_b, tB = cute.nvgpu.cpasync.make_tiled_tma_atom(
+            op, b, cute.slice_(b_layout, (None, None, 0)), (tile_n, TILE_K))
+        tx_bytes = (TILE_M + tile_n) * TILE_K * ab.width // 8
+
+        @cute.struct
+        class Storage:
+            bars: cute.struct.MemRange[cutlass.Int64, stages * 2]
+            sA: cute.struct.Align[cute.struct.MemRange[ab, cute.cosize(a_layout)], 1024]
+            sB: cute.struct.Align[cute.struct.MemRange[ab, cute.cosize(b_layout)], 1024]
+
+        if cutlass.const_expr(ws):
+            tiles = cute.ceil_div(c.shape[0], TILE_M) * cute.ceil_div(c.shape[1], tile_n)
+            kernel_ws(tma_a, tA, tma_b, tB, c, m, l1, l2, k1, k2, tiled_mma, a_layout, b_layout, Storage,
+                      tx_bytes).launch(grid=(cutlass.min(tiles, sms), 1, 1), block=(384, 1, 1), stream=stream)
+        else:
+            grid = (cute.ceil_div(c.shape[0], TILE_M), cute.ceil_div(c.shape[1], tile_n), 1)
+            kernel(tma_a, tA, tma_b, tB, c, m, l1, l2, k1, k2, tiled_mma, a_layout, b_layout, Storage,
+                   tx_bytes).launch(grid=grid, block=(THREADS, 1, 1), stream=stream)
+
+    return gemm
+
+
+def _as_cute(t: torch.Tensor, align: int = 16):
+    from cutlass.cute.runtime import from_dlpack
+
+    return from_dlpack(t, assumed_align=align).mark_layout_dynamic(leading_dim=1)
+
+
+def _stream(device):
+    import cuda.bindings.driver as cuda
+
+    return cuda.CUstream(torch.cuda.current_stream(device).cuda_stream)
+
+
+def _executor(dtype: torch.dtype, sums: int, tile_n: int, stages: int, ws: bool, sms: int, args):
+    key = (dtype, sums, tile_n, stages, ws, sms)
+    fn = _compiled.get(key)
+    if fn is None:
+        import cutlass.cute as cute
+
+        t0 = time.perf_counter()
+        fn = cute.compile(_build(sums, tile_n, stages, ws, sms), *args)
+        compile_seconds[key] = time.perf_counter() - t0
+        _compiled[key] = fn
+    return fn
+
+
+def logits(x: torch.Tensor, w: torch.Tensor, planes: torch.Tensor | None, k1: float = 1.0, k2: float | None = None,
+           out: torch.Tensor | None = None, *, tile_n: int = TILE_N, stages: int = STAGES,
+           ws: bool = True) -> torch.Tensor:
+    """z = x · wᵀ in fp32 (R, V), and each (row, vocab tile)'s (m, l1[, l2]) (module doc) into
+    planes[0], planes[1][, planes[2]]: planes is (2 or 3, R, n_tiles(V)) fp32 (any plane stride, rows
+    contiguous). k2 None: two planes. Asynchronous on the current stream."""
+    r, v = x.shape[0], w.shape[0]
+    sums = 0 if planes is None else 1 if k2 is None else 2
+    nt = n_tiles(v, tile_n)
+    if planes is None:  # the bare GEMM: never written
+        planes = torch.empty(1, 1, nt, device=x.device)
+    elif planes.shape != (sums + 1, r, nt) or planes.dtype != torch.float32 or planes.stride(2) != 1:
+        raise ValueError(f"planes: expected ({sums + 1}, {r}, {nt}) fp32 with unit last stride, "
+                         f"got {tuple(planes.shape)} {planes.dtype}")
+    if out is None:
+        out = torch.empty(r, v, device=x.device, dtype=torch.float32)
+    if r == 0 or v == 0:
+        return out
+    # (rows, K, 1) and (V, K, 1) operands, K contiguous; (R, V, 1) output: the kernel's batch mode is 1
+    # z and the planes take scalar stores: 4-byte aligned is enough; x and w go through TMA (`eligible`)
+    args = [_as_cute(x[:, :, None]), _as_cute(w[:, :, None]), _as_cute(out[:, :, None], 4),
+            _as_cute(planes[0], 4), _as_cute(planes[min(1, sums)], 4), _as_cute(planes[sums], 4), float(k1), float(k1 if k2 is None else k2),
+            _stream(x.device)]
+    sms = torch.cuda.get_device_properties(x.device).multi_processor_count
+    _executor(x.dtype, sums, tile_n, stages, ws, sms, args)(*args)
+    return out
