@@ -3,7 +3,7 @@
 #   bash scripts/gpu_check.sh [tests] [rows] [breakdown] [profile] [bench-seed] [bench-trained] [bench-sweep] [bench-losses]
 #                             [bench-softonly] [memory] [bench-topk] [bench-logits] [bench-teacher-topk]
 #                             [bench-softcap] [bench-trl] [bench-trl-step] [bench-trl-onpolicy] [bench-fp8]
-#                             [dist-one-gpu] [cute-probe]
+#                             [dist-one-gpu] [cute-probe] [cute]
 # (default: all of them, about 20 minutes on an H200; each of the last five a minute or two, bench-trl-step
 # at most about five: it needs trl 1.16.0 and accelerate (from .whl/); no PYTHONPATH beyond this script's, as
 # benchmarks/bench_trl_step.py falls back to its own stand-in for `datasets` where that is not installed;
@@ -84,6 +84,13 @@ for stage in $stages; do
     # CuTe DSL on this GPU (not in the default stages): installs the carried .cute/ (bash ../shared/device/cute-payload.sh
     # packs it) when the package is missing, then a row kernel's compile time with an empty on-disk cache and again
     # in a second process, its result and its read speed; then a JSD row pass reading S and T once (a cluster a row)
+    # backend "cute": its GEMM against cuBLAS, its exactness (the GPU tests of tests/test_exact.py), its time at the seed
+    cute) ( python3 -c "import cutlass.cute" 2>/dev/null || { bash .cute/install.sh \
+        && export PYTHONPATH="$PYTHONPATH:/tmp/cute:/tmp/cute/nvidia_cutlass_dsl/dsl_packages"; }
+      timeout 300 python3 probes/probe_cute_gemm.py --reps 20 --out "$OUT/cute-gemm.json" \
+        ; python3 -m pytest -q -m gpu tests/test_exact.py -k "irregular or seed_vocab" -p no:cacheprovider \
+        ; python3 -m flashkd bench --preset seed -n 8192 --loss jsd tvd --providers flashkd flashkd-cute floor \
+          --modes full --out "$OUT/cute-seed" ) 2>&1 | tee "$OUT/cute.log" || status=1 ;;
     cute-probe) ( python3 -c "import cutlass.cute" 2>/dev/null || { bash .cute/install.sh \
         && export PYTHONPATH="$PYTHONPATH:/tmp/cute:/tmp/cute/nvidia_cutlass_dsl/dsl_packages"; }
       export CUTE_DSL_CACHE_DIR=/tmp/flashkd-cute-cache; rm -rf "$CUTE_DSL_CACHE_DIR"

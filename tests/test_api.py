@@ -39,6 +39,7 @@ def inputs(n=6, v=9, hs=4, ht=5, vt=None, dtype=torch.float32):
         (dict(loss="kl"), ValueError, ["loss", "'jsd'", "'kl'"]),
         (dict(reduction="none"), ValueError, ["reduction", "'mean'", "'none'"]),
         (dict(backend="cuda"), ValueError, ["backend", "'cuda'"]),
+        (dict(backend="cute"), ValueError, ["backend", "'cute'"]),  # CPU tensors (or no nvidia-cutlass-dsl)
         (dict(chunk_size=0), ValueError, ["chunk_size", "0"]),
         (dict(student_input=torch.randint(0, 3, (6, 4))), TypeError, ["student_input", "floating", "int64"]),
         (dict(teacher_weight=torch.randn(9, 5, dtype=torch.float64)), TypeError,

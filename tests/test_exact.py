@@ -168,12 +168,62 @@ def test_bench_trained_inputs_have_a_trained_heads_magnitudes():
         Workload(inputs="real")
 
 
+def _gpu_backend(backend):
+    """backend, or a skip where backend "cute" cannot run (no nvidia-cutlass-dsl, not sm_90)."""
+    if backend == "cute":
+        from flashkd.backends import cute_gemm
+
+        if not cute_gemm.available() or torch.cuda.get_device_capability() != (9, 0):
+            pytest.skip("backend 'cute' needs nvidia-cutlass-dsl and an sm_90 GPU")
+    return backend
+
+
+def _cute_runs(loss, opts, grad=True):
+    """Whether backend "cute" takes this call's logits GEMMs (else it runs the Triton path)."""
+    from flashkd.backends import triton_rows
+    from flashkd.losses import LossSpec
+
+    spec = {k: v for k, v in opts.items() if k != "loss"}
+    return triton_rows.tiles_fit(LossSpec(loss=loss, **spec), grad, False, True)
+
+
 @pytest.mark.gpu
+@pytest.mark.parametrize("backend", ["triton", "cute"])
+@pytest.mark.parametrize("loss", LOSSES)
+@pytest.mark.parametrize("option", list(OPTIONS))
+def test_gpu_exact_at_irregular_shapes(backend, loss, option, seed):
+    """The GPU kernels on the irregular shapes above (several chunks), trained-head magnitudes: within 1.3x
+    the fp32-logit pipeline. On backend "cute" the CuTe logits GEMMs run where they fit (and are counted)."""
+    backend = _gpu_backend(backend)
+    xs, ws, xt, wt, labels = (t.cuda() for t in make_case(seed))
+    opts = dict(OPTIONS[option], loss=loss)
+    xs_, ws_ = xs.clone().requires_grad_(), ws.clone().requires_grad_()
+    if backend == "cute":
+        from flashkd.backends import cute_gemm
+
+        before = cute_gemm.calls
+    out = flashkd.fused_linear_distill(xs_, ws_, xt, wt, labels, backend=backend, chunk_size=16, **opts)
+    grads = torch.autograd.grad(out, (xs_, ws_))
+    if backend == "cute":  # two chunks: two student and two teacher GEMMs
+        assert cute_gemm.calls - before == (4 if _cute_runs(loss, opts) else 0)
+    zt = (xt.double() @ wt.double().T).float()
+
+    def of_logits(zs):
+        return distill_loss(None, None, None, None, labels, teacher_logits=zt, plain=True, student_logits=zs, **opts)[0]
+
+    truth = truth_grads(lambda x, w: distill_loss(x, w, xt, wt, labels, **opts)[0], xs, ws)
+    check(out, grads, truth, pipeline_grads(of_logits, xs, ws))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", ["triton", "cute"])
 @pytest.mark.parametrize("loss", LOSSES)
 @pytest.mark.parametrize("option", ["plain", "softcap"])
-def test_gpu_exact_at_the_seed_vocab(loss, option):
-    """The real kernels (cuBLAS's fp32 output, the Triton rows) at the seed's vocab and hidden sizes,
-    trained-head magnitudes, against the float64 truth on the GPU: within 1.3x the fp32-logit pipeline."""
+def test_gpu_exact_at_the_seed_vocab(backend, loss, option):
+    """The real kernels (the logits GEMMs' fp32 output, the Triton rows) at the seed's vocab and hidden
+    sizes, trained-head magnitudes, against the float64 truth on the GPU: within 1.3x the fp32-logit
+    pipeline."""
+    backend = _gpu_backend(backend)
     gen = torch.Generator(device="cuda").manual_seed(7)
     n, v = 384, 128256
     xs, ws = trained_head(n, 2048, v, gen)
@@ -182,7 +232,7 @@ def test_gpu_exact_at_the_seed_vocab(loss, option):
     labels[1::7] = -100
     opts = dict(OPTIONS[option], loss=loss)
     xs_, ws_ = xs.clone().requires_grad_(), ws.clone().requires_grad_()
-    out = flashkd.fused_linear_distill(xs_, ws_, xt, wt, labels, backend="triton", **opts)
+    out = flashkd.fused_linear_distill(xs_, ws_, xt, wt, labels, backend=backend, **opts)
     grads = torch.autograd.grad(out, (xs_, ws_))
     zt = (xt.double() @ wt.double().T).float()
 

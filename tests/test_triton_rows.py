@@ -387,3 +387,67 @@ def test_interpreted_kernels_do_not_warn_about_masked_lanes():
             numpy.float32(3e38) * numpy.float32(10)  # anyone else's still warns
     runtime = [str(w.message) for w in seen if issubclass(w.category, RuntimeWarning)]
     assert runtime == ["overflow encountered in scalar multiply"], runtime[:4]
+
+
+# ------------------------------------------------ pass 1's statistics given per vocab tile (PHASE 4)
+
+
+def _tile_planes(s, t, spec, labels, width):
+    """The (5, R, n) planes the CuTe logits GEMMs write (`flashkd.backends.cute_gemm`): each vocab tile of
+    `width` columns' max and sums of 2^((z − max)·k), made here in float64 from the same logits. The CE's
+    plane is NaN where the kernel must not read it."""
+    k_s, k_ce, k_t = triton_rows.tile_constants(spec, labels is not None)
+    R, V = s.shape
+    n = -(-V // width)
+
+    def stats(z, ks):
+        pad = torch.full((R, n * width), -torch.inf, dtype=torch.float64, device=z.device)
+        pad[:, :V] = z.double()
+        pad = pad.view(R, n, width)
+        m = pad.amax(-1)
+        return m, [torch.exp2((pad - m[..., None]) * k).sum(-1) for k in ks]
+
+    m_s, (l_s, *l_c) = stats(s, [k_s] + ([] if k_ce is None else [k_ce]))
+    m_t, (l_t,) = stats(t, [k_t])
+    l_c = l_c[0] if l_c else torch.full_like(l_s, torch.nan)
+    return torch.stack([m_s, l_s, l_c, m_t, l_t]).float()
+
+
+@pytest.mark.parametrize("width", [7, 256])
+@pytest.mark.parametrize("grad", [True, False])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+@pytest.mark.parametrize("loss,beta", [("jsd", 0.3), ("jsd", 0.97), ("tvd", 0.3), ("forward_kl", 0.3)])
+def test_statistics_per_vocab_tile(seed, loss, beta, temperature, dtype, grad, width):
+    """rows(..., tiles=...) reads the row twice, with pass 1's statistics merged from the vocab tiles'
+    (as the CuTe logits GEMMs make them): the same results as the torch backend, every case above."""
+    spec = LossSpec(loss=loss, beta=beta, temperature=temperature, weight_hard=0.5, weight_soft=0.5,
+                    ignore_index=IGNORE)
+    if not triton_rows.tiles_fit(spec, grad, False, True):
+        assert loss == "forward_kl" and not grad  # its loss is taken online in pass 1 then
+        return
+    for case_i, (R, V, kind) in enumerate(CASES):
+        s, t = _logits(R, V, dtype, seed + case_i)
+        labels = _labels(kind, R, V, seed + case_i)
+        scale = torch.tensor(0.37, device=DEVICE)
+        tiles = _tile_planes(s, t, spec, labels, width)
+        x = s.clone()
+        got = (*triton_rows.rows(x, t, labels, spec, scale, grad, tiles=tiles), x)
+        _assert_matches(got, _torch(s, t, labels, spec, scale, grad), dtype, 0.0, _log_terms(s, t, spec, scale))
+
+
+def test_statistics_per_vocab_tile_only_where_pass_1_takes_nothing_else():
+    s, t = _logits(2, 9, torch.float32, 0)
+    scale = torch.tensor(1.0, device=DEVICE)
+    ok = LossSpec(loss="jsd", beta=0.5)
+    tiles = _tile_planes(s, t, ok, None, 4)
+    for spec, grad, stats in ((LossSpec(loss="reverse_kl"), True, False), (LossSpec(loss="cosine"), True, False),
+                              (LossSpec(loss="forward_kl"), False, False), (ok, True, True),
+                              (LossSpec(loss="jsd", student_softcap=30.0), True, False),
+                              (LossSpec(loss="jsd", teacher_logit_scale=-1.0), True, False)):
+        assert not triton_rows.tiles_fit(spec, grad, stats, False)
+        with pytest.raises(ValueError, match="tiles"):
+            triton_rows.rows(s.clone(), t, None, spec, scale, grad, stats, tiles=tiles)
+    for bad in (tiles[:4], tiles[:, :1], tiles.double(), tiles.transpose(1, 2), tiles[:, :, :0]):
+        with pytest.raises(ValueError, match="tiles"):
+            triton_rows.rows(s.clone(), t, None, ok, scale, True, tiles=bad)

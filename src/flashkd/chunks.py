@@ -38,7 +38,8 @@ else E: the logits' element size):
     logits:  R·V·L + Rt·V·L with teacher heads (Rt = R unless the plan splits a chunk's teacher
              logits); R·V·L for dense teacher logits, which are read in place, and for a top-k
              teacher; + R·V·E for dL/dS in the inputs' dtype when L ≠ E; + backend temporaries (torch: ≈ 6·R·V·4, + R·V·4 with labels; triton: none
-             beyond O(R·K)); + R·Hs·E with labels (the chunk's rows of Xs, ignored rows zeroed)
+             beyond O(R·K); cute: + 20·R·⌈V/256⌉ for the vocab tiles' statistics, 1/51 of R·V·L);
+             + R·Hs·E with labels (the chunk's rows of Xs, ignored rows zeroed)
     grads:   N·Hs·E (dXs) + V·Hs·A (dWs accumulator: A = 4 for fp32, A = E when all rows fit one
              chunk or grad_accum_dtype is the weight's dtype), made for the first chunk's dW GEMM,
              once its teacher logits are freed; rounded to V·Hs·E after the loop (no copy when A = E)
@@ -90,6 +91,9 @@ class Plan:
     # top-k with teacher_index: DistillStats.per_teacher's (N,) index (−1: no teacher) and its number of teachers
     teacher_index: torch.Tensor | None = dataclasses.field(default=None, compare=False)
     num_teachers: int = 0
+    # "cute": the logits GEMMs of teacher heads on CuTe DSL, with pass 1's statistics in their epilogue
+    # (`flashkd.backends.cute_gemm`), where `_cute_fits`; else (and "cublas") torch.mm
+    gemm: str = "cublas"
 
 
 
@@ -379,7 +383,8 @@ def run(call: Call, rows: Rows, vocab=None):
     if form == "heads":
         teacher = _teacher_head(teacher, call.teacher_precision)
     index, teachers = check_teacher_index(call, rows) if form == "topk" else (None, 0)
-    plan = Plan(spec, chunk, backend, grad_accum_dtype, form, teacher_chunk, stats, vocab, index, teachers)
+    gemm = "cute" if call.backend == "cute" and backend == "triton" else "cublas"
+    plan = Plan(spec, chunk, backend, grad_accum_dtype, form, teacher_chunk, stats, vocab, index, teachers, gemm)
     loss_, soft, hard, *sums = apply(xs, ws, bs, y, rw, plan, *teacher)
     out = (loss_, soft, hard) if call.return_soft_hard_loss else (loss_,)
     if stats:
@@ -489,23 +494,40 @@ def _chunk_loop(xs, ws, bs, y, rw, teacher, plan: Plan, want_dx, want_dw, want_d
     accum = plan.grad_accum_dtype if n > plan.chunk else ws.dtype
     dws = torch.zeros(ws.shape, device=device, dtype=ws.dtype) if want_dw and n == 0 else None
     dbs = torch.zeros(v, **f32) if want_db else None
+    cute = _cute_fits(plan, xs, ws, bs, teacher, y is not None, grad)
+    if cute:
+        from .backends import cute_gemm, triton_rows
+
+        k_s, k_ce, k_t = triton_rows.tile_constants(spec, y is not None)
+        s_planes = 2 if k_ce is None else 3
     for start in range(0, n, plan.chunk):
         c = slice(start, min(start + plan.chunk, n))
         # Ignored rows (padding) may hold NaN or inf: zeroed, they cannot reach dW = dSᵀX as 0 · NaN, nor
         # dS through a NaN logit. One select over R·Hs elements and R·Hs·E bytes a chunk (1/V of its
         # GEMM), on the device: no host sync.
         x = xs[c] if y is None else torch.where((y[c] != spec.ignore_index)[:, None], xs[c], 0.0)
-        s = linear(x, ws, bs)
+        if cute:  # (5, R, vocab tiles): each tile's m_s, l_s, l_c, m_t, l_t (`triton_rows.rows(..., tiles=)`)
+            tiles = torch.empty(5, c.stop - c.start, cute_gemm.n_tiles(v), device=device)
+            s = cute_gemm.logits(x, ws, tiles[:s_planes], k_s, k_ce)
+        else:
+            tiles = None
+            s = linear(x, ws, bs)
         # fp32 logits of narrow inputs: the Triton rows write dL/ds once, rounded for the gradient GEMMs,
         # into a buffer of the inputs' dtype (the torch rows write it over s, rounded below)
         narrow = grad and s.dtype != ws.dtype
         ds = torch.empty(s.shape, device=device, dtype=ws.dtype) if narrow and plan.backend == "triton" else None
         for sub in range(c.start, c.stop, plan.teacher_chunk):
             b = slice(sub, min(sub + plan.teacher_chunk, c.stop))
-            t = _teacher_block(plan.form, teacher, b) if spec.want_soft else None
-            s_b = s[b.start - c.start : b.stop - c.start]  # rows of s: contiguous
+            in_c = slice(b.start - c.start, b.stop - c.start)
+            if tiles is None:
+                t = _teacher_block(plan.form, teacher, b) if spec.want_soft else None
+            else:
+                t = cute_gemm.logits(teacher[0][b], teacher[1], tiles[3:, in_c], k_t)
+            s_b = s[in_c]  # rows of s: contiguous
             row_scale = scale if rw is None else scale * rw[b]
-            out = {} if ds is None else {"ds": ds[b.start - c.start : b.stop - c.start]}
+            out = {} if ds is None else {"ds": ds[in_c]}
+            if tiles is not None:
+                out["tiles"] = tiles[:, in_c]
             soft, hard, *extra = rows(s_b, t, None if y is None else y[b], spec, row_scale, grad, plan.stats, **out)
             if rw is not None:
                 soft, hard = soft * rw[b], hard * rw[b]
@@ -525,7 +547,7 @@ def _chunk_loop(xs, ws, bs, y, rw, teacher, plan: Plan, want_dx, want_dw, want_d
             del t, s_b, out  # a view left alive would keep this chunk's logits (or dL/ds) past `del s`
         if narrow:
             s = s.to(ws.dtype) if ds is None else ds
-        del ds
+        del ds, tiles
         if want_dx:
             torch.mm(s, ws, out=dxs[c])
             if plan.vocab is not None:
@@ -562,6 +584,22 @@ def _rows(plan: Plan):
 
         return triton_topk.topk_rows if plan.form == "topk" else triton_rows.rows
     return torch_rows.topk_rows if plan.form == "topk" else torch_rows.rows
+
+
+def _cute_fits(plan: Plan, xs, ws, bs, teacher, labels: bool, grad: bool) -> bool:
+    """Whether this call's logits GEMMs run on CuTe DSL with pass 1's statistics in their epilogue
+    (`Plan.gemm` "cute"): teacher heads without biases or an FP8 head, the whole vocab on this rank, a loss
+    whose pass 1 takes nothing else (`triton_rows.tiles_fit`), operands the kernel takes
+    (`cute_gemm.eligible`). Elsewhere backend "cute" runs as "triton": the same results either way."""
+    if plan.gemm != "cute" or plan.form != "heads" or plan.vocab is not None or bs is not None:
+        return False
+    xt, wt, bt = teacher
+    if bt is not None or isinstance(wt, fp8.Head) or xs.shape[0] == 0:
+        return False
+    from .backends import cute_gemm, triton_rows
+
+    return (triton_rows.tiles_fit(plan.spec, grad, plan.stats, labels) and cute_gemm.eligible(xs, ws)
+            and cute_gemm.eligible(xt, wt) and cute_gemm.n_tiles(ws.shape[0]) <= triton_rows.MAX_TILES)
 
 
 def _teacher_head(teacher, precision):
@@ -616,8 +654,8 @@ def accumulate_mm(acc, a, b, beta):
 
 
 def check_backend(backend) -> None:
-    if backend not in ("auto", "torch", "triton"):
-        raise ValueError(f"backend: expected 'auto', 'torch' or 'triton', got {backend!r}")
+    if backend not in ("auto", "torch", "triton", "cute"):
+        raise ValueError(f"backend: expected 'auto', 'torch', 'triton' or 'cute', got {backend!r}")
 
 
 def check_chunk_size(chunk_size) -> None:
@@ -630,6 +668,18 @@ def pick_backend(backend, x):
     interpret = os.environ.get("TRITON_INTERPRET") == "1"
     if backend == "auto":
         return "triton" if x.is_cuda and _has_triton() else "torch"
+    if backend == "cute":  # the Triton rows, with CuTe DSL logits GEMMs where they fit (`Plan.gemm`)
+        from .backends import cute_gemm
+
+        if not cute_gemm.available():
+            raise ValueError("backend: 'cute' was asked for, but nvidia-cutlass-dsl is not installed "
+                             "(pip install 'flashkd[cute]')")
+        if not _has_triton():
+            raise ValueError("backend: 'cute' was asked for, but the triton package is not installed")
+        if not x.is_cuda or torch.cuda.get_device_capability(x.device) != (9, 0):
+            where = x.device if not x.is_cuda else f"{x.device} (sm_{''.join(map(str, torch.cuda.get_device_capability(x.device)))})"
+            raise ValueError(f"backend: 'cute' needs CUDA tensors on an sm_90 (Hopper) GPU, got tensors on {where}")
+        return "torch" if x.dtype == torch.float64 else "triton"
     if backend == "triton":
         if not _has_triton():
             raise ValueError("backend: 'triton' was asked for, but the triton package is not installed")

@@ -20,14 +20,16 @@ import time
 
 import torch
 
-TILE_M = 128
+TILE_M = 128  # the cooperative and simple schedules' tile rows (two warpgroups of 64)
+PP_M = 64  # the ping-pong schedule's: one warpgroup's
 TILE_N = 256
 TILE_K = 64
-STAGES = 4
+STAGES = 5  # (64 + 256) · 64 · 2 bytes a stage at ping-pong; 4 for the 128-row tiles
 THREADS = 256  # two consumer warpgroups; warp 0 also issues the TMA loads
 
-_compiled = {}  # (dtype, sums, tile_n, stages, ws, sms) -> compiled executor
+_compiled = {}  # (dtype, sums, tile_n, stages, schedule, sms) -> compiled executor
 compile_seconds = {}  # the same keys -> seconds spent in cute.compile (first call of a process)
+calls = 0  # launches in this process (tests check which calls ran here)
 
 
 def n_tiles(v: int, tile_n: int = TILE_N) -> int:
@@ -54,9 +56,10 @@ def available() -> bool:
     return True
 
 
-def _build(sums: int, tile_n: int = TILE_N, stages: int = STAGES, ws: bool = True, sms: int = 132):
+def _build(sums: int, tile_n: int = TILE_N, stages: int = STAGES, schedule: str = "pingpong", sms: int = 132):
     """sums: 1 or 2 statistics sums (module doc), or 0 for the bare GEMM (z alone: for measuring).
-    ws: the persistent warp-specialised kernel on `sms` CTAs, else one CTA a tile, every warp multiplying."""
+    schedule: "pingpong" (`kernel_pp`) or "cooperative" (`kernel_ws`), persistent on `sms` CTAs, or "simple"
+    (`kernel`: one CTA a tile, every warp multiplying)."""
     import cuda.bindings.driver as cuda
     import cutlass
     import cutlass.cute as cute
@@ -107,6 +110,104 @@ def _build(sums: int, tile_n: int = TILE_N, stages: int = STAGES, ws: bool = Tru
         for i in cutlass.range_constexpr(n_values):
             if cute.elem_less(tCcC[i], mC.shape):
                 tCgC[i] = acc[i]
+
+    @cute.kernel
+    def kernel_pp(
+        tma_a: cute.CopyAtom, mA: cute.Tensor, tma_b: cute.CopyAtom, mB: cute.Tensor,
+        mC: cute.Tensor, mM: cute.Tensor, mL1: cute.Tensor, mL2: cute.Tensor, k1: cutlass.Float32,
+        k2: cutlass.Float32, tiled_mma: cute.TiledMma, a_layout: cute.ComposedLayout, b_layout: cute.ComposedLayout,
+        storage_type: cutlass.Constexpr, tx_bytes: cutlass.Constexpr,
+    ):
+        """Persistent, warp-specialised, ping-pong: warpgroup 0 loads (warp 0 issues the TMA copies) the CTA's
+        tiles of PP_M rows in order; warpgroups 1 and 2 take every other tile each, so that one multiplies
+        while the other runs its epilogue (the tensor cores never wait on the statistics and the stores)."""
+        warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        tidx, _, _ = cute.arch.thread_idx()
+        first, _, _ = cute.arch.block_idx()
+        step, _, _ = cute.arch.grid_dim()
+        if warp == 0:
+            cute.nvgpu.cpasync.prefetch_descriptor(tma_a)
+            cute.nvgpu.cpasync.prefetch_descriptor(tma_b)
+        smem = utils.SmemAllocator()
+        storage = smem.allocate(storage_type)
+        pipe = pipeline.PipelineTmaAsync.create(
+            barrier_storage=storage.bars.data_ptr(),
+            num_stages=stages,
+            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
+            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 4),  # one warpgroup a stage
+            tx_count=tx_bytes,
+            cta_layout_vmnk=cute.make_layout((1, 1, 1, 1)),
+        )
+        sA = storage.sA.get_tensor(a_layout.outer, swizzle=a_layout.inner)
+        sB = storage.sB.get_tensor(b_layout.outer, swizzle=b_layout.inner)
+        tiler = (PP_M, tile_n, TILE_K)
+        every = (None, None, None, 0)
+        gA = cute.local_tile(mA, tiler, every, proj=(1, None, 1))  # (PP_M, TILE_K, m tiles, k tiles)
+        gB = cute.local_tile(mB, tiler, every, proj=(None, 1, 1))  # (tile_n, TILE_K, n tiles, k tiles)
+        gC = cute.local_tile(mC, tiler, every, proj=(1, 1, None))  # (PP_M, tile_n, m tiles, n tiles)
+        cC = cute.local_tile(cute.make_identity_tensor(mC.shape), tiler, every, proj=(1, 1, None))
+        m_tiles = cute.size(gC, mode=[2])
+        tiles = m_tiles * cute.size(gC, mode=[3])
+        k_tiles = cute.size(gA, mode=[3])
+
+        if warp < 4:
+            cute.arch.setmaxregister_decrease(40)
+            if warp == 0:
+                tAsA, tAgA = cute.nvgpu.cpasync.tma_partition(
+                    tma_a, 0, cute.make_layout(1), cute.group_modes(sA, 0, 2), cute.group_modes(gA, 0, 2))
+                tBsB, tBgB = cute.nvgpu.cpasync.tma_partition(
+                    tma_b, 0, cute.make_layout(1), cute.group_modes(sB, 0, 2), cute.group_modes(gB, 0, 2))
+                produce = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, stages)
+                for tile in cutlass.range(first, tiles, step, unroll=1):
+                    bm = tile % m_tiles  # m fastest: the CTAs running at once share few tiles of w
+                    bn = tile // m_tiles
+                    for kt in cutlass.range(k_tiles, unroll=1):
+                        pipe.producer_acquire(produce)
+                        bar = pipe.producer_get_barrier(produce)
+                        cute.copy(tma_a, tAgA[(None, bm, kt)], tAsA[(None, produce.index)], tma_bar_ptr=bar)
+                        cute.copy(tma_b, tBgB[(None, bn, kt)], tBsB[(None, produce.index)], tma_bar_ptr=bar)
+                        pipe.producer_commit(produce)
+                        produce.advance()
+        else:
+            cute.arch.setmaxregister_increase(232)
+            me = cute.arch.make_warp_uniform(tidx // 128) - 1  # 0 or 1: which of the CTA's tiles are its
+            ctidx = tidx % 128
+            tCrA = tiled_mma.make_fragment_A(tiled_mma.get_slice(0).partition_A(sA))
+            tCrB = tiled_mma.make_fragment_B(tiled_mma.get_slice(0).partition_B(sB))
+            thr_mma = tiled_mma.get_slice(ctidx)
+            acc = cute.make_rmem_tensor(thr_mma.partition_C(gC[(None, None, 0, 0)]).shape, f32)
+            k_blocks = cute.size(tCrA, mode=[2])
+            consume = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, stages)
+            release = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, stages)
+            if me == 1:  # the first tile's stages are the other warpgroup's
+                for _ in cutlass.range(k_tiles, unroll=1):
+                    consume.advance()
+                    release.advance()
+            for tile in cutlass.range(first + me * step, tiles, 2 * step, unroll=1):
+                bm = tile % m_tiles
+                bn = tile // m_tiles
+                tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, False)
+                for kt in cutlass.range(k_tiles, unroll=1):
+                    pipe.consumer_wait(consume)
+                    cute.nvgpu.warpgroup.fence()
+                    for kb in cutlass.range(k_blocks, unroll_full=True):
+                        at = (None, None, kb, consume.index)
+                        cute.gemm(tiled_mma, acc, tCrA[at], tCrB[at], acc)
+                        tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, True)
+                    cute.nvgpu.warpgroup.commit_group()
+                    cute.nvgpu.warpgroup.wait_group(1)
+                    if kt > 0:  # the previous k tile's batch has retired: its stage goes back to the loads
+                        pipe.consumer_release(release)
+                        release.advance()
+                    consume.advance()
+                cute.nvgpu.warpgroup.wait_group(0)
+                pipe.consumer_release(release)
+                release.advance()
+                for _ in cutlass.range(k_tiles, unroll=1):  # past the other warpgroup's next tile
+                    consume.advance()
+                    release.advance()
+                epilogue(acc, thr_mma.partition_C(gC[(None, None, bm, bn)]),
+                         thr_mma.partition_C(cC[(None, None, bm, bn)]), mC, mM, mL1, mL2, bn, k1, k2)
 
     @cute.kernel
     def kernel_ws(
@@ -294,18 +395,19 @@ def _build(sums: int, tile_n: int = TILE_N, stages: int = STAGES, ws: bool = Tru
     def gemm(a: cute.Tensor, b: cute.Tensor, c: cute.Tensor, m: cute.Tensor, l1: cute.Tensor, l2: cute.Tensor,
              k1: cutlass.Float32, k2: cutlass.Float32, stream: cuda.CUstream):
         ab = a.element_type
+        rows = PP_M if cutlass.const_expr(schedule == "pingpong") else TILE_M
         tiled_mma = sm90.make_trivial_tiled_mma(
             ab, ab, utils.LayoutEnum.from_tensor(a).sm90_mma_major_mode(),
-            utils.LayoutEnum.from_tensor(b).sm90_mma_major_mode(), f32, (2, 1, 1), tiler_mn=(64, tile_n))
-        tile = (TILE_M, tile_n, TILE_K)
+            utils.LayoutEnum.from_tensor(b).sm90_mma_major_mode(), f32, (rows // 64, 1, 1), tiler_mn=(64, tile_n))
+        tile = (rows, tile_n, TILE_K)
         a_layout = sm90.make_smem_layout_a(utils.LayoutEnum.from_tensor(a), tile, ab, stages)
         b_layout = sm90.make_smem_layout_b(utils.LayoutEnum.from_tensor(b), tile, ab, stages)
         op = cute.nvgpu.cpasync.CopyBulkTensorTileG2SOp()
         tma_a, tA = cute.nvgpu.cpasync.make_tiled_tma_atom(
-            op, a, cute.slice_(a_layout, (None, None, 0)), (TILE_M, TILE_K))
+            op, a, cute.slice_(a_layout, (None, None, 0)), (rows, TILE_K))
         tma_b, tB = cute.nvgpu.cpasync.make_tiled_tma_atom(
             op, b, cute.slice_(b_layout, (None, None, 0)), (tile_n, TILE_K))
-        tx_bytes = (TILE_M + tile_n) * TILE_K * ab.width // 8
+        tx_bytes = (rows + tile_n) * TILE_K * ab.width // 8
 
         @cute.struct
         class Storage:
@@ -313,14 +415,15 @@ def _build(sums: int, tile_n: int = TILE_N, stages: int = STAGES, ws: bool = Tru
             sA: cute.struct.Align[cute.struct.MemRange[ab, cute.cosize(a_layout)], 1024]
             sB: cute.struct.Align[cute.struct.MemRange[ab, cute.cosize(b_layout)], 1024]
 
-        if cutlass.const_expr(ws):
-            tiles = cute.ceil_div(c.shape[0], TILE_M) * cute.ceil_div(c.shape[1], tile_n)
-            kernel_ws(tma_a, tA, tma_b, tB, c, m, l1, l2, k1, k2, tiled_mma, a_layout, b_layout, Storage,
-                      tx_bytes).launch(grid=(cutlass.min(tiles, sms), 1, 1), block=(384, 1, 1), stream=stream)
+        tiles = cute.ceil_div(c.shape[0], rows) * cute.ceil_div(c.shape[1], tile_n)
+        args = (tma_a, tA, tma_b, tB, c, m, l1, l2, k1, k2, tiled_mma, a_layout, b_layout, Storage, tx_bytes)
+        if cutlass.const_expr(schedule == "pingpong"):
+            kernel_pp(*args).launch(grid=(cutlass.min(tiles, sms), 1, 1), block=(384, 1, 1), stream=stream)
+        elif cutlass.const_expr(schedule == "cooperative"):
+            kernel_ws(*args).launch(grid=(cutlass.min(tiles, sms), 1, 1), block=(384, 1, 1), stream=stream)
         else:
             grid = (cute.ceil_div(c.shape[0], TILE_M), cute.ceil_div(c.shape[1], tile_n), 1)
-            kernel(tma_a, tA, tma_b, tB, c, m, l1, l2, k1, k2, tiled_mma, a_layout, b_layout, Storage,
-                   tx_bytes).launch(grid=grid, block=(THREADS, 1, 1), stream=stream)
+            kernel(*args).launch(grid=grid, block=(THREADS, 1, 1), stream=stream)
 
     return gemm
 
@@ -337,14 +440,14 @@ def _stream(device):
     return cuda.CUstream(torch.cuda.current_stream(device).cuda_stream)
 
 
-def _executor(dtype: torch.dtype, sums: int, tile_n: int, stages: int, ws: bool, sms: int, args):
-    key = (dtype, sums, tile_n, stages, ws, sms)
+def _executor(dtype: torch.dtype, sums: int, tile_n: int, stages: int, schedule: str, sms: int, args):
+    key = (dtype, sums, tile_n, stages, schedule, sms)
     fn = _compiled.get(key)
     if fn is None:
         import cutlass.cute as cute
 
         t0 = time.perf_counter()
-        fn = cute.compile(_build(sums, tile_n, stages, ws, sms), *args)
+        fn = cute.compile(_build(sums, tile_n, stages, schedule, sms), *args)
         compile_seconds[key] = time.perf_counter() - t0
         _compiled[key] = fn
     return fn
@@ -352,7 +455,7 @@ def _executor(dtype: torch.dtype, sums: int, tile_n: int, stages: int, ws: bool,
 
 def logits(x: torch.Tensor, w: torch.Tensor, planes: torch.Tensor | None, k1: float = 1.0, k2: float | None = None,
            out: torch.Tensor | None = None, *, tile_n: int = TILE_N, stages: int = STAGES,
-           ws: bool = True) -> torch.Tensor:
+           schedule: str = "pingpong") -> torch.Tensor:
     """z = x · wᵀ in fp32 (R, V), and each (row, vocab tile)'s (m, l1[, l2]) (module doc) into
     planes[0], planes[1][, planes[2]]: planes is (2 or 3, R, n_tiles(V)) fp32 (any plane stride, rows
     contiguous). k2 None: two planes. Asynchronous on the current stream."""
@@ -373,6 +476,8 @@ def logits(x: torch.Tensor, w: torch.Tensor, planes: torch.Tensor | None, k1: fl
     args = [_as_cute(x[:, :, None]), _as_cute(w[:, :, None]), _as_cute(out[:, :, None], 4),
             _as_cute(planes[0], 4), _as_cute(planes[min(1, sums)], 4), _as_cute(planes[sums], 4), float(k1), float(k1 if k2 is None else k2),
             _stream(x.device)]
+    global calls
+    calls += 1
     sms = torch.cuda.get_device_properties(x.device).multi_processor_count
-    _executor(x.dtype, sums, tile_n, stages, ws, sms, args)(*args)
+    _executor(x.dtype, sums, tile_n, stages, schedule, sms, args)(*args)
     return out

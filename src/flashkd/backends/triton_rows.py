@@ -460,6 +460,35 @@ def _merged_parts(
 
 
 @triton.jit
+def _tile_stats(
+    tile_row, n_tiles, stride_plane,  # the row's statistics of its first vocab tile, the tiles, plane to plane
+    log2e_tau, log2e_tau_t, log2e_ce, kl_ratio,  # the row's constants (`_rows_kernel`)
+    LOSS: tl.constexpr, SOFT: tl.constexpr, CE: tl.constexpr, CE_IS_Q: tl.constexpr, SCALED: tl.constexpr,
+    TILE_BLOCK: tl.constexpr,
+):
+    """PHASE 4: pass 1's statistics from the ones the logits GEMMs' epilogue made for each vocab tile of
+    the row (`rows(..., tiles=...)`: planes m_s, l_s, l_c, m_t, l_t), merged as a program's lanes are.
+    Returns (m_s, l_s, l_c, m_t, l_t, r_kl, ss, tt, st, r_ent)."""
+    at = tile_row + tl.arange(0, TILE_BLOCK)
+    here = tl.arange(0, TILE_BLOCK) < n_tiles
+    zero = tl.zeros([TILE_BLOCK], tl.float32)
+    lowest = tl.full([TILE_BLOCK], M_START, tl.float32)
+    m_s = tl.load(at, mask=here, other=M_START)
+    l_s = zero
+    l_c = zero
+    m_t = lowest
+    l_t = zero
+    if SOFT:
+        l_s = tl.load(at + stride_plane, mask=here, other=0.0)
+        m_t = tl.load(at + 3 * stride_plane, mask=here, other=M_START)
+        l_t = tl.load(at + 4 * stride_plane, mask=here, other=0.0)
+    if CE and not CE_IS_Q:
+        l_c = tl.load(at + 2 * stride_plane, mask=here, other=0.0)
+    return _merge(m_s, l_s, l_c, m_t, l_t, zero, zero, zero, zero, zero, log2e_tau, log2e_tau_t, log2e_ce, kl_ratio,
+                  LOSS, False, SCALED, False)
+
+
+@triton.jit
 def _row_logs(m_s, l_s, l_c, l_t, r_ent, s_y, in_range, fold_s, inv_tau,
               CE: tl.constexpr, CE_IS_Q: tl.constexpr, STATS: tl.constexpr):
     """The softmaxes' log2 sums, from pass 1's statistics merged, and the CE and entropy they give.
@@ -595,7 +624,8 @@ def _rows_kernel(
     hard_ptr,  # (R,) fp32 out: untempered CE, 0 on ignored rows, NaN for a label outside [0, V)
     ent_ptr,  # (R,) fp32 out: entropy of q, 0 on ignored rows (written when STATS)
     scale_ptr,  # () or (R,) fp32 (or fp64): the reduction's factor (per row: times the row's weight)
-    part_ptr,  # PHASE 1: (R, _PARTS) fp32 out, this rank's; 2, 3: (world, R, _PARTS), every rank's
+    part_ptr,  # PHASE 1: (R, _PARTS) fp32 out, this rank's; 2, 3: (world, R, _PARTS), every rank's;
+    # 4: the (5, R, n_tiles) vocab tiles' statistics (`_tile_stats`), rows stride_tile apart
     acc_ptr,  # PHASE 2: (R, 4) fp32 out, pass 2's sums over this rank's slice; 3: their sums over the ranks
     # sizes
     V,
@@ -605,7 +635,9 @@ def _rows_kernel(
     ignore_index,
     label_lo,  # the global id of column 0 (a label's column is label − label_lo)
     world,  # the ranks whose parts PHASE 2, 3 merge
-    stride_part,  # R · _PARTS: from one rank's parts to the next
+    stride_part,  # R · _PARTS: from one rank's parts to the next; PHASE 4: from one plane of tiles to the next
+    stride_tile,  # PHASE 4: from one row's tiles to the next
+    stat_tiles,  # PHASE 4: the vocab tiles a row's statistics come in
     # runtime floats: a new value never recompiles. fold_s, fold_t: a head's scale σ where the kernel
     # does not transform at load (S_HEAD / T_HEAD 0: z = σ·s, σ > 0), else 1 (the loaded value is z)
     log2e_tau,  # log2(e)·fold_s / τ: (s − max)·log2e_tau is log2 of softmax(z/τ)'s numerator
@@ -639,8 +671,9 @@ def _rows_kernel(
     RTNE_BITS: tl.constexpr,  # `triton_common.store_grad`: under the interpreter, with a bf16 dL/ds
     RCP_FMA: tl.constexpr,  # softcap loads whose reciprocal is on the FMA pipe, bit 2·(pass − 1) + side
     # (0: s, 1: t); see SOFTCAP_RCP_FMA
-    PHASE: tl.constexpr,  # 0: the whole row; a row sharded over ranks' vocab slices: 1, 2, 3 (`rows`)
-    WORLD_BLOCK: tl.constexpr,  # a power of 2 >= world
+    PHASE: tl.constexpr,  # 0: the whole row; a row sharded over ranks' vocab slices: 1, 2, 3 (`rows`);
+    # 4: the whole row, pass 1's statistics given per vocab tile
+    WORLD_BLOCK: tl.constexpr,  # a power of 2 >= world (PHASE 4: >= stat_tiles)
     BLOCK_V: tl.constexpr,
 ):
     """The three passes over one row (PHASE 0), or a sharded row's phase of them (`rows`). One program per
@@ -676,6 +709,11 @@ def _rows_kernel(
                 log2e_tau, log2e_tau_t, log2e_ce, kl_ratio, s_mul, t_mul,
                 LOSS, SOFT, CE, CE_IS_Q, ONLINE_KL, S_HEAD, T_HEAD, SCALED, STATS, RCP_FMA, BLOCK_V,
             )
+        elif PHASE == 4:
+            s_y, in_range = _label_logit(s_row, label, V, s_mul, CE, S_HEAD, RCP_FMA)
+            m_s, l_s, l_c, m_t, l_t, r_kl, ss, tt, st, r_ent = _tile_stats(
+                part_ptr + row.to(tl.int64) * stride_tile, stat_tiles, stride_part,
+                log2e_tau, log2e_tau_t, log2e_ce, kl_ratio, LOSS, SOFT, CE, CE_IS_Q, SCALED, WORLD_BLOCK)
         else:
             m_s, l_s, l_c, m_t, l_t, r_kl, ss, tt, st, r_ent, s_y, in_range = _merged_parts(
                 part_row, world, stride_part, log2e_tau, log2e_tau_t, log2e_ce, kl_ratio,
@@ -722,7 +760,7 @@ def _rows_kernel(
                     f1, f0, f_lo, f_hi, f_eq, c_ce,
                     LOSS, GRAD_SOFT, GRAD_CE, CE_IS_Q, S_HEAD, T_HEAD, RTNE_BITS, RCP_FMA, BLOCK_V,
                 )
-    elif GRAD_PASS != 0 and (PHASE == 0 or PHASE == 2):
+    elif GRAD_PASS != 0 and (PHASE == 0 or PHASE == 2 or PHASE == 4):
         _fill_zeros(g_row, V, BLOCK_V)
     if PHASE != 1:
         tl.store(soft_ptr, soft)
@@ -735,7 +773,7 @@ def _rows_kernel(
 
 
 def rows(s, t, labels, spec: LossSpec, scale: torch.Tensor, grad: bool, stats: bool = False, *, ds=None, vocab=None,
-         block_v=None, num_warps=None):
+         tiles=None, block_v=None, num_warps=None):
     """Per-row (soft, hard) losses of one block, (R,) fp32 each; with `grad`, ds (default: s, overwritten)
     gets dL/ds = scale · (w_hard · dCE/ds + soft_scale · dsoft/ds). See `flashkd.backends` for the contract.
 
@@ -750,6 +788,11 @@ def rows(s, t, labels, spec: LossSpec, scale: torch.Tensor, grad: bool, stats: b
             (`flashkd.distributed.ShardedVocab`): s, t hold the columns [vocab.start, vocab.start + V) of
             every row, labels are global ids, and the losses and dL/ds come out as those of the whole
             rows, through `vocab.gather_rows` and `vocab.sum_rows`
+    tiles:  None, or pass 1's statistics of s and t given per vocab tile, as the CuTe logits GEMMs make them
+            (`flashkd.backends.cute_gemm`): a (5, R, n) fp32 tensor, unit last stride, planes m_s, l_s, l_c,
+            m_t, l_t of n vocab tiles (module doc of cute_gemm; l_c read only when the CE is wanted and
+            softmax(s) is not q). The kernel then reads the row twice, not three times. Only where pass 1
+            takes nothing else (`tiles_fit`); the whole vocab (vocab None)
     block_v, num_warps: the tile and its warps, None for BLOCK_V, NUM_WARPS (benchmarks/bench_rows.py compares
             others)
     """
@@ -788,6 +831,15 @@ def rows(s, t, labels, spec: LossSpec, scale: torch.Tensor, grad: bool, stats: b
     if scale.device != s.device:
         raise ValueError(f"scale: expected device {s.device} like s, got {scale.device}")
 
+    if tiles is not None:
+        if vocab is not None or not tiles_fit(spec, grad, stats, labels is not None):
+            raise ValueError("tiles: statistics per vocab tile are taken only for whole rows of a softmax loss "
+                             "without transforms at load, an online KL or stats (`tiles_fit`)")
+        if (not isinstance(tiles, torch.Tensor) or tiles.dim() != 3 or tiles.shape[:2] != (5, R)
+                or tiles.dtype != torch.float32 or tiles.device != s.device or tiles.stride(2) != 1
+                or not 1 <= tiles.shape[2] <= MAX_TILES):
+            raise ValueError(f"tiles: expected a (5, {R}, n) float32 tensor with unit last stride on {s.device}, "
+                             f"1 <= n <= {MAX_TILES}, got {_describe(tiles)}")
     if ds is None:
         ds = s
     elif not isinstance(ds, torch.Tensor) or ds.shape != s.shape or ds.dtype not in _DTYPES or ds.device != s.device \
@@ -825,7 +877,7 @@ def rows(s, t, labels, spec: LossSpec, scale: torch.Tensor, grad: bool, stats: b
     sigma_s = float(spec.student_logit_scale)  # dz/ds, but for a softcap's 1 − (z/c)² (in the kernel)
     log2e = math.log2(math.e)
 
-    def launch(phase, parts=s, accs=s, world=1):
+    def launch(phase, parts=s, accs=s, world=1, stride_part=R * _PARTS.value, stride_tile=0):
         with launching():
             _rows_kernel[(R,)](
                 s,
@@ -845,7 +897,9 @@ def rows(s, t, labels, spec: LossSpec, scale: torch.Tensor, grad: bool, stats: b
                 spec.ignore_index,
                 0 if vocab is None else vocab.start,
                 world,
-                R * _PARTS.value,
+                stride_part,
+                stride_tile,
+                world,
                 # float(): an int weight would be specialised (and recompiled) by value
                 log2e * fold_s / spec.temperature,
                 log2e * fold_t / spec.temperature,
@@ -884,6 +938,9 @@ def rows(s, t, labels, spec: LossSpec, scale: torch.Tensor, grad: bool, stats: b
                 maxnreg=MAX_REGS,
             )
 
+    if tiles is not None:
+        launch(4, parts=tiles, world=tiles.shape[2], stride_part=tiles.stride(0), stride_tile=tiles.stride(1))
+        return out
     if vocab is None:
         launch(0)
         return out
@@ -900,6 +957,35 @@ def rows(s, t, labels, spec: LossSpec, scale: torch.Tensor, grad: bool, stats: b
         vocab.sum_rows(accs)
         launch(3, parts=parts, accs=accs, world=parts.shape[0])
     return out
+
+
+MAX_TILES = 4096  # vocab tiles a row's statistics may come in (`rows(..., tiles=...)`): one vector load each
+
+
+def tiles_fit(spec: LossSpec, grad: bool, stats: bool, labels: bool) -> bool:
+    """Whether pass 1 of this call takes nothing but each side's softmax statistics, so that the ones the
+    logits GEMMs make per vocab tile can stand in for it (`rows(..., tiles=...)`): a softmax divergence
+    whose loss pass 1 does not take online, no transform at load (softcap, negative scale), no stats."""
+    if stats or not spec.want_soft or spec.kind in ("cosine", "reverse_kl"):
+        return False
+    if spec.kind == "forward_kl" and not grad:  # its loss is then taken online in pass 1
+        return False
+    s_head = head_mode(spec.student_logit_scale, spec.student_softcap)[0]
+    t_head = head_mode(spec.teacher_logit_scale, spec.teacher_softcap)[0]
+    return s_head == 0 and t_head == 0
+
+
+def tile_constants(spec: LossSpec, labels: bool) -> tuple[float, float | None, float]:
+    """The log2 factors of the per-tile sums `rows(..., tiles=...)` reads: (k_s, k_ce, k_t) for
+    2^((z − m)·k) over s (softmax(s/τ)), over s untempered for the CE (None where that is q, or no CE is
+    taken), over t; the same constants the kernel folds a head's scale into (`launch`)."""
+    fold_s = head_mode(spec.student_logit_scale, spec.student_softcap)[1]
+    fold_t = head_mode(spec.teacher_logit_scale, spec.teacher_softcap)[1]
+    log2e = math.log2(math.e)
+    ce = spec.want_hard and labels
+    ce_is_q = ce and spec.temperature == 1.0  # tiles_fit excludes cosine
+    return (log2e * fold_s / spec.temperature, log2e * fold_s if ce and not ce_is_q else None,
+            log2e * fold_t / spec.temperature)
 
 
 def _cap_bits(mask: int, s_head: int, t_head: int) -> int:

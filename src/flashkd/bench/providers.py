@@ -7,6 +7,7 @@ workload raises `Skip` with a one-line reason.
 
     flashkd   the flashkd function of the workload's form, backend "auto" (the Triton kernels on CUDA):
               fused_linear_distill, fused_linear_distill_logits, fused_linear_distill_topk, teacher_topk
+    flashkd-cute  the same on backend "cute" (sm_90 with nvidia-cutlass-dsl; missing elsewhere)
     torch     the naive formula: the full (N, V) student logits, flashkd.losses.row_losses (or
               topk_row_losses), autograd; teacher_topk: full logits, log_softmax in fp32, torch.topk
     liger     Liger-Kernel 0.8.5 chunked losses (jsd, cosine; heads form only), torch.compile'd on CUDA
@@ -83,13 +84,13 @@ def naive_teacher_topk(xt, wt, k: int, temperature: float, softcap: float | None
     return ids, values
 
 
-def _flashkd(w: Workload, x: Inputs) -> LossFn:
+def _flashkd(w: Workload, x: Inputs, backend: str = "auto") -> LossFn:
     if w.form == "teacher_topk":
-        return lambda: flashkd.teacher_topk(x.xt, x.wt, w.k, temperature=w.temperature, backend="auto",
+        return lambda: flashkd.teacher_topk(x.xt, x.wt, w.k, temperature=w.temperature, backend=backend,
                                             teacher_softcap=w.softcap, teacher_precision=w.teacher_precision)
     options = dict(
         loss=w.loss, beta=w.beta, temperature=w.temperature, weight_hard_loss=w.weight_hard,
-        weight_soft_loss=w.weight_soft, ignore_index=w.ignore_index, backend="auto", student_softcap=w.softcap,
+        weight_soft_loss=w.weight_soft, ignore_index=w.ignore_index, backend=backend, student_softcap=w.softcap,
     )
     if w.form == "topk":
         return lambda: flashkd.fused_linear_distill_topk(x.xs, x.ws, x.ids, x.lp, x.y, tail=w.tail, **options)
@@ -98,6 +99,16 @@ def _flashkd(w: Workload, x: Inputs) -> LossFn:
         return lambda: flashkd.fused_linear_distill_logits(x.xs, x.ws, x.tl, x.y, **options)
     return lambda: flashkd.fused_linear_distill(x.xs, x.ws, x.xt, x.wt, x.y, teacher_precision=w.teacher_precision,
                                                 **options)
+
+
+def _cute_missing() -> str | None:
+    from ..backends import cute_gemm
+
+    if not cute_gemm.available():
+        return "nvidia-cutlass-dsl is not installed (pip install 'flashkd[cute]')"
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
+        return "backend 'cute' needs an sm_90 GPU"
+    return None
 
 
 def _no_fp8(name: str, w: Workload):
@@ -231,6 +242,9 @@ def _trl_version() -> str:
 
 PROVIDERS: dict[str, Provider] = {
     "flashkd": Provider(_flashkd, lambda: flashkd.__version__, grads_in_forward=True),
+    # backend "cute": the CuTe DSL logits GEMMs with the row statistics in their epilogue, where they fit
+    "flashkd-cute": Provider(lambda w, x: _flashkd(w, x, "cute"), lambda: flashkd.__version__, grads_in_forward=True,
+                             missing=_cute_missing),
     "torch": Provider(_torch, lambda: torch.__version__),
     "liger": Provider(_liger, _liger_version, grads_in_forward=True, missing=_liger_missing),
     # its backward recomputes the logits: gradients are not made in forward
