@@ -2,8 +2,9 @@
 (row, vocab tile)'s softmax statistics formed in the epilogue from the same registers, so the row kernels
 skip the pass that reads every logit to find them (`triton_rows.rows(..., tiles=...)`).
 
-Per output tile of TILE_M × TILE_N: TMA loads of x and w through a STAGES-deep shared-memory pipeline, two
-consumer warpgroups of WGMMA (64 rows each), and an epilogue that, for each row of the tile,
+A persistent, warp-specialised kernel, one CTA an SM: warpgroup 0 loads tiles of x and w by TMA into a
+STAGES-deep shared-memory pipeline, warpgroups 1 and 2 multiply (WGMMA, 64 rows each of a TILE_M × TILE_N
+output tile) and run the epilogue, which for each row of the tile forms
   m  = max_j z_j                     (over the tile's columns inside the vocab)
   l1 = Σ_j 2^((z_j − m) · k1)        (k1 = log2(e)·fold/τ: softmax(z/τ)'s numerator, in log2 units)
   l2 = Σ_j 2^((z_j − m) · k2)        (SUMS = 2 only: the untempered CE's, k2 = log2(e)·fold)
@@ -12,7 +13,11 @@ and stores z (fp32) and (m, l1[, l2]) into (R, n_tiles) planes. A row's four lan
 nothing crosses warps, so the epilogue needs no shared memory and no barrier.
 
 Needs nvidia-cutlass-dsl (`pip install 'flashkd[cute]'`) and an sm_90 GPU; compiles once per
-(dtype, SUMS) in a process (JIT, a few seconds; `compile_seconds`).
+(dtype, SUMS) in a process (JIT, about a second; `compile_seconds`). Measured (BENCHMARKS.md): correct
+to fp32 at every shape tried, but 1.2–1.3x cuBLAS's fp32-output GEMM at the chunk shapes, with or without
+the statistics: the two warpgroups idle through the epilogue's stores, which a ping-pong schedule (the
+warpgroups on alternate tiles) would hide; a first one deadlocked with several tiles a CTA and was taken
+out (git history, 31e2e58).
 """
 
 import math
@@ -20,14 +25,12 @@ import time
 
 import torch
 
-TILE_M = 128  # the cooperative and simple schedules' tile rows (two warpgroups of 64)
-PP_M = 64  # the ping-pong schedule's: one warpgroup's
+TILE_M = 128  # two consumer warpgroups of 64 rows
 TILE_N = 256
 TILE_K = 64
-STAGES = 5  # (64 + 256) · 64 · 2 bytes a stage at ping-pong; 4 for the 128-row tiles
-THREADS = 256  # two consumer warpgroups; warp 0 also issues the TMA loads
+STAGES = 4  # (128 + 256) · 64 · 2 = 48 KiB a stage
 
-_compiled = {}  # (dtype, sums, tile_n, stages, schedule, sms) -> compiled executor
+_compiled = {}  # (dtype, sums, tile_n, stages, sms) -> compiled executor
 compile_seconds = {}  # the same keys -> seconds spent in cute.compile (first call of a process)
 calls = 0  # launches in this process (tests check which calls ran here)
 
@@ -56,10 +59,9 @@ def available() -> bool:
     return True
 
 
-def _build(sums: int, tile_n: int = TILE_N, stages: int = STAGES, schedule: str = "pingpong", sms: int = 132):
-    """sums: 1 or 2 statistics sums (module doc), or 0 for the bare GEMM (z alone: for measuring).
-    schedule: "pingpong" (`kernel_pp`) or "cooperative" (`kernel_ws`), persistent on `sms` CTAs, or "simple"
-    (`kernel`: one CTA a tile, every warp multiplying)."""
+def _build(sums: int, tile_n: int = TILE_N, stages: int = STAGES, sms: int = 132):
+    """sums: 1 or 2 statistics sums (module doc), or 0 for the bare GEMM (z alone: for measuring); the
+    kernel persistent on `sms` CTAs."""
     import cuda.bindings.driver as cuda
     import cutlass
     import cutlass.cute as cute
@@ -110,104 +112,6 @@ def _build(sums: int, tile_n: int = TILE_N, stages: int = STAGES, schedule: str 
         for i in cutlass.range_constexpr(n_values):
             if cute.elem_less(tCcC[i], mC.shape):
                 tCgC[i] = acc[i]
-
-    @cute.kernel
-    def kernel_pp(
-        tma_a: cute.CopyAtom, mA: cute.Tensor, tma_b: cute.CopyAtom, mB: cute.Tensor,
-        mC: cute.Tensor, mM: cute.Tensor, mL1: cute.Tensor, mL2: cute.Tensor, k1: cutlass.Float32,
-        k2: cutlass.Float32, tiled_mma: cute.TiledMma, a_layout: cute.ComposedLayout, b_layout: cute.ComposedLayout,
-        storage_type: cutlass.Constexpr, tx_bytes: cutlass.Constexpr,
-    ):
-        """Persistent, warp-specialised, ping-pong: warpgroup 0 loads (warp 0 issues the TMA copies) the CTA's
-        tiles of PP_M rows in order; warpgroups 1 and 2 take every other tile each, so that one multiplies
-        while the other runs its epilogue (the tensor cores never wait on the statistics and the stores)."""
-        warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
-        tidx, _, _ = cute.arch.thread_idx()
-        first, _, _ = cute.arch.block_idx()
-        step, _, _ = cute.arch.grid_dim()
-        if warp == 0:
-            cute.nvgpu.cpasync.prefetch_descriptor(tma_a)
-            cute.nvgpu.cpasync.prefetch_descriptor(tma_b)
-        smem = utils.SmemAllocator()
-        storage = smem.allocate(storage_type)
-        pipe = pipeline.PipelineTmaAsync.create(
-            barrier_storage=storage.bars.data_ptr(),
-            num_stages=stages,
-            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
-            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 4),  # one warpgroup a stage
-            tx_count=tx_bytes,
-            cta_layout_vmnk=cute.make_layout((1, 1, 1, 1)),
-        )
-        sA = storage.sA.get_tensor(a_layout.outer, swizzle=a_layout.inner)
-        sB = storage.sB.get_tensor(b_layout.outer, swizzle=b_layout.inner)
-        tiler = (PP_M, tile_n, TILE_K)
-        every = (None, None, None, 0)
-        gA = cute.local_tile(mA, tiler, every, proj=(1, None, 1))  # (PP_M, TILE_K, m tiles, k tiles)
-        gB = cute.local_tile(mB, tiler, every, proj=(None, 1, 1))  # (tile_n, TILE_K, n tiles, k tiles)
-        gC = cute.local_tile(mC, tiler, every, proj=(1, 1, None))  # (PP_M, tile_n, m tiles, n tiles)
-        cC = cute.local_tile(cute.make_identity_tensor(mC.shape), tiler, every, proj=(1, 1, None))
-        m_tiles = cute.size(gC, mode=[2])
-        tiles = m_tiles * cute.size(gC, mode=[3])
-        k_tiles = cute.size(gA, mode=[3])
-
-        if warp < 4:
-            cute.arch.setmaxregister_decrease(40)
-            if warp == 0:
-                tAsA, tAgA = cute.nvgpu.cpasync.tma_partition(
-                    tma_a, 0, cute.make_layout(1), cute.group_modes(sA, 0, 2), cute.group_modes(gA, 0, 2))
-                tBsB, tBgB = cute.nvgpu.cpasync.tma_partition(
-                    tma_b, 0, cute.make_layout(1), cute.group_modes(sB, 0, 2), cute.group_modes(gB, 0, 2))
-                produce = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, stages)
-                for tile in cutlass.range(first, tiles, step, unroll=1):
-                    bm = tile % m_tiles  # m fastest: the CTAs running at once share few tiles of w
-                    bn = tile // m_tiles
-                    for kt in cutlass.range(k_tiles, unroll=1):
-                        pipe.producer_acquire(produce)
-                        bar = pipe.producer_get_barrier(produce)
-                        cute.copy(tma_a, tAgA[(None, bm, kt)], tAsA[(None, produce.index)], tma_bar_ptr=bar)
-                        cute.copy(tma_b, tBgB[(None, bn, kt)], tBsB[(None, produce.index)], tma_bar_ptr=bar)
-                        pipe.producer_commit(produce)
-                        produce.advance()
-        else:
-            cute.arch.setmaxregister_increase(232)
-            me = cute.arch.make_warp_uniform(tidx // 128) - 1  # 0 or 1: which of the CTA's tiles are its
-            ctidx = tidx % 128
-            tCrA = tiled_mma.make_fragment_A(tiled_mma.get_slice(0).partition_A(sA))
-            tCrB = tiled_mma.make_fragment_B(tiled_mma.get_slice(0).partition_B(sB))
-            thr_mma = tiled_mma.get_slice(ctidx)
-            acc = cute.make_rmem_tensor(thr_mma.partition_C(gC[(None, None, 0, 0)]).shape, f32)
-            k_blocks = cute.size(tCrA, mode=[2])
-            consume = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, stages)
-            release = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, stages)
-            if me == 1:  # the first tile's stages are the other warpgroup's
-                for _ in cutlass.range(k_tiles, unroll=1):
-                    consume.advance()
-                    release.advance()
-            for tile in cutlass.range(first + me * step, tiles, 2 * step, unroll=1):
-                bm = tile % m_tiles
-                bn = tile // m_tiles
-                tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, False)
-                for kt in cutlass.range(k_tiles, unroll=1):
-                    pipe.consumer_wait(consume)
-                    cute.nvgpu.warpgroup.fence()
-                    for kb in cutlass.range(k_blocks, unroll_full=True):
-                        at = (None, None, kb, consume.index)
-                        cute.gemm(tiled_mma, acc, tCrA[at], tCrB[at], acc)
-                        tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, True)
-                    cute.nvgpu.warpgroup.commit_group()
-                    cute.nvgpu.warpgroup.wait_group(1)
-                    if kt > 0:  # the previous k tile's batch has retired: its stage goes back to the loads
-                        pipe.consumer_release(release)
-                        release.advance()
-                    consume.advance()
-                cute.nvgpu.warpgroup.wait_group(0)
-                pipe.consumer_release(release)
-                release.advance()
-                for _ in cutlass.range(k_tiles, unroll=1):  # past the other warpgroup's next tile
-                    consume.advance()
-                    release.advance()
-                epilogue(acc, thr_mma.partition_C(gC[(None, None, bm, bn)]),
-                         thr_mma.partition_C(cC[(None, None, bm, bn)]), mC, mM, mL1, mL2, bn, k1, k2)
 
     @cute.kernel
     def kernel_ws(
@@ -300,102 +204,11 @@ def _build(sums: int, tile_n: int = TILE_N, stages: int = STAGES, schedule: str 
                 epilogue(acc, thr_mma.partition_C(gC[(None, None, bm, bn)]),
                          thr_mma.partition_C(cC[(None, None, bm, bn)]), mC, mM, mL1, mL2, bn, k1, k2)
 
-    @cute.kernel
-    def kernel(
-        tma_a: cute.CopyAtom, mA: cute.Tensor, tma_b: cute.CopyAtom, mB: cute.Tensor,
-        mC: cute.Tensor, mM: cute.Tensor, mL1: cute.Tensor, mL2: cute.Tensor, k1: cutlass.Float32,
-        k2: cutlass.Float32, tiled_mma: cute.TiledMma, a_layout: cute.ComposedLayout, b_layout: cute.ComposedLayout,
-        storage_type: cutlass.Constexpr, tx_bytes: cutlass.Constexpr,
-    ):
-        warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
-        tidx, _, _ = cute.arch.thread_idx()
-        bm, bn, _ = cute.arch.block_idx()
-        if warp == 0:
-            cute.nvgpu.cpasync.prefetch_descriptor(tma_a)
-            cute.nvgpu.cpasync.prefetch_descriptor(tma_b)
-
-        smem = utils.SmemAllocator()
-        storage = smem.allocate(storage_type)
-        pipe = pipeline.PipelineTmaAsync.create(
-            barrier_storage=storage.bars.data_ptr(),
-            num_stages=stages,
-            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
-            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, THREADS // 32),
-            tx_count=tx_bytes,
-            cta_layout_vmnk=cute.make_layout((1, 1, 1, 1)),
-        )
-        sA = storage.sA.get_tensor(a_layout.outer, swizzle=a_layout.inner)
-        sB = storage.sB.get_tensor(b_layout.outer, swizzle=b_layout.inner)
-
-        tiler = (TILE_M, tile_n, TILE_K)
-        coord = (bm, bn, None, 0)
-        gA = cute.local_tile(mA, tiler, coord, proj=(1, None, 1))  # (TILE_M, TILE_K, k tiles)
-        gB = cute.local_tile(mB, tiler, coord, proj=(None, 1, 1))  # (tile_n, TILE_K, k tiles)
-        gC = cute.local_tile(mC, tiler, coord, proj=(1, 1, None))  # (TILE_M, tile_n)
-        cC = cute.local_tile(cute.make_identity_tensor(mC.shape), tiler, coord, proj=(1, 1, None))
-
-        tAsA, tAgA = cute.nvgpu.cpasync.tma_partition(
-            tma_a, 0, cute.make_layout(1), cute.group_modes(sA, 0, 2), cute.group_modes(gA, 0, 2))
-        tBsB, tBgB = cute.nvgpu.cpasync.tma_partition(
-            tma_b, 0, cute.make_layout(1), cute.group_modes(sB, 0, 2), cute.group_modes(gB, 0, 2))
-
-        # the shared-memory operands are described per warpgroup; the accumulator per thread
-        wg = cute.arch.make_warp_uniform(tidx // 128)
-        wg_mma = tiled_mma.get_slice(wg * 128)
-        tCrA = tiled_mma.make_fragment_A(wg_mma.partition_A(sA))
-        tCrB = tiled_mma.make_fragment_B(wg_mma.partition_B(sB))
-        thr_mma = tiled_mma.get_slice(tidx)
-        tCgC = thr_mma.partition_C(gC)
-        tCcC = thr_mma.partition_C(cC)
-        acc = cute.make_rmem_tensor(tCgC.shape, f32)
-
-        k_tiles = cute.size(gA, mode=[2])
-        produce = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, stages)
-        consume = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, stages)
-        release = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, stages)
-
-        if warp == 0:
-            for _ in cutlass.range(cutlass.min(stages, k_tiles), unroll=1):
-                pipe.producer_acquire(produce)
-                bar = pipe.producer_get_barrier(produce)
-                cute.copy(tma_a, tAgA[(None, produce.count)], tAsA[(None, produce.index)], tma_bar_ptr=bar)
-                cute.copy(tma_b, tBgB[(None, produce.count)], tBsB[(None, produce.index)], tma_bar_ptr=bar)
-                pipe.producer_commit(produce)
-                produce.advance()
-
-        tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, False)
-        k_blocks = cute.size(tCrA, mode=[2])
-        for kt in cutlass.range(k_tiles, unroll=1):
-            pipe.consumer_wait(consume)
-            cute.nvgpu.warpgroup.fence()
-            for kb in cutlass.range(k_blocks, unroll_full=True):
-                at = (None, None, kb, consume.index)
-                cute.gemm(tiled_mma, acc, tCrA[at], tCrB[at], acc)
-                tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, True)
-            cute.nvgpu.warpgroup.commit_group()
-            # one WGMMA batch in flight: the previous tile's stage is free once it retires, and is where
-            # the next load goes (the producer waits on that stage's release by every warp, its own too)
-            cute.nvgpu.warpgroup.wait_group(1)
-            if kt > 0:
-                pipe.consumer_release(release)
-                release.advance()
-                if warp == 0 and produce.count < k_tiles:
-                    pipe.producer_acquire(produce)
-                    bar = pipe.producer_get_barrier(produce)
-                    cute.copy(tma_a, tAgA[(None, produce.count)], tAsA[(None, produce.index)], tma_bar_ptr=bar)
-                    cute.copy(tma_b, tBgB[(None, produce.count)], tBsB[(None, produce.index)], tma_bar_ptr=bar)
-                    pipe.producer_commit(produce)
-                    produce.advance()
-            consume.advance()
-        cute.nvgpu.warpgroup.wait_group(0)
-
-        epilogue(acc, tCgC, tCcC, mC, mM, mL1, mL2, bn, k1, k2)
-
     @cute.jit
     def gemm(a: cute.Tensor, b: cute.Tensor, c: cute.Tensor, m: cute.Tensor, l1: cute.Tensor, l2: cute.Tensor,
              k1: cutlass.Float32, k2: cutlass.Float32, stream: cuda.CUstream):
         ab = a.element_type
-        rows = PP_M if cutlass.const_expr(schedule == "pingpong") else TILE_M
+        rows = TILE_M
         tiled_mma = sm90.make_trivial_tiled_mma(
             ab, ab, utils.LayoutEnum.from_tensor(a).sm90_mma_major_mode(),
             utils.LayoutEnum.from_tensor(b).sm90_mma_major_mode(), f32, (rows // 64, 1, 1), tiler_mn=(64, tile_n))
@@ -417,13 +230,7 @@ def _build(sums: int, tile_n: int = TILE_N, stages: int = STAGES, schedule: str 
 
         tiles = cute.ceil_div(c.shape[0], rows) * cute.ceil_div(c.shape[1], tile_n)
         args = (tma_a, tA, tma_b, tB, c, m, l1, l2, k1, k2, tiled_mma, a_layout, b_layout, Storage, tx_bytes)
-        if cutlass.const_expr(schedule == "pingpong"):
-            kernel_pp(*args).launch(grid=(cutlass.min(tiles, sms), 1, 1), block=(384, 1, 1), stream=stream)
-        elif cutlass.const_expr(schedule == "cooperative"):
-            kernel_ws(*args).launch(grid=(cutlass.min(tiles, sms), 1, 1), block=(384, 1, 1), stream=stream)
-        else:
-            grid = (cute.ceil_div(c.shape[0], TILE_M), cute.ceil_div(c.shape[1], tile_n), 1)
-            kernel(*args).launch(grid=grid, block=(THREADS, 1, 1), stream=stream)
+        kernel_ws(*args).launch(grid=(cutlass.min(tiles, sms), 1, 1), block=(384, 1, 1), stream=stream)
 
     return gemm
 
@@ -440,22 +247,21 @@ def _stream(device):
     return cuda.CUstream(torch.cuda.current_stream(device).cuda_stream)
 
 
-def _executor(dtype: torch.dtype, sums: int, tile_n: int, stages: int, schedule: str, sms: int, args):
-    key = (dtype, sums, tile_n, stages, schedule, sms)
+def _executor(dtype: torch.dtype, sums: int, tile_n: int, stages: int, sms: int, args):
+    key = (dtype, sums, tile_n, stages, sms)
     fn = _compiled.get(key)
     if fn is None:
         import cutlass.cute as cute
 
         t0 = time.perf_counter()
-        fn = cute.compile(_build(sums, tile_n, stages, schedule, sms), *args)
+        fn = cute.compile(_build(sums, tile_n, stages, sms), *args)
         compile_seconds[key] = time.perf_counter() - t0
         _compiled[key] = fn
     return fn
 
 
 def logits(x: torch.Tensor, w: torch.Tensor, planes: torch.Tensor | None, k1: float = 1.0, k2: float | None = None,
-           out: torch.Tensor | None = None, *, tile_n: int = TILE_N, stages: int = STAGES,
-           schedule: str = "pingpong") -> torch.Tensor:
+           out: torch.Tensor | None = None, *, tile_n: int = TILE_N, stages: int = STAGES) -> torch.Tensor:
     """z = x · wᵀ in fp32 (R, V), and each (row, vocab tile)'s (m, l1[, l2]) (module doc) into
     planes[0], planes[1][, planes[2]]: planes is (2 or 3, R, n_tiles(V)) fp32 (any plane stride, rows
     contiguous). k2 None: two planes. Asynchronous on the current stream."""
@@ -473,11 +279,12 @@ def logits(x: torch.Tensor, w: torch.Tensor, planes: torch.Tensor | None, k1: fl
         return out
     # (rows, K, 1) and (V, K, 1) operands, K contiguous; (R, V, 1) output: the kernel's batch mode is 1
     # z and the planes take scalar stores: 4-byte aligned is enough; x and w go through TMA (`eligible`)
+    x, w = x.detach(), w.detach()  # DLPack exports no tensor that requires grad; the kernel reads them only
     args = [_as_cute(x[:, :, None]), _as_cute(w[:, :, None]), _as_cute(out[:, :, None], 4),
             _as_cute(planes[0], 4), _as_cute(planes[min(1, sums)], 4), _as_cute(planes[sums], 4), float(k1), float(k1 if k2 is None else k2),
             _stream(x.device)]
     global calls
     calls += 1
     sms = torch.cuda.get_device_properties(x.device).multi_processor_count
-    _executor(x.dtype, sums, tile_n, stages, schedule, sms, args)(*args)
+    _executor(x.dtype, sums, tile_n, stages, sms, args)(*args)
     return out

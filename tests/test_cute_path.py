@@ -1,0 +1,97 @@
+"""backend="cute"'s chunk loop on CPU, its GEMM stood in for: `flashkd.backends.cute_gemm.logits` replaced by a
+torch function that makes the same outputs (fp32 logits, each (row, vocab tile)'s max and sums of
+2^((z − max)·k) into the planes it is handed), the Triton rows under the interpreter. What this checks is the
+glue: which calls take the CuTe GEMMs, the planes each GEMM fills, the constants, the chunks and teacher
+blocks, the rows' PHASE 4; the results must be the Triton backend's. The kernel itself is checked on the GPU
+(probes/probe_cute_gemm.py, tests/test_exact.py -m gpu) and compiled on CPU (tests/test_cute_compile.py)."""
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+import flashkd  # noqa: E402
+from flashkd import chunks  # noqa: E402
+from flashkd.backends import cute_gemm  # noqa: E402
+
+TILE = 64  # the stand-in's vocab tile: several a row at V = 300
+
+
+def _stand_in(calls):
+    def logits(x, w, planes, k1=1.0, k2=None, out=None, **_):
+        calls.append((tuple(x.shape), tuple(w.shape), planes.shape[0], k1, k2))
+        z = x.float() @ w.float().t()
+        r, v = z.shape
+        n = -(-v // TILE)
+        assert planes.shape == ((2 if k2 is None else 3), r, n)
+        pad = torch.full((r, n * TILE), -torch.inf)
+        pad[:, :v] = z
+        pad = pad.view(r, n, TILE)
+        m = pad.amax(-1)
+        planes[0] = m
+        planes[1] = torch.exp2((pad - m[..., None]) * k1).sum(-1)
+        if k2 is not None:
+            planes[2] = torch.exp2((pad - m[..., None]) * k2).sum(-1)
+        return z
+
+    return logits
+
+
+@pytest.fixture
+def cute_on_cpu(monkeypatch):
+    calls = []
+    real_pick = chunks.pick_backend
+    monkeypatch.setattr(chunks, "pick_backend", lambda b, x: "triton" if b == "cute" else real_pick(b, x))
+    monkeypatch.setattr(cute_gemm, "eligible", lambda x, w: True)
+    monkeypatch.setattr(cute_gemm, "n_tiles", lambda v, tile_n=TILE: -(-v // TILE))
+    monkeypatch.setattr(cute_gemm, "logits", _stand_in(calls))
+    return calls
+
+
+def _case(seed, n=37, hs=24, ht=40, v=300, dtype=torch.float32):
+    g = torch.Generator().manual_seed(seed)
+    xs, xt = torch.randn(n, hs, generator=g).to(dtype), torch.randn(n, ht, generator=g).to(dtype)
+    ws, wt = (torch.randn(v, hs, generator=g) / 2).to(dtype), (torch.randn(v, ht, generator=g) / 2).to(dtype)
+    y = torch.randint(v, (n,), generator=g)
+    y[::5] = -100
+    return xs, ws, xt, wt, y
+
+
+@pytest.mark.parametrize("loss,opts,takes", [
+    ("jsd", {}, True), ("jsd", {"temperature": 0.7, "beta": 0.2}, True), ("tvd", {}, True),
+    ("forward_kl", {"student_logit_scale": 0.8, "teacher_logit_scale": 1.25}, True),
+    ("reverse_kl", {}, False), ("cosine", {}, False), ("jsd", {"student_softcap": 20.0}, False),
+])
+@pytest.mark.parametrize("labels", [True, False])
+def test_cute_path_gives_the_triton_results(cute_on_cpu, seed, loss, opts, takes, labels):
+    xs, ws, xt, wt, y = _case(seed)
+    if not labels:
+        y, opts = None, dict(opts, weight_hard_loss=0.0)
+    out = {}
+    for backend in ("triton", "cute"):
+        a, b = xs.clone().requires_grad_(), ws.clone().requires_grad_()
+        loss_ = flashkd.fused_linear_distill(a, b, xt, wt, y, loss=loss, backend=backend, chunk_size=16, **opts)
+        out[backend] = (loss_, *torch.autograd.grad(loss_, (a, b)))
+    # 3 chunks of at most 16 rows: a student and a teacher GEMM each, where the CuTe GEMMs take the call
+    assert len(cute_on_cpu) == (6 if takes else 0)
+    if takes:
+        tempered_ce = labels and opts.get("temperature", 1.0) != 1.0
+        assert [c[2] for c in cute_on_cpu] == [3 if tempered_ce else 2, 2] * 3  # the CE's own sum only then
+    for got, want in zip(out["cute"], out["triton"]):
+        torch.testing.assert_close(got, want, rtol=2e-5, atol=1e-7)
+
+
+def test_cute_path_keeps_to_triton_where_its_gemm_does_not_fit(cute_on_cpu, seed):
+    """Biases, a call without grad for forward KL (its loss is then taken in pass 1), return_stats: the
+    Triton path, no CuTe GEMM."""
+    xs, ws, xt, wt, y = _case(seed)
+    bias = torch.randn(ws.shape[0])
+    flashkd.fused_linear_distill(xs, ws, xt, wt, y, backend="cute", student_bias=bias)
+    flashkd.fused_linear_distill(xs, ws, xt, wt, y, backend="cute", teacher_bias=bias)
+    with torch.no_grad():
+        flashkd.fused_linear_distill(xs, ws, xt, wt, y, loss="forward_kl", backend="cute")
+    flashkd.fused_linear_distill(xs, ws, xt, wt, y, backend="cute", return_stats=True)
+    assert cute_on_cpu == []
+    with torch.no_grad():  # JSD without grad does take it
+        flashkd.fused_linear_distill(xs, ws, xt, wt, y, backend="cute")
+    assert len(cute_on_cpu) == 2
