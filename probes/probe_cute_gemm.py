@@ -9,38 +9,14 @@ GPU only; needs nvidia-cutlass-dsl.
 import argparse
 import json
 import math
-import statistics
 import sys
 import time
 
 import torch
 
+from probe_cute_rows import median_ms  # beside this file: run as a script from probes/
+
 LOG2E = 1.4426950408889634
-
-
-def median_ms(fn, reps):
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        torch.cuda.synchronize()
-        times.append(a.elapsed_time(b))
-    q = statistics.quantiles(times, n=5)
-    return statistics.median(times), q[0], q[-1]
-
-
-def reference_stats(z, tile, k1, k2):
-    """(m, l1, l2) a (row, tile) of z (float64), tiles of `tile` columns, the last one partial."""
-    r, v = z.shape
-    nt = -(-v // tile)
-    pad = torch.full((r, nt * tile), -math.inf, dtype=torch.float64, device=z.device)
-    pad[:, :v] = z
-    pad = pad.view(r, nt, tile)
-    m = pad.amax(-1)
-    d = pad - m[..., None]
-    return m, torch.exp2(d * k1).sum(-1), torch.exp2(d * k2).sum(-1)
 
 
 def check(cg, r, v, h, dtype, sums, gen, tile_n, stages, scale=1.0):
@@ -54,7 +30,7 @@ def check(cg, r, v, h, dtype, sums, gen, tile_n, stages, scale=1.0):
     want = x[sub].double() @ w.double().t()
     out = {"shape": [r, v, h], "dtype": str(dtype), "sums": sums, "tile_n": tile_n, "stages": stages}
     out["z_max_rel"] = ((z[sub].double() - want).abs().max() / want.abs().max()).item()
-    m, l1, l2 = reference_stats(z.double(), tile_n, k1, k2)  # of the logits the kernel wrote
+    m, (l1, l2) = cg.tile_stats(z.double(), (k1, k2), tile_n)  # of the logits the kernel wrote
     out["m_err"] = (planes[0].double() - m).abs().max().item()
     out["l1_rel"] = ((planes[1].double() - l1).abs() / l1).max().item()
     if sums == 2:

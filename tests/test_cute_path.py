@@ -21,17 +21,10 @@ def _stand_in(calls):
     def logits(x, w, planes, k1=1.0, k2=None, out=None, **_):
         calls.append((tuple(x.shape), tuple(w.shape), planes.shape[0], k1, k2))
         z = x.float() @ w.float().t()
-        r, v = z.shape
-        n = -(-v // TILE)
-        assert planes.shape == ((2 if k2 is None else 3), r, n)
-        pad = torch.full((r, n * TILE), -torch.inf)
-        pad[:, :v] = z
-        pad = pad.view(r, n, TILE)
-        m = pad.amax(-1)
+        assert planes.shape == ((2 if k2 is None else 3), z.shape[0], -(-z.shape[1] // TILE))
+        m, sums = cute_gemm.tile_stats(z, [k1] + ([] if k2 is None else [k2]), TILE)
         planes[0] = m
-        planes[1] = torch.exp2((pad - m[..., None]) * k1).sum(-1)
-        if k2 is not None:
-            planes[2] = torch.exp2((pad - m[..., None]) * k2).sum(-1)
+        planes[1:] = torch.stack(sums)
         return z
 
     return logits

@@ -394,21 +394,13 @@ def test_interpreted_kernels_do_not_warn_about_masked_lanes():
 
 def _tile_planes(s, t, spec, labels, width):
     """The (5, R, n) planes the CuTe logits GEMMs write (`flashkd.backends.cute_gemm`): each vocab tile of
-    `width` columns' max and sums of 2^((z − max)·k), made here in float64 from the same logits. The CE's
-    plane is NaN where the kernel must not read it."""
+    `width` columns' max and sums of 2^((z − max)·k), made here in float64 from the same logits
+    (`cute_gemm.tile_stats`). The CE's plane is NaN where the kernel must not read it."""
+    from flashkd.backends import cute_gemm
+
     k_s, k_ce, k_t = triton_rows.tile_constants(spec, labels is not None)
-    R, V = s.shape
-    n = -(-V // width)
-
-    def stats(z, ks):
-        pad = torch.full((R, n * width), -torch.inf, dtype=torch.float64, device=z.device)
-        pad[:, :V] = z.double()
-        pad = pad.view(R, n, width)
-        m = pad.amax(-1)
-        return m, [torch.exp2((pad - m[..., None]) * k).sum(-1) for k in ks]
-
-    m_s, (l_s, *l_c) = stats(s, [k_s] + ([] if k_ce is None else [k_ce]))
-    m_t, (l_t,) = stats(t, [k_t])
+    m_s, (l_s, *l_c) = cute_gemm.tile_stats(s.double(), [k_s] + ([] if k_ce is None else [k_ce]), width)
+    m_t, (l_t,) = cute_gemm.tile_stats(t.double(), [k_t], width)
     l_c = l_c[0] if l_c else torch.full_like(l_s, torch.nan)
     return torch.stack([m_s, l_s, l_c, m_t, l_t]).float()
 

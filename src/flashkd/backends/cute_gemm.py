@@ -40,6 +40,19 @@ def n_tiles(v: int, tile_n: int = TILE_N) -> int:
     return -(-v // tile_n)
 
 
+def tile_stats(z: torch.Tensor, ks, tile_n: int = TILE_N):
+    """What the epilogue makes of logits z (R, V), in torch and z's dtype (float64 for a reference): each
+    (row, tile of tile_n columns)'s max m (R, n_tiles) and, for each k in ks, Σ 2^((z − m)·k) over the tile
+    (columns past V absent). Returns (m, [sums])."""
+    r, v = z.shape
+    pad = torch.full((r, n_tiles(v, tile_n) * tile_n), -math.inf, dtype=z.dtype, device=z.device)
+    pad[:, :v] = z
+    pad = pad.view(r, -1, tile_n)
+    m = pad.amax(-1)
+    d = pad - m[..., None]
+    return m, [torch.exp2(d * k).sum(-1) for k in ks]
+
+
 def eligible(x: torch.Tensor, w: torch.Tensor) -> bool:
     """Shapes and dtypes the kernel takes: bf16 / fp16 operands, K-contiguous, 16-byte aligned rows (TMA)."""
     return (
