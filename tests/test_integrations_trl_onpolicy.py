@@ -96,6 +96,14 @@ def student(n, v, h, *, bias, logit_std=2.0, peaked=False):
     return [t if t is None else t.requires_grad_() for t in (x, w, b)]
 
 
+def _truth(inputs, ids, logps, mask, beta, tail, index):
+    """TRL's formula in float64 on the leaves' values (three teachers): (results, their gradients)."""
+    leaves = [t.detach().double().requires_grad_() for t in inputs]
+    truth = trl_jsd_loss(*leaves, ids, logps, mask, beta=beta, temperature=1.0, add_tail_bucket=tail,
+                         teacher_index=index, num_teachers=3)
+    return truth, torch.autograd.grad(truth[0], leaves)
+
+
 def _both(inputs, args, backend):
     """TRL's results and the patch's on the same leaves: [(five results, gradients)] × 2."""
     x, w, b = inputs
@@ -157,10 +165,7 @@ def test_chunked_jsd_loss_at_trained_magnitudes(beta, tail, backend, seed, monke
     assert 3.0 < logits.std() < 6.0 and logits.max() > 25.0, (logits.std(), logits.max())
     args = (1.0, None, ids, logps, mask, beta, 1.0, tail, index, 3, 8)
     (r0, g0), (r1, g1) = _both(inputs, args, backend)
-    leaves = [t.detach().double().requires_grad_() for t in inputs]
-    truth = trl_jsd_loss(*leaves, ids, logps, mask, beta=beta, temperature=1.0, add_tail_bucket=tail,
-                         teacher_index=index, num_teachers=3)
-    g_truth = torch.autograd.grad(truth[0], leaves)
+    truth, g_truth = _truth(inputs, ids, logps, mask, beta, tail, index)
     names = ("loss", "jsd_sum", "entropy_sum", "teacher_entropy_sum", "per_teacher_stats")
     for name, a, b, t in zip(names, r1, r0, truth):
         err, err_trl = _rel(a, t), _rel(b, t)
@@ -230,10 +235,7 @@ def test_chunked_jsd_loss_where_the_tail_clamps(beta, backend, seed, monkeypatch
     assert torch.equal(clamped, want), (clamped, want)
     args = (1.0, None, ids, logps, mask, beta, 1.0, True, index, 3, 8)
     (r0, g0), (r1, g1) = _both(inputs, args, backend)
-    leaves = [t.detach().double().requires_grad_() for t in inputs]
-    truth = trl_jsd_loss(*leaves, ids, logps, mask, beta=beta, temperature=1.0, add_tail_bucket=True,
-                         teacher_index=index, num_teachers=3)
-    g_truth = torch.autograd.grad(truth[0], leaves)
+    truth, g_truth = _truth(inputs, ids, logps, mask, beta, True, index)
     names = ("loss", "jsd_sum", "entropy_sum", "teacher_entropy_sum") + tuple(
         f"teacher {i} {s}" for i in range(3) for s in ("count", "jsd", "entropy"))
     for name, a, b, t in zip(names, [*r1[:4], *r1[4]], [*r0[:4], *r0[4]], [*truth[:4], *truth[4]]):
@@ -262,9 +264,7 @@ def test_chunked_jsd_loss_bf16_student(beta, tail, backend, seed, monkeypatch):
     inputs = [t.detach().bfloat16().requires_grad_() for t in student(n, v, h, bias=True, peaked=True)]
     args = (1.0, None, ids, logps, mask, beta, 1.0, tail, index, 3, 16)
     (r0, g0), (r1, g1) = _both(inputs, args, backend)
-    leaves = [t.detach().double().requires_grad_() for t in inputs]
-    truth = trl_jsd_loss(*leaves, ids, logps, mask, beta=beta, temperature=1.0, add_tail_bucket=tail,
-                         teacher_index=index, num_teachers=3)
+    truth, g_truth = _truth(inputs, ids, logps, mask, beta, tail, index)
     for name, a, b, t in zip(("loss", "jsd_sum", "entropy_sum", "teacher_entropy_sum", "per_teacher_stats"),
                              r1, r0, truth):
         assert a.dtype == b.dtype == torch.float32, (name, a.dtype, b.dtype)
@@ -280,7 +280,7 @@ def test_chunked_jsd_loss_bf16_student(beta, tail, backend, seed, monkeypatch):
     ones = torch.ones(n, 1, dtype=x.dtype)
     dx, dwb = pipeline_grads(of_logits, torch.cat([x, ones], 1), torch.cat([w, bias[:, None]], 1))
     pipeline = (dx[:, :h], dwb[:, :h], dwb[:, h])
-    for name, a, b, t, base in zip(("d hidden", "d weight", "d bias"), g1, g0, torch.autograd.grad(truth[0], leaves),
+    for name, a, b, t, base in zip(("d hidden", "d weight", "d bias"), g1, g0, g_truth,
                                    pipeline):
         assert a.dtype == b.dtype == base.dtype == torch.bfloat16
         assert _rel(a, t) <= RATIO * _rel(base, t), (name, _rel(a, t), _rel(base, t), _rel(b, t))
