@@ -81,8 +81,10 @@ def main():
         fns = {
             "cute_stats2": lambda: cg.logits(x, w, p256, 1.0, 1.0, out=z),
             "cute_stats1": lambda: cg.logits(x, w, p256[:2], 1.0, out=z),
+            "cute_stats2_direct": lambda: cg.logits(x, w, p256, 1.0, 1.0, out=z, store="direct"),
             "cute_bare": lambda: cg.logits(x, w, None, out=z),
-            "cute_no_store": lambda: cg.logits(x, w, None, out=z, store=False),
+            "cute_bare_direct": lambda: cg.logits(x, w, None, out=z, store="direct"),
+            "cute_no_store": lambda: cg.logits(x, w, None, out=z, store="none"),
             "cublas_bf16": lambda: torch.mm(x, w.t()),
             "cublas_fp32": lambda: torch.mm(x, w.t(), out_dtype=torch.float32),
         }

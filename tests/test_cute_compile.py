@@ -1,5 +1,5 @@
 """The CuTe DSL logits GEMM (`flashkd.backends.cute_gemm`) compiled for sm_90a on this machine, down to a cubin,
-without a GPU: each statistics count and two tile widths. Catches code that CuTe DSL's tracer or the NVVM/ptxas
+without a GPU: each statistics count, two tile widths and each way z is stored. Catches code that CuTe DSL's tracer or the NVVM/ptxas
 backend refuses before a GPU run does. Skipped where nvidia-cutlass-dsl is not installed (`flashkd[cute]`);
 a few seconds a kernel."""
 
@@ -20,20 +20,24 @@ from cutlass.cute.runtime import make_fake_tensor
 from cutlass.cute.typing import sym_int
 from flashkd.backends import cute_gemm
 
-sums, tile_n, stages = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
+sums, tile_n, stages, store = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
 m, n, k, t = sym_int(), sym_int(), sym_int(divisibility=8), sym_int()
 a = make_fake_tensor(cutlass.BFloat16, (m, k, 1), (sym_int(divisibility=8), 1, 1), assumed_align=16)
 b = make_fake_tensor(cutlass.BFloat16, (n, k, 1), (sym_int(divisibility=8), 1, 1), assumed_align=16)
-c = make_fake_tensor(cutlass.Float32, (m, n, 1), (sym_int(), 1, 1), assumed_align=4)
+tma = store == "tma"  # z's rows 16-byte aligned, as `logits` requires for it
+c = make_fake_tensor(cutlass.Float32, (m, n, 1), (sym_int(divisibility=4 if tma else 1), 1, 1),
+                     assumed_align=16 if tma else 4)
 p = make_fake_tensor(cutlass.Float32, (m, t), (sym_int(), 1), assumed_align=4)
-cute.compile(cute_gemm._build(sums, tile_n, stages), a, b, c, p, p, p, 1.0, 1.0, cuda.CUstream(0))
+cute.compile(cute_gemm._build(sums, tile_n, stages, 132, store), a, b, c, p, p, p, 1.0, 1.0, cuda.CUstream(0))
 print("compiled")
 """
 
 
-@pytest.mark.parametrize("sums,tile_n,stages", [(2, 256, 4), (1, 256, 4), (0, 256, 4), (2, 128, 6)])
-def test_the_logits_gemm_compiles_for_sm_90a(sums, tile_n, stages):
+@pytest.mark.parametrize("sums,tile_n,stages,store", [
+    (2, 256, 4, "tma"), (1, 256, 4, "tma"), (0, 256, 4, "tma"), (2, 128, 6, "tma"), (2, 256, 4, "direct"),
+    (0, 256, 4, "none")])
+def test_the_logits_gemm_compiles_for_sm_90a(sums, tile_n, stages, store):
     env = dict(os.environ, CUTE_DSL_ARCH="sm_90a")
-    done = subprocess.run([sys.executable, "-c", SCRIPT, str(sums), str(tile_n), str(stages)],
+    done = subprocess.run([sys.executable, "-c", SCRIPT, str(sums), str(tile_n), str(stages), store],
                           capture_output=True, text=True, timeout=300, env=env)
     assert done.returncode == 0 and "compiled" in done.stdout, done.stderr[-3000:]

@@ -29,6 +29,8 @@ TILE_M = 128  # two consumer warpgroups of 64 rows
 TILE_N = 256
 TILE_K = 64
 STAGES = 4  # (128 + 256) · 64 · 2 = 48 KiB a stage
+EPI_N = 32  # z leaves through shared memory in TILE_M × EPI_N fp32 pieces (16 KiB), by TMA stores
+EPI_STAGES = 2  # pieces in flight: 4 · 48 + 2 · 16 KiB fits the 227 KiB an SM has
 
 _compiled = {}  # (dtype, sums, tile_n, stages, sms) -> compiled executor
 compile_seconds = {}  # the same keys -> seconds spent in cute.compile (first call of a process)
@@ -72,10 +74,15 @@ def available() -> bool:
     return True
 
 
-def _build(sums: int, tile_n: int = TILE_N, stages: int = STAGES, sms: int = 132, store: bool = True):
+def _build(sums: int, tile_n: int = TILE_N, stages: int = STAGES, sms: int = 132, store: str = "tma"):
     """sums: 1 or 2 statistics sums (module doc), or 0 for the bare GEMM (z alone: for measuring); the
-    kernel persistent on `sms` CTAs. store False (measuring only): z is not written (a NaN test keeps the
-    products live), which times the main loop alone."""
+    kernel persistent on `sms` CTAs. store: how z leaves the registers:
+      "tma"    through shared memory, a TILE_M × EPI_N piece at a time, by TMA bulk stores that run on while
+               the warpgroups go on (z's rows 16-byte aligned: `logits` checks);
+      "direct" each thread's values by plain stores (any row stride; the warpgroups wait on them);
+      "none"   not at all, for timing the main loop alone (a NaN test keeps the products live)."""
+    if store not in ("tma", "direct", "none"):
+        raise ValueError(f"store: expected 'tma', 'direct' or 'none', got {store!r}")
     import cuda.bindings.driver as cuda
     import cutlass
     import cutlass.cute as cute
@@ -123,20 +130,46 @@ def _build(sums: int, tile_n: int = TILE_N, stages: int = STAGES, sms: int = 132
                 mL1[row, bn] = l1
                 if cutlass.const_expr(sums == 2):
                     mL2[row, bn] = l2
-        if cutlass.const_expr(store):
+        if cutlass.const_expr(store == "direct"):
             for i in cutlass.range_constexpr(n_values):
                 if cute.elem_less(tCcC[i], mC.shape):
                     tCgC[i] = acc[i]
-        else:
+        if cutlass.const_expr(store == "none"):
             if acc[0] != acc[0] and cute.elem_less(tCcC[0], mC.shape):
                 tCgC[0] = acc[0]
 
+    @cute.jit
+    def store_tma(acc: cute.Tensor, tCcT: cute.Tensor, sC: cute.Tensor, tma_c: cute.CopyAtom, gCt: cute.Tensor,
+                  warp: cutlass.Int32):
+        """z out through shared memory: piece p of the tile (its columns p·EPI_N ...) is the accumulator's
+        values 4j .. 4j+3 for j in [p·EPI_N/8, (p+1)·EPI_N/8) (wgmma's layout: value c + 2r + 4j of a thread
+        is column 8j + 2·(lane % 4) + c); every consumer thread writes its values of the piece into buffer
+        p % EPI_STAGES, and warp 4 stores the piece by TMA (rows and columns past z's edge are clipped),
+        then waits until the store before it has read its buffer, which is the next piece's."""
+        pieces = tile_n // EPI_N
+        per_piece = cute.size(acc) // pieces
+        bS, bG = cute.nvgpu.cpasync.tma_partition(
+            tma_c, 0, cute.make_layout(1), cute.group_modes(sC, 0, 2),
+            cute.zipped_divide(gCt, (TILE_M, EPI_N)))
+        for p in cutlass.range_constexpr(pieces):
+            buf = p % EPI_STAGES
+            for v in cutlass.range_constexpr(per_piece):
+                i = p * per_piece + v
+                sC[(tCcT[i][0], tCcT[i][1] - p * EPI_N, buf)] = acc[i]
+            cute.arch.fence_proxy("async.shared", space="cta")  # the stores, seen by the TMA unit
+            cute.arch.barrier(barrier_id=1, number_of_threads=256)
+            if warp == 4:
+                cute.copy(tma_c, bS[(None, buf)], bG[(None, p)])
+                cute.arch.cp_async_bulk_commit_group()
+                cute.arch.cp_async_bulk_wait_group(EPI_STAGES - 1, read=True)
+            cute.arch.barrier(barrier_id=1, number_of_threads=256)
+
     @cute.kernel
     def kernel_ws(
-        tma_a: cute.CopyAtom, mA: cute.Tensor, tma_b: cute.CopyAtom, mB: cute.Tensor,
-        mC: cute.Tensor, mM: cute.Tensor, mL1: cute.Tensor, mL2: cute.Tensor, k1: cutlass.Float32,
+        tma_a: cute.CopyAtom, mA: cute.Tensor, tma_b: cute.CopyAtom, mB: cute.Tensor, tma_c: cute.CopyAtom,
+        mCt: cute.Tensor, mC: cute.Tensor, mM: cute.Tensor, mL1: cute.Tensor, mL2: cute.Tensor, k1: cutlass.Float32,
         k2: cutlass.Float32, tiled_mma: cute.TiledMma, a_layout: cute.ComposedLayout, b_layout: cute.ComposedLayout,
-        storage_type: cutlass.Constexpr, tx_bytes: cutlass.Constexpr,
+        c_layout: cute.ComposedLayout, storage_type: cutlass.Constexpr, tx_bytes: cutlass.Constexpr,
     ):
         """Persistent and warp-specialised: warpgroup 0 loads (warp 0 issues the TMA copies), warpgroups 1
         and 2 multiply and run the epilogue, while the loads of the next tile already fill the stages."""
@@ -147,6 +180,8 @@ def _build(sums: int, tile_n: int = TILE_N, stages: int = STAGES, sms: int = 132
         if warp == 0:
             cute.nvgpu.cpasync.prefetch_descriptor(tma_a)
             cute.nvgpu.cpasync.prefetch_descriptor(tma_b)
+            if cutlass.const_expr(store == "tma"):
+                cute.nvgpu.cpasync.prefetch_descriptor(tma_c)
         smem = utils.SmemAllocator()
         storage = smem.allocate(storage_type)
         pipe = pipeline.PipelineTmaAsync.create(
@@ -165,6 +200,7 @@ def _build(sums: int, tile_n: int = TILE_N, stages: int = STAGES, sms: int = 132
         gB = cute.local_tile(mB, tiler, every, proj=(None, 1, 1))  # (tile_n, TILE_K, n tiles, k tiles)
         gC = cute.local_tile(mC, tiler, every, proj=(1, 1, None))  # (TILE_M, tile_n, m tiles, n tiles)
         cC = cute.local_tile(cute.make_identity_tensor(mC.shape), tiler, every, proj=(1, 1, None))
+        gCt = cute.local_tile(mCt, tiler, every, proj=(1, 1, None))  # the TMA view of z (store "tma")
         m_tiles = cute.size(gC, mode=[2])
         tiles = m_tiles * cute.size(gC, mode=[3])
         k_tiles = cute.size(gA, mode=[3])
@@ -196,6 +232,8 @@ def _build(sums: int, tile_n: int = TILE_N, stages: int = STAGES, sms: int = 132
             tCrB = tiled_mma.make_fragment_B(wg_mma.partition_B(sB))
             thr_mma = tiled_mma.get_slice(ctidx)
             acc = cute.make_rmem_tensor(thr_mma.partition_C(gC[(None, None, 0, 0)]).shape, f32)
+            tCcT = thr_mma.partition_C(cute.make_identity_tensor((TILE_M, tile_n)))  # (row, col) in the tile
+            sC = storage.sC.get_tensor(c_layout.outer, swizzle=c_layout.inner)
             k_blocks = cute.size(tCrA, mode=[2])
             consume = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, stages)
             release = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, stages)
@@ -221,6 +259,11 @@ def _build(sums: int, tile_n: int = TILE_N, stages: int = STAGES, sms: int = 132
                 release.advance()
                 epilogue(acc, thr_mma.partition_C(gC[(None, None, bm, bn)]),
                          thr_mma.partition_C(cC[(None, None, bm, bn)]), mC, mM, mL1, mL2, bn, k1, k2)
+                if cutlass.const_expr(store == "tma"):
+                    store_tma(acc, tCcT, sC, tma_c, gCt[(None, None, bm, bn)], warp)
+            if cutlass.const_expr(store == "tma"):
+                if warp == 4:  # shared memory outlives the last stores' reads of it
+                    cute.arch.cp_async_bulk_wait_group(0, read=True)
 
     @cute.jit
     def gemm(a: cute.Tensor, b: cute.Tensor, c: cute.Tensor, m: cute.Tensor, l1: cute.Tensor, l2: cute.Tensor,
@@ -239,15 +282,23 @@ def _build(sums: int, tile_n: int = TILE_N, stages: int = STAGES, sms: int = 132
         tma_b, tB = cute.nvgpu.cpasync.make_tiled_tma_atom(
             op, b, cute.slice_(b_layout, (None, None, 0)), (tile_n, TILE_K))
         tx_bytes = (rows + tile_n) * TILE_K * ab.width // 8
+        epi = (rows, EPI_N)
+        c_layout = sm90.make_smem_layout_epi(f32, utils.LayoutEnum.from_tensor(c), epi, EPI_STAGES)
+        tma_c, tC = tma_a, c  # stand-ins where z takes plain stores: no descriptor (z's rows may be unaligned)
+        if cutlass.const_expr(store == "tma"):
+            tma_c, tC = cute.nvgpu.cpasync.make_tiled_tma_atom(
+                cute.nvgpu.cpasync.CopyBulkTensorTileS2GOp(), c, cute.slice_(c_layout, (None, None, 0)), epi)
 
         @cute.struct
         class Storage:
             bars: cute.struct.MemRange[cutlass.Int64, stages * 2]
             sA: cute.struct.Align[cute.struct.MemRange[ab, cute.cosize(a_layout)], 1024]
             sB: cute.struct.Align[cute.struct.MemRange[ab, cute.cosize(b_layout)], 1024]
+            sC: cute.struct.Align[cute.struct.MemRange[f32, cute.cosize(c_layout)], 1024]
 
         tiles = cute.ceil_div(c.shape[0], rows) * cute.ceil_div(c.shape[1], tile_n)
-        args = (tma_a, tA, tma_b, tB, c, m, l1, l2, k1, k2, tiled_mma, a_layout, b_layout, Storage, tx_bytes)
+        args = (tma_a, tA, tma_b, tB, tma_c, tC, c, m, l1, l2, k1, k2, tiled_mma, a_layout, b_layout, c_layout,
+                Storage, tx_bytes)
         kernel_ws(*args).launch(grid=(cutlass.min(tiles, sms), 1, 1), block=(384, 1, 1), stream=stream)
 
     return gemm
@@ -265,7 +316,7 @@ def _stream(device):
     return cuda.CUstream(torch.cuda.current_stream(device).cuda_stream)
 
 
-def _executor(dtype: torch.dtype, sums: int, tile_n: int, stages: int, sms: int, store: bool, args):
+def _executor(dtype: torch.dtype, sums: int, tile_n: int, stages: int, sms: int, store: str, args):
     key = (dtype, sums, tile_n, stages, sms, store)
     fn = _compiled.get(key)
     if fn is None:
@@ -280,11 +331,11 @@ def _executor(dtype: torch.dtype, sums: int, tile_n: int, stages: int, sms: int,
 
 def logits(x: torch.Tensor, w: torch.Tensor, planes: torch.Tensor | None, k1: float = 1.0, k2: float | None = None,
            out: torch.Tensor | None = None, *, tile_n: int = TILE_N, stages: int = STAGES,
-           store: bool = True) -> torch.Tensor:
+           store: str | None = None) -> torch.Tensor:
     """z = x · wᵀ in fp32 (R, V), and each (row, vocab tile)'s (m, l1[, l2]) (module doc) into
     planes[0], planes[1][, planes[2]]: planes is (2 or 3, R, n_tiles(V)) fp32 (any plane stride, rows
-    contiguous). k2 None: two planes. Asynchronous on the current stream. store False: for timing the
-    main loop only (`_build`)."""
+    contiguous). k2 None: two planes. Asynchronous on the current stream. store: `_build`'s; None takes
+    "tma" where z's rows are 16-byte aligned (V a multiple of 4), else "direct"."""
     r, v = x.shape[0], w.shape[0]
     sums = 0 if planes is None else 1 if k2 is None else 2
     nt = n_tiles(v, tile_n)
@@ -295,12 +346,16 @@ def logits(x: torch.Tensor, w: torch.Tensor, planes: torch.Tensor | None, k1: fl
                          f"got {tuple(planes.shape)} {planes.dtype}")
     if out is None:
         out = torch.empty(r, v, device=x.device, dtype=torch.float32)
+    elif out.shape != (r, v) or out.dtype != torch.float32 or out.stride(1) != 1:
+        raise ValueError(f"out: expected ({r}, {v}) fp32 with unit last stride, got {tuple(out.shape)} {out.dtype}")
+    if store is None:
+        store = "tma" if out.stride(0) % 4 == 0 and out.data_ptr() % 16 == 0 else "direct"
     if r == 0 or v == 0:
         return out
     # (rows, K, 1) and (V, K, 1) operands, K contiguous; (R, V, 1) output: the kernel's batch mode is 1
-    # z and the planes take scalar stores: 4-byte aligned is enough; x and w go through TMA (`eligible`)
+    # the planes take scalar stores: 4-byte aligned is enough; x, w (`eligible`) and a "tma" z go through TMA
     x, w = x.detach(), w.detach()  # DLPack exports no tensor that requires grad; the kernel reads them only
-    args = [_as_cute(x[:, :, None]), _as_cute(w[:, :, None]), _as_cute(out[:, :, None], 4),
+    args = [_as_cute(x[:, :, None]), _as_cute(w[:, :, None]), _as_cute(out[:, :, None], 16 if store == "tma" else 4),
             _as_cute(planes[0], 4), _as_cute(planes[min(1, sums)], 4), _as_cute(planes[sums], 4), float(k1), float(k1 if k2 is None else k2),
             _stream(x.device)]
     global calls
