@@ -8,6 +8,7 @@ for the host. The calls are `flashkd bench`'s own (its flashkd and floor provide
 first workload of a bench preset (seed: JSD, N = 8192, bf16, V = 128256, Hs = 2048, Ht = 4096; topk,
 logits: the top-k and dense-logits teachers), its loss and rows replaced by --loss and --rows.
 Usage: python benchmarks/bench_profile.py [--preset seed] [--loss jsd] [--rows 8192] [--steps 10] [--top 12]
+       [--providers floor flashkd] [--modes full no-grad-forward]
 """
 
 import argparse
@@ -57,13 +58,15 @@ def main():
     ap.add_argument("--rows", type=int, default=None, help="default: the preset's")
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--top", type=int, default=12)
+    ap.add_argument("--providers", nargs="+", default=["floor", "flashkd"], choices=sorted(PROVIDERS))
+    ap.add_argument("--modes", nargs="+", default=["full", "no-grad-forward"], choices=["full", "no-grad-forward"])
     args = ap.parse_args()
     w = PRESETS[args.preset][0]
     w = dataclasses.replace(w, loss=args.loss or w.loss, n=args.rows or w.n)
     x = make_inputs(w, torch.device("cuda"))
     print(f"{w.tag}, N={w.n}, {w.describe()}; {args.steps} steps each; {torch.cuda.get_device_name()}")
-    for mode in ("full", "no-grad-forward"):
-        for name in ("floor", "flashkd"):
+    for mode in args.modes:
+        for name in args.providers:
             call = measure._step(PROVIDERS[name].make(w, x), x, mode)
 
             def step():

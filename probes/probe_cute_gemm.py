@@ -4,6 +4,8 @@ tile) statistics against float64, at irregular shapes and the chunk shapes, and 
 GPU only; needs nvidia-cutlass-dsl.
 
     python probes/probe_cute_gemm.py [--reps 30] [--out FILE.json]
+    python probes/probe_cute_gemm.py --compile-only   # one small call: import and compile seconds (run it twice
+                                                      # with one CUTE_DSL_CACHE_DIR to see the on-disk cache work)
 """
 
 import argparse
@@ -44,6 +46,7 @@ def main():
     p = argparse.ArgumentParser()
     p.add_argument("--reps", type=int, default=30)
     p.add_argument("--out", default=None)
+    p.add_argument("--compile-only", action="store_true")
     a = p.parse_args()
     if not torch.cuda.is_available():
         sys.exit("probe_cute_gemm: needs a CUDA GPU")
@@ -56,6 +59,12 @@ def main():
         sys.exit(f"probe_cute_gemm: needs nvidia-cutlass-dsl ({e})")
     result = {"import_s": time.perf_counter() - t0, "checks": [], "timing": []}
     gen = torch.Generator(device="cuda").manual_seed(0)
+    if a.compile_only:
+        t0 = time.perf_counter()
+        c = check(cg, 300, 3000, 600, torch.bfloat16, 2, gen, 256, 4)
+        print(json.dumps({"import_s": result["import_s"], "first_call_s": time.perf_counter() - t0,
+                          "compile_s": list(cg.compile_seconds.values()), "ok": c["ok"]}))
+        sys.exit(0 if c["ok"] else "probe_cute_gemm: the check failed")
     ok = True
     # K of 1 to 40 tiles of TILE_K; up to 501 × 16 output tiles (several a CTA)
     for r, v, h, dtype, sums, tn, st in (
@@ -82,6 +91,7 @@ def main():
             "cute_stats2": lambda: cg.logits(x, w, p256, 1.0, 1.0, out=z),
             "cute_stats1": lambda: cg.logits(x, w, p256[:2], 1.0, out=z),
             "cute_stats2_direct": lambda: cg.logits(x, w, p256, 1.0, 1.0, out=z, store="direct"),
+            "cute_stats2_s3e4": lambda: cg.logits(x, w, p256, 1.0, 1.0, out=z, stages=3, epi_stages=4),
             "cute_bare": lambda: cg.logits(x, w, None, out=z),
             "cute_bare_direct": lambda: cg.logits(x, w, None, out=z, store="direct"),
             "cute_no_store": lambda: cg.logits(x, w, None, out=z, store="none"),

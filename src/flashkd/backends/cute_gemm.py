@@ -74,15 +74,19 @@ def available() -> bool:
     return True
 
 
-def _build(sums: int, tile_n: int = TILE_N, stages: int = STAGES, sms: int = 132, store: str = "tma"):
+def _build(sums: int, tile_n: int = TILE_N, stages: int = STAGES, sms: int = 132, store: str = "tma",
+           epi_stages: int = EPI_STAGES):
     """sums: 1 or 2 statistics sums (module doc), or 0 for the bare GEMM (z alone: for measuring); the
     kernel persistent on `sms` CTAs. store: how z leaves the registers:
       "tma"    through shared memory, a TILE_M × EPI_N piece at a time, by TMA bulk stores that run on while
                the warpgroups go on (z's rows 16-byte aligned: `logits` checks);
       "direct" each thread's values by plain stores (any row stride; the warpgroups wait on them);
-      "none"   not at all, for timing the main loop alone (a NaN test keeps the products live)."""
+      "none"   not at all, for timing the main loop alone (a NaN test keeps the products live).
+    epi_stages: "tma"'s pieces in flight (shared memory: stages · 48 + epi_stages · 16 KiB of 227)."""
     if store not in ("tma", "direct", "none"):
         raise ValueError(f"store: expected 'tma', 'direct' or 'none', got {store!r}")
+    if (tile_n // EPI_N) % epi_stages:
+        raise ValueError(f"epi_stages: expected a divisor of {tile_n // EPI_N} (pieces a tile), got {epi_stages}")
     import cuda.bindings.driver as cuda
     import cutlass
     import cutlass.cute as cute
@@ -139,29 +143,36 @@ def _build(sums: int, tile_n: int = TILE_N, stages: int = STAGES, sms: int = 132
                 tCgC[0] = acc[0]
 
     @cute.jit
-    def store_tma(acc: cute.Tensor, tCcT: cute.Tensor, sC: cute.Tensor, tma_c: cute.CopyAtom, gCt: cute.Tensor,
-                  warp: cutlass.Int32):
-        """z out through shared memory: piece p of the tile (its columns p·EPI_N ...) is the accumulator's
-        values 4j .. 4j+3 for j in [p·EPI_N/8, (p+1)·EPI_N/8) (wgmma's layout: value c + 2r + 4j of a thread
-        is column 8j + 2·(lane % 4) + c); every consumer thread writes its values of the piece into buffer
-        p % EPI_STAGES, and warp 4 stores the piece by TMA (rows and columns past z's edge are clipped),
-        then waits until the store before it has read its buffer, which is the next piece's."""
+    def store_tma(acc: cute.Tensor, sC: cute.Tensor, tma_c: cute.CopyAtom, gCt: cute.Tensor,
+                  warp: cutlass.Int32, tiled_mma: cute.TiledMma, ctidx: cutlass.Int32):
+        """z out through shared memory, a TILE_M × EPI_N piece at a time: the consumer threads copy their
+        values of piece p (the retiled accumulator's p-th run, as wgmma lays columns out) into buffer
+        p % epi_stages by 8-byte stores, and warp 4 stores the piece by TMA (rows and columns past z's edge
+        are clipped), then waits until the store epi_stages − 1 before it has read its buffer: the next
+        piece's. Pieces a tile a multiple of epi_stages, so buffer p % epi_stages is free across tiles too."""
         pieces = tile_n // EPI_N
-        per_piece = cute.size(acc) // pieces
         bS, bG = cute.nvgpu.cpasync.tma_partition(
             tma_c, 0, cute.make_layout(1), cute.group_modes(sC, 0, 2),
             cute.zipped_divide(gCt, (TILE_M, EPI_N)))
+        r2s = cute.make_tiled_copy_S(
+            cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), f32),
+            cute.make_tiled_copy_C_atom(cute.make_copy_atom(cute.nvgpu.warp.StMatrix8x8x16bOp(False, 4), f32),
+                                        tiled_mma))
+        thr = r2s.get_slice(ctidx)
+        tRS_s = thr.partition_D(sC)
+        tRS_acc = r2s.retile(acc)
+        rD = cute.make_rmem_tensor(cute.shape(thr.partition_S(sC))[:3], f32)
         for p in cutlass.range_constexpr(pieces):
-            buf = p % EPI_STAGES
-            for v in cutlass.range_constexpr(per_piece):
-                i = p * per_piece + v
-                sC[(tCcT[i][0], tCcT[i][1] - p * EPI_N, buf)] = acc[i]
+            buf = p % epi_stages
+            for v in cutlass.range_constexpr(cute.size(rD)):
+                rD[v] = tRS_acc[p * cute.size(rD) + v]
+            cute.copy(r2s, rD, tRS_s[(None, None, None, buf)])
             cute.arch.fence_proxy("async.shared", space="cta")  # the stores, seen by the TMA unit
             cute.arch.barrier(barrier_id=1, number_of_threads=256)
             if warp == 4:
                 cute.copy(tma_c, bS[(None, buf)], bG[(None, p)])
                 cute.arch.cp_async_bulk_commit_group()
-                cute.arch.cp_async_bulk_wait_group(EPI_STAGES - 1, read=True)
+                cute.arch.cp_async_bulk_wait_group(epi_stages - 1, read=True)
             cute.arch.barrier(barrier_id=1, number_of_threads=256)
 
     @cute.kernel
@@ -232,7 +243,6 @@ def _build(sums: int, tile_n: int = TILE_N, stages: int = STAGES, sms: int = 132
             tCrB = tiled_mma.make_fragment_B(wg_mma.partition_B(sB))
             thr_mma = tiled_mma.get_slice(ctidx)
             acc = cute.make_rmem_tensor(thr_mma.partition_C(gC[(None, None, 0, 0)]).shape, f32)
-            tCcT = thr_mma.partition_C(cute.make_identity_tensor((TILE_M, tile_n)))  # (row, col) in the tile
             sC = storage.sC.get_tensor(c_layout.outer, swizzle=c_layout.inner)
             k_blocks = cute.size(tCrA, mode=[2])
             consume = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, stages)
@@ -260,7 +270,7 @@ def _build(sums: int, tile_n: int = TILE_N, stages: int = STAGES, sms: int = 132
                 epilogue(acc, thr_mma.partition_C(gC[(None, None, bm, bn)]),
                          thr_mma.partition_C(cC[(None, None, bm, bn)]), mC, mM, mL1, mL2, bn, k1, k2)
                 if cutlass.const_expr(store == "tma"):
-                    store_tma(acc, tCcT, sC, tma_c, gCt[(None, None, bm, bn)], warp)
+                    store_tma(acc, sC, tma_c, gCt[(None, None, bm, bn)], warp, tiled_mma, ctidx)
             if cutlass.const_expr(store == "tma"):
                 if warp == 4:  # shared memory outlives the last stores' reads of it
                     cute.arch.cp_async_bulk_wait_group(0, read=True)
@@ -283,7 +293,7 @@ def _build(sums: int, tile_n: int = TILE_N, stages: int = STAGES, sms: int = 132
             op, b, cute.slice_(b_layout, (None, None, 0)), (tile_n, TILE_K))
         tx_bytes = (rows + tile_n) * TILE_K * ab.width // 8
         epi = (rows, EPI_N)
-        c_layout = sm90.make_smem_layout_epi(f32, utils.LayoutEnum.from_tensor(c), epi, EPI_STAGES)
+        c_layout = sm90.make_smem_layout_epi(f32, utils.LayoutEnum.from_tensor(c), epi, epi_stages)
         tma_c, tC = tma_a, c  # stand-ins where z takes plain stores: no descriptor (z's rows may be unaligned)
         if cutlass.const_expr(store == "tma"):
             tma_c, tC = cute.nvgpu.cpasync.make_tiled_tma_atom(
@@ -316,14 +326,14 @@ def _stream(device):
     return cuda.CUstream(torch.cuda.current_stream(device).cuda_stream)
 
 
-def _executor(dtype: torch.dtype, sums: int, tile_n: int, stages: int, sms: int, store: str, args):
-    key = (dtype, sums, tile_n, stages, sms, store)
+def _executor(dtype: torch.dtype, sums: int, tile_n: int, stages: int, sms: int, store: str, epi_stages: int, args):
+    key = (dtype, sums, tile_n, stages, sms, store, epi_stages)
     fn = _compiled.get(key)
     if fn is None:
         import cutlass.cute as cute
 
         t0 = time.perf_counter()
-        fn = cute.compile(_build(sums, tile_n, stages, sms, store), *args)
+        fn = cute.compile(_build(sums, tile_n, stages, sms, store, epi_stages), *args)
         compile_seconds[key] = time.perf_counter() - t0
         _compiled[key] = fn
     return fn
@@ -331,7 +341,7 @@ def _executor(dtype: torch.dtype, sums: int, tile_n: int, stages: int, sms: int,
 
 def logits(x: torch.Tensor, w: torch.Tensor, planes: torch.Tensor | None, k1: float = 1.0, k2: float | None = None,
            out: torch.Tensor | None = None, *, tile_n: int = TILE_N, stages: int = STAGES,
-           store: str | None = None) -> torch.Tensor:
+           store: str | None = None, epi_stages: int = EPI_STAGES) -> torch.Tensor:
     """z = x · wᵀ in fp32 (R, V), and each (row, vocab tile)'s (m, l1[, l2]) (module doc) into
     planes[0], planes[1][, planes[2]]: planes is (2 or 3, R, n_tiles(V)) fp32 (any plane stride, rows
     contiguous). k2 None: two planes. Asynchronous on the current stream. store: `_build`'s; None takes
@@ -361,5 +371,5 @@ def logits(x: torch.Tensor, w: torch.Tensor, planes: torch.Tensor | None, k1: fl
     global calls
     calls += 1
     sms = torch.cuda.get_device_properties(x.device).multi_processor_count
-    _executor(x.dtype, sums, tile_n, stages, sms, store, args)(*args)
+    _executor(x.dtype, sums, tile_n, stages, sms, store, epi_stages, args)(*args)
     return out
