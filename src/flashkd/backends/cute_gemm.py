@@ -99,41 +99,89 @@ def _build(sums: int, tile_n: int = TILE_N, stages: int = STAGES, sms: int = 132
 
     @cute.jit
     def epilogue(acc: cute.Tensor, tCgC: cute.Tensor, tCcC: cute.Tensor, mC: cute.Tensor, mM: cute.Tensor,
-                 mL1: cute.Tensor, mL2: cute.Tensor, bn: cutlass.Int32, k1: cutlass.Float32, k2: cutlass.Float32):
-        """Statistics of each of the thread's two rows of the tile (module doc), then z."""
+                 mL1: cute.Tensor, mL2: cute.Tensor, bn: cutlass.Int32, k1: cutlass.Float32, k2: cutlass.Float32,
+                 sC: cute.Tensor, tma_c: cute.CopyAtom, gCt: cute.Tensor, warp: cutlass.Int32,
+                 tiled_mma: cute.TiledMma, ctidx: cutlass.Int32):
+        """z out and the statistics of each of the thread's two rows of the tile (module doc), a piece of
+        EPI_N columns at a time: wgmma gives a thread value c + 2r + 4j at row r of its two, column
+        8j + 2·(lane % 4) + c, so piece p is j in [p·EPI_N/8, (p+1)·EPI_N/8).
+        store "tma": the consumer threads copy piece p (the retiled accumulator's p-th run) into buffer
+        p % epi_stages by 8-byte stores; warp 4 stores it by TMA (rows and columns past z's edge clipped)
+        and, after this piece's statistics, waits until the store epi_stages − 1 before has read its
+        buffer, the next piece's: the statistics' exp2s run while the TMA unit reads. Pieces a tile are a
+        multiple of epi_stages, so buffer p % epi_stages is free across tiles too.
+        The statistics are merged online over the pieces, then over the row's quad of lanes."""
         M, N = mC.shape[0], mC.shape[1]
         lane = cute.arch.lane_idx()
         n_values = cute.size(acc)
-        for r in cutlass.range_constexpr(2 if sums else 0):
-            m = f32(lowest)
-            for j in cutlass.range_constexpr(n_values // 4):
-                for c in cutlass.range_constexpr(2):
-                    i = c + 2 * r + 4 * j
-                    z = acc[i]
-                    if tCcC[i][1] >= N:  # past the vocab: out of the statistics (and never stored)
-                        z = f32(lowest)
-                    acc[i] = z
-                    m = cute.arch.fmax(m, z)
-            for width in cutlass.range_constexpr(1, 3):
-                m = cute.arch.fmax(m, cute.arch.shuffle_sync_bfly(m, offset=width))
-            l1 = f32(0.0)
-            l2 = f32(0.0)
-            for j in cutlass.range_constexpr(n_values // 4):
-                for c in cutlass.range_constexpr(2):
-                    d = acc[c + 2 * r + 4 * j] - m
-                    l1 = l1 + cute.math.exp2(d * k1, fastmath=True)
-                    if cutlass.const_expr(sums == 2):
-                        l2 = l2 + cute.math.exp2(d * k2, fastmath=True)
-            for width in cutlass.range_constexpr(1, 3):
-                l1 = l1 + cute.arch.shuffle_sync_bfly(l1, offset=width)
+        pieces = tile_n // EPI_N
+        per = EPI_N // 8  # j's a piece
+        floor = f32(-3.0e38)  # a running max's floor: no -inf − -inf before a row's first column in the vocab
+        if cutlass.const_expr(store == "tma"):
+            bS, bG = cute.nvgpu.cpasync.tma_partition(
+                tma_c, 0, cute.make_layout(1), cute.group_modes(sC, 0, 2),
+                cute.zipped_divide(gCt, (TILE_M, EPI_N)))
+            r2s = cute.make_tiled_copy_S(
+                cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), f32),
+                cute.make_tiled_copy_C_atom(
+                    cute.make_copy_atom(cute.nvgpu.warp.StMatrix8x8x16bOp(False, 4), f32), tiled_mma))
+            thr = r2s.get_slice(ctidx)
+            tRS_s = thr.partition_D(sC)
+            tRS_acc = r2s.retile(acc)
+            rD = cute.make_rmem_tensor(cute.shape(thr.partition_S(sC))[:3], f32)
+        m = [floor, floor]
+        l1 = [f32(0.0), f32(0.0)]
+        l2 = [f32(0.0), f32(0.0)]
+        for p in cutlass.range_constexpr(pieces):
+            buf = p % epi_stages
+            if cutlass.const_expr(store == "tma"):
+                for v in cutlass.range_constexpr(cute.size(rD)):
+                    rD[v] = tRS_acc[p * cute.size(rD) + v]
+                cute.copy(r2s, rD, tRS_s[(None, None, None, buf)])
+                cute.arch.fence_proxy("async.shared", space="cta")  # the stores, seen by the TMA unit
+                cute.arch.barrier(barrier_id=1, number_of_threads=256)
+                if warp == 4:
+                    cute.copy(tma_c, bS[(None, buf)], bG[(None, p)])
+                    cute.arch.cp_async_bulk_commit_group()
+            for r in cutlass.range_constexpr(2 if sums else 0):
+                zs = []
+                mp = m[r]
+                for j in cutlass.range_constexpr(p * per, (p + 1) * per):
+                    for c in cutlass.range_constexpr(2):
+                        i = c + 2 * r + 4 * j
+                        z = acc[i]
+                        if tCcC[i][1] >= N:  # past the vocab: out of the statistics (and never stored)
+                            z = f32(lowest)
+                        zs.append(z)
+                        mp = cute.arch.fmax(mp, z)
+                l1[r] = l1[r] * cute.math.exp2((m[r] - mp) * k1, fastmath=True)
                 if cutlass.const_expr(sums == 2):
-                    l2 = l2 + cute.arch.shuffle_sync_bfly(l2, offset=width)
+                    l2[r] = l2[r] * cute.math.exp2((m[r] - mp) * k2, fastmath=True)
+                for z in zs:
+                    l1[r] = l1[r] + cute.math.exp2((z - mp) * k1, fastmath=True)
+                    if cutlass.const_expr(sums == 2):
+                        l2[r] = l2[r] + cute.math.exp2((z - mp) * k2, fastmath=True)
+                m[r] = mp
+            if cutlass.const_expr(store == "tma"):
+                if warp == 4:
+                    cute.arch.cp_async_bulk_wait_group(epi_stages - 1, read=True)
+                cute.arch.barrier(barrier_id=1, number_of_threads=256)
+        for r in cutlass.range_constexpr(2 if sums else 0):
+            mq = m[r]
+            for width in cutlass.range_constexpr(1, 3):
+                mq = cute.arch.fmax(mq, cute.arch.shuffle_sync_bfly(mq, offset=width))
+            a1 = l1[r] * cute.math.exp2((m[r] - mq) * k1, fastmath=True)
+            a2 = l2[r] * cute.math.exp2((m[r] - mq) * k2, fastmath=True)
+            for width in cutlass.range_constexpr(1, 3):
+                a1 = a1 + cute.arch.shuffle_sync_bfly(a1, offset=width)
+                if cutlass.const_expr(sums == 2):
+                    a2 = a2 + cute.arch.shuffle_sync_bfly(a2, offset=width)
             row = tCcC[2 * r][0]
             if lane % 4 == 0 and row < M:
-                mM[row, bn] = m
-                mL1[row, bn] = l1
+                mM[row, bn] = mq
+                mL1[row, bn] = a1
                 if cutlass.const_expr(sums == 2):
-                    mL2[row, bn] = l2
+                    mL2[row, bn] = a2
         if cutlass.const_expr(store == "direct"):
             for i in cutlass.range_constexpr(n_values):
                 if cute.elem_less(tCcC[i], mC.shape):
@@ -141,39 +189,6 @@ def _build(sums: int, tile_n: int = TILE_N, stages: int = STAGES, sms: int = 132
         if cutlass.const_expr(store == "none"):
             if acc[0] != acc[0] and cute.elem_less(tCcC[0], mC.shape):
                 tCgC[0] = acc[0]
-
-    @cute.jit
-    def store_tma(acc: cute.Tensor, sC: cute.Tensor, tma_c: cute.CopyAtom, gCt: cute.Tensor,
-                  warp: cutlass.Int32, tiled_mma: cute.TiledMma, ctidx: cutlass.Int32):
-        """z out through shared memory, a TILE_M × EPI_N piece at a time: the consumer threads copy their
-        values of piece p (the retiled accumulator's p-th run, as wgmma lays columns out) into buffer
-        p % epi_stages by 8-byte stores, and warp 4 stores the piece by TMA (rows and columns past z's edge
-        are clipped), then waits until the store epi_stages − 1 before it has read its buffer: the next
-        piece's. Pieces a tile a multiple of epi_stages, so buffer p % epi_stages is free across tiles too."""
-        pieces = tile_n // EPI_N
-        bS, bG = cute.nvgpu.cpasync.tma_partition(
-            tma_c, 0, cute.make_layout(1), cute.group_modes(sC, 0, 2),
-            cute.zipped_divide(gCt, (TILE_M, EPI_N)))
-        r2s = cute.make_tiled_copy_S(
-            cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), f32),
-            cute.make_tiled_copy_C_atom(cute.make_copy_atom(cute.nvgpu.warp.StMatrix8x8x16bOp(False, 4), f32),
-                                        tiled_mma))
-        thr = r2s.get_slice(ctidx)
-        tRS_s = thr.partition_D(sC)
-        tRS_acc = r2s.retile(acc)
-        rD = cute.make_rmem_tensor(cute.shape(thr.partition_S(sC))[:3], f32)
-        for p in cutlass.range_constexpr(pieces):
-            buf = p % epi_stages
-            for v in cutlass.range_constexpr(cute.size(rD)):
-                rD[v] = tRS_acc[p * cute.size(rD) + v]
-            cute.copy(r2s, rD, tRS_s[(None, None, None, buf)])
-            cute.arch.fence_proxy("async.shared", space="cta")  # the stores, seen by the TMA unit
-            cute.arch.barrier(barrier_id=1, number_of_threads=256)
-            if warp == 4:
-                cute.copy(tma_c, bS[(None, buf)], bG[(None, p)])
-                cute.arch.cp_async_bulk_commit_group()
-                cute.arch.cp_async_bulk_wait_group(epi_stages - 1, read=True)
-            cute.arch.barrier(barrier_id=1, number_of_threads=256)
 
     @cute.kernel
     def kernel_ws(
@@ -268,9 +283,8 @@ def _build(sums: int, tile_n: int = TILE_N, stages: int = STAGES, sms: int = 132
                 pipe.consumer_release(release)
                 release.advance()
                 epilogue(acc, thr_mma.partition_C(gC[(None, None, bm, bn)]),
-                         thr_mma.partition_C(cC[(None, None, bm, bn)]), mC, mM, mL1, mL2, bn, k1, k2)
-                if cutlass.const_expr(store == "tma"):
-                    store_tma(acc, sC, tma_c, gCt[(None, None, bm, bn)], warp, tiled_mma, ctidx)
+                         thr_mma.partition_C(cC[(None, None, bm, bn)]), mC, mM, mL1, mL2, bn, k1, k2,
+                         sC, tma_c, gCt[(None, None, bm, bn)], warp, tiled_mma, ctidx)
             if cutlass.const_expr(store == "tma"):
                 if warp == 4:  # shared memory outlives the last stores' reads of it
                     cute.arch.cp_async_bulk_wait_group(0, read=True)
