@@ -88,3 +88,31 @@ def test_cute_path_keeps_to_triton_where_its_gemm_does_not_fit(cute_on_cpu, seed
     with torch.no_grad():  # JSD without grad does take it
         flashkd.fused_linear_distill(xs, ws, xt, wt, y, backend="cute")
     assert len(cute_on_cpu) == 2
+
+
+@pytest.mark.parametrize("here", [True, False])
+def test_auto_takes_the_cute_gemms_for_the_losses_measured_faster(cute_on_cpu, monkeypatch, seed, here):
+    """backend="auto" on an sm_90 GPU with nvidia-cutlass-dsl installed (stood in for: `_cute_here`): the CuTe
+    GEMMs for JSD and TVD (`chunks.AUTO_CUTE_LOSSES`), not for forward KL, which fits but was not measured;
+    elsewhere none. The results are the Triton backend's either way."""
+    real_pick = chunks.pick_backend
+    monkeypatch.setattr(chunks, "pick_backend", lambda b, x: "triton" if b in ("cute", "auto") else real_pick(b, x))
+    monkeypatch.setattr(chunks, "_cute_here", lambda x: here)
+    xs, ws, xt, wt, y = _case(seed)
+    for loss, takes in (("jsd", here), ("tvd", here), ("forward_kl", False)):
+        del cute_on_cpu[:]
+        got = flashkd.fused_linear_distill(xs, ws, xt, wt, y, loss=loss, backend="auto", chunk_size=16)
+        assert len(cute_on_cpu) == (6 if takes else 0), loss
+        want = flashkd.fused_linear_distill(xs, ws, xt, wt, y, loss=loss, backend="triton", chunk_size=16)
+        torch.testing.assert_close(got, want, rtol=2e-5, atol=1e-7)
+
+
+def test_cute_here_is_false_off_hopper_and_without_the_package(monkeypatch):
+    import importlib.util
+
+    assert not chunks._cute_here(torch.zeros(2, 8))  # CPU tensors
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda d=None: (9, 0))
+    fake = torch.zeros(2, 8)
+    monkeypatch.setattr(type(fake), "is_cuda", property(lambda self: True))
+    assert not chunks._cute_here(fake)  # an sm_90 GPU, no nvidia-cutlass-dsl

@@ -383,7 +383,8 @@ def run(call: Call, rows: Rows, vocab=None):
     if form == "heads":
         teacher = _teacher_head(teacher, call.teacher_precision)
     index, teachers = check_teacher_index(call, rows) if form == "topk" else (None, 0)
-    gemm = "cute" if call.backend == "cute" and backend == "triton" else "cublas"
+    gemm = "cute" if backend == "triton" and (call.backend == "cute" or (
+        call.backend == "auto" and form == "heads" and spec.kind in AUTO_CUTE_LOSSES and _cute_here(xs))) else "cublas"
     plan = Plan(spec, chunk, backend, grad_accum_dtype, form, teacher_chunk, stats, vocab, index, teachers, gemm)
     loss_, soft, hard, *sums = apply(xs, ws, bs, y, rw, plan, *teacher)
     out = (loss_, soft, hard) if call.return_soft_hard_loss else (loss_,)
@@ -690,6 +691,26 @@ def pick_backend(backend, x):
     # The Triton kernels compute in fp32: fp64 inputs (float64 gradcheck, references) get the torch rows'
     # fp64 math on every backend.
     return "torch" if x.dtype == torch.float64 else backend
+
+
+# The losses "auto" runs with the CuTe DSL logits GEMMs where they fit (`_cute_fits`): those measured faster
+# than the Triton backend's cuBLAS GEMMs at every N of the sweep, same process (BENCHMARKS.md, "The CuTe DSL
+# logits GEMM"). The others fit too; backend="cute" runs them so.
+AUTO_CUTE_LOSSES = ("jsd", "tvd")
+
+
+def _cute_here(x) -> bool:
+    """Whether "auto" may take the CuTe DSL GEMMs for x: an sm_90 GPU with nvidia-cutlass-dsl installed. The
+    first such call imports it (seconds, once a process)."""
+    if not x.is_cuda or torch.cuda.get_device_capability(x.device) != (9, 0):
+        return False
+    import importlib.util
+
+    if importlib.util.find_spec("cutlass") is None:  # without importing it
+        return False
+    from .backends import cute_gemm
+
+    return cute_gemm.available()
 
 
 def _has_triton() -> bool:
