@@ -5,8 +5,10 @@ The closure is all that is timed: it returns a scalar loss whose `.backward()` f
 preallocation) happens in `make`, outside the timed region. A provider that does not cover a
 workload raises `Skip` with a one-line reason.
 
-    flashkd   the flashkd function of the workload's form, backend "auto" (the Triton kernels on CUDA):
+    flashkd   the flashkd function of the workload's form, backend "auto" (the Triton kernels on CUDA; on sm_90
+              with nvidia-cutlass-dsl, JSD and TVD with the CuTe DSL logits GEMMs):
               fused_linear_distill, fused_linear_distill_logits, fused_linear_distill_topk, teacher_topk
+    flashkd-triton  the same on backend "triton" (cuBLAS logits GEMMs wherever "auto" would take CuTe's)
     flashkd-cute  the same on backend "cute" (sm_90 with nvidia-cutlass-dsl; missing elsewhere)
     torch     the naive formula: the full (N, V) student logits, flashkd.losses.row_losses (or
               topk_row_losses), autograd; teacher_topk: full logits, log_softmax in fp32, torch.topk
@@ -242,6 +244,8 @@ def _trl_version() -> str:
 
 PROVIDERS: dict[str, Provider] = {
     "flashkd": Provider(_flashkd, lambda: flashkd.__version__, grads_in_forward=True),
+    "flashkd-triton": Provider(lambda w, x: _flashkd(w, x, "triton"), lambda: flashkd.__version__,
+                               grads_in_forward=True),
     # backend "cute": the CuTe DSL logits GEMMs with the row statistics in their epilogue, where they fit
     "flashkd-cute": Provider(lambda w, x: _flashkd(w, x, "cute"), lambda: flashkd.__version__, grads_in_forward=True,
                              missing=_cute_missing),
