@@ -93,18 +93,23 @@ def test_cute_path_keeps_to_triton_where_its_gemm_does_not_fit(cute_on_cpu, seed
 @pytest.mark.parametrize("here", [True, False])
 def test_auto_takes_the_cute_gemms_for_the_losses_measured_faster(cute_on_cpu, monkeypatch, seed, here):
     """backend="auto" on an sm_90 GPU with nvidia-cutlass-dsl installed (stood in for: `_cute_here`): the CuTe
-    GEMMs for JSD and TVD (`chunks.AUTO_CUTE_LOSSES`), not for forward KL, which fits but was not measured;
-    elsewhere none. The results are the Triton backend's either way."""
+    GEMMs for JSD, TVD and forward KL (`chunks.AUTO_CUTE_LOSSES`), not for reverse KL or cosine (which do not
+    fit) nor forward KL without grad; elsewhere none. The results are the Triton backend's either way."""
     real_pick = chunks.pick_backend
     monkeypatch.setattr(chunks, "pick_backend", lambda b, x: "triton" if b in ("cute", "auto") else real_pick(b, x))
     monkeypatch.setattr(chunks, "_cute_here", lambda x: here)
     xs, ws, xt, wt, y = _case(seed)
-    for loss, takes in (("jsd", here), ("tvd", here), ("forward_kl", False)):
+    xs, ws = xs.requires_grad_(), ws.requires_grad_()
+    for loss, takes in (("jsd", here), ("tvd", here), ("forward_kl", here), ("reverse_kl", False)):
         del cute_on_cpu[:]
         got = flashkd.fused_linear_distill(xs, ws, xt, wt, y, loss=loss, backend="auto", chunk_size=16)
         assert len(cute_on_cpu) == (6 if takes else 0), loss
         want = flashkd.fused_linear_distill(xs, ws, xt, wt, y, loss=loss, backend="triton", chunk_size=16)
         torch.testing.assert_close(got, want, rtol=2e-5, atol=1e-7)
+    with torch.no_grad():  # forward KL's loss is then taken in pass 1: no CuTe GEMM
+        del cute_on_cpu[:]
+        flashkd.fused_linear_distill(xs, ws, xt, wt, y, loss="forward_kl", backend="auto", chunk_size=16)
+        assert cute_on_cpu == []
 
 
 def test_cute_here_is_false_off_hopper_and_without_the_package(monkeypatch):

@@ -693,10 +693,10 @@ def pick_backend(backend, x):
     return "torch" if x.dtype == torch.float64 else backend
 
 
-# The losses "auto" runs with the CuTe DSL logits GEMMs where they fit (`_cute_fits`): those measured faster
-# than the Triton backend's cuBLAS GEMMs at every N of the sweep, same process (BENCHMARKS.md, "The CuTe DSL
-# logits GEMM"). The others fit too; backend="cute" runs them so.
-AUTO_CUTE_LOSSES = ("jsd", "tvd")
+# The losses "auto" runs with the CuTe DSL logits GEMMs where they fit (`_cute_fits`: of these, forward KL
+# only with grad): each measured faster than the Triton backend's cuBLAS GEMMs in the same process (JSD at
+# every N of the sweep, TVD and forward KL at the seed; BENCHMARKS.md, "The CuTe DSL logits GEMM").
+AUTO_CUTE_LOSSES = ("jsd", "tvd", "forward_kl")
 
 
 def _cute_here(x) -> bool:
