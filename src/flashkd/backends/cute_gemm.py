@@ -8,16 +8,15 @@ output tile) and run the epilogue, which for each row of the tile forms
   m  = max_j z_j                     (over the tile's columns inside the vocab)
   l1 = Σ_j 2^((z_j − m) · k1)        (k1 = log2(e)·fold/τ: softmax(z/τ)'s numerator, in log2 units)
   l2 = Σ_j 2^((z_j − m) · k2)        (SUMS = 2 only: the untempered CE's, k2 = log2(e)·fold)
-and stores z (fp32) and (m, l1[, l2]) into (R, n_tiles) planes. A row's four lanes of the accumulator
-(wgmma's layout: a row's 2·TILE_N/8 values a thread over a quad of lanes) merge theirs by two shuffles;
-nothing crosses warps, so the epilogue needs no shared memory and no barrier.
+into (R, n_tiles) planes, and writes z: a TILE_M × EPI_N piece at a time through shared memory and a TMA
+bulk store, the piece's statistics (merged online over the pieces, then over a row's quad of lanes by two
+shuffles) computed while the TMA unit reads it. Where z's rows are not 16-byte aligned, plain stores.
 
-Needs nvidia-cutlass-dsl (`pip install 'flashkd[cute]'`) and an sm_90 GPU; compiles once per
-(dtype, SUMS) in a process (JIT, about a second; `compile_seconds`). Measured (BENCHMARKS.md): correct
-to fp32 at every shape tried, but 1.2–1.3x cuBLAS's fp32-output GEMM at the chunk shapes, with or without
-the statistics: the two warpgroups idle through the epilogue's stores, which a ping-pong schedule (the
-warpgroups on alternate tiles) would hide; a first one deadlocked with several tiles a CTA and was taken
-out (git history, 31e2e58).
+Needs nvidia-cutlass-dsl (`pip install 'flashkd[cute]'`) and an sm_90 GPU; compiles once per variant in a
+process (JIT, 1.5–2 s on an H200; `compile_seconds`). Measured (BENCHMARKS.md, "The CuTe DSL logits GEMM"):
+correct to fp32 at every shape tried; at the chunk shapes 1.05–1.15× cuBLAS's fp32-output GEMM with the
+statistics (their exp2s and the stores run while no WGMMA does: the main loop alone is at cuBLAS's bf16
+time), which the row pass they spare more than pays for.
 """
 
 import math
@@ -91,7 +90,8 @@ def _build(sums: int, tile_n: int = TILE_N, stages: int = STAGES, sms: int = 132
     import cutlass
     import cutlass.cute as cute
     import cutlass.pipeline as pipeline
-    import cutlass.utils as utils
+    from cutlass.memory import SmemAllocator
+    from cutlass.tensor_utils import LayoutEnum
     import cutlass.utils.hopper_helpers as sm90
 
     f32 = cutlass.Float32
@@ -208,7 +208,7 @@ def _build(sums: int, tile_n: int = TILE_N, stages: int = STAGES, sms: int = 132
             cute.nvgpu.cpasync.prefetch_descriptor(tma_b)
             if cutlass.const_expr(store == "tma"):
                 cute.nvgpu.cpasync.prefetch_descriptor(tma_c)
-        smem = utils.SmemAllocator()
+        smem = SmemAllocator()
         storage = smem.allocate(storage_type)
         pipe = pipeline.PipelineTmaAsync.create(
             barrier_storage=storage.bars.data_ptr(),
@@ -295,11 +295,11 @@ def _build(sums: int, tile_n: int = TILE_N, stages: int = STAGES, sms: int = 132
         ab = a.element_type
         rows = TILE_M
         tiled_mma = sm90.make_trivial_tiled_mma(
-            ab, ab, utils.LayoutEnum.from_tensor(a).sm90_mma_major_mode(),
-            utils.LayoutEnum.from_tensor(b).sm90_mma_major_mode(), f32, (rows // 64, 1, 1), tiler_mn=(64, tile_n))
+            ab, ab, LayoutEnum.from_tensor(a).sm90_mma_major_mode(),
+            LayoutEnum.from_tensor(b).sm90_mma_major_mode(), f32, (rows // 64, 1, 1), tiler_mn=(64, tile_n))
         tile = (rows, tile_n, TILE_K)
-        a_layout = sm90.make_smem_layout_a(utils.LayoutEnum.from_tensor(a), tile, ab, stages)
-        b_layout = sm90.make_smem_layout_b(utils.LayoutEnum.from_tensor(b), tile, ab, stages)
+        a_layout = sm90.make_smem_layout_a(LayoutEnum.from_tensor(a), tile, ab, stages)
+        b_layout = sm90.make_smem_layout_b(LayoutEnum.from_tensor(b), tile, ab, stages)
         op = cute.nvgpu.cpasync.CopyBulkTensorTileG2SOp()
         tma_a, tA = cute.nvgpu.cpasync.make_tiled_tma_atom(
             op, a, cute.slice_(a_layout, (None, None, 0)), (rows, TILE_K))
@@ -307,7 +307,7 @@ def _build(sums: int, tile_n: int = TILE_N, stages: int = STAGES, sms: int = 132
             op, b, cute.slice_(b_layout, (None, None, 0)), (tile_n, TILE_K))
         tx_bytes = (rows + tile_n) * TILE_K * ab.width // 8
         epi = (rows, EPI_N)
-        c_layout = sm90.make_smem_layout_epi(f32, utils.LayoutEnum.from_tensor(c), epi, epi_stages)
+        c_layout = sm90.make_smem_layout_epi(f32, LayoutEnum.from_tensor(c), epi, epi_stages)
         tma_c, tC = tma_a, c  # stand-ins where z takes plain stores: no descriptor (z's rows may be unaligned)
         if cutlass.const_expr(store == "tma"):
             tma_c, tC = cute.nvgpu.cpasync.make_tiled_tma_atom(
