@@ -120,4 +120,8 @@ def test_cute_here_is_false_off_hopper_and_without_the_package(monkeypatch):
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda d=None: (9, 0))
     fake = torch.zeros(2, 8)
     monkeypatch.setattr(type(fake), "is_cuda", property(lambda self: True))
-    assert not chunks._cute_here(fake)  # an sm_90 GPU, no nvidia-cutlass-dsl
+    chunks._cute_on.cache_clear()  # its answer is kept for the process
+    try:
+        assert not chunks._cute_here(fake)  # an sm_90 GPU, no nvidia-cutlass-dsl
+    finally:
+        chunks._cute_on.cache_clear()

@@ -702,11 +702,14 @@ AUTO_CUTE_LOSSES = ("jsd", "tvd", "forward_kl")
 def _cute_here(x) -> bool:
     """Whether "auto" may take the CuTe DSL GEMMs for x: an sm_90 GPU with nvidia-cutlass-dsl installed. The
     first such call imports it (seconds, once a process)."""
-    if not x.is_cuda or torch.cuda.get_device_capability(x.device) != (9, 0):
-        return False
+    return x.is_cuda and _cute_on(torch.cuda.get_device_capability(x.device))
+
+
+@functools.cache
+def _cute_on(capability) -> bool:  # once a process: the package lookup walks sys.path
     import importlib.util
 
-    if importlib.util.find_spec("cutlass") is None:  # without importing it
+    if capability != (9, 0) or importlib.util.find_spec("cutlass") is None:  # without importing it
         return False
     from .backends import cute_gemm
 

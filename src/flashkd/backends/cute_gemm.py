@@ -372,8 +372,12 @@ def logits(x: torch.Tensor, w: torch.Tensor, planes: torch.Tensor | None, k1: fl
         out = torch.empty(r, v, device=x.device, dtype=torch.float32)
     elif out.shape != (r, v) or out.dtype != torch.float32 or out.stride(1) != 1:
         raise ValueError(f"out: expected ({r}, {v}) fp32 with unit last stride, got {tuple(out.shape)} {out.dtype}")
+    aligned = out.stride(0) % 4 == 0 and out.data_ptr() % 16 == 0
     if store is None:
-        store = "tma" if out.stride(0) % 4 == 0 and out.data_ptr() % 16 == 0 else "direct"
+        store = "tma" if aligned else "direct"
+    elif store == "tma" and not aligned:
+        raise ValueError(f"store: 'tma' needs out's rows 16-byte aligned, got row stride {out.stride(0)} "
+                         f"at address {out.data_ptr():#x}")
     if r == 0 or v == 0:
         return out
     # (rows, K, 1) and (V, K, 1) operands, K contiguous; (R, V, 1) output: the kernel's batch mode is 1

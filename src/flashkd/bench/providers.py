@@ -6,7 +6,7 @@ preallocation) happens in `make`, outside the timed region. A provider that does
 workload raises `Skip` with a one-line reason.
 
     flashkd   the flashkd function of the workload's form, backend "auto" (the Triton kernels on CUDA; on sm_90
-              with nvidia-cutlass-dsl, JSD and TVD with the CuTe DSL logits GEMMs):
+              with nvidia-cutlass-dsl, JSD, TVD and forward KL with grad on the CuTe DSL logits GEMMs):
               fused_linear_distill, fused_linear_distill_logits, fused_linear_distill_topk, teacher_topk
     flashkd-triton  the same on backend "triton" (cuBLAS logits GEMMs wherever "auto" would take CuTe's)
     flashkd-cute  the same on backend "cute" (sm_90 with nvidia-cutlass-dsl; missing elsewhere)
