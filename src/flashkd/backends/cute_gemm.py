@@ -31,7 +31,7 @@ STAGES = 4  # (128 + 256) · 64 · 2 = 48 KiB a stage
 EPI_N = 32  # z leaves through shared memory in TILE_M × EPI_N fp32 pieces (16 KiB), by TMA stores
 EPI_STAGES = 2  # pieces in flight: 4 · 48 + 2 · 16 KiB fits the 227 KiB an SM has
 
-_compiled = {}  # (dtype, sums, tile_n, stages, sms) -> compiled executor
+_compiled = {}  # `_executor`'s key (dtype and `_build`'s arguments) -> compiled executor
 compile_seconds = {}  # the same keys -> seconds spent in cute.compile (first call of a process)
 calls = 0  # launches in this process (tests check which calls ran here)
 
@@ -129,9 +129,9 @@ def _build(sums: int, tile_n: int = TILE_N, stages: int = STAGES, sms: int = 132
             tRS_s = thr.partition_D(sC)
             tRS_acc = r2s.retile(acc)
             rD = cute.make_rmem_tensor(cute.shape(thr.partition_S(sC))[:3], f32)
-        m = [floor, floor]
-        l1 = [f32(0.0), f32(0.0)]
-        l2 = [f32(0.0), f32(0.0)]
+        ks = (k1, k2)[:sums]  # each sum's constant
+        m = [floor, floor]  # [row]
+        ls = [[f32(0.0), f32(0.0)] for _ in ks]  # [sum][row]
         for p in cutlass.range_constexpr(pieces):
             buf = p % epi_stages
             if cutlass.const_expr(store == "tma"):
@@ -154,13 +154,10 @@ def _build(sums: int, tile_n: int = TILE_N, stages: int = STAGES, sms: int = 132
                             z = f32(lowest)
                         zs.append(z)
                         mp = cute.arch.fmax(mp, z)
-                l1[r] = l1[r] * cute.math.exp2((m[r] - mp) * k1, fastmath=True)
-                if cutlass.const_expr(sums == 2):
-                    l2[r] = l2[r] * cute.math.exp2((m[r] - mp) * k2, fastmath=True)
-                for z in zs:
-                    l1[r] = l1[r] + cute.math.exp2((z - mp) * k1, fastmath=True)
-                    if cutlass.const_expr(sums == 2):
-                        l2[r] = l2[r] + cute.math.exp2((z - mp) * k2, fastmath=True)
+                for l, k in zip(ls, ks):
+                    l[r] = l[r] * cute.math.exp2((m[r] - mp) * k, fastmath=True)
+                    for z in zs:
+                        l[r] = l[r] + cute.math.exp2((z - mp) * k, fastmath=True)
                 m[r] = mp
             if cutlass.const_expr(store == "tma"):
                 if warp == 4:
@@ -170,18 +167,17 @@ def _build(sums: int, tile_n: int = TILE_N, stages: int = STAGES, sms: int = 132
             mq = m[r]
             for width in cutlass.range_constexpr(1, 3):
                 mq = cute.arch.fmax(mq, cute.arch.shuffle_sync_bfly(mq, offset=width))
-            a1 = l1[r] * cute.math.exp2((m[r] - mq) * k1, fastmath=True)
-            a2 = l2[r] * cute.math.exp2((m[r] - mq) * k2, fastmath=True)
-            for width in cutlass.range_constexpr(1, 3):
-                a1 = a1 + cute.arch.shuffle_sync_bfly(a1, offset=width)
-                if cutlass.const_expr(sums == 2):
-                    a2 = a2 + cute.arch.shuffle_sync_bfly(a2, offset=width)
+            row_sums = []
+            for l, k in zip(ls, ks):
+                a = l[r] * cute.math.exp2((m[r] - mq) * k, fastmath=True)
+                for width in cutlass.range_constexpr(1, 3):
+                    a = a + cute.arch.shuffle_sync_bfly(a, offset=width)
+                row_sums.append(a)
             row = tCcC[2 * r][0]
             if lane % 4 == 0 and row < M:
                 mM[row, bn] = mq
-                mL1[row, bn] = a1
-                if cutlass.const_expr(sums == 2):
-                    mL2[row, bn] = a2
+                for plane, a in zip((mL1, mL2), row_sums):
+                    plane[row, bn] = a
         if cutlass.const_expr(store == "direct"):
             for i in cutlass.range_constexpr(n_values):
                 if cute.elem_less(tCcC[i], mC.shape):
