@@ -16,7 +16,7 @@ import time
 
 import torch
 
-from probe_cute_rows import median_ms  # beside this file: run as a script from probes/
+from probe_cute_rows import finish, median_ms  # beside this file: run as a script from probes/
 
 LOG2E = 1.4426950408889634
 
@@ -112,10 +112,7 @@ def main():
         print(json.dumps(row), flush=True)
         result["timing"].append(row)
         del x, w, p256, z
-    if a.out:
-        with open(a.out, "w") as f:
-            json.dump(result, f, indent=2)
-    sys.exit(0 if ok else "probe_cute_gemm: a check failed")
+    finish(result, a.out, None if ok else "probe_cute_gemm: a check failed")
 
 
 if __name__ == "__main__":

@@ -24,7 +24,7 @@ import time
 
 import torch
 
-from probe_cute_rows import median_ms, merge, warp_merge  # beside this file: run as a script from probes/
+from probe_cute_rows import finish, median_ms, merge, warp_merge  # beside this file: run as a script from probes/
 
 # (CTAs a row, threads a CTA, elements a thread holds of each of S and T, T's slice in shared memory, the
 # partials exchanged through distributed shared memory rather than global memory). A CTA of 512 threads
@@ -296,10 +296,7 @@ def main():
     result["copy_tb_per_s"] = R * V * 8 / 1e9 / result["copy of S"]["ms"]
     result["bound_ms_at_copy_speed"] = gb / result["copy_tb_per_s"]
     print(json.dumps(result, indent=2))
-    if a.out:
-        with open(a.out, "w") as f:
-            json.dump(result, f, indent=2)
-    sys.exit(0 if ok else "probe_cute_jsd: wrong result (loss_rel_err, ds_rel_err above)")
+    finish(result, a.out, None if ok else "probe_cute_jsd: wrong result (loss_rel_err, ds_rel_err above)")
 
 
 if __name__ == "__main__":

@@ -102,6 +102,15 @@ def median_ms(fn, reps):
     return statistics.median(times), q[0], q[-1]
 
 
+def finish(result, out, failure=None):
+    """A probe's end: its result as JSON to `out` (the --out path, if given), then exit 0, or with the
+    one-line `failure` (non-zero)."""
+    if out:
+        with open(out, "w") as f:
+            json.dump(result, f, indent=2)
+    sys.exit(failure or 0)
+
+
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--rows", type=int, default=8192)
@@ -142,11 +151,8 @@ def main():
         bytes_moved = gb * (2 if name == "copy" else 1)
         result[name] = {"ms": ms, "p20": p20, "p80": p80, "tb_per_s": bytes_moved / ms}
     print(json.dumps(result, indent=2))
-    if a.out:
-        with open(a.out, "w") as f:
-            json.dump(result, f, indent=2)
     ok = result["max_rel_err"] <= 4 * 2.0**-24 and result["lse_rel_err"] <= 1e-6
-    sys.exit(0 if ok else f"probe_cute_rows: wrong result {result['max_rel_err']}, {result['lse_rel_err']}")
+    finish(result, a.out, None if ok else f"probe_cute_rows: wrong result {result['max_rel_err']}, {result['lse_rel_err']}")
 
 
 if __name__ == "__main__":
