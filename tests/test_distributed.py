@@ -379,7 +379,9 @@ def _triton_worker(rank, world, seed, dtype_name):
                     dict(loss="forward_kl", tail_clamp=1e-7, return_stats=True)):
         xs, ws = rand(n, HS), rand(TV, HS, scale=1.5)
         ids, lp = flashkd.teacher_topk(rand(n, HT), rand(TV, HT, scale=1.5), K)
-        ids[0, 1], ids[2, 0] = 256, TV - 1  # a one-column slice's id (world 3), the last id
+        for row, at, id_ in ((0, 1, 256), (2, 0, TV - 1)):  # a one-column slice's id (world 3), the last id
+            ids[row][ids[row] == id_] = ids[row, at].item()  # where the row has it already: swapped, so ids
+            ids[row, at] = id_  # stay distinct (any seed)
         ids[3] = -1  # a row with no teacher ids
         ids[4, :2] = -1
         labels = torch.randint(0, TV, (n,), generator=gen).to(device)
