@@ -45,13 +45,21 @@ BETA = 0.5
 def build(cluster, threads, ept, t_smem, dsmem):
     import cutlass
     import cutlass.cute as cute
+    from cutlass._mlir.dialects import llvm, nvvm
+    from cutlass.cutlass_dsl import T, dsl_user_op
+
+    @dsl_user_op
+    def peer_load(ptr, rank, *, loc=None, ip=None):
+        """An fp32 from CTA `rank`'s shared memory at `ptr` (this CTA's address of it): ld.shared::cluster."""
+        far = nvvm.mapa(llvm.PointerType.get(cutlass.AddressSpace.dsmem), ptr.to_llvm_ptr(loc=loc, ip=ip),
+                        cutlass.Int32(rank).ir_value(loc=loc, ip=ip), loc=loc, ip=ip)
+        return cutlass.Float32(llvm.load(T.f32(), far, loc=loc, ip=ip))
 
     warps, slice_ = threads // 32, threads * ept
 
     def got(xch, part, row, j, k):
-        """CTA j's k-th partial of the row: from this CTA's shared memory, where every CTA stored its
-        partials (dsmem), or from global memory."""
-        return xch[j * 8 + k] if dsmem else part[row, j, k]
+        """CTA j's k-th partial of the row: from CTA j's shared memory (dsmem), or from global memory."""
+        return peer_load(xch.iterator + k, j) if dsmem else part[row, j, k]
 
     def t_slice(smem):
         if t_smem:
@@ -77,7 +85,7 @@ def build(cluster, threads, ept, t_smem, dsmem):
         warp = cute.arch.warp_idx()
         smem = cutlass.memory.SmemAllocator()
         red = smem.allocate_tensor(cutlass.Float32, cute.make_layout(warps * 4))
-        xch = smem.allocate_tensor(cutlass.Float32, cute.make_layout(cluster * 8), byte_alignment=16)
+        xch = smem.allocate_tensor(cutlass.Float32, cute.make_layout(8), byte_alignment=16)
         xs = cute.make_rmem_tensor(ept, cutlass.Float32)
         xt = t_slice(smem)
         base = rank * slice_ + tid
@@ -120,13 +128,12 @@ def build(cluster, threads, ept, t_smem, dsmem):
                 et = red[lane * 4 + 3]
             ms, es = warp_merge(ms, es)
             mt, et = warp_merge(mt, et)
-            if cutlass.const_expr(dsmem):  # lane j stores this CTA's partials into CTA j's shared memory
-                if lane < cluster:
-                    peer = cute.make_tensor(cute.arch.map_dsmem_ptr(xch.iterator, lane), cute.make_layout(cluster * 8))
-                    peer[rank * 8 + 0] = ms
-                    peer[rank * 8 + 1] = es
-                    peer[rank * 8 + 2] = mt
-                    peer[rank * 8 + 3] = et
+            if cutlass.const_expr(dsmem):  # into this CTA's shared memory, where the cluster's CTAs read them
+                if lane == 0:
+                    xch[0] = ms
+                    xch[1] = es
+                    xch[2] = mt
+                    xch[3] = et
             else:
                 if lane == 0:
                     part[row, rank, 0] = ms
@@ -177,10 +184,9 @@ def build(cluster, threads, ept, t_smem, dsmem):
             kl = warp_sum(kl)
             kq = warp_sum(kq)
             if cutlass.const_expr(dsmem):
-                if lane < cluster:
-                    peer = cute.make_tensor(cute.arch.map_dsmem_ptr(xch.iterator, lane), cute.make_layout(cluster * 8))
-                    peer[rank * 8 + 4] = kl
-                    peer[rank * 8 + 5] = kq
+                if lane == 0:
+                    xch[4] = kl
+                    xch[5] = kq
             else:
                 if lane == 0:
                     part[row, rank, 4] = kl
@@ -203,6 +209,9 @@ def build(cluster, threads, ept, t_smem, dsmem):
             g = cutlass.Float32(1.0 - BETA) * xs[i] * (xt[at(i, tid)] * cutlass.Float32(LN2) - k_row)
             if c < v:
                 ds[row, c] = g.to(cutlass.BFloat16)
+        if cutlass.const_expr(dsmem):  # no CTA leaves while another may still read its shared memory
+            cute.arch.cluster_arrive()
+            cute.arch.cluster_wait()
 
     @cute.jit
     def jsd_rows(s: cute.Tensor, t: cute.Tensor, ds: cute.Tensor, loss: cute.Tensor, part: cute.Tensor,
@@ -251,7 +260,7 @@ def main():
         return {"loss_rel_err": (abs(loss[sample].double().sum() - want_loss.sum()) / want_loss.sum()).item(),
                 "ds_rel_err": ((ds[sample].double() - want_g).norm(dim=-1) / want_g.norm(dim=-1)).max().item()}
 
-    from flashkd.backends import triton_rows
+    from flashkd.backends import cute_gemm, triton_rows
     from flashkd.losses import LossSpec
 
     spec = LossSpec(loss="jsd", beta=BETA, weight_hard=0.0, weight_soft=1.0, want_hard=False)
@@ -261,12 +270,26 @@ def main():
     def triton_call():
         return triton_rows.rows(s, t, None, spec, one, True, ds=ds_tr)
 
+    # the rows as backend "cute" runs them today: each side's statistics per vocab tile from the GEMMs'
+    # epilogues, so S and T are read twice (K, then the gradient)
+    k_s, _, k_t = triton_rows.tile_constants(spec, False)
+    tiles = torch.empty(5, R, cute_gemm.n_tiles(V), device="cuda")
+    for plane, z, k in ((0, s, k_s), (3, t, k_t)):
+        m, (l,) = cute_gemm.tile_stats(z, (k,))
+        tiles[plane], tiles[plane + 1] = m, l
+
+    def triton_tiles_call():
+        return triton_rows.rows(s, t, None, spec, one, True, ds=ds_tr, tiles=tiles)
+
     soft, _ = triton_call()[:2]
     torch.cuda.synchronize()
     result = {"rows": R, "vocab": V, "triton": errors(soft, ds_tr)}
+    triton_tiles_call()
+    torch.cuda.synchronize()
+    result["triton tiles"] = errors(soft, ds_tr)
     bar = 2 * max(result["triton"]["ds_rel_err"], 2.0**-9)
     ok = True
-    calls = {"triton": triton_call, "copy of S": lambda: s.clone()}
+    calls = {"triton": triton_call, "triton tiles": triton_tiles_call, "copy of S": lambda: s.clone()}
     ds = torch.empty(R, V, device="cuda", dtype=torch.bfloat16)
     loss = torch.empty(R, device="cuda")
     for cluster, threads, ept, t_smem, dsmem in CONFIGS:
@@ -286,6 +309,21 @@ def main():
         ok = ok and result[name]["loss_rel_err"] <= 1e-5 and result[name]["ds_rel_err"] <= bar
         calls[name] = lambda compiled=compiled, args=args: compiled(*args, V)
 
+    # dL/ds written over the first half of each row of S (a bf16 view, row stride 2V): a row's CTAs have all
+    # read their slices of S before the cluster barrier that precedes the first write, so no separate buffer
+    if V % 4 == 0:
+        cluster, threads, ept, t_smem, dsmem = CONFIGS[1]
+        name = "cute in place"
+        s2 = s.clone()
+        ds2 = s2.view(torch.bfloat16)[:, :V]
+        part = torch.empty(R, cluster, 8, device="cuda")
+        args = [from_dlpack(x, assumed_align=16) for x in (s2, t, ds2, loss, part)]
+        compiled = cute.compile(build(cluster, threads, ept, t_smem, dsmem), *args, V)
+        compiled(*args, V)
+        torch.cuda.synchronize()
+        result[name] = errors(loss, ds2)
+        ok = ok and result[name]["loss_rel_err"] <= 1e-5 and result[name]["ds_rel_err"] <= bar
+        calls[name] = lambda compiled=compiled, args=args: compiled(*args, V)
     gb = R * V * 10 / 1e9  # the one-read design's bytes: S and T read once (fp32), dL/ds written once (bf16)
     for name, fn in calls.items():
         fn()

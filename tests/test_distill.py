@@ -205,13 +205,14 @@ def test_default_plan_one_chunk_when_no_higher(seed):
         xs, ws = torch.empty(n, hs, device="meta", dtype=dtype), torch.empty(v, hs, device="meta", dtype=dtype)
         return _chunk_rows(None, xs, ws, "triton", form, accum)
 
-    # bf16 inputs: fp32 logits (4 bytes), and dL/ds in bf16 beside them
+    # bf16 inputs: fp32 logits (4 bytes), dL/ds in bf16 inside them (beside them for a top-k teacher)
     assert plan(8192, 128256, 2048) == (1024, 1024)
     assert plan(2048, 128256, 2048) == (2048, 1024)  # one chunk, teacher in halves, no accumulator
-    assert plan(2048, 128256, 2048, accum=2) == (1024, 1024)  # a bf16 accumulator: chunks peak lower
+    assert plan(2048, 128256, 2048, accum=2) == (2048, 1024)  # a bf16 accumulator: the same peak, one GEMM
     assert plan(2048, 128256, 2048, accum=0) == (1024, 1024)  # no dW: nothing to save
     assert plan(1800, 128256, 2048) == (1800, 900)
-    assert plan(2600, 128256, 2048) == (1024, 1024)  # one chunk's logits would peak higher
+    assert plan(2600, 128256, 2048) == (2600, 1300)  # S + T of 2600 rows: 1908 MiB, chunks + accumulator 2004
+    assert plan(3500, 128256, 2048) == (1024, 1024)  # one chunk's logits would peak higher
     assert plan(1024, 128256, 2048) == (1024, 1024)
     assert plan(5000, 128256, 2048, form="topk") == (1792, 1792)  # S + dS of 5000 rows > 1792 rows + accumulator
     assert plan(3000, 128256, 4096, form="topk") == (3000, 3000)  # a wider head: its accumulator pays
@@ -236,23 +237,26 @@ def test_default_plan_one_chunk_when_no_higher(seed):
 
 def test_peak_bytes_formula():
     """The peak formula against the sizes the chunk loop holds at once, worked by hand for the seed head
-    (V = 128256, Hs = 2048, bf16; MiB): fp32 logits of R rows 0.4893·R, dS of R rows in bf16 0.2446·R,
-    dX 16·N/4096, dW 501, fp32 accumulator 1002."""
+    (V = 128256, Hs = 2048, bf16; MiB): fp32 logits of R rows 0.4893·R, dS of R rows in bf16 0.2446·R
+    (inside S's bytes, but for a top-k teacher's, or where moved out of them), dX 16·N/4096, dW 501, fp32
+    accumulator 1002."""
     from flashkd.chunks import peak_bytes as _peak_bytes
 
     v, hs, mib = 128256, 2048, 2**20
     row, ds, dw = v * 4 / mib, v * 2 / mib, v * hs * 2 / mib
     peak = lambda n, r, rt, accum, form="heads", e=2: _peak_bytes(n, v, hs, e, r, rt, form=form, accum_bytes=accum) / mib
-    # one chunk, teacher in halves: S + T (1.5 N rows) + dS, or dS + dW after S and T are freed
-    assert peak(4096, 4096, 2048, 4) == pytest.approx(16 + 1.5 * 4096 * row + 4096 * ds)
-    assert peak(1024, 1024, 256, 4) == pytest.approx(4 + 1280 * row + 1024 * ds)
+    # one chunk, teacher in halves: S + T (1.5 N rows); or S (holding dS) + dW after T is freed; or, where dW
+    # outweighs dS, dS moved out of S (the copy beside S) and dW made once S is freed
+    assert peak(4096, 4096, 2048, 4) == pytest.approx(16 + 1.5 * 4096 * row)
+    assert peak(4096, 4096, 4096, 4, form="logits") == pytest.approx(16 + 4096 * row + dw)
+    assert peak(1024, 1024, 256, 4) == pytest.approx(4 + 1024 * ds + max(1024 * row, dw))
     assert peak(256, 256, 128, 4) == pytest.approx(1 + 256 * ds + dw)
-    # chunks with an fp32 accumulator: S + T + dS + accumulator, or accumulator + its bf16 copy at the end
-    assert peak(8192, 1024, 1024, 4) == pytest.approx(32 + 2048 * row + 1024 * ds + 2 * dw)
+    # chunks with an fp32 accumulator: S + T + accumulator, or accumulator + its bf16 copy at the end
+    assert peak(8192, 1024, 1024, 4) == pytest.approx(32 + 2048 * row + 2 * dw)
     assert peak(8192, 256, 256, 4) == pytest.approx(32 + 3 * dw)
     # a bf16 accumulator is dW itself: no copy; no dW wanted: the logits alone
-    assert peak(8192, 256, 256, 2) == pytest.approx(32 + 512 * row + 256 * ds + dw)
-    assert peak(8192, 1024, 1024, 0) == pytest.approx(32 + 2048 * row + 1024 * ds)
+    assert peak(8192, 256, 256, 2) == pytest.approx(32 + 512 * row + dw)
+    assert peak(8192, 1024, 1024, 0) == pytest.approx(32 + 2048 * row)
     assert peak(8192, 1024, 0, 4, form="topk") == pytest.approx(32 + 1024 * row + 1024 * ds + 2 * dw)
     # fp32 inputs: fp32 logits, dS written over them
     assert peak(8192, 1024, 1024, 4, e=4) == pytest.approx(64 + 2048 * row + 2 * dw)

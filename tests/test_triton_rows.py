@@ -443,3 +443,43 @@ def test_statistics_per_vocab_tile_only_where_pass_1_takes_nothing_else():
     for bad in (tiles[:4], tiles[:, :1], tiles.double(), tiles.transpose(1, 2), tiles[:, :, :0]):
         with pytest.raises(ValueError, match="tiles"):
             triton_rows.rows(s.clone(), t, None, ok, scale, True, tiles=bad)
+
+
+@pytest.mark.parametrize("labels_kind", [None, "some_ignored"])
+@pytest.mark.parametrize("loss,beta", LOSSES)
+def test_gradient_into_the_logits_own_bytes(seed, loss, beta, labels_kind):
+    """dL/ds in bf16 written into half of fp32 s's own bytes (`grad_view`: the half each row's writing pass
+    has read before it stores there) equals dL/ds written into a buffer of its own, bit for bit, as do
+    the losses: whether the pass walks the row forwards (jsd, tvd) or backwards (the others, the CE alone);
+    with the per-tile statistics too. A view of s that is not its `grad_view` is refused."""
+    scale = torch.tensor(0.37, device=DEVICE)
+    for i, (R, V, _) in enumerate(CASES):
+        s, t = _logits(R, V, torch.float32, seed + i, scale=4.0)
+        labels = _labels(labels_kind, R, V, seed + i)
+        for spec in (LossSpec(loss=loss, beta=beta, temperature=0.7), LossSpec(loss=loss, beta=beta, weight_soft=0.0),
+                     LossSpec(loss=loss, beta=beta, want_soft=False)):
+            apart = torch.empty(R, V, device=DEVICE, dtype=torch.bfloat16)
+            want = triton_rows.rows(s.clone(), t, labels, spec, scale, True, ds=apart)
+            x = s.clone()
+            got = triton_rows.rows(x, t, labels, spec, scale, True, ds=triton_rows.grad_view(x, torch.bfloat16, spec, True))
+            assert all(torch.equal(a, b) for a, b in zip(got, want)), (spec, R, V)
+            assert torch.equal(triton_rows.grad_view(x, torch.bfloat16, spec, True), apart), (spec, R, V)
+            if triton_rows.tiles_fit(spec, True, False, labels is not None):
+                x = s.clone()
+                tiles = _tile_planes(s, t, spec, labels, 7)
+                got = triton_rows.rows(x, t, labels, spec, scale, True, tiles=tiles,
+                                       ds=triton_rows.grad_view(x, torch.bfloat16, spec, True))
+                apart2 = torch.empty_like(apart)
+                want = triton_rows.rows(s.clone(), t, labels, spec, scale, True, tiles=tiles, ds=apart2)
+                assert all(torch.equal(a, b) for a, b in zip(got, want)), (spec, R, V)
+                assert torch.equal(triton_rows.grad_view(x, torch.bfloat16, spec, True), apart2), (spec, R, V)
+    s, t = _logits(3, 9, torch.float32, seed)
+    spec = LossSpec(loss=loss, beta=beta)
+    view = triton_rows.grad_view(s, torch.bfloat16, spec, True)
+    wide = s.view(torch.bfloat16)
+    other = wide[:, 9:] if view.data_ptr() == s.data_ptr() else wide[:, :9]
+    for wrong in (other, wide[:, 1:10]):
+        with pytest.raises(ValueError, match="ds: expected a buffer of its own or `grad_view"):
+            triton_rows.rows(s, t, None, spec, scale, True, ds=wrong)
+    with pytest.raises(TypeError, match="dtype: expected a dtype half as wide"):
+        triton_rows.grad_view(s, torch.float32, spec, True)

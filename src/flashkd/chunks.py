@@ -37,13 +37,17 @@ Extra memory, bytes, beyond the inputs (E = element size of the inputs, L = 4 fo
 else E: the logits' element size):
     logits:  R·V·L + Rt·V·L with teacher heads (Rt = R unless the plan splits a chunk's teacher
              logits); R·V·L for dense teacher logits, which are read in place, and for a top-k
-             teacher; + R·V·E for dL/dS in the inputs' dtype when L ≠ E; + backend temporaries (torch: ≈ 6·R·V·4, + R·V·4 with labels; triton: none
-             beyond O(R·K); cute: + 20·R·⌈V/256⌉ for the vocab tiles' statistics, 1/51 of R·V·L);
-             + R·Hs·E with labels (the chunk's rows of Xs, ignored rows zeroed)
+             teacher; + R·V·E for dL/dS in the inputs' dtype when L ≠ E and the teacher is top-k (else
+             dL/dS takes half of S's own bytes, `triton_rows.grad_view`); + backend temporaries (torch:
+             ≈ 6·R·V·4, + R·V·4 with labels; triton: none beyond O(R·K); cute: + 20·R·⌈V/256⌉ for the
+             vocab tiles' statistics, 1/51 of R·V·L); + R·Hs·E with labels (the chunk's rows of Xs,
+             ignored rows zeroed)
     grads:   N·Hs·E (dXs) + V·Hs·A (dWs accumulator: A = 4 for fp32, A = E when all rows fit one
              chunk or grad_accum_dtype is the weight's dtype), made for the first chunk's dW GEMM,
              once its teacher logits are freed; rounded to V·Hs·E after the loop (no copy when A = E)
-    peak:    one chunk   N·Hs·E + max(logits, R·V·E + V·Hs·E)        (the second term: dL/dS and dW)
+    peak:    one chunk   N·Hs·E + max(logits, D)   (D: dL/dS and dW. dL/dS in its own buffer: R·V·E + V·Hs·E;
+                         inside S's bytes: min(R·V·L + V·Hs·E, R·V·E + max(R·V·L, V·Hs·E)), as it
+                         is moved out of them, freeing S before dW is made, where V·Hs·E > R·V·E)
              chunks      N·Hs·E + max(logits + V·Hs·A,  V·Hs·(A + E))    (second term only when A ≠ E)
              (`peak_bytes`; without dW wanted, V·Hs terms are 0)
 The default plan (triton) keeps R·V·L + Rt·V·L within 1 GiB, in equal chunks with R = Rt; or, when that
@@ -514,9 +518,16 @@ def _chunk_loop(xs, ws, bs, y, rw, teacher, plan: Plan, want_dx, want_dw, want_d
             tiles = None
             s = linear(x, ws, bs)
         # fp32 logits of narrow inputs: the Triton rows write dL/ds once, rounded for the gradient GEMMs,
-        # into a buffer of the inputs' dtype (the torch rows write it over s, rounded below)
+        # into half of s's own bytes (`triton_rows.grad_view`; a top-k teacher's kernel into a buffer of the
+        # inputs' dtype); the torch rows write it over s, rounded below
         narrow = grad and s.dtype != ws.dtype
-        ds = torch.empty(s.shape, device=device, dtype=ws.dtype) if narrow and plan.backend == "triton" else None
+        ds, in_s = None, narrow and plan.backend == "triton" and plan.form != "topk"
+        if in_s:
+            from .backends import triton_rows
+
+            ds = triton_rows.grad_view(s, ws.dtype, spec, grad)
+        elif narrow and plan.backend == "triton":
+            ds = torch.empty(s.shape, device=device, dtype=ws.dtype)
         for sub in range(c.start, c.stop, plan.teacher_chunk):
             b = slice(sub, min(sub + plan.teacher_chunk, c.stop))
             in_c = slice(b.start - c.start, b.stop - c.start)
@@ -547,7 +558,14 @@ def _chunk_loop(xs, ws, bs, y, rw, teacher, plan: Plan, want_dx, want_dw, want_d
                     per_teacher += torch.where(of[:, :, None], torch.stack([counted, soft, extra[2]], 1)[:, None], 0.0).sum(0)
             del t, s_b, out  # a view left alive would keep this chunk's logits (or dL/ds) past `del s`
         if narrow:
-            s = s.to(ws.dtype) if ds is None else ds
+            if ds is None:
+                s = s.to(ws.dtype)
+            elif in_s and want_dw and n <= plan.chunk and ws.shape[1] > c.stop - c.start:
+                # one chunk whose dW (V·Hs) outweighs its dL/ds (R·V): dL/ds moved out of s's bytes, so that
+                # s is freed before dWs is made (`peak_bytes`)
+                s = ds.contiguous()
+            else:
+                s = ds
         del ds, tiles
         if want_dx:
             torch.mm(s, ws, out=dxs[c])
@@ -756,10 +774,12 @@ def peak_bytes(n, v, hs, e, rows, teacher_rows, *, form, accum_bytes) -> int:
     wanted; the bias grad's V fp32 left out). Narrow inputs (L ≠ e) also hold the chunk's dL/ds in
     their dtype, beside its fp32 logits."""
     logit = max(e, 4)
-    logits = rows * v * logit + (teacher_rows * v * logit if form == "heads" else 0) + (rows * v * e if logit != e else 0)
+    apart = logit != e and form == "topk"  # dL/ds in a buffer of its own (else in s's bytes, or over s)
+    logits = rows * v * logit + (teacher_rows * v * logit if form == "heads" else 0) + (rows * v * e if apart else 0)
     dw = v * hs * e if accum_bytes else 0
     if rows >= n:
-        return n * hs * e + max(logits, rows * v * e + dw)
+        ds, s = rows * v * e, rows * v * logit
+        return n * hs * e + max(logits, ds + dw if apart else min(s + dw, ds + max(s, dw)))
     acc = v * hs * accum_bytes
     return n * hs * e + max(logits + acc, acc + dw if accum_bytes != e else 0)
 

@@ -268,7 +268,8 @@ def _loss_pass(
     f_q, f_p, f1, f0, f_a, f_b, c_ce,  # the gradient's factors (scale, weights, 1/τ and units folded in)
     LOSS: tl.constexpr, SOFT: tl.constexpr, GRAD_SOFT: tl.constexpr, GRAD_CE: tl.constexpr,
     GRAD_PASS: tl.constexpr, CE_IS_Q: tl.constexpr, ONLINE_KL: tl.constexpr, S_HEAD: tl.constexpr,
-    T_HEAD: tl.constexpr, RTNE_BITS: tl.constexpr, RCP_FMA: tl.constexpr, BLOCK_V: tl.constexpr,
+    T_HEAD: tl.constexpr, RTNE_BITS: tl.constexpr, RCP_FMA: tl.constexpr, IN_PLACE: tl.constexpr,
+    BLOCK_V: tl.constexpr,
 ):
     """Pass 2, backwards over the row: the per-element loss terms, summed per lane and then over the row
     (acc, acc2, acc3, acc4: see `_divergence`), and dL/ds written over s when GRAD_PASS is 2."""
@@ -323,6 +324,8 @@ def _loss_pass(
                 elif GRAD_CE:
                     g += c_ce * (_softmax(a, m_s, log2_l_c, log2e_ce, q, CE_IS_Q) - tl.where(offs == label, 1.0, 0.0))
                 g = head_grad(g, da, S_HEAD)
+                if IN_PLACE and i < 2:  # `grad_view`: these tiles' stores land on columns of s the row reads here
+                    tl.debug_barrier()
                 store_grad(g_row + offs, g, mask, RTNE_BITS)
     return tl.sum(acc, 0), tl.sum(acc2, 0), tl.sum(acc3, 0), tl.sum(acc4, 0)
 
@@ -335,7 +338,7 @@ def _grad_pass(
     f1, f0, f_lo, f_hi, f_eq, c_ce,  # the gradient's factors (JSD: f1, f0; TVD: f_lo, f_hi, f_eq)
     LOSS: tl.constexpr, GRAD_SOFT: tl.constexpr, GRAD_CE: tl.constexpr, CE_IS_Q: tl.constexpr,
     S_HEAD: tl.constexpr, T_HEAD: tl.constexpr, RTNE_BITS: tl.constexpr, RCP_FMA: tl.constexpr,
-    BLOCK_V: tl.constexpr,
+    IN_PLACE: tl.constexpr, BLOCK_V: tl.constexpr,
 ):
     """Pass 3, for jsd and tvd: dL/ds = q · (f1 · x + f0) written over s, x the element's log-ratio
     (or TVD's sign)."""
@@ -360,6 +363,8 @@ def _grad_pass(
         elif GRAD_CE:
             g += c_ce * (_softmax(a, m_s, log2_l_c, log2e_ce, q, CE_IS_Q) - tl.where(offs == label, 1.0, 0.0))
         g = head_grad(g, da, S_HEAD)
+        if IN_PLACE and start == 0:  # `grad_view`: the first tile's stores land on columns of s it reads
+            tl.debug_barrier()
         store_grad(g_row + offs, g, mask, RTNE_BITS)
 
 
@@ -671,6 +676,7 @@ def _rows_kernel(
     RTNE_BITS: tl.constexpr,  # `triton_common.store_grad`: under the interpreter, with a bf16 dL/ds
     RCP_FMA: tl.constexpr,  # softcap loads whose reciprocal is on the FMA pipe, bit 2·(pass − 1) + side
     # (0: s, 1: t); see SOFTCAP_RCP_FMA
+    IN_PLACE: tl.constexpr,  # dL/ds goes into s's own bytes (`grad_view`)
     PHASE: tl.constexpr,  # 0: the whole row; a row sharded over ranks' vocab slices: 1, 2, 3 (`rows`);
     # 4: the whole row, pass 1's statistics given per vocab tile
     WORLD_BLOCK: tl.constexpr,  # a power of 2 >= world (PHASE 4: >= stat_tiles)
@@ -738,7 +744,7 @@ def _rows_kernel(
                     log2e_tau, log2e_tau_t, log2e_ce, s_mul, t_mul, log2_beta, log2_1mbeta,
                     f_q, f_p, f1, f0, f_a, f_b, c_ce,
                     LOSS, SOFT, GRAD_SOFT, GRAD_CE, GRAD_PASS, CE_IS_Q, ONLINE_KL, S_HEAD, T_HEAD, RTNE_BITS,
-                    RCP_FMA, BLOCK_V,
+                    RCP_FMA, IN_PLACE, BLOCK_V,
                 )
             if PHASE == 2:  # this rank's sums, added over the ranks before phase 3
                 tl.store(acc_row, acc)
@@ -758,7 +764,7 @@ def _rows_kernel(
                     m_s, m_t, log2_l_s, log2_l_t, log2_l_c,
                     log2e_tau, log2e_tau_t, log2e_ce, s_mul, t_mul, log2_beta, log2_1mbeta,
                     f1, f0, f_lo, f_hi, f_eq, c_ce,
-                    LOSS, GRAD_SOFT, GRAD_CE, CE_IS_Q, S_HEAD, T_HEAD, RTNE_BITS, RCP_FMA, BLOCK_V,
+                    LOSS, GRAD_SOFT, GRAD_CE, CE_IS_Q, S_HEAD, T_HEAD, RTNE_BITS, RCP_FMA, IN_PLACE, BLOCK_V,
                 )
     elif GRAD_PASS != 0 and (PHASE == 0 or PHASE == 2 or PHASE == 4):
         _fill_zeros(g_row, V, BLOCK_V)
@@ -783,7 +789,8 @@ def rows(s, t, labels, spec: LossSpec, scale: torch.Tensor, grad: bool, stats: b
     labels: (R,) int32 / int64, or None (every row valid, no CE)
     scale:  () or (R,) fp32 tensor on s's device, read by the kernel (no host sync); fp64 is accepted too
     ds:     (R, V) of those dtypes, unit vocab stride, sharing no memory with s or t, or None (s): the fp32
-            logits of bf16 inputs write their gradient once, rounded to bf16, for the gradient GEMMs
+            logits of bf16 inputs write their gradient once, rounded to bf16, for the gradient GEMMs;
+            or `grad_view(s, dtype, spec, grad)`, a view of s's own bytes (s is then spent)
     vocab:  None (s holds whole rows), or the rank's slice of a vocab sharded over a process group
             (`flashkd.distributed.ShardedVocab`): s, t hold the columns [vocab.start, vocab.start + V) of
             every row, labels are global ids, and the losses and dL/ds come out as those of the whole
@@ -845,6 +852,14 @@ def rows(s, t, labels, spec: LossSpec, scale: torch.Tensor, grad: bool, stats: b
     elif not isinstance(ds, torch.Tensor) or ds.shape != s.shape or ds.dtype not in _DTYPES or ds.device != s.device \
             or (ds.stride(1) != 1 and V > 1):
         raise ValueError(f"ds: expected an ({R}, {V}) float tensor with unit vocab stride on {s.device}, got {_describe(ds)}")
+    # (without grad nothing is written)
+    in_place = grad and ds is not s and R * V > 0 and ds.untyped_storage().data_ptr() == s.untyped_storage().data_ptr()
+    if in_place:  # only s's own `grad_view` is safe: its stores land on columns the row has read
+        want = grad_view(s, ds.dtype, spec, grad)
+        if ds.data_ptr() != want.data_ptr() or ds.stride() != want.stride():
+            raise ValueError(f"ds: expected a buffer of its own or `grad_view(s, ...)` (a view at byte offset "
+                             f"{want.data_ptr() - s.data_ptr()} of s with strides {want.stride()}), got a view "
+                             f"of s's storage at byte offset {ds.data_ptr() - s.data_ptr()} with strides {ds.stride()}")
 
     # (2) allocate: every program writes its row's soft and hard (and entropy)
     soft = torch.empty(R, dtype=torch.float32, device=s.device)
@@ -862,7 +877,7 @@ def rows(s, t, labels, spec: LossSpec, scale: torch.Tensor, grad: bool, stats: b
     use_ce = spec.want_hard and labels is not None
     grad_soft = grad and use_soft and spec.soft_scale != 0.0
     grad_ce = grad and use_ce and spec.weight_hard != 0.0
-    grad_pass = 0 if not grad else 3 if grad_soft and kind in _LATE_GRAD else 2
+    grad_pass = _writing_pass(spec, grad)
     jsd = use_soft and kind == "jsd"  # 0 < β < 1 here: the endpoints resolve to the KLs
     ce_is_q = use_ce and use_soft and kind != "cosine" and spec.temperature == 1.0
     # pass 1 takes a KL online when that spares a pass: forward KL's gradient pass computes its loss anyway
@@ -929,6 +944,7 @@ def rows(s, t, labels, spec: LossSpec, scale: torch.Tensor, grad: bool, stats: b
                 SCALED=fold_s != 1.0 or (use_soft and fold_t != 1.0),
                 STATS=stats,
                 RTNE_BITS=rtne_bits(ds),
+                IN_PLACE=in_place,
                 # only where a side has a softcap: other kernels keep one specialisation whatever the masks
                 RCP_FMA=_cap_bits(SOFTCAP_RCP_FMA.get(kind, 0), s_head, t_head),
                 PHASE=phase,
@@ -957,6 +973,30 @@ def rows(s, t, labels, spec: LossSpec, scale: torch.Tensor, grad: bool, stats: b
         vocab.sum_rows(accs)
         launch(3, parts=parts, accs=accs, world=parts.shape[0])
     return out
+
+
+def _writing_pass(spec: LossSpec, grad: bool) -> int:
+    """The pass that writes dL/ds (`_rows_kernel`'s GRAD_PASS): 3 (forwards over the row) for jsd and tvd,
+    whose gradient needs pass 2's sums, else 2 (backwards); 0 without grad."""
+    if not grad:
+        return 0
+    return 3 if spec.want_soft and spec.soft_scale != 0.0 and spec.kind in _LATE_GRAD else 2
+
+
+def grad_view(s: torch.Tensor, dtype: torch.dtype, spec: LossSpec, grad: bool) -> torch.Tensor:
+    """A (R, V) `dtype` view of s's own bytes that `rows(s, ..., ds=)` can write dL/ds into, where dtype is
+    half s's width (a bf16 gradient of fp32 logits): no R·V·E-byte buffer beside s. The pass that writes
+    dL/ds reads s's row too, so the view is the half of each row's bytes holding columns that pass has
+    read before it stores there: the first half where it walks the row forwards (jsd, tvd: pass 3), the
+    second where it walks backwards (pass 2); in its first tiles, where a store may land on a column of
+    the same tile, a barrier parts the tile's loads from its stores (IN_PLACE). s is then spent."""
+    if not isinstance(s, torch.Tensor) or s.dim() != 2 or not s.is_contiguous():
+        raise ValueError(f"s: expected a contiguous 2-D (R, V) tensor, got {_describe(s)}")
+    if not isinstance(dtype, torch.dtype) or dtype.itemsize * 2 != s.element_size():
+        raise TypeError(f"dtype: expected a dtype half as wide as s's {s.dtype}, got {dtype}")
+    v = s.shape[1]
+    wide = s.view(dtype)  # (R, 2V): each row's bytes, as 2V narrow elements
+    return wide[:, v:] if _writing_pass(spec, grad) == 2 else wide[:, :v]
 
 
 MAX_TILES = 4096  # vocab tiles a row's statistics may come in (`rows(..., tiles=...)`): one vector load each
