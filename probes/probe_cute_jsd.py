@@ -324,12 +324,22 @@ def main():
         result[name] = errors(loss, ds2)
         ok = ok and result[name]["loss_rel_err"] <= 1e-5 and result[name]["ds_rel_err"] <= bar
         calls[name] = lambda compiled=compiled, args=args: compiled(*args, V)
+    # flashkd's own row pass on a cluster (`flashkd.backends.cute_rows`), dL/ds into S's bytes
+    from flashkd.backends import cute_rows
+
+    x_c = s.clone()
+    ds_c = triton_rows.grad_view(x_c, torch.bfloat16, spec, True)
+    soft_c, _ = cute_rows.rows(x_c, t, None, spec, one, True, ds=ds_c)
+    torch.cuda.synchronize()
+    result["cute_rows"] = errors(soft_c, ds_c)
+    ok = ok and result["cute_rows"]["loss_rel_err"] <= 1e-5 and result["cute_rows"]["ds_rel_err"] <= bar
+    calls["cute_rows"] = lambda: cute_rows.rows(x_c, t, None, spec, one, True, ds=ds_c)
     gb = R * V * 10 / 1e9  # the one-read design's bytes: S and T read once (fp32), dL/ds written once (bf16)
     for name, fn in calls.items():
         fn()
         ms, p20, p80 = median_ms(fn, a.reps)
         result.setdefault(name, {}).update({"ms": ms, "p20": p20, "p80": p80})
-        if name.startswith("cute"):
+        if name.startswith("cute"):  # (cute_rows too)
             result[name]["tb_per_s_at_10_bytes"] = gb / ms
     result["copy_tb_per_s"] = R * V * 8 / 1e9 / result["copy of S"]["ms"]
     result["bound_ms_at_copy_speed"] = gb / result["copy_tb_per_s"]

@@ -500,18 +500,27 @@ def _chunk_loop(xs, ws, bs, y, rw, teacher, plan: Plan, want_dx, want_dw, want_d
     dws = torch.zeros(ws.shape, device=device, dtype=ws.dtype) if want_dw and n == 0 else None
     dbs = torch.zeros(v, **f32) if want_db else None
     cute = _cute_fits(plan, xs, ws, bs, teacher, y is not None, grad)
+    cluster = False
     if cute:
-        from .backends import cute_gemm, triton_rows
+        from .backends import cute_gemm, cute_rows, triton_rows
 
+        # the row pass on a cluster, each row read once (`cute_rows`), where it takes the call; else the
+        # Triton rows with the statistics the GEMMs' epilogues make per vocab tile
+        cluster = cute_rows.fits(spec, grad, plan.stats, v) and ws.dtype in NARROW  # dL/ds in s's bytes
         k_s, k_ce, k_t = triton_rows.tile_constants(spec, y is not None)
         s_planes = 2 if k_ce is None else 3
+        if cluster:
+            rows = cute_rows.rows
     for start in range(0, n, plan.chunk):
         c = slice(start, min(start + plan.chunk, n))
         # Ignored rows (padding) may hold NaN or inf: zeroed, they cannot reach dW = dSᵀX as 0 · NaN, nor
         # dS through a NaN logit. One select over R·Hs elements and R·Hs·E bytes a chunk (1/V of its
         # GEMM), on the device: no host sync.
         x = xs[c] if y is None else torch.where((y[c] != spec.ignore_index)[:, None], xs[c], 0.0)
-        if cute:  # (5, R, vocab tiles): each tile's m_s, l_s, l_c, m_t, l_t (`triton_rows.rows(..., tiles=)`)
+        if cluster:
+            tiles = None
+            s = cute_gemm.logits(x, ws, None)
+        elif cute:  # (5, R, vocab tiles): each tile's m_s, l_s, l_c, m_t, l_t (`triton_rows.rows(..., tiles=)`)
             tiles = torch.empty(5, c.stop - c.start, cute_gemm.n_tiles(v), device=device)
             s = cute_gemm.logits(x, ws, tiles[:s_planes], k_s, k_ce)
         else:
@@ -531,7 +540,9 @@ def _chunk_loop(xs, ws, bs, y, rw, teacher, plan: Plan, want_dx, want_dw, want_d
         for sub in range(c.start, c.stop, plan.teacher_chunk):
             b = slice(sub, min(sub + plan.teacher_chunk, c.stop))
             in_c = slice(b.start - c.start, b.stop - c.start)
-            if tiles is None:
+            if cluster:
+                t = cute_gemm.logits(teacher[0][b], teacher[1], None)
+            elif tiles is None:
                 t = _teacher_block(plan.form, teacher, b) if spec.want_soft else None
             else:
                 t = cute_gemm.logits(teacher[0][b], teacher[1], tiles[3:, in_c], k_t)
