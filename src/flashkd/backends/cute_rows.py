@@ -6,9 +6,9 @@ cluster, for the softmax divergences whose gradient needs a row scalar (JSD's K,
 A Triton program cannot see another's registers, so the Triton rows read a row of s and t two or three
 times: once for the softmax statistics (or take them from the logits GEMMs, `rows(..., tiles=)`), once
 for the loss and the row scalars, once for dL/ds. Here a row is split over the C CTAs of a cluster
-(`shape`): each thread loads its EPT columns of s and t into registers once (coalesced: column
-rank·slice + tid + i·threads), and the CTAs exchange their partial sums through distributed shared
-memory behind cluster barriers (release / acquire), twice:
+(`shape`): each thread loads its columns of s and t once (coalesced: column rank·slice + tid +
+i·threads), into registers (t's into registers or shared memory, `LAYOUTS`), and the CTAs exchange
+their partial sums through distributed shared memory behind cluster barriers (release / acquire), twice:
 
     phase A  load; per-CTA max and sum-exp of s/τ, t/τ (and of s for the CE when τ ≠ 1)
     -- exchange 1: the row's statistics --
@@ -33,10 +33,14 @@ import torch
 
 from ..losses import LossSpec
 
-EPT = 32  # columns of each of s and t a thread holds in registers
-MAX_THREADS = 512  # 2 · EPT registers of data a thread: 512 threads fill half an SM's register file
+# A thread's columns and a CTA's threads at most, by where t's columns are held (`shape`, T_SMEM):
+#   registers:      32 of s and 32 of t in registers, 512 threads: 128 registers a thread, one CTA an SM
+#   shared memory:  64 of s in registers, t's 64 a thread in 64 KiB of shared memory, 256 threads: two CTAs
+#                   an SM, so that one loads while the other waits at a cluster barrier
+LAYOUTS = {False: (32, 512), True: (64, 256)}
+T_SMEM = True
 MAX_CLUSTER = 8  # the portable cluster size
-MAX_V = MAX_CLUSTER * MAX_THREADS * EPT  # 131072: wider rows run on the Triton rows
+MAX_V = MAX_CLUSTER * 32 * 512  # 131072 either way: wider rows run on the Triton rows
 KINDS = ("jsd", "tvd", "forward_kl")
 LOG2E = math.log2(math.e)
 LN2 = math.log(2.0)
@@ -54,15 +58,17 @@ def fits(spec: LossSpec, grad: bool, stats: bool, v: int) -> bool:
             and spec.student_softcap is None and spec.teacher_softcap is None)
 
 
-def shape(v: int) -> tuple[int, int]:
-    """(C, threads): the CTAs a row is split over and their threads (a multiple of 32), as few CTAs as hold
-    EPT columns a thread at MAX_THREADS, then as few threads as hold the row."""
-    cluster = max(1, -(-v // (EPT * MAX_THREADS)))
-    threads = 32 * -(-v // (cluster * EPT * 32))
-    return cluster, threads
+def shape(v: int, t_smem: bool = T_SMEM) -> tuple[int, int, int]:
+    """(C, threads, columns a thread): the CTAs a row is split over and their threads (a multiple of 32),
+    as few CTAs as hold the row at the layout's most threads, then as few threads as hold it."""
+    ept, most = LAYOUTS[t_smem]
+    cluster = max(1, -(-v // (ept * most)))
+    threads = 32 * -(-v // (cluster * ept * 32))
+    return cluster, threads, ept
 
 
-def _build(kind: str, ce: bool, ce_is_q: bool, grad: bool, labels: bool, cluster: int, threads: int):
+def _build(kind: str, ce: bool, ce_is_q: bool, grad: bool, labels: bool, cluster: int, threads: int, ept: int,
+           t_smem: bool):
     import cutlass
     import cutlass.cute as cute
     from cutlass._mlir.dialects import llvm, nvvm
@@ -70,7 +76,7 @@ def _build(kind: str, ce: bool, ce_is_q: bool, grad: bool, labels: bool, cluster
 
     f32 = cutlass.Float32
     warps = threads // 32
-    slice_ = threads * EPT
+    slice_ = threads * ept
     jsd, tvd, fkl = kind == "jsd", kind == "tvd", kind == "forward_kl"
     parts = 8  # floats a CTA exchanges: 5 statistics (slots 0–4), then 4 sums (slots 8–11)
 
@@ -85,6 +91,10 @@ def _build(kind: str, ce: bool, ce_is_q: bool, grad: bool, labels: bool, cluster
         """Two (max, Σ 2^((x − max)·k)) pairs into one."""
         n = cute.arch.fmax(m, m_o)
         return n, l * cute.math.exp2((m - n) * k, fastmath=True) + l_o * cute.math.exp2((m_o - n) * k, fastmath=True)
+
+    def at(i, tid):
+        """Where the thread's i-th column of t is held: its own register, or its own word of shared memory."""
+        return i * threads + tid if t_smem else i
 
     def warp_sum(x):
         for width in (16, 8, 4, 2, 1):
@@ -108,8 +118,13 @@ def _build(kind: str, ce: bool, ce_is_q: bool, grad: bool, labels: bool, cluster
         smem = cutlass.memory.SmemAllocator()
         red = smem.allocate_tensor(f32, cute.make_layout(warps * parts))
         xch = smem.allocate_tensor(f32, cute.make_layout(2 * parts), byte_alignment=16)
-        xs = cute.make_rmem_tensor(EPT, f32)
-        xt = cute.make_rmem_tensor(EPT, f32)
+        whole = smem.allocate_tensor(f32, cute.make_layout(2 * parts))  # the row's, as warp 0 merged them
+        xs = cute.make_rmem_tensor(ept, f32)
+        if cutlass.const_expr(t_smem):  # a warp's 32 threads read 32 consecutive words: no bank conflicts
+            xt = smem.allocate_tensor(f32, cute.make_layout(ept * threads), byte_alignment=16)
+        else:
+            xt = cute.make_rmem_tensor(ept, f32)
+
         base = rank * slice_ + tid
         valid = True
         label = cutlass.Int64(-1)
@@ -125,16 +140,16 @@ def _build(kind: str, ce: bool, ce_is_q: bool, grad: bool, labels: bool, cluster
             # ---- phase A: the only read of the row; this CTA's statistics
             m_s = f32(M_START)
             m_t = f32(M_START)
-            for i in cutlass.range_constexpr(EPT):
+            for i in cutlass.range_constexpr(ept):
                 c = base + i * threads
                 if c < v:
                     xs[i] = s[row, c]
-                    xt[i] = t[row, c]
+                    xt[at(i, tid)] = t[row, c]
                 else:
                     xs[i] = f32(-math.inf)
-                    xt[i] = f32(-math.inf)
+                    xt[at(i, tid)] = f32(-math.inf)
                 m_s = cute.arch.fmax(m_s, xs[i])
-                m_t = cute.arch.fmax(m_t, xt[i])
+                m_t = cute.arch.fmax(m_t, xt[at(i, tid)])
             m_s = warp_max(m_s)
             m_t = warp_max(m_t)
             if lane == 0:
@@ -149,9 +164,9 @@ def _build(kind: str, ce: bool, ce_is_q: bool, grad: bool, labels: bool, cluster
             l_s = f32(0.0)
             l_c = f32(0.0)
             l_t = f32(0.0)
-            for i in cutlass.range_constexpr(EPT):
+            for i in cutlass.range_constexpr(ept):
                 l_s = l_s + cute.math.exp2((xs[i] - m_s) * k_s, fastmath=True)
-                l_t = l_t + cute.math.exp2((xt[i] - m_t) * k_t, fastmath=True)
+                l_t = l_t + cute.math.exp2((xt[at(i, tid)] - m_t) * k_t, fastmath=True)
                 if cutlass.const_expr(ce and not ce_is_q):
                     l_c = l_c + cute.math.exp2((xs[i] - m_s) * f32(LOG2E), fastmath=True)
             l_s = warp_sum(l_s)
@@ -177,25 +192,40 @@ def _build(kind: str, ce: bool, ce_is_q: bool, grad: bool, labels: bool, cluster
                 xch[2] = l_c
                 xch[3] = m_t
                 xch[4] = l_t
-            # ---- exchange 1: every CTA's statistics, read from its shared memory
+            # ---- exchange 1: every CTA's statistics, read from its shared memory by warp 0 (lane j: CTA j's),
+            # merged there and handed to the CTA's threads through `whole`
             cute.arch.cluster_arrive()
             cute.arch.cluster_wait()
-            m_s = f32(M_START)
-            m_t = f32(M_START)
-            for j in cutlass.range_constexpr(cluster):
-                m_s = cute.arch.fmax(m_s, peer_load(xch.iterator + 0, j))
-                m_t = cute.arch.fmax(m_t, peer_load(xch.iterator + 3, j))
-            l_s = f32(0.0)
-            l_c = f32(0.0)
-            l_t = f32(0.0)
-            for j in cutlass.range_constexpr(cluster):
-                m_j = peer_load(xch.iterator + 0, j)
-                l_s = l_s + peer_load(xch.iterator + 1, j) * cute.math.exp2((m_j - m_s) * k_s, fastmath=True)
+            if warp == 0:
+                m_s = f32(M_START)
+                m_t = f32(M_START)
+                l_s = f32(0.0)
+                l_c = f32(0.0)
+                l_t = f32(0.0)
+                if lane < cluster:
+                    m_s = peer_load(xch.iterator + 0, lane)
+                    l_s = peer_load(xch.iterator + 1, lane)
+                    l_c = peer_load(xch.iterator + 2, lane)
+                    m_t = peer_load(xch.iterator + 3, lane)
+                    l_t = peer_load(xch.iterator + 4, lane)
+                m_row = warp_max(m_s)
+                mt_row = warp_max(m_t)
+                l_s = warp_sum(l_s * cute.math.exp2((m_s - m_row) * k_s, fastmath=True))
                 if cutlass.const_expr(ce and not ce_is_q):
-                    l_c = l_c + peer_load(xch.iterator + 2, j) * cute.math.exp2((m_j - m_s) * f32(LOG2E),
-                                                                               fastmath=True)
-                l_t = l_t + peer_load(xch.iterator + 4, j) * cute.math.exp2(
-                    (peer_load(xch.iterator + 3, j) - m_t) * k_t, fastmath=True)
+                    l_c = warp_sum(l_c * cute.math.exp2((m_s - m_row) * f32(LOG2E), fastmath=True))
+                l_t = warp_sum(l_t * cute.math.exp2((m_t - mt_row) * k_t, fastmath=True))
+                if lane == 0:
+                    whole[0] = m_row
+                    whole[1] = l_s
+                    whole[2] = l_c
+                    whole[3] = mt_row
+                    whole[4] = l_t
+            cute.arch.sync_threads()
+            m_s = whole[0]
+            l_s = whole[1]
+            l_c = whole[2]
+            m_t = whole[3]
+            l_t = whole[4]
             log2_l_s = cute.math.log2(l_s)
             log2_l_t = cute.math.log2(l_t)
             log2_l_c = log2_l_s
@@ -215,13 +245,13 @@ def _build(kind: str, ce: bool, ce_is_q: bool, grad: bool, labels: bool, cluster
             acc2 = f32(0.0)
             acc3 = f32(0.0)
             acc4 = f32(0.0)
-            for i in cutlass.range_constexpr(EPT):
+            for i in cutlass.range_constexpr(ept):
                 lq = (xs[i] - m_s) * k_s - log2_l_s
-                lp = (xt[i] - m_t) * k_t - log2_l_t
+                lp = (xt[at(i, tid)] - m_t) * k_t - log2_l_t
                 p = cute.math.exp2(lp, fastmath=True)
                 if cutlass.const_expr(fkl):
                     acc = acc + (p * (lp - lq) if p > f32(0.0) else f32(0.0))  # 0 · log 0 = 0
-                    xt[i] = p
+                    xt[at(i, tid)] = p
                 elif cutlass.const_expr(jsd):
                     q = cute.math.exp2(lq, fastmath=True)
                     z = (cute.arch.fmax(lp, f32(LOG2_MIN)) - cute.arch.fmax(lq, f32(LOG2_MIN))) + (log2_beta - log2_1mbeta)
@@ -229,7 +259,7 @@ def _build(kind: str, ce: bool, ce_is_q: bool, grad: bool, labels: bool, cluster
                     acc = acc + p * (cute.arch.fmin(z, f32(0.0)) - w)
                     x = w + cute.arch.fmax(z, f32(0.0))
                     acc2 = acc2 - q * x
-                    xt[i] = x
+                    xt[at(i, tid)] = x
                 else:
                     q = cute.math.exp2(lq, fastmath=True)
                     acc = acc + cute.math.absf(q - p)
@@ -238,7 +268,7 @@ def _build(kind: str, ce: bool, ce_is_q: bool, grad: bool, labels: bool, cluster
                     acc2 = acc2 + lo
                     acc3 = acc3 + hi
                     acc4 = acc4 + (q if lq == lp else f32(0.0))
-                    xt[i] = f32(1.0) if lq > lp else (f32(-1.0) if lq < lp else f32(0.0))
+                    xt[at(i, tid)] = f32(1.0) if lq > lp else (f32(-1.0) if lq < lp else f32(0.0))
                 xs[i] = lq
             acc = warp_sum(acc)
             acc2 = warp_sum(acc2)
@@ -265,18 +295,33 @@ def _build(kind: str, ce: bool, ce_is_q: bool, grad: bool, labels: bool, cluster
                 xch[9] = acc2
                 xch[10] = acc3
                 xch[11] = acc4
-            # ---- exchange 2: every CTA's sums
+            # ---- exchange 2: every CTA's sums, as exchange 1's
             cute.arch.cluster_arrive()
             cute.arch.cluster_wait()
-            acc = f32(0.0)
-            acc2 = f32(0.0)
-            acc3 = f32(0.0)
-            acc4 = f32(0.0)
-            for j in cutlass.range_constexpr(cluster):
-                acc = acc + peer_load(xch.iterator + 8, j)
-                acc2 = acc2 + peer_load(xch.iterator + 9, j)
-                acc3 = acc3 + peer_load(xch.iterator + 10, j)
-                acc4 = acc4 + peer_load(xch.iterator + 11, j)
+            if warp == 0:
+                acc = f32(0.0)
+                acc2 = f32(0.0)
+                acc3 = f32(0.0)
+                acc4 = f32(0.0)
+                if lane < cluster:
+                    acc = peer_load(xch.iterator + 8, lane)
+                    acc2 = peer_load(xch.iterator + 9, lane)
+                    acc3 = peer_load(xch.iterator + 10, lane)
+                    acc4 = peer_load(xch.iterator + 11, lane)
+                acc = warp_sum(acc)
+                acc2 = warp_sum(acc2)
+                acc3 = warp_sum(acc3)
+                acc4 = warp_sum(acc4)
+                if lane == 0:
+                    whole[5] = acc
+                    whole[6] = acc2
+                    whole[7] = acc3
+                    whole[8] = acc4
+            cute.arch.sync_threads()
+            acc = whole[5]
+            acc2 = whole[6]
+            acc3 = whole[7]
+            acc4 = whole[8]
             soft = f32(0.0)
             f1 = f32(0.0)
             f0 = f32(0.0)
@@ -302,16 +347,16 @@ def _build(kind: str, ce: bool, ce_is_q: bool, grad: bool, labels: bool, cluster
                 k_ce = f32(0.0)
                 if cutlass.const_expr(ce and not ce_is_q):
                     k_ce = log2_l_s / inv_tau - log2_l_c  # log2 softmax(s) = τ · log2 q + this
-                for i in cutlass.range_constexpr(EPT):
+                for i in cutlass.range_constexpr(ept):
                     c = base + i * threads
                     q = cute.math.exp2(xs[i], fastmath=True)
                     g = f32(0.0)
                     if cutlass.const_expr(fkl):
-                        g = q * (c_st + c_q) - xt[i] * c_st
+                        g = q * (c_st + c_q) - xt[at(i, tid)] * c_st
                     elif cutlass.const_expr(jsd):
-                        g = q * (f1 * xt[i] + f0)
+                        g = q * (f1 * xt[at(i, tid)] + f0)
                     else:
-                        g = q * (f_hi if xt[i] > f32(0.0) else (f_lo if xt[i] < f32(0.0) else f_eq))
+                        g = q * (f_hi if xt[at(i, tid)] > f32(0.0) else (f_lo if xt[at(i, tid)] < f32(0.0) else f_eq))
                     if cutlass.const_expr(ce and ce_is_q):
                         g = g - (c_ce if c.to(cutlass.Int64) == label else f32(0.0))
                     elif cutlass.const_expr(ce):
@@ -328,7 +373,7 @@ def _build(kind: str, ce: bool, ce_is_q: bool, grad: bool, labels: bool, cluster
             cute.arch.cluster_wait()
         else:
             if cutlass.const_expr(grad):
-                for i in cutlass.range_constexpr(EPT):
+                for i in cutlass.range_constexpr(ept):
                     c = base + i * threads
                     if c < v:
                         ds[row, c] = f32(0.0).to(ds.element_type)
@@ -349,11 +394,12 @@ def _build(kind: str, ce: bool, ce_is_q: bool, grad: bool, labels: bool, cluster
     return launch
 
 
-def rows(s, t, labels, spec: LossSpec, scale: torch.Tensor, grad: bool, stats: bool = False, *, ds=None):
+def rows(s, t, labels, spec: LossSpec, scale: torch.Tensor, grad: bool, stats: bool = False, *, ds=None,
+         t_smem: bool = T_SMEM):
     """`triton_rows.rows`'s (soft, hard) and dL/ds into ds, for the calls `fits` takes: s (R, V) fp32
     contiguous, t (R, V) fp32 with unit column stride, labels (R,) int32 / int64 or None, scale () or (R,)
     fp32, ds (R, V) bf16 / fp16 with unit column stride (`triton_rows.grad_view(s, ...)` or a buffer of
-    its own) when grad. Asynchronous on the current stream."""
+    its own) when grad. t_smem: where t's columns are held (LAYOUTS). Asynchronous on the current stream."""
     r, v = s.shape
     if not fits(spec, grad, stats, v):
         raise ValueError(f"spec: the CuTe rows take {', '.join(KINDS)} without head transforms or stats, "
@@ -372,7 +418,7 @@ def rows(s, t, labels, spec: LossSpec, scale: torch.Tensor, grad: bool, stats: b
         return soft, hard
     ce = spec.want_hard and labels is not None
     ce_is_q = ce and spec.temperature == 1.0
-    cluster, threads = shape(v)
+    cluster, threads, ept = shape(v, t_smem)
     y = labels.to(torch.int64) if labels is not None else torch.zeros(1, dtype=torch.int64, device=s.device)
     jsd = spec.kind == "jsd"
     if not grad:  # never written: a stand-in of the compiled signature's rank
@@ -383,13 +429,13 @@ def rows(s, t, labels, spec: LossSpec, scale: torch.Tensor, grad: bool, stats: b
             1.0 / spec.temperature, float(spec.beta), math.log2(spec.beta) if jsd else 0.0,
             math.log1p(-spec.beta) / LN2 if jsd else 0.0, float(spec.weight_hard), float(spec.soft_scale),
             _stream(s.device)]
-    key = (spec.kind, ce, ce_is_q, grad, labels is not None, cluster, threads, ds.dtype)
+    key = (spec.kind, ce, ce_is_q, grad, labels is not None, cluster, threads, ept, t_smem, ds.dtype)
     fn = _compiled.get(key)
     if fn is None:
         import cutlass.cute as cute
 
-        fn = _compiled[key] = cute.compile(_build(spec.kind, ce, ce_is_q, grad, labels is not None, cluster, threads),
-                                           *args)
+        fn = _compiled[key] = cute.compile(
+            _build(spec.kind, ce, ce_is_q, grad, labels is not None, cluster, threads, ept, t_smem), *args)
     fn(*args)
     return soft, hard
 
