@@ -39,9 +39,9 @@ else E: the logits' element size):
              logits); R·V·L for dense teacher logits, which are read in place, and for a top-k
              teacher; + R·V·E for dL/dS in the inputs' dtype when L ≠ E and the teacher is top-k (else
              dL/dS takes half of S's own bytes, `triton_rows.grad_view`); + backend temporaries (torch:
-             ≈ 6·R·V·4, + R·V·4 with labels; triton: none beyond O(R·K); cute: + 20·R·⌈V/256⌉ for the
-             vocab tiles' statistics, 1/51 of R·V·L); + R·Hs·E with labels (the chunk's rows of Xs,
-             ignored rows zeroed)
+             ≈ 6·R·V·4, + R·V·4 with labels; triton: none beyond O(R·K); cute: none with its row pass on
+             a cluster, else + 20·R·⌈V/256⌉ for the vocab tiles' statistics, 1/51 of R·V·L); + R·Hs·E
+             with labels (the chunk's rows of Xs, ignored rows zeroed)
     grads:   N·Hs·E (dXs) + V·Hs·A (dWs accumulator: A = 4 for fp32, A = E when all rows fit one
              chunk or grad_accum_dtype is the weight's dtype), made for the first chunk's dW GEMM,
              once its teacher logits are freed; rounded to V·Hs·E after the loop (no copy when A = E)
@@ -95,8 +95,10 @@ class Plan:
     # top-k with teacher_index: DistillStats.per_teacher's (N,) index (−1: no teacher) and its number of teachers
     teacher_index: torch.Tensor | None = dataclasses.field(default=None, compare=False)
     num_teachers: int = 0
-    # "cute": the logits GEMMs of teacher heads on CuTe DSL, with pass 1's statistics in their epilogue
-    # (`flashkd.backends.cute_gemm`), where `_cute_fits`; else (and "cublas") torch.mm
+    # "cute": the logits GEMMs of teacher heads on CuTe DSL (`flashkd.backends.cute_gemm`), where
+    # `_cute_fits`: with bf16 / fp16 inputs of a loss `cute_rows` takes, the row pass on a cluster reading
+    # each row once after them; else the Triton rows, with pass 1's statistics from the GEMMs' epilogue.
+    # Elsewhere (and "cublas") torch.mm
     gemm: str = "cublas"
 
 
