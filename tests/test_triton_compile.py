@@ -42,7 +42,7 @@ def _compile_phase(phase: int) -> int:
         constexprs = dict(
             LOSS=LOSS_ID[loss], SOFT=True, CE=labels, LABELS=labels, GRAD_SOFT=grad, GRAD_CE=grad and labels,
             GRAD_PASS=grad_pass, CE_IS_Q=labels and loss != "cosine", ONLINE_KL=online, S_HEAD=2 if softcap else 0,
-            T_HEAD=0, SCALED=softcap, STATS=stats, RTNE_BITS=False, RCP_FMA=0, PHASE=phase, WORLD_BLOCK=4,
+            T_HEAD=0, SCALED=softcap, STATS=stats, RTNE_BITS=False, RCP_FMA=0, IN_PLACE=grad, PHASE=phase, WORLD_BLOCK=4,
             BLOCK_V=1024)
         signature = {}
         for name in names:
