@@ -324,25 +324,12 @@ def main():
         result[name] = errors(loss, ds2)
         ok = ok and result[name]["loss_rel_err"] <= 1e-5 and result[name]["ds_rel_err"] <= bar
         calls[name] = lambda compiled=compiled, args=args: compiled(*args, V)
-    # flashkd's own row pass on a cluster (`flashkd.backends.cute_rows`), dL/ds into S's bytes
-    from flashkd.backends import cute_rows
-
-    for t_smem in (False, True):
-        name = f"cute_rows t_smem={t_smem}"
-        x_c = s.clone()
-        ds_c = triton_rows.grad_view(x_c, torch.bfloat16, spec, True)
-        soft_c, _ = cute_rows.rows(x_c, t, None, spec, one, True, ds=ds_c, t_smem=t_smem)
-        torch.cuda.synchronize()
-        result[name] = errors(soft_c, ds_c)
-        ok = ok and result[name]["loss_rel_err"] <= 1e-5 and result[name]["ds_rel_err"] <= bar
-        calls[name] = lambda x_c=x_c, ds_c=ds_c, t_smem=t_smem: cute_rows.rows(x_c, t, None, spec, one, True, ds=ds_c,
-                                                                            t_smem=t_smem)
     gb = R * V * 10 / 1e9  # the one-read design's bytes: S and T read once (fp32), dL/ds written once (bf16)
     for name, fn in calls.items():
         fn()
         ms, p20, p80 = median_ms(fn, a.reps)
         result.setdefault(name, {}).update({"ms": ms, "p20": p20, "p80": p80})
-        if name.startswith("cute"):  # (cute_rows too)
+        if name.startswith("cute"):
             result[name]["tb_per_s_at_10_bytes"] = gb / ms
     result["copy_tb_per_s"] = R * V * 8 / 1e9 / result["copy of S"]["ms"]
     result["bound_ms_at_copy_speed"] = gb / result["copy_tb_per_s"]

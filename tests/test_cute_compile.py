@@ -42,36 +42,3 @@ def test_the_logits_gemm_compiles_for_sm_90a(sums, tile_n, stages, store):
                           capture_output=True, text=True, timeout=300, env=env)
     assert done.returncode == 0 and "compiled" in done.stdout, done.stderr[-3000:]
 
-
-ROWS_SCRIPT = r"""
-import sys
-import cuda.bindings.driver as cuda
-import cutlass
-import cutlass.cute as cute
-from cutlass.cute.runtime import make_fake_tensor
-from cutlass.cute.typing import sym_int
-from flashkd.backends import cute_rows
-
-kind, ce, ce_is_q, grad, labels = sys.argv[1], *(a == "1" for a in sys.argv[2:6])
-cluster, threads, ept = cute_rows.shape(int(sys.argv[6]), sys.argv[7] == "1")
-r, v = sym_int(), sym_int()
-s, t = (make_fake_tensor(cutlass.Float32, (r, v), (sym_int(), 1), assumed_align=4) for _ in range(2))
-ds = make_fake_tensor(cutlass.BFloat16, (r, v), (sym_int(), 1), assumed_align=2)
-y = make_fake_tensor(cutlass.Int64, (sym_int(),), (1,), assumed_align=8)
-scale, soft, hard = (make_fake_tensor(cutlass.Float32, (sym_int(),), (1,), assumed_align=4) for _ in range(3))
-cute.compile(cute_rows._build(kind, ce, ce_is_q, grad, labels, cluster, threads, ept, sys.argv[7] == "1"), s, t, ds, y, scale, soft, hard,
-             1000, 0, -100, 1.0, 1.0, 1.0, 0.5, -1.0, -1.0, 0.5, 0.5, cuda.CUstream(0))
-print("compiled")
-"""
-
-
-@pytest.mark.parametrize("kind,ce,ce_is_q,grad,labels,v,t_smem", [
-    ("jsd", 1, 1, 1, 1, 128256, 1), ("jsd", 1, 0, 1, 1, 128256, 0), ("tvd", 1, 1, 1, 1, 16385, 1),
-    ("forward_kl", 0, 0, 1, 0, 517, 1), ("jsd", 0, 0, 0, 1, 131072, 0)])
-def test_the_cluster_row_pass_compiles_for_sm_90a(kind, ce, ce_is_q, grad, labels, v, t_smem):
-    """`flashkd.backends.cute_rows`: each loss, the CE with and without its own softmax, no grad, 1 to 8 CTAs a
-    row, t's columns in registers and in shared memory."""
-    env = dict(os.environ, CUTE_DSL_ARCH="sm_90a")
-    done = subprocess.run([sys.executable, "-c", ROWS_SCRIPT, kind, *map(str, (ce, ce_is_q, grad, labels, v, t_smem))],
-                          capture_output=True, text=True, timeout=300, env=env)
-    assert done.returncode == 0 and "compiled" in done.stdout, done.stderr[-3000:]

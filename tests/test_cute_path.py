@@ -2,10 +2,8 @@
 torch function that makes the same outputs (fp32 logits, each (row, vocab tile)'s max and sums of
 2^((z − max)·k) into the planes it is handed), the Triton rows under the interpreter. What this checks is the
 glue: which calls take the CuTe GEMMs, the planes each GEMM fills, the constants, the chunks and teacher
-blocks, the rows' PHASE 4; with bf16 inputs, which take the row pass on a cluster (`cute_rows.rows`, stood in
-for by the Triton rows, whose contract it has) and its GEMMs without statistics. The results must be the
-Triton backend's. The kernels themselves are checked on the GPU (probes/, tests/test_cute_rows.py,
-tests/test_exact.py -m gpu) and compiled on CPU (tests/test_cute_compile.py)."""
+blocks, the rows' PHASE 4; the results must be the Triton backend's. The kernel itself is checked on the GPU
+(probes/probe_cute_gemm.py, tests/test_exact.py -m gpu) and compiled on CPU (tests/test_cute_compile.py)."""
 
 import pytest
 import torch
@@ -14,17 +12,15 @@ pytest.importorskip("triton")
 
 import flashkd  # noqa: E402
 from flashkd import chunks  # noqa: E402
-from flashkd.backends import cute_gemm, cute_rows, triton_rows  # noqa: E402
+from flashkd.backends import cute_gemm  # noqa: E402
 
 TILE = 64  # the stand-in's vocab tile: several a row at V = 300
 
 
 def _stand_in(calls):
     def logits(x, w, planes, k1=1.0, k2=None, out=None, **_):
-        calls.append((tuple(x.shape), tuple(w.shape), 0 if planes is None else planes.shape[0], k1, k2))
+        calls.append((tuple(x.shape), tuple(w.shape), planes.shape[0], k1, k2))
         z = x.float() @ w.float().t()
-        if planes is None:  # the bare GEMM
-            return z
         assert planes.shape == ((2 if k2 is None else 3), z.shape[0], -(-z.shape[1] // TILE))
         m, sums = cute_gemm.tile_stats(z, [k1] + ([] if k2 is None else [k2]), TILE)
         planes[0] = m
@@ -42,14 +38,6 @@ def cute_on_cpu(monkeypatch):
     monkeypatch.setattr(cute_gemm, "eligible", lambda x, w: True)
     monkeypatch.setattr(cute_gemm, "n_tiles", lambda v, tile_n=TILE: -(-v // TILE))
     monkeypatch.setattr(cute_gemm, "logits", _stand_in(calls))
-
-    def rows(s, t, labels, spec, scale, grad, stats=False, *, ds=None):
-        calls.append("rows")
-        assert cute_rows.fits(spec, grad, stats, s.shape[1]) and s.dtype == torch.float32
-        assert not grad or ds.untyped_storage().data_ptr() == s.untyped_storage().data_ptr()  # in s's bytes
-        return triton_rows.rows(s, t, labels, spec, scale, grad, stats, ds=ds)
-
-    monkeypatch.setattr(cute_rows, "rows", rows)
     return calls
 
 
@@ -84,31 +72,6 @@ def test_cute_path_gives_the_triton_results(cute_on_cpu, seed, loss, opts, takes
         assert [c[2] for c in cute_on_cpu] == [3 if tempered_ce else 2, 2] * 3  # the CE's own sum only then
     for got, want in zip(out["cute"], out["triton"]):
         torch.testing.assert_close(got, want, rtol=2e-5, atol=1e-7)
-
-
-@pytest.mark.parametrize("loss,opts", [
-    ("jsd", {}), ("jsd", {"temperature": 0.7, "beta": 0.2}), ("tvd", {}), ("forward_kl", {"temperature": 2.0})])
-@pytest.mark.parametrize("labels", [True, False])
-def test_bf16_inputs_take_the_row_pass_on_a_cluster(cute_on_cpu, seed, loss, opts, labels):
-    """bf16 inputs of a loss `cute_rows` takes: its row pass, each GEMM without statistics (no planes), dL/ds
-    in the fp32 logits' bytes; the Triton backend's results (here the same kernel: bit for bit). With a head
-    scale, the rows with per-tile statistics instead."""
-    xs, ws, xt, wt, y = _case(seed, dtype=torch.bfloat16)
-    if not labels:
-        y, opts = None, dict(opts, weight_hard_loss=0.0)
-    out = {}
-    for backend in ("triton", "cute"):
-        a, b = xs.clone().requires_grad_(), ws.clone().requires_grad_()
-        loss_ = flashkd.fused_linear_distill(a, b, xt, wt, y, loss=loss, backend=backend, chunk_size=16, **opts)
-        out[backend] = (loss_, *torch.autograd.grad(loss_, (a, b)))
-    # 3 chunks of at most 16 rows: a student GEMM, a teacher GEMM and a row pass each
-    assert [c if c == "rows" else c[2] for c in cute_on_cpu] == [0, 0, "rows"] * 3
-    for got, want in zip(out["cute"], out["triton"]):
-        assert torch.equal(got, want)
-    del cute_on_cpu[:]
-    flashkd.fused_linear_distill(xs.clone().requires_grad_(), ws, xt, wt, y, loss=loss, backend="cute",
-                                 chunk_size=16, student_logit_scale=0.8, **opts)
-    assert "rows" not in cute_on_cpu and len(cute_on_cpu) == 6
 
 
 def test_cute_path_keeps_to_triton_where_its_gemm_does_not_fit(cute_on_cpu, seed):

@@ -449,10 +449,18 @@ def test_statistics_per_vocab_tile_only_where_pass_1_takes_nothing_else():
 @pytest.mark.parametrize("loss,beta", LOSSES)
 def test_gradient_into_the_logits_own_bytes(seed, loss, beta, labels_kind):
     """dL/ds in bf16 written into half of fp32 s's own bytes (`grad_view`: the half each row's writing pass
-    has read before it stores there) equals dL/ds written into a buffer of its own, bit for bit, as do
-    the losses: whether the pass walks the row forwards (jsd, tvd) or backwards (the others, the CE alone);
-    with the per-tile statistics too. A view of s that is not its `grad_view` is refused."""
+    has read before it stores there) equals dL/ds written into a buffer of its own, as do the losses:
+    whether the pass walks the row forwards (jsd, tvd) or backwards (the others, the CE alone); with the
+    per-tile statistics too. Bit for bit under the interpreter; on a GPU the two kernels (IN_PLACE adds a
+    barrier) may sum in another order: within fp32 rounding, where a store over a column not yet read would
+    be off by the logit's size. A view of s that is not its `grad_view` is refused."""
     scale = torch.tensor(0.37, device=DEVICE)
+
+    def same(got, want):
+        if INTERPRET:
+            return all(torch.equal(a, b) for a, b in zip(got, want))
+        return all(torch.allclose(a.double(), b.double(), rtol=1e-5, atol=1e-6 * b.double().abs().max().item())
+                   for a, b in zip(got, want))
     for i, (R, V, _) in enumerate(CASES):
         s, t = _logits(R, V, torch.float32, seed + i, scale=4.0)
         labels = _labels(labels_kind, R, V, seed + i)
@@ -462,8 +470,7 @@ def test_gradient_into_the_logits_own_bytes(seed, loss, beta, labels_kind):
             want = triton_rows.rows(s.clone(), t, labels, spec, scale, True, ds=apart)
             x = s.clone()
             got = triton_rows.rows(x, t, labels, spec, scale, True, ds=triton_rows.grad_view(x, torch.bfloat16, spec, True))
-            assert all(torch.equal(a, b) for a, b in zip(got, want)), (spec, R, V)
-            assert torch.equal(triton_rows.grad_view(x, torch.bfloat16, spec, True), apart), (spec, R, V)
+            assert same((*got, triton_rows.grad_view(x, torch.bfloat16, spec, True)), (*want, apart)), (spec, R, V)
             if triton_rows.tiles_fit(spec, True, False, labels is not None):
                 x = s.clone()
                 tiles = _tile_planes(s, t, spec, labels, 7)
@@ -471,8 +478,7 @@ def test_gradient_into_the_logits_own_bytes(seed, loss, beta, labels_kind):
                                        ds=triton_rows.grad_view(x, torch.bfloat16, spec, True))
                 apart2 = torch.empty_like(apart)
                 want = triton_rows.rows(s.clone(), t, labels, spec, scale, True, tiles=tiles, ds=apart2)
-                assert all(torch.equal(a, b) for a, b in zip(got, want)), (spec, R, V)
-                assert torch.equal(triton_rows.grad_view(x, torch.bfloat16, spec, True), apart2), (spec, R, V)
+                assert same((*got, triton_rows.grad_view(x, torch.bfloat16, spec, True)), (*want, apart2)), (spec, R, V)
     s, t = _logits(3, 9, torch.float32, seed)
     spec = LossSpec(loss=loss, beta=beta)
     view = triton_rows.grad_view(s, torch.bfloat16, spec, True)

@@ -39,9 +39,9 @@ else E: the logits' element size):
              logits); R·V·L for dense teacher logits, which are read in place, and for a top-k
              teacher; + R·V·E for dL/dS in the inputs' dtype when L ≠ E and the teacher is top-k (else
              dL/dS takes half of S's own bytes, `triton_rows.grad_view`); + backend temporaries (torch:
-             ≈ 6·R·V·4, + R·V·4 with labels; triton: none beyond O(R·K); cute: none with its row pass on
-             a cluster, else + 20·R·⌈V/256⌉ for the vocab tiles' statistics, 1/51 of R·V·L); + R·Hs·E
-             with labels (the chunk's rows of Xs, ignored rows zeroed)
+             ≈ 6·R·V·4, + R·V·4 with labels; triton: none beyond O(R·K); cute: + 20·R·⌈V/256⌉ for the vocab
+             tiles' statistics, 1/51 of R·V·L); + R·Hs·E with labels (the chunk's rows of Xs, ignored rows
+             zeroed)
     grads:   N·Hs·E (dXs) + V·Hs·A (dWs accumulator: A = 4 for fp32, A = E when all rows fit one
              chunk or grad_accum_dtype is the weight's dtype), made for the first chunk's dW GEMM,
              once its teacher logits are freed; rounded to V·Hs·E after the loop (no copy when A = E)
@@ -95,10 +95,8 @@ class Plan:
     # top-k with teacher_index: DistillStats.per_teacher's (N,) index (−1: no teacher) and its number of teachers
     teacher_index: torch.Tensor | None = dataclasses.field(default=None, compare=False)
     num_teachers: int = 0
-    # "cute": the logits GEMMs of teacher heads on CuTe DSL (`flashkd.backends.cute_gemm`), where
-    # `_cute_fits`: with bf16 / fp16 inputs of a loss `cute_rows` takes, the row pass on a cluster reading
-    # each row once after them; else the Triton rows, with pass 1's statistics from the GEMMs' epilogue.
-    # Elsewhere (and "cublas") torch.mm
+    # "cute": the logits GEMMs of teacher heads on CuTe DSL, with pass 1's statistics in their epilogue
+    # (`flashkd.backends.cute_gemm`), where `_cute_fits`; else (and "cublas") torch.mm
     gemm: str = "cublas"
 
 
@@ -502,27 +500,18 @@ def _chunk_loop(xs, ws, bs, y, rw, teacher, plan: Plan, want_dx, want_dw, want_d
     dws = torch.zeros(ws.shape, device=device, dtype=ws.dtype) if want_dw and n == 0 else None
     dbs = torch.zeros(v, **f32) if want_db else None
     cute = _cute_fits(plan, xs, ws, bs, teacher, y is not None, grad)
-    cluster = False
     if cute:
-        from .backends import cute_gemm, cute_rows, triton_rows
+        from .backends import cute_gemm, triton_rows
 
-        # the row pass on a cluster, each row read once (`cute_rows`), where it takes the call; else the
-        # Triton rows with the statistics the GEMMs' epilogues make per vocab tile
-        cluster = cute_rows.fits(spec, grad, plan.stats, v) and ws.dtype in NARROW  # dL/ds in s's bytes
         k_s, k_ce, k_t = triton_rows.tile_constants(spec, y is not None)
         s_planes = 2 if k_ce is None else 3
-        if cluster:
-            rows = cute_rows.rows
     for start in range(0, n, plan.chunk):
         c = slice(start, min(start + plan.chunk, n))
         # Ignored rows (padding) may hold NaN or inf: zeroed, they cannot reach dW = dSᵀX as 0 · NaN, nor
         # dS through a NaN logit. One select over R·Hs elements and R·Hs·E bytes a chunk (1/V of its
         # GEMM), on the device: no host sync.
         x = xs[c] if y is None else torch.where((y[c] != spec.ignore_index)[:, None], xs[c], 0.0)
-        if cluster:
-            tiles = None
-            s = cute_gemm.logits(x, ws, None)
-        elif cute:  # (5, R, vocab tiles): each tile's m_s, l_s, l_c, m_t, l_t (`triton_rows.rows(..., tiles=)`)
+        if cute:  # (5, R, vocab tiles): each tile's m_s, l_s, l_c, m_t, l_t (`triton_rows.rows(..., tiles=)`)
             tiles = torch.empty(5, c.stop - c.start, cute_gemm.n_tiles(v), device=device)
             s = cute_gemm.logits(x, ws, tiles[:s_planes], k_s, k_ce)
         else:
@@ -542,9 +531,7 @@ def _chunk_loop(xs, ws, bs, y, rw, teacher, plan: Plan, want_dx, want_dw, want_d
         for sub in range(c.start, c.stop, plan.teacher_chunk):
             b = slice(sub, min(sub + plan.teacher_chunk, c.stop))
             in_c = slice(b.start - c.start, b.stop - c.start)
-            if cluster:
-                t = cute_gemm.logits(teacher[0][b], teacher[1], None)
-            elif tiles is None:
+            if tiles is None:
                 t = _teacher_block(plan.form, teacher, b) if spec.want_soft else None
             else:
                 t = cute_gemm.logits(teacher[0][b], teacher[1], tiles[3:, in_c], k_t)
