@@ -5,9 +5,9 @@ CTAs. GPU only; needs nvidia-cutlass-dsl (`pip install 'flashkd[cute]'`, or the 
 The Triton row kernels read S and T three times (statistics, K = Σ q log(q/M), the gradient), as a
 program cannot see another's registers or shared memory. A cluster's CTAs run together, so a row can
 be split over C of them: each loads its slice of S and T once (fp32, 8 bytes an element), the C partial
-(max, sum-exp) pairs and then the C partial K sums go through global memory behind a cluster barrier
-(release / acquire), and each CTA writes its slice's dL/ds in bf16 (2 bytes an element): 10 bytes an
-element against the Triton kernel's 26.
+(max, sum-exp) pairs and then the C partial K sums go through global or distributed shared memory behind
+a cluster barrier (release / acquire), and each CTA writes its slice's dL/ds in bf16 (2 bytes an element),
+into a buffer or over S's own bytes: 10 bytes an element against the Triton kernel's 26.
 
 JSD(β) soft term alone, τ = 1, per row: loss (R,) fp32 and dL/ds (R, V) bf16. Checked against float64
 autograd on a sample of rows, and against flashkd's Triton rows on all of them; timed against those
@@ -32,8 +32,9 @@ from probe_cute_rows import finish, median_ms, merge, warp_merge  # beside this 
 # and its barriers and partial exchanges leave the SM's loads idle. 256 threads holding S in 64 registers
 # and T's slice in 64 KiB of shared memory let two CTAs share an SM. Each exchange through global memory
 # is a store and a load at L2's latency behind a cluster barrier; through distributed shared memory each
-# CTA's lane j stores its partials into CTA j's shared memory, and the barrier's release / acquire makes
-# them visible there.
+# CTA stores its partials into its own shared memory, the barrier's release / acquire makes them visible to
+# the cluster, and every CTA loads each peer's (CuTe DSL stores into a peer's shared memory only
+# asynchronously, on an mbarrier).
 CONFIGS = ((8, 512, 32, False, False), (8, 512, 32, False, True), (8, 256, 64, True, True),
            (16, 256, 32, False, True))
 LOG2E = 1.4426950408889634
@@ -292,36 +293,27 @@ def main():
     calls = {"triton": triton_call, "triton tiles": triton_tiles_call, "copy of S": lambda: s.clone()}
     ds = torch.empty(R, V, device="cuda", dtype=torch.bfloat16)
     loss = torch.empty(R, device="cuda")
-    for cluster, threads, ept, t_smem, dsmem in CONFIGS:
+    # each config, and the second once more with dL/ds over the first half of each row of S (a bf16 view, row
+    # stride 2V; its rows 16-byte aligned where V % 4 == 0): a row's CTAs have all read their slices of S before
+    # the cluster barrier that precedes the first write, so no buffer of its own
+    for (cluster, threads, ept, t_smem, dsmem), over_s in [(c, False) for c in CONFIGS] + [(CONFIGS[1], V % 4 == 0)]:
         name = f"cute {cluster}x{threads}x{ept}" + (" T in smem" if t_smem else "") + (" dsmem" if dsmem else "")
-        if cluster * threads * ept < V or (cluster - 1) * threads * ept >= V:
-            continue  # a cluster that does not hold the row, or holds it with a CTA to spare
+        name += " dL/ds over S" if over_s else ""
+        if cluster * threads * ept < V or (cluster - 1) * threads * ept >= V or name in result:
+            continue  # a cluster that does not hold the row, or holds it with a CTA to spare; or done
+        s_in = s.clone() if over_s else s
+        out = s_in.view(torch.bfloat16)[:, :V] if over_s else ds
         part = torch.empty(R, cluster, 8, device="cuda")
-        args = [from_dlpack(x, assumed_align=16) for x in (s, t, ds, loss, part)]
+        args = [from_dlpack(x, assumed_align=16) for x in (s_in, t, out, loss, part)]
         t0 = time.perf_counter()
         compiled = cute.compile(build(cluster, threads, ept, t_smem, dsmem), *args, V)
         result[name] = {"compile_s": time.perf_counter() - t0}
-        ds.zero_()
+        if not over_s:  # (zeroing the view would zero half of S)
+            out.zero_()
         compiled(*args, V)
         torch.cuda.synchronize()
-        result[name].update(errors(loss, ds))
+        result[name].update(errors(loss, out))
         result[name]["vs_triton_loss"] = (abs(loss.double().sum() - soft.double().sum()) / soft.double().sum()).item()
-        ok = ok and result[name]["loss_rel_err"] <= 1e-5 and result[name]["ds_rel_err"] <= bar
-        calls[name] = lambda compiled=compiled, args=args: compiled(*args, V)
-
-    # dL/ds written over the first half of each row of S (a bf16 view, row stride 2V): a row's CTAs have all
-    # read their slices of S before the cluster barrier that precedes the first write, so no separate buffer
-    if V % 4 == 0:
-        cluster, threads, ept, t_smem, dsmem = CONFIGS[1]
-        name = "cute in place"
-        s2 = s.clone()
-        ds2 = s2.view(torch.bfloat16)[:, :V]
-        part = torch.empty(R, cluster, 8, device="cuda")
-        args = [from_dlpack(x, assumed_align=16) for x in (s2, t, ds2, loss, part)]
-        compiled = cute.compile(build(cluster, threads, ept, t_smem, dsmem), *args, V)
-        compiled(*args, V)
-        torch.cuda.synchronize()
-        result[name] = errors(loss, ds2)
         ok = ok and result[name]["loss_rel_err"] <= 1e-5 and result[name]["ds_rel_err"] <= bar
         calls[name] = lambda compiled=compiled, args=args: compiled(*args, V)
     gb = R * V * 10 / 1e9  # the one-read design's bytes: S and T read once (fp32), dL/ds written once (bf16)

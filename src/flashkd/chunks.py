@@ -771,8 +771,8 @@ def chunk_rows(chunk_size, xs, ws, backend, form, accum_bytes, v=None) -> tuple[
 def peak_bytes(n, v, hs, e, rows, teacher_rows, *, form, accum_bytes) -> int:
     """Peak extra bytes of a plan, as the module's doc gives them (e: bytes of an input element, a
     logit L = max(e, 4) (`logit_size`), accum_bytes: of a dW accumulator element, 0 when dW is not
-    wanted; the bias grad's V fp32 left out). Narrow inputs (L ≠ e) also hold the chunk's dL/ds in
-    their dtype, beside its fp32 logits."""
+    wanted; the bias grad's V fp32 left out). Narrow inputs (L ≠ e) hold the chunk's dL/ds in their
+    dtype inside its fp32 logits' bytes, or beside them for a top-k teacher."""
     logit = max(e, 4)
     apart = logit != e and form == "topk"  # dL/ds in a buffer of its own (else in s's bytes, or over s)
     logits = rows * v * logit + (teacher_rows * v * logit if form == "heads" else 0) + (rows * v * e if apart else 0)
