@@ -445,6 +445,32 @@ def test_statistics_per_vocab_tile_only_where_pass_1_takes_nothing_else():
             triton_rows.rows(s.clone(), t, None, ok, scale, True, tiles=bad)
 
 
+@pytest.mark.skipif(INTERPRET, reason="races between a program's warps: a GPU's, not the interpreter's")
+@pytest.mark.parametrize("loss,beta", LOSSES)
+def test_gradient_into_the_logits_own_bytes_over_a_long_row(loss, beta):
+    """At the seed's vocab (126 tiles a row) a store of dL/ds into s's bytes lands on a column about half as
+    many tiles into the walk: a warp running ahead of another that has not yet loaded that column would
+    hand it a logit made of two bf16 gradients. Each element against the kernel writing into a buffer of
+    its own, run after run: within one bf16 ulp or 1e-6 of the row's largest (the two compiled kernels may
+    sum the row's constants in another order)."""
+    R, V = 512, 128256
+    s, t = _logits(R, V, torch.float32, 11, scale=4.0)
+    labels = _labels("some_ignored", R, V, 11)
+    scale = torch.tensor(1.0 / R, device=DEVICE)
+    for spec in (LossSpec(loss=loss, beta=beta), LossSpec(loss=loss, beta=beta, want_soft=False)):
+        apart = torch.empty(R, V, device=DEVICE, dtype=torch.bfloat16)
+        want = triton_rows.rows(s.clone(), t, labels, spec, scale, True, ds=apart)
+        for run in range(4):
+            x = s.clone()
+            view = triton_rows.grad_view(x, torch.bfloat16, spec, True)
+            got = triton_rows.rows(x, t, labels, spec, scale, True, ds=view)
+            a, b = view.double(), apart.double()
+            bad = (a - b).abs() > b.abs() / 128 + 1e-6 * b.abs().amax(1, keepdim=True)
+            assert not bad.any(), (spec, run, bad.sum().item(), bad.nonzero()[:5].tolist())
+            for g, w in zip(got, want):
+                torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-6)
+
+
 @pytest.mark.parametrize("labels_kind", [None, "some_ignored"])
 @pytest.mark.parametrize("loss,beta", LOSSES)
 def test_gradient_into_the_logits_own_bytes(seed, loss, beta, labels_kind):

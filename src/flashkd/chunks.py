@@ -574,11 +574,7 @@ def _chunk_loop(xs, ws, bs, y, rw, teacher, plan: Plan, want_dx, want_dw, want_d
         if want_dw:
             if start == 0:
                 dws = torch.empty(ws.shape, device=device, dtype=accum)
-            if cute and cute_gemm.accumulate_eligible(dws, s.t(), x.t()):
-                # added by the TMA unit's reduce-add stores: no warpgroup waits on a read of the fp32 dWs
-                cute_gemm.accumulate(dws, s.t(), x.t(), add=start != 0)
-            else:
-                accumulate_mm(dws, s.t(), x, beta=0.0 if start == 0 else 1.0)
+            accumulate_mm(dws, s.t(), x, beta=0.0 if start == 0 else 1.0)
         if want_db:
             dbs += s.sum(0, dtype=dbs.dtype)
         del s, x  # before the next chunk's GEMM allocates, and before dWs is cast below

@@ -33,8 +33,7 @@ EPI_STAGES = 2  # pieces in flight: 4 · 48 + 2 · 16 KiB fits the 227 KiB an SM
 
 _compiled = {}  # `_executor`'s key (dtype and `_build`'s arguments) -> compiled executor
 compile_seconds = {}  # the same keys -> seconds spent in cute.compile (first call of a process)
-calls = 0  # `logits` launches in this process (tests check which calls ran here)
-accumulate_calls = 0  # `accumulate` launches
+calls = 0  # launches in this process (tests check which calls ran here)
 
 
 def n_tiles(v: int, tile_n: int = TILE_N) -> int:
@@ -75,24 +74,16 @@ def available() -> bool:
 
 
 def _build(sums: int, tile_n: int = TILE_N, stages: int = STAGES, sms: int = 132, store: str = "tma",
-           epi_stages: int = EPI_STAGES, raster: str = "m"):
-    """sums: 1 or 2 statistics sums (module doc), or 0 for the bare GEMM (z alone); the kernel persistent
-    on `sms` CTAs. store: how z leaves the registers:
+           epi_stages: int = EPI_STAGES):
+    """sums: 1 or 2 statistics sums (module doc), or 0 for the bare GEMM (z alone: for measuring); the
+    kernel persistent on `sms` CTAs. store: how z leaves the registers:
       "tma"    through shared memory, a TILE_M × EPI_N piece at a time, by TMA bulk stores that run on while
                the warpgroups go on (z's rows 16-byte aligned: `logits` checks);
-      "add"    the same, by TMA reduce-add stores (z added to what the output holds, in L2: `accumulate`);
       "direct" each thread's values by plain stores (any row stride; the warpgroups wait on them);
       "none"   not at all, for timing the main loop alone (a NaN test keeps the products live).
-    epi_stages: the TMA stores' pieces in flight (shared memory: stages · 48 + epi_stages · 16 KiB of 227).
-    raster: which output tile index runs fastest over the CTAs working at once, "m" (they share tiles of
-    the second operand) or "n" (of the first)."""
-    if store not in ("tma", "add", "direct", "none"):
-        raise ValueError(f"store: expected 'tma', 'add', 'direct' or 'none', got {store!r}")
-    if store == "add" and sums:
-        raise ValueError(f"sums: store 'add' takes no statistics, got {sums}")
-    if raster not in ("m", "n"):
-        raise ValueError(f"raster: expected 'm' or 'n', got {raster!r}")
-    by_tma = store in ("tma", "add")
+    epi_stages: "tma"'s pieces in flight (shared memory: stages · 48 + epi_stages · 16 KiB of 227)."""
+    if store not in ("tma", "direct", "none"):
+        raise ValueError(f"store: expected 'tma', 'direct' or 'none', got {store!r}")
     if (tile_n // EPI_N) % epi_stages:
         raise ValueError(f"epi_stages: expected a divisor of {tile_n // EPI_N} (pieces a tile), got {epi_stages}")
     import cuda.bindings.driver as cuda
@@ -105,12 +96,6 @@ def _build(sums: int, tile_n: int = TILE_N, stages: int = STAGES, sms: int = 132
 
     f32 = cutlass.Float32
     lowest = -math.inf
-
-    def tile_mn(tile, m_tiles, n_tiles):
-        """(bm, bn) of the persistent loop's tile-th output tile, `raster`'s index fastest (traced inline)."""
-        if raster == "m":
-            return tile % m_tiles, tile // m_tiles
-        return tile // n_tiles, tile % n_tiles
 
     @cute.jit
     def epilogue(acc: cute.Tensor, tCgC: cute.Tensor, tCcC: cute.Tensor, mC: cute.Tensor, mM: cute.Tensor,
@@ -132,7 +117,7 @@ def _build(sums: int, tile_n: int = TILE_N, stages: int = STAGES, sms: int = 132
         pieces = tile_n // EPI_N
         per = EPI_N // 8  # j's a piece
         floor = f32(-3.0e38)  # a running max's floor: no -inf − -inf before a row's first column in the vocab
-        if cutlass.const_expr(by_tma):
+        if cutlass.const_expr(store == "tma"):
             bS, bG = cute.nvgpu.cpasync.tma_partition(
                 tma_c, 0, cute.make_layout(1), cute.group_modes(sC, 0, 2),
                 cute.zipped_divide(gCt, (TILE_M, EPI_N)))
@@ -149,7 +134,7 @@ def _build(sums: int, tile_n: int = TILE_N, stages: int = STAGES, sms: int = 132
         ls = [[f32(0.0), f32(0.0)] for _ in ks]  # [sum][row]
         for p in cutlass.range_constexpr(pieces):
             buf = p % epi_stages
-            if cutlass.const_expr(by_tma):
+            if cutlass.const_expr(store == "tma"):
                 for v in cutlass.range_constexpr(cute.size(rD)):
                     rD[v] = tRS_acc[p * cute.size(rD) + v]
                 cute.copy(r2s, rD, tRS_s[(None, None, None, buf)])
@@ -174,7 +159,7 @@ def _build(sums: int, tile_n: int = TILE_N, stages: int = STAGES, sms: int = 132
                     for z in zs:
                         l[r] = l[r] + cute.math.exp2((z - mp) * k, fastmath=True)
                 m[r] = mp
-            if cutlass.const_expr(by_tma):
+            if cutlass.const_expr(store == "tma"):
                 if warp == 4:
                     cute.arch.cp_async_bulk_wait_group(epi_stages - 1, read=True)
                 cute.arch.barrier(barrier_id=1, number_of_threads=256)
@@ -217,7 +202,7 @@ def _build(sums: int, tile_n: int = TILE_N, stages: int = STAGES, sms: int = 132
         if warp == 0:
             cute.nvgpu.cpasync.prefetch_descriptor(tma_a)
             cute.nvgpu.cpasync.prefetch_descriptor(tma_b)
-            if cutlass.const_expr(by_tma):
+            if cutlass.const_expr(store == "tma"):
                 cute.nvgpu.cpasync.prefetch_descriptor(tma_c)
         smem = SmemAllocator()
         storage = smem.allocate(storage_type)
@@ -239,8 +224,7 @@ def _build(sums: int, tile_n: int = TILE_N, stages: int = STAGES, sms: int = 132
         cC = cute.local_tile(cute.make_identity_tensor(mC.shape), tiler, every, proj=(1, 1, None))
         gCt = cute.local_tile(mCt, tiler, every, proj=(1, 1, None))  # the TMA view of z (store "tma")
         m_tiles = cute.size(gC, mode=[2])
-        nn_tiles = cute.size(gC, mode=[3])
-        tiles = m_tiles * nn_tiles
+        tiles = m_tiles * cute.size(gC, mode=[3])
         k_tiles = cute.size(gA, mode=[3])
 
         if warp < 4:
@@ -253,7 +237,8 @@ def _build(sums: int, tile_n: int = TILE_N, stages: int = STAGES, sms: int = 132
                 produce = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, stages)
                 for tile in cutlass.range(first, tiles, step, unroll=1):
                     # m fastest: the CTAs running at once share few tiles of w, each read from memory once
-                    bm, bn = tile_mn(tile, m_tiles, nn_tiles)
+                    bm = tile % m_tiles
+                    bn = tile // m_tiles
                     for kt in cutlass.range(k_tiles, unroll=1):
                         pipe.producer_acquire(produce)
                         bar = pipe.producer_get_barrier(produce)
@@ -274,7 +259,8 @@ def _build(sums: int, tile_n: int = TILE_N, stages: int = STAGES, sms: int = 132
             consume = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, stages)
             release = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, stages)
             for tile in cutlass.range(first, tiles, step, unroll=1):
-                bm, bn = tile_mn(tile, m_tiles, nn_tiles)
+                bm = tile % m_tiles
+                bn = tile // m_tiles
                 tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, False)
                 for kt in cutlass.range(k_tiles, unroll=1):
                     pipe.consumer_wait(consume)
@@ -295,7 +281,7 @@ def _build(sums: int, tile_n: int = TILE_N, stages: int = STAGES, sms: int = 132
                 epilogue(acc, thr_mma.partition_C(gC[(None, None, bm, bn)]),
                          thr_mma.partition_C(cC[(None, None, bm, bn)]), mC, mM, mL1, mL2, bn, k1, k2,
                          sC, tma_c, gCt[(None, None, bm, bn)], warp, tiled_mma, ctidx)
-            if cutlass.const_expr(by_tma):
+            if cutlass.const_expr(store == "tma"):
                 if warp == 4:  # shared memory outlives the last stores' reads of it
                     cute.arch.cp_async_bulk_wait_group(0, read=True)
 
@@ -319,10 +305,9 @@ def _build(sums: int, tile_n: int = TILE_N, stages: int = STAGES, sms: int = 132
         epi = (rows, EPI_N)
         c_layout = sm90.make_smem_layout_epi(f32, LayoutEnum.from_tensor(c), epi, epi_stages)
         tma_c, tC = tma_a, c  # stand-ins where z takes plain stores: no descriptor (z's rows may be unaligned)
-        if cutlass.const_expr(by_tma):
-            op = (cute.nvgpu.cpasync.CopyReduceBulkTensorTileS2GOp() if store == "add"
-                  else cute.nvgpu.cpasync.CopyBulkTensorTileS2GOp())
-            tma_c, tC = cute.nvgpu.cpasync.make_tiled_tma_atom(op, c, cute.slice_(c_layout, (None, None, 0)), epi)
+        if cutlass.const_expr(store == "tma"):
+            tma_c, tC = cute.nvgpu.cpasync.make_tiled_tma_atom(
+                cute.nvgpu.cpasync.CopyBulkTensorTileS2GOp(), c, cute.slice_(c_layout, (None, None, 0)), epi)
 
         @cute.struct
         class Storage:
@@ -339,10 +324,10 @@ def _build(sums: int, tile_n: int = TILE_N, stages: int = STAGES, sms: int = 132
     return gemm
 
 
-def _as_cute(t: torch.Tensor, align: int = 16, leading: int = 1):
+def _as_cute(t: torch.Tensor, align: int = 16):
     from cutlass.cute.runtime import from_dlpack
 
-    return from_dlpack(t, assumed_align=align).mark_layout_dynamic(leading_dim=leading)
+    return from_dlpack(t, assumed_align=align).mark_layout_dynamic(leading_dim=1)
 
 
 def _stream(device):
@@ -351,15 +336,14 @@ def _stream(device):
     return cuda.CUstream(torch.cuda.current_stream(device).cuda_stream)
 
 
-def _executor(dtype: torch.dtype, sums: int, tile_n: int, stages: int, sms: int, store: str, epi_stages: int, args,
-              raster: str = "m", majors: tuple = (1, 1)):
-    key = (dtype, sums, tile_n, stages, sms, store, epi_stages, raster, majors)
+def _executor(dtype: torch.dtype, sums: int, tile_n: int, stages: int, sms: int, store: str, epi_stages: int, args):
+    key = (dtype, sums, tile_n, stages, sms, store, epi_stages)
     fn = _compiled.get(key)
     if fn is None:
         import cutlass.cute as cute
 
         t0 = time.perf_counter()
-        fn = cute.compile(_build(sums, tile_n, stages, sms, store, epi_stages, raster), *args)
+        fn = cute.compile(_build(sums, tile_n, stages, sms, store, epi_stages), *args)
         compile_seconds[key] = time.perf_counter() - t0
         _compiled[key] = fn
     return fn
@@ -402,58 +386,4 @@ def logits(x: torch.Tensor, w: torch.Tensor, planes: torch.Tensor | None, k1: fl
     calls += 1
     sms = torch.cuda.get_device_properties(x.device).multi_processor_count
     _executor(x.dtype, sums, tile_n, stages, sms, store, epi_stages, args)(*args)
-    return out
-
-
-def _operand_major(t: torch.Tensor) -> int | None:
-    """The dimension of a 2-D GEMM operand that is contiguous with the other's stride TMA-aligned (16 bytes),
-    or None."""
-    per = 16 // t.element_size()
-    if t.stride(1) == 1 and (t.stride(0) % per == 0 or t.shape[0] == 1):
-        return 1
-    if t.stride(0) == 1 and (t.stride(1) % per == 0 or t.shape[1] == 1):
-        return 0
-    return None
-
-
-def accumulate_eligible(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Whether `accumulate` takes these: bf16 / fp16 a and b, each with one contiguous dimension and the other's
-    stride a multiple of 16 bytes; out fp32 with contiguous, 16-byte aligned rows; an sm_90 GPU."""
-    return (
-        a.is_cuda and a.dtype in (torch.bfloat16, torch.float16) and b.dtype == a.dtype
-        and out.dtype == torch.float32 and a.dim() == b.dim() == out.dim() == 2
-        and a.shape[1] == b.shape[1] and out.shape == (a.shape[0], b.shape[0])
-        and _operand_major(a) is not None and _operand_major(b) is not None
-        and out.stride(1) == 1 and out.stride(0) % 4 == 0
-        and a.data_ptr() % 16 == 0 and b.data_ptr() % 16 == 0 and out.data_ptr() % 16 == 0
-        and torch.cuda.get_device_capability(a.device) == (9, 0)
-    )
-
-
-def accumulate(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor, add: bool) -> torch.Tensor:
-    """out = a · bᵀ (add False) or out += a · bᵀ (add True), out (M, N) fp32 from a (M, K), b (N, K) of
-    either major (`accumulate_eligible`): the weight gradient's chunk GEMM, dW (V, H) += dSᵀ · X with dS
-    (R, V) and X (R, H) as given. The sum is added by the TMA unit's reduce-add stores (in L2), so no
-    warpgroup waits on a read of out; the tiles run n-fastest, so the CTAs at work share a tile of a (dS, the
-    large operand, then read from memory once) and b (X) stays in L2. Asynchronous on the current stream."""
-    if not accumulate_eligible(out, a, b):
-        raise ValueError(
-            f"accumulate: expected fp32 out (M, N) with 16-byte aligned rows and bf16 / fp16 a (M, K), b (N, K) "
-            f"each with one contiguous dimension, got out {tuple(out.shape)} {out.dtype} strides {out.stride()}, "
-            f"a {tuple(a.shape)} {a.dtype} strides {a.stride()}, b {tuple(b.shape)} {b.dtype} strides {b.stride()}")
-    if out.numel() == 0:
-        return out
-    if a.shape[1] == 0:
-        return out if add else out.zero_()
-    majors = (_operand_major(a), _operand_major(b))
-    a, b = a.detach(), b.detach()
-    planes = torch.empty(1, 1, 1, device=a.device)
-    args = [_as_cute(a[:, :, None], leading=majors[0]), _as_cute(b[:, :, None], leading=majors[1]),
-            _as_cute(out[:, :, None]), _as_cute(planes[0], 4), _as_cute(planes[0], 4), _as_cute(planes[0], 4),
-            1.0, 1.0, _stream(a.device)]
-    global accumulate_calls
-    accumulate_calls += 1
-    sms = torch.cuda.get_device_properties(a.device).multi_processor_count
-    store = "add" if add else "tma"
-    _executor(a.dtype, 0, TILE_N, STAGES, sms, store, EPI_STAGES, args, raster="n", majors=majors)(*args)
     return out

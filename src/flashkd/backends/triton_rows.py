@@ -324,7 +324,7 @@ def _loss_pass(
                 elif GRAD_CE:
                     g += c_ce * (_softmax(a, m_s, log2_l_c, log2e_ce, q, CE_IS_Q) - tl.where(offs == label, 1.0, 0.0))
                 g = head_grad(g, da, S_HEAD)
-                if IN_PLACE and i < 2:  # `grad_view`: these tiles' stores land on columns of s the row reads here
+                if IN_PLACE:  # `grad_view`: no store before every warp has loaded this tile (`grad_view`'s doc)
                     tl.debug_barrier()
                 store_grad(g_row + offs, g, mask, RTNE_BITS)
     return tl.sum(acc, 0), tl.sum(acc2, 0), tl.sum(acc3, 0), tl.sum(acc4, 0)
@@ -363,7 +363,7 @@ def _grad_pass(
         elif GRAD_CE:
             g += c_ce * (_softmax(a, m_s, log2_l_c, log2e_ce, q, CE_IS_Q) - tl.where(offs == label, 1.0, 0.0))
         g = head_grad(g, da, S_HEAD)
-        if IN_PLACE and start == 0:  # `grad_view`: the first tile's stores land on columns of s it reads
+        if IN_PLACE:  # `grad_view`: no store before every warp has loaded this tile (`grad_view`'s doc)
             tl.debug_barrier()
         store_grad(g_row + offs, g, mask, RTNE_BITS)
 
@@ -988,8 +988,10 @@ def grad_view(s: torch.Tensor, dtype: torch.dtype, spec: LossSpec, grad: bool) -
     half s's width (a bf16 gradient of fp32 logits): no R·V·E-byte buffer beside s. The pass that writes
     dL/ds reads s's row too, so the view is the half of each row's bytes holding columns that pass has
     read before it stores there: the first half where it walks the row forwards (jsd, tvd: pass 3), the
-    second where it walks backwards (pass 2); in its first tiles, where a store may land on a column of
-    the same tile, a barrier parts the tile's loads from its stores (IN_PLACE). s is then spent."""
+    second where it walks backwards (pass 2). The tile k steps into the walk stores over the columns of the
+    tile about k/2 steps in (its own for k ≤ 1), which another of the program's warps, running ahead or
+    behind without a barrier, may not have loaded yet: so each tile's stores wait at a barrier until every
+    warp has loaded that tile (IN_PLACE), and the warps walk the row in step. s is then spent."""
     if not isinstance(s, torch.Tensor) or s.dim() != 2 or not s.is_contiguous():
         raise ValueError(f"s: expected a contiguous 2-D (R, V) tensor, got {_describe(s)}")
     if not isinstance(dtype, torch.dtype) or dtype.itemsize * 2 != s.element_size():
