@@ -5,7 +5,7 @@ GPU only; needs nvidia-cutlass-dsl.
 
     python probes/probe_cute_gemm.py [--reps 30] [--out FILE.json]
     python probes/probe_cute_gemm.py --compile-only   # one small call: import and compile seconds (run it twice
-                                                      # with one CUTE_DSL_CACHE_DIR to see the on-disk cache work)
+                                                      # with one FLASHKD_CACHE_DIR: the second loads the kernel)
 """
 
 import argparse
@@ -63,7 +63,8 @@ def main():
         t0 = time.perf_counter()
         c = check(cg, 300, 3000, 600, torch.bfloat16, 2, gen, 256, 4)
         print(json.dumps({"import_s": result["import_s"], "first_call_s": time.perf_counter() - t0,
-                          "compile_s": list(cg.compile_seconds.values()), "ok": c["ok"]}))
+                          "compile_s": list(cg.compile_seconds.values()),
+                          "loaded_from_disk_s": list(cg.load_seconds.values()), "ok": c["ok"]}))
         sys.exit(0 if c["ok"] else "probe_cute_gemm: the check failed")
     ok = True
     # K of 1 to 40 tiles of TILE_K; up to 501 × 16 output tiles (several a CTA)

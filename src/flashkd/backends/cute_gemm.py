@@ -12,15 +12,16 @@ into (R, n_tiles) planes, and writes z: a TILE_M × EPI_N piece at a time throug
 bulk store, the piece's statistics (merged online over the pieces, then over a row's quad of lanes by two
 shuffles) computed while the TMA unit reads it. Where z's rows are not 16-byte aligned, plain stores.
 
-Needs nvidia-cutlass-dsl (`pip install 'flashkd[cute]'`) and an sm_90 GPU; compiles once per variant in a
-process (JIT, 1.5–2 s on an H200; `compile_seconds`). Measured (BENCHMARKS.md, "The CuTe DSL logits GEMM"):
-correct to fp32 at every shape tried; at the chunk shapes 1.05–1.15× cuBLAS's fp32-output GEMM with the
+Needs nvidia-cutlass-dsl (`pip install 'flashkd[cute]'`) and an sm_90 GPU; compiles once per variant (JIT,
+1.5–2 s on an H200; `compile_seconds`), kept on disk for later processes (`cute_cache`; `load_seconds`).
+Measured (BENCHMARKS.md, "The CuTe DSL logits GEMM"): correct to fp32 at every shape tried; at the chunk shapes 1.05–1.15× cuBLAS's fp32-output GEMM with the
 statistics (their exp2s and the stores run while no WGMMA does: the main loop alone is at cuBLAS's bf16
 time), which the row pass they spare more than pays for.
 """
 
 import math
 import time
+from pathlib import Path
 
 import torch
 
@@ -33,6 +34,7 @@ EPI_STAGES = 2  # pieces in flight: 4 · 48 + 2 · 16 KiB fits the 227 KiB an SM
 
 _compiled = {}  # `_executor`'s key (dtype and `_build`'s arguments) -> compiled executor
 compile_seconds = {}  # the same keys -> seconds spent in cute.compile (first call of a process)
+load_seconds = {}  # the same keys -> seconds spent loading the kernel compiled by an earlier process (`cute_cache`)
 calls = 0  # launches in this process (tests check which calls ran here)
 
 
@@ -336,15 +338,20 @@ def _stream(device):
     return cuda.CUstream(torch.cuda.current_stream(device).cuda_stream)
 
 
-def _executor(dtype: torch.dtype, sums: int, tile_n: int, stages: int, sms: int, store: str, epi_stages: int, args):
+def _executor(dtype: torch.dtype, sums: int, tile_n: int, stages: int, sms: int, store: str, epi_stages: int, args,
+              device):
     key = (dtype, sums, tile_n, stages, sms, store, epi_stages)
     fn = _compiled.get(key)
     if fn is None:
         import cutlass.cute as cute
 
+        from . import cute_cache
+
         t0 = time.perf_counter()
-        fn = cute.compile(_build(sums, tile_n, stages, sms, store, epi_stages), *args)
-        compile_seconds[key] = time.perf_counter() - t0
+        on_disk = (str(dtype), sums, tile_n, stages, sms, store, epi_stages, torch.cuda.get_device_capability(device))
+        fn, how = cute_cache.load_or_compile(
+            on_disk, Path(__file__), lambda: cute.compile(_build(sums, tile_n, stages, sms, store, epi_stages), *args))
+        (compile_seconds if how == "compiled" else load_seconds)[key] = time.perf_counter() - t0
         _compiled[key] = fn
     return fn
 
@@ -385,5 +392,5 @@ def logits(x: torch.Tensor, w: torch.Tensor, planes: torch.Tensor | None, k1: fl
     global calls
     calls += 1
     sms = torch.cuda.get_device_properties(x.device).multi_processor_count
-    _executor(x.dtype, sums, tile_n, stages, sms, store, epi_stages, args)(*args)
+    _executor(x.dtype, sums, tile_n, stages, sms, store, epi_stages, args, x.device)(*args)
     return out
