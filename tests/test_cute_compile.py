@@ -1,6 +1,7 @@
 """The CuTe DSL logits GEMM (`flashkd.backends.cute_gemm`) compiled for sm_90a on this machine, down to a cubin,
-without a GPU: each statistics count, two tile widths and each way z is stored. Catches code that CuTe DSL's tracer or the NVVM/ptxas
-backend refuses before a GPU run does. Skipped where nvidia-cutlass-dsl is not installed (`flashkd[cute]`);
+without a GPU: each statistics count, two tile widths and each way z is stored; and kept on disk by one process,
+loaded by the next (`cute_cache`). Catches code that CuTe DSL's tracer or the NVVM/ptxas backend refuses before a
+GPU run does. Skipped where nvidia-cutlass-dsl is not installed (`flashkd[cute]`);
 a few seconds a kernel."""
 
 import os
