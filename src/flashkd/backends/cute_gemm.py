@@ -14,9 +14,9 @@ shuffles) computed while the TMA unit reads it. Where z's rows are not 16-byte a
 
 Needs nvidia-cutlass-dsl (`pip install 'flashkd[cute]'`) and an sm_90 GPU; compiles once per variant (JIT,
 1.5–2 s on an H200; `compile_seconds`), kept on disk for later processes (`cute_cache`; `load_seconds`).
-Measured (BENCHMARKS.md, "The CuTe DSL logits GEMM"): correct to fp32 at every shape tried; at the chunk shapes 1.05–1.15× cuBLAS's fp32-output GEMM with the
-statistics (their exp2s and the stores run while no WGMMA does: the main loop alone is at cuBLAS's bf16
-time), which the row pass they spare more than pays for.
+Measured (BENCHMARKS.md, "The CuTe DSL logits GEMM"): correct to fp32 at every shape tried; at the chunk
+shapes 1.05–1.15× cuBLAS's fp32-output GEMM with the statistics (their exp2s and the stores run while no
+WGMMA does: the main loop alone is at cuBLAS's bf16 time), which the row pass they spare more than pays for.
 """
 
 import math
