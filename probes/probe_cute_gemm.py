@@ -86,6 +86,7 @@ def main():
         x = torch.randn(r, h, device="cuda", dtype=torch.bfloat16)
         w = torch.randn(v, h, device="cuda", dtype=torch.bfloat16) / math.sqrt(h)
         p256 = torch.empty(3, r, cg.n_tiles(v), device="cuda")
+        p128 = torch.empty(3, r, cg.n_tiles(v, 128), device="cuda")
         z = torch.empty(r, v, device="cuda")
         row = {"shape": [r, v, h]}
         fns = {
@@ -96,6 +97,9 @@ def main():
             "cute_bare": lambda: cg.logits(x, w, None, out=z),
             "cute_bare_direct": lambda: cg.logits(x, w, None, out=z, store="direct"),
             "cute_no_store": lambda: cg.logits(x, w, None, out=z, store="none"),
+            # 128-column tiles (6 stages): the main loop's cost of narrower tiles (more operand traffic)
+            "cute_stats1_n128": lambda: cg.logits(x, w, p128[:2], 1.0, out=z, tile_n=128, stages=6),
+            "cute_no_store_n128": lambda: cg.logits(x, w, None, out=z, store="none", tile_n=128, stages=6),
             "cublas_bf16": lambda: torch.mm(x, w.t()),
             "cublas_fp32": lambda: torch.mm(x, w.t(), out_dtype=torch.float32),
         }
@@ -112,7 +116,7 @@ def main():
             ok = False
         print(json.dumps(row), flush=True)
         result["timing"].append(row)
-        del x, w, p256, z
+        del x, w, p256, p128, z
     finish(result, a.out, None if ok else "probe_cute_gemm: a check failed")
 
 
