@@ -10,7 +10,9 @@ turns the cache off.
 A kernel is written into a private temporary folder and renamed into place whole, so an interrupted or
 concurrent writer never leaves a partial folder at a name (the first rename wins; the others' folders are
 dropped). On read the manifest must name the folder and hold the object's size and SHA-256: a kernel that
-fails the check is never loaded; it is moved aside, compiled again and replaced, with a warning."""
+fails the check is never loaded; it is moved aside, compiled again and replaced, with a warning. The check
+finds damage, not tampering: a kept kernel is native code that is loaded and run, so the folder is made
+readable by its owner alone and should not be one that others can write."""
 
 import hashlib
 import json
@@ -120,7 +122,7 @@ def load_or_compile(key, source: Path, compile_fn):
 
 def _store(fn, top: Path, folder: Path, name: str, prefix: str, key) -> None:
     global writes
-    top.mkdir(parents=True, exist_ok=True)
+    top.mkdir(parents=True, exist_ok=True, mode=0o700)
     tmp = top / f".tmp-{name}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
     tmp.mkdir()
     try:
