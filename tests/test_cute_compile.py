@@ -19,7 +19,8 @@ import cutlass
 import cutlass.cute as cute
 from cutlass.cute.runtime import make_fake_tensor
 from cutlass.cute.typing import sym_int
-from flashkd.backends import cute_gemm
+from pathlib import Path
+from flashkd.backends import cute_cache, cute_gemm
 
 sums, tile_n, stages, store = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
 m, n, k, t = sym_int(), sym_int(), sym_int(divisibility=8), sym_int()
@@ -29,8 +30,14 @@ tma = store == "tma"  # z's rows 16-byte aligned, as `logits` requires for it
 c = make_fake_tensor(cutlass.Float32, (m, n, 1), (sym_int(divisibility=4 if tma else 1), 1, 1),
                      assumed_align=16 if tma else 4)
 p = make_fake_tensor(cutlass.Float32, (m, t), (sym_int(), 1), assumed_align=4)
-cute.compile(cute_gemm._build(sums, tile_n, stages, 132, store), a, b, c, p, p, p, 1.0, 1.0, cuda.CUstream(0))
-print("compiled")
+build = lambda: cute.compile(cute_gemm._build(sums, tile_n, stages, 132, store), a, b, c, p, p, p, 1.0, 1.0,
+                             cuda.CUstream(0))
+if sys.argv[5:] == ["cache"]:  # through the on-disk cache: say whether it compiled or loaded
+    fn, how = cute_cache.load_or_compile(("fake",) + tuple(sys.argv[1:5]), Path(cute_gemm.__file__), build)
+    print(how, callable(fn))
+else:
+    build()
+    print("compiled")
 """
 
 
@@ -44,35 +51,12 @@ def test_the_logits_gemm_compiles_for_sm_90a(sums, tile_n, stages, store):
     assert done.returncode == 0 and "compiled" in done.stdout, done.stderr[-3000:]
 
 
-
-CACHED = r"""
-import sys
-from pathlib import Path
-import cuda.bindings.driver as cuda
-import cutlass
-import cutlass.cute as cute
-from cutlass.cute.runtime import make_fake_tensor
-from cutlass.cute.typing import sym_int
-from flashkd.backends import cute_cache, cute_gemm
-
-m, n, k, t = sym_int(), sym_int(), sym_int(divisibility=8), sym_int()
-a = make_fake_tensor(cutlass.BFloat16, (m, k, 1), (sym_int(divisibility=8), 1, 1), assumed_align=16)
-b = make_fake_tensor(cutlass.BFloat16, (n, k, 1), (sym_int(divisibility=8), 1, 1), assumed_align=16)
-c = make_fake_tensor(cutlass.Float32, (m, n, 1), (sym_int(divisibility=4), 1, 1), assumed_align=16)
-p = make_fake_tensor(cutlass.Float32, (m, t), (sym_int(), 1), assumed_align=4)
-fn, how = cute_cache.load_or_compile(
-    ("fake", 1, 256, 4, 132, "tma", 2), Path(cute_gemm.__file__),
-    lambda: cute.compile(cute_gemm._build(1, 256, 4, 132, "tma"), a, b, c, p, p, p, 1.0, 1.0, cuda.CUstream(0)))
-print(how, callable(fn))
-"""
-
-
 def test_the_compiled_gemm_is_kept_on_disk_and_loaded_by_the_next_process(tmp_path):
     """`cute_cache` with the real export (`export_to_c`) and load (`cute.runtime.load_module`): the first
     process compiles and writes the kernel, the second loads it without compiling."""
     env = dict(os.environ, CUTE_DSL_ARCH="sm_90a", FLASHKD_CACHE_DIR=str(tmp_path))
-    outs = [subprocess.run([sys.executable, "-c", CACHED], capture_output=True, text=True, timeout=300, env=env)
-            for _ in range(2)]
+    outs = [subprocess.run([sys.executable, "-c", SCRIPT, "1", "256", "4", "tma", "cache"], capture_output=True,
+                           text=True, timeout=300, env=env) for _ in range(2)]
     assert [o.stdout.split() for o in outs] == [["compiled", "True"], ["cache", "True"]], outs[-1].stderr[-3000:]
     (folder,) = (tmp_path / "cute").iterdir()
     assert sorted(f.name for f in folder.iterdir()) == ["kernel.h", "kernel.o", "manifest.json"]
