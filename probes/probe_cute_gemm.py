@@ -21,16 +21,18 @@ from probe_cute_rows import finish, median_ms  # beside this file: run as a scri
 LOG2E = 1.4426950408889634
 
 
-def check(cg, r, v, h, dtype, sums, gen, tile_n, stages, scale=1.0):
+def check(cg, r, v, h, dtype, sums, gen, tile_n, stages, schedule="cooperative", scale=1.0):
     x = (torch.randn(r, h, device="cuda", generator=gen) * scale).to(dtype)
     w = (torch.randn(v, h, device="cuda", generator=gen) / math.sqrt(h) * 4).to(dtype)
     planes = torch.full((sums + 1, r, cg.n_tiles(v, tile_n)), float("nan"), device="cuda")
     k1, k2 = LOG2E / 0.7, LOG2E
-    z = cg.logits(x, w, planes, k1, k2 if sums == 2 else None, tile_n=tile_n, stages=stages)
+    z = cg.logits(x, w, planes, k1, k2 if sums == 2 else None, tile_n=tile_n, stages=stages, schedule=schedule)
     torch.cuda.synchronize()
-    sub = slice(0, min(r, 64))  # float64 GEMM on a few rows: the chunk shape's whole would take minutes
+    # float64 GEMM on 128 rows (the chunk shape's whole would take minutes), drawn over every row of a tile
+    sub = torch.randperm(r, device="cuda", generator=gen)[:128]
     want = x[sub].double() @ w.double().t()
-    out = {"shape": [r, v, h], "dtype": str(dtype), "sums": sums, "tile_n": tile_n, "stages": stages}
+    out = {"shape": [r, v, h], "dtype": str(dtype), "sums": sums, "tile_n": tile_n, "stages": stages,
+           "schedule": schedule}
     out["z_max_rel"] = ((z[sub].double() - want).abs().max() / want.abs().max()).item()
     m, (l1, l2) = cg.tile_stats(z.double(), (k1, k2), tile_n)  # of the logits the kernel wrote
     out["m_err"] = (planes[0].double() - m).abs().max().item()
@@ -40,6 +42,26 @@ def check(cg, r, v, h, dtype, sums, gen, tile_n, stages, scale=1.0):
     out["ok"] = (out["z_max_rel"] < 1e-5 and out["m_err"] == 0.0 and out["l1_rel"] < 1e-5
                  and out.get("l2_rel", 0.0) < 1e-5 and not planes.isnan().any().item())
     return out
+
+
+def check_accumulate(cg, r, v, h, gen):
+    """dW (V, H) = dSᵀ · X, then += a second chunk's, as the chunk loop runs it: dS (R, V) the bf16 half of
+    each fp32 row of S (`triton_rows.grad_view`, row stride 2V), X (R, H) contiguous; against float64."""
+    ds = [torch.randn(r, 2 * v, device="cuda", generator=gen).to(torch.bfloat16)[:, :v] for _ in range(2)]
+    x = [torch.randn(r, h, device="cuda", generator=gen).to(torch.bfloat16) for _ in range(2)]
+    out = torch.full((v, h), float("nan"), device="cuda")
+    res = {"accumulate": [r, v, h], **cg.ACCUMULATE}
+    want = torch.zeros(v, h, device="cuda", dtype=torch.float64)
+    for i in range(2):
+        cg.accumulate(out, ds[i].t(), x[i].t(), add=i > 0)
+        want += ds[i].t().double() @ x[i].double()
+        torch.cuda.synchronize()
+        res[f"rel_{i}"] = ((out.double() - want).abs().max() / want.abs().max()).item()
+    res["ok"] = res["rel_0"] < 1e-5 and res["rel_1"] < 1e-5
+    return res
+
+
+COOPERATIVE = dict(tile_n=256, stages=4, epi_stages=2, schedule="cooperative")
 
 
 def main():
@@ -68,20 +90,69 @@ def main():
         sys.exit(0 if c["ok"] else "probe_cute_gemm: the check failed")
     ok = True
     # K of 1 to 40 tiles of TILE_K; up to 501 × 16 output tiles (several a CTA)
-    for r, v, h, dtype, sums, tn, st in (
-            (77, 1000, 72, torch.bfloat16, 2, 256, 4), (128, 256, 64, torch.bfloat16, 1, 256, 4),
-            (300, 3001, 600, torch.float16, 2, 256, 4), (1, 257, 8, torch.bfloat16, 1, 256, 4),
-            (257, 5000, 2560, torch.bfloat16, 1, 256, 4), (300, 3001, 600, torch.bfloat16, 2, 128, 6),
-            (1000, 30001, 600, torch.bfloat16, 2, 256, 4), (2048, 128256, 2048, torch.bfloat16, 2, 256, 4)):
+    pp = "pingpong"
+    for r, v, h, dtype, sums, tn, st, sch in (
+            (77, 1000, 72, torch.bfloat16, 2, 256, 4, "cooperative"), (128, 256, 64, torch.bfloat16, 1, 256, 4, "cooperative"),
+            (300, 3001, 600, torch.float16, 2, 256, 4, "cooperative"), (1, 257, 8, torch.bfloat16, 1, 256, 4, "cooperative"),
+            (257, 5000, 2560, torch.bfloat16, 1, 256, 4, "cooperative"), (300, 3001, 600, torch.bfloat16, 2, 128, 6, "cooperative"),
+            (1000, 30001, 600, torch.bfloat16, 2, 256, 4, "cooperative"), (2048, 128256, 2048, torch.bfloat16, 2, 256, 4, "cooperative"),
+            # one tile a CTA, none for some, several (odd and even counts a warpgroup), K of 1 to 64 k tiles
+            (77, 1000, 72, torch.bfloat16, 2, 128, 5, pp), (128, 128, 64, torch.bfloat16, 1, 128, 5, pp),
+            (300, 3001, 600, torch.float16, 2, 128, 5, pp), (1, 257, 8, torch.bfloat16, 1, 128, 5, pp),
+            (257, 5000, 2560, torch.bfloat16, 1, 128, 5, pp), (1000, 30001, 600, torch.bfloat16, 2, 128, 5, pp),
+            (1024, 128256, 4096, torch.bfloat16, 1, 128, 5, pp), (2048, 128256, 2048, torch.bfloat16, 2, 128, 5, pp)):
         try:
-            c = check(cg, r, v, h, dtype, sums, gen, tn, st)
+            c = check(cg, r, v, h, dtype, sums, gen, tn, st, sch)
         except Exception as e:  # a compile or launch error: reported, the rest still run
             c = {"shape": [r, v, h], "error": f"{type(e).__name__}: {e}"[:2000], "ok": False}
         print(json.dumps(c), flush=True)
         result["checks"].append(c)
         ok &= c["ok"]
+    # the weight gradient's chunk GEMM: one tile a CTA or fewer, several (odd and even a warpgroup), the chunk's
+    for r, v, h in ((77, 1000, 72), (1, 260, 8), (300, 5000, 600), (1000, 30000, 2560), (1024, 128256, 2048)):
+        try:
+            c = check_accumulate(cg, r, v, h, gen)
+        except Exception as e:
+            c = {"accumulate": [r, v, h], "error": f"{type(e).__name__}: {e}"[:2000], "ok": False}
+        print(json.dumps(c), flush=True)
+        result["checks"].append(c)
+        ok &= c["ok"]
     result["compile_s"] = {str(k): s for k, s in cg.compile_seconds.items()}
-    for r, h in ((2048, 2048), (2048, 4096)):
+    pingpong = dict(cg.ACCUMULATE)
+
+    def dw(config, add):
+        cg.ACCUMULATE = config
+        cg.accumulate(acc, ds.t(), x.t(), add=add)
+
+    for r, h in ((1024, 2048), (2048, 2048)):  # dW (V, H) += dSᵀ · X, against cuBLAS's addmm into fp32
+        v = 128256
+        ds = torch.randn(r, 2 * v, device="cuda").to(torch.bfloat16)[:, :v]
+        x = torch.randn(r, h, device="cuda", dtype=torch.bfloat16)
+        acc = torch.zeros(v, h, device="cuda")
+        row = {"dw_shape": [r, v, h]}
+        fns = {
+            "pp_add": lambda: dw(pingpong, True),
+            "pp_store": lambda: dw(pingpong, False),
+            "coop_add": lambda: dw(COOPERATIVE, True),
+            "cublas_addmm_fp32": lambda: torch.addmm(acc, ds.t(), x, beta=1.0, out_dtype=torch.float32, out=acc),
+            "cublas_bf16": lambda: ds.t() @ x,
+        }
+        try:
+            for name, fn in fns.items():
+                fn()
+            torch.cuda.synchronize()
+            for rnd in range(3):
+                for name, fn in fns.items():
+                    ms, p20, p80 = median_ms(fn, a.reps)
+                    row.setdefault(name, []).append([round(ms, 4), round(p20, 4), round(p80, 4)])
+        except Exception as e:
+            row["error"] = f"{type(e).__name__}: {e}"[:2000]
+            ok = False
+        cg.ACCUMULATE = pingpong
+        print(json.dumps(row), flush=True)
+        result["timing"].append(row)
+        del ds, x, acc
+    for r, h in ((1024, 2048), (1024, 4096), (2048, 2048), (2048, 4096)):
         v = 128256
         x = torch.randn(r, h, device="cuda", dtype=torch.bfloat16)
         w = torch.randn(v, h, device="cuda", dtype=torch.bfloat16) / math.sqrt(h)
@@ -92,14 +163,16 @@ def main():
         fns = {
             "cute_stats2": lambda: cg.logits(x, w, p256, 1.0, 1.0, out=z),
             "cute_stats1": lambda: cg.logits(x, w, p256[:2], 1.0, out=z),
-            "cute_stats2_direct": lambda: cg.logits(x, w, p256, 1.0, 1.0, out=z, store="direct"),
-            "cute_stats2_s3e4": lambda: cg.logits(x, w, p256, 1.0, 1.0, out=z, stages=3, epi_stages=4),
-            "cute_bare": lambda: cg.logits(x, w, None, out=z),
-            "cute_bare_direct": lambda: cg.logits(x, w, None, out=z, store="direct"),
             "cute_no_store": lambda: cg.logits(x, w, None, out=z, store="none"),
             # 128-column tiles (6 stages): the main loop's cost of narrower tiles (more operand traffic)
-            "cute_stats1_n128": lambda: cg.logits(x, w, p128[:2], 1.0, out=z, tile_n=128, stages=6),
             "cute_no_store_n128": lambda: cg.logits(x, w, None, out=z, store="none", tile_n=128, stages=6),
+            # a warpgroup a 128 × 128 tile, the other's epilogue under its main loop (5 stages)
+            "pp_stats1": lambda: cg.logits(x, w, p128[:2], 1.0, out=z, tile_n=128, stages=5, schedule=pp),
+            "pp_stats2": lambda: cg.logits(x, w, p128, 1.0, 1.0, out=z, tile_n=128, stages=5, schedule=pp),
+            "pp_bare": lambda: cg.logits(x, w, None, out=z, tile_n=128, stages=5, schedule=pp),
+            "pp_no_store": lambda: cg.logits(x, w, None, out=z, store="none", tile_n=128, stages=5, schedule=pp),
+            "pp_stats1_e1": lambda: cg.logits(x, w, p128[:2], 1.0, out=z, tile_n=128, stages=6, schedule=pp,
+                                              epi_stages=1),
             "cublas_bf16": lambda: torch.mm(x, w.t()),
             "cublas_fp32": lambda: torch.mm(x, w.t(), out_dtype=torch.float32),
         }

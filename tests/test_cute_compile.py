@@ -22,7 +22,7 @@ from cutlass.cute.typing import sym_int
 from pathlib import Path
 from flashkd.backends import cute_cache, cute_gemm
 
-sums, tile_n, stages, store = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
+sums, tile_n, stages, store, schedule = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], sys.argv[5]
 m, n, k, t = sym_int(), sym_int(), sym_int(divisibility=8), sym_int()
 a = make_fake_tensor(cutlass.BFloat16, (m, k, 1), (sym_int(divisibility=8), 1, 1), assumed_align=16)
 b = make_fake_tensor(cutlass.BFloat16, (n, k, 1), (sym_int(divisibility=8), 1, 1), assumed_align=16)
@@ -30,10 +30,10 @@ tma = store == "tma"  # z's rows 16-byte aligned, as `logits` requires for it
 c = make_fake_tensor(cutlass.Float32, (m, n, 1), (sym_int(divisibility=4 if tma else 1), 1, 1),
                      assumed_align=16 if tma else 4)
 p = make_fake_tensor(cutlass.Float32, (m, t), (sym_int(), 1), assumed_align=4)
-build = lambda: cute.compile(cute_gemm._build(sums, tile_n, stages, 132, store), a, b, c, p, p, p, 1.0, 1.0,
+build = lambda: cute.compile(cute_gemm._build(sums, tile_n, stages, 132, store, schedule=schedule), a, b, c, p, p, p, 1.0, 1.0,
                              cuda.CUstream(0))
-if sys.argv[5:] == ["cache"]:  # through the on-disk cache: say whether it compiled or loaded
-    fn, how = cute_cache.load_or_compile(("fake",) + tuple(sys.argv[1:5]), Path(cute_gemm.__file__), build)
+if sys.argv[6:] == ["cache"]:  # through the on-disk cache: say whether it compiled or loaded
+    fn, how = cute_cache.load_or_compile(("fake",) + tuple(sys.argv[1:6]), Path(cute_gemm.__file__), build)
     print(how, callable(fn))
 else:
     build()
@@ -41,13 +41,45 @@ else:
 """
 
 
-@pytest.mark.parametrize("sums,tile_n,stages,store", [
-    (2, 256, 4, "tma"), (1, 256, 4, "tma"), (0, 256, 4, "tma"), (2, 128, 6, "tma"), (2, 256, 4, "direct"),
-    (0, 256, 4, "none")])
-def test_the_logits_gemm_compiles_for_sm_90a(sums, tile_n, stages, store):
+@pytest.mark.parametrize("sums,tile_n,stages,store,schedule", [
+    (2, 256, 4, "tma", "cooperative"), (1, 256, 4, "tma", "cooperative"), (0, 256, 4, "tma", "cooperative"),
+    (2, 128, 6, "tma", "cooperative"), (2, 256, 4, "direct", "cooperative"), (0, 256, 4, "none", "cooperative"),
+    (1, 128, 5, "tma", "pingpong"), (2, 128, 5, "tma", "pingpong"), (2, 128, 5, "direct", "pingpong")])
+def test_the_logits_gemm_compiles_for_sm_90a(sums, tile_n, stages, store, schedule):
     env = dict(os.environ, CUTE_DSL_ARCH="sm_90a")
-    done = subprocess.run([sys.executable, "-c", SCRIPT, str(sums), str(tile_n), str(stages), store],
+    done = subprocess.run([sys.executable, "-c", SCRIPT, str(sums), str(tile_n), str(stages), store, schedule],
                           capture_output=True, text=True, timeout=300, env=env)
+    assert done.returncode == 0 and "compiled" in done.stdout, done.stderr[-3000:]
+
+
+ACCUMULATE = r"""
+import sys
+import cuda.bindings.driver as cuda
+import cutlass
+import cutlass.cute as cute
+from cutlass.cute.runtime import make_fake_tensor
+from cutlass.cute.typing import sym_int
+from flashkd.backends import cute_gemm
+
+m, n, k, t = sym_int(), sym_int(), sym_int(), sym_int()
+# dSᵀ (V, R) M-major (dS's rows inside S's), Xᵀ (H, R) N-major, as the chunk loop hands them
+a = make_fake_tensor(cutlass.BFloat16, (m, k, 1), (1, sym_int(divisibility=8), 1), assumed_align=16)
+b = make_fake_tensor(cutlass.BFloat16, (n, k, 1), (1, sym_int(divisibility=8), 1), assumed_align=16)
+c = make_fake_tensor(cutlass.Float32, (m, n, 1), (sym_int(divisibility=4), 1, 1), assumed_align=16)
+p = make_fake_tensor(cutlass.Float32, (m, t), (sym_int(), 1), assumed_align=4)
+cfg = cute_gemm.ACCUMULATE
+cute.compile(cute_gemm._build(0, cfg["tile_n"], cfg["stages"], 132, sys.argv[1], cfg["epi_stages"], cfg["schedule"],
+                              "n"), a, b, c, p, p, p, 1.0, 1.0, cuda.CUstream(0))
+print("compiled")
+"""
+
+
+@pytest.mark.parametrize("store", ["add", "tma"])
+def test_the_weight_gradient_gemm_compiles_for_sm_90a(store):
+    """`accumulate`'s kernel: operands of the other major, tiles n-fastest, reduce-add (or plain) TMA stores."""
+    env = dict(os.environ, CUTE_DSL_ARCH="sm_90a")
+    done = subprocess.run([sys.executable, "-c", ACCUMULATE, store], capture_output=True, text=True, timeout=300,
+                          env=env)
     assert done.returncode == 0 and "compiled" in done.stdout, done.stderr[-3000:]
 
 
@@ -55,7 +87,7 @@ def test_the_compiled_gemm_is_kept_on_disk_and_loaded_by_the_next_process(tmp_pa
     """`cute_cache` with the real export (`export_to_c`) and load (`cute.runtime.load_module`): the first
     process compiles and writes the kernel, the second loads it without compiling."""
     env = dict(os.environ, CUTE_DSL_ARCH="sm_90a", FLASHKD_CACHE_DIR=str(tmp_path))
-    outs = [subprocess.run([sys.executable, "-c", SCRIPT, "1", "256", "4", "tma", "cache"], capture_output=True,
+    outs = [subprocess.run([sys.executable, "-c", SCRIPT, "1", "256", "4", "tma", "cooperative", "cache"], capture_output=True,
                            text=True, timeout=300, env=env) for _ in range(2)]
     assert [o.stdout.split() for o in outs] == [["compiled", "True"], ["cache", "True"]], outs[-1].stderr[-3000:]
     (folder,) = (tmp_path / "cute").iterdir()

@@ -30,6 +30,15 @@ def _stand_in(calls):
     return logits
 
 
+def _accumulate_stand_in(calls):
+    def accumulate(out, a, b, add):  # dW (V, H) = / += dSᵀ · X, at fp32 like the TMA unit's reduce-add
+        calls.append(("accumulate", tuple(a.shape), tuple(b.shape), add))
+        z = a.float() @ b.float().t()
+        return out.add_(z) if add else out.copy_(z)
+
+    return accumulate
+
+
 @pytest.fixture
 def cute_on_cpu(monkeypatch):
     calls = []
@@ -38,6 +47,8 @@ def cute_on_cpu(monkeypatch):
     monkeypatch.setattr(cute_gemm, "eligible", lambda x, w: True)
     monkeypatch.setattr(cute_gemm, "n_tiles", lambda v, tile_n=TILE: -(-v // TILE))
     monkeypatch.setattr(cute_gemm, "logits", _stand_in(calls))
+    monkeypatch.setattr(cute_gemm, "accumulate_eligible", lambda out, a, b: out.dtype == torch.float32)
+    monkeypatch.setattr(cute_gemm, "accumulate", _accumulate_stand_in(calls))
     return calls
 
 
@@ -65,11 +76,15 @@ def test_cute_path_gives_the_triton_results(cute_on_cpu, seed, loss, opts, takes
         a, b = xs.clone().requires_grad_(), ws.clone().requires_grad_()
         loss_ = flashkd.fused_linear_distill(a, b, xt, wt, y, loss=loss, backend=backend, chunk_size=16, **opts)
         out[backend] = (loss_, *torch.autograd.grad(loss_, (a, b)))
-    # 3 chunks of at most 16 rows: a student and a teacher GEMM each, where the CuTe GEMMs take the call
-    assert len(cute_on_cpu) == (6 if takes else 0)
+    # 3 chunks of at most 16 rows: a student and a teacher GEMM each, where the CuTe GEMMs take the call, and
+    # the chunk's dW GEMM (stored by the first, added by the others)
+    gemms = [c for c in cute_on_cpu if c[0] != "accumulate"]
+    assert len(gemms) == (6 if takes else 0)
     if takes:
         tempered_ce = labels and opts.get("temperature", 1.0) != 1.0
-        assert [c[2] for c in cute_on_cpu] == [3 if tempered_ce else 2, 2] * 3  # the CE's own sum only then
+        assert [c[2] for c in gemms] == [3 if tempered_ce else 2, 2] * 3  # the CE's own sum only then
+        dw = [c for c in cute_on_cpu if c[0] == "accumulate"]
+        assert [(c[1], c[2], c[3]) for c in dw] == [((300, r), (24, r), i > 0) for i, r in enumerate((16, 16, 5))]
     for got, want in zip(out["cute"], out["triton"]):
         torch.testing.assert_close(got, want, rtol=2e-5, atol=1e-7)
 
@@ -103,7 +118,7 @@ def test_auto_takes_the_cute_gemms_for_the_losses_measured_faster(cute_on_cpu, m
     for loss, takes in (("jsd", here), ("tvd", here), ("forward_kl", here), ("reverse_kl", False)):
         del cute_on_cpu[:]
         got = flashkd.fused_linear_distill(xs, ws, xt, wt, y, loss=loss, backend="auto", chunk_size=16)
-        assert len(cute_on_cpu) == (6 if takes else 0), loss
+        assert len([c for c in cute_on_cpu if c[0] != "accumulate"]) == (6 if takes else 0), loss
         want = flashkd.fused_linear_distill(xs, ws, xt, wt, y, loss=loss, backend="triton", chunk_size=16)
         torch.testing.assert_close(got, want, rtol=2e-5, atol=1e-7)
     with torch.no_grad():  # forward KL's loss is then taken in pass 1: no CuTe GEMM

@@ -178,6 +178,30 @@ def _gpu_backend(backend):
     return backend
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("r,v,h", [(77, 1000, 72), (1, 260, 8), (300, 5000, 600), (1000, 30000, 2560)])
+def test_gpu_cute_weight_gradient_gemm_against_float64(r, v, h, seed):
+    """`cute_gemm.accumulate`, the chunk loop's dW (V, H) = dSᵀ · X then += the next chunk's, with dS in the
+    bf16 half of fp32 rows (`triton_rows.grad_view`: row stride 2V) as the loop hands it: one tile a CTA or
+    none, several (an odd and an even count a warpgroup), against float64 at fp32's rounding."""
+    _gpu_backend("cute")
+    from flashkd.backends import cute_gemm
+
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    ds = [torch.randn(r, 2 * v, device="cuda", generator=g).to(torch.bfloat16)[:, :v] for _ in range(3)]
+    x = [torch.randn(r, h, device="cuda", generator=g).to(torch.bfloat16) for _ in range(3)]
+    out = torch.full((v, h), float("nan"), device="cuda")
+    want = torch.zeros(v, h, device="cuda", dtype=torch.float64)
+    before = cute_gemm.accumulate_calls
+    for i in range(3):
+        assert cute_gemm.accumulate_eligible(out, ds[i].t(), x[i].t())
+        cute_gemm.accumulate(out, ds[i].t(), x[i].t(), add=i > 0)
+        want += ds[i].t().double() @ x[i].double()
+        err = ((out.double() - want).abs().max() / want.abs().max()).item()
+        assert err < 4e-6, (i, err)  # fp32 sums over K = r: ~1e-6 at r = 1000
+    assert cute_gemm.accumulate_calls - before == 3
+
+
 def _cute_runs(loss, opts, grad=True):
     """Whether backend "cute" takes this call's logits GEMMs (else it runs the Triton path)."""
     from flashkd.backends import triton_rows

@@ -39,8 +39,8 @@ else E: the logits' element size):
              logits); R·V·L for dense teacher logits, which are read in place, and for a top-k
              teacher; + R·V·E for dL/dS in the inputs' dtype when L ≠ E and the teacher is top-k (else
              dL/dS takes half of S's own bytes, `triton_rows.grad_view`); + backend temporaries (torch:
-             ≈ 6·R·V·4, + R·V·4 with labels; triton: none beyond O(R·K); cute: + 20·R·⌈V/256⌉ for the vocab
-             tiles' statistics, 1/51 of R·V·L); + R·Hs·E with labels (the chunk's rows of Xs, ignored rows
+             ≈ 6·R·V·4, + R·V·4 with labels; triton: none beyond O(R·K); cute: + 20·R·⌈V/128⌉ for the vocab
+             tiles' statistics, 1/26 of R·V·L); + R·Hs·E with labels (the chunk's rows of Xs, ignored rows
              zeroed)
     grads:   N·Hs·E (dXs) + V·Hs·A (dWs accumulator: A = 4 for fp32, A = E when all rows fit one
              chunk or grad_accum_dtype is the weight's dtype), made for the first chunk's dW GEMM,
@@ -574,7 +574,11 @@ def _chunk_loop(xs, ws, bs, y, rw, teacher, plan: Plan, want_dx, want_dw, want_d
         if want_dw:
             if start == 0:
                 dws = torch.empty(ws.shape, device=device, dtype=accum)
-            accumulate_mm(dws, s.t(), x, beta=0.0 if start == 0 else 1.0)
+            if cute and cute_gemm.accumulate_eligible(dws, s.t(), x.t()):
+                # added by the TMA unit's reduce-add stores: no warpgroup waits on a read of the fp32 dWs
+                cute_gemm.accumulate(dws, s.t(), x.t(), add=start != 0)
+            else:
+                accumulate_mm(dws, s.t(), x, beta=0.0 if start == 0 else 1.0)
         if want_db:
             dbs += s.sum(0, dtype=dbs.dtype)
         del s, x  # before the next chunk's GEMM allocates, and before dWs is cast below
