@@ -95,8 +95,9 @@ class Plan:
     # top-k with teacher_index: DistillStats.per_teacher's (N,) index (−1: no teacher) and its number of teachers
     teacher_index: torch.Tensor | None = dataclasses.field(default=None, compare=False)
     num_teachers: int = 0
-    # "cute": the logits GEMMs of teacher heads on CuTe DSL, with pass 1's statistics in their epilogue
-    # (`flashkd.backends.cute_gemm`), where `_cute_fits`; else (and "cublas") torch.mm
+    # "cute": the logits GEMMs of teacher heads on CuTe DSL, with pass 1's statistics in their epilogue,
+    # and the fp32 dW's chunk GEMMs (`flashkd.backends.cute_gemm`), where `_cute_fits`; else (and "cublas")
+    # torch.mm
     gemm: str = "cublas"
 
 
