@@ -83,7 +83,7 @@ def main():
     gen = torch.Generator(device="cuda").manual_seed(0)
     if a.compile_only:
         t0 = time.perf_counter()
-        c = check(cg, 300, 3000, 600, torch.bfloat16, 2, gen, 256, 4)
+        c = check(cg, 300, 3000, 600, torch.bfloat16, 2, gen, cg.TILE_N, cg.STAGES, cg.SCHEDULE)
         print(json.dumps({"import_s": result["import_s"], "first_call_s": time.perf_counter() - t0,
                           "compile_s": list(cg.compile_seconds.values()),
                           "loaded_from_disk_s": list(cg.load_seconds.values()), "ok": c["ok"]}))
@@ -156,21 +156,26 @@ def main():
         v = 128256
         x = torch.randn(r, h, device="cuda", dtype=torch.bfloat16)
         w = torch.randn(v, h, device="cuda", dtype=torch.bfloat16) / math.sqrt(h)
-        p256 = torch.empty(3, r, cg.n_tiles(v), device="cuda")
+        p256 = torch.empty(3, r, cg.n_tiles(v, 256), device="cuda")
         p128 = torch.empty(3, r, cg.n_tiles(v, 128), device="cuda")
         z = torch.empty(r, v, device="cuda")
         row = {"shape": [r, v, h]}
+        co = COOPERATIVE
         fns = {
-            "cute_stats2": lambda: cg.logits(x, w, p256, 1.0, 1.0, out=z),
-            "cute_stats1": lambda: cg.logits(x, w, p256[:2], 1.0, out=z),
-            "cute_no_store": lambda: cg.logits(x, w, None, out=z, store="none"),
+            # the cooperative schedule: both warpgroups on a 128 × 256 tile, then both in its epilogue
+            "cute_stats2": lambda: cg.logits(x, w, p256, 1.0, 1.0, out=z, **co),
+            "cute_stats1": lambda: cg.logits(x, w, p256[:2], 1.0, out=z, **co),
+            "cute_no_store": lambda: cg.logits(x, w, None, out=z, store="none", **co),
             # 128-column tiles (6 stages): the main loop's cost of narrower tiles (more operand traffic)
-            "cute_no_store_n128": lambda: cg.logits(x, w, None, out=z, store="none", tile_n=128, stages=6),
-            # a warpgroup a 128 × 128 tile, the other's epilogue under its main loop (5 stages)
-            "pp_stats1": lambda: cg.logits(x, w, p128[:2], 1.0, out=z, tile_n=128, stages=5, schedule=pp),
-            "pp_stats2": lambda: cg.logits(x, w, p128, 1.0, 1.0, out=z, tile_n=128, stages=5, schedule=pp),
-            "pp_bare": lambda: cg.logits(x, w, None, out=z, tile_n=128, stages=5, schedule=pp),
-            "pp_no_store": lambda: cg.logits(x, w, None, out=z, store="none", tile_n=128, stages=5, schedule=pp),
+            "cute_no_store_n128": lambda: cg.logits(x, w, None, out=z, store="none", tile_n=128, stages=6,
+                                                    schedule="cooperative"),
+            # ping-pong: a warpgroup a 128 × 128 tile, the other's epilogue under its main loop; 5 stages and two
+            # pieces in flight, or 6 and one (the defaults)
+            "pp_stats1": lambda: cg.logits(x, w, p128[:2], 1.0, out=z, tile_n=128, stages=5, epi_stages=2, schedule=pp),
+            "pp_stats2": lambda: cg.logits(x, w, p128, 1.0, 1.0, out=z, tile_n=128, stages=5, epi_stages=2, schedule=pp),
+            "pp_bare": lambda: cg.logits(x, w, None, out=z, tile_n=128, stages=5, epi_stages=2, schedule=pp),
+            "pp_no_store": lambda: cg.logits(x, w, None, out=z, store="none", tile_n=128, stages=5, epi_stages=2,
+                                             schedule=pp),
             "pp_stats1_e1": lambda: cg.logits(x, w, p128[:2], 1.0, out=z, tile_n=128, stages=6, schedule=pp,
                                               epi_stages=1),
             "cublas_bf16": lambda: torch.mm(x, w.t()),

@@ -85,19 +85,19 @@ for stage in $stages; do
     # packs it) when the package is missing, then a row kernel's compile time with an empty on-disk cache and again
     # in a second process, its result and its read speed; then a JSD row pass reading S and T once (a cluster a row)
     # backend "cute": its GEMM's compile with an empty disk cache and its load from it in a second process, the GEMM against
-    # cuBLAS, its exactness (the GPU tests of tests/test_exact.py), its time at the seed (and kernel by kernel) and
-    # over the N sweep
+    # cuBLAS (and its dW GEMM against cuBLAS's fp32 addmm), its exactness (the GPU tests of tests/test_exact.py), its
+    # time at the seed (and kernel by kernel) and over the N sweep
     cute) ( python3 -c "import cutlass.cute" 2>/dev/null || { bash .cute/install.sh \
         && export PYTHONPATH="$PYTHONPATH:/tmp/cute:/tmp/cute/nvidia_cutlass_dsl/dsl_packages"; }
       export CUTE_DSL_CACHE_DIR=/tmp/flashkd-cute-cache FLASHKD_CACHE_DIR=/tmp/flashkd-cache
       rm -rf "$CUTE_DSL_CACHE_DIR" "$FLASHKD_CACHE_DIR"
       for first in cold warm; do timeout 120 python3 probes/probe_cute_gemm.py --compile-only; done  # the disk cache
       timeout 300 python3 probes/probe_cute_gemm.py --reps 20 --out "$OUT/cute-gemm.json" \
-        ; python3 -m pytest -q -m gpu tests/test_exact.py -k "irregular or seed_vocab" -p no:cacheprovider \
-        ; python3 -m flashkd bench --preset seed -n 8192 --loss jsd tvd --providers flashkd flashkd-cute floor \
+        ; python3 -m pytest -q -m gpu tests/test_exact.py -p no:cacheprovider \
+        ; python3 -m flashkd bench --preset seed -n 8192 --loss jsd tvd forward_kl --providers flashkd-triton flashkd-cute floor \
           --modes full --out "$OUT/cute-seed" \
-        ; python3 benchmarks/bench_profile.py --providers floor flashkd flashkd-cute --modes full --steps 5 \
-        ; python3 -m flashkd bench --preset sweep --providers flashkd flashkd-cute floor --modes full \
+        ; python3 benchmarks/bench_profile.py --providers floor flashkd-triton flashkd-cute --modes full --steps 5 \
+        ; python3 -m flashkd bench --preset sweep --providers flashkd-triton flashkd-cute floor --modes full \
           --out "$OUT/cute-sweep" ) 2>&1 | tee "$OUT/cute.log" || status=1 ;;
     cute-probe) ( python3 -c "import cutlass.cute" 2>/dev/null || { bash .cute/install.sh \
         && export PYTHONPATH="$PYTHONPATH:/tmp/cute:/tmp/cute/nvidia_cutlass_dsl/dsl_packages"; }

@@ -100,6 +100,8 @@ def _build(sums: int, tile_n: int = TILE_N, stages: int = STAGES, sms: int = 132
     the second operand) or "n" (of the first)."""
     if schedule not in ("cooperative", "pingpong"):
         raise ValueError(f"schedule: expected 'cooperative' or 'pingpong', got {schedule!r}")
+    if schedule == "pingpong" and tile_n > 128:  # a warpgroup holds its whole tile: tile_n fp32 registers a thread
+        raise ValueError(f"tile_n: schedule 'pingpong' takes at most 128 columns, got {tile_n}")
     if store not in ("tma", "add", "direct", "none"):
         raise ValueError(f"store: expected 'tma', 'add', 'direct' or 'none', got {store!r}")
     if store == "add" and sums:
