@@ -138,8 +138,8 @@ def _build(sums: int, tile_n: int = TILE_N, stages: int = STAGES, sms: int = 132
         EPI_N columns at a time: wgmma gives a thread value c + 2r + 4j + A·a at row r of its two in the
         a-th of its 64-row atoms (A values an atom; one atom "cooperative", two "pingpong"), column
         8j + 2·(lane % 4) + c, so piece p is j in [p·EPI_N/8, (p+1)·EPI_N/8).
-        store "tma": the tile's threads copy piece p (the retiled accumulator's p-th run) into their
-        warpgroup's buffer p % epi_stages by 8-byte stores; its first warp stores it by TMA (rows and
+        store "tma" / "add": the tile's threads copy piece p (its values in the order of the copy's register
+        tensor rD) into their warpgroup's buffer p % epi_stages by 8-byte stores; its first warp stores it by TMA (rows and
         columns past z's edge clipped)
         and, after this piece's statistics, waits until the store epi_stages − 1 before has read its
         buffer, the next piece's: the statistics' exp2s run while the TMA unit reads. Pieces a tile are a
@@ -418,8 +418,8 @@ def _executor(dtype: torch.dtype, sums: int, tile_n: int, stages: int, sms: int,
 
         t0 = time.perf_counter()
         on_disk = (str(dtype),) + key[1:] + (torch.cuda.get_device_capability(device),)  # the key, and the GPU
-        fn, how = cute_cache.load_or_compile(
-            on_disk, Path(__file__), lambda: cute.compile(_build(sums, tile_n, stages, sms, store, epi_stages, schedule, raster), *args))
+        build = _build(sums, tile_n, stages, sms, store, epi_stages, schedule, raster)
+        fn, how = cute_cache.load_or_compile(on_disk, Path(__file__), lambda: cute.compile(build, *args))
         (compile_seconds if how == "compiled" else load_seconds)[key] = time.perf_counter() - t0
         _compiled[key] = fn
     return fn
