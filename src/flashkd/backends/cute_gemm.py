@@ -418,8 +418,9 @@ def _executor(dtype: torch.dtype, sums: int, tile_n: int, stages: int, sms: int,
 
         t0 = time.perf_counter()
         on_disk = (str(dtype),) + key[1:] + (torch.cuda.get_device_capability(device),)  # the key, and the GPU
-        build = _build(sums, tile_n, stages, sms, store, epi_stages, schedule, raster)
-        fn, how = cute_cache.load_or_compile(on_disk, Path(__file__), lambda: cute.compile(build, *args))
+        fn, how = cute_cache.load_or_compile(
+            on_disk, Path(__file__),
+            lambda: cute.compile(_build(sums, tile_n, stages, sms, store, epi_stages, schedule, raster), *args))
         (compile_seconds if how == "compiled" else load_seconds)[key] = time.perf_counter() - t0
         _compiled[key] = fn
     return fn
