@@ -140,9 +140,10 @@ def _build(sums: int, tile_n: int = TILE_N, stages: int = STAGES, sms: int = 132
         8j + 2·(lane % 4) + c, so piece p is j in [p·EPI_N/8, (p+1)·EPI_N/8).
         store "tma" / "add": the tile's threads copy piece p (its values in the order of the copy's register
         tensor rD) into their warpgroup's buffer p % epi_stages by 8-byte stores; its first warp stores it
-        by TMA (rows and columns past z's edge clipped) and, after this piece's statistics, waits until the store epi_stages − 1 before has read its
-        buffer, the next piece's: the statistics' exp2s run while the TMA unit reads. Pieces a tile are a
-        multiple of epi_stages, so buffer p % epi_stages is free across tiles too.
+        by TMA (rows and columns past z's edge clipped) and, after this piece's statistics, waits until the
+        store epi_stages − 1 before has read its buffer, the next piece's: the statistics' exp2s run while
+        the TMA unit reads. Pieces a tile are a multiple of epi_stages, so buffer p % epi_stages is free
+        across tiles too.
         The statistics are merged online over the pieces, then over the row's quad of lanes."""
         M, N = mC.shape[0], mC.shape[1]
         lane = cute.arch.lane_idx()
