@@ -61,6 +61,23 @@ def check_accumulate(cg, r, v, h, gen):
     return res
 
 
+def time_in_turn(fns, rounds, reps, row):
+    """Each of fns (name -> call) once, then all in turn `rounds` times, median of `reps` with p20-p80 into
+    row[name]; an error goes into row["error"]. Returns whether all ran."""
+    try:
+        for fn in fns.values():
+            fn()
+        torch.cuda.synchronize()
+        for _ in range(rounds):
+            for name, fn in fns.items():
+                ms, p20, p80 = median_ms(fn, reps)
+                row.setdefault(name, []).append([round(ms, 4), round(p20, 4), round(p80, 4)])
+    except Exception as e:
+        row["error"] = f"{type(e).__name__}: {e}"[:2000]
+        return False
+    return True
+
+
 COOPERATIVE = dict(tile_n=256, stages=4, epi_stages=2, schedule="cooperative")
 
 
@@ -137,17 +154,7 @@ def main():
             "cublas_addmm_fp32": lambda: torch.addmm(acc, ds.t(), x, beta=1.0, out_dtype=torch.float32, out=acc),
             "cublas_bf16": lambda: ds.t() @ x,
         }
-        try:
-            for name, fn in fns.items():
-                fn()
-            torch.cuda.synchronize()
-            for rnd in range(3):
-                for name, fn in fns.items():
-                    ms, p20, p80 = median_ms(fn, a.reps)
-                    row.setdefault(name, []).append([round(ms, 4), round(p20, 4), round(p80, 4)])
-        except Exception as e:
-            row["error"] = f"{type(e).__name__}: {e}"[:2000]
-            ok = False
+        ok &= time_in_turn(fns, 3, a.reps, row)
         cg.ACCUMULATE = pingpong
         print(json.dumps(row), flush=True)
         result["timing"].append(row)
@@ -181,17 +188,7 @@ def main():
             "cublas_bf16": lambda: torch.mm(x, w.t()),
             "cublas_fp32": lambda: torch.mm(x, w.t(), out_dtype=torch.float32),
         }
-        try:
-            for name, fn in fns.items():
-                fn()
-            torch.cuda.synchronize()
-            for rnd in range(2):  # providers in turn, twice
-                for name, fn in fns.items():
-                    ms, p20, p80 = median_ms(fn, a.reps)
-                    row.setdefault(name, []).append([round(ms, 4), round(p20, 4), round(p80, 4)])
-        except Exception as e:
-            row["error"] = f"{type(e).__name__}: {e}"[:2000]
-            ok = False
+        ok &= time_in_turn(fns, 2, a.reps, row)
         print(json.dumps(row), flush=True)
         result["timing"].append(row)
         del x, w, p256, p128, z

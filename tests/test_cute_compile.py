@@ -12,6 +12,8 @@ import pytest
 
 pytest.importorskip("cutlass.cute")
 
+from flashkd.backends import cute_gemm  # noqa: E402
+
 SCRIPT = r"""
 import sys
 import cuda.bindings.driver as cuda
@@ -22,18 +24,24 @@ from cutlass.cute.typing import sym_int
 from pathlib import Path
 from flashkd.backends import cute_cache, cute_gemm
 
-sums, tile_n, stages, store, schedule = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], sys.argv[5]
-m, n, k, t = sym_int(), sym_int(), sym_int(divisibility=8), sym_int()
-a = make_fake_tensor(cutlass.BFloat16, (m, k, 1), (sym_int(divisibility=8), 1, 1), assumed_align=16)
-b = make_fake_tensor(cutlass.BFloat16, (n, k, 1), (sym_int(divisibility=8), 1, 1), assumed_align=16)
-tma = store == "tma"  # z's rows 16-byte aligned, as `logits` requires for it
+sums, tile_n, stages, store, schedule, epi_stages, gemm = sys.argv[1:8]
+m, n, t = sym_int(), sym_int(), sym_int()
+if gemm == "logits":  # x (R, K) and w (V, K), K contiguous
+    k = sym_int(divisibility=8)
+    major, raster = (sym_int(divisibility=8), 1, 1), "m"
+else:  # "dw": dSᵀ (V, R) M-major (dS's rows inside S's) and Xᵀ (H, R) N-major, as the chunk loop hands them
+    k = sym_int()
+    major, raster = (1, sym_int(divisibility=8), 1), "n"
+a = make_fake_tensor(cutlass.BFloat16, (m, k, 1), major, assumed_align=16)
+b = make_fake_tensor(cutlass.BFloat16, (n, k, 1), major, assumed_align=16)
+tma = store in ("tma", "add")  # z's rows 16-byte aligned, as `logits` and `accumulate` require for TMA stores
 c = make_fake_tensor(cutlass.Float32, (m, n, 1), (sym_int(divisibility=4 if tma else 1), 1, 1),
                      assumed_align=16 if tma else 4)
 p = make_fake_tensor(cutlass.Float32, (m, t), (sym_int(), 1), assumed_align=4)
-build = lambda: cute.compile(cute_gemm._build(sums, tile_n, stages, 132, store, schedule=schedule), a, b, c, p, p, p, 1.0, 1.0,
-                             cuda.CUstream(0))
-if sys.argv[6:] == ["cache"]:  # through the on-disk cache: say whether it compiled or loaded
-    fn, how = cute_cache.load_or_compile(("fake",) + tuple(sys.argv[1:6]), Path(cute_gemm.__file__), build)
+kernel = cute_gemm._build(int(sums), int(tile_n), int(stages), 132, store, int(epi_stages), schedule, raster)
+build = lambda: cute.compile(kernel, a, b, c, p, p, p, 1.0, 1.0, cuda.CUstream(0))
+if sys.argv[8:] == ["cache"]:  # through the on-disk cache: say whether it compiled or loaded
+    fn, how = cute_cache.load_or_compile(("fake",) + tuple(sys.argv[1:8]), Path(cute_gemm.__file__), build)
     print(how, callable(fn))
 else:
     build()
@@ -41,54 +49,35 @@ else:
 """
 
 
+def _compile(*args):
+    env = dict(os.environ, CUTE_DSL_ARCH="sm_90a")
+    done = subprocess.run([sys.executable, "-c", SCRIPT, *map(str, args)], capture_output=True, text=True,
+                          timeout=300, env=env)
+    assert done.returncode == 0 and "compiled" in done.stdout, done.stderr[-3000:]
+
+
 @pytest.mark.parametrize("sums,tile_n,stages,store,schedule", [
     (2, 256, 4, "tma", "cooperative"), (1, 256, 4, "tma", "cooperative"), (0, 256, 4, "tma", "cooperative"),
     (2, 128, 6, "tma", "cooperative"), (2, 256, 4, "direct", "cooperative"), (0, 256, 4, "none", "cooperative"),
     (1, 128, 6, "tma", "pingpong"), (2, 128, 6, "tma", "pingpong"), (2, 128, 5, "direct", "pingpong")])
 def test_the_logits_gemm_compiles_for_sm_90a(sums, tile_n, stages, store, schedule):
-    env = dict(os.environ, CUTE_DSL_ARCH="sm_90a")
-    done = subprocess.run([sys.executable, "-c", SCRIPT, str(sums), str(tile_n), str(stages), store, schedule],
-                          capture_output=True, text=True, timeout=300, env=env)
-    assert done.returncode == 0 and "compiled" in done.stdout, done.stderr[-3000:]
-
-
-ACCUMULATE = r"""
-import sys
-import cuda.bindings.driver as cuda
-import cutlass
-import cutlass.cute as cute
-from cutlass.cute.runtime import make_fake_tensor
-from cutlass.cute.typing import sym_int
-from flashkd.backends import cute_gemm
-
-m, n, k, t = sym_int(), sym_int(), sym_int(), sym_int()
-# dSᵀ (V, R) M-major (dS's rows inside S's), Xᵀ (H, R) N-major, as the chunk loop hands them
-a = make_fake_tensor(cutlass.BFloat16, (m, k, 1), (1, sym_int(divisibility=8), 1), assumed_align=16)
-b = make_fake_tensor(cutlass.BFloat16, (n, k, 1), (1, sym_int(divisibility=8), 1), assumed_align=16)
-c = make_fake_tensor(cutlass.Float32, (m, n, 1), (sym_int(divisibility=4), 1, 1), assumed_align=16)
-p = make_fake_tensor(cutlass.Float32, (m, t), (sym_int(), 1), assumed_align=4)
-cfg = cute_gemm.ACCUMULATE
-cute.compile(cute_gemm._build(0, cfg["tile_n"], cfg["stages"], 132, sys.argv[1], cfg["epi_stages"], cfg["schedule"],
-                              "n"), a, b, c, p, p, p, 1.0, 1.0, cuda.CUstream(0))
-print("compiled")
-"""
+    _compile(sums, tile_n, stages, store, schedule, cute_gemm.EPI_STAGES, "logits")
 
 
 @pytest.mark.parametrize("store", ["add", "tma"])
 def test_the_weight_gradient_gemm_compiles_for_sm_90a(store):
     """`accumulate`'s kernel: operands of the other major, tiles n-fastest, reduce-add (or plain) TMA stores."""
-    env = dict(os.environ, CUTE_DSL_ARCH="sm_90a")
-    done = subprocess.run([sys.executable, "-c", ACCUMULATE, store], capture_output=True, text=True, timeout=300,
-                          env=env)
-    assert done.returncode == 0 and "compiled" in done.stdout, done.stderr[-3000:]
+    cfg = cute_gemm.ACCUMULATE
+    _compile(0, cfg["tile_n"], cfg["stages"], store, cfg["schedule"], cfg["epi_stages"], "dw")
 
 
 def test_the_compiled_gemm_is_kept_on_disk_and_loaded_by_the_next_process(tmp_path):
     """`cute_cache` with the real export (`export_to_c`) and load (`cute.runtime.load_module`): the first
     process compiles and writes the kernel, the second loads it without compiling."""
     env = dict(os.environ, CUTE_DSL_ARCH="sm_90a", FLASHKD_CACHE_DIR=str(tmp_path))
-    outs = [subprocess.run([sys.executable, "-c", SCRIPT, "1", "256", "4", "tma", "cooperative", "cache"], capture_output=True,
-                           text=True, timeout=300, env=env) for _ in range(2)]
+    args = ["1", "256", "4", "tma", "cooperative", "2", "logits", "cache"]
+    outs = [subprocess.run([sys.executable, "-c", SCRIPT, *args], capture_output=True, text=True, timeout=300, env=env)
+            for _ in range(2)]
     assert [o.stdout.split() for o in outs] == [["compiled", "True"], ["cache", "True"]], outs[-1].stderr[-3000:]
     (folder,) = (tmp_path / "cute").iterdir()
     assert sorted(f.name for f in folder.iterdir()) == ["kernel.h", "kernel.o", "manifest.json"]
