@@ -481,6 +481,54 @@ def test_two_builds_into_one_out_at_once(tmp_path, capsys, monkeypatch):
     assert (out / "index.html").exists()
 
 
+def test_a_rebuild_never_shows_a_half_removed_site(tmp_path, monkeypatch):
+    """A second build's first check (before it asks for the lock) ran while the first removed the old
+    site file by file: it saw a folder without the marker and called it foreign. The old site now leaves
+    by rename, so at every step of the rebuild --out holds a whole site or nothing."""
+    from flashkd.records import site as site_module
+
+    (tmp_path / "b").mkdir()
+    shutil.copy(VECTOR_PATH, tmp_path / "b" / "v.json")
+    out = tmp_path / "site"
+    site_module.build([tmp_path / "b"], out)
+    seen = []
+    real_rmtree, real_replace = shutil.rmtree, os.replace
+
+    def look():
+        try:
+            site_module.check_out(out, replace=True)
+            seen.append("ok")
+        except ValueError as e:
+            seen.append(str(e))
+
+    def slow_rmtree(path, ignore_errors=False):  # the marker first, then one file at a time
+        path = Path(path)
+        if not path.exists():
+            return
+        marker = path / site_module.MARKER
+        if marker.exists():
+            marker.unlink()
+            look()
+        for root, dirs, names in os.walk(path, topdown=False):
+            for name in names:
+                os.unlink(os.path.join(root, name))
+                look()
+            os.rmdir(root)
+            look()
+
+    def replace(a, b):
+        real_replace(a, b)
+        look()
+
+    monkeypatch.setattr(site_module.shutil, "rmtree", slow_rmtree)
+    monkeypatch.setattr(site_module.os, "replace", replace)
+    site_module.build([tmp_path / "b"], out, replace=True)
+    monkeypatch.setattr(site_module.os, "replace", real_replace)
+    assert len(seen) > 10 and set(seen) == {"ok"}, [s for s in seen if s != "ok"][:1]
+    assert (out / "index.html").exists() and (out / site_module.MARKER).exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["b", "site"]
+
+
 def test_what_sits_at_the_lock_path_is_one_line_and_a_users_file_there_is_kept(tmp_path, capsys):
     """A directory at --out's lock path (.NAME.lock) died with an IsADirectoryError traceback; a regular
     file or a FIFO the user had there was deleted after the build."""

@@ -584,10 +584,16 @@ def check_out(out: Path, replace: bool = False) -> None:
     Anything else is refused with ValueError: a non-empty folder, as `flashkd bench` refuses one for its
     --out, and an earlier site unless its replacement is asked for."""
     out = Path(out)
-    if out.exists() and (not out.is_dir() or (any(out.iterdir()) and not (out / MARKER).exists())):
+    try:  # one listing: another build may swap the folder between two looks
+        entries = set(os.listdir(out)) if out.is_dir() else None
+    except FileNotFoundError:
+        return
+    if entries is None and not out.exists():
+        return
+    if entries is None or (entries and MARKER not in entries):
         raise ValueError(f"--out {out}: exists and is not a site written by flashkd records site; "
                          "name a new or empty folder")
-    if out.is_dir() and any(out.iterdir()) and not replace:
+    if entries and not replace:
         raise ValueError(f"--out {out}: holds a site written before; pass --replace to replace it, "
                          "or name a new folder")
 
@@ -611,9 +617,15 @@ def write(site: Site, out: Path, replace: bool = False) -> int:
         shutil.rmtree(building, ignore_errors=True)
         try:
             pages = _write(site, building)
+            # Swapped by two renames, never removed file by file in place: a build starting meanwhile
+            # (its first check runs before it asks for the lock) sees a whole site or none, not a
+            # half-removed folder it would call foreign.
+            old = parent / f".{out.absolute().name}.{os.getpid()}.old"
+            shutil.rmtree(old, ignore_errors=True)
             if out.exists():
-                shutil.rmtree(out)
+                os.replace(out, old)
             os.replace(building, out)
+            shutil.rmtree(old, ignore_errors=True)
         except BaseException:
             shutil.rmtree(building, ignore_errors=True)
             raise
