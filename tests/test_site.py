@@ -527,6 +527,21 @@ def test_a_rebuild_never_shows_a_half_removed_site(tmp_path, monkeypatch):
     assert len(seen) > 10 and set(seen) == {"ok"}, [s for s in seen if s != "ok"][:1]
     assert (out / "index.html").exists() and (out / site_module.MARKER).exists()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["b", "site"]
+    # the new site failing to move in: the old one back in place, nothing left beside it
+    before = (out / "index.html").read_bytes()
+    monkeypatch.setattr(site_module.shutil, "rmtree", real_rmtree)
+
+    def refuse(a, b):
+        if Path(a).name.endswith(site_module.PARTIAL):
+            raise OSError(28, "No space left on device")
+        real_replace(a, b)
+
+    monkeypatch.setattr(site_module.os, "replace", refuse)
+    with pytest.raises(OSError, match="No space left"):
+        site_module.build([tmp_path / "b"], out, replace=True)
+    monkeypatch.setattr(site_module.os, "replace", real_replace)
+    assert (out / "index.html").read_bytes() == before and (out / site_module.MARKER).exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["b", "site"]
 
 
 def test_what_sits_at_the_lock_path_is_one_line_and_a_users_file_there_is_kept(tmp_path, capsys):

@@ -620,11 +620,17 @@ def write(site: Site, out: Path, replace: bool = False) -> int:
             # Swapped by two renames, never removed file by file in place: a build starting meanwhile
             # (its first check runs before it asks for the lock) sees a whole site or none, not a
             # half-removed folder it would call foreign.
-            old = parent / f".{out.absolute().name}.{os.getpid()}.old"
+            old = parent / f".{out.absolute().name}.old"  # one name: the lock makes it this build's alone
             shutil.rmtree(old, ignore_errors=True)
             if out.exists():
                 os.replace(out, old)
-            os.replace(building, out)
+                try:
+                    os.replace(building, out)
+                except BaseException:
+                    os.replace(old, out)  # the earlier site back: a failed rebuild loses nothing
+                    raise
+            else:
+                os.replace(building, out)
             shutil.rmtree(old, ignore_errors=True)
         except BaseException:
             shutil.rmtree(building, ignore_errors=True)
