@@ -571,9 +571,12 @@ def test_a_site_inside_its_input_folder_is_not_read_as_input(built, tmp_path, ca
     first = _cli(["records", "site", str(recs), "--out", str(recs / "site")], capsys)
     # a killed earlier build left its hidden folder beside the site
     shutil.copytree(recs / "site", recs / f".site.12345{'.partial'}")
+    # and a rebuild killed between its two renames, the site it was replacing set aside
+    shutil.copytree(recs / "site", recs / ".site.old")
     again = _cli(["records", "site", str(recs), "--out", str(recs / "site"), "--replace"], capsys)
     assert first[0] == again[0] == 0 and again[2] == "" and again[1] == first[1], again
     assert (recs / ".site.12345.partial").exists()  # another build's: left as it was
+    assert not (recs / ".site.old").exists()  # this build's own aside name: cleared before its swap
 
 
 def _restamp(bundle: dict) -> dict:

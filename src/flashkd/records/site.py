@@ -294,11 +294,12 @@ def read(paths, compare_pairs=(), out=None) -> Site:
 
 
 def _own_output(out):
-    """A test of paths: under `out`, or under one of its builds (.NAME.<pid>.partial beside it)."""
+    """A test of paths: under `out`, or under one of its builds (.NAME.<pid>.partial beside it) or the
+    site a rebuild is replacing (.NAME.old)."""
     if out is None:
         return lambda path: False
     out = Path(out).resolve()
-    building = re.compile(re.escape(f".{out.name}.") + r"\d+" + re.escape(PARTIAL))
+    building = re.compile(re.escape(f".{out.name}.") + r"(\d+" + re.escape(PARTIAL) + "|old)")
 
     def ours(path):
         path = Path(path).resolve()
