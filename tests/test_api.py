@@ -62,6 +62,32 @@ def test_bad_input_is_named(change, error, words):
         assert word in str(info.value), (word, str(info.value))
 
 
+@pytest.mark.parametrize("name", ["student_input", "student_weight", "teacher_input", "teacher_weight", "labels",
+                                  "teacher_logits", "teacher_ids", "teacher_logprobs"])
+def test_a_required_tensor_that_is_none_or_sparse_is_named(name):
+    """None for a required tensor died in an AttributeError ('NoneType' object has no attribute 'dim'), a
+    sparse one in torch's reshape or expand; both are now a TypeError naming the argument."""
+    xs, ws, xt, wt, y = inputs()
+    if name.startswith("teacher_") and name not in ("teacher_input", "teacher_weight"):
+        call = (flashkd.fused_linear_distill_logits if name == "teacher_logits" else flashkd.fused_linear_distill_topk)
+        args = (dict(teacher_logits=torch.randn(6, 9)) if name == "teacher_logits" else
+                dict(teacher_ids=torch.stack([torch.randperm(9)[:3] for _ in range(6)]), teacher_logprobs=torch.randn(6, 3).log_softmax(-1)))
+    else:
+        call, args = flashkd.fused_linear_distill, dict(teacher_input=xt, teacher_weight=wt)
+    args = dict(student_input=xs, student_weight=ws, labels=y, **args)
+    dense = args[name]
+    for value, said in ((None, f"{name}: expected a torch.Tensor, got None"),
+                        (dense.detach().to_sparse(), f"{name}: expected a dense (strided) tensor, got layout torch.sparse_coo")):
+        if value is None and name == "labels":
+            continue  # labels may be None (no CE)
+        with pytest.raises(TypeError) as info:
+            call(**{**args, name: value})
+        assert str(info.value).startswith(said), str(info.value)
+    call(**args)  # the dense one runs
+    with pytest.raises(TypeError, match=r"^teacher_weight: expected a torch.Tensor, got None$"):
+        flashkd.teacher_topk(xt, None, 2)
+
+
 @pytest.mark.skipif(not torch.distributed.is_available(), reason="torch without torch.distributed")
 def test_dtensor_weight_is_sharded_on_dim_0_or_named():
     """A DTensor head sharded on dim 0 (an FSDP2 parameter outside its module's forward) gives the local

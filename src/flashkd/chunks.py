@@ -804,13 +804,22 @@ def even_chunks(n: int, fit: int) -> int:
     return aligned if aligned <= fit else rows
 
 
+# The tensor arguments that may be None; every other one named to check_tensors is required.
+OPTIONAL_TENSORS = frozenset({"student_bias", "teacher_bias", "labels", "row_weight", "teacher_index"})
+
+
 def check_tensors(named: dict, dtype=None, device=None, like="student_input"):
-    """Type, dtype (when given) and device of optional tensor arguments, against the tensor `like`."""
+    """Type, layout, dtype (when given) and device of tensor arguments, against the tensor `like`; None only
+    for those in OPTIONAL_TENSORS."""
     for name, x in named.items():
         if x is None:
-            continue
+            if name in OPTIONAL_TENSORS:
+                continue
+            raise TypeError(f"{name}: expected a torch.Tensor, got None")
         if not isinstance(x, torch.Tensor):
             raise TypeError(f"{name}: expected a torch.Tensor, got {type(x).__name__}")
+        if x.layout != torch.strided:  # the kernels and the GEMMs read dense memory
+            raise TypeError(f"{name}: expected a dense (strided) tensor, got layout {x.layout}; pass {name}.to_dense()")
         dtensor = sys.modules.get("torch.distributed.tensor")  # not imported: x cannot be one
         if dtensor is not None and isinstance(x, dtensor.DTensor):
             # FSDP2's parameters outside the module's forward: the GEMMs would fail deep inside

@@ -156,7 +156,8 @@ def fused_linear_distill_logits(
 
     Same losses, options and results as `fused_linear_distill` with teacher logits
     Xt @ Wt^T (+ bt); `teacher_logits` has the student's dtype and is read in place, one chunk of rows
-    at a time (any strides with unit stride over the vocab; other layouts are copied per chunk). Its
+    at a time (its leading dims must flatten to rows without a copy, as a view: any row stride; a vocab
+    stride other than 1 is copied per chunk; other layouts are refused, not copied whole). Its
     columns >= V (a padded head) are dropped. The teacher gets no gradient. `teacher_logit_scale` and
     `teacher_softcap` transform `teacher_logits` as given: an HF model's `.logits` already include
     its own scale and softcap, so leave them at their defaults for those. With `process_group`,
