@@ -767,3 +767,78 @@ def test_killed_writer_leaves_old_or_new_and_resumes(tmp_path, reference, monkey
         write(path, overwrite=True, resume=True)
         assert files(path) == reference[1] and siblings(path) == [], (point, overwrite)
     assert seen == {"refused", "new", "old"}
+
+
+def test_shards_take_the_umask_as_index_json_does(tmp_path):
+    """safetensors makes its files 0600: another user who could read index.json then died on a raw
+    PermissionError at the first shard."""
+    old = os.umask(0o027)
+    try:
+        write(tmp_path / "t")
+    finally:
+        os.umask(old)
+    modes = {p.name: p.stat().st_mode & 0o777 for p in (tmp_path / "t").iterdir()}
+    assert set(modes) == set(FILES) and set(modes.values()) == {0o640}, modes
+
+
+def test_what_sits_at_the_build_or_aside_path_is_refused_before_any_work(tmp_path):
+    """A FIFO at .NAME.flashkd-partial or -old made the writer wait forever in rmtree (the latter after all
+    its work); a file or a link there died in a raw NotADirectoryError or OSError."""
+    import threading
+
+    out = tmp_path / "t"
+    for tag in ("partial", "old"):
+        path = tmp_path / f".t.flashkd-{tag}"
+        for make, kind in ((os.mkfifo, "a FIFO"), (lambda p: p.write_text("mine"), "a regular file"),
+                           (lambda p: p.symlink_to(tmp_path), "a symbolic link")):
+            make(path)
+            calls, got = [], []
+
+            def run():
+                try:
+                    write(out, lazy_calls=calls)
+                except ValueError as e:
+                    got.append(str(e))
+
+            thread = threading.Thread(target=run, daemon=True)
+            thread.start()
+            thread.join(30)
+            if thread.is_alive():  # blocked opening the FIFO: a writer lets it go, then the test fails
+                os.close(os.open(path, os.O_WRONLY | os.O_NONBLOCK))
+                thread.join(10)
+                pytest.fail(f"the write waited on a FIFO at {path}")
+            assert got == [f"out_dir: expected a directory or nothing at {path} (flashkd builds there), "
+                           f"got {kind}; move it away"], got
+            assert calls == [] and not out.exists()
+            os.unlink(path)
+
+
+def test_a_shard_that_vanishes_between_the_two_opens_is_a_targets_error(tmp_path, monkeypatch):
+    """safetensors opens the file again through torch (UntypedStorage.from_file): a shard removed in between
+    (an overwrite by another process) gave torch's raw RuntimeError."""
+    write(tmp_path / "t")
+    targets = TopKTargets(tmp_path / "t")
+
+    def gone(*args, **kwargs):
+        raise RuntimeError("unable to open file <shard> in read-only mode: No such file or directory (2)")
+
+    monkeypatch.setattr(torch.UntypedStorage, "from_file", gone)
+    key = next(iter(LENGTHS))
+    with pytest.raises(TargetsError, match=r"shard-00000\.safetensors: expected a safetensors file, got: unable to open"):
+        targets[key]
+
+
+def test_paths_and_examples_of_the_wrong_kind_are_named(tmp_path):
+    """`examples` an int died in "'int' object is not iterable"; a path of None or 5 in pathlib's own
+    TypeError; a NUL in it in os's "embedded null byte"."""
+    w, _ = teacher()
+    cases = [(lambda: write_topk_targets(tmp_path / "t", 5, w, K), TypeError,
+              "examples: expected an iterable of (key, hidden_states) pairs, got int"),
+             (lambda: write_topk_targets(None, [], w, K), TypeError, "out_dir: expected a str or os.PathLike path, got NoneType"),
+             (lambda: TopKTargets(5), TypeError, "path: expected a str or os.PathLike path, got int"),
+             (lambda: TopKTargets(f"{tmp_path}/a\0b"), ValueError, "path: expected a path without NUL characters, got")]
+    for call, error, said in cases:
+        with pytest.raises(error) as info:
+            call()
+        assert str(info.value).startswith(said), str(info.value)
+    assert list(tmp_path.iterdir()) == []

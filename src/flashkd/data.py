@@ -230,7 +230,9 @@ def write_topk_targets(
     for name, flag in (("overwrite", overwrite), ("resume", resume)):
         if not isinstance(flag, bool):
             raise TypeError(f"{name}: expected a bool, got {type(flag).__name__}")
-    out = Path(out_dir).resolve()  # siblings of the real directory, whatever path leads to it
+    out = _path("out_dir", out_dir).resolve()  # siblings of the real directory, whatever path leads to it
+    if isinstance(examples, (str, bytes, torch.Tensor)) or not isinstance(examples, collections.abc.Iterable):
+        raise TypeError(f"examples: expected an iterable of (key, hidden_states) pairs, got {type(examples).__name__}")
     h = teacher_weight.shape[1]
     index = {
         "format": FORMAT,
@@ -247,6 +249,7 @@ def write_topk_targets(
     writer = {"shard_bytes": shard_bytes, "chunk_size": chunk_size, "backend": backend, "hidden_size": h,
               "teacher_dtype": str(teacher_weight.dtype).removeprefix("torch.")}
     partial = _sibling(out, "partial")
+    _sibling(out, "old")  # checked now, not after the work
     out.parent.mkdir(parents=True, exist_ok=True)
     lock = _sibling(out, "lock")
     with files.exclusive(lock, f"out_dir: another write into {out} is running (it holds {lock}); wait for it to end "
@@ -261,6 +264,7 @@ def write_topk_targets(
             name = f"shard-{i:05d}.safetensors"
             tmp = partial / (name + ".tmp")
             st.torch.save_file(pending, tmp, metadata={"format": f"{FORMAT}/{VERSION}"})
+            os.chmod(tmp, _file_mode())  # safetensors makes it 0600: readable as index.json is, by the umask
             _fsync(tmp)
             entry = {"file": name, "bytes": tmp.stat().st_size, "sha256": _file_sha256(tmp)}
             os.replace(tmp, partial / name)
@@ -361,7 +365,7 @@ class TopKTargets(collections.abc.Mapping):
     def __init__(self, path: str | os.PathLike, *, check_digests: bool = True):
         if not isinstance(check_digests, bool):
             raise TypeError(f"check_digests: expected a bool, got {type(check_digests).__name__}")
-        self.path = Path(path)
+        self.path = _path("path", path)
         index = _read_index(self.path)
         self.k = index["k"]
         self.temperature = index["temperature"]
@@ -566,8 +570,44 @@ def _same(a, b):
 # Writing: the lock, the build directory, atomic files, the swap.
 
 
-def _sibling(out: Path, tag: str) -> Path:
-    return out.parent / f".{out.name}.flashkd-{tag}"
+def _path(name: str, value) -> Path:
+    """A str or os.PathLike argument as a Path; else TypeError, or ValueError for a NUL in it, naming it."""
+    if not isinstance(value, (str, os.PathLike)):
+        raise TypeError(f"{name}: expected a str or os.PathLike path, got {type(value).__name__}")
+    path = Path(value)
+    if "\0" in str(path):
+        raise ValueError(f"{name}: expected a path without NUL characters, got {str(path)!r}")
+    return path
+
+
+def _sibling(out: Path, tag: str, checked: bool = True) -> Path:
+    """The lock file, the build directory ("partial") or the old targets set aside ("old") beside out_dir.
+    The two directories, `checked`: a directory or nothing there, anything else (a file, a link, a FIFO,
+    which rmtree would open and wait on) refused with ValueError."""
+    path = out.parent / f".{out.name}.flashkd-{tag}"
+    if checked and tag != "lock":
+        try:
+            mode = os.lstat(path).st_mode
+        except FileNotFoundError:
+            return path
+        if not stat.S_ISDIR(mode):
+            raise ValueError(f"out_dir: expected a directory or nothing at {path} (flashkd builds there), "
+                             f"got {files.kind(mode)}; move it away")
+    return path
+
+
+def _file_mode() -> int:
+    """0o666 less the process's umask: the mode open() gives a new file."""
+    try:  # Linux says it without changing it
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("Umask:"):
+                    return 0o666 & ~int(line.split()[1], 8)
+    except (OSError, ValueError, IndexError):
+        pass
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return 0o666 & ~mask
 
 
 def _check_out(out: Path, overwrite: bool):
@@ -724,7 +764,7 @@ def _index_bytes(index: dict) -> bytes:
 def _read_index(path: Path) -> dict:
     file = path / _INDEX
     if not os.path.lexists(file):
-        partial = _sibling(path.resolve(), "partial")
+        partial = _sibling(path.resolve(), "partial", checked=False)  # only named in the message
         if (path / _PROGRESS).exists():
             why = "a write that did not finish, and this its build directory: finish it with resume=True"
         elif partial.is_dir():
@@ -855,7 +895,15 @@ def _check_shard_file(file: Path, size: int, sha256: str | None = None):
         raise TargetsError(f"{file}: expected a regular file, got {files.kind(s.st_mode)}")
     if s.st_size != size:
         raise TargetsError(f"{file}: expected {size} bytes (the index), got {s.st_size}: the file is truncated or changed")
-    if sha256 is not None and (got := _file_sha256(file)) != sha256:
+    if sha256 is None:
+        return
+    try:
+        got = _file_sha256(file)
+    except FileNotFoundError:
+        raise TargetsError(f"{file}: expected the shard the index lists, got no such file") from None
+    except OSError as e:
+        raise TargetsError(f"{file}: cannot read it: {e.strerror}") from None
+    if got != sha256:
         raise TargetsError(f"{file}: expected SHA-256 {sha256} (the index), got {got}: the file changed or is damaged")
 
 
@@ -876,7 +924,9 @@ def _open_shard(file: Path, entry: dict, lengths, k: int, dtype_name: str, diges
         f = st.safe_open(file, framework="pt")
         meta = f.metadata()
         header = {n: (f.get_slice(n).get_shape(), f.get_slice(n).get_dtype()) for n in f.keys()}
-    except (st.SafetensorError, OSError) as e:
+    except PermissionError as e:
+        raise TargetsError(f"{file}: cannot read it: {e.strerror}") from None
+    except (st.SafetensorError, OSError, RuntimeError) as e:  # RuntimeError: torch's second open of the file
         raise TargetsError(f"{file}: expected a safetensors file, got: {e}") from None
     if meta != {"format": f"{FORMAT}/{VERSION}"}:
         raise TargetsError(f"{file}: metadata: expected {{'format': '{FORMAT}/{VERSION}'}}, got {meta!r}")
