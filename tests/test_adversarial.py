@@ -460,3 +460,26 @@ def test_liger_jsd_drop_in_names_its_own_arguments(module, labels, message):
     with pytest.raises((TypeError, ValueError)) as info:
         module()(xs, ws, t["teacher_input"], t["teacher_weight"], y if labels is None else y[labels])
     assert str(info.value).startswith(message), str(info.value)
+
+
+def test_collator_names_what_it_cannot_use():
+    """An empty batch died in torch's default_collate (IndexError), a key that is a list in "unhashable
+    type", a 0-d ids tensor in an IndexError, a feature without input_ids (no attention_mask) in a KeyError."""
+    ids, lp = _one_target()
+    features = [{"key": "a", "input_ids": torch.tensor([7, 8, 9])}]
+    cases = [
+        (flashkd.TopKCollator({"a": (ids, lp)}), [], ValueError,
+         "features: expected a non-empty list of examples (a DataLoader's batch), got an empty list"),
+        (flashkd.TopKCollator({"a": (ids, lp)}), [{"key": ["a"], "input_ids": torch.tensor([7, 8, 9])}], TypeError,
+         "features[0]['key']: expected the example's key in targets (a str for TopKTargets), got list"),
+        (flashkd.TopKCollator({"a": (ids[0, 0], lp[0, 0])}), features, ValueError,
+         "targets['a']: expected ids and logprobs of shape (length, K), got () and ()"),
+        (flashkd.TopKCollator({"a": (ids, lp)}, lambda f: {"input_ids": torch.zeros(1, 3, dtype=torch.long)}),
+         [{"key": "a", "text": "x y z"}], ValueError,
+         "features[0]: the batch has no attention_mask, so the example's length is that of its input_ids feature, "
+         "and it has none (fields ['key', 'text'])"),
+    ]
+    for collator, batch, error, message in cases:
+        with pytest.raises(error) as info:
+            collator(batch)
+        assert str(info.value) == message, str(info.value)

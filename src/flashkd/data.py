@@ -474,6 +474,9 @@ class TopKCollator:
         self.padding_side = padding_side
 
     def __call__(self, features):
+        if not isinstance(features, collections.abc.Sequence) or not features:
+            got = "an empty list" if isinstance(features, collections.abc.Sequence) else type(features).__name__
+            raise ValueError(f"features: expected a non-empty list of examples (a DataLoader's batch), got {got}")
         keys, stripped = [], []
         for i, f in enumerate(features):
             if not isinstance(f, collections.abc.Mapping) or self.key_field not in f:
@@ -482,6 +485,9 @@ class TopKCollator:
                     f"features[{i}]: expected a dict with a {self.key_field!r} field (key_field, the example's "
                     f"key in targets), got {got}"
                 )
+            if not isinstance(f[self.key_field], collections.abc.Hashable):  # a key of the targets' mapping
+                raise TypeError(f"features[{i}][{self.key_field!r}]: expected the example's key in targets (a str "
+                                f"for TopKTargets), got {type(f[self.key_field]).__name__}")
             keys.append(f[self.key_field])
             stripped.append({n: v for n, v in f.items() if n != self.key_field})
         batch = self.collate_fn(stripped)
@@ -496,20 +502,23 @@ class TopKCollator:
             if key not in self.targets:
                 raise KeyError(f"{self.key_field}: no example {key!r} in targets (features[{i}])")
             ids, lp = _target_pair(self.targets[key], key)
+            if ids.dim() != 2 or (k is not None and ids.shape[1] != k) or lp.shape != ids.shape:
+                raise ValueError(
+                    f"targets[{key!r}]: expected ids and logprobs of shape (length, {'K' if k is None else k}), "
+                    f"got {tuple(ids.shape)} and {tuple(lp.shape)}"
+                )
             if k is None:
                 k = ids.shape[-1]
                 teacher_ids = torch.full((b, t, k), -1, dtype=torch.int64)
                 teacher_lp = torch.full((b, t, k), -torch.inf, dtype=torch.float32)
-            if ids.dim() != 2 or ids.shape[1] != k or lp.shape != ids.shape:
-                raise ValueError(
-                    f"targets[{key!r}]: expected ids and logprobs of shape (length, {k}), "
-                    f"got {tuple(ids.shape)} and {tuple(lp.shape)}"
-                )
             n = ids.shape[0]
             if mask is not None:
                 where, field = mask[i].bool(), "attention_mask"
                 count = int(where.sum())
             else:
+                if "input_ids" not in features[i]:
+                    raise ValueError(f"features[{i}]: the batch has no attention_mask, so the example's length is "
+                                     f"that of its input_ids feature, and it has none (fields {sorted(features[i])})")
                 count, field = len(features[i]["input_ids"]), "input_ids"
                 where = slice(0, count) if self.padding_side == "right" else slice(t - count, t)
             if count != n or n > t:
