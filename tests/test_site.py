@@ -492,7 +492,7 @@ def test_a_rebuild_never_shows_a_half_removed_site(tmp_path, monkeypatch):
     out = tmp_path / "site"
     site_module.build([tmp_path / "b"], out)
     seen = []
-    real_rmtree, real_replace = shutil.rmtree, os.replace
+    real_rmtree, real_rename = shutil.rmtree, os.rename
 
     def look():
         try:
@@ -516,14 +516,14 @@ def test_a_rebuild_never_shows_a_half_removed_site(tmp_path, monkeypatch):
             os.rmdir(root)
             look()
 
-    def replace(a, b):
-        real_replace(a, b)
+    def rename(a, b):
+        real_rename(a, b)
         look()
 
     monkeypatch.setattr(site_module.shutil, "rmtree", slow_rmtree)
-    monkeypatch.setattr(site_module.os, "replace", replace)
+    monkeypatch.setattr(site_module.os, "rename", rename)
     site_module.build([tmp_path / "b"], out, replace=True)
-    monkeypatch.setattr(site_module.os, "replace", real_replace)
+    monkeypatch.setattr(site_module.os, "rename", real_rename)
     assert len(seen) > 10 and set(seen) == {"ok"}, [s for s in seen if s != "ok"][:1]
     assert (out / "index.html").exists() and (out / site_module.MARKER).exists()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["b", "site"]
@@ -534,12 +534,12 @@ def test_a_rebuild_never_shows_a_half_removed_site(tmp_path, monkeypatch):
     def refuse(a, b):
         if Path(a).name.endswith(site_module.PARTIAL):
             raise OSError(28, "No space left on device")
-        real_replace(a, b)
+        real_rename(a, b)
 
-    monkeypatch.setattr(site_module.os, "replace", refuse)
+    monkeypatch.setattr(site_module.os, "rename", refuse)
     with pytest.raises(OSError, match="No space left"):
         site_module.build([tmp_path / "b"], out, replace=True)
-    monkeypatch.setattr(site_module.os, "replace", real_replace)
+    monkeypatch.setattr(site_module.os, "rename", real_rename)
     assert (out / "index.html").read_bytes() == before and (out / site_module.MARKER).exists()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["b", "site"]
 

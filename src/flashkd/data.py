@@ -265,7 +265,7 @@ def write_topk_targets(
             tmp = partial / (name + ".tmp")
             st.torch.save_file(pending, tmp, metadata={"format": f"{FORMAT}/{VERSION}"})
             os.chmod(tmp, _file_mode())  # safetensors makes it 0600: readable as index.json is, by the umask
-            _fsync(tmp)
+            files.fsync(tmp)
             entry = {"file": name, "bytes": tmp.stat().st_size, "sha256": _file_sha256(tmp)}
             os.replace(tmp, partial / name)
             line = {**entry, "examples": [[key, index["examples"][key]["length"]] for key in pending_keys]}
@@ -345,7 +345,7 @@ def write_topk_targets(
             raise
         _write_atomic(partial / _INDEX, _index_bytes(index))
         (partial / _PROGRESS).unlink(missing_ok=True)
-        _fsync(partial)
+        files.fsync(partial)
         _swap(partial, out, overwrite)
     return TopKTargets(out)
 
@@ -594,15 +594,7 @@ def _sibling(out: Path, tag: str, checked: bool = True) -> Path:
     The two directories, `checked`: a directory or nothing there, anything else (a file, a link, a FIFO,
     which rmtree would open and wait on) refused with ValueError."""
     path = out.parent / f".{out.name}.flashkd-{tag}"
-    if checked and tag != "lock":
-        try:
-            mode = os.lstat(path).st_mode
-        except FileNotFoundError:
-            return path
-        if not stat.S_ISDIR(mode):
-            raise ValueError(f"out_dir: expected a directory or nothing at {path} (flashkd builds there), "
-                             f"got {files.kind(mode)}; move it away")
-    return path
+    return files.dir_or_nothing(path, "out_dir") if checked and tag != "lock" else path
 
 
 def _file_mode() -> int:
@@ -730,34 +722,10 @@ def _write_atomic(file: Path, data: bytes):
     os.replace(tmp, file)
 
 
-def _fsync(path: Path):
-    """Make a file's data, or a directory's entries, durable (a rename is only as durable as the directory)."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def _swap(partial: Path, out: Path, overwrite: bool):
-    """Put the finished targets in `partial` at `out`: a rename, onto an absent or empty directory; with
-    old targets there, two (old aside, new in), the old removed after."""
+    """Put the finished targets in `partial` at `out` (`files.replace_dir`)."""
     _check_out(out, overwrite)  # again: something may have been put there during the write
-    old = _sibling(out, "old")
-    if old.exists():  # a crash between the renames of an earlier overwrite left the targets it replaced
-        shutil.rmtree(old)
-    if out.exists() and any(out.iterdir()):
-        os.rename(out, old)
-        try:
-            os.rename(partial, out)
-        except BaseException:
-            os.rename(old, out)  # the old targets back: a failed overwrite loses nothing
-            raise
-        _fsync(out.parent)
-        shutil.rmtree(old)
-    else:
-        os.rename(partial, out)  # rename(2) replaces an empty directory
-        _fsync(out.parent)
+    files.replace_dir(partial, out, _sibling(out, "old"), what="out_dir")
 
 
 def _index_bytes(index: dict) -> bytes:

@@ -1,10 +1,11 @@
 """One writer at a time: an exclusive flock on a file beside what is written (`flashkd.data`'s targets,
-`flashkd records site`'s folder)."""
+`flashkd records site`'s folder); and its result put in place whole, by renames (`replace_dir`)."""
 
 from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 import stat
 from pathlib import Path
 
@@ -107,3 +108,48 @@ def _made_by_flashkd(fd: int) -> bool:
     """Whether the locked file is one flashkd made (by this writer, or by one killed before it removed
     it): it holds _MARK and nothing else."""
     return os.fstat(fd).st_size == len(_MARK) and os.pread(fd, len(_MARK), 0) == _MARK
+
+
+def dir_or_nothing(path: Path, what: str) -> Path:
+    """`path`, where a writer builds or sets a directory aside: a directory or nothing must be there.
+    Anything else (a file, a link, a FIFO, which rmtree would open and wait on): ValueError naming `what`."""
+    try:
+        mode = os.lstat(path).st_mode
+    except FileNotFoundError:
+        return path
+    if not stat.S_ISDIR(mode):
+        raise ValueError(f"{what}: expected a directory or nothing at {path} (flashkd builds there), got "
+                         f"{kind(mode)}; move it away")
+    return path
+
+
+def fsync(path: Path):
+    """Make a file's data, or a directory's entries, durable (a rename is only as durable as the directory)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def replace_dir(new: Path, out: Path, aside: Path, *, what: str) -> None:
+    """Put the finished directory `new` at `out` by renames, never by removing `out` file by file, so
+    that whoever looks at `out` meanwhile sees the old directory, the new one or nothing: a non-empty
+    `out` goes to `aside` first, comes back if `new` cannot move in, and is removed once the renames are
+    durable (an empty one is replaced by the one rename). `aside` (`dir_or_nothing`, ValueError naming
+    `what`) may hold what a crash between the renames left there: it is removed first. Call it holding
+    the writer's lock (`exclusive`)."""
+    if os.path.isdir(dir_or_nothing(aside, what)):
+        shutil.rmtree(aside)
+    if out.is_dir() and any(out.iterdir()):
+        os.rename(out, aside)
+        try:
+            os.rename(new, out)
+        except BaseException:
+            os.rename(aside, out)  # the old directory back: a failed replacement loses nothing
+            raise
+        fsync(out.parent)
+        shutil.rmtree(aside)
+    else:
+        os.rename(new, out)  # rename(2) replaces an empty directory
+        fsync(out.parent)

@@ -618,21 +618,9 @@ def write(site: Site, out: Path, replace: bool = False) -> int:
         shutil.rmtree(building, ignore_errors=True)
         try:
             pages = _write(site, building)
-            # Swapped by two renames, never removed file by file in place: a build starting meanwhile
-            # (its first check runs before it asks for the lock) sees a whole site or none, not a
-            # half-removed folder it would call foreign.
-            old = parent / f".{out.absolute().name}.old"  # one name: the lock makes it this build's alone
-            shutil.rmtree(old, ignore_errors=True)
-            if out.exists():
-                os.replace(out, old)
-                try:
-                    os.replace(building, out)
-                except BaseException:
-                    os.replace(old, out)  # the earlier site back: a failed rebuild loses nothing
-                    raise
-            else:
-                os.replace(building, out)
-            shutil.rmtree(old, ignore_errors=True)
+            # by renames: a build starting meanwhile (its first check runs before it asks for the lock)
+            # sees a whole site or none, not a half-removed folder it would call foreign
+            files.replace_dir(building, out, parent / f".{out.absolute().name}.old", what=f"--out {out}")
         except BaseException:
             shutil.rmtree(building, ignore_errors=True)
             raise
