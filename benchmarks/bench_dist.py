@@ -77,22 +77,25 @@ def count_collectives(run) -> dict:
     """{collective: bytes} that one run() hands to torch.distributed (the payloads: an all-gather's
     output, an all-reduce's tensor), counted by wrapping the functions the library calls."""
     counts = {"all_gather_into_tensor": 0, "all_reduce": 0}
-    originals = {name: getattr(dist, name) for name in counts}
+    # the function the library calls under each counted name (torch 2.13 renamed the all-gather)
+    called = {"all_gather_into_tensor": "all_gather_single" if hasattr(dist, "all_gather_single")
+              else "all_gather_into_tensor", "all_reduce": "all_reduce"}
+    originals = {fn: getattr(dist, fn) for fn in called.values()}
 
     def wrap(name):
         def counted(tensor_or_out, *args, **kw):
             counts[name] += tensor_or_out.numel() * tensor_or_out.element_size()
-            return originals[name](tensor_or_out, *args, **kw)
+            return originals[called[name]](tensor_or_out, *args, **kw)
         return counted
 
-    for name in counts:
-        setattr(dist, name, wrap(name))
+    for name, fn in called.items():
+        setattr(dist, fn, wrap(name))
     try:
         run()
         torch.cuda.synchronize()
     finally:
-        for name, fn in originals.items():
-            setattr(dist, name, fn)
+        for fn, original in originals.items():
+            setattr(dist, fn, original)
     return counts
 
 

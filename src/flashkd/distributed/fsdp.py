@@ -49,6 +49,7 @@ import torch
 import torch.distributed as dist
 
 from .. import chunks, teacher
+from .vocab import all_gather, reduce_scatter
 
 # A call's heads (`flashkd.chunks.HEAD`, `TEACHER_HEAD`: gathered on the heads route, sliced on the rows
 # route) and its rows (`ROWS`: each rank's own, gathered on the rows route) are the fields its class
@@ -168,7 +169,7 @@ def choose(call, heads, n, world) -> str:
 def _exchange_counts(group, n_local, device) -> list:
     world = dist.get_world_size(group)
     counts = torch.empty(world, dtype=torch.int64, device=device)
-    dist.all_gather_into_tensor(counts, torch.tensor([n_local], dtype=torch.int64, device=device), group=group)
+    all_gather(counts, torch.tensor([n_local], dtype=torch.int64, device=device), group)
     return counts.tolist()  # a host sync on GPU: the union's shape
 
 
@@ -202,7 +203,7 @@ class _GatherRows(torch.autograd.Function):
             padded[r * most : r * most + c] = grad[at : at + c]
             at += c
         out = grad.new_empty((most, *grad.shape[1:]))
-        dist.reduce_scatter_tensor(out, padded.contiguous(), group=ctx.group)
+        reduce_scatter(out, padded.contiguous(), ctx.group)
         return out[: counts[rank]], None, None
 
 
@@ -212,7 +213,7 @@ def _gather(x, group, counts):
     if x.shape[0] != most:
         x = torch.cat([x, x.new_zeros((most - x.shape[0], *x.shape[1:]))])
     out = x.new_empty((world * most, *x.shape[1:]))
-    dist.all_gather_into_tensor(out, x.contiguous(), group=group)
+    all_gather(out, x.contiguous(), group)
     if all(c == most for c in counts):
         return out
     return torch.cat([out[r * most : r * most + c] for r, c in enumerate(counts)])

@@ -18,7 +18,7 @@ import torch.distributed as dist
 
 from .. import chunks, fp8, teacher
 from ..losses import shown
-from .vocab import ShardedVocab
+from .vocab import ShardedVocab, all_gather
 
 # The exchanged layout row of a rank whose vocab_start is not an int (it raises with the others).
 _NOT_AN_INT = -(1 << 62)
@@ -201,7 +201,7 @@ def shard(group, start, local_size, device, check_shards, chunk_size, *, failed=
     mine = torch.tensor(head + codes + [0] * (2 * _SLOTS - len(codes)), dtype=torch.int64, device=device)
     world = dist.get_world_size(group)
     every = torch.empty(world * mine.numel(), dtype=torch.int64, device=device)
-    dist.all_gather_into_tensor(every, mine, group=group)
+    all_gather(every, mine, group)
     every = every.view(world, -1)
     layout = every[:, 1:3]
     read = _reads(check_shards, chunk_size)
@@ -335,7 +335,7 @@ def check_replicas(group, named: dict):
     mine = torch.stack(prints).reshape(-1)
     world = dist.get_world_size(group)
     every = torch.empty(world * mine.numel(), dtype=mine.dtype, device=mine.device)
-    dist.all_gather_into_tensor(every, mine, group=group)
+    all_gather(every, mine, group)
     every = every.view(world, len(names), -1).cpu()
     for i, k in enumerate(names):
         differ = [r for r in range(world) if not torch.equal(every[r, i], every[0, i])]

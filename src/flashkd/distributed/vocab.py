@@ -18,6 +18,18 @@ import torch.distributed as dist
 from ..losses import Vocab, logit_transform
 
 
+# torch 2.13 renamed the tensor collectives, and the old names warn (FutureWarning) there; 2.11 has only the
+# old names. Looked up at each call, so a wrapper set on torch.distributed (the bench's byte count) sees it.
+def all_gather(out, x, group):
+    """out: every rank's x, in rank order, along dim 0 (one all-gather)."""
+    return (getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor)(out, x, group=group)
+
+
+def reduce_scatter(out, x, group):
+    """out: this rank's 1/world of x along dim 0, summed over the ranks (one reduce-scatter)."""
+    return (getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor)(out, x, group=group)
+
+
 class _AllReduceSum(torch.autograd.Function):
     """y = Σ_ranks x on every rank; the gradient of x is Σ_ranks of the gradients of y."""
 
@@ -123,7 +135,7 @@ class ShardedVocab(Vocab):
     def gather_rows(self, part):
         """(world, R, n): every rank's (R, n) part, in rank order (one all-gather)."""
         every = torch.empty(self.copies * part.numel(), dtype=part.dtype, device=part.device)
-        dist.all_gather_into_tensor(every, part.contiguous().view(-1), group=self.group)
+        all_gather(every, part.contiguous().view(-1), self.group)
         return every.view(self.copies, *part.shape)
 
     def sum_rows(self, x):
@@ -184,7 +196,7 @@ class ShardedVocab(Vocab):
                 pack[:, 2 * k + 1] = 0.0  # an empty slice: no mass
         world = self.copies
         every = torch.empty(world * pack.numel(), dtype=pack.dtype, device=pack.device)
-        dist.all_gather_into_tensor(every, pack.reshape(-1), group=self.group)
+        all_gather(every, pack.reshape(-1), self.group)
         every = every.view(world, r, 2 * k + 2)
         values = every[:, :, :k].permute(1, 0, 2).reshape(r, world * k)
         ids = every[:, :, k : 2 * k].permute(1, 0, 2).reshape(r, world * k)
