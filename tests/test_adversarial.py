@@ -479,7 +479,26 @@ def test_collator_names_what_it_cannot_use():
          "features[0]: the batch has no attention_mask, so the example's length is that of its input_ids feature, "
          "and it has none (fields ['key', 'text'])"),
     ]
+    # an attention_mask the targets cannot be placed by: another shape, or values .bool() would read as 1
+    def masked(mask):
+        return flashkd.TopKCollator({"a": (ids, lp)}, lambda f: {"input_ids": torch.zeros(1, 3, dtype=torch.long),
+                                                                 "attention_mask": mask})
+    cases += [
+        (masked(torch.ones(1, 4, dtype=torch.long)), features, ValueError,
+         "collate_fn: expected attention_mask of shape (1, 3) (that of input_ids), got (1, 4)"),
+        (masked([[1, 1, 1]]), features, ValueError,
+         "collate_fn: expected attention_mask of shape (1, 3) (that of input_ids), got list"),
+        (masked(torch.tensor([[1, 2, 1]])), features, ValueError,
+         "collate_fn: expected an attention_mask of 0s and 1s, got values [2] (dtype torch.int64)"),
+        (masked(torch.tensor([[1.0, 0.5, float("nan")]])), features, ValueError,
+         "collate_fn: expected an attention_mask of 0s and 1s, got values [0.5, nan] (dtype torch.float32)"),
+    ]
     for collator, batch, error, message in cases:
         with pytest.raises(error) as info:
             collator(batch)
         assert str(info.value) == message, str(info.value)
+    # bool, int and float masks of 0s and 1s place the targets alike
+    for mask in (torch.tensor([[True, True, True]]), torch.tensor([[1, 1, 1]], dtype=torch.int32),
+                 torch.tensor([[1.0, 1.0, 1.0]])):
+        out = masked(mask)(features)
+        assert torch.equal(out["teacher_ids"][0], ids.long()), mask.dtype

@@ -454,7 +454,8 @@ class TopKCollator:
         teacher_logprobs  (B, T, K) float32, −inf (probability 0) at padded positions
 
     An example's L target rows go to the positions where the batch's `attention_mask` is 1 (right or
-    left padding alike), and their count must equal L. Without an attention_mask, an example's length
+    left padding alike), and their count must equal L; a mask of another shape than input_ids, or with
+    values other than 0 and 1, raises. Without an attention_mask, an example's length
     is that of its `input_ids` feature (unpadded) and `padding_side` says where the padding is.
     A length that differs from L raises: targets are per position, so a truncated or differently
     tokenized sequence would be silently misaligned. (HF Trainer drops dataset columns that its model's
@@ -497,6 +498,17 @@ class TopKCollator:
             raise ValueError(f"collate_fn: expected a batch with input_ids of shape ({len(keys)}, T), got {got}")
         mask = batch.get("attention_mask")
         b, t = input_ids.shape
+        if mask is not None:
+            # the targets go where the mask is 1: a mask of another shape, or one holding values other than 0
+            # and 1 (which .bool() would read as 1), would place them in silence where it cannot mean
+            if not isinstance(mask, torch.Tensor) or mask.shape != input_ids.shape:
+                got = tuple(mask.shape) if isinstance(mask, torch.Tensor) else type(mask).__name__
+                raise ValueError(f"collate_fn: expected attention_mask of shape {(b, t)} (that of input_ids), got {got}")
+            if mask.is_complex() or not ((mask == 0) | (mask == 1)).all():
+                odd = mask[(mask != 0) & (mask != 1)]
+                odd = odd.unique()[:4].tolist() if not mask.is_complex() else odd[:4].tolist()
+                raise ValueError(f"collate_fn: expected an attention_mask of 0s and 1s, got values {odd} "
+                                 f"(dtype {mask.dtype})")
         k = None
         for i, key in enumerate(keys):
             if key not in self.targets:
