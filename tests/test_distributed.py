@@ -83,10 +83,11 @@ def _entry(rank, worker, world, tmp, seed, timeout, *args):
     finally:
         dist.destroy_process_group()
         log.write("group destroyed\n")
-    # The checks are done. torch leaves gloo's run-loop and transport threads (and rank 0 the store's)
-    # running after destroy_process_group, to be torn down with the interpreter; rank 0 has twice aborted
-    # ("terminate called without an active exception", SIGABRT) after a passing FSDP2 run with no Python
-    # error on either rank. What these tests check ends here, so a rank leaves without that teardown.
+    # The checks are done. torch leaves gloo's run-loop and transport threads running after
+    # destroy_process_group, to be torn down with the interpreter; rank 0 (then also the TCP store's server)
+    # has twice aborted ("terminate called without an active exception", SIGABRT) after a passing FSDP2 run
+    # with no Python error on either rank. What these tests check ends here, so a rank leaves without that
+    # teardown.
     log.close()
     sys.stdout.flush()
     sys.stderr.flush()
