@@ -400,7 +400,8 @@ def test_out_folder_and_arguments(tmp_path, capsys):
     code, _, err = _cli(["records", "site", str(tmp_path / "empty"), "--out", str(site), "--replace"], capsys)
     assert code == 2 and "no bundle files found" in err
     code, _, err = _cli(["records", "site", str(tmp_path / "missing.json"), "--out", str(site), "--replace"], capsys)
-    assert code == 1 and "missing.json: cannot read" in err
+    # a PATH that does not exist: a usage error, as in records verify and compare, and nothing written
+    assert code == 2 and err.strip() == f"flashkd records site: {tmp_path / 'missing.json'}: no such file or folder"
     code, _, err = _cli(["records", "site", str(tmp_path / "b"), "--out", str(site), "--replace", "--compare", "abcdef12",
                          str(tmp_path / "b" / "v.json")], capsys)
     assert code == 2 and "--compare abcdef12: expected one sound run" in err
@@ -625,8 +626,8 @@ def test_hidden_sizes_are_named_alike_in_every_form(built, tmp_path, capsys):
     # every page, tooltips and the citation included: the run and compare pages named the workload by its title
     for page in _pages(built["site"]):
         assert not re.search(r"(?<![a-z_])hidden=", page.read_text()), page
-    for page in (built["site"] / "runs").glob("*.html"):  # the breadcrumb, the Workload row, How to cite
-        assert page.read_text().count("student_hidden=") == 3, page
+    for page in (built["site"] / "runs").glob("*.html"):  # the breadcrumb, What ran, the Workload row, How to cite
+        assert page.read_text().count("student_hidden=") == 4, page
     bench = [b for p, b in _good_bundles(built) if "bench" in p.parts]
     assert {tuple(b["workload"]["manifest"]["spec"]["axes"]) for b in bench} == {("tokens", "hidden", "vocab")}
     out = tmp_path / "topk"
