@@ -162,6 +162,11 @@ def load(path: Path):
 
 def loads(text: str):
     """load() of a bundle's text."""
+    start = text.lstrip()[:1]
+    if start != "{":  # a README, a CSV, an HTML page: not a truncated bundle, which a parser's column would suggest
+        shown = text.lstrip()[:24]
+        raise ValueError("not a JSON bundle (one JSON object, {...}): "
+                         + (f"the file begins {shown!r}" if shown else "the file is empty"))
     try:
         value = json.loads(text, parse_constant=_reject, parse_float=_float, object_pairs_hook=_object)
     except RecursionError:
