@@ -713,7 +713,8 @@ def pick_backend(backend, x):
         return "torch" if x.dtype == torch.float64 else "triton"
     if backend == "triton":
         if not _has_triton():
-            raise ValueError(f"backend: 'triton' was asked for, but the triton package is not installed ({TRITON_HINT})")
+            raise ValueError(
+                f"backend: 'triton' was asked for, but the triton package is not installed ({TRITON_HINT})")
         if not (x.is_cuda or interpret):
             raise ValueError(
                 f"backend: 'triton' needs CUDA tensors (or TRITON_INTERPRET=1), got tensors on {x.device}"

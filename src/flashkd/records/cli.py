@@ -117,7 +117,8 @@ def import_liger(args: argparse.Namespace) -> int:
     except (OSError, ValueError) as e:
         print(f"flashkd records import-liger: {source}: {e}", file=sys.stderr)
         return 2
-    imported = list(liger.import_rows(rows, args.liger_commit or liger.LIGER_COMMIT))  # every row checked before anything is written
+    # every row checked before anything is written
+    imported = list(liger.import_rows(rows, args.liger_commit or liger.LIGER_COMMIT))
     try:
         prepare_folder(args.out)
         for _, bundle, _ in imported:
