@@ -34,6 +34,9 @@ presets:
   topk          top-k teacher: forward_kl (soft only), K=64, tail bucket; N=8192, H=4096, V=128256, bf16
   logits        dense teacher logits: jsd, N=8192, H=4096, V=128256, bf16
   teacher-topk  teacher_topk (no gradient: no-grad-forward only), K=64; N=8192, H=4096, V=128256, bf16
+  models        the LM heads of model pairs people distill (Llama-3.x, Qwen3, Gemma-3, Phi, Mistral; student <-
+                teacher hidden sizes and vocab of their published configs, workloads.MODEL_HEADS), every loss,
+                N=8192 16384, bf16, trained-head logits (narrow it with -n and --loss)
   small         jsd and cosine N=128 256, topk forward_kl and logits jsd N=256; H=256, V=4099, fp32
                 (the default on CPU)
   -n, --loss multiply the preset's workloads (--loss jsd tvd: each workload once per loss); --h, --v,
@@ -180,8 +183,8 @@ def add_bench_arguments(p: argparse.ArgumentParser) -> None:
                    help="output folder, new or empty: a run never mixes its files with another's "
                         "(default: bench-YYYYmmdd-HHMMSS)")
     p.add_argument("--large-on-cpu", action="store_true",
-                   help="run workloads sized for a GPU (presets seed, sweep, topk, logits, teacher-topk) on a CPU "
-                        "anyway: hours; without it they are refused there")
+                   help="run workloads sized for a GPU (presets seed, sweep, topk, logits, teacher-topk, models) on a "
+                        "CPU anyway: hours; without it they are refused there")
 
 
 def _positive(text: str) -> int:
