@@ -37,10 +37,13 @@ for stage in $stages; do
     breakdown) python3 benchmarks/bench_breakdown.py 2>&1 | tee "$OUT/breakdown.log" || status=1 ;;
     profile) python3 benchmarks/bench_profile.py 2>&1 | tee "$OUT/profile.log" || status=1 ;;
     bench-seed) python3 -m flashkd bench --preset seed --out "$OUT/seed" 2>&1 | tee "$OUT/bench-seed.log" || status=1 ;;
-    # the model families' heads (workloads.MODEL_HEADS) at N 8192 and 16384, trained-head logits: JSD, forward KL and
-    # cosine against Liger and the floor (every loss: add --loss reverse_kl tvd; about 15 minutes on an H200 as is)
-    bench-models) python3 -m flashkd bench --preset models --loss jsd forward_kl cosine --providers flashkd liger floor \
-      --modes full no-grad-forward --out "$OUT/models" 2>&1 | tee "$OUT/bench-models.log" || status=1 ;;
+    # the model families' heads (workloads.MODEL_HEADS), trained-head logits: first flashkd against the floor at every
+    # head, N 8192 (benchmarks/bench_plan.py: no gate, about 2 minutes), then the checked bench with Liger and the floor
+    # at N 8192 and 16384, JSD, forward KL and cosine (the gate's fp32 reference takes ~5 s a workload and Liger
+    # compiles each head: tens of minutes; every loss: add --loss reverse_kl tvd)
+    bench-models) { python3 benchmarks/bench_plan.py --heads "" --loss jsd forward_kl cosine --chunks auto --no-grad \
+        && python3 -m flashkd bench --preset models --loss jsd forward_kl cosine --providers flashkd liger floor \
+        --modes full no-grad-forward --out "$OUT/models"; } 2>&1 | tee "$OUT/bench-models.log" || status=1 ;;
     bench-sweep) python3 -m flashkd bench --preset sweep --providers flashkd liger floor --modes full no-grad-forward \
       --out "$OUT/sweep" 2>&1 | tee "$OUT/bench-sweep.log" || status=1 ;;
     bench-losses) python3 -m flashkd bench --preset seed -n 8192 --loss forward_kl reverse_kl tvd --providers flashkd floor \
