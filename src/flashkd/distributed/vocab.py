@@ -78,6 +78,12 @@ class ShardedVocab(Vocab):
         here = (ids >= self.start) & (ids < self.start + x.shape[-1])
         return torch.where(here, ids - self.start, 0).long(), here
 
+    def amax(self, x):
+        """`Vocab.amax` over the group: one all-reduce MAX of (R,)."""
+        m = x.detach().amax(-1) if x.shape[-1] else x.new_full(x.shape[:1], -torch.inf)
+        dist.all_reduce(m, op=dist.ReduceOp.MAX, group=self.group)
+        return m
+
     def merge(self, log_softmax=(), lse=(), sums=()):
         """`Vocab.merge` over the group: one all-reduce MAX of every logsumexp's row maxima (not
         differentiated: the logsumexp's gradient does not depend on its shift), then one
