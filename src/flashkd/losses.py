@@ -32,11 +32,11 @@ Per row, with temperature τ, student logits a, teacher logits b, q = softmax(a/
 Skew KL is JSD(β = α)'s first piece and skew reverse KL JSD(β = 1 − α)'s second, each alone (DistiLLM,
 α = 0.1 there); their gradients are the chain rule through q = softmax(a/τ) of dL/dq = g. At α = 0 they
 are forward and reverse KL exactly (M = q, M′ = p), at α = 1 zero (M = p, M′ = q); the formula is kept at
-the ends, not resolved to another loss. AKL (Wu et al., COLING 2025) follows the authors' code: the head
-is the teacher's ids whose mass at or above their own, Σ_(j: p_j ≥ p_i) p_j, is at most μ, plus the most
-likely ids always (the authors sort p descending and keep cumsum ≤ μ and the first; tied ids here go to
-the same side, where the sort orders them arbitrarily); the weights use p and q at the temperature, and
-are ½ each where g_h + g_t = 0 (p = q: both KLs and their gradients are 0). `head_threshold` finds the head.
+the ends, not resolved to another loss. AKL (Wu et al., COLING 2025) follows the authors' code: with the
+ids in the order of p descending (ties by id, lowest first: a stable sort's order), the head is the
+longest prefix whose p sums to at most μ, and the first id always; the weights use p and q at the
+temperature, and are ½ each where g_h + g_t = 0 (p = q: both KLs and their gradients are 0). `akl_head`
+finds the head without a sort.
 
 JSD endpoints follow the Liger / TRL convention: β = 0 is forward KL(p‖q), β = 1 is reverse KL(q‖p)
 (not the limit of the formula, which is 0 at both ends). Cosine is invariant to τ.
@@ -497,6 +497,10 @@ class Vocab:
         """The max over the vocab of each row of x (R,), not differentiated."""
         return x.detach().amax(-1)
 
+    def before(self, count: torch.Tensor) -> torch.Tensor:
+        """count (R,), this block's, summed over the blocks before it in the vocab: 0 for the whole vocab."""
+        return torch.zeros_like(count)
+
     def merge(self, log_softmax=(), lse=(), sums=()):
         """([log_softmax over the vocab of each (R, V) block in log_softmax], [logsumexp of each in lse],
         [each of sums summed over the vocab]): `sums` are this block's parts of row quantities, (R,) or
@@ -599,44 +603,61 @@ def adaptive_kl(log_q: torch.Tensor, log_p: torch.Tensor, head_mass: float, voca
     """AKL per row (Wu et al., COLING 2025), as the authors' code computes it: w_head · KL(p‖q) +
     w_tail · KL(q‖p), w_head = g_head / (g_head + g_tail), w_tail = g_tail / (g_head + g_tail), with
     g_S = Σ_S |p − q| over the teacher's head S = H and tail S = the rest. The weights are constants:
-    q in them is detached (the gradient is w_head · forward KL's + w_tail · reverse KL's). The head is
-    the ids whose teacher mass at or above their own, Σ_(j: p_j ≥ p_i) p_j, is at most μ, and the
-    teacher's most likely ids always (the authors sort p descending, take cumsum ≤ μ and keep the
-    first; here ids tied in p go to the same side, where the sort places them in an arbitrary order).
+    q in them is detached (the gradient is w_head · forward KL's + w_tail · reverse KL's). The head: the authors sort p
+    descending, take the ids where the cumulative sum is at most μ, and keep the first always; ties in p
+    are ordered here by id, lowest first, as a stable sort orders them (`akl_head`).
     g_head + g_tail = 0 (p = q) takes both weights as ½: both KLs and their gradients are 0 there.
     `vocab` merges the sums of a vocab slice (the block is the whole row under `WHOLE_VOCAB`)."""
     p = log_p.exp()
-    head = p.detach() >= head_threshold(p, head_mass, vocab)
+    head = akl_head(p, head_mass, vocab)
     gap = (p - log_q.detach().exp()).abs()
-    forward, reverse, g_head, g_all = vocab.merge(sums=(
+    forward, reverse, g_head, g_tail = vocab.merge(sums=(
         _plogr(p, log_p - log_q), _plogr(log_q.exp(), log_q - log_p),
-        torch.where(head, gap, 0.0).sum(-1), gap.sum(-1)))[2]
+        torch.where(head, gap, 0.0).sum(-1), torch.where(head, 0.0, gap).sum(-1)))[2]
+    g_all = g_head + g_tail
     some = g_all > 0
     w_head = torch.where(some, g_head / torch.where(some, g_all, 1.0), 0.5)
-    w_tail = torch.where(some, (g_all - g_head) / torch.where(some, g_all, 1.0), 0.5)
+    w_tail = torch.where(some, g_tail / torch.where(some, g_all, 1.0), 0.5)
     return w_head * forward + w_tail * reverse
 
 
-def head_threshold(p: torch.Tensor, head_mass: float, vocab) -> torch.Tensor:
-    """θ (R, 1), with AKL's head = {i: p_i ≥ θ} (`adaptive_kl`): θ = min(θ*, max p), θ* the
-    least p_i with F(p_i) = Σ_(j: p_j ≥ p_i) p_j ≤ μ. F falls as its argument rises, so θ* is found by
-    bisection over the bit patterns of p's dtype (a float ≥ 0 orders as its bits): exact, one masked
-    sum over the row per bit (30 for fp32, 62 for fp64), merged over the vocab (`Vocab.merge`), no
-    host sync. A full sort finds it too, but the bisection's merges are (R,) numbers each, where a
-    sort of a vocab slice would have to gather the slices."""
+def akl_head(p: torch.Tensor, head_mass: float, vocab) -> torch.Tensor:
+    """AKL's head (R, V) bool of the teacher's probabilities p (`adaptive_kl`): the longest prefix of the ids
+    in the order of p descending, ties by id ascending (a stable sort's), whose p sums to at most μ, and
+    the first id of that order always. Found without a sort, exactly, with no host sync:
+      θ  the least p value with F(θ) = Σ_(p_j ≥ θ) p_j ≤ μ, by bisection over the bit patterns of p's
+         dtype (a float ≥ 0 orders as its bits; F falls as θ rises): one masked sum over the row per
+         bit, 31 for fp32, 63 for fp64. Every id with p ≥ θ is in the head.
+      v  the largest p below θ (the tied group the prefix ends in), and c = ⌊(μ − F(θ)) / v⌋ of its ids,
+         those of least id, are in the head too (at least one where the group holds the largest p).
+    Each step is a sum or max over the vocab of (R,) numbers (`Vocab.merge`, `Vocab.amax`) and one count
+    of the group's ids on the slices before this one (`Vocab.before`): a vocab slice merges them over
+    the ranks, about 40 all-reduces of R numbers a block (a sort would gather the slices' p)."""
     p = p.detach()
     ints = {torch.float32: torch.int32, torch.float64: torch.int64}[p.dtype]
     one = torch.tensor(1.0, dtype=p.dtype).view(ints).item()
-    # F(bits) ≤ μ for bits ≥ hi; lo: not known. Invariant: the least bits with F ≤ μ is in (lo, hi]
+    # the least bits with F ≤ μ lies in (lo, hi]: F(bits of 1.0 + 1) = 0 (no p above 1)
     lo = torch.full((p.shape[0], 1), -1, dtype=ints, device=p.device)
     hi = torch.full((p.shape[0], 1), one + 1, dtype=ints, device=p.device)
-    for _ in range(one.bit_length() + 1):
-        mid = lo + (hi - lo) // 2
-        (mass,) = vocab.merge(sums=(torch.where(p >= mid.view(p.dtype), p, 0.0).sum(-1),))[2]
+    for _ in range((one + 2).bit_length()):
+        mid = lo + (hi - lo) // 2  # = lo once a row has converged (hi = lo + 1): then it stays
+        (mass,) = vocab.merge(sums=(torch.where(p >= mid.clamp_min(0).view(p.dtype), p, 0.0).sum(-1),))[2]
         fits = (mass <= head_mass)[:, None]
-        hi, lo = torch.where(fits, mid, hi), torch.where(fits, lo, mid)
-    theta = torch.where(hi > one, torch.inf, hi.clamp_max(one).view(p.dtype))
-    return torch.minimum(theta, vocab.amax(p)[:, None])
+        done = hi - lo <= 1
+        hi, lo = torch.where(fits & ~done, mid, hi), torch.where(fits | done, lo, mid)
+    theta = hi.clamp_max(one).view(p.dtype)  # bits one + 1 is no float here: only p ≥ 1 would reach it
+    above = p >= theta
+    below = torch.where(above, -1.0, p)
+    v = vocab.amax(below)[:, None]  # the group the prefix ends in (−1: every id is in the head already)
+    (mass,) = vocab.merge(sums=(torch.where(above, p, 0.0).sum(-1),))[2]
+    fit = torch.floor((head_mass - mass[:, None]) / torch.where(v > 0, v, 1.0)).clamp_min(0.0)
+    # no id above θ anywhere (its mass is 0): v is the largest p, and the first of its ids is in the head
+    fit = torch.where(mass[:, None] == 0, fit.clamp_min(1.0), fit)
+    group = (p == v) & (v >= 0)
+    rank = torch.cumsum(group.to(torch.int64), -1) - 1 + vocab.before(group.sum(-1))[:, None]
+    return above | (group & (rank < fit))
+
+
 def _plogr(w: torch.Tensor, log_ratio: torch.Tensor) -> torch.Tensor:
     """Σ w · log_ratio with 0 · log 0 = 0: a column at −inf (probability 0) adds nothing, not NaN."""
     # the ratio is masked before the product too: its NaN (−inf − −inf) would reach w's gradient
