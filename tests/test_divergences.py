@@ -205,6 +205,8 @@ def test_akl_head_is_the_sorted_prefix(dtype, mu, seed):
     assert (head == want)[sure].all()
     assert sure[:, :50].float().mean() > 0.5
     assert head.any(-1).all()
+    if mu == 1.0:  # the whole row, also where Σ p rounds past 1
+        assert head.all()
 
 
 def test_akl_ties_are_ordered_by_id():
@@ -273,9 +275,51 @@ def test_non_numbers_are_named(name, value):
 def test_triton_backend_runs_them_on_the_torch_rows():
     """No Triton kernel has these rows yet: "triton" and "auto" give the torch rows' result, bit for bit."""
     pytest.importorskip("triton")
-    xs, ws, xt, wt, labels = (t.float() for t in _small(3))
-    labels = labels.long()
+    device = "cuda" if torch.cuda.is_available() else "cpu"  # on a CPU, the interpreter (tests/conftest.py)
+    xs, ws, xt, wt = (t.float().to(device) for t in _small(3)[:4])
+    labels = _small(3)[4].to(device)
     for loss in NEW:
         a = flashkd.fused_linear_distill(xs, ws, xt, wt, labels, loss=loss, backend="triton")
         b = flashkd.fused_linear_distill(xs, ws, xt, wt, labels, loss=loss, backend="torch")
         assert torch.equal(a, b)
+
+
+def _vocab_parallel_worker(rank, world, seed):
+    """The three on a vocab split across ranks (uneven slices, not in rank order, a one-id slice at world
+    3), fp64, against the unsharded call: AKL's head is found from the slices' merged sums and counts."""
+    from test_distributed import HT, LAYOUTS, _compare, _device, _inputs, _leaf
+
+    start, stop = LAYOUTS[world][rank]
+    device = _device()
+    gen = torch.Generator().manual_seed(seed)  # the same inputs on every rank
+    par = dict(process_group=torch.distributed.group.WORLD, vocab_start=start)
+    for options in (dict(loss="akl"), dict(loss="akl", head_mass=0.2, temperature=0.6, chunk_size=4),
+                    dict(loss="akl", head_mass=0.9, return_stats=True), dict(loss="skew_kl", alpha=0.3),
+                    dict(loss="skew_reverse_kl", alpha=0.2, return_soft_hard_loss=True)):
+        xs, ws, xt, wt, labels, bs, _ = _inputs(gen, 11, torch.float64, device, bias=True)
+        xt = xt * 3.0  # peaked rows: a head of one id or a few
+        xt[2] = 0.0  # a flat teacher: every id tied
+        for form in ("heads", "logits"):
+            lf = [_leaf(xs), _leaf(ws), _leaf(bs)]
+            ls = [_leaf(xs), _leaf(ws[start:stop]), _leaf(bs[start:stop])]
+            if form == "heads":
+                fn, full_t, shard_t = flashkd.fused_linear_distill, [xt, wt], [xt, wt[start:stop]]
+            else:
+                tl = xt @ wt.t()
+                fn, full_t, shard_t = flashkd.fused_linear_distill_logits, [tl], [tl[:, start:stop]]
+            full = dict(args=[lf[0], lf[1], *full_t, labels], kw=dict(student_bias=lf[2]), leaves=lf)
+            shard = dict(args=[ls[0], ls[1], *shard_t, labels], kw=dict(student_bias=ls[2], **par), leaves=ls)
+            _compare(fn, f"{form} {options}", full, shard, start, stop, **options)
+        ids, lp = flashkd.teacher_topk(xt, wt, 5)
+        lf, ls = [_leaf(xs), _leaf(ws), None], [_leaf(xs), _leaf(ws[start:stop]), None]
+        full = dict(args=[lf[0], lf[1], ids, lp, labels], kw={}, leaves=lf)
+        shard = dict(args=[ls[0], ls[1], ids, lp, labels], kw=dict(par), leaves=ls)
+        _compare(flashkd.fused_linear_distill_topk, f"topk {options}", full, shard, start, stop,
+                 tail="renormalize", **options)
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_vocab_parallel_equals_unsharded(world):
+    from test_distributed import _spawn
+
+    _spawn(_vocab_parallel_worker, world)

@@ -634,6 +634,8 @@ def akl_head(p: torch.Tensor, head_mass: float, vocab) -> torch.Tensor:
     of the group's ids on the slices before this one (`Vocab.before`): a vocab slice merges them over
     the ranks, about 40 all-reduces of R numbers a block (a sort would gather the slices' p)."""
     p = p.detach()
+    if head_mass >= 1.0:  # every prefix sums to at most 1: the whole row, where rounding may not say so
+        return torch.ones_like(p, dtype=torch.bool)
     ints = {torch.float32: torch.int32, torch.float64: torch.int64}[p.dtype]
     one = torch.tensor(1.0, dtype=p.dtype).view(ints).item()
     # the least bits with F ≤ μ lies in (lo, hi]: F(bits of 1.0 + 1) = 0 (no p above 1)

@@ -84,6 +84,15 @@ class ShardedVocab(Vocab):
         dist.all_reduce(m, op=dist.ReduceOp.MAX, group=self.group)
         return m
 
+    def before(self, count):
+        """`Vocab.before` over the group: each rank's (start, count) in one all-gather of (2, R) int64
+        (16·R bytes a rank), the counts of the slices that start before this one summed."""
+        mine = torch.stack([torch.full_like(count, self.start), count]).contiguous()
+        every = torch.empty(self.copies * mine.numel(), dtype=mine.dtype, device=mine.device)
+        all_gather(every, mine.view(-1), self.group)
+        every = every.view(self.copies, 2, -1)
+        return torch.where(every[:, 0] < self.start, every[:, 1], 0).sum(0)
+
     def merge(self, log_softmax=(), lse=(), sums=()):
         """`Vocab.merge` over the group: one all-reduce MAX of every logsumexp's row maxima (not
         differentiated: the logsumexp's gradient does not depend on its shift), then one
