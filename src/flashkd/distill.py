@@ -62,8 +62,12 @@ def fused_linear_distill(
     teacher_weight (Vt, Ht) with Vt >= V, labels (...) int64 or int32 or None, biases (V,) and (Vt,). All
     float tensors share one dtype (fp16, bf16, fp32, fp64).
     loss=: "jsd" (β-weighted JSD, β = 0 forward KL, β = 1 reverse KL), "forward_kl" (KL(p‖q)),
-    "reverse_kl" (KL(q‖p)), "tvd" (½ Σ|q − p|) or "cosine" (β (1 − cos) of the logits); q and p are
-    the student's and teacher's softmax at temperature τ.
+    "reverse_kl" (KL(q‖p)), "tvd" (½ Σ|q − p|), "cosine" (β (1 − cos) of the logits), "skew_kl"
+    (KL(p ‖ α p + (1 − α) q)), "skew_reverse_kl" (KL(q ‖ (1 − α) p + α q)), α = `alpha` in [0, 1], or
+    "akl" (adaptive KL: forward and reverse KL weighted by the gaps |p − q| in the teacher's head, its
+    likeliest ids holding mass `head_mass` μ in [0, 1], and tail; the weights are not differentiated);
+    q and p are the student's and teacher's softmax at temperature τ. The three last run on the torch
+    rows on every backend for now.
 
     Returns the scalar loss  w_hard · CE + w_soft · soft  (see `flashkd.losses` for every formula),
     fp32 (fp64 for fp64 inputs, computed in fp64 on every backend), or `(loss, soft, hard)` with
