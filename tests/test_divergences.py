@@ -64,7 +64,9 @@ def test_dense_logits_exact_at_trained_magnitudes(loss, params, seed):
     # not AKL with the plain bucket here: its reverse KL weighs q_rest · log(q_rest / p_rest) with p_rest = 1 − Σ p
     # over the ids, which fp32 log-probs of a peaked row round to 0 (an infinite loss, as reverse_kl's)
     ("akl", "renormalize", None), ("akl", "bucket", 1e-7)])
-def test_topk_exact_at_trained_magnitudes(loss, tail, clamp, seed):
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_topk_exact_at_trained_magnitudes(backend, loss, tail, clamp, seed):
+    """On the Triton backend the kernels' passes over the vocab, the categories' math in torch."""
     xs, ws, xt, wt, labels = make_case(seed)
     ids, lp = flashkd.teacher_topk(xt.double(), wt.double(), 9, temperature=0.8)
     lp = lp.float()
@@ -72,7 +74,7 @@ def test_topk_exact_at_trained_magnitudes(loss, tail, clamp, seed):
     opts = dict(loss=loss, tail=tail, tail_clamp=clamp, temperature=0.8, weight_hard_loss=0.5, weight_soft_loss=0.5,
                 **PARAMS[loss])
     xs_, ws_ = xs.clone().requires_grad_(), ws.clone().requires_grad_()
-    out = flashkd.fused_linear_distill_topk(xs_, ws_, ids, lp, labels, chunk_size=16, **opts)
+    out = flashkd.fused_linear_distill_topk(xs_, ws_, ids, lp, labels, chunk_size=16, backend=backend, **opts)
     grads = torch.autograd.grad(out, (xs_, ws_))
 
     def of_logits(zs):
@@ -273,7 +275,7 @@ def test_non_numbers_are_named(name, value):
 
 
 def test_triton_backend_runs_them_on_the_torch_rows():
-    """No Triton kernel has these rows yet: "triton" and "auto" give the torch rows' result, bit for bit."""
+    """No dense Triton kernel has these rows yet: "triton" gives the torch rows' result, bit for bit."""
     pytest.importorskip("triton")
     device = "cuda" if torch.cuda.is_available() else "cpu"  # on a CPU, the interpreter (tests/conftest.py)
     xs, ws, xt, wt = (t.float().to(device) for t in _small(3)[:4])

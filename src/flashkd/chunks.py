@@ -382,7 +382,7 @@ def run(call: Call, rows: Rows, vocab=None):
     # ask cuBLAS for an output dtype it does not offer (fp64 from fp32 operands).
     if grad_accum_dtype not in (wide, ws.dtype):
         raise TypeError(f"grad_accum_dtype: expected {wide} or student_weight's dtype {ws.dtype}, got {grad_accum_dtype!r}")
-    backend = pick_backend(call.backend, xs, spec.kind)
+    backend = pick_backend(call.backend, xs, spec.kind if form != "topk" else None)  # top-k: all on Triton
     want_dw = torch.is_grad_enabled() and ws.requires_grad
     accum_bytes = grad_accum_dtype.itemsize if want_dw else 0
     v = ws.shape[0] if vocab is None else vocab.plan_size
@@ -716,7 +716,8 @@ def pick_backend(backend, x, loss=None):
                 f"backend: 'triton' needs CUDA tensors (or TRITON_INTERPRET=1), got tensors on {x.device}"
             )
     # The Triton kernels compute in fp32: fp64 inputs (float64 gradcheck, references) get the torch rows'
-    # fp64 math on every backend; so do the losses without a Triton kernel (`losses.TORCH_ONLY_LOSSES`).
+    # fp64 math on every backend; so do the losses without a dense Triton kernel (`losses.TORCH_ONLY_LOSSES`,
+    # given as `loss` where the rows are dense).
     return "torch" if x.dtype == torch.float64 or loss in TORCH_ONLY_LOSSES else backend
 
 
