@@ -41,9 +41,12 @@ for stage in $stages; do
       --out "$OUT/sweep" 2>&1 | tee "$OUT/bench-sweep.log" || status=1 ;;
     bench-losses) python3 -m flashkd bench --preset seed -n 8192 --loss forward_kl reverse_kl tvd --providers flashkd floor \
       --modes full no-grad-forward --out "$OUT/losses" 2>&1 | tee "$OUT/bench-losses.log" || status=1 ;;
-    # skew KL, skew reverse KL, AKL beside JSD at the seed (their rows run on the torch definition for now)
-    bench-divergences) python3 -m flashkd bench --preset seed -n 8192 --loss jsd skew_kl skew_reverse_kl akl \
-      --providers flashkd floor --modes full --out "$OUT/divergences" 2>&1 | tee "$OUT/bench-divergences.log" || status=1 ;;
+    # skew KL, skew reverse KL, AKL beside JSD at the seed (their dense rows run on the torch definition for now),
+    # and on a top-k teacher (the Triton backend's passes, the categories' math in torch)
+    bench-divergences) { python3 -m flashkd bench --preset seed -n 8192 --loss jsd skew_kl skew_reverse_kl akl \
+      --providers flashkd floor --modes full --out "$OUT/divergences" \
+      && python3 -m flashkd bench --preset topk --loss jsd skew_kl skew_reverse_kl akl --providers flashkd floor \
+      --modes full --out "$OUT/divergences-topk"; } 2>&1 | tee "$OUT/bench-divergences.log" || status=1 ;;
     bench-softonly) python3 -m flashkd bench --preset seed -n 8192 --loss jsd --weight-hard 0 --weight-soft 1 \
       --providers flashkd liger floor --modes full --out "$OUT/softonly" 2>&1 | tee "$OUT/bench-softonly.log" || status=1 ;;
     memory) python3 benchmarks/bench_memory.py 2>&1 | tee "$OUT/memory.log" || status=1 ;;
