@@ -18,7 +18,7 @@ if compgen -G ".whl/*.whl" >/dev/null; then
   python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/flashkd-site .whl/*.whl \
     && export PYTHONPATH="$PYTHONPATH:/tmp/flashkd-site"
 fi
-stages=${*:-tests rows breakdown profile bench-seed bench-trained bench-sweep bench-losses bench-softonly memory bench-topk bench-logits bench-teacher-topk bench-softcap bench-trl bench-trl-step bench-trl-onpolicy bench-fp8 dist-one-gpu}
+stages=${*:-tests rows breakdown profile bench-seed bench-trained bench-sweep bench-losses bench-divergences bench-softonly memory bench-topk bench-logits bench-teacher-topk bench-softcap bench-trl bench-trl-step bench-trl-onpolicy bench-fp8 dist-one-gpu}
 status=0
 nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm --format=csv | tee "$OUT/env.txt"
 python3 -c "import torch, triton; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'triton', triton.__version__)" | tee -a "$OUT/env.txt"
@@ -48,6 +48,12 @@ for stage in $stages; do
       --out "$OUT/sweep" 2>&1 | tee "$OUT/bench-sweep.log" || status=1 ;;
     bench-losses) python3 -m flashkd bench --preset seed -n 8192 --loss forward_kl reverse_kl tvd --providers flashkd floor \
       --modes full no-grad-forward --out "$OUT/losses" 2>&1 | tee "$OUT/bench-losses.log" || status=1 ;;
+    # skew KL, skew reverse KL, AKL beside JSD at the seed (their dense rows run on the torch definition for now),
+    # and on a top-k teacher (the Triton backend's passes, the categories' math in torch)
+    bench-divergences) { python3 -m flashkd bench --preset seed -n 8192 --loss jsd skew_kl skew_reverse_kl akl \
+      --providers flashkd floor --modes full --out "$OUT/divergences" \
+      && python3 -m flashkd bench --preset topk --loss jsd skew_kl skew_reverse_kl akl --providers flashkd floor \
+      --modes full --out "$OUT/divergences-topk"; } 2>&1 | tee "$OUT/bench-divergences.log" || status=1 ;;
     bench-softonly) python3 -m flashkd bench --preset seed -n 8192 --loss jsd --weight-hard 0 --weight-soft 1 \
       --providers flashkd liger floor --modes full --out "$OUT/softonly" 2>&1 | tee "$OUT/bench-softonly.log" || status=1 ;;
     memory) python3 benchmarks/bench_memory.py 2>&1 | tee "$OUT/memory.log" || status=1 ;;

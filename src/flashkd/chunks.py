@@ -77,7 +77,7 @@ from typing import ClassVar
 import torch
 
 from . import fp8
-from .losses import DistillStats, LossSpec, check_finite_float, check_ignore_index
+from .losses import TORCH_ONLY_LOSSES, DistillStats, LossSpec, check_finite_float, check_ignore_index
 from .backends import torch_rows
 
 # Default memory for one chunk's logits. Bigger chunks make the GEMMs more efficient; past a few
@@ -231,6 +231,8 @@ def _make_call(
     tail_clamp: float | None = None,
     check_teacher: bool | None = None,
     teacher_precision: str | None = None,
+    alpha: float = 0.1,
+    head_mass: float = 0.5,
 ) -> Call:
     """The Call of a public function's keywords: its LossSpec (the one place where the public weights'
     names meet LossSpec's fields, checked under the public names first) and its flags checked. The
@@ -255,6 +257,8 @@ def _make_call(
     spec = LossSpec(
         loss=loss,
         beta=beta,
+        alpha=alpha,
+        head_mass=head_mass,
         temperature=temperature,
         weight_hard=w_hard,
         weight_soft=w_soft,
@@ -387,7 +391,7 @@ def run(call: Call, rows: Rows, vocab=None):
     # ask cuBLAS for an output dtype it does not offer (fp64 from fp32 operands).
     if grad_accum_dtype not in (wide, ws.dtype):
         raise TypeError(f"grad_accum_dtype: expected {wide} or student_weight's dtype {ws.dtype}, got {grad_accum_dtype!r}")
-    backend = pick_backend(call.backend, xs)
+    backend = pick_backend(call.backend, xs, spec.kind if form != "topk" else None)  # top-k: all on Triton
     want_dw = torch.is_grad_enabled() and ws.requires_grad
     accum_bytes = grad_accum_dtype.itemsize if want_dw else 0
     v = ws.shape[0] if vocab is None else vocab.plan_size
@@ -704,7 +708,7 @@ def check_chunk_size(chunk_size) -> None:
         raise ValueError(f"chunk_size: expected a positive int or None, got {chunk_size!r}")
 
 
-def pick_backend(backend, x):
+def pick_backend(backend, x, loss=None):
     check_backend(backend)
     interpret = os.environ.get("TRITON_INTERPRET") == "1"
     if backend == "auto":
@@ -732,8 +736,9 @@ def pick_backend(backend, x):
         if interpret and not x.is_cuda and x.dtype != torch.float64 and (why := _interpreter_problem()):
             raise RuntimeError(why)
     # The Triton kernels compute in fp32: fp64 inputs (float64 gradcheck, references) get the torch rows'
-    # fp64 math on every backend.
-    return "torch" if x.dtype == torch.float64 else backend
+    # fp64 math on every backend; so do the losses without a dense Triton kernel (`losses.TORCH_ONLY_LOSSES`,
+    # given as `loss` where the rows are dense).
+    return "torch" if x.dtype == torch.float64 or loss in TORCH_ONLY_LOSSES else backend
 
 
 # The losses "auto" runs with the CuTe DSL logits GEMMs where they fit (`_cute_fits`: of these, forward KL

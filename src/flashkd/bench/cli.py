@@ -31,7 +31,7 @@ if TYPE_CHECKING:  # imported where they are used, after the arguments are parse
 # (tests/test_first_hour.py holds them equal): flashkd.losses LOSSES and TAILS, flashkd.bench.workloads
 # FORMS, INPUTS, DTYPES and PRESETS, flashkd.records.protocol MODES, flashkd.fp8 PRECISIONS, and the
 # providers of flashkd.bench.providers.PROVIDERS (a dict others may add to: checked against it in plan()).
-LOSSES = ("jsd", "forward_kl", "reverse_kl", "tvd", "cosine")
+LOSSES = ("jsd", "forward_kl", "reverse_kl", "tvd", "cosine", "skew_kl", "skew_reverse_kl", "akl")
 TAILS = ("bucket", "renormalize")
 FORMS = ("heads", "logits", "topk", "teacher_topk")
 INPUTS = ("bench", "trained")
