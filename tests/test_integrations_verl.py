@@ -1,0 +1,248 @@
+"""flashkd.integrations.verl: verl's own `compute_forward_kl_topk` (its FSDP engine's top-k loss and
+diagnostics, from the student's logits) against `topk_outputs` (from hidden states and the LM head),
+values and diagnostics; the gradients against a float64 autograd of verl's formula; the reverse-KL and
+JSD options against flashkd's top-k definition on the dense logits; bf16 at a trained head's
+magnitudes; `patch()`'s version refusal. On CPU, with verl installed without its dependencies
+(tests/requirements-frameworks.txt)."""
+
+import importlib
+import importlib.util
+import math
+import sys
+import types
+from pathlib import Path
+
+import pytest
+import torch
+
+if importlib.util.find_spec("verl") is None:
+    pytest.skip("verl is not installed", allow_module_level=True)
+
+import flashkd.integrations.verl as fk_verl  # noqa: E402
+from flashkd.losses import LossSpec, topk_row_losses  # noqa: E402
+from conftest import BACKENDS  # noqa: E402
+
+
+def _load_reference():
+    """verl's `verl/trainer/distillation/fsdp/losses.py`, as installed. Importing it through verl's
+    packages pulls in ray and tensordict (`verl/__init__`, `verl.workers.config`); where those are
+    absent the file itself is loaded, with `verl.workers.config` (whose config classes it names in
+    annotations only) stood in for while it loads. Its own imports are real: `verl.utils.ulysses`."""
+    try:
+        return importlib.import_module("verl.trainer.distillation.fsdp.losses")
+    except ImportError:
+        pass
+    root = Path(importlib.util.find_spec("verl").submodule_search_locations[0])
+    names = ("verl", "verl.workers", "verl.workers.config")
+    saved = {name: sys.modules.get(name) for name in names}
+    try:
+        if "verl" not in sys.modules or not hasattr(sys.modules["verl"], "__path__"):
+            package = types.ModuleType("verl")
+            package.__path__ = [str(root)]
+            sys.modules["verl"] = package
+        config = types.ModuleType("verl.workers.config")
+        config.DistillationConfig = config.DistillationLossConfig = object
+        sys.modules["verl.workers"] = types.ModuleType("verl.workers")
+        sys.modules["verl.workers.config"] = config
+        spec = importlib.util.spec_from_file_location("_verl_fsdp_distillation_losses",
+                                                      root / "trainer" / "distillation" / "fsdp" / "losses.py")
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        return module
+    finally:
+        for name, old in saved.items():
+            if old is None:
+                sys.modules.pop(name, None)
+            else:
+                sys.modules[name] = old
+
+
+verl_losses = _load_reference()
+
+
+def _config(clamp=None, chunked=False):
+    loss = types.SimpleNamespace(log_prob_min_clamp=clamp, use_chunked_topk=chunked, chunked_topk_chunk_size=5, topk=None)
+    return types.SimpleNamespace(distillation_loss=loss)
+
+
+def _verl(logits, ids, lp, lengths, clamp=None, chunked=False):
+    """verl's reference on (1, N, V) logits; teacher tensors nested by sequence, as its engine gives them."""
+    offsets = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()])
+    nested = [torch.nested.nested_tensor_from_jagged(t, offsets) for t in (lp, ids)]
+    out = verl_losses.compute_forward_kl_topk(logits[None], nested[0], nested[1], _config(clamp, chunked), "thd")
+    return {k: v[0] for k, v in out.items()}
+
+
+def _problem(n=37, h=24, v=211, k=8, dtype=torch.float64, std=4.0, peak=30.0):
+    """Trained-head magnitudes: student logits of std ~`std` with a peak near `peak` on some rows; a
+    teacher's top-k ids and log-probs from its own (correlated) logits, so that the top-k sets overlap."""
+    x = torch.randn(n, h, dtype=torch.float64)
+    w = torch.randn(v, h, dtype=torch.float64) * std / math.sqrt(h)
+    hot = torch.randint(0, v, (n // 3,))
+    w[hot] += x[: n // 3] * (peak / h)  # rows 0 .. n/3: a logit near `peak` at one id
+    t_logits = (x @ w.t()) * 0.8 + torch.randn(n, v, dtype=torch.float64) * 2.0
+    lp_all = torch.log_softmax(t_logits, -1)
+    lp, ids = lp_all.topk(k, -1)
+    return x.to(dtype), w.to(dtype), ids, lp.to(dtype)
+
+
+def _oracle(x, w, ids, lp, tau, clamp):
+    """verl's formula in float64, differentiable: Σ p (log p − log q) over the ids, clamps included."""
+    z = (x @ w.t()) / tau
+    log_q = torch.log_softmax(z, -1).gather(-1, ids)
+    if clamp is not None:
+        log_q, lp = log_q.clamp_min(clamp), lp.clamp_min(clamp)
+    return (lp.exp() * (lp - log_q)).sum(-1)
+
+
+CASES = [  # temperature, log_prob_min_clamp, verl's use_chunked_topk
+    (1.0, None, False),
+    (1.0, -8.0, False),
+    (0.7, None, True),
+    (1.6, -6.0, True),
+    (1.0, -0.5, False),  # most student log-probs clamped
+]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("tau, clamp, chunked", CASES)
+def test_outputs_match_verl(tau, clamp, chunked, backend, seed):
+    x, w, ids, lp = _problem()
+    lengths = [5, 1, 20, 11]
+    ref = _verl((x @ w.t()) / tau, ids, lp, lengths, clamp, chunked)
+    xs, ws = x.clone().requires_grad_(), w.clone().requires_grad_()
+    ours = fk_verl.topk_outputs(xs, ws, ids, lp, temperature=tau, log_prob_min_clamp=clamp, chunk_size=7,
+                                backend=backend)
+    assert set(ours) == set(ref)
+    assert torch.equal(ours["overlap_count"], ref["overlap_count"])
+    assert 0 < ref["overlap_count"].sum() < ids.numel()  # the overlap is neither empty nor total
+    # verl's chunked path takes its log-softmax in fp32 (`_chunked_topk_log_probs`): equal to its rounding
+    tol = dict(rtol=2e-6, atol=2e-6) if chunked else dict(rtol=1e-10, atol=1e-12)
+    for name in ("student_mass", "teacher_mass", "overlap_token_advantage"):
+        torch.testing.assert_close(ours[name], ref[name], **tol, msg=name)
+    # verl's kl_divergence casts its inputs to fp32: equal to its rounding; to the float64 formula at 1e-10
+    truth = _oracle(x, w, ids, lp, tau, clamp)
+    torch.testing.assert_close(ref["distillation_losses"].double(), truth, rtol=2e-6, atol=2e-6)
+    torch.testing.assert_close(ours["distillation_losses"], truth, rtol=1e-10, atol=1e-12)
+    if clamp is not None:
+        log_q = torch.log_softmax((x @ w.t()) / tau, -1).gather(-1, ids)
+        assert (log_q < clamp).any() and (log_q > clamp).any()  # the clamp cuts some ids, not all
+
+    # gradients: of verl's downstream use, its clamp at 0 then a weighted sum (any aggregation is one)
+    g = torch.rand(x.shape[0], dtype=torch.float64) + 0.5
+    (ours["distillation_losses"].clamp_min(0.0) * g).sum().backward()
+    xo, wo = x.clone().requires_grad_(), w.clone().requires_grad_()
+    (_oracle(xo, wo, ids, lp, tau, clamp).clamp_min(0.0) * g).sum().backward()
+    torch.testing.assert_close(xs.grad, xo.grad, rtol=1e-9, atol=1e-11)
+    torch.testing.assert_close(ws.grad, wo.grad, rtol=1e-9, atol=1e-11)
+
+
+def test_negative_losses_get_no_gradient(seed):
+    """verl clamps the per-token losses at 0: a row below it is cut there, in values and gradients."""
+    x, w, ids, lp = _problem(n=16)
+    lp = lp - 1.5  # teacher mass ~e^-1.5 on its ids: Σ p (log p − log q) < 0 on some rows
+    xs = x.clone().requires_grad_()
+    loss = fk_verl.topk_outputs(xs, w, ids, lp)["distillation_losses"]
+    assert (loss < 0).any() and (loss > 0).any()
+    loss.clamp_min(0.0).sum().backward()
+    xo = x.clone().requires_grad_()
+    _oracle(xo, w, ids, lp, 1.0, None).clamp_min(0.0).sum().backward()
+    torch.testing.assert_close(xs.grad, xo.grad, rtol=1e-9, atol=1e-11)
+    assert (xs.grad[loss < 0] == 0).all()
+
+
+def _topk_oracle(x, w, ids, lp, tau, loss, beta):
+    """flashkd's top-k form written out in float64 on dense logits: categories = the ids + a bucket."""
+    log_q_all = torch.log_softmax((x @ w.t()) / tau, -1)
+    log_q_k = log_q_all.gather(-1, ids)
+    on_ids = torch.zeros_like(log_q_all, dtype=torch.bool).scatter(-1, ids, True)
+    log_q_rest = torch.logsumexp(log_q_all.masked_fill(on_ids, -torch.inf), -1, keepdim=True)
+    p_k = lp.exp()
+    p_rest = (1.0 - p_k.sum(-1, keepdim=True)).clamp_min(0.0)
+    q = torch.cat([log_q_k, log_q_rest], -1).exp()
+    p = torch.cat([p_k, p_rest], -1)
+    p = p / p.sum(-1, keepdim=True)
+
+    def kl(a, b):
+        return (a * torch.where(a > 0, a.log() - b.log(), 0.0)).sum(-1)
+
+    if loss == "reverse_kl":
+        return kl(q, p)
+    m = beta * p + (1 - beta) * q
+    return beta * kl(p, m) + (1 - beta) * kl(q, m)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("loss, beta, tau", [("reverse_kl", 0.5, 1.0), ("jsd", 0.5, 1.0), ("jsd", 0.2, 0.8)])
+def test_reverse_kl_and_jsd_options(loss, beta, tau, backend, seed):
+    x, w, ids, lp = _problem(n=23)
+    xs, ws = x.clone().requires_grad_(), w.clone().requires_grad_()
+    out = fk_verl.topk_outputs(xs, ws, ids, lp, temperature=tau, loss=loss, beta=beta, backend=backend)
+    truth_x, truth_w = x.clone().requires_grad_(), w.clone().requires_grad_()
+    truth = _topk_oracle(truth_x, truth_w, ids, lp, tau, loss, beta)
+    torch.testing.assert_close(out["distillation_losses"], truth.detach(), rtol=1e-10, atol=1e-12)
+    g = torch.rand(x.shape[0], dtype=torch.float64)
+    (out["distillation_losses"] * g).sum().backward()
+    (truth * g).sum().backward()
+    torch.testing.assert_close(xs.grad, truth_x.grad, rtol=1e-9, atol=1e-11)
+    torch.testing.assert_close(ws.grad, truth_w.grad, rtol=1e-9, atol=1e-11)
+    # the diagnostics are verl's whatever the loss
+    ref = _verl(x @ w.t() / tau, ids, lp, [x.shape[0]])
+    assert torch.equal(out["overlap_count"], ref["overlap_count"])
+    torch.testing.assert_close(out["student_mass"], ref["student_mass"], rtol=1e-10, atol=1e-12)
+
+
+def test_bf16_at_trained_magnitudes(seed):
+    """bf16 hidden states and head: the per-token losses within 1.3x the error of verl's formula on fp32
+    logits of the same bf16 inputs (the fp32-logit pipeline), both against float64 on those inputs."""
+    x, w, ids, lp = _problem(n=64, h=64, v=1031, k=16)
+    xb, wb = x.bfloat16(), w.bfloat16()
+    truth = _oracle(xb.double(), wb.double(), ids, lp, 1.0, None)
+    fp32 = _verl(xb.float() @ wb.float().t(), ids, lp.float(), [64])["distillation_losses"].double()
+    ours = fk_verl.topk_outputs(xb, wb, ids, lp.float())["distillation_losses"].double()
+    err_ours, err_fp32 = (ours - truth).abs().max(), (fp32 - truth).abs().max()
+    assert err_ours <= 1.3 * err_fp32 + 1e-6, (err_ours, err_fp32)
+    bf16_logits = _verl((xb @ wb.t()), ids, lp.bfloat16(), [64])["distillation_losses"].double()
+    assert err_ours < (bf16_logits - truth).abs().max()  # verl's own bf16 path is further off
+
+
+def test_bad_inputs_name_the_argument():
+    x, w, ids, lp = _problem(n=4)
+    with pytest.raises(ValueError, match="loss"):
+        fk_verl.topk_outputs(x, w, ids, lp, loss="tvd")
+    with pytest.raises(ValueError, match="log_prob_min_clamp"):
+        fk_verl.topk_outputs(x, w, ids, lp, loss="jsd", log_prob_min_clamp=-5.0)
+    with pytest.raises(ValueError, match="log_prob_min_clamp"):
+        fk_verl.topk_outputs(x, w, ids, lp, log_prob_min_clamp=float("nan"))
+    with pytest.raises(ValueError, match="teacher_ids"):
+        fk_verl.topk_outputs(x, w, ids[:3], lp)
+    with pytest.raises(ValueError, match="teacher_ids"):
+        fk_verl.topk_outputs(x, w, ids + w.shape[0], lp)
+    with pytest.raises(TypeError, match="teacher_ids"):
+        fk_verl.topk_outputs(x, w, ids.double(), lp)
+    with pytest.raises(ValueError, match="lm_head_weight"):
+        fk_verl.topk_outputs(x, w[:, :-1], ids, lp)
+    with pytest.raises(ValueError, match="chunk_size"):
+        fk_verl.topk_outputs(x, w, ids, lp, chunk_size=0)
+
+
+def test_patch_refuses_untested_versions(monkeypatch):
+    real = importlib.metadata.version
+    monkeypatch.setattr(importlib.metadata, "version", lambda name: "0.8.0" if name == "verl" else real(name))
+    with pytest.raises(RuntimeError, match=r"verl 0\.8\.0 is installed.*0\.9\.1"):
+        fk_verl.patch()
+    assert not fk_verl.is_patched()
+
+
+def test_patch_swaps_the_engine_methods():
+    try:
+        engine = importlib.import_module(fk_verl._ENGINE).FSDPEngineWithLMHead
+    except ImportError as error:  # the engine needs ray, tensordict, ...: the GPU machine's install
+        pytest.skip(f"verl's FSDP engine does not import here: {error}")
+    before = (engine.prepare_model_inputs, engine.prepare_model_outputs)
+    fk_verl.patch()
+    try:
+        assert fk_verl.is_patched() and engine.prepare_model_outputs is not before[1]
+    finally:
+        fk_verl.unpatch()
+    assert (engine.prepare_model_inputs, engine.prepare_model_outputs) == before
