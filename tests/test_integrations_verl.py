@@ -246,3 +246,67 @@ def test_patch_swaps_the_engine_methods():
     finally:
         fk_verl.unpatch()
     assert (engine.prepare_model_inputs, engine.prepare_model_outputs) == before
+
+
+def test_patched_engine_outputs_equal_verls_logits_path(seed):
+    """verl's own `FSDPEngineWithLMHead.prepare_model_outputs`, unpatched on the logits path (its real
+    distillation loss as the logits processor), against the patched one on the fused-kernel path (the
+    model's hidden states, no logits): the same nested per-token outputs, and the same gradients."""
+    import functools
+
+    try:
+        engine_mod = importlib.import_module(fk_verl._ENGINE)
+        from verl.trainer.distillation import distillation_ppo_loss
+        from verl.utils import tensordict_utils as tu
+    except ImportError as error:
+        pytest.skip(f"verl's FSDP engine does not import here: {error}")
+    engine_cls = engine_mod.FSDPEngineWithLMHead
+    x, w, ids, lp = _problem(n=29)
+    lengths = [9, 13, 7]
+    offsets = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()])
+    tau, clamp = 0.9, -8.0
+
+    def nested(t):
+        return torch.nested.nested_tensor_from_jagged(t, offsets)
+
+    def micro_batch(fused):
+        return tu.get_tensordict(
+            {"input_ids": nested(torch.randint(0, w.shape[0], (x.shape[0],))), "teacher_ids": nested(ids),
+             "teacher_logprobs": nested(lp)},
+            {"use_fused_kernels": fused, "distillation_use_topk": True, "distillation_only": True,
+             "use_remove_padding": True, "temperature": tau},
+        )
+
+    head = torch.nn.Linear(w.shape[1], w.shape[0], bias=False, dtype=torch.float64)
+    fake = types.SimpleNamespace(use_ulysses_sp=False, module=types.SimpleNamespace(get_output_embeddings=lambda: head))
+    fake._gather_and_unpad_packed = functools.partial(engine_cls._gather_and_unpad_packed, fake)
+    loss_cfg = types.SimpleNamespace(log_prob_min_clamp=clamp, use_chunked_topk=False, loss_mode="forward_kl_topk")
+    loss_fn = functools.partial(distillation_ppo_loss, config=types.SimpleNamespace(strategy="fsdp"),
+                                distillation_config=types.SimpleNamespace(distillation_loss=loss_cfg))
+    args = {"input_ids_rmpad_rolled": torch.zeros(x.shape[0], dtype=torch.long),
+            "temperature_rmpad": torch.full((x.shape[0],), tau, dtype=torch.float64), "pad_size": 0,
+            "temperature_is_one": False}
+
+    results = []
+    for fused in (False, True):
+        with torch.no_grad():
+            head.weight.copy_(w)
+        head.weight.grad = None
+        xs = x.clone().requires_grad_()
+        if fused:
+            fk_verl.patch()
+            out = types.SimpleNamespace(hidden_states=(torch.zeros(1), xs[None]), log_probs=None, entropy=None)
+        else:
+            out = types.SimpleNamespace(logits=head(xs)[None])
+        try:
+            model_output = engine_cls.prepare_model_outputs(fake, out, args, micro_batch(fused), loss_fn)
+        finally:
+            fk_verl.unpatch()
+        (model_output["distillation_losses"].values().clamp_min(0) * torch.linspace(0.5, 2, x.shape[0])).sum().backward()
+        results.append(({k: v.values() for k, v in model_output.items()}, xs.grad, head.weight.grad))
+    (ref, gx_ref, gw_ref), (ours, gx, gw) = results
+    assert set(ours) == set(ref) == set(fk_verl.FIELDS)
+    for name in fk_verl.FIELDS:  # verl's kl_divergence rounds its loss through fp32
+        torch.testing.assert_close(ours[name].detach(), ref[name].detach().to(ours[name].dtype), rtol=2e-6, atol=2e-6)
+    torch.testing.assert_close(gx, gx_ref, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(gw, gw_ref, rtol=1e-5, atol=1e-6)

@@ -295,11 +295,19 @@ def patch(**options) -> None:
 
     def prepare_model_outputs(self, output, output_args, micro_batch, logits_processor_func):
         model_output = outputs_fn(self, output, output_args, micro_batch, logits_processor_func)
-        if not ours(micro_batch):
+        if not ours(micro_batch) or logits_processor_func is None:
             return model_output
-        cfg = tu.get_non_tensor_data(data=micro_batch, key="distillation_config", default=None)
-        cfg = cfg if cfg is not None else getattr(self, "distillation_config", None)
+        # verl's worker passes partial(distillation_ppo_loss, config=..., distillation_config=...): the
+        # loss's config (its log_prob_min_clamp) is read from there, as its logits path reads it
+        cfg = (getattr(logits_processor_func, "keywords", None) or {}).get("distillation_config")
         loss_cfg = getattr(cfg, "distillation_loss", None)
+        if loss_cfg is None:
+            raise RuntimeError("flashkd.integrations.verl: expected the engine's loss function to be verl's "
+                               "partial(distillation_ppo_loss, ..., distillation_config=...), got "
+                               f"{logits_processor_func!r}: its distillation config is not known here")
+        if getattr(loss_cfg, "loss_mode", "forward_kl_topk") != "forward_kl_topk":
+            raise RuntimeError(f"flashkd.integrations.verl: expected distillation loss_mode 'forward_kl_topk' for "
+                               f"a top-k run, got {loss_cfg.loss_mode!r}")
         hidden = _last_hidden(output).squeeze(0)  # (total_nnz / sp + pad, H)
         head = _lm_head(self.module)
         weight, bias = full_head(head.weight, getattr(head, "bias", None), hidden.dtype)
