@@ -176,6 +176,10 @@ def _topk_oracle(x, w, ids, lp, tau, loss, beta):
 @pytest.mark.parametrize("loss, beta, tau", [("reverse_kl", 0.5, 1.0), ("jsd", 0.5, 1.0), ("jsd", 0.2, 0.8)])
 def test_reverse_kl_and_jsd_options(loss, beta, tau, backend, seed):
     x, w, ids, lp = _problem(n=23)
+    # The teacher's rest 1 − Σ p between 1e-3 and 0.3: a rest near float64's cancellation (a peaked
+    # teacher's, ~1e-14) is known to ~1e-2 of itself, and a reverse KL weighs it by q_rest / p_rest
+    rest = 10 ** (torch.rand(x.shape[0], 1, dtype=torch.float64) * 2.5 - 3)
+    lp = lp - lp.logsumexp(-1, keepdim=True) + torch.log1p(-rest)
     xs, ws = x.clone().requires_grad_(), w.clone().requires_grad_()
     out = fk_verl.topk_outputs(xs, ws, ids, lp, temperature=tau, loss=loss, beta=beta, backend=backend)
     truth_x, truth_w = x.clone().requires_grad_(), w.clone().requires_grad_()
