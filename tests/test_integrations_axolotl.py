@@ -5,6 +5,7 @@ truth, the plugin and `patch()`'s version refusal. On CPU, with axolotl installe
 dependencies (tests/requirements-frameworks.txt)."""
 
 import importlib
+import importlib.util
 import math
 
 import pytest
@@ -201,3 +202,20 @@ def test_patch_swaps_the_trainers_class():
     finally:
         fk_ax.unpatch()
     assert trainer_mod.LigerFusedLinearKLTopKLogprobLoss is Liger
+
+
+@pytest.mark.parametrize("ce", [False, True])
+def test_bench_axolotl_smoke(tmp_path, ce):
+    """benchmarks/bench_axolotl.py --smoke: both variants run and give the same loss (fp32)."""
+    import json
+    import pathlib
+
+    spec = importlib.util.spec_from_file_location(
+        "bench_axolotl", pathlib.Path(__file__).parent.parent / "benchmarks" / "bench_axolotl.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    assert bench.main(["--smoke", "--out", str(tmp_path)] + (["--ce"] if ce else [])) == 0
+    theirs, ours = json.loads((tmp_path / "results.json").read_text())["rows"]
+    assert (theirs["variant"], ours["variant"]) == ("axolotl (Liger)", "flashkd")
+    assert ours["loss"] == pytest.approx(theirs["loss"], rel=1e-5)
+    assert len(ours["times_s"]) == 2

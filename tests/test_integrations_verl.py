@@ -314,3 +314,21 @@ def test_patched_engine_outputs_equal_verls_logits_path(seed):
         torch.testing.assert_close(ours[name].detach(), ref[name].detach().to(ours[name].dtype), rtol=2e-6, atol=2e-6)
     torch.testing.assert_close(gx, gx_ref, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(gw, gw_ref, rtol=1e-5, atol=1e-6)
+
+
+def test_bench_verl_smoke(tmp_path):
+    """benchmarks/bench_verl.py --smoke: every variant runs, and the per-token losses agree (fp32)."""
+    import json
+
+    spec = importlib.util.spec_from_file_location("bench_verl", Path(__file__).parent.parent / "benchmarks" / "bench_verl.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    assert bench.main(["--smoke", "--out", str(tmp_path)]) == 0
+    rows = json.loads((tmp_path / "results.json").read_text())["rows"]
+    assert [(r["tokens"], r["variant"]) for r in rows] == [
+        (n, v) for n in (37, 64) for v in ("verl", "verl chunked", "flashkd", "flashkd top-k form")]
+    for r in rows:
+        assert len(r["times_s"]) == 2 and r["p20_s"] <= r["median_s"] <= r["p80_s"]
+        if r["variant"] != "flashkd top-k form":
+            assert r["max_abs_diff_vs_first"] < 1e-4
+    assert "| flashkd |" in (tmp_path / "summary.md").read_text()
