@@ -109,7 +109,10 @@ def _values(x, w, b, ids, lp, spec: LossSpec, clamp, chunk_size):
         logits = _linear(x[s:e], w, b)
         z = logits / spec.temperature if spec.temperature != 1.0 else logits
         i, t = ids[s:e], lp[s:e].to(wide)
-        log_q = z.gather(-1, i) - torch.logsumexp(z, -1, keepdim=True)
+        # log q relative to the row's largest logit, as log_softmax takes it: z_k − logsumexp(z) would
+        # round both at the logits' magnitude (fp32's ulp is 4e-6 at 40) before they cancel
+        top = z.max(-1, keepdim=True).values
+        log_q = (z.gather(-1, i) - top) - torch.logsumexp(z - top, -1, keepdim=True)
         own = torch.topk(z, k, dim=-1).indices  # the student's top-K (log_softmax keeps the order)
         del z
         if not verl_kl:  # flashkd's top-k form on the untempered logits (it applies τ)
