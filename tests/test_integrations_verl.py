@@ -343,3 +343,21 @@ def test_bench_verl_smoke(tmp_path):
         if r["variant"] != "flashkd top-k form":
             assert r["max_abs_diff_vs_first"] < 1e-4
     assert "| flashkd |" in (tmp_path / "summary.md").read_text()
+
+
+def test_verl_external_modules_installs_the_patch():
+    """VERL_USE_EXTERNAL_MODULES=flashkd.integrations.verl: verl imports it in each process that imports
+    verl (its workers too), and that import installs the patch."""
+    import os
+    import subprocess
+
+    try:
+        importlib.import_module(fk_verl._ENGINE)
+    except ImportError as error:
+        pytest.skip(f"verl's FSDP engine does not import here: {error}")
+    code = ("import verl, flashkd.integrations.verl as fk\n"
+            "from verl.workers.engine.fsdp.transformer_impl import FSDPEngineWithLMHead as E\n"
+            "assert fk.is_patched() and E.prepare_model_outputs.__module__ == 'flashkd.integrations.verl'\n")
+    env = {**os.environ, "VERL_USE_EXTERNAL_MODULES": "flashkd.integrations.verl",
+           "PYTHONPATH": os.pathsep.join(sys.path)}
+    subprocess.run([sys.executable, "-c", code], env=env, check=True, timeout=300)

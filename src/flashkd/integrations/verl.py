@@ -43,13 +43,16 @@ does three, with N·V·(2 + 4 + 4) bytes of logits, log-softmax and its gradient
 `actor.use_fused_kernels=True` (the path where the model returns no logits): it asks the model for its
 hidden states, takes the last (the LM head's input) and the LM head's weight (gathered once when it
 is an FSDP2 DTensor), and puts the five tensors into the model output where verl's fused path puts
-its own. It refuses a verl version other than `TESTED_VERL_VERSIONS`.
+its own. It refuses a verl version other than `TESTED_VERL_VERSIONS`. verl builds the engine in its
+Ray workers: `VERL_USE_EXTERNAL_MODULES=flashkd.integrations.verl` in their environment makes each
+import this module with verl, and the import installs the patch (with its default options).
 """
 
 from __future__ import annotations
 
 import importlib.metadata
 import math
+import os
 
 import torch
 
@@ -353,3 +356,9 @@ def unpatch() -> None:
 
 def is_patched() -> bool:
     return _original is not None
+
+
+# verl imports the modules named in VERL_USE_EXTERNAL_MODULES in every process that imports verl (its
+# Ray workers too, where the engine is built): naming this module there installs the patch in each.
+if __name__ in os.environ.get("VERL_USE_EXTERNAL_MODULES", "").split(","):
+    patch()
