@@ -16,7 +16,8 @@ from flashkd.bench.workloads import Workload
 from flashkd.records import (
     bundles_from_results, canonical_json, check_bundle, comparison_key, correctness_key, digest, liger,
 )
-from flashkd.records.cli import add_records_parser, groups, ranked, write_bundles
+from flashkd.records.cli import add_records_parser, write_bundles
+from flashkd.records.ranking import groups, ranked
 from flashkd.records.emit import harness_commit
 
 # KernelIndex's test vector (tests/data/kernelindex/NOTICE) and Liger-Kernel's published rows, which

@@ -400,7 +400,8 @@ def test_out_folder_and_arguments(tmp_path, capsys):
     code, _, err = _cli(["records", "site", str(tmp_path / "empty"), "--out", str(site), "--replace"], capsys)
     assert code == 2 and "no bundle files found" in err
     code, _, err = _cli(["records", "site", str(tmp_path / "missing.json"), "--out", str(site), "--replace"], capsys)
-    assert code == 1 and "missing.json: cannot read" in err
+    # a PATH that does not exist: a usage error, as in records verify and compare, and nothing written
+    assert code == 2 and err.strip() == f"flashkd records site: {tmp_path / 'missing.json'}: no such file or folder"
     code, _, err = _cli(["records", "site", str(tmp_path / "b"), "--out", str(site), "--replace", "--compare", "abcdef12",
                          str(tmp_path / "b" / "v.json")], capsys)
     assert code == 2 and "--compare abcdef12: expected one sound run" in err
@@ -600,6 +601,78 @@ def test_index_opens_with_the_runs_measured_here(built):
     assert first[0]["text"].startswith("distill_jsd_loss · ")  # a bench run's title, not a Liger row's
 
 
+CAVEAT = "CPU wall-clock checks, not a speed comparison."
+# What ranks or compares runs on a page: a rank, a #1, a ratio
+RANKING = re.compile(r"Rank \d|#\d|×\d|Ratio to #1|B / A")
+
+
+def _cpu_run_ids(built) -> set[str]:
+    return {b["run"]["digest"].removeprefix("sha256:")[:16] for p, b in _good_bundles(built) if "bench" in p.parts}
+
+
+def _caveat_first(text: str, page) -> None:
+    """The caveat stands where the ranking does: on the page, before its first rank, #1 or ratio."""
+    main = text.split("rejected", 1)[-1]  # past the header's counts
+    assert CAVEAT in main, page
+    ranking = RANKING.search(main)
+    assert ranking is None or main.index(CAVEAT) < ranking.start(), (page, main[:ranking.start() + 40])
+
+
+def test_every_page_that_ranks_cpu_runs_says_they_are_no_speed_comparison(built):
+    """The console said CPU times are "not a speed comparison", while the site ranked the same runs "by
+    latency", with "Ratio to #1" and "Rank 1 in its comparison group", and no word of it."""
+    site, cpu = built["site"], _cpu_run_ids(built)
+    ranked_pages = 0
+    for run_id in cpu:
+        page = site / "runs" / f"{run_id}.html"
+        text = _parse(page).text
+        if re.search(r"Rank \d+ in its comparison group", text):
+            _caveat_first(text, page)
+            ranked_pages += 1
+        group = re.search(r'href="\.\./groups/([0-9a-f]+)\.html"', page.read_text()).group(1)
+        _caveat_first(_parse(site / "groups" / f"{group}.html").text, group)
+    assert ranked_pages >= 2
+    compares = [p for p in (site / "compare").glob("*.html") if any(i in p.name for i in cpu)]
+    sweeps = [p for p in (site / "sweeps").glob("*.html") if any(f"runs/{i}.html" in p.read_text() for i in cpu)]
+    assert compares and sweeps  # within a group, and flashkd's N=9 against the published vector (--compare)
+    for page in compares + sweeps:
+        _caveat_first(_parse(page).text, page)
+    index = _parse(site / "index.html").text
+    own = index[index.index("Runs measured here"):index.index("Imported records")]
+    assert own.index(CAVEAT) < own.index("#1 primary")
+    every = index[index.index("Every run"):]
+    assert every.index(CAVEAT) < every.index("Rank")
+    sweeps_listed = index[index.index("Sweeps"):index.index("By GPU")]
+    assert CAVEAT in sweeps_listed
+    # runs measured on a GPU (Liger's published rows, the KernelIndex vector) carry none
+    gpu_runs = [p for p in (site / "runs").glob("*.html") if p.stem not in cpu]
+    assert gpu_runs and not any(CAVEAT in p.read_text() for p in gpu_runs)
+    imported = index[index.index("Imported records"):index.index("Sweeps")]
+    assert "H100" in imported and CAVEAT not in imported
+
+
+def test_run_pages_read_as_a_persons_page_first(built):
+    """What ran, on what, how fast, how exact; then the digests and canonical JSON. The page opened with
+    its rank and went on to six digests before it said how exact the run was."""
+    site, cpu = built["site"], _cpu_run_ids(built)
+    for page in sorted((site / "runs").glob("*.html")):
+        text = _parse(page).text
+        order = [text.index(w) for w in ("What ran", "How fast", "How exact", "Correctness", "Identity and digests",
+                                          "Canonical manifest", "How to cite")]
+        assert order == sorted(order), page
+        assert text.index("How exact") < text.index("sha256:"), page
+    timed = next(p for p in (site / "runs").glob("*.html")
+                 if p.stem in cpu and "passed" in _parse(p).text and "Rank 1 " in _parse(p).text)
+    text = _parse(timed).text
+    assert re.search(r"On ?[^·]+\(CPU, [a-z0-9_]+\) · pytorch \d", text)  # (the text joins a row's cells)
+    assert re.search(r"How fast ?[\d.]+ ms median \(p20 [\d.]+ ms, p80 [\d.]+ ms\); rank 1 of \d+ in its comparison "
+                     r"group: wall clock on a CPU, not a speed comparison", text)
+    assert re.search(r"How exact ?passed · largest relative error [\d.e+-]+ against the reference \(the gate allows "
+                     r"0\.0001\)", text)
+    vector = _parse(site / "runs" / f"{VECTOR['run']['digest'].removeprefix('sha256:')[:16]}.html").text
+    assert "(GPU, sm_90)" in vector and "not checked by its source" in vector
+
+
 def _group_titles(site: Path) -> list[str]:
     return [re.search(r"<h1>(.*?)</h1>", p.read_text("utf-8")).group(1) for p in (site / "groups").glob("*.html")]
 
@@ -625,8 +698,8 @@ def test_hidden_sizes_are_named_alike_in_every_form(built, tmp_path, capsys):
     # every page, tooltips and the citation included: the run and compare pages named the workload by its title
     for page in _pages(built["site"]):
         assert not re.search(r"(?<![a-z_])hidden=", page.read_text()), page
-    for page in (built["site"] / "runs").glob("*.html"):  # the breadcrumb, the Workload row, How to cite
-        assert page.read_text().count("student_hidden=") == 3, page
+    for page in (built["site"] / "runs").glob("*.html"):  # the breadcrumb, What ran, the Workload row, How to cite
+        assert page.read_text().count("student_hidden=") == 4, page
     bench = [b for p, b in _good_bundles(built) if "bench" in p.parts]
     assert {tuple(b["workload"]["manifest"]["spec"]["axes"]) for b in bench} == {("tokens", "hidden", "vocab")}
     out = tmp_path / "topk"

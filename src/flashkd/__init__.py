@@ -30,12 +30,38 @@ flashkd.backends.
 results as KernelIndex records.
 """
 
-from .distill import fused_linear_distill, fused_linear_distill_logits, fused_linear_distill_topk, teacher_topk
-from .losses import LOSSES, DistillStats, LossSpec
-from .data import TopKCollator, TopKTargets, write_topk_targets
-from .modules import FusedLinearCosineSimilarityLoss, FusedLinearDistillLoss, FusedLinearJSD, FusedLinearJSDLoss
+import importlib
 
 __version__ = "0.1.0"
+
+# The public names, each from its module, imported at first use (PEP 562): `import flashkd` alone imports no
+# torch, so that the `flashkd` command (flashkd.cli, inside this package) answers --help and a mistyped
+# option before torch's second of imports.
+_PUBLIC = {
+    "distill": ("fused_linear_distill", "fused_linear_distill_logits", "fused_linear_distill_topk", "teacher_topk"),
+    "losses": ("LOSSES", "DistillStats", "LossSpec"),
+    "data": ("TopKCollator", "TopKTargets", "write_topk_targets"),
+    "modules": ("FusedLinearCosineSimilarityLoss", "FusedLinearDistillLoss", "FusedLinearJSD", "FusedLinearJSDLoss"),
+}
+_MODULE_OF = {name: module for module, names in _PUBLIC.items() for name in names}
+
+
+def __getattr__(name: str):
+    if name in _MODULE_OF:
+        value = getattr(importlib.import_module(f".{_MODULE_OF[name]}", __name__), name)
+        globals()[name] = value  # once: later reads are a plain module attribute
+        return value
+    if not name.startswith("__"):  # a submodule (flashkd.losses, ...), as the eager imports used to leave it
+        try:
+            return importlib.import_module(f".{name}", __name__)
+        except ModuleNotFoundError as e:
+            if e.name != f"{__name__}.{name}":
+                raise
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__():
+    return sorted({*globals(), *_MODULE_OF})
 
 __all__ = [
     "fused_linear_distill",

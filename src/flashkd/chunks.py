@@ -400,8 +400,15 @@ def run(call: Call, rows: Rows, vocab=None):
 
 
 
-@torch.compiler.disable  # one graph break: the chunk loop runs eagerly inside compiled code
 def apply(xs, ws, bs, y, rw, plan, *teacher):
+    # One graph break: the chunk loop runs eagerly inside compiled code. Disabled here, while tracing, not by
+    # a decorator: torch.compiler.disable imports torch._dynamo (~0.9 s), which `import flashkd` need not pay.
+    if torch.compiler.is_compiling():
+        return torch.compiler.disable(_apply)(xs, ws, bs, y, rw, plan, *teacher)
+    return _apply(xs, ws, bs, y, rw, plan, *teacher)
+
+
+def _apply(xs, ws, bs, y, rw, plan, *teacher):
     with autocast_off(xs.device):
         if torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in (xs, ws, bs)):
             return _FusedDistill.apply(xs, ws, bs, y, rw, plan, *teacher)
@@ -699,18 +706,21 @@ def pick_backend(backend, x):
             raise ValueError("backend: 'cute' was asked for, but nvidia-cutlass-dsl is not installed "
                              "(pip install 'flashkd[cute]')")
         if not _has_triton():
-            raise ValueError("backend: 'cute' was asked for, but the triton package is not installed")
+            raise ValueError(f"backend: 'cute' was asked for, but the triton package is not installed ({TRITON_HINT})")
         if not x.is_cuda or torch.cuda.get_device_capability(x.device) != (9, 0):
             where = x.device if not x.is_cuda else f"{x.device} (sm_{''.join(map(str, torch.cuda.get_device_capability(x.device)))})"
             raise ValueError(f"backend: 'cute' needs CUDA tensors on an sm_90 (Hopper) GPU, got tensors on {where}")
         return "torch" if x.dtype == torch.float64 else "triton"
     if backend == "triton":
         if not _has_triton():
-            raise ValueError("backend: 'triton' was asked for, but the triton package is not installed")
+            raise ValueError(
+                f"backend: 'triton' was asked for, but the triton package is not installed ({TRITON_HINT})")
         if not (x.is_cuda or interpret):
             raise ValueError(
                 f"backend: 'triton' needs CUDA tensors (or TRITON_INTERPRET=1), got tensors on {x.device}"
             )
+        if interpret and not x.is_cuda and x.dtype != torch.float64 and (why := _interpreter_problem()):
+            raise RuntimeError(why)
     # The Triton kernels compute in fp32: fp64 inputs (float64 gradcheck, references) get the torch rows'
     # fp64 math on every backend.
     return "torch" if x.dtype == torch.float64 else backend
@@ -737,6 +747,29 @@ def _cute_on(capability) -> bool:  # once a process: the package lookup walks sy
     from .backends import cute_gemm
 
     return cute_gemm.available()
+
+
+TRITON_HINT = 'pip install -e ".[triton]"'
+
+
+@functools.cache
+def _interpreter_problem() -> str | None:
+    """Why Triton's interpreter cannot run the kernels in this process, or None. Triton 3.6's fails under
+    numpy 2.4 (triton-lang/triton#9171) with an InterpreterError from deep inside the first kernel; said
+    here in one line instead, once a process."""
+    import re
+
+    import numpy
+    import triton
+
+    def minor(v):
+        found = re.match(r"(\d+)\.(\d+)", v)
+        return (int(found[1]), int(found[2])) if found else (0, 0)
+
+    if minor(numpy.__version__) >= (2, 4) and minor(triton.__version__) <= (3, 6):
+        return (f"backend: 'triton' under TRITON_INTERPRET=1: Triton {triton.__version__}'s interpreter fails under "
+                f"numpy {numpy.__version__} (triton-lang/triton#9171); pip install \"numpy<2.4\"")
+    return None
 
 
 def _has_triton() -> bool:
@@ -850,6 +883,7 @@ def check_student(xs, ws, bs, y):
     if xs.shape[-1] != hs:
         raise ValueError(
             f"student_input: expected hidden size {hs} (student_weight is {tuple(ws.shape)}), got {xs.shape[-1]}"
+            + _transposed("student_weight", ws, xs)
         )
     if y is not None and y.shape != xs.shape[:-1]:
         raise ValueError(f"labels: expected shape {tuple(xs.shape[:-1])} (student_input's leading dims), got {tuple(y.shape)}")
@@ -897,6 +931,14 @@ def _check_vocab(name, vt, v):
         )
 
 
+def _transposed(name, w, x) -> str:
+    """The likelier culprit when x's hidden size is w's first dim: a head passed as (hidden, vocab)."""
+    if x.shape[-1] != w.shape[0]:
+        return ""
+    return (f"; {name} looks transposed: a head is (vocab, hidden), as nn.Linear(hidden, vocab).weight is, "
+            f"so pass {name}.T, of shape {tuple(w.shape[::-1])}")
+
+
 def check_teacher_heads(xs, student_input, ws, xt, wt, bt):
     check_tensors({"teacher_input": xt, "teacher_weight": wt, "teacher_bias": bt}, xs.dtype, xs.device)
     if wt.dim() != 2 or 0 in wt.shape:  # an empty vocab or hidden size has no distribution
@@ -907,6 +949,7 @@ def check_teacher_heads(xs, student_input, ws, xt, wt, bt):
     if xt.shape[-1] != ht:
         raise ValueError(
             f"teacher_input: expected hidden size {ht} (teacher_weight is {tuple(wt.shape)}), got {xt.shape[-1]}"
+            + _transposed("teacher_weight", wt, xt)
         )
     _check_vocab("teacher_weight", vt, v)
     if bt is not None and bt.shape != (vt,):

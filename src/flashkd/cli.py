@@ -1,6 +1,7 @@
 """The `flashkd` command (the console script and `python -m flashkd`): `flashkd bench` and `flashkd
 records`, in flashkd.bench and flashkd.records. They need packages the losses do not: without them,
-one line naming the extra to install, and exit status 2."""
+one line naming the extra to install, and exit status 2. The arguments are parsed first, without them
+and without torch: --help and a mistyped option answer at once, before any extra is installed."""
 
 from __future__ import annotations
 
@@ -24,5 +25,5 @@ def main(argv: list[str] | None = None) -> int:
             raise
         extra = "records" if argv[:1] == ["records"] else "bench"
         print(f"flashkd: this command needs the package {package!r}, which the losses do not: "
-              f"pip install 'flashkd[{extra}]'", file=sys.stderr)
+              f'pip install -e ".[{extra}]"', file=sys.stderr)  # the README's form
         return 2

@@ -1,6 +1,9 @@
 """The command line: `flashkd bench ...` (main, the console script) and `python -m flashkd.bench ...`
 (bench_main). Both return the exit status: 1 when a provider failed the gate or raised, else 0. A bad
 option exits with status 2, as argparse's own usage errors do, and one line on stderr naming it.
+
+The arguments are parsed before torch (or the records' packages) is imported: --help and a mistyped
+option answer at once, and without the extras a command needs.
 """
 
 from __future__ import annotations
@@ -8,25 +11,41 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import itertools
 import json
 import math
 import os
+import re
 import sys
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:  # imported where they are used, after the arguments are parsed
+    import torch
 
-from .. import fp8
-from ..losses import LOSSES, TAILS
-from . import measure, report
-from .providers import PROVIDERS
-from .workloads import DTYPES, FORMS, INPUTS, PRESETS, Workload, default_preset, expand
+    from . import measure
+    from .workloads import Workload
+
+# The options' vocabularies, spelled here so that parsing imports no torch; each is the library's own
+# (tests/test_first_hour.py holds them equal): flashkd.losses LOSSES and TAILS, flashkd.bench.workloads
+# FORMS, INPUTS, DTYPES and PRESETS, flashkd.records.protocol MODES, flashkd.fp8 PRECISIONS, and the
+# providers of flashkd.bench.providers.PROVIDERS (a dict others may add to: checked against it in plan()).
+LOSSES = ("jsd", "forward_kl", "reverse_kl", "tvd", "cosine")
+TAILS = ("bucket", "renormalize")
+FORMS = ("heads", "logits", "topk", "teacher_topk")
+INPUTS = ("bench", "trained")
+DTYPE_NAMES = ("bfloat16", "bf16", "float16", "fp16", "float32", "fp32")
+PRESET_NAMES = ("logits", "seed", "small", "sweep", "teacher-topk", "topk", "trained")
+MODES = ("full", "forward", "backward", "no-grad-forward")
+PRECISIONS = ("fp8", "fp8-rowwise", "fp8-1x128")
+PROVIDER_NAMES = ("flashkd", "flashkd-triton", "flashkd-cute", "torch", "liger", "trl", "floor")
 
 USAGE = """\
 Times each provider on the same seeded inputs, after checking its loss and gradients against an fp32
-reference. Writes results.csv (Liger-Kernel's 15-column schema), errors.csv, run.json and PNG plots
-into --out, and prints a table with time ratios to the floor, liger and torch.
+reference. Writes into --out: results.csv (Liger-Kernel's 15-column schema), errors.csv, run.json,
+PNG plots, the runs as KernelIndex records (records/*.json) and their static site (site/index.html,
+`flashkd records site`); and prints a table with time ratios to the floor, liger and torch.
 
 presets:
   seed          jsd N=8192 and cosine N=4096; H=4096 (student 2048), V=128256, bf16 (the default on CUDA)
@@ -34,11 +53,15 @@ presets:
   topk          top-k teacher: forward_kl (soft only), K=64, tail bucket; N=8192, H=4096, V=128256, bf16
   logits        dense teacher logits: jsd, N=8192, H=4096, V=128256, bf16
   teacher-topk  teacher_topk (no gradient: no-grad-forward only), K=64; N=8192, H=4096, V=128256, bf16
+  trained       exactness at a trained head's logit magnitudes (--inputs trained: std 4, every 4th row
+                peaked at 32): jsd N=8192; its soft term alone N=4096; jsd N=8192 with softcap 30 on
+                both heads (Gemma's); H=4096, V=128256, bf16
   small         jsd and cosine N=128 256, topk forward_kl and logits jsd N=256; H=256, V=4099, fp32
                 (the default on CPU)
   -n, --loss multiply the preset's workloads (--loss jsd tvd: each workload once per loss); --h, --v,
   --dtype, --beta, --form ... replace its values. On a CPU the GPU-sized presets (all but small) are
-  refused unless --large-on-cpu: hours of GEMMs there.
+  refused unless --large-on-cpu: hours of GEMMs there; a CPU's times are wall-clock checks that
+  each provider runs and is right, not a speed comparison.
   forms: heads (the teacher's hidden states and head), logits, topk (--k, --tail), teacher_topk.
 
 examples:
@@ -78,8 +101,27 @@ class _Parser(argparse.ArgumentParser):
     argument --loss: invalid choice: 'foo' (choose from ...)", exit status 2, with where to look for
     the options rather than the whole usage block. Its subparsers are of this class too."""
 
+    def parse_known_args(self, args=None, namespace=None):
+        self._given = list(sys.argv[1:] if args is None else args)
+        return super().parse_known_args(args, namespace)
+
     def error(self, message):
+        # argparse checks for missing required options before it reports unknown ones: `records site x
+        # --ot y` said "--out is required", where the mistyped option is what to fix
+        unknown = [a for a in itertools.takewhile(lambda a: a != "--", getattr(self, "_given", ()))
+                   if self._unknown_option(a)]
+        if unknown and message.startswith("the following arguments are required"):
+            message = f"unrecognized arguments: {' '.join(unknown)}"
         self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+    def _unknown_option(self, arg: str) -> bool:
+        """Whether arg is an option this parser has none of, by its name, a unique prefix (argparse's
+        abbreviations) or a short option's first two characters (-n5)."""
+        if not arg.startswith("-") or arg == "-" or re.fullmatch(r"-\d*\.?\d+", arg):  # a value, not an option
+            return False
+        name, known = arg.split("=", 1)[0], self._option_string_actions
+        return not (name in known or name[:2] in known and not name.startswith("--")
+                    or name.startswith("--") and any(k.startswith(name) for k in known))
 
 
 def _run(args: argparse.Namespace) -> int:
@@ -114,7 +156,7 @@ def main(argv: list[str] | None = None) -> int:
                                        formatter_class=argparse.RawDescriptionHelpFormatter)
     add_bench_arguments(bench_parser)
     bench_parser.set_defaults(run=bench)
-    from ..records import add_records_parser
+    from ..records.cli import add_records_parser  # imports no package of the records extra
 
     add_records_parser(commands)
     args = parser.parse_args(argv)
@@ -140,20 +182,20 @@ def parse_bench(argv: list[str]) -> argparse.Namespace:
 
 
 def add_bench_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--preset", choices=sorted(PRESETS), help="workloads (default: seed on CUDA, small on CPU)")
+    p.add_argument("--preset", choices=PRESET_NAMES, help="workloads (default: seed on CUDA, small on CPU)")
     p.add_argument("--device", help="cuda, cuda:1, cpu (default: cuda when available)")
     p.add_argument("-n", "--n", type=_positive, nargs="+", metavar="N", help="rows B·T, several allowed")
     p.add_argument("--h", type=_positive, metavar="H", help="teacher hidden size; the student's is H//2")
     p.add_argument("--v", type=_positive, metavar="V", help="vocab size")
-    p.add_argument("--dtype", choices=list(DTYPES))
+    p.add_argument("--dtype", choices=DTYPE_NAMES)
     p.add_argument("--loss", nargs="+", choices=LOSSES, metavar="LOSS", help=f"of {', '.join(LOSSES)}")
     p.add_argument("--form", choices=FORMS, help=f"the teacher's form, of {', '.join(FORMS)} (default: the preset's)")
     p.add_argument("--k", type=_positive, metavar="K", help="teacher ids per row (forms topk, teacher_topk)")
     p.add_argument("--tail", choices=TAILS, help="mass outside the K ids (form topk; default bucket)")
-    p.add_argument("--modes", nargs="+", choices=measure.MODES, default=list(measure.MODES), metavar="MODE",
-                   help=f"of {', '.join(measure.MODES)} (default: all)")
-    p.add_argument("--providers", nargs="+", choices=list(PROVIDERS), metavar="P",
-                   help=f"of {', '.join(PROVIDERS)} (default: {' '.join(DEFAULT_PROVIDERS)}, those installed); "
+    p.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES), metavar="MODE",
+                   help=f"of {', '.join(MODES)} (default: all)")
+    p.add_argument("--providers", nargs="+", metavar="P",  # checked in plan(), against PROVIDERS as it is then
+                   help=f"of {', '.join(PROVIDER_NAMES)} (default: {' '.join(DEFAULT_PROVIDERS)}, those installed); "
                         "one named here and not installed is an error")
     p.add_argument("--beta", type=_finite, help="JSD β / cosine weight (default 0.5)")
     p.add_argument("--weight-hard", type=_finite, help="weight of the CE term (default 0.5)")
@@ -162,7 +204,7 @@ def add_bench_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--inputs", choices=INPUTS, help="bench: Liger's inputs (logits of a few tenths); trained: a trained "
                    "head's logit magnitudes, std 4 and every 4th row peaked at 32 (default: the preset's)")
     p.add_argument("--softcap", type=_finite, metavar="C", help="both heads' logit softcap, c·tanh(z/c) (default: none)")
-    p.add_argument("--teacher-precision", choices=[name for name in fp8.PRECISIONS if name is not None],
+    p.add_argument("--teacher-precision", choices=PRECISIONS,
                    help="flashkd's teacher GEMM in FP8 (forms heads, teacher_topk); other providers skip, the "
                         "floor stays bf16's (default: the inputs' dtype)")
     p.add_argument("--seed", type=_seed, help="seed of the inputs, 0 to 2^53 − 1 (default 0)")
@@ -233,6 +275,8 @@ def _ms(low: float | None, expected: str):
 
 def _device(name: str | None) -> torch.device:
     """--device as a torch.device that this machine has; UsageError with one line otherwise."""
+    import torch
+
     if name is None:
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     try:
@@ -271,6 +315,11 @@ def _check_out(out: Path) -> None:
 def plan(args: argparse.Namespace) -> Plan:
     """The run that args ask for, every option checked before anything is made: a bad option is a
     UsageError (exit status 2) with a one-line message."""
+    from .. import fp8
+    from . import measure
+    from .providers import PROVIDERS
+    from .workloads import PRESETS, default_preset, expand
+
     device = _device(args.device)
     if args.teacher_precision is not None:
         # flashkd's FP8 teacher needs FP8 tensor cores: said before anything runs, not as an error per workload
@@ -326,6 +375,10 @@ def plan(args: argparse.Namespace) -> Plan:
     # A provider named with --providers must run: not installed, it is an error, not a row of skips. The
     # default ones that are not installed are skipped, each with its note (pip install ...) in the report.
     for name in dict.fromkeys(args.providers or ()):
+        if name not in PROVIDERS:  # argparse's words, as its choices= would have said it
+            raise UsageError(f"flashkd bench: error: argument --providers: invalid choice: {name!r} (choose from "
+                             f"{', '.join(map(repr, PROVIDERS))})")
+    for name in dict.fromkeys(args.providers or ()):
         if why := PROVIDERS[name].missing():
             raise UsageError(f"flashkd bench: --providers {name}: {why}")
     out = args.out or Path(time.strftime("bench-%Y%m%d-%H%M%S"))
@@ -355,10 +408,16 @@ def _named(message: str) -> str:
 
 
 def _dtype_name(name: str) -> str:
+    from .workloads import DTYPES
+
     return str(DTYPES[name]).removeprefix("torch.")
 
 
 def bench(args: argparse.Namespace) -> int:
+    import torch
+
+    from . import measure, report
+
     p = plan(args)
     if args.threads:
         torch.set_num_threads(args.threads)

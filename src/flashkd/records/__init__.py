@@ -10,16 +10,24 @@
 The JSON Schemas in schemas/ are KernelIndex's (Apache-2.0, see schemas/NOTICE).
 """
 
-from .cli import add_records_parser, write_bundles
-from .identity import canonical_json, comparison_key, comparison_key_of, correctness_key, digest, normalize
-from .verify import check_bundle
+import importlib
+
+# Each name from its module at first use (PEP 562): the `flashkd records` parser (flashkd.records.cli) is
+# read before the extra's packages (rfc8785, jsonschema, jinja2) are known to be installed.
+_MODULE_OF = {
+    "add_records_parser": "cli", "write_bundles": "cli", "check_bundle": "verify",
+    "bundles_from_results": "emit",  # imports torch and the bench harness
+    **dict.fromkeys(("canonical_json", "comparison_key", "comparison_key_of", "correctness_key", "digest",
+                     "normalize"), "identity"),
+}
 
 
-def bundles_from_results(*args, **kwargs):
-    """See flashkd.records.emit.bundles_from_results (imports torch and the bench harness)."""
-    from .emit import bundles_from_results as emit
-
-    return emit(*args, **kwargs)
+def __getattr__(name: str):
+    if name not in _MODULE_OF:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f".{_MODULE_OF[name]}", __name__), name)
+    globals()[name] = value
+    return value
 
 
 __all__ = ["digest", "correctness_key", "comparison_key", "comparison_key_of", "canonical_json", "normalize",

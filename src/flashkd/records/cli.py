@@ -1,4 +1,8 @@
-"""`flashkd records ...`: import-liger, verify, compare, site. Each returns the exit status."""
+"""`flashkd records ...`: import-liger, verify, compare, site. Each returns the exit status: 2 for a usage
+error (a PATH that does not exist, an --out that cannot be written), said in one line on stderr.
+
+The parser imports none of the records extra's packages (rfc8785, jsonschema, jinja2): the commands import
+them when they run, so --help answers without them."""
 
 from __future__ import annotations
 
@@ -8,12 +12,6 @@ import os
 import re
 import sys
 from pathlib import Path
-
-from . import liger
-from .identity import primary
-from .ranking import groups, ranked
-from .verify import (EMPTY, PARTIAL, bundle_paths, check_bundle, empty_folders, load, same_run_text, same_runs,
-                     verify_paths)
 
 USAGE = """\
 KernelIndex (kernelindex.dev/v1alpha1) benchmark records. A bundle is one JSON file with the keys
@@ -40,8 +38,9 @@ def add_records_parser(commands) -> argparse.ArgumentParser:
                    help="a CSV in Liger-Kernel's 15-column benchmark schema (default: the published rows "
                         "of its distillation and JSD kernels shipped with flashkd)")
     q.add_argument("--out", type=Path, required=True, help="folder for the bundle files")
-    q.add_argument("--liger-commit", default=liger.LIGER_COMMIT, type=_git_ref,
-                   help="Liger-Kernel commit (or tag) the operations' sourceRefs cite (metadata only)")
+    q.add_argument("--liger-commit", type=_git_ref,
+                   help="Liger-Kernel commit (or tag) the operations' sourceRefs cite (metadata only; default: "
+                        "the commit of the shipped rows' benchmark scripts)")
     q.set_defaults(run=import_liger)
     q = sub.add_parser("verify", help="check bundles: digests, references, schemas")
     q.add_argument("paths", nargs="+", type=Path, metavar="PATH")
@@ -70,15 +69,29 @@ def _git_ref(text: str) -> str:
 
 
 def site(args: argparse.Namespace) -> int:
+    if missing := _missing("site", args.paths):
+        return missing
     from .site import main  # imports jinja2
 
     return main(args)
+
+
+def _missing(command: str, paths: list[Path]) -> int:
+    """2, with a line on stderr for each PATH that does not exist (a usage error, as argparse's are,
+    before any file is read), else 0."""
+    absent = [p for p in paths if not os.path.lexists(p)]
+    for path in absent:
+        print(f"flashkd records {command}: {path}: no such file or folder", file=sys.stderr)
+    return 2 if absent else 0
 
 
 def write_bundle(bundle: dict, folder: Path, name: str | None = None) -> Path:
     """Writes the bundle whole or not at all: into a hidden sibling (.NAME.<pid>.partial), renamed into
     place when complete, so no reader ever sees half a bundle; a killed write leaves only that sibling,
     which verify and site report. Two writers of one name: the last rename wins, each file whole."""
+    from . import liger
+    from .verify import PARTIAL
+
     folder.mkdir(parents=True, exist_ok=True)
     path = folder / (name or liger.bundle_filename(bundle))
     partial = folder / f".{path.name}.{os.getpid()}{PARTIAL}"
@@ -96,13 +109,16 @@ def write_bundles(bundles: list[dict], folder: Path) -> list[Path]:
 
 
 def import_liger(args: argparse.Namespace) -> int:
+    from . import liger
+
     source = args.csv or "Liger-Kernel's published rows (shipped with flashkd)"
     try:
         rows = liger.read_rows(args.csv.read_text(encoding="utf-8") if args.csv else liger.bundled_csv())
     except (OSError, ValueError) as e:
         print(f"flashkd records import-liger: {source}: {e}", file=sys.stderr)
         return 2
-    imported = list(liger.import_rows(rows, args.liger_commit))  # every row checked before anything is written
+    # every row checked before anything is written
+    imported = list(liger.import_rows(rows, args.liger_commit or liger.LIGER_COMMIT))
     try:
         prepare_folder(args.out)
         for _, bundle, _ in imported:
@@ -147,6 +163,10 @@ def _spans(lines: list[int]) -> str:
 
 
 def verify(args: argparse.Namespace) -> int:
+    if missing := _missing("verify", args.paths):
+        return missing
+    from .verify import verify_paths
+
     notes: list[str] = []
     count, problems = verify_paths(args.paths, notes)
     for line in problems + notes:
@@ -159,6 +179,12 @@ def verify(args: argparse.Namespace) -> int:
 
 
 def compare(args: argparse.Namespace) -> int:
+    if missing := _missing("compare", args.paths):
+        return missing
+    from .identity import primary
+    from .ranking import groups, ranked
+    from .verify import EMPTY, bundle_paths, check_bundle, empty_folders, load, same_run_text, same_runs
+
     bundles = []
     for path in empty_folders(args.paths):
         print(f"flashkd records compare: {path}: {EMPTY}", file=sys.stderr)

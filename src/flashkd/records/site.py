@@ -93,6 +93,32 @@ class Run:
         return self["environment"]["spec"]["hardware"]["product"]
 
     @property
+    def on_cpu(self) -> bool:
+        """Measured on a CPU: its host's architecture is not a GPU's (sm_XX, gfxNNN). Its times are wall
+        clock on a machine the kernels are not built for: a check that each ran, not a speed comparison."""
+        return not re.match(r"(sm|gfx)_?\d", self["environment"]["spec"]["hardware"]["architecture"])
+
+    @property
+    def hardware_text(self) -> str:
+        """The host in a few words: "NVIDIA H100 (GPU, sm_90)", "Intel Xeon ... (CPU, x86_64, 2 threads)"."""
+        hw = self["environment"]["spec"]["hardware"]
+        kind = "CPU" if self.on_cpu else "GPU" if hw.get("count", 1) == 1 else f"{hw['count']} GPUs"
+        return f"{hw['product']} ({kind}, {hw['architecture']})"
+
+    @property
+    def exactness(self) -> str:
+        """How exact, in words: the largest relative error observed against the reference and the policy's
+        bound, or why there is none."""
+        policy, observed = self["workload"]["spec"].get("correctness", {}), self.spec.get("correctness", {})
+        if "maximumRelativeError" in observed:
+            bound = policy.get("maxRelativeError")
+            return (f"largest relative error {observed['maximumRelativeError']:.3g} against the reference"
+                    + (f" (the gate allows {bound:.3g})" if bound is not None else ""))
+        if policy.get("comparator") == "not_asserted":
+            return "not checked by its source (its numbers are re-published as they were stated)"
+        return "no error recorded"
+
+    @property
     def axes_text(self) -> str:
         return ", ".join(f"{k}={v}" for k, v in shown_axes(self["workload"]["spec"]).items())
 
@@ -152,6 +178,10 @@ class Group:
     @property
     def imported(self) -> bool:
         return all(r.imported for r in self.runs)
+
+    @property
+    def on_cpu(self) -> bool:
+        return any(r.on_cpu for r in self.runs)
 
     @property
     def title(self) -> str:

@@ -164,6 +164,14 @@ def loads(text: str):
     """load() of a bundle's text."""
     try:
         value = json.loads(text, parse_constant=_reject, parse_float=_float, object_pairs_hook=_object)
+    except json.JSONDecodeError as e:
+        if text[:e.pos].strip():  # JSON that breaks off or goes wrong later: the parser's words say where
+            raise
+        # no JSON at all (a README, a CSV, an empty file): the parser's "Expecting value: line 1 column 1"
+        # reads as a damaged bundle
+        shown = text.lstrip()[:24]
+        raise ValueError("not a JSON bundle (one JSON object, {...}): "
+                         + (f"the file begins {shown!r}" if shown else "the file is empty")) from None
     except RecursionError:
         raise ValueError(f"nested deeper than {MAX_DEPTH} levels") from None
     if _depth(value) > MAX_DEPTH:
