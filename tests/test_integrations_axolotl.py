@@ -219,3 +219,19 @@ def test_bench_axolotl_smoke(tmp_path, ce):
     assert (theirs["variant"], ours["variant"]) == ("axolotl (Liger)", "flashkd")
     assert ours["loss"] == pytest.approx(theirs["loss"], rel=1e-5)
     assert len(ours["times_s"]) == 2
+
+
+def test_plugin_without_axolotl_names_the_extra():
+    """As on a machine without axolotl (its import blocked): the module imports, the plugin's error says
+    what to install."""
+    import subprocess
+    import sys
+
+    code = ("import sys; sys.modules['axolotl'] = None\n"
+            "import flashkd.integrations.axolotl as fk\n"
+            "fk.FlashKDPlugin\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 1
+    last = done.stderr.strip().splitlines()[-1]
+    assert last.startswith("ImportError: flashkd.integrations.axolotl.FlashKDPlugin needs axolotl"), done.stderr
+    assert 'pip install "flashkd[axolotl]"' in last

@@ -183,7 +183,7 @@ def _check_version():
         version = importlib.metadata.version("axolotl")
     except importlib.metadata.PackageNotFoundError:
         raise ImportError("flashkd.integrations.axolotl.patch(): axolotl is not installed "
-                          "(pip install 'flashkd[axolotl]')")
+                          '(pip install "flashkd[axolotl]")')
     if version not in TESTED_AXOLOTL_VERSIONS:
         raise RuntimeError(f"flashkd.integrations.axolotl.patch(): axolotl {version} is installed; this patch is "
                            f"tested with axolotl {', '.join(TESTED_AXOLOTL_VERSIONS)} only (its KD trainer and loss "
@@ -229,7 +229,11 @@ def from_liger(module) -> FusedLinearKLTopKLogprobLoss:
 
 
 def _plugin_class():
-    from axolotl.integrations.base import BasePlugin
+    try:
+        from axolotl.integrations.base import BasePlugin
+    except ImportError as error:
+        raise ImportError(f'flashkd.integrations.axolotl.FlashKDPlugin needs axolotl ({error}): pip install '
+                          f'"flashkd[axolotl]"') from error
 
     class FlashKDPlugin(BasePlugin):
         """`plugins: [..., flashkd.integrations.axolotl.FlashKDPlugin]`: patches at registration, and

@@ -247,7 +247,7 @@ def _check_version():
     try:
         version = importlib.metadata.version("verl")
     except importlib.metadata.PackageNotFoundError:
-        raise ImportError("flashkd.integrations.verl.patch(): verl is not installed (pip install 'flashkd[verl]')")
+        raise ImportError('flashkd.integrations.verl.patch(): verl is not installed (pip install "flashkd[verl]")')
     if version not in TESTED_VERL_VERSIONS:
         raise RuntimeError(f"flashkd.integrations.verl.patch(): verl {version} is installed; this patch is tested "
                            f"with verl {', '.join(TESTED_VERL_VERSIONS)} only (its engine's model outputs and "
