@@ -109,18 +109,18 @@ def _values(x, w, b, ids, lp, spec: LossSpec, clamp, chunk_size):
     rows = _chunk_rows(n, v, chunk_size)
     for s in range(0, n, rows):
         e = min(s + rows, n)
-        logits = _linear(x[s:e], w, b)
-        z = logits / spec.temperature if spec.temperature != 1.0 else logits
+        z = _linear(x[s:e], w, b)  # one (R, V) fp32 block, worked on in place
         i, t = ids[s:e], lp[s:e].to(wide)
+        if not verl_kl:  # flashkd's top-k form on the untempered logits (it applies τ)
+            out["distillation_losses"][s:e] = topk_row_losses(z, (i, t), None, spec)[0]
+        if spec.temperature != 1.0:
+            z.div_(spec.temperature)
+        own = torch.topk(z, k, dim=-1).indices  # the student's top-K (log_softmax keeps the order)
         # log q relative to the row's largest logit, as log_softmax takes it: z_k − logsumexp(z) would
         # round both at the logits' magnitude (fp32's ulp is 4e-6 at 40) before they cancel
-        top = z.max(-1, keepdim=True).values
-        log_q = (z.gather(-1, i) - top) - torch.logsumexp(z - top, -1, keepdim=True)
-        own = torch.topk(z, k, dim=-1).indices  # the student's top-K (log_softmax keeps the order)
+        z.sub_(z.max(-1, keepdim=True).values)
+        log_q = z.gather(-1, i) - torch.logsumexp(z, -1, keepdim=True)
         del z
-        if not verl_kl:  # flashkd's top-k form on the untempered logits (it applies τ)
-            out["distillation_losses"][s:e] = topk_row_losses(logits, (i, t), None, spec)[0]
-        del logits
         out["student_mass"][s:e] = log_q.exp().sum(-1)
         out["teacher_mass"][s:e] = t.exp().sum(-1)
         lq, lpc = (log_q, t) if clamp is None else (log_q.clamp_min(clamp), t.clamp_min(clamp))
