@@ -7,7 +7,7 @@ the step's span from first kernel start to last kernel end. Span − busy is the
 for the host. The calls are `flashkd bench`'s own (its flashkd and floor providers, its modes), on the
 first workload of a bench preset (seed: JSD, N = 8192, bf16, V = 128256, Hs = 2048, Ht = 4096; topk,
 logits: the top-k and dense-logits teachers), its loss and rows replaced by --loss and --rows.
-Usage: python benchmarks/bench_profile.py [--preset seed] [--loss jsd] [--rows 8192] [--steps 10] [--top 12]
+Usage: python benchmarks/bench_profile.py [--preset seed] [--index 0] [--loss jsd] [--rows 8192] [--steps 10] [--top 12]
        [--providers floor flashkd] [--modes full no-grad-forward]
 """
 
@@ -56,12 +56,13 @@ def main():
     ap.add_argument("--preset", default="seed", choices=[p for p in PRESETS if p != "teacher-topk"])
     ap.add_argument("--loss", default=None, help="default: the preset's")
     ap.add_argument("--rows", type=int, default=None, help="default: the preset's")
+    ap.add_argument("--index", type=int, default=0, help="which workload of the preset (default: its first)")
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--top", type=int, default=12)
     ap.add_argument("--providers", nargs="+", default=["floor", "flashkd"], choices=sorted(PROVIDERS))
     ap.add_argument("--modes", nargs="+", default=["full", "no-grad-forward"], choices=["full", "no-grad-forward"])
     args = ap.parse_args()
-    w = PRESETS[args.preset][0]
+    w = PRESETS[args.preset][args.index]
     w = dataclasses.replace(w, loss=args.loss or w.loss, n=args.rows or w.n)
     x = make_inputs(w, torch.device("cuda"))
     print(f"{w.tag}, N={w.n}, {w.describe()}; {args.steps} steps each; {torch.cuda.get_device_name()}")

@@ -29,7 +29,6 @@ results.json and summary.md go into --out (default: a new bench-trl-onpolicy-YYY
 Needs trl==1.16.0, transformers, accelerate; `datasets` or the stand-in in benchmarks/_datasets_stub.
 """
 
-import argparse
 import contextlib
 import functools
 import gc
@@ -45,7 +44,8 @@ from pathlib import Path
 os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # the benchmarks' shared helpers, however it is loaded
-from _trl_common import import_datasets, quantile as _quantile, seconds as _seconds, stamp as _stamp, sync as _sync  # noqa: E402
+from _trl_common import Clock, NoWeightTransfer, ServedRollouts, arguments, import_datasets, parse, wrapped  # noqa: E402
+from _trl_common import quantile as _quantile, seconds as _seconds, stamp as _stamp, sync as _sync  # noqa: E402
 
 DATASETS = import_datasets()
 
@@ -60,36 +60,21 @@ SPECIAL = 3  # ids 0, 1, 2: pad, eos, unk; never drawn
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--out", type=Path, default=None,
-                   help="folder for results.json and summary.md (default: bench-trl-onpolicy-YYYYmmdd-HHMMSS)")
-    p.add_argument("--tiny", action="store_true", help="tiny shapes in fp32 (CPU where there is no GPU): checks only")
+    p = arguments(__doc__, "bench-trl-onpolicy")
     p.add_argument("--parts", nargs="+", choices=["loss", "step"], default=["loss", "step"])
     p.add_argument("--positions", type=int, default=8192, help="valid positions in the loss")
-    p.add_argument("--vocab", type=int, default=128256)
     p.add_argument("--hidden", type=int, default=2048)
     p.add_argument("--k", type=int, nargs="+", default=[2, 20, 100], help="candidates per position (2: β = 0.5)")
-    p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--reps", type=int, default=10)
-    p.add_argument("--layers", type=int, default=2, help="decoder layers of the trainer's student")
     p.add_argument("--step-batch", type=int, default=4, help="sequences per optimizer step")
-    p.add_argument("--prompt-len", type=int, default=512)
-    p.add_argument("--completion-len", type=int, default=1536)
     p.add_argument("--step-k", type=int, default=20, help="the served teacher's top-k in the trainer step")
     p.add_argument("--step-beta", type=float, default=0.0)
     p.add_argument("--steps", type=int, default=6, help="timed optimizer steps (after --warmup of them)")
     p.add_argument("--loss-rtol", type=float, default=1e-5,
                    help="largest relative difference of the losses (TRL's fp32 product against flashkd's fp32 "
                         "accumulator of the same bf16 values)")
-    p.add_argument("--seed", type=int, default=0)
-    args = p.parse_args(argv)
-    if args.tiny:
-        for name, value in dict(positions=40, vocab=301, hidden=16, k=[2, 5], warmup=1, reps=2, layers=1,
-                                step_batch=3, prompt_len=4, completion_len=6, step_k=4, steps=2).items():
-            if getattr(args, name) == p.get_default(name):
-                setattr(args, name, value)
-    args.dtype = torch.float32 if args.tiny else torch.bfloat16
-    return args
+    return parse(p, argv, dict(positions=40, vocab=301, hidden=16, k=[2, 5], warmup=1, reps=2, layers=1,
+                               step_batch=3, prompt_len=4, completion_len=6, step_k=4, steps=2))
 
 
 def candidates(n, v, k, beta, device, g, teacher_std=3.0):
@@ -194,54 +179,6 @@ class Prompts(torch.utils.data.Dataset):
         return {"prompt": []}
 
 
-class ServedRollouts:
-    """TRL's RolloutWorkerProtocol over pre-drawn samples, each stamped with the trainer's model version."""
-
-    def __init__(self, samples):
-        import queue
-
-        worker = self
-
-        class Served(queue.Queue):
-            def get(self, block=True, timeout=None):
-                sample = super().get(block, timeout)
-                sample.model_version = worker.version
-                return sample
-
-        self.rollout_buffer, self.metrics_queue, self.version = Served(), queue.Queue(), 0
-        for sample in samples:
-            self.rollout_buffer.put_nowait(sample)
-
-    def start(self):
-        pass
-
-    def stop(self):
-        pass
-
-    def update_model_version(self, model_version):
-        self.version = model_version
-
-    def check_health(self, stale_after_s):
-        pass
-
-
-class NoWeightTransfer:
-    def init_weight_transfer(self):
-        pass
-
-    def pause(self):
-        pass
-
-    def send_weights(self, iterator):
-        pass
-
-    def resume(self):
-        pass
-
-    def destroy(self):
-        pass
-
-
 def samples(args, count, device):
     """Pre-drawn rollouts: random prompt + completion ids, and per position a served teacher's candidates
     (drawn on the device, stored as the worker stores them: numpy arrays)."""
@@ -261,19 +198,6 @@ def samples(args, count, device):
                                  teacher_topk_ids=cand.cpu().numpy(), teacher_topk_logprobs=lps.cpu().numpy(),
                                  model_version=0, metrics={}, teacher_id="default", prompt_id=i))
     return out
-
-
-class Clock(transformers.TrainerCallback):
-    def __init__(self):
-        self.steps = []
-
-    def on_step_begin(self, args, state, control, **kwargs):
-        _sync()
-        self._t0 = time.perf_counter()
-
-    def on_step_end(self, args, state, control, **kwargs):
-        _sync()
-        self.steps.append(time.perf_counter() - self._t0)
 
 
 def timed_helper(helper, stamps):
@@ -332,13 +256,9 @@ def run_step_variant(name, args, model_dir, device):
         )
         trainer.remove_callback(transformers.trainer_callback.PrinterCallback)
         resident = torch.cuda.memory_allocated() if device.type == "cuda" else 0
-        with fk_trl.patch() if name == "flashkd" else contextlib.nullcontext():
-            helper = trl_ad._chunked_jsd_loss
-            trl_ad._chunked_jsd_loss = timed_helper(helper, stamps)
-            try:
-                trainer.train()
-            finally:
-                trl_ad._chunked_jsd_loss = helper
+        with (fk_trl.patch() if name == "flashkd" else contextlib.nullcontext(),
+              wrapped(trl_ad, "_chunked_jsd_loss", lambda helper: timed_helper(helper, stamps))):
+            trainer.train()
     finally:
         for k, f in saved.items():
             setattr(trl_ad, k, f)

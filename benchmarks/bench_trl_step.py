@@ -36,7 +36,6 @@ Usage: python benchmarks/bench_trl_step.py [--out DIR]           (one GPU)
 results.json and summary.md go into --out (default: a new bench-trl-step-YYYYmmdd-HHMMSS/).
 """
 
-import argparse
 import contextlib
 import functools
 import gc
@@ -48,7 +47,8 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # the benchmarks' shared helpers, however it is loaded
-from _trl_common import import_datasets, quantile as _quantile, seconds as _seconds, stamp as _stamp, sync as _sync  # noqa: E402
+from _trl_common import Clock, arguments, import_datasets, parse, wrapped  # noqa: E402
+from _trl_common import quantile as _quantile, seconds as _seconds, stamp as _stamp, sync as _sync  # noqa: E402
 
 DATASETS = import_datasets()
 
@@ -63,18 +63,10 @@ SPECIAL = ["<pad>", "<eos>", "<unk>"]  # ids 0, 1, 2; the data never contains th
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--out", type=Path, default=None,
-                   help="folder for results.json and summary.md (default: bench-trl-step-YYYYmmdd-HHMMSS)")
-    p.add_argument("--tiny", action="store_true", help="tiny shapes in fp32 (CPU where there is no GPU): checks, not timings")
-    p.add_argument("--vocab", type=int, default=128256)
+    p = arguments(__doc__, "bench-trl-step")
     p.add_argument("--student-hidden", type=int, default=2048)
     p.add_argument("--teacher-hidden", type=int, default=4096)
-    p.add_argument("--layers", type=int, default=2, help="decoder layers of each model")
     p.add_argument("--batch", type=int, default=16, help="per-device batch (sequences per step)")
-    p.add_argument("--prompt-len", type=int, default=512)
-    p.add_argument("--completion-len", type=int, default=1536)
-    p.add_argument("--warmup", type=int, default=3, help="steps run before the timed ones")
     p.add_argument("--steps", type=int, default=20, help="timed steps")
     p.add_argument("--beta", type=float, default=0.5)
     p.add_argument("--generation", choices=["fixed", "student"], default="fixed",
@@ -83,14 +75,8 @@ def parse_args(argv=None):
     p.add_argument("--no-gradient-checkpointing", action="store_true", help="TRL's default is on")
     p.add_argument("--loss-rtol", type=float, default=None,
                    help="largest relative difference of the first-step losses (default 5e-3 in bf16, 1e-4 in fp32)")
-    p.add_argument("--seed", type=int, default=0)
-    args = p.parse_args(argv)
-    if args.tiny:
-        for name, value in dict(vocab=301, student_hidden=16, teacher_hidden=24, layers=1, batch=3, prompt_len=5,
-                                completion_len=7, warmup=1, steps=2).items():
-            if getattr(args, name) == p.get_default(name):
-                setattr(args, name, value)
-    args.dtype = torch.float32 if args.tiny else torch.bfloat16
+    args = parse(p, argv, dict(vocab=301, student_hidden=16, teacher_hidden=24, layers=1, batch=3, prompt_len=5,
+                               completion_len=7, warmup=1, steps=2))
     if args.loss_rtol is None:
         args.loss_rtol = 1e-4 if args.dtype == torch.float32 else 5e-3
     return args
@@ -140,21 +126,6 @@ class Prompts(torch.utils.data.Dataset):
 
     def __getitem__(self, i):
         return {"prompt": self.texts[i]}
-
-
-class Clock(transformers.TrainerCallback):
-    """Seconds per optimizer step (on_step_begin to on_step_end, device synchronized at both ends)."""
-
-    def __init__(self):
-        self.steps = []
-
-    def on_step_begin(self, args, state, control, **kwargs):
-        _sync()
-        self._t0 = time.perf_counter()
-
-    def on_step_end(self, args, state, control, **kwargs):
-        _sync()
-        self.steps.append(time.perf_counter() - self._t0)
 
 
 def install_generation(trainer, completions, seconds):
@@ -222,14 +193,10 @@ def run_variant(name, args, student, initial_state, teacher, tok, data, completi
 
     trainer.compute_loss = recorded
     try:
-        with fk_trl.patch() if name == "flashkd" else contextlib.nullcontext():
-            helper = trl_dt._chunked_divergence_loss
+        with (fk_trl.patch() if name == "flashkd" else contextlib.nullcontext(),
+              wrapped(trl_dt, "_chunked_divergence_loss", lambda helper: timed_loss(helper, loss_stamps)) as helper):
             assert (helper is fk_trl.chunked_divergence_loss) == (name == "flashkd"), helper
-            trl_dt._chunked_divergence_loss = timed_loss(helper, loss_stamps)
-            try:
-                trainer.train()
-            finally:
-                trl_dt._chunked_divergence_loss = helper
+            trainer.train()
     finally:
         # accelerate wrapped each model's forward in autocast for this trainer: unwrap, so that the next variant's
         # trainer wraps the same plain models (not a second layer around the first)

@@ -7,35 +7,26 @@ import tempfile
 
 import torch
 from datasets import Dataset
-from tokenizers import Tokenizer, models, pre_tokenizers
+from tokenizers import Tokenizer, models
 from transformers import (DataCollatorForLanguageModeling, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast,
                           TrainingArguments)
 
 import flashkd
 from flashkd.integrations.transformers import DistillationTrainer
 
-words = ["<pad>", "<eos>", "<unk>"] + [f"w{i}" for i in range(58)]
-tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
-tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-tokenizer = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>", unk_token="<unk>")
-
-
-def llama(hidden, seed, **config):
-    torch.manual_seed(seed)
-    return LlamaForCausalLM(LlamaConfig(
-        vocab_size=len(words), hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=1,
-        num_attention_heads=2, num_key_value_heads=2, pad_token_id=0, eos_token_id=1, bos_token_id=None,
-        tie_word_embeddings=False, **config))
-
-
-student, teacher = llama(16, 0), llama(32, 1, initializer_range=1.0)
-g = torch.Generator().manual_seed(0)
-texts = []
-for _ in range(128):
-    start, length = int(torch.randint(0, 58, (), generator=g)), int(torch.randint(3, 12, (), generator=g))
-    texts.append(" ".join(words[3 + (start + i) % 58] for i in range(length)) + " <eos>")
-data = Dataset.from_dict({"key": [f"ex-{i}" for i in range(len(texts))],
-                          "input_ids": [tokenizer(t)["input_ids"] for t in texts]})
+torch.manual_seed(0)
+config = dict(vocab_size=64, num_hidden_layers=1, num_attention_heads=2, pad_token_id=0, eos_token_id=1,
+              tie_word_embeddings=False)
+student = LlamaForCausalLM(LlamaConfig(hidden_size=16, intermediate_size=32, **config))
+teacher = LlamaForCausalLM(LlamaConfig(hidden_size=32, intermediate_size=64, initializer_range=1.0, **config))
+# Sequences to learn, each with the key its targets are stored under: runs of consecutive ids (2 to 63,
+# wrapping) of random lengths, then eos.
+starts, lengths = torch.randint(0, 62, (128,)).tolist(), torch.randint(3, 12, (128,)).tolist()
+data = Dataset.from_dict({"key": [f"ex-{i}" for i in range(128)],
+                          "input_ids": [[2 + (s + i) % 62 for i in range(n)] + [1] for s, n in zip(starts, lengths)]})
+# The data is token ids already: the collator needs a tokenizer only for its pad token.
+tokenizer = PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.WordLevel({"<pad>": 0}, unk_token="<pad>")),
+                                    pad_token="<pad>")
 
 
 # 1. once: the teacher's top-k targets (its last hidden states, after its final norm, through its head)

@@ -3,7 +3,7 @@
 #   bash scripts/gpu_check.sh [tests] [rows] [breakdown] [profile] [bench-seed] [bench-trained] [bench-sweep] [bench-losses]
 #                             [bench-softonly] [memory] [bench-topk] [bench-logits] [bench-teacher-topk]
 #                             [bench-softcap] [bench-trl] [bench-trl-step] [bench-trl-onpolicy] [bench-fp8]
-#                             [dist-one-gpu] [cute-probe] [cute]
+#                             [dist-one-gpu] [cute-probe] [cute] [bench-models]
 # (default: all of them, about 20 minutes on an H200; each of the last five a minute or two, bench-trl-step
 # at most about five: it needs trl 1.16.0 and accelerate (from .whl/); no PYTHONPATH beyond this script's, as
 # benchmarks/bench_trl_step.py falls back to its own stand-in for `datasets` where that is not installed;
@@ -18,7 +18,7 @@ if compgen -G ".whl/*.whl" >/dev/null; then
   python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/flashkd-site .whl/*.whl \
     && export PYTHONPATH="$PYTHONPATH:/tmp/flashkd-site"
 fi
-stages=${*:-tests rows breakdown profile bench-seed bench-trained bench-sweep bench-losses bench-softonly memory bench-topk bench-logits bench-teacher-topk bench-softcap bench-trl bench-trl-step bench-trl-onpolicy bench-fp8 dist-one-gpu}
+stages=${*:-tests rows breakdown profile bench-seed bench-trained bench-sweep bench-losses bench-divergences bench-softonly memory bench-topk bench-logits bench-teacher-topk bench-softcap bench-trl bench-trl-step bench-trl-onpolicy bench-fp8 dist-one-gpu}
 status=0
 nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm --format=csv | tee "$OUT/env.txt"
 python3 -c "import torch, triton; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'triton', triton.__version__)" | tee -a "$OUT/env.txt"
@@ -37,10 +37,23 @@ for stage in $stages; do
     breakdown) python3 benchmarks/bench_breakdown.py 2>&1 | tee "$OUT/breakdown.log" || status=1 ;;
     profile) python3 benchmarks/bench_profile.py 2>&1 | tee "$OUT/profile.log" || status=1 ;;
     bench-seed) python3 -m flashkd bench --preset seed --out "$OUT/seed" 2>&1 | tee "$OUT/bench-seed.log" || status=1 ;;
+    # the model families' heads (workloads.MODEL_HEADS), trained-head logits: first flashkd against the floor at every
+    # head, N 8192 (benchmarks/bench_plan.py: no gate, about 2 minutes), then the checked bench with Liger and the floor
+    # at N 8192 and 16384, JSD, forward KL and cosine (the gate's fp32 reference takes ~5 s a workload and Liger
+    # compiles each head: tens of minutes; every loss: add --loss reverse_kl tvd)
+    bench-models) { python3 benchmarks/bench_plan.py --heads "" --loss jsd forward_kl cosine --chunks auto --no-grad \
+        && python3 -m flashkd bench --preset models --loss jsd forward_kl cosine --providers flashkd liger floor \
+        --modes full no-grad-forward --out "$OUT/models"; } 2>&1 | tee "$OUT/bench-models.log" || status=1 ;;
     bench-sweep) python3 -m flashkd bench --preset sweep --providers flashkd liger floor --modes full no-grad-forward \
       --out "$OUT/sweep" 2>&1 | tee "$OUT/bench-sweep.log" || status=1 ;;
     bench-losses) python3 -m flashkd bench --preset seed -n 8192 --loss forward_kl reverse_kl tvd --providers flashkd floor \
       --modes full no-grad-forward --out "$OUT/losses" 2>&1 | tee "$OUT/bench-losses.log" || status=1 ;;
+    # skew KL, skew reverse KL, AKL beside JSD at the seed (their dense rows run on the torch definition for now),
+    # and on a top-k teacher (the Triton backend's passes, the categories' math in torch)
+    bench-divergences) { python3 -m flashkd bench --preset seed -n 8192 --loss jsd skew_kl skew_reverse_kl akl \
+      --providers flashkd floor --modes full --out "$OUT/divergences" \
+      && python3 -m flashkd bench --preset topk --loss jsd skew_kl skew_reverse_kl akl --providers flashkd floor \
+      --modes full --out "$OUT/divergences-topk"; } 2>&1 | tee "$OUT/bench-divergences.log" || status=1 ;;
     bench-softonly) python3 -m flashkd bench --preset seed -n 8192 --loss jsd --weight-hard 0 --weight-soft 1 \
       --providers flashkd liger floor --modes full --out "$OUT/softonly" 2>&1 | tee "$OUT/bench-softonly.log" || status=1 ;;
     memory) python3 benchmarks/bench_memory.py 2>&1 | tee "$OUT/memory.log" || status=1 ;;

@@ -16,7 +16,7 @@ def distill_loss(
     xs, ws, xt, wt, labels=None, *, loss="jsd", beta=0.5, temperature=1.0, weight_hard_loss=0.5,
     weight_soft_loss=0.5, ignore_index=-100, student_bias=None, teacher_bias=None, reduction="mean",
     temperature_squared=False, plain=False, teacher_logits=None, student_logit_scale=1.0, teacher_logit_scale=1.0,
-    student_softcap=None, teacher_softcap=None, row_weight=None, student_logits=None,
+    student_softcap=None, teacher_softcap=None, row_weight=None, student_logits=None, alpha=0.1, head_mass=0.5,
 ):
     """float64 loss, differentiable w.r.t. xs, ws and student_bias; also returns (soft, hard).
 
@@ -45,7 +45,7 @@ def distill_loss(
     if loss == "cosine":
         soft = beta * (1 - F.cosine_similarity(logits_s, logits_t, dim=-1))
     else:
-        soft = _divergence(q, p, loss, beta)
+        soft = _divergence(q, p, loss, beta, alpha, head_mass)
     if temperature_squared:
         soft = soft * temperature**2
 
@@ -82,7 +82,7 @@ def topk_loss(
     xs, ws, ids, logprobs, labels=None, *, loss="forward_kl", tail="bucket", beta=0.5, temperature=1.0,
     weight_hard_loss=0.0, weight_soft_loss=1.0, ignore_index=-100, student_bias=None, reduction="mean",
     temperature_squared=False, student_logit_scale=1.0, student_softcap=None, row_weight=None, student_logits=None,
-    tail_clamp=None, teacher_entropy=False,
+    tail_clamp=None, teacher_entropy=False, alpha=0.1, head_mass=0.5,
 ):
     """float64 loss of a sparse teacher, row by row from the definition: the categories are the used
     ids (+ the rest of the vocab for tail="bucket"), probabilities summed explicitly. student_logits, when
@@ -120,7 +120,7 @@ def topk_loss(
             continue
         else:
             q_ids, p_ids = q_ids / q_ids.sum(), p_ids / p_ids.sum()
-        soft.append(_divergence(q_ids, p_ids, loss, beta))
+        soft.append(_divergence(q_ids, p_ids, loss, beta, alpha, head_mass))
         entropy.append(-torch.xlogy(p_ids, p_ids).sum())
     soft = torch.stack(soft) if soft else q.new_zeros(0)
     if temperature_squared:
@@ -174,12 +174,18 @@ def trl_jsd_loss(hidden, weight, bias, ids, logprobs, mask, *, beta, temperature
     return jsd.sum(), jsd.detach().sum(), student_entropy.detach().sum(), teacher_entropy.sum(), per_teacher
 
 
-def _divergence(q, p, loss, beta):
+def _divergence(q, p, loss, beta, alpha=0.1, head_mass=0.5):
     """The soft term between distributions q (student) and p (teacher) over the last dim."""
 
     def kl(a, b):  # Σ a log(a / b)
         return (torch.xlogy(a, a) - torch.xlogy(a, b)).sum(-1)
 
+    def kl_masked(a, b):  # the same, with a gradient 0, not NaN (−inf · 0, 0 / 0), where a = 0 (a −inf logit)
+        on = a > 0
+        return (a * (torch.log(torch.where(on, a, 1.0)) - torch.log(torch.where(on, b, 1.0)))).sum(-1)
+
+    if loss in ("skew_kl", "skew_reverse_kl", "akl"):
+        kl = kl_masked
     if loss == "forward_kl" or (loss == "jsd" and beta == 0):
         return kl(p, q)
     if loss == "reverse_kl" or (loss == "jsd" and beta == 1):
@@ -189,6 +195,21 @@ def _divergence(q, p, loss, beta):
         return beta * kl(p, m) + (1 - beta) * kl(q, m)
     if loss == "tvd":
         return 0.5 * (q - p).abs().sum(-1)
+    if loss == "skew_kl":  # DistiLLM: KL(p ‖ α p + (1 − α) q)
+        return kl(p, alpha * p + (1 - alpha) * q)
+    if loss == "skew_reverse_kl":  # DistiLLM: KL(q ‖ (1 − α) p + α q)
+        return kl(q, (1 - alpha) * p + alpha * q)
+    if loss == "akl":
+        # Wu et al.: sort the teacher's probabilities descending (ties by id: a stable sort); the head is
+        # where the cumulative sum is at most μ, and the first always; the gaps |p − q| of the detached
+        # student weigh the two KLs
+        sorted_p, order = p.sort(dim=-1, descending=True, stable=True)
+        gap = (sorted_p - q.detach().gather(-1, order)).abs()
+        tail = sorted_p.cumsum(-1) > head_mass
+        tail[..., 0] = False
+        g_head = gap.masked_fill(tail, 0.0).sum(-1)
+        g_tail = gap.masked_fill(~tail, 0.0).sum(-1)
+        return g_head / (g_head + g_tail) * kl(p, q) + g_tail / (g_head + g_tail) * kl(q, p)
     raise AssertionError(loss)
 
 

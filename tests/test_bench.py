@@ -552,3 +552,51 @@ def test_records_of_the_forms_verify(tmp_path, capsys, monkeypatch):
     capsys.readouterr()
     assert cli.main(["records", "verify", str(tmp_path / "records")]) == 0
     assert capsys.readouterr().out.splitlines()[-1] == f"{len(bundles)} bundle(s) checked, 0 problem(s)"
+
+
+def test_models_preset_lists_the_model_families_heads():
+    from flashkd.bench.workloads import MODEL_HEADS
+    from flashkd.losses import LOSSES
+
+    models = PRESETS["models"]
+    shapes = {(w.n, w.hs, w.h, w.v) for w in models}
+    # the shapes of the issue's table of measured heads, each at its N
+    for shape in [(16384, 2048, 3072, 128256), (16384, 1024, 4096, 151936), (8192, 2560, 3840, 262144),
+                  (8192, 3072, 5120, 200064), (8192, 4096, 8192, 128256)]:
+        assert shape in shapes
+    families = {label.split()[0].split("-")[0] for label, *_ in MODEL_HEADS}
+    assert {"Llama", "Qwen3", "Gemma", "Phi", "Ministral"} <= families
+    # every head at N 8192 and 16384, every loss, bf16 and a trained head's magnitudes, the student narrower
+    assert shapes == {(n, hs, ht, v) for _, hs, ht, v in MODEL_HEADS for n in (8192, 16384)}
+    assert len(models) == len(MODEL_HEADS) * 2 * len(LOSSES) == len(set(models))
+    for w in models:
+        assert (w.form, w.dtype, w.inputs, w.student_h) == ("heads", "bfloat16", "trained", w.hs)
+        assert w.hs < w.h and w.hs % 8 == 0 and w.h % 8 == 0
+    assert {w.loss for w in models} == set(LOSSES)
+    # -n, --loss narrow it as any preset; sized for a GPU, so a CPU refuses it without --large-on-cpu
+    narrowed = expand(PRESETS["models"], n=[8192], loss=["jsd", "cosine"])
+    assert len(narrowed) == len(MODEL_HEADS) * 2 and {(w.hs, w.h) for w in narrowed} == {(hs, ht) for _, hs, ht, _ in MODEL_HEADS}
+    args = cli.parse_bench(["--preset", "models", "--device", "cpu"])
+    with pytest.raises(cli.UsageError, match="sized for a GPU"):
+        cli.plan(args)
+
+
+def test_a_student_of_its_own_width(tmp_path, capsys):
+    """student_h sets the student's hidden size (a model pair); its records name that axis and verify."""
+    from flashkd.records import bundles_from_results, check_bundle
+
+    assert Workload("jsd", 7, h=12, v=37, student_h=6).canonical() == Workload("jsd", 7, h=12, v=37)
+    for bad in (0, -3, 2.5, True):
+        with pytest.raises(ValueError, match="student_h: expected None or a positive int"):
+            Workload(student_h=bad)
+    w = Workload("jsd", 7, h=12, v=37, dtype="float32", student_h=8)
+    x = make_inputs(w, torch.device("cpu"))
+    assert x.xs.shape == (7, 8) and x.ws.shape == (37, 8) and x.xt.shape == (7, 12)
+    assert w.config()["student_H"] == 8 and "student 8" in w.describe()
+    results = measure.run([w, TINY[0]], ["flashkd", "floor"], ["full"], FAST)
+    assert {r.check.status for r in results if r.provider == "flashkd"} == {"passed"}
+    bundles = bundles_from_results(results, report.environment(FAST), logs=None)
+    assert [check_bundle(b) for b in bundles] == [[]] * len(bundles)
+    own = [b for b in bundles if b["workload"]["manifest"]["spec"]["axes"].get("student_hidden") == 8]
+    assert own and all(b["workload"]["manifest"]["spec"]["tensors"]["student_input"]["shape"] == [7, 8] for b in own)
+    assert len({b["workload"]["digest"] for b in bundles}) == 2  # not the hidden/2 case's

@@ -20,6 +20,7 @@ pytestmark = [
 ]
 
 LOSSES = ["jsd", "forward_kl", "reverse_kl", "tvd", "cosine"]
+NEW_LOSSES = ["skew_kl", "skew_reverse_kl", "akl"]  # α = 0.1, μ = 0.5 (the defaults, the oracle's too)
 DTYPES = [torch.bfloat16, torch.float16, torch.float32]
 # (V, Vt): a Llama-3 vocabulary, GPT-2's odd one, and Qwen's padded teacher head (151646 ids in a 151936 head)
 VOCABS = [(128256, 128256), (50257, 50257), (151646, 151936)]
@@ -34,7 +35,7 @@ CASES = [
     for (loss, dtype), vocab, opts in zip(
         itertools.product(LOSSES, DTYPES), itertools.cycle(VOCABS), itertools.cycle(OPTIONS)
     )
-]
+] + [(loss, torch.bfloat16, vocab, opts) for loss, vocab, opts in zip(NEW_LOSSES, VOCABS, OPTIONS[1:])]
 
 
 @pytest.fixture(autouse=True)
@@ -140,7 +141,8 @@ TOPK_CASES = [
         itertools.cycle([128256, 50257, 151936]),
         itertools.cycle([dict(), dict(temperature=2.0, weight_hard_loss=0.5), dict(temperature=0.7, beta=0.3)]),
     )
-]
+] + [(loss, tail, torch.bfloat16, 128256, dict(temperature=1.5)) for loss in NEW_LOSSES
+       for tail in ("bucket", "renormalize")]
 
 
 @pytest.mark.parametrize("loss,tail,dtype,v,opts", TOPK_CASES, ids=lambda c: str(c))
@@ -178,7 +180,7 @@ def test_topk_against_fp64_truth(loss, tail, dtype, v, opts):
         assert err <= 1.5 * base + 1e-6, (name, err, base)
 
 
-@pytest.mark.parametrize("loss", LOSSES)
+@pytest.mark.parametrize("loss", LOSSES + NEW_LOSSES)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_logits_against_fp64_truth(loss, dtype):
     torch.manual_seed(hash((loss, str(dtype))) % 2**31)

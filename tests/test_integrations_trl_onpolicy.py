@@ -337,62 +337,26 @@ def test_refuses_another_tail_clamp(monkeypatch):
 # ---- AsyncDistillationTrainer end to end, without a vLLM server -------------------------------------
 
 
-class ServedRollouts:
-    """A stand-in rollout worker (TRL's `RolloutWorkerProtocol`): pre-drawn samples, each scored by a local
-    teacher as a vLLM server would (`prompt_logprobs`: per position the teacher's top-k at its
-    temperature, plus the realized token when outside them; the first position unscored), served in order
-    and stamped with the trainer's current model version."""
+def _trl_stand_ins():
+    """The stand-in rollout worker and weight transfer bench_trl_onpolicy.py runs the trainer with, from
+    benchmarks/_trl_common.py (loaded by path, as tests/test_bench_trl_onpolicy.py loads that benchmark)."""
+    import importlib.util
+    import pathlib
 
-    def __init__(self, samples):
-        import queue
-
-        worker = self
-
-        class Served(queue.Queue):
-            def get(self, block=True, timeout=None):
-                sample = super().get(block, timeout)
-                sample.model_version = worker.version
-                return sample
-
-        self.rollout_buffer = Served()
-        self.metrics_queue = queue.Queue()
-        self.version = 0
-        for sample in samples:
-            self.rollout_buffer.put_nowait(sample)
-
-    def start(self):
-        pass
-
-    def stop(self):
-        pass
-
-    def update_model_version(self, model_version):
-        self.version = model_version
-
-    def check_health(self, stale_after_s):
-        pass
+    path = pathlib.Path(__file__).parent.parent / "benchmarks" / "_trl_common.py"
+    spec = importlib.util.spec_from_file_location("_trl_common", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.ServedRollouts, module.NoWeightTransfer
 
 
-class NoWeightTransfer:
-    def init_weight_transfer(self):
-        pass
-
-    def pause(self):
-        pass
-
-    def send_weights(self, iterator):
-        for _ in iterator:
-            pass
-
-    def resume(self):
-        pass
-
-    def destroy(self):
-        pass
+ServedRollouts, NoWeightTransfer = _trl_stand_ins()
 
 
 def scored_samples(teachers, n, k, temperature, seed):
-    """n RolloutSamples: prompt + completion drawn from the tiny vocab, scored by `teachers` in turn."""
+    """n RolloutSamples: prompt + completion drawn from the tiny vocab, scored by `teachers` in turn as a vLLM
+    server scores them (`prompt_logprobs`: per position the teacher's top-k at its temperature, plus the
+    realized token when outside them; the first position unscored)."""
     import numpy as np
     from trl.experimental.async_distillation.async_rollout_worker import RolloutSample
 

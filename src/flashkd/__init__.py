@@ -21,7 +21,8 @@ chunks of rows, so the [tokens × vocab] logits never exist in full:
     flashkd.data                top-k targets on disk (write_topk_targets), read lazily (TopKTargets)
                                 and placed into padded batches (TopKCollator); needs safetensors
 
-`loss=` is one of LOSSES ("jsd", "forward_kl", "reverse_kl", "tvd", "cosine"); the total is
+`loss=` is one of LOSSES ("jsd", "forward_kl", "reverse_kl", "tvd", "cosine", "skew_kl", "skew_reverse_kl",
+"akl"); the total is
 weight_hard_loss · CE + weight_soft_loss · soft. The formulas, the one pure-torch definition of every
 loss and of its top-k variant, are in flashkd.losses (LossSpec); the public functions in flashkd.distill;
 the chunk loop, its memory bounds and the three forms' shared tail in flashkd.chunks; the row kernels in

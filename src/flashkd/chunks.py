@@ -53,7 +53,12 @@ else E: the logits' element size):
 The default plan (triton) keeps R·V·L + Rt·V·L within 1 GiB, in equal chunks with R = Rt; or, when that
 takes more than one chunk and the weight's gradient is wanted, all N rows in one chunk (with teacher
 heads, their logits in two blocks of ceil(N/2) rows) if its peak is no higher: its dW is then one
-GEMM, with no accumulation.
+GEMM, with no accumulation. With teacher heads and a dW accumulator, a cost model then weighs each
+chunk's accumulator traffic (2·V·Hs·A bytes, read and written) against its GEMMs (2·R·V·(3·Hs + Ht)
+FLOPs) at the GPU's FLOPs per byte (`ACCUM_BALANCE`): where the traffic is over `ACCUM_SHARE` of the
+GEMMs' time, chunks grow, in whole row tiles, up to `ACCUM_GROWTH` × the budget, until it is not
+(`accum_share`). A narrow student under a wide vocab pays it most: Gemma-3's 2560 ← 3840 at V = 262144,
+16 chunks of 512 rows → 8 of 1024.
 Backward scales the saved grads by grad_output in place (no host sync, no copy); only when the graph
 is retained (retain_graph=True, gradcheck) does it return new tensors, another
 N·Hs·E + V·Hs·E. Nothing of size N × V is ever allocated. The gradients are first order: a backward
@@ -72,12 +77,16 @@ from typing import ClassVar
 import torch
 
 from . import fp8
-from .losses import DistillStats, LossSpec, check_finite_float, check_ignore_index
+from .losses import TORCH_ONLY_LOSSES, DistillStats, LossSpec, check_finite_float, check_ignore_index
 from .backends import torch_rows
 
 # Default memory for one chunk's logits. Bigger chunks make the GEMMs more efficient; past a few
 # thousand rows they stop getting faster. The torch backend also keeps fp32 autograd temporaries.
 LOGITS_BUDGET = {"triton": 1 << 30, "torch": 512 << 20}
+# The cost model of the chunk plan (`accum_share`): an H200's bf16 GEMM rate over its copy bandwidth
+# (≈ 700 TFLOP/s over ≈ 4.3 TB/s, as measured there), the share of a chunk's GEMM time its dW
+# accumulator's traffic may take before chunks grow, and how far (× LOGITS_BUDGET) they may grow for it.
+ACCUM_BALANCE, ACCUM_SHARE, ACCUM_GROWTH = 160.0, 0.15, 2
 FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 NARROW = (torch.float16, torch.bfloat16)  # inputs whose logits are formed in fp32 (`linear`)
 
@@ -222,6 +231,8 @@ def _make_call(
     tail_clamp: float | None = None,
     check_teacher: bool | None = None,
     teacher_precision: str | None = None,
+    alpha: float = 0.1,
+    head_mass: float = 0.5,
 ) -> Call:
     """The Call of a public function's keywords: its LossSpec (the one place where the public weights'
     names meet LossSpec's fields, checked under the public names first) and its flags checked. The
@@ -246,6 +257,8 @@ def _make_call(
     spec = LossSpec(
         loss=loss,
         beta=beta,
+        alpha=alpha,
+        head_mass=head_mass,
         temperature=temperature,
         weight_hard=w_hard,
         weight_soft=w_soft,
@@ -378,11 +391,12 @@ def run(call: Call, rows: Rows, vocab=None):
     # ask cuBLAS for an output dtype it does not offer (fp64 from fp32 operands).
     if grad_accum_dtype not in (wide, ws.dtype):
         raise TypeError(f"grad_accum_dtype: expected {wide} or student_weight's dtype {ws.dtype}, got {grad_accum_dtype!r}")
-    backend = pick_backend(call.backend, xs)
+    backend = pick_backend(call.backend, xs, spec.kind if form != "topk" else None)  # top-k: all on Triton
     want_dw = torch.is_grad_enabled() and ws.requires_grad
     accum_bytes = grad_accum_dtype.itemsize if want_dw else 0
     v = ws.shape[0] if vocab is None else vocab.plan_size
-    chunk, teacher_chunk = chunk_rows(call.chunk_size, xs, ws, backend, form, accum_bytes, v)
+    chunk, teacher_chunk = chunk_rows(call.chunk_size, xs, ws, backend, form, accum_bytes, v,
+                                      teacher[0].shape[-1] if form == "heads" else 0)
     rw = check_row_weight(call.row_weight, xs, call.student_input)
     stats = call.return_stats
     if form == "heads":
@@ -694,7 +708,7 @@ def check_chunk_size(chunk_size) -> None:
         raise ValueError(f"chunk_size: expected a positive int or None, got {chunk_size!r}")
 
 
-def pick_backend(backend, x):
+def pick_backend(backend, x, loss=None):
     check_backend(backend)
     interpret = os.environ.get("TRITON_INTERPRET") == "1"
     if backend == "auto":
@@ -722,8 +736,9 @@ def pick_backend(backend, x):
         if interpret and not x.is_cuda and x.dtype != torch.float64 and (why := _interpreter_problem()):
             raise RuntimeError(why)
     # The Triton kernels compute in fp32: fp64 inputs (float64 gradcheck, references) get the torch rows'
-    # fp64 math on every backend.
-    return "torch" if x.dtype == torch.float64 else backend
+    # fp64 math on every backend; so do the losses without a dense Triton kernel (`losses.TORCH_ONLY_LOSSES`,
+    # given as `loss` where the rows are dense).
+    return "torch" if x.dtype == torch.float64 or loss in TORCH_ONLY_LOSSES else backend
 
 
 # The losses "auto" runs with the CuTe DSL logits GEMMs where they fit (`_cute_fits`: of these, forward KL
@@ -780,10 +795,11 @@ def _has_triton() -> bool:
     return True
 
 
-def chunk_rows(chunk_size, xs, ws, backend, form, accum_bytes, v=None) -> tuple[int, int]:
+def chunk_rows(chunk_size, xs, ws, backend, form, accum_bytes, v=None, teacher_hidden=0) -> tuple[int, int]:
     """(rows per chunk, teacher rows at a time): chunk_size for both, or the plan in the module's doc.
     accum_bytes: element size of the dW accumulator; 0 when dW is not wanted. v: the vocab rows to
-    plan for (the weight's, or the largest slice of a vocab-parallel group)."""
+    plan for (the weight's, or the largest slice of a vocab-parallel group). teacher_hidden: Ht of a
+    teacher head, for the cost model (0: not weighed, the budget's plan)."""
     n, hs = xs.shape[0], ws.shape[1]
     v = ws.shape[0] if v is None else v
     if chunk_size is not None:  # checked by make_call
@@ -803,7 +819,21 @@ def chunk_rows(chunk_size, xs, ws, backend, form, accum_bytes, v=None) -> tuple[
         peak = functools.partial(peak_bytes, n, v, hs, xs.element_size(), form=form, accum_bytes=accum_bytes)
         if peak(n, teacher) <= peak(rows, rows):
             return n, teacher
+    if rows < n and accum_bytes and form == "heads" and teacher_hidden:
+        share = accum_share(rows, v, hs, teacher_hidden, accum_bytes)
+        # fewer, larger chunks: the rows that bring the share to ACCUM_SHARE, and in whole row tiles either
+        # way (on an H200, Gemma-3 4B <- 12B: 9 chunks of 911 rows ran no faster than 16 of 512, 8 of 1024
+        # took 13% less; Qwen3 chunks of 820 rows 1.42x the floor, of 1024 1.20x), within ACCUM_GROWTH × the budget
+        want = rows * share / ACCUM_SHARE if share > ACCUM_SHARE else rows
+        cap = ACCUM_GROWTH * (budget // (row * blocks)) // _ROW_TILE * _ROW_TILE
+        rows = max(rows, min(-(-int(want) // _ROW_TILE) * _ROW_TILE, cap, n))
     return rows, rows
+
+
+def accum_share(rows, v, hs, ht, accum_bytes) -> float:
+    """A chunk's dW accumulator traffic (2·V·Hs·A bytes: read and written) over its four GEMMs' FLOPs
+    (2·R·V·(3·Hs + Ht)), in time at ACCUM_BALANCE FLOPs a byte: the share of the chunk's GEMM time it adds."""
+    return 2 * v * hs * accum_bytes * ACCUM_BALANCE / (2 * rows * v * (3 * hs + ht))
 
 
 def peak_bytes(n, v, hs, e, rows, teacher_rows, *, form, accum_bytes) -> int:

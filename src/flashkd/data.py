@@ -148,6 +148,7 @@ _SHARD = re.compile(r"shard-[0-9]{5,}\.safetensors")  # [0-9], not \d: \d also m
 _KEY = re.compile(r"[A-Za-z0-9_.:/-]{1,200}")
 _HEX = re.compile(r"[0-9a-f]{64}")
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+_NAMES = {v: n for n, v in _DTYPES.items()}
 _HEADER_DTYPES = {"float32": "F32", "float16": "F16", "bfloat16": "BF16"}  # safetensors' names
 _MAX_INT = 2**31  # vocab ids are int32; lengths are bounded alike
 
@@ -206,19 +207,60 @@ def write_topk_targets(
     and renamed into place (the module docstring says how, and what a crash leaves). Returns a
     `TopKTargets` over out_dir.
     """
-    st = _safetensors()
+    _safetensors()  # a missing package is said before any work
     if not isinstance(teacher_weight, torch.Tensor) or teacher_weight.dim() != 2:
         got = tuple(teacher_weight.shape) if isinstance(teacher_weight, torch.Tensor) else type(teacher_weight).__name__
         raise ValueError(f"teacher_weight: expected a 2-D (vocab, hidden) tensor, got {got}")
+
+    def topk(x):  # one sequence's (ids, log-probs), with every option of this write
+        return teacher_topk(x, teacher_weight, k, temperature=temperature, teacher_bias=teacher_bias,
+                            vocab_size=vocab_size, chunk_size=chunk_size, backend=backend)
+
     # Every option checked by teacher_topk itself, on no rows, before a file is touched.
-    teacher_topk(
-        teacher_weight.new_zeros(0, teacher_weight.shape[1]), teacher_weight, k, temperature=temperature,
-        teacher_bias=teacher_bias, vocab_size=vocab_size, chunk_size=chunk_size, backend=backend,
-    )
+    topk(teacher_weight.new_zeros(0, teacher_weight.shape[1]))
+    _check_write_options(temperature, logprob_dtype, shard_bytes, teacher_description, overwrite, resume)
+    out = _path("out_dir", out_dir).resolve()  # siblings of the real directory, whatever path leads to it
+    if isinstance(examples, (str, bytes, torch.Tensor)) or not isinstance(examples, collections.abc.Iterable):
+        raise TypeError(f"examples: expected an iterable of (key, hidden_states) pairs, got {type(examples).__name__}")
+    index = _new_index(k, temperature, vocab_size or teacher_weight.shape[0], logprob_dtype, teacher_description)
+    # What else decides the bytes written: a resumed write must be given the same.
+    writer = {"shard_bytes": shard_bytes, "chunk_size": chunk_size, "backend": backend,
+              "hidden_size": teacher_weight.shape[1], "teacher_dtype": str(teacher_weight.dtype).removeprefix("torch.")}
+
+    def targets(key, x):  # one example's (ids, log-probs) as they are stored
+        return _targets(key, x, teacher_weight, topk, logprob_dtype, index["vocab_size"])
+
+    _build(out, index, writer, examples, targets, shard_bytes, overwrite, resume)
+    return TopKTargets(out)
+
+
+def _build(out: Path, index: dict, writer: dict, examples, targets, shard_bytes: int, overwrite: bool, resume: bool):
+    """Build the targets beside out_dir under its lock, then swap them in (the module docstring says how)."""
+    partial = _sibling(out, "partial")
+    _sibling(out, "old")  # checked now, not after the work
+    out.parent.mkdir(parents=True, exist_ok=True)
+    lock = _sibling(out, "lock")
+    with files.exclusive(lock, f"out_dir: another write into {out} is running (it holds {lock}); wait for it to end "
+                               "or write elsewhere", what="out_dir"):
+        _check_out(out, overwrite)
+        finished = _start(partial, index, writer, resume)
+        try:
+            _write_examples(examples, _Shards(partial, index, shard_bytes), list(index["examples"]), finished, targets)
+        except BaseException:
+            if not index["shards"]:  # nothing finished, nothing to resume from
+                shutil.rmtree(partial, ignore_errors=True)
+            raise
+        _write_atomic(partial / _INDEX, _index_bytes(index))
+        (partial / _PROGRESS).unlink(missing_ok=True)
+        files.fsync(partial)
+        _swap(partial, out, overwrite)
+
+
+def _check_write_options(temperature, logprob_dtype, shard_bytes, teacher_description, overwrite, resume):
+    """The options of `write_topk_targets` that teacher_topk does not check, or checks less strictly."""
     if not math.isfinite(temperature):  # index.json holds no Infinity
         raise ValueError(f"temperature: expected a finite float > 0, got {temperature!r}")
-    names = {v: n for n, v in _DTYPES.items()}
-    if logprob_dtype not in names:
+    if logprob_dtype not in _NAMES:
         raise ValueError(f"logprob_dtype: expected torch.float32, torch.float16 or torch.bfloat16, got {logprob_dtype!r}")
     if isinstance(shard_bytes, bool) or not isinstance(shard_bytes, int) or shard_bytes < 1:
         raise ValueError(f"shard_bytes: expected a positive int, got {shard_bytes!r}")
@@ -230,124 +272,123 @@ def write_topk_targets(
     for name, flag in (("overwrite", overwrite), ("resume", resume)):
         if not isinstance(flag, bool):
             raise TypeError(f"{name}: expected a bool, got {type(flag).__name__}")
-    out = _path("out_dir", out_dir).resolve()  # siblings of the real directory, whatever path leads to it
-    if isinstance(examples, (str, bytes, torch.Tensor)) or not isinstance(examples, collections.abc.Iterable):
-        raise TypeError(f"examples: expected an iterable of (key, hidden_states) pairs, got {type(examples).__name__}")
-    h = teacher_weight.shape[1]
-    index = {
+
+
+def _new_index(k, temperature, vocab_size, logprob_dtype, teacher_description) -> dict:
+    """index.json of a write that has no shard yet (in the order of `_FIELDS`, its digest added last)."""
+    return {
         "format": FORMAT,
         "version": VERSION,
         "k": k,
         "temperature": float(temperature),
-        "vocab_size": vocab_size or teacher_weight.shape[0],
-        "logprob_dtype": names[logprob_dtype],
+        "vocab_size": vocab_size,
+        "logprob_dtype": _NAMES[logprob_dtype],
         "teacher_description": teacher_description,
         "shards": [],
         "examples": {},
     }
-    # What else decides the bytes written: a resumed write must be given the same.
-    writer = {"shard_bytes": shard_bytes, "chunk_size": chunk_size, "backend": backend, "hidden_size": h,
-              "teacher_dtype": str(teacher_weight.dtype).removeprefix("torch.")}
-    partial = _sibling(out, "partial")
-    _sibling(out, "old")  # checked now, not after the work
-    out.parent.mkdir(parents=True, exist_ok=True)
-    lock = _sibling(out, "lock")
-    with files.exclusive(lock, f"out_dir: another write into {out} is running (it holds {lock}); wait for it to end "
-                               "or write elsewhere", what="out_dir"):
-        _check_out(out, overwrite)
-        finished = _start(partial, index, writer, resume)
-        done = list(index["examples"])  # keys of the finished shards, in the order they were written
-        pending, pending_keys, pending_bytes = {}, [], 0
 
-        def flush():
-            i = len(index["shards"])
-            name = f"shard-{i:05d}.safetensors"
-            tmp = partial / (name + ".tmp")
-            st.torch.save_file(pending, tmp, metadata={"format": f"{FORMAT}/{VERSION}"})
-            os.chmod(tmp, _file_mode())  # safetensors makes it 0600: readable as index.json is, by the umask
-            files.fsync(tmp)
-            entry = {"file": name, "bytes": tmp.stat().st_size, "sha256": _file_sha256(tmp)}
-            os.replace(tmp, partial / name)
-            line = {**entry, "examples": [[key, index["examples"][key]["length"]] for key in pending_keys]}
-            with open(partial / _PROGRESS, "ab") as f:  # one write of one line: a crash tears the last line at most
-                f.write(json.dumps(line, separators=(",", ":")).encode() + b"\n")
-                f.flush()
-                os.fsync(f.fileno())
-            index["shards"].append(entry)
-            pending.clear()
-            pending_keys.clear()
 
-        try:
-            n = 0
-            for n, item in enumerate(examples, 1):
-                i = n - 1
-                if not isinstance(item, (tuple, list)) or len(item) != 2:
-                    raise TypeError(f"examples: expected (key, hidden_states) pairs, got {type(item).__name__} at position {i}")
-                key, x = item
-                _check_key(key, f"examples: key at position {i}")
-                if i < len(done):
-                    if key != done[i]:
-                        raise ValueError(
-                            f"examples: resume=True expects the examples of the interrupted write, in its order: "
-                            f"position {i} was {done[i]!r} there, got {key!r}"
-                        )
-                    continue
-                if finished:
-                    raise ValueError(
-                        f"examples: resume=True expects the examples of the interrupted write, which had finished "
-                        f"after {len(done)}; got more ({key!r} at position {i})"
-                    )
-                if key in index["examples"]:
-                    raise ValueError(f"examples: expected distinct keys, got {key!r} twice (again at position {i})")
-                if callable(x):
-                    x = x()
-                if not isinstance(x, torch.Tensor) or x.dim() != 2 or x.shape[1] != h:
-                    got = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
-                    raise ValueError(
-                        f"examples: hidden_states of {key!r}: expected a (length, {h}) tensor (one sequence, no batch "
-                        f"dim; teacher_weight is {tuple(teacher_weight.shape)}), got {got}"
-                    )
-                if x.dtype != teacher_weight.dtype or x.device != teacher_weight.device:
-                    raise ValueError(
-                        f"examples: hidden_states of {key!r}: expected {teacher_weight.dtype} on {teacher_weight.device} "
-                        f"(those of teacher_weight), got {x.dtype} on {x.device}"
-                    )
-                try:
-                    ids, lp = teacher_topk(
-                        x, teacher_weight, k, temperature=temperature, teacher_bias=teacher_bias,
-                        vocab_size=vocab_size, chunk_size=chunk_size, backend=backend,
-                    )
-                except ValueError as e:  # its teacher_input is this example's hidden states (a NaN row)
-                    raise renamed(e, {"teacher_input": f"examples: hidden_states of {key!r}"}) from None
-                ids, lp = ids.to(torch.int32).cpu(), lp.to(logprob_dtype).cpu()
-                why = _rows_problem(ids, lp, index["vocab_size"])
-                if why:  # what the reader would refuse is never written
-                    raise ValueError(f"examples: hidden_states of {key!r}: its targets break the format ({why}); "
-                                     "are the hidden states finite?")
-                nbytes = ids.nbytes + lp.nbytes
-                if pending and pending_bytes + nbytes > shard_bytes:
-                    flush()
-                    pending_bytes = 0
-                pending[f"{key}.ids"], pending[f"{key}.logprobs"] = ids, lp
-                pending_keys.append(key)
-                pending_bytes += nbytes
-                index["examples"][key] = {"shard": len(index["shards"]), "length": x.shape[0]}
-            if n < len(done):
+def _write_examples(examples, shards: "_Shards", done: list, finished: bool, targets):
+    """Draw the (key, hidden_states) pairs and add each one's `targets(key, hidden_states)` to `shards`.
+    With resume=True, `done` holds the keys of the interrupted write's finished shards, in order
+    (`finished`: its index.json was written too): the first pairs must carry them, and are skipped."""
+    n = 0
+    for n, item in enumerate(examples, 1):
+        i = n - 1
+        if not isinstance(item, (tuple, list)) or len(item) != 2:
+            raise TypeError(f"examples: expected (key, hidden_states) pairs, got {type(item).__name__} at position {i}")
+        key, x = item
+        _check_key(key, f"examples: key at position {i}")
+        if i < len(done):
+            if key != done[i]:
                 raise ValueError(
-                    f"examples: resume=True expects the examples of the interrupted write: it had finished "
-                    f"{len(done)}, examples gave {n}"
+                    f"examples: resume=True expects the examples of the interrupted write, in its order: "
+                    f"position {i} was {done[i]!r} there, got {key!r}"
                 )
-            if pending:
-                flush()
-        except BaseException:
-            if not index["shards"]:  # nothing finished, nothing to resume from
-                shutil.rmtree(partial, ignore_errors=True)
-            raise
-        _write_atomic(partial / _INDEX, _index_bytes(index))
-        (partial / _PROGRESS).unlink(missing_ok=True)
-        files.fsync(partial)
-        _swap(partial, out, overwrite)
-    return TopKTargets(out)
+            continue  # a callable in place of its hidden states is not called: no teacher forward
+        if finished:
+            raise ValueError(
+                f"examples: resume=True expects the examples of the interrupted write, which had finished "
+                f"after {len(done)}; got more ({key!r} at position {i})"
+            )
+        if key in shards.index["examples"]:
+            raise ValueError(f"examples: expected distinct keys, got {key!r} twice (again at position {i})")
+        shards.add(key, *targets(key, x))
+    if n < len(done):
+        raise ValueError(
+            f"examples: resume=True expects the examples of the interrupted write: it had finished "
+            f"{len(done)}, examples gave {n}"
+        )
+    shards.flush()
+
+
+def _targets(key, x, teacher_weight, topk, logprob_dtype, vocab_size):
+    """One example's targets as they are stored, ids int32 and log-probs in logprob_dtype on the CPU, from
+    its hidden states `x` (or the callable that returns them); what the reader would refuse is refused."""
+    if callable(x):
+        x = x()
+    h = teacher_weight.shape[1]
+    if not isinstance(x, torch.Tensor) or x.dim() != 2 or x.shape[1] != h:
+        got = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
+        raise ValueError(
+            f"examples: hidden_states of {key!r}: expected a (length, {h}) tensor (one sequence, no batch "
+            f"dim; teacher_weight is {tuple(teacher_weight.shape)}), got {got}"
+        )
+    if x.dtype != teacher_weight.dtype or x.device != teacher_weight.device:
+        raise ValueError(
+            f"examples: hidden_states of {key!r}: expected {teacher_weight.dtype} on {teacher_weight.device} "
+            f"(those of teacher_weight), got {x.dtype} on {x.device}"
+        )
+    try:
+        ids, lp = topk(x)
+    except ValueError as e:  # its teacher_input is this example's hidden states (a NaN row)
+        raise renamed(e, {"teacher_input": f"examples: hidden_states of {key!r}"}) from None
+    ids, lp = ids.to(torch.int32).cpu(), lp.to(logprob_dtype).cpu()
+    why = _rows_problem(ids, lp, vocab_size)
+    if why:
+        raise ValueError(f"examples: hidden_states of {key!r}: its targets break the format ({why}); "
+                         "are the hidden states finite?")
+    return ids, lp
+
+
+class _Shards:
+    """The shards of a write, built in `partial`: examples' targets wait on the CPU until the next one
+    would take them past shard_bytes, then go out as one shard (.tmp, fsync, rename) and a line of
+    progress.jsonl; `index` gains each shard's entry and each example's."""
+
+    def __init__(self, partial: Path, index: dict, shard_bytes: int):
+        self.partial, self.index, self.shard_bytes = partial, index, shard_bytes
+        self.pending, self.keys, self.bytes = {}, [], 0
+
+    def add(self, key: str, ids: torch.Tensor, lp: torch.Tensor):
+        nbytes = ids.nbytes + lp.nbytes
+        if self.pending and self.bytes + nbytes > self.shard_bytes:  # a bigger sequence gets a shard of its own
+            self.flush()
+        self.pending[f"{key}.ids"], self.pending[f"{key}.logprobs"] = ids, lp
+        self.keys.append(key)
+        self.bytes += nbytes
+        self.index["examples"][key] = {"shard": len(self.index["shards"]), "length": ids.shape[0]}
+
+    def flush(self):
+        if not self.pending:
+            return
+        name = f"shard-{len(self.index['shards']):05d}.safetensors"
+        tmp = self.partial / (name + ".tmp")
+        _safetensors().torch.save_file(self.pending, tmp, metadata={"format": f"{FORMAT}/{VERSION}"})
+        os.chmod(tmp, _file_mode())  # safetensors makes it 0600: readable as index.json is, by the umask
+        files.fsync(tmp)
+        entry = {"file": name, "bytes": tmp.stat().st_size, "sha256": _file_sha256(tmp)}
+        os.replace(tmp, self.partial / name)
+        line = {**entry, "examples": [[key, self.index["examples"][key]["length"]] for key in self.keys]}
+        with open(self.partial / _PROGRESS, "ab") as f:  # one write of one line: a crash tears the last line at most
+            f.write(json.dumps(line, separators=(",", ":")).encode() + b"\n")
+            f.flush()
+            os.fsync(f.fileno())
+        self.index["shards"].append(entry)
+        self.pending.clear()
+        self.keys.clear()
+        self.bytes = 0
 
 
 class TopKTargets(collections.abc.Mapping):

@@ -27,6 +27,8 @@ def fused_linear_distill(
     *,
     loss: str = "jsd",
     beta: float = 0.5,
+    alpha: float = 0.1,
+    head_mass: float = 0.5,
     temperature: float = 1.0,
     weight_hard_loss: float = 0.5,
     weight_soft_loss: float = 0.5,
@@ -60,8 +62,12 @@ def fused_linear_distill(
     teacher_weight (Vt, Ht) with Vt >= V, labels (...) int64 or int32 or None, biases (V,) and (Vt,). All
     float tensors share one dtype (fp16, bf16, fp32, fp64).
     loss=: "jsd" (β-weighted JSD, β = 0 forward KL, β = 1 reverse KL), "forward_kl" (KL(p‖q)),
-    "reverse_kl" (KL(q‖p)), "tvd" (½ Σ|q − p|) or "cosine" (β (1 − cos) of the logits); q and p are
-    the student's and teacher's softmax at temperature τ.
+    "reverse_kl" (KL(q‖p)), "tvd" (½ Σ|q − p|), "cosine" (β (1 − cos) of the logits), "skew_kl"
+    (KL(p ‖ α p + (1 − α) q)), "skew_reverse_kl" (KL(q ‖ (1 − α) p + α q)), α = `alpha` in [0, 1], or
+    "akl" (adaptive KL: forward and reverse KL weighted by the gaps |p − q| in the teacher's head, its
+    likeliest ids holding mass `head_mass` μ in [0, 1], and tail; the weights are not differentiated);
+    q and p are the student's and teacher's softmax at temperature τ. The three last run on the torch
+    rows on every backend for now.
 
     Returns the scalar loss  w_hard · CE + w_soft · soft  (see `flashkd.losses` for every formula),
     fp32 (fp64 for fp64 inputs, computed in fp64 on every backend), or `(loss, soft, hard)` with
@@ -109,6 +115,7 @@ def fused_linear_distill(
     call = chunks.make_call(
         chunks.Heads(teacher_input, teacher_weight, teacher_bias), student_input, student_weight, labels,
         loss=loss, beta=beta, temperature=temperature, weight_hard_loss=weight_hard_loss,
+        alpha=alpha, head_mass=head_mass,
         weight_soft_loss=weight_soft_loss, ignore_index=ignore_index, student_bias=student_bias, reduction=reduction,
         chunk_size=chunk_size, backend=backend, return_soft_hard_loss=return_soft_hard_loss,
         temperature_squared=temperature_squared, grad_accum_dtype=grad_accum_dtype, check_labels=check_labels,
@@ -128,6 +135,8 @@ def fused_linear_distill_logits(
     *,
     loss: str = "jsd",
     beta: float = 0.5,
+    alpha: float = 0.1,
+    head_mass: float = 0.5,
     temperature: float = 1.0,
     weight_hard_loss: float = 0.5,
     weight_soft_loss: float = 0.5,
@@ -166,6 +175,7 @@ def fused_linear_distill_logits(
     call = chunks.make_call(
         chunks.Logits(teacher_logits), student_input, student_weight, labels,
         loss=loss, beta=beta, temperature=temperature, weight_hard_loss=weight_hard_loss,
+        alpha=alpha, head_mass=head_mass,
         weight_soft_loss=weight_soft_loss, ignore_index=ignore_index, student_bias=student_bias, reduction=reduction,
         chunk_size=chunk_size, backend=backend, return_soft_hard_loss=return_soft_hard_loss,
         temperature_squared=temperature_squared, grad_accum_dtype=grad_accum_dtype, check_labels=check_labels,
@@ -188,6 +198,8 @@ def fused_linear_distill_topk(
     tail: str = "bucket",
     tail_clamp: float | None = None,
     beta: float = 0.5,
+    alpha: float = 0.1,
+    head_mass: float = 0.5,
     temperature: float = 1.0,
     weight_hard_loss: float = 0.0,
     weight_soft_loss: float = 1.0,
@@ -260,6 +272,7 @@ def fused_linear_distill_topk(
     call = chunks.make_call(
         chunks.TopK(teacher_ids, teacher_logprobs, teacher_index, num_teachers), student_input, student_weight, labels,
         loss=loss, beta=beta, temperature=temperature, weight_hard_loss=weight_hard_loss,
+        alpha=alpha, head_mass=head_mass,
         weight_soft_loss=weight_soft_loss, ignore_index=ignore_index, student_bias=student_bias, reduction=reduction,
         chunk_size=chunk_size, backend=backend, return_soft_hard_loss=return_soft_hard_loss,
         temperature_squared=temperature_squared, grad_accum_dtype=grad_accum_dtype, check_labels=check_labels,

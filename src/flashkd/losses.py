@@ -21,6 +21,22 @@ Per row, with temperature τ, student logits a, teacher logits b, q = softmax(a/
     tvd           ½ Σ |q − p|                             ½ q ∘ (g − Σ q g) / τ,          g = sign(q − p)
     cosine        β (1 − cos(a, b))                       −β (b / (‖a‖‖b‖) − cos · a / ‖a‖²)
     hard CE       logsumexp(a) − a_y   (untempered)       softmax(a) − onehot(y)
+    skew_kl (α)   KL(p‖M) = Σ p log(p/M),                 −(1−α) (p ∘ r − q Σ p ∘ r) / τ,  r = q/M ≤ 1/(1−α)
+                  M = α p + (1−α) q
+    skew_reverse  KL(q‖M′) = Σ q log(q/M′),               q ∘ (g − Σ q g) / τ,   g = log(q/M′) + 1 − α q/M′
+      _kl (α)     M′ = (1−α) p + α q
+    akl (μ)       w_h KL(p‖q) + w_t KL(q‖p),              w_h (q − p) / τ + w_t q ∘ (log q − log p − KL(q‖p)) / τ
+                  w_h = g_h/(g_h+g_t), w_t = g_t/(g_h+g_t), g_h = Σ_head |p − q|, g_t = Σ_tail |p − q|,
+                  the weights constants (q in them detached)
+
+Skew KL is JSD(β = α)'s first piece and skew reverse KL JSD(β = 1 − α)'s second, each alone (DistiLLM,
+α = 0.1 there); their gradients are the chain rule through q = softmax(a/τ) of dL/dq = g. At α = 0 they
+are forward and reverse KL exactly (M = q, M′ = p), at α = 1 zero (M = p, M′ = q); the formula is kept at
+the ends, not resolved to another loss. AKL (Wu et al., COLING 2025) follows the authors' code: with the
+ids in the order of p descending (ties by id, lowest first: a stable sort's order), the head is the
+longest prefix whose p sums to at most μ, and the first id always; the weights use p and q at the
+temperature, and are ½ each where g_h + g_t = 0 (p = q: both KLs and their gradients are 0). `akl_head`
+finds the head without a sort.
 
 JSD endpoints follow the Liger / TRL convention: β = 0 is forward KL(p‖q), β = 1 is reverse KL(q‖p)
 (not the limit of the formula, which is 0 at both ends). Cosine is invariant to τ.
@@ -55,8 +71,13 @@ from typing import NamedTuple
 
 import torch
 
-LOSSES = ("jsd", "forward_kl", "reverse_kl", "tvd", "cosine")
-DIVERGENCES = LOSSES[:4]  # the losses between distributions: the ones a top-k teacher allows
+LOSSES = ("jsd", "forward_kl", "reverse_kl", "tvd", "cosine", "skew_kl", "skew_reverse_kl", "akl")
+# the losses between distributions: the ones a top-k teacher allows
+DIVERGENCES = tuple(name for name in LOSSES if name != "cosine")
+# The losses without a dense Triton kernel yet: every backend runs their dense rows on the torch rows
+# (`flashkd.chunks.pick_backend`); on a top-k teacher the Triton backend runs them, their (R, K + 1)
+# category math in torch (`flashkd.backends.triton_topk`)
+TORCH_ONLY_LOSSES = ("skew_kl", "skew_reverse_kl", "akl")
 REDUCTIONS = ("mean", "sum")
 TAILS = ("bucket", "renormalize")  # sparse teacher: what happens to the mass outside the K ids
 
@@ -87,6 +108,8 @@ class LossSpec:
     # tail "bucket" only: None, or ε > 0 for each side's rest taken as 1 − exp(min(log Σ_ids, −ε)), nothing
     # renormalised (TRL's `_add_tail_bucket`, ε = 1e-7): `category_logprobs`
     tail_clamp: float | None = None
+    alpha: float = 0.1  # skew KL / skew reverse KL: the student's (teacher's) share α of the mixture
+    head_mass: float = 0.5  # AKL: μ, the teacher's mass that bounds the head
 
     def __post_init__(self):
         allowed, teacher = (LOSSES, "") if self.tail is None else (DIVERGENCES, " for a top-k teacher")
@@ -94,10 +117,11 @@ class LossSpec:
             raise ValueError(f"loss: expected one of {', '.join(map(repr, allowed))}{teacher}, got {self.loss!r}")
         if self.reduction not in REDUCTIONS:
             raise ValueError(f"reduction: expected 'mean' or 'sum', got {self.reduction!r}")
-        for name in ("beta", "temperature", "weight_hard", "weight_soft"):
+        for name in ("beta", "temperature", "weight_hard", "weight_soft", "alpha", "head_mass"):
             check_finite_float(name, getattr(self, name))
-        if not 0.0 <= self.beta <= 1.0:
-            raise ValueError(f"beta: expected a value in [0, 1], got {self.beta!r}")
+        for name in ("beta", "alpha", "head_mass"):
+            if not 0.0 <= getattr(self, name) <= 1.0:
+                raise ValueError(f"{name}: expected a value in [0, 1], got {getattr(self, name)!r}")
         if self.temperature <= 0.0:
             raise ValueError(f"temperature: expected a value > 0, got {self.temperature!r}")
         if isinstance(self.ignore_index, bool) or not isinstance(self.ignore_index, int):
@@ -269,7 +293,7 @@ def row_losses(s: torch.Tensor, t: torch.Tensor, labels: torch.Tensor | None, sp
     del z  # the tempered logits: only their log-probs stay (the torch backend's peak memory)
     log_q = logp[0] if logp else None
     after = ()
-    if kind in DIVERGENCES:
+    if kind in DIVERGENCES and kind != "akl":
         after += (divergence(log_q, logp[1], spec),)
     if stats:
         after += (row_entropy(log_q.detach()),)
@@ -280,6 +304,8 @@ def row_losses(s: torch.Tensor, t: torch.Tensor, labels: torch.Tensor | None, sp
         dot, ss, tt = sums[:3]
         norm = ss.clamp_min(COSINE_EPS**2).sqrt() * tt.clamp_min(COSINE_EPS**2).sqrt()
         soft = spec.beta * (1.0 - dot / norm)
+    elif kind == "akl":  # a whole row's value: its sums merge inside (`adaptive_kl`)
+        soft = divergence(log_q, logp[1], spec, vocab)
     else:
         soft = after[0]
     soft, hard = _with_hard(soft, lse[0] - sums[-1] if ce else None, labels, spec, vocab.size(s))
@@ -468,6 +494,14 @@ class Vocab:
         picked = torch.where(here, x.gather(-1, col), 0.0)
         return picked if ids.dim() == 2 else picked[:, 0]
 
+    def amax(self, x: torch.Tensor) -> torch.Tensor:
+        """The max over the vocab of each row of x (R,), not differentiated."""
+        return x.detach().amax(-1)
+
+    def before(self, count: torch.Tensor) -> torch.Tensor:
+        """count (R,), this block's, summed over the blocks before it in the vocab: 0 for the whole vocab."""
+        return torch.zeros_like(count)
+
     def merge(self, log_softmax=(), lse=(), sums=()):
         """([log_softmax over the vocab of each (R, V) block in log_softmax], [logsumexp of each in lse],
         [each of sums summed over the vocab]): `sums` are this block's parts of row quantities, (R,) or
@@ -531,9 +565,11 @@ WHOLE_VOCAB = Vocab()
 COSINE_EPS = 1e-12
 
 
-def divergence(log_q: torch.Tensor, log_p: torch.Tensor, spec: LossSpec) -> torch.Tensor:
+def divergence(log_q: torch.Tensor, log_p: torch.Tensor, spec: LossSpec, vocab=None) -> torch.Tensor:
     """The table's divergence per row of log q and log p over the last dim (−inf: probability 0);
-    the formula as written, also on vectors that do not quite sum to 1 (a clamped tail bucket)."""
+    the formula as written, also on vectors that do not quite sum to 1 (a clamped tail bucket).
+    This block's part of the row's sum over the vocab, but for AKL, whose row is whole: its weights
+    merge their sums over the vocab here (`vocab`, None: the block holds the whole row)."""
     q, p = log_q.exp(), log_p.exp()
     kind = spec.kind
     if kind == "forward_kl":
@@ -542,14 +578,87 @@ def divergence(log_q: torch.Tensor, log_p: torch.Tensor, spec: LossSpec) -> torc
         return _plogr(q, log_q - log_p)
     if kind == "tvd":
         return 0.5 * (q - p).abs().sum(-1)
+    if kind == "akl":
+        return adaptive_kl(log_q, log_p, spec.head_mass, vocab or WHOLE_VOCAB)
+    if kind == "skew_kl":  # KL(p ‖ α p + (1 − α) q): JSD's first piece at β = α
+        return _plogr(p, log_p - _log_mixture(log_p, log_q, spec.alpha))
+    if kind == "skew_reverse_kl":  # KL(q ‖ (1 − α) p + α q): JSD's second piece at β = 1 − α
+        return _plogr(q, log_q - _log_mixture(log_p, log_q, 1.0 - spec.alpha))
     beta = spec.beta
-    # A category at −inf on both sides is absent; logaddexp(−inf, −inf) would backpropagate NaN.
-    absent = (log_p == -torch.inf) & (log_q == -torch.inf)
-    log_m = torch.logaddexp(
-        torch.where(absent, 0.0, log_p) + math.log(beta), torch.where(absent, 0.0, log_q) + math.log1p(-beta)
-    )
-    log_m = torch.where(absent, -torch.inf, log_m)
+    log_m = _log_mixture(log_p, log_q, beta)
     return beta * _plogr(p, log_p - log_m) + (1.0 - beta) * _plogr(q, log_q - log_m)
+
+
+def _log_mixture(log_p: torch.Tensor, log_q: torch.Tensor, beta: float) -> torch.Tensor:
+    """log M, M = β p + (1 − β) q, for β in [0, 1] (an end drops its side: log(0) is −inf, not
+    math.log's error). A category at −inf on both sides is absent (−inf); logaddexp(−inf, −inf)
+    would backpropagate NaN."""
+    absent = (log_p == -torch.inf) & (log_q == -torch.inf)
+    log_b = math.log(beta) if beta > 0.0 else -math.inf
+    log_1mb = math.log1p(-beta) if beta < 1.0 else -math.inf
+    log_m = torch.logaddexp(torch.where(absent, 0.0, log_p) + log_b, torch.where(absent, 0.0, log_q) + log_1mb)
+    return torch.where(absent, -torch.inf, log_m)
+
+
+def adaptive_kl(log_q: torch.Tensor, log_p: torch.Tensor, head_mass: float, vocab) -> torch.Tensor:
+    """AKL per row (Wu et al., COLING 2025), as the authors' code computes it: w_head · KL(p‖q) +
+    w_tail · KL(q‖p), w_head = g_head / (g_head + g_tail), w_tail = g_tail / (g_head + g_tail), with
+    g_S = Σ_S |p − q| over the teacher's head S = H and tail S = the rest. The weights are constants:
+    q in them is detached (the gradient is w_head · forward KL's + w_tail · reverse KL's). The head: the authors sort p
+    descending, take the ids where the cumulative sum is at most μ, and keep the first always; ties in p
+    are ordered here by id, lowest first, as a stable sort orders them (`akl_head`).
+    g_head + g_tail = 0 (p = q) takes both weights as ½: both KLs and their gradients are 0 there.
+    `vocab` merges the sums of a vocab slice (the block is the whole row under `WHOLE_VOCAB`)."""
+    p = log_p.exp()
+    head = akl_head(p, head_mass, vocab)
+    gap = (p - log_q.detach().exp()).abs()
+    forward, reverse, g_head, g_tail = vocab.merge(sums=(
+        _plogr(p, log_p - log_q), _plogr(log_q.exp(), log_q - log_p),
+        torch.where(head, gap, 0.0).sum(-1), torch.where(head, 0.0, gap).sum(-1)))[2]
+    g_all = g_head + g_tail
+    some = g_all > 0
+    w_head = torch.where(some, g_head / torch.where(some, g_all, 1.0), 0.5)
+    w_tail = torch.where(some, g_tail / torch.where(some, g_all, 1.0), 0.5)
+    return w_head * forward + w_tail * reverse
+
+
+def akl_head(p: torch.Tensor, head_mass: float, vocab) -> torch.Tensor:
+    """AKL's head (R, V) bool of the teacher's probabilities p (`adaptive_kl`): the longest prefix of the ids
+    in the order of p descending, ties by id ascending (a stable sort's), whose p sums to at most μ, and
+    the first id of that order always. Found without a sort, exactly, with no host sync:
+      θ  the least p value with F(θ) = Σ_(p_j ≥ θ) p_j ≤ μ, by bisection over the bit patterns of p's
+         dtype (a float ≥ 0 orders as its bits; F falls as θ rises): one masked sum over the row per
+         bit, 31 for fp32, 63 for fp64. Every id with p ≥ θ is in the head.
+      v  the largest p below θ (the tied group the prefix ends in), and c = ⌊(μ − F(θ)) / v⌋ of its ids,
+         those of least id, are in the head too (at least one where the group holds the largest p).
+    Each step is a sum or max over the vocab of (R,) numbers (`Vocab.merge`, `Vocab.amax`) and one count
+    of the group's ids on the slices before this one (`Vocab.before`): a vocab slice merges them over
+    the ranks, about 40 all-reduces of R numbers a block (a sort would gather the slices' p)."""
+    p = p.detach()
+    if head_mass >= 1.0:  # every prefix sums to at most 1: the whole row, where rounding may not say so
+        return torch.ones_like(p, dtype=torch.bool)
+    ints = {torch.float32: torch.int32, torch.float64: torch.int64}[p.dtype]
+    one = torch.tensor(1.0, dtype=p.dtype).view(ints).item()
+    # the least bits with F ≤ μ lies in (lo, hi]: F(bits of 1.0 + 1) = 0 (no p above 1)
+    lo = torch.full((p.shape[0], 1), -1, dtype=ints, device=p.device)
+    hi = torch.full((p.shape[0], 1), one + 1, dtype=ints, device=p.device)
+    for _ in range((one + 2).bit_length()):
+        mid = lo + (hi - lo) // 2  # = lo once a row has converged (hi = lo + 1): then it stays
+        (mass,) = vocab.merge(sums=(torch.where(p >= mid.clamp_min(0).view(p.dtype), p, 0.0).sum(-1),))[2]
+        fits = (mass <= head_mass)[:, None]
+        done = hi - lo <= 1
+        hi, lo = torch.where(fits & ~done, mid, hi), torch.where(fits | done, lo, mid)
+    theta = hi.clamp_max(one).view(p.dtype)  # bits one + 1 is no float here: only p ≥ 1 would reach it
+    above = p >= theta
+    below = torch.where(above, -1.0, p)
+    v = vocab.amax(below)[:, None]  # the group the prefix ends in (−1: every id is in the head already)
+    (mass,) = vocab.merge(sums=(torch.where(above, p, 0.0).sum(-1),))[2]
+    fit = torch.floor((head_mass - mass[:, None]) / torch.where(v > 0, v, 1.0)).clamp_min(0.0)
+    # no id above θ anywhere (its mass is 0): v is the largest p, and the first of its ids is in the head
+    fit = torch.where(mass[:, None] == 0, fit.clamp_min(1.0), fit)
+    group = (p == v) & (v >= 0)
+    rank = torch.cumsum(group.to(torch.int64), -1) - 1 + vocab.before(group.sum(-1))[:, None]
+    return above | (group & (rank < fit))
 
 
 def _plogr(w: torch.Tensor, log_ratio: torch.Tensor) -> torch.Tensor:

@@ -26,7 +26,9 @@ the gaps below the max off the ids (`triton_common.lane_gap`): the entropy of q 
 follow on (R, K + 1) in `_topk_stats`; the teacher's entropy over the categories is taken there in torch.
 With a tail clamp (TRL's bucket, `losses.category_logprobs`) the categories are not a softmax of anything,
 so the dense kernel gives way to autograd of the torch definition on the (R, K + 1) categories
-(`_clamped_categories`); the passes over the vocab are the same.
+(`_torch_categories`); the passes over the vocab are the same. So do skew KL, skew reverse KL and AKL,
+which have no dense kernel (`losses.TORCH_ONLY_LOSSES`): on a top-k teacher they run on this backend,
+their category math in torch.
 """
 
 from __future__ import annotations
@@ -37,7 +39,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..losses import LossSpec, category_entropy, category_logprobs, divergence, logit_transform
+from ..losses import TORCH_ONLY_LOSSES, LossSpec, category_entropy, category_logprobs, divergence, logit_transform
 from . import triton_common, triton_rows
 
 # Tiles of the kernels here (measured on an H200, benchmarks/bench_rows.py: the top-k row kernels at
@@ -246,8 +248,10 @@ def topk_rows(s, t, labels, spec: LossSpec, scale: torch.Tensor, grad: bool, sta
         z_rest = (m_z.to(work) / tau + _LN2 * l_tau.to(work))[:, None]
         rest_empty = (used.sum(1) == total)[:, None]  # the ids are distinct (checked on CPU; documented)
     valid_rows = None if labels is None else valid
-    if spec.tail_clamp is not None:
-        soft, log_p, g = _clamped_categories(z_k, z_rest, logprobs.to(work), used, valid_rows, spec, scale, grad)
+    if spec.tail_clamp is not None or spec.kind in TORCH_ONLY_LOSSES:
+        soft, log_p, g = _torch_categories(z_k, z_rest, logprobs.to(work), used,
+                                           None if spec.tail_clamp is not None else rest_empty, valid_rows, spec,
+                                           scale, grad)
     else:
         log_q, log_p = category_logprobs(z_k, z_rest, logprobs.to(work), used, rest_empty, spec.tail)
         # The dense kernel at τ = 1 on the categories: softmax(log q) is q, so its dL/d(logits) is dL/dz_C.
@@ -326,24 +330,28 @@ def _merged(vocab, s_k, m, l_tau, l_one, gap, s_y, k_tau, k_one):
     return out
 
 
-def _clamped_categories(z_k, z_rest, logprobs, used, valid, spec: LossSpec, scale, grad):
-    """(soft (R,), log p (R, K + 1), g = dL/dz_C (R, K + 1) fp32 or None) of TRL's clamped bucket
-    (`spec.tail_clamp`) from the categories' parts: z_k (R, K) z/τ at the ids (−inf unused), z_rest
-    (R, 1) the off-ids logsumexp of z/τ. Its categories are no softmax (nothing is renormalised), so
-    the dense kernel does not apply: the torch definition on these R · (K + 1) numbers, differentiated
-    by autograd (a few small launches a block; no pass over the vocab). valid: (R,) or None."""
+def _torch_categories(z_k, z_rest, logprobs, used, rest_empty, valid, spec: LossSpec, scale, grad):
+    """(soft (R,), log p (R, C), g = dL/dz_C (R, C) fp32 or None) of the categories (C = K + 1 with the
+    bucket, K without) from their parts: z_k (R, K) z/τ at the ids (−inf unused), z_rest (R, 1) the off-ids
+    logsumexp of z/τ (None under "renormalize"), rest_empty (R, 1) whether the ids cover the vocab (None
+    with the clamp or "renormalize"). For what the dense kernel on the categories does not do: TRL's
+    clamped bucket (`spec.tail_clamp`; its categories are no softmax, nothing is renormalised) and the
+    losses without a dense kernel (`losses.TORCH_ONLY_LOSSES`): the torch definition on these R · C
+    numbers, differentiated by autograd (a few small launches a block; no pass over the vocab).
+    valid: (R,) or None."""
     if valid is not None:  # an ignored row's NaN log-probs must not reach the gradient through 0 · NaN
         logprobs = torch.where(valid[:, None], logprobs, 0.0)
     with torch.enable_grad():
-        z_k, z_rest = z_k.detach().requires_grad_(grad), z_rest.detach().requires_grad_(grad)
-        log_q, log_p = category_logprobs(z_k, z_rest, logprobs, used, None, "bucket", spec.tail_clamp)
+        parts = [z_k.detach().requires_grad_(grad)] + ([] if z_rest is None else [z_rest.detach().requires_grad_(grad)])
+        log_q, log_p = category_logprobs(*parts[:1], parts[1] if z_rest is not None else None, logprobs, used,
+                                         rest_empty, spec.tail, spec.tail_clamp)
         soft = divergence(log_q, log_p, spec)
         if valid is not None:
             soft = torch.where(valid, soft, 0.0)
         g = None
         if grad:
             w = scale.to(soft.dtype) * spec.soft_scale  # () or (R,): as the dense kernel's scale and weight
-            g = torch.cat(torch.autograd.grad((soft * w).sum(), (z_k, z_rest)), 1).float().contiguous()
+            g = torch.cat(torch.autograd.grad((soft * w).sum(), parts), 1).float().contiguous()
     return soft.detach().float(), log_p.detach(), g
 
 

@@ -31,12 +31,12 @@ if TYPE_CHECKING:  # imported where they are used, after the arguments are parse
 # (tests/test_first_hour.py holds them equal): flashkd.losses LOSSES and TAILS, flashkd.bench.workloads
 # FORMS, INPUTS, DTYPES and PRESETS, flashkd.records.protocol MODES, flashkd.fp8 PRECISIONS, and the
 # providers of flashkd.bench.providers.PROVIDERS (a dict others may add to: checked against it in plan()).
-LOSSES = ("jsd", "forward_kl", "reverse_kl", "tvd", "cosine")
+LOSSES = ("jsd", "forward_kl", "reverse_kl", "tvd", "cosine", "skew_kl", "skew_reverse_kl", "akl")
 TAILS = ("bucket", "renormalize")
 FORMS = ("heads", "logits", "topk", "teacher_topk")
 INPUTS = ("bench", "trained")
 DTYPE_NAMES = ("bfloat16", "bf16", "float16", "fp16", "float32", "fp32")
-PRESET_NAMES = ("logits", "seed", "small", "sweep", "teacher-topk", "topk", "trained")
+PRESET_NAMES = ("logits", "models", "seed", "small", "sweep", "teacher-topk", "topk", "trained")
 MODES = ("full", "forward", "backward", "no-grad-forward")
 PRECISIONS = ("fp8", "fp8-rowwise", "fp8-1x128")
 PROVIDER_NAMES = ("flashkd", "flashkd-triton", "flashkd-cute", "torch", "liger", "trl", "floor")
@@ -56,6 +56,9 @@ presets:
   trained       exactness at a trained head's logit magnitudes (--inputs trained: std 4, every 4th row
                 peaked at 32): jsd N=8192; its soft term alone N=4096; jsd N=8192 with softcap 30 on
                 both heads (Gemma's); H=4096, V=128256, bf16
+  models        the LM heads of model pairs people distill (Llama-3.x, Qwen3, Gemma-3, Phi, Mistral; student <-
+                teacher hidden sizes and vocab of their published configs, workloads.MODEL_HEADS), every loss,
+                N=8192 16384, bf16, trained-head logits (narrow it with -n and --loss)
   small         jsd and cosine N=128 256, topk forward_kl and logits jsd N=256; H=256, V=4099, fp32
                 (the default on CPU)
   -n, --loss multiply the preset's workloads (--loss jsd tvd: each workload once per loss); --h, --v,
@@ -222,8 +225,8 @@ def add_bench_arguments(p: argparse.ArgumentParser) -> None:
                    help="output folder, new or empty: a run never mixes its files with another's "
                         "(default: bench-YYYYmmdd-HHMMSS)")
     p.add_argument("--large-on-cpu", action="store_true",
-                   help="run workloads sized for a GPU (presets seed, sweep, topk, logits, teacher-topk) on a CPU "
-                        "anyway: hours; without it they are refused there")
+                   help="run workloads sized for a GPU (presets seed, sweep, topk, logits, teacher-topk, models) on a "
+                        "CPU anyway: hours; without it they are refused there")
 
 
 def _positive(text: str) -> int:

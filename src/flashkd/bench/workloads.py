@@ -23,7 +23,7 @@ import torch
 
 import flashkd
 from .. import fp8
-from ..losses import TAILS, LossSpec
+from ..losses import LOSSES, TAILS, LossSpec
 
 DTYPES = {
     "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
@@ -57,8 +57,12 @@ class Workload:
     softcap: float | None = None  # both heads' logit softcap c (a top-k teacher's: in its targets)
     teacher_precision: str | None = None  # flashkd's teacher GEMM (forms heads, teacher_topk): None or "fp8..."
     inputs: str = "bench"  # one of INPUTS: Liger's benchmark inputs, or a trained head's logit magnitudes
+    student_h: int | None = None  # the student's hidden size; None: h // 2, as in Liger's benchmark
 
     def __post_init__(self):
+        if self.student_h is not None and (isinstance(self.student_h, bool) or not isinstance(self.student_h, int)
+                                           or self.student_h < 1):
+            raise ValueError(f"student_h: expected None or a positive int, got {self.student_h!r}")
         if self.form not in FORMS:
             raise ValueError(f"form: expected one of {', '.join(FORMS)}, got {self.form!r}")
         if self.inputs not in INPUTS:
@@ -73,7 +77,7 @@ class Workload:
 
     @property
     def hs(self) -> int:
-        return self.h // 2
+        return self.h // 2 if self.student_h is None else self.student_h
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -108,11 +112,13 @@ class Workload:
     def canonical(self) -> Workload:
         """The same case with the fields its form does not read at their defaults: equal cases compare equal."""
         base = Workload()
+        # a student of hidden h // 2 given by size is the same case as one given by default
+        same = {"student_h": None} if self.student_h == self.h // 2 else {}
         unused = {
             "heads": ("k", "tail"), "logits": ("k", "tail", "teacher_precision"), "topk": ("teacher_precision",),
             "teacher_topk": ("loss", "beta", "weight_hard", "weight_soft", "ignore_index", "tail"),
         }[self.form]
-        return dataclasses.replace(self, **{name: getattr(base, name) for name in unused})
+        return dataclasses.replace(self, **{name: getattr(base, name) for name in unused}, **same)
 
     def spec(self) -> LossSpec:
         """The LossSpec that flashkd builds for this call (labels given, terms not returned)."""
@@ -162,6 +168,22 @@ class Inputs(NamedTuple):
     lp: torch.Tensor | None = None  # (N, K) fp32 their log-probs at the workload's temperature (form topk)
 
 
+# Student <- teacher LM heads of the model families' published configs: (pair, student hidden Hs, teacher
+# hidden Ht, vocab V). A pair shares its family's tokenizer, so one V. The vocab is the head's rows as the
+# checkpoints ship them (Llama 3's 128256, Qwen3's 151936 padded from 151669, Mistral's Tekken 131072).
+MODEL_HEADS: tuple[tuple[str, int, int, int], ...] = (
+    ("Llama-3.2 1B <- Llama-3.2 3B", 2048, 3072, 128256),
+    ("Llama-3.2 1B <- Llama-3.1 8B", 2048, 4096, 128256),
+    ("Llama-3.1 8B <- Llama-3.1 70B", 4096, 8192, 128256),
+    ("Qwen3 0.6B <- Qwen3 8B", 1024, 4096, 151936),
+    ("Qwen3 1.7B <- Qwen3 32B", 2048, 5120, 151936),
+    ("Qwen3 4B <- Qwen3 14B", 2560, 5120, 151936),
+    ("Gemma-3 4B <- Gemma-3 12B", 2560, 3840, 262144),
+    ("Gemma-3 12B <- Gemma-3 27B", 3840, 5376, 262144),
+    ("Phi-4-mini (o200k head) <- a 5120-wide teacher", 3072, 5120, 200064),
+    ("Phi-3-mini <- Phi-3-medium", 3072, 5120, 32064),
+    ("Ministral 8B <- Mistral Small 24B", 4096, 5120, 131072),
+)
 _SEED_SHAPE = dict(h=4096, v=128256, dtype="bfloat16")
 _SMALL_SHAPE = dict(h=256, v=4099, dtype="float32")
 PRESETS: dict[str, tuple[Workload, ...]] = {
@@ -181,6 +203,12 @@ PRESETS: dict[str, tuple[Workload, ...]] = {
         Workload("jsd", 8192, inputs="trained", **_SEED_SHAPE),
         Workload("jsd", 4096, weight_hard=0.0, weight_soft=1.0, inputs="trained", **_SEED_SHAPE),
         Workload("jsd", 8192, softcap=30.0, inputs="trained", **_SEED_SHAPE),
+    ),
+    # The LM heads that people distill between (MODEL_HEADS), every loss, N 8192 and 16384, trained-head inputs:
+    # where the ratio to the floor moves with the head's shape, not only with N
+    "models": tuple(
+        Workload(loss, n, h=ht, student_h=hs, v=v, dtype="bfloat16", inputs="trained")
+        for _, hs, ht, v in MODEL_HEADS for n in (8192, 16384) for loss in LOSSES
     ),
     # A laptop CPU: every provider, mode and plot in seconds. V = 4099 and K = 61 are prime, so no
     # size is a multiple of any block or chunk.

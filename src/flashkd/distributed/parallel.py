@@ -124,7 +124,9 @@ def _agreed(call, rows, derived=None) -> dict:
     if rows is not None:  # a loss call (teacher_topk checks its own before it calls `shard`)
         xs, ws, bs = rows.xs, rows.ws, rows.bs
         chunks.check_row_weight(call.row_weight, xs, call.student_input)
-        backend = chunks.pick_backend(call.backend, xs)  # the row backend's collectives differ: all ranks alike
+        # the row backend's collectives differ: all ranks alike (dense rows of some losses: the torch rows)
+        dense = None if isinstance(call.teacher, chunks.TopK) else call.spec.kind
+        backend = chunks.pick_backend(call.backend, xs, dense)
         if isinstance(call.teacher, chunks.Heads) and fp8.scaling_of(call.teacher_precision, xs.device) is not None:
             fp8.check_dtype(xs.dtype)
         if isinstance(call.teacher, chunks.TopK):

@@ -78,6 +78,21 @@ class ShardedVocab(Vocab):
         here = (ids >= self.start) & (ids < self.start + x.shape[-1])
         return torch.where(here, ids - self.start, 0).long(), here
 
+    def amax(self, x):
+        """`Vocab.amax` over the group: one all-reduce MAX of (R,)."""
+        m = x.detach().amax(-1) if x.shape[-1] else x.new_full(x.shape[:1], -torch.inf)
+        dist.all_reduce(m, op=dist.ReduceOp.MAX, group=self.group)
+        return m
+
+    def before(self, count):
+        """`Vocab.before` over the group: each rank's (start, count) in one all-gather of (2, R) int64
+        (16·R bytes a rank), the counts of the slices that start before this one summed."""
+        mine = torch.stack([torch.full_like(count, self.start), count]).contiguous()
+        every = torch.empty(self.copies * mine.numel(), dtype=mine.dtype, device=mine.device)
+        all_gather(every, mine.view(-1), self.group)
+        every = every.view(self.copies, 2, -1)
+        return torch.where(every[:, 0] < self.start, every[:, 1], 0).sum(0)
+
     def merge(self, log_softmax=(), lse=(), sums=()):
         """`Vocab.merge` over the group: one all-reduce MAX of every logsumexp's row maxima (not
         differentiated: the logsumexp's gradient does not depend on its shift), then one

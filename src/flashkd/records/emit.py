@@ -79,6 +79,9 @@ _SIGNATURES = {
     "topk": (_STUDENT + _TOPK + _TARGET, _LOSS),
     "teacher_topk": ((("teacher_input", ("tokens", "hidden"), "cfg"), ("teacher_weight", ("vocab", "hidden"), "cfg")),
                      (("ids", ("tokens", "k"), "int64"), ("logprobs", ("tokens", "k"), "fp32"))),
+    # heads with a student of its own hidden size (a model pair), not Liger's hidden/2: student_hidden an axis
+    "heads": (_STUDENT + (("teacher_input", ("tokens", "hidden"), "cfg"), ("teacher_weight", ("vocab", "hidden"), "cfg"))
+              + _TARGET, _LOSS),
 }
 _TAIL_TEXT = {
     "bucket": "over K + 1 categories, the K teacher ids and one bucket for the rest of the vocab "
@@ -93,7 +96,9 @@ def _expression(w) -> str:
         return ("ids, logprobs = topk(log_softmax((teacher_input @ teacher_weight^T) / τ), k) per row, by "
                 "decreasing log-prob")
     student = "S = student_input @ student_weight^T, q = softmax(S / τ)"
-    if w.form == "logits":
+    if w.form == "heads":
+        soft = f"{w.loss}(q, p), p = softmax(teacher_input @ teacher_weight^T / τ)"
+    elif w.form == "logits":
         soft = f"{w.loss}(q, p), p = softmax(teacher_logits / τ)"
     else:
         soft = f"{w.loss}(q, p) {_TAIL_TEXT[w.tail]}, p = exp(teacher_logprobs) at teacher_ids (−1: unused)"
@@ -102,10 +107,11 @@ def _expression(w) -> str:
 
 
 def operation(w) -> dict:
-    kernel = liger.KERNELS.get(w.kernel_name)
+    own_student = w.form == "heads" and w.hs != w.h // 2  # Liger's signatures derive student_hidden = hidden // 2
+    kernel = None if own_student else liger.KERNELS.get(w.kernel_name)
     if kernel is not None:
         spec = liger.operation(kernel)["spec"]
-    elif w.form == "heads":
+    elif w.form == "heads" and not own_student:
         spec = liger.operation(liger.KERNELS["distill_jsd_loss"])["spec"]
         spec["family"] = liger.kebab(w.loss)
     else:
@@ -122,10 +128,12 @@ def operation(w) -> dict:
                    "logits": "a teacher given as precomputed dense logits",
                    "topk": f"a teacher given as its top-k ids and log-probs (tail {w.tail})"}[w.form]
         title = f"Fused linear distillation loss · {w.loss}" + ("" if w.form == "heads" else f" · {w.form} teacher")
-        description = (f"Hard cross-entropy plus the soft {w.loss} term between a hidden/2 student (through its "
+        student = "a student of its own hidden size" if own_student else "a hidden/2 student"
+        description = (f"Hard cross-entropy plus the soft {w.loss} term between {student} (through its "
                        f"LM head) and {teacher}; mean over non-ignored rows.")
     return _manifest("OperationSpec", {
-        "name": liger.kebab(f"flashkd-{w.kernel_name}" + (f"-{w.tail}" if w.form == "topk" else "")),
+        "name": liger.kebab(f"flashkd-{w.kernel_name}" + (f"-{w.tail}" if w.form == "topk" else "")
+                            + ("-student-hidden" if own_student else "")),
         "title": title, "description": description,
     }, spec)
 
@@ -161,6 +169,9 @@ def workload(w, operation_digest: str) -> dict:
     if w.form == "heads":
         axes, tensors = {"tokens": w.n, "hidden": w.h, "vocab": w.v}, {**student, **teacher, **target}
         made = "."
+        if w.hs != w.h // 2:
+            axes["student_hidden"] = w.hs
+            name += f"-student{w.hs}"
     elif w.form == "logits":
         axes = {"tokens": w.n, "student_hidden": w.hs, "vocab": w.v}
         tensors = {**student, "teacher_logits": tensor((w.n, w.v), dtype, "teacher_input_at_teacher_weight",

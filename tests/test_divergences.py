@@ -1,0 +1,327 @@
+"""Skew KL, skew reverse KL and adaptive KL (AKL) against the float64 oracle, every form and option.
+
+The oracle (tests/oracle.py) writes the three from the papers: KL(p ‖ α p + (1 − α) q), KL(q ‖ (1 − α) p
++ α q), and AKL as Wu et al.'s code computes it (the teacher's probabilities sorted descending, the head
+where their cumulative sum is at most μ and the first always, the student's side of the weights
+detached). The bar at trained magnitudes is tests/test_exact.py's: the loss within 1e-5 relative of the
+truth, dX and dW within 1.3x the fp32-logit pipeline's error.
+"""
+
+import math
+
+import pytest
+import torch
+
+import flashkd
+from conftest import BACKENDS
+from flashkd.losses import WHOLE_VOCAB, LossSpec, akl_head, divergence
+from oracle import distill_loss, topk_loss
+from test_exact import OPTIONS, check, make_case, pipeline_grads, truth_grads
+
+NEW = ["skew_kl", "skew_reverse_kl", "akl"]
+PARAMS = {"skew_kl": dict(alpha=0.1), "skew_reverse_kl": dict(alpha=0.1), "akl": dict(head_mass=0.5)}
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("loss", NEW)
+@pytest.mark.parametrize("option", list(OPTIONS))
+def test_heads_exact_at_trained_magnitudes(backend, loss, option, seed):
+    xs, ws, xt, wt, labels = make_case(seed)
+    opts = dict(OPTIONS[option], loss=loss, **PARAMS[loss])
+    xs_, ws_ = xs.clone().requires_grad_(), ws.clone().requires_grad_()
+    out = flashkd.fused_linear_distill(xs_, ws_, xt, wt, labels, backend=backend, chunk_size=16, **opts)
+    grads = torch.autograd.grad(out, (xs_, ws_))
+    zt = (xt.double() @ wt.double().T).float()
+
+    def of_logits(zs):
+        return distill_loss(None, None, None, None, labels, teacher_logits=zt, plain=True, student_logits=zs, **opts)[0]
+
+    truth = truth_grads(lambda x, w: distill_loss(x, w, xt, wt, labels, **opts)[0], xs, ws)
+    check(out, grads, truth, pipeline_grads(of_logits, xs, ws))
+
+
+@pytest.mark.parametrize("loss,params", [("skew_kl", dict(alpha=0.3)), ("skew_reverse_kl", dict(alpha=0.7)),
+                                         ("akl", dict(head_mass=0.8)), ("akl", dict(head_mass=0.2))])
+def test_dense_logits_exact_at_trained_magnitudes(loss, params, seed):
+    xs, ws, xt, wt, labels = make_case(seed)
+    tl = (xt.double() @ wt.double().T).to(xs.dtype)
+    opts = dict(loss=loss, temperature=0.9, **params)
+    xs_, ws_ = xs.clone().requires_grad_(), ws.clone().requires_grad_()
+    out = flashkd.fused_linear_distill_logits(xs_, ws_, tl, labels, chunk_size=16, **opts)
+    grads = torch.autograd.grad(out, (xs_, ws_))
+
+    def of_logits(zs):
+        return distill_loss(None, None, None, None, labels, teacher_logits=tl.float(), plain=True, student_logits=zs,
+                            **opts)[0]
+
+    truth = truth_grads(lambda x, w: distill_loss(x, w, None, None, labels, teacher_logits=tl, **opts)[0], xs, ws)
+    check(out, grads, truth, pipeline_grads(of_logits, xs, ws))
+
+
+@pytest.mark.parametrize("loss,tail,clamp", [
+    ("skew_kl", "bucket", None), ("skew_kl", "renormalize", None), ("skew_kl", "bucket", 1e-7),
+    ("skew_reverse_kl", "bucket", None), ("skew_reverse_kl", "renormalize", None), ("skew_reverse_kl", "bucket", 1e-7),
+    # not AKL with the plain bucket here: its reverse KL weighs q_rest · log(q_rest / p_rest) with p_rest = 1 − Σ p
+    # over the ids, which fp32 log-probs of a peaked row round to 0 (an infinite loss, as reverse_kl's)
+    ("akl", "renormalize", None), ("akl", "bucket", 1e-7)])
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_topk_exact_at_trained_magnitudes(backend, loss, tail, clamp, seed):
+    """On the Triton backend the kernels' passes over the vocab, the categories' math in torch."""
+    xs, ws, xt, wt, labels = make_case(seed)
+    ids, lp = flashkd.teacher_topk(xt.double(), wt.double(), 9, temperature=0.8)
+    lp = lp.float()
+    ids[2, 3:] = -1  # unused slots
+    opts = dict(loss=loss, tail=tail, tail_clamp=clamp, temperature=0.8, weight_hard_loss=0.5, weight_soft_loss=0.5,
+                **PARAMS[loss])
+    xs_, ws_ = xs.clone().requires_grad_(), ws.clone().requires_grad_()
+    out = flashkd.fused_linear_distill_topk(xs_, ws_, ids, lp, labels, chunk_size=16, backend=backend, **opts)
+    grads = torch.autograd.grad(out, (xs_, ws_))
+
+    def of_logits(zs):
+        return topk_loss(None, None, ids, lp, labels, student_logits=zs, **opts)[0]
+
+    truth = truth_grads(lambda x, w: topk_loss(x, w, ids, lp, labels, **opts)[0], xs, ws)
+    check(out, grads, truth, pipeline_grads(of_logits, xs, ws))
+
+
+def _small(seed, n=13, h=8, v=29, scale=1.5):
+    g = torch.Generator().manual_seed(seed)
+    f = dict(generator=g, dtype=torch.float64)
+    return (torch.randn(n, h, **f), torch.randn(v, h, **f) * scale, torch.randn(n, h, **f), torch.randn(v, h, **f) * scale,
+            torch.randint(v, (n,), generator=g))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("loss", NEW)
+def test_every_option_against_the_oracle_in_float64(backend, loss, seed):
+    """fp64 inputs: the loss and every gradient (x, W, bias) to ~1e-10 of the oracle, with the options
+    that touch the rows: temperature and τ², both heads' transforms, biases, row weights, ignored rows,
+    "sum", and α / μ away from their defaults."""
+    xs, ws, xt, wt, labels = _small(seed)
+    labels[::5] = -100
+    bs = torch.randn(ws.shape[0], dtype=torch.float64)
+    rw = torch.rand(xs.shape[0], dtype=torch.float64)
+    opts = dict(loss=loss, temperature=1.7, temperature_squared=True, student_logit_scale=0.8, teacher_logit_scale=1.2,
+                student_softcap=3.0, teacher_softcap=4.0, reduction="sum", weight_hard_loss=0.3, weight_soft_loss=0.7,
+                alpha=0.35, head_mass=0.65)
+    leaves = [xs.clone().requires_grad_(), ws.clone().requires_grad_(), bs.clone().requires_grad_()]
+    out = flashkd.fused_linear_distill(leaves[0], leaves[1], xt, wt, labels, student_bias=leaves[2], row_weight=rw,
+                                       backend=backend, chunk_size=5, **opts)
+    ref_leaves = [xs.clone().requires_grad_(), ws.clone().requires_grad_(), bs.clone().requires_grad_()]
+    want = distill_loss(ref_leaves[0], ref_leaves[1], xt, wt, labels, student_bias=ref_leaves[2], row_weight=rw,
+                        **opts)[0]
+    torch.testing.assert_close(out, want, rtol=1e-10, atol=1e-12)
+    for got, ref in zip(torch.autograd.grad(out, leaves), torch.autograd.grad(want, ref_leaves)):
+        torch.testing.assert_close(got, ref, rtol=1e-9, atol=1e-11)
+
+
+@pytest.mark.parametrize("form", ["heads", "topk"])
+@pytest.mark.parametrize("skew,plain", [("skew_kl", "forward_kl"), ("skew_reverse_kl", "reverse_kl")])
+def test_alpha_0_is_the_plain_kl_and_alpha_1_is_zero(form, skew, plain, seed):
+    xs, ws, xt, wt, labels = _small(seed)
+    if form == "heads":
+        fn, teacher = flashkd.fused_linear_distill, (xt, wt)
+    else:
+        fn, teacher = flashkd.fused_linear_distill_topk, flashkd.teacher_topk(xt, wt, 6, temperature=1.3)
+    kw = dict(temperature=1.3, weight_hard_loss=0.0, weight_soft_loss=1.0)
+
+    def run(**opts):
+        x = xs.clone().requires_grad_()
+        out = fn(x, ws, *teacher, labels, **kw, **opts)
+        return out, torch.autograd.grad(out, x)[0]
+
+    (a, da), (b, db) = run(loss=skew, alpha=0.0), run(loss=plain)
+    torch.testing.assert_close(a, b, rtol=1e-12, atol=0)
+    torch.testing.assert_close(da, db, rtol=1e-10, atol=1e-14)
+    zero, dzero = run(loss=skew, alpha=1.0)
+    assert zero.item() == 0.0 and dzero.abs().max().item() <= 1e-15
+
+
+@pytest.mark.parametrize("loss", ["skew_kl", "skew_reverse_kl"])
+@pytest.mark.parametrize("alpha", [0.0, 0.1, 0.5, 1.0])
+def test_skew_gradients_are_the_tables(loss, alpha, seed):
+    """The formula table's dL/da (what a kernel would write) against autograd of the oracle."""
+    g = torch.Generator().manual_seed(seed)
+    tau = 1.4
+    a = (torch.randn(6, 40, generator=g, dtype=torch.float64) * 4).requires_grad_()
+    b = torch.randn(6, 40, generator=g, dtype=torch.float64) * 4
+    q, p = torch.softmax(a / tau, -1), torch.softmax(b / tau, -1)
+    from oracle import _divergence
+
+    (want,) = torch.autograd.grad(_divergence(q, p, loss, 0.5, alpha).sum(), a)
+    q, p = q.detach(), p.detach()
+    if loss == "skew_kl":
+        m = alpha * p + (1 - alpha) * q
+        r = q / m
+        got = -(1 - alpha) * (p * r - q * (p * r).sum(-1, keepdim=True)) / tau
+    else:
+        m = (1 - alpha) * p + alpha * q
+        gq = torch.log(q / m) + 1 - alpha * q / m
+        got = q * (gq - (q * gq).sum(-1, keepdim=True)) / tau
+    torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-13)
+
+
+def test_akl_gradient_is_the_tables(seed):
+    g = torch.Generator().manual_seed(seed)
+    tau = 0.8
+    a = (torch.randn(6, 40, generator=g, dtype=torch.float64) * 4).requires_grad_()
+    b = torch.randn(6, 40, generator=g, dtype=torch.float64) * 4
+    q, p = torch.softmax(a / tau, -1), torch.softmax(b / tau, -1)
+    from oracle import _divergence
+
+    (want,) = torch.autograd.grad(_divergence(q, p, "akl", 0.5, 0.1, 0.5).sum(), a)
+    q, p = q.detach(), p.detach()
+    sorted_p, order = p.sort(-1, descending=True)
+    tail = sorted_p.cumsum(-1) > 0.5
+    tail[:, 0] = False
+    gap = (sorted_p - q.gather(-1, order)).abs()
+    g_h, g_t = gap.masked_fill(tail, 0).sum(-1, keepdim=True), gap.masked_fill(~tail, 0).sum(-1, keepdim=True)
+    w_h, w_t = g_h / (g_h + g_t), g_t / (g_h + g_t)
+    rkl = (q * (q.log() - p.log())).sum(-1, keepdim=True)
+    got = (w_h * (q - p) + w_t * q * (q.log() - p.log() - rkl)) / tau
+    torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-13)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("mu", [0.0, 0.05, 0.5, 0.9, 1.0])
+def test_akl_head_is_the_sorted_prefix(dtype, mu, seed):
+    """`akl_head` (bisection, no sort) gives the authors' head: p sorted descending (ties by id, a stable
+    sort), cumsum ≤ μ, and the first always; with masked ids (p = 0), peaked and flat rows, and logits on
+    bf16's grid, whose ties are common (a tied pair at the top of a row among them)."""
+    g = torch.Generator().manual_seed(seed)
+    z = torch.randn(40, 300, generator=g, dtype=torch.float64) * torch.rand(40, 1, generator=g, dtype=torch.float64) * 8
+    z[::3, ::7] = -torch.inf
+    z[1, 5] = 40.0  # one token holds nearly all the mass
+    z[2] = 0.0  # flat
+    z[3, 10] = z[3, 20] = z[3].max() + 1.0  # a tie for the top
+    z[20:] = z[20:].to(torch.bfloat16).double()
+    p = torch.softmax(z, -1).to(dtype)
+    head = akl_head(p, mu, WHOLE_VOCAB)
+    sorted_p, order = p.double().sort(dim=-1, descending=True, stable=True)
+    tail = sorted_p.cumsum(-1) > mu
+    tail[:, 0] = False
+    want = torch.zeros_like(head).scatter(-1, order, ~tail)
+    # an id whose cumulative sum is within rounding of μ may fall either side: compare the others
+    near = (sorted_p.cumsum(-1) - mu).abs() <= 64 * torch.finfo(dtype).eps
+    sure = ~torch.zeros_like(head).scatter(-1, order, near)
+    assert (head == want)[sure].all()
+    assert sure[:, :50].float().mean() > 0.5
+    assert head.any(-1).all()
+    if mu == 1.0:  # the whole row, also where Σ p rounds past 1
+        assert head.all()
+
+
+def test_akl_ties_are_ordered_by_id():
+    """A flat teacher over 17 ids at μ = 0.5: the first 8 (8/17 ≤ 0.5 < 9/17) are the head; a tie for the
+    top at μ below it: the lower id alone."""
+    p = torch.full((1, 17), 1 / 17, dtype=torch.float64)
+    assert akl_head(p, 0.5, WHOLE_VOCAB).nonzero()[:, 1].tolist() == list(range(8))
+    p = torch.tensor([[0.1, 0.35, 0.1, 0.35, 0.1]], dtype=torch.float64)
+    assert akl_head(p, 0.3, WHOLE_VOCAB).nonzero()[:, 1].tolist() == [1]
+    assert akl_head(p, 0.7, WHOLE_VOCAB).nonzero()[:, 1].tolist() == [1, 3]
+    assert akl_head(p, 0.8, WHOLE_VOCAB).nonzero()[:, 1].tolist() == [0, 1, 3]
+
+
+def test_akl_is_zero_with_zero_gradient_where_p_is_q():
+    """g_head + g_tail = 0: both weights ½, the loss 0 and its gradient 0 (no 0/0)."""
+    b = torch.randn(3, 17, dtype=torch.float64)
+    x = b.clone().requires_grad_()
+    same = divergence(torch.log_softmax(x, -1), torch.log_softmax(b, -1), LossSpec(loss="akl"))
+    assert same.abs().max().item() == 0.0
+    assert torch.autograd.grad(same.sum(), x)[0].abs().max().item() == 0.0
+
+
+@pytest.mark.parametrize("loss", NEW)
+def test_masked_ids(loss, seed):
+    """−inf teacher logits (ids the teacher rules out) and −inf student logits at other ids: finite where
+    the formula is (skew at α > 0), against the oracle. AKL's reverse KL is infinite where the teacher
+    rules out an id the student does not (as reverse_kl is), and its forward KL where the student rules out
+    one the teacher does not: there both rule out the same ids."""
+    xs, ws, xt, wt, labels = _small(seed, v=31)
+    tl = xt @ wt.T
+    tl[:, 3] = -torch.inf
+    tl[::2, 10:14] = -torch.inf
+    bias = torch.zeros(ws.shape[0], dtype=torch.float64)
+    bias[20] = -torch.inf  # the student rules an id out, everywhere
+    if loss == "akl":
+        tl[::2, 10:14] = 0.0
+        tl[:, 20] = -torch.inf
+        bias[3] = -torch.inf
+    opts = dict(loss=loss, alpha=0.2, head_mass=0.5, weight_hard_loss=0.0, weight_soft_loss=1.0)
+    x = xs.clone().requires_grad_()
+    out = flashkd.fused_linear_distill_logits(x, ws, tl, None, student_bias=bias, **opts)
+    xr = xs.clone().requires_grad_()
+    want = distill_loss(None, None, None, None, None, teacher_logits=tl, student_logits=xr @ ws.T + bias, **opts)[0]
+    assert torch.isfinite(out)
+    torch.testing.assert_close(out, want, rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(torch.autograd.grad(out, x)[0], torch.autograd.grad(want, xr)[0], rtol=1e-9, atol=1e-12)
+
+
+@pytest.mark.parametrize("name,value", [("alpha", -0.1), ("alpha", 1.5), ("head_mass", -1e-9), ("head_mass", 2.0)])
+def test_out_of_range_parameters_are_named(name, value):
+    xs, ws, xt, wt, labels = _small(0)
+    with pytest.raises(ValueError, match=rf"^{name}: expected a value in \[0, 1\], got {value!r}"):
+        flashkd.fused_linear_distill(xs, ws, xt, wt, labels, loss="akl", **{name: value})
+    with pytest.raises(ValueError, match=rf"^{name}: "):
+        flashkd.FusedLinearDistillLoss("skew_kl", **{name: value})
+
+
+@pytest.mark.parametrize("name", ["alpha", "head_mass"])
+@pytest.mark.parametrize("value", [math.nan, math.inf, "0.1", True, None])
+def test_non_numbers_are_named(name, value):
+    xs, ws, xt, wt, labels = _small(0)
+    with pytest.raises(TypeError, match=rf"^{name}: expected a finite Python float"):
+        flashkd.fused_linear_distill(xs, ws, xt, wt, labels, loss="skew_kl", **{name: value})
+
+
+def test_triton_backend_runs_them_on_the_torch_rows():
+    """No dense Triton kernel has these rows yet: "triton" gives the torch rows' result, bit for bit."""
+    pytest.importorskip("triton")
+    device = "cuda" if torch.cuda.is_available() else "cpu"  # on a CPU, the interpreter (tests/conftest.py)
+    xs, ws, xt, wt = (t.float().to(device) for t in _small(3)[:4])
+    labels = _small(3)[4].to(device)
+    for loss in NEW:
+        a = flashkd.fused_linear_distill(xs, ws, xt, wt, labels, loss=loss, backend="triton")
+        b = flashkd.fused_linear_distill(xs, ws, xt, wt, labels, loss=loss, backend="torch")
+        assert torch.equal(a, b)
+
+
+def _vocab_parallel_worker(rank, world, seed):
+    """The three on a vocab split across ranks (uneven slices, not in rank order, a one-id slice at world
+    3), fp64, against the unsharded call: AKL's head is found from the slices' merged sums and counts."""
+    from test_distributed import HT, LAYOUTS, _compare, _device, _inputs, _leaf
+
+    start, stop = LAYOUTS[world][rank]
+    device = _device()
+    gen = torch.Generator().manual_seed(seed)  # the same inputs on every rank
+    par = dict(process_group=torch.distributed.group.WORLD, vocab_start=start)
+    for options in (dict(loss="akl"), dict(loss="akl", head_mass=0.2, temperature=0.6, chunk_size=4),
+                    dict(loss="akl", head_mass=0.9, return_stats=True), dict(loss="skew_kl", alpha=0.3),
+                    dict(loss="skew_reverse_kl", alpha=0.2, return_soft_hard_loss=True)):
+        xs, ws, xt, wt, labels, bs, _ = _inputs(gen, 11, torch.float64, device, bias=True)
+        xt = xt * 3.0  # peaked rows: a head of one id or a few
+        xt[2] = 0.0  # a flat teacher: every id tied
+        for form in ("heads", "logits"):
+            lf = [_leaf(xs), _leaf(ws), _leaf(bs)]
+            ls = [_leaf(xs), _leaf(ws[start:stop]), _leaf(bs[start:stop])]
+            if form == "heads":
+                fn, full_t, shard_t = flashkd.fused_linear_distill, [xt, wt], [xt, wt[start:stop]]
+            else:
+                tl = xt @ wt.t()
+                fn, full_t, shard_t = flashkd.fused_linear_distill_logits, [tl], [tl[:, start:stop]]
+            full = dict(args=[lf[0], lf[1], *full_t, labels], kw=dict(student_bias=lf[2]), leaves=lf)
+            shard = dict(args=[ls[0], ls[1], *shard_t, labels], kw=dict(student_bias=ls[2], **par), leaves=ls)
+            _compare(fn, f"{form} {options}", full, shard, start, stop, **options)
+        ids, lp = flashkd.teacher_topk(xt, wt, 5)
+        lf, ls = [_leaf(xs), _leaf(ws), None], [_leaf(xs), _leaf(ws[start:stop]), None]
+        full = dict(args=[lf[0], lf[1], ids, lp, labels], kw={}, leaves=lf)
+        shard = dict(args=[ls[0], ls[1], ids, lp, labels], kw=dict(par), leaves=ls)
+        _compare(flashkd.fused_linear_distill_topk, f"topk {options}", full, shard, start, stop,
+                 tail="renormalize", **options)
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_vocab_parallel_equals_unsharded(world):
+    from test_distributed import _spawn
+
+    _spawn(_vocab_parallel_worker, world)
