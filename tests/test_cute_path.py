@@ -43,7 +43,7 @@ def _accumulate_stand_in(calls):
 def cute_on_cpu(monkeypatch):
     calls = []
     real_pick = chunks.pick_backend
-    monkeypatch.setattr(chunks, "pick_backend", lambda b, x: "triton" if b == "cute" else real_pick(b, x))
+    monkeypatch.setattr(chunks, "pick_backend", lambda b, x, *loss: "triton" if b == "cute" else real_pick(b, x, *loss))
     monkeypatch.setattr(cute_gemm, "eligible", lambda x, w: True)
     monkeypatch.setattr(cute_gemm, "n_tiles", lambda v, tile_n=TILE: -(-v // TILE))
     monkeypatch.setattr(cute_gemm, "logits", _stand_in(calls))
@@ -111,7 +111,7 @@ def test_auto_takes_the_cute_gemms_for_the_losses_measured_faster(cute_on_cpu, m
     GEMMs for JSD, TVD and forward KL (`chunks.AUTO_CUTE_LOSSES`), not for reverse KL or cosine (which do not
     fit) nor forward KL without grad; elsewhere none. The results are the Triton backend's either way."""
     real_pick = chunks.pick_backend
-    monkeypatch.setattr(chunks, "pick_backend", lambda b, x: "triton" if b in ("cute", "auto") else real_pick(b, x))
+    monkeypatch.setattr(chunks, "pick_backend", lambda b, x, *loss: "triton" if b in ("cute", "auto") else real_pick(b, x, *loss))
     monkeypatch.setattr(chunks, "_cute_here", lambda x: here)
     xs, ws, xt, wt, y = _case(seed)
     xs, ws = xs.requires_grad_(), ws.requires_grad_()
