@@ -855,6 +855,9 @@ def rows(s, t, labels, spec: LossSpec, scale: torch.Tensor, grad: bool, stats: b
     # (1) check
     if stats and not spec.want_soft:
         raise ValueError("stats: the statistics ride on the soft term's passes; spec.want_soft must be True")
+    if spec.want_soft and kernel_kind(spec) not in KERNEL_LOSSES:
+        raise ValueError(f"spec: expected a loss of {', '.join(map(repr, KERNEL_LOSSES))} (the others run on the "
+                         f"torch rows), got {spec.loss!r}")
     if not isinstance(s, torch.Tensor) or s.dim() != 2:
         raise ValueError(f"s: expected a 2-D (R, V) tensor, got {_describe(s)}")
     if s.dtype not in _DTYPES:
