@@ -5,6 +5,10 @@
                                        compute their loss with flashkd
     flashkd.integrations.transformers  DistillationTrainer / DistillationLossMixin: an HF Trainer's
                                        compute_loss from a live teacher or flashkd.data top-k targets
+    flashkd.integrations.verl          patch(): verl 0.9.1's top-k distillation loss and diagnostics on
+                                       the FSDP engine, from the student's hidden states and LM head
+    flashkd.integrations.axolotl       FusedLinearKLTopKLogprobLoss, FlashKDPlugin, patch(): axolotl
+                                       0.19's KD loss
 
 This package itself imports neither; the helpers below are the pieces both share.
 """

@@ -1,0 +1,198 @@
+"""verl's top-k distillation loss against flashkd's: forward + backward from the student's last hidden
+states, in one process on the same inputs.
+
+verl 0.9.1's own path, as its FSDP engine runs it without fused kernels: the LM-head GEMM to bf16 logits
+(1, N, V), then `verl.trainer.distillation.fsdp.losses.compute_forward_kl_topk` (log-softmax, the
+student's top-K, the gather; "verl"), or the same with `use_chunked_topk` ("verl chunked"); flashkd:
+`flashkd.integrations.verl.topk_outputs` from the hidden states and the head ("flashkd": the same five
+per-token outputs, no (N × V) logits), and flashkd's top-k form alone ("flashkd top-k form": the loss
+and its gradient without verl's per-token values and diagnostics, the floor the integration adds its
+no-grad pass to). Each: the per-token losses clamped at 0 and averaged over the tokens (verl's
+token-mean), then the gradient to the hidden states and the head.
+
+Shapes (the issue's): N tokens 32768 and 65536, V 151936, H 2048 (Qwen's vocab), K 32, bf16, τ 1, no
+log_prob_min_clamp. Teacher: the top-K ids and log-probs of random logits of std 3; student logits of
+std about 4. Timed: CUDA events, median and 20th / 80th percentiles over --reps after --warmup.
+Memory: peak allocated during one forward + backward minus what was allocated before it (inputs and
+parameters; their gradients freed). A variant that runs out of memory is reported as such.
+
+Usage: python benchmarks/bench_verl.py [--out DIR]          (one GPU)
+       python benchmarks/bench_verl.py --smoke [--out DIR]  (tiny shapes, fp32, CPU: checks only)
+results.json and summary.md go into --out (default: a new bench-verl-YYYYmmdd-HHMMSS/).
+Needs verl==0.9.1 (pip install --no-deps verl==0.9.1 omegaconf antlr4-python3-runtime==4.9.3 is enough).
+"""
+
+import argparse
+import importlib
+import importlib.util
+import json
+import statistics
+import sys
+import time
+import types
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _trl_common import seconds, stamp, sync  # noqa: E402
+
+import flashkd  # noqa: E402
+import flashkd.integrations.verl as fk_verl  # noqa: E402
+
+
+def load_verl_losses():
+    """verl's fsdp/losses.py: through its package where verl imports whole (ray, tensordict, ...), else
+    the file itself with `verl.workers.config` (named in its annotations only) stood in for."""
+    try:
+        return importlib.import_module("verl.trainer.distillation.fsdp.losses")
+    except ImportError:
+        pass
+    root = Path(importlib.util.find_spec("verl").submodule_search_locations[0])
+    saved = {name: sys.modules.get(name) for name in ("verl", "verl.workers", "verl.workers.config")}
+    try:
+        if not hasattr(sys.modules.get("verl"), "__path__"):
+            package = types.ModuleType("verl")
+            package.__path__ = [str(root)]
+            sys.modules["verl"] = package
+        config = types.ModuleType("verl.workers.config")
+        config.DistillationConfig = config.DistillationLossConfig = object
+        sys.modules["verl.workers"] = types.ModuleType("verl.workers")
+        sys.modules["verl.workers.config"] = config
+        spec = importlib.util.spec_from_file_location("_bench_verl_losses", root / "trainer/distillation/fsdp/losses.py")
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        return module
+    finally:
+        for name, old in saved.items():
+            if old is None:
+                sys.modules.pop(name, None)
+            else:
+                sys.modules[name] = old
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", type=Path, default=None)
+    p.add_argument("--smoke", action="store_true", help="tiny shapes in fp32 (CPU where there is no GPU): checks only")
+    p.add_argument("--tokens", type=int, nargs="+", default=[32768, 65536])
+    p.add_argument("--vocab", type=int, default=151936)
+    p.add_argument("--hidden", type=int, default=2048)
+    p.add_argument("--k", type=int, default=32)
+    p.add_argument("--variants", nargs="+", default=["verl", "verl chunked", "flashkd", "flashkd top-k form"])
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--reps", type=int, default=5)
+    p.add_argument("--seed", type=int, default=0)
+    args = p.parse_args(argv)
+    if args.smoke:
+        args.tokens, args.vocab, args.hidden, args.k, args.warmup, args.reps = [37, 64], 301, 24, 8, 1, 2
+    return args
+
+
+def inputs(n, v, h, k, dtype, device, g):
+    x = (torch.randn(n, h, generator=g, device=device)).to(dtype)
+    w = (torch.randn(v, h, generator=g, device=device) * (4.0 / h**0.5)).to(dtype)
+    ids = torch.empty(n, k, dtype=torch.long, device=device)
+    lp = torch.empty(n, k, dtype=torch.float32, device=device)
+    for s in range(0, n, 4096):  # the teacher's top-k of random logits, a block of rows at a time
+        t = torch.randn(min(4096, n - s), v, generator=g, device=device) * 3.0
+        lp[s:s + t.shape[0]], ids[s:s + t.shape[0]] = torch.log_softmax(t, -1).topk(k, -1)
+    return x, w, ids, lp
+
+
+def variant(name, verl_losses, ids, lp, n):
+    offsets = torch.tensor([0, n], device=ids.device)
+    nested_lp = torch.nested.nested_tensor_from_jagged(lp, offsets)
+    nested_ids = torch.nested.nested_tensor_from_jagged(ids, offsets)
+
+    def verl(x, w, chunked):
+        cfg = types.SimpleNamespace(distillation_loss=types.SimpleNamespace(
+            log_prob_min_clamp=None, use_chunked_topk=chunked, chunked_topk_chunk_size=4096))
+        logits = x @ w.t()  # the LM head under bf16 autocast: bf16 logits
+        out = verl_losses.compute_forward_kl_topk(logits[None], nested_lp, nested_ids, cfg, "thd")
+        return out["distillation_losses"][0]
+
+    if name in ("verl", "verl chunked"):
+        return lambda x, w: verl(x, w, name == "verl chunked")
+    if name == "flashkd":
+        return lambda x, w: fk_verl.topk_outputs(x, w, ids, lp)["distillation_losses"]
+    if name == "flashkd top-k form":  # the loss alone, one scalar: no per-token values
+        return lambda x, w: flashkd.fused_linear_distill_topk(x, w, ids, lp, tail="bucket", reduction="sum")[None]
+    raise SystemExit(f"--variants: unknown {name!r}")
+
+
+def run_one(fn, x, w, args, device):
+    cuda = device.type == "cuda"
+    times, losses = [], None
+    peak = None
+    for rep in range(args.warmup + args.reps):
+        xs, ws = x.detach().requires_grad_(), w.detach().requires_grad_()
+        sync()
+        if cuda:
+            torch.cuda.reset_peak_memory_stats()
+            before = torch.cuda.memory_allocated()
+        a = stamp()
+        per_token = fn(xs, ws)
+        loss = per_token.clamp_min(0.0).sum() / x.shape[0]
+        loss.backward()
+        b = stamp()
+        sync()
+        if cuda:
+            peak = torch.cuda.max_memory_allocated() - before
+        if rep >= args.warmup:
+            times.append(seconds(a, b))
+        losses = per_token.detach().double().cpu()
+        del per_token, loss, xs, ws
+    times.sort()
+    q = lambda f: times[min(len(times) - 1, int(f * len(times)))]  # noqa: E731
+    return {"median_s": statistics.median(times), "p20_s": q(0.2), "p80_s": q(0.8), "times_s": times,
+            "peak_extra_bytes": peak}, losses
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    device = torch.device("cuda" if torch.cuda.is_available() and not args.smoke else "cpu")
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    verl_losses = load_verl_losses()
+    out = args.out or Path(time.strftime("bench-verl-%Y%m%d-%H%M%S"))
+    out.mkdir(parents=True, exist_ok=True)
+    rows = []
+    for n in args.tokens:
+        g = torch.Generator(device=device).manual_seed(args.seed)
+        x, w, ids, lp = inputs(n, args.vocab, args.hidden, args.k, dtype, device, g)
+        ref = None
+        for name in args.variants:
+            try:
+                result, losses = run_one(variant(name, verl_losses, ids, lp, n), x, w, args, device)
+            except torch.OutOfMemoryError:
+                rows.append({"tokens": n, "variant": name, "oom": True})
+                torch.cuda.empty_cache()
+                continue
+            if losses.numel() == n:  # per-token values: against verl's (its bf16 log-softmax rounds them)
+                ref = losses if ref is None else ref
+                result["max_abs_diff_vs_first"] = (losses - ref).abs().max().item()
+            rows.append({"tokens": n, "variant": name, **result})
+        del x, w, ids, lp
+    summary = {"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu", "dtype": str(dtype),
+               "torch": torch.__version__, "vocab": args.vocab, "hidden": args.hidden, "k": args.k, "rows": rows}
+    (out / "results.json").write_text(json.dumps(summary, indent=1))
+    lines = ["| tokens | variant | median ms | p20–p80 ms | peak extra GB | max |Δ| per-token loss |",
+             "|---:|---|---:|---|---:|---:|"]
+    for r in rows:
+        if r.get("oom"):
+            lines.append(f"| {r['tokens']} | {r['variant']} | OOM | | | |")
+            continue
+        mem = "" if r["peak_extra_bytes"] is None else f"{r['peak_extra_bytes'] / 1e9:.2f}"
+        diff = f"{r['max_abs_diff_vs_first']:.2e}" if "max_abs_diff_vs_first" in r else ""
+        lines.append(f"| {r['tokens']} | {r['variant']} | {r['median_s'] * 1e3:.1f} | "
+                     f"{r['p20_s'] * 1e3:.1f}–{r['p80_s'] * 1e3:.1f} | {mem} | {diff} |")
+    table = "\n".join(lines)
+    (out / "summary.md").write_text(f"verl top-k loss, {summary['device']}, {dtype}, V {args.vocab}, H {args.hidden}, "
+                                    f"K {args.k}\n\n{table}\n")
+    print(table)
+    print(f"wrote {out}/results.json, {out}/summary.md")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,259 @@
+"""axolotl's top-k knowledge distillation with flashkd's loss: a drop-in for
+`axolotl.integrations.kd.kernels.liger.LigerFusedLinearKLTopKLogprobLoss`, and the plugin that installs it.
+
+In an axolotl config, after axolotl's own KD plugin:
+
+    plugins:
+      - axolotl.integrations.kd.KDPlugin
+      - flashkd.integrations.axolotl.FlashKDPlugin
+
+or in a script, before the trainer is built: `flashkd.integrations.axolotl.patch()`.
+
+axolotl 0.19's KD trainer (`AxolotlKDTrainer`) builds its loss once, as
+`LigerFusedLinearKLTopKLogprobLoss(kd_ce_alpha, kd_alpha, kd_temperature, kd_beta, compute_ce_loss=...,
+normalize_topk=kd_normalize_topk)`, and calls it on the LM head's weight, the last hidden states (B, T, H),
+the teacher's top-k ids, log-probs and mask (B, T, K) and the labels (B, T). What it computes (Liger's
+chunked base, bf16 logits a chunk), and what `FusedLinearKLTopKLogprobLoss` below computes the same:
+
+    loss = kd_alpha · τ² · Σ_rows soft + kd_ce_alpha · Σ_rows CE      (sums: the trainer divides)
+
+- q_k = softmax(student logits / τ) at the teacher's ids; with normalize_topk, q̃ = q renormalised
+  over the row's K ids; p_k = exp(teacher log-probs) as given (at τ, as axolotl's data holds them),
+  over the slots whose mask is 1;
+- soft, beta 0: Σ p (log p − log q̃)   (forward KL; log q over the whole vocab without normalize_topk)
+        beta 1: Σ q̃ (log q̃ − log p)   (reverse KL over the ids)
+        between: β KL(p‖M) + (1 − β) KL(q̃‖M), M = β p + (1 − β) q̃   (Liger's "JSD")
+  beta 0.5 is that JSD, not the mean of the two KLs axolotl's docs call "symmetric";
+- CE: the untempered cross-entropy of the labels shifted by one (label t + 1 at row t), rows whose
+  label is ignore_index skipped, only with compute_ce_loss and kd_ce_alpha > 0.
+
+How flashkd computes each (`flashkd.fused_linear_distill_topk`, reduction "sum"), exactly:
+- beta 0: Σ p (log p − log q̃) = P (KL(p̃‖q̃) + log P) with P = Σ p and p̃ = p / P: the top-k form
+  tail="renormalize" with row_weight P, plus Σ P log P (a constant); without normalize_topk the same
+  with tail="bucket" (the rest of the vocab as one category, with no teacher mass in it);
+- beta 1: Σ q̃ (log q̃ − log p) = KL(q̃‖p̃) − log P: tail="renormalize", minus Σ log P;
+- between: tail="renormalize" JSD; flashkd renormalises p over the ids, so this equals axolotl's
+  where p sums to 1 over them, as axolotl's collators normalise them (`normalize_logprobs`).
+- beta > 0 without normalize_topk (q at the ids not summing to 1) is no divergence flashkd's top-k
+  form takes: refused with a ValueError rather than computed differently.
+- The CE is in the same flashkd call where it can be (beta > 0, and every row with teacher slots
+  has a label: one host sync to find out); otherwise a second call (beta 0 weighs rows by P, which
+  must not weigh their CE).
+- A slot whose mask is 0 is absent from both sides (id −1 for flashkd). axolotl's kernel keeps its id
+  in the student's normaliser under normalize_topk; its collators mask whole rows (all K slots or
+  none), where the two are the same.
+
+What differs: the logits are never materialised (flashkd's chunk loop, at fp32 accuracy from bf16
+inputs), the result is fp32 (fp64 for fp64 inputs) where Liger accumulates in the inputs' dtype, and
+`compiled` / `chunk_size` are accepted and unused (flashkd plans its own chunks).
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import math
+
+import torch
+import torch.nn.functional as F
+
+from ..distill import fused_linear_distill_topk
+
+TESTED_AXOLOTL_VERSIONS = ("0.19.0",)
+_TRAINER = "axolotl.integrations.kd.trainer"
+_KERNEL = "axolotl.integrations.kd.kernels.liger"
+_NAME = "LigerFusedLinearKLTopKLogprobLoss"
+
+# As in flashkd.integrations.verl: lifts the renormalised targets' sum just past 1, so that the bucket
+# (tail="bucket", beta 0 without normalize_topk) holds no teacher mass; flashkd renormalises it away.
+_ABOVE_ONE = 2.0**-12
+
+_original = None  # {module name: axolotl's class} while patched
+
+
+def _weight(name, value):
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise TypeError(f"{name}: expected a finite float, got {value!r}")
+    if not 0.0 <= value <= 1.0:
+        raise ValueError(f"{name}: expected a value in [0, 1] (as axolotl's kernel requires), got {value!r}")
+    return float(value)
+
+
+class FusedLinearKLTopKLogprobLoss(torch.nn.Module):
+    """axolotl's `LigerFusedLinearKLTopKLogprobLoss`, same constructor and forward, computed by flashkd
+    (the module docstring says what is the same and what differs). `flashkd_options` go to
+    `flashkd.fused_linear_distill_topk` (backend, grad_accum_dtype, check_teacher, ...)."""
+
+    def __init__(
+        self,
+        weight_hard_loss: float = 0.5,
+        weight_soft_loss: float = 0.5,
+        temperature: float = 1.0,
+        beta: float = 1.0,
+        ignore_index: int = -100,
+        compiled: bool = True,
+        chunk_size: int = 1024,
+        compute_ce_loss: bool = True,
+        normalize_topk: bool = True,
+        **flashkd_options,
+    ):
+        super().__init__()
+        self.weight_hard_loss = _weight("weight_hard_loss", weight_hard_loss)
+        self.weight_soft_loss = _weight("weight_soft_loss", weight_soft_loss)
+        if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not temperature > 0:
+            raise ValueError(f"temperature: expected a float > 0, got {temperature!r}")
+        self.temperature = float(temperature)
+        if isinstance(beta, bool) or not isinstance(beta, (int, float)) or not 0.0 <= beta <= 1.0:
+            raise ValueError(f"beta: expected a float in [0, 1] (0 forward KL, 1 reverse KL), got {beta!r}")
+        self.beta = float(beta)
+        if not normalize_topk and self.beta > 0.0:
+            raise ValueError(f"normalize_topk: expected True with beta={beta!r} (without it axolotl's reverse KL and "
+                             f"JSD take the student's unnormalised probabilities at the K ids, which is no "
+                             f"divergence flashkd computes); got False. Use kd_normalize_topk: true, or kd_beta: 0")
+        self.ignore_index = ignore_index
+        self.compiled, self.chunk_size = compiled, chunk_size
+        self.compute_ce_loss = bool(compute_ce_loss)
+        self.normalize_topk = bool(normalize_topk)
+        self.flashkd_options = flashkd_options
+
+    def forward(
+        self,
+        lm_head_weight: torch.Tensor,  # (V, H)
+        student_hidden_states: torch.Tensor,  # (B, T, H)
+        target_token_ids: torch.Tensor,  # (B, T, K)
+        target_logprobs: torch.Tensor,  # (B, T, K)
+        target_mask: torch.Tensor,  # (B, T, K)
+        true_labels: torch.Tensor,  # (B, T)
+        student_bias: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        if student_hidden_states.dim() != 3:
+            raise ValueError(f"student_hidden_states: expected shape (B, T, H), got "
+                             f"{tuple(student_hidden_states.shape)}")
+        b, t, h = student_hidden_states.shape
+        for name, x in (("target_token_ids", target_token_ids), ("target_logprobs", target_logprobs),
+                        ("target_mask", target_mask)):
+            if x.dim() != 3 or x.shape[:2] != (b, t):
+                raise ValueError(f"{name}: expected shape ({b}, {t}, K) (student_hidden_states' B, T), got "
+                                 f"{tuple(x.shape)}")
+        if true_labels.shape != (b, t):
+            raise ValueError(f"true_labels: expected shape ({b}, {t}), got {tuple(true_labels.shape)}")
+        k = target_token_ids.shape[-1]
+        x = student_hidden_states.reshape(-1, h)
+        mask = target_mask.reshape(-1, k) != 0
+        ids = torch.where(mask, target_token_ids.reshape(-1, k).long(), -1)
+        wide = torch.float64 if x.dtype == torch.float64 else torch.float32
+        lp = torch.where(mask, target_logprobs.reshape(-1, k).to(wide), -torch.inf)
+        has = mask.any(-1)
+        log_mass = torch.where(has, torch.logsumexp(lp, -1), 0.0)  # log P, 0 on rows without slots
+        beta, tau = self.beta, self.temperature
+        if beta == 0.0:
+            loss, row = "forward_kl", torch.where(has, log_mass.exp(), 0.0)
+            const = (row * log_mass).sum()
+        else:
+            loss, row = ("reverse_kl" if beta == 1.0 else "jsd"), None
+            const = -log_mass.sum() if beta == 1.0 else None
+        tail = "renormalize" if self.normalize_topk else "bucket"
+        if tail == "bucket":  # forward KL only: the teacher renormalised, just past 1 (no rest mass)
+            target = lp - log_mass[:, None]
+            shift = (-target.max(-1, keepdim=True).values).clamp(0.0, _ABOVE_ONE)
+            lp = torch.where(mask, target + shift, 0.0)
+        labels = F.pad(true_labels, (0, 1), value=self.ignore_index)[:, 1:].reshape(-1)
+        want_ce = self.compute_ce_loss and self.weight_hard_loss > 0.0
+        common = dict(loss=loss, tail=tail, beta=beta if loss == "jsd" else 0.5, temperature=tau,
+                      temperature_squared=True, ignore_index=self.ignore_index, student_bias=student_bias,
+                      reduction="sum", **self.flashkd_options)
+        # one call for both terms where the CE's rows hold every soft row and no row weight is needed
+        together = want_ce and row is None and not bool((has & (labels == self.ignore_index)).any())
+        soft_only = dict(weight_soft_loss=self.weight_soft_loss, weight_hard_loss=0.0)
+        if together:
+            total = fused_linear_distill_topk(x, lm_head_weight, ids, lp, labels, weight_soft_loss=self.weight_soft_loss,
+                                              weight_hard_loss=self.weight_hard_loss, **common)
+        else:
+            total = fused_linear_distill_topk(x, lm_head_weight, ids, lp, None, row_weight=row, **soft_only,
+                                              **common)
+            if want_ce:
+                total = total + fused_linear_distill_topk(x, lm_head_weight, ids, lp, labels, weight_soft_loss=0.0,
+                                                          weight_hard_loss=self.weight_hard_loss, **common)
+        if const is not None and self.weight_soft_loss > 0.0:
+            total = total + (self.weight_soft_loss * tau * tau) * const.to(total.dtype)
+        return total
+
+
+def _check_version():
+    try:
+        version = importlib.metadata.version("axolotl")
+    except importlib.metadata.PackageNotFoundError:
+        raise ImportError("flashkd.integrations.axolotl.patch(): axolotl is not installed "
+                          '(pip install "flashkd[axolotl]")')
+    if version not in TESTED_AXOLOTL_VERSIONS:
+        raise RuntimeError(f"flashkd.integrations.axolotl.patch(): axolotl {version} is installed; this patch is "
+                           f"tested with axolotl {', '.join(TESTED_AXOLOTL_VERSIONS)} only (its KD trainer and loss "
+                           f"may differ): install one of those, or leave it unpatched")
+
+
+def patch() -> None:
+    """axolotl's KD trainer builds `FusedLinearKLTopKLogprobLoss` where it built Liger's (trainers built
+    after this call). Refuses an axolotl version other than TESTED_AXOLOTL_VERSIONS. Idempotent."""
+    global _original
+    _check_version()
+    import importlib
+
+    if _original is None:
+        _original = {name: getattr(importlib.import_module(name), _NAME) for name in (_TRAINER, _KERNEL)}
+    for name in (_TRAINER, _KERNEL):
+        setattr(importlib.import_module(name), _NAME, FusedLinearKLTopKLogprobLoss)
+
+
+def unpatch() -> None:
+    """axolotl's own loss class again (nothing when not patched)."""
+    global _original
+    if _original is None:
+        return
+    import importlib
+
+    for name, cls in _original.items():
+        setattr(importlib.import_module(name), _NAME, cls)
+    _original = None
+
+
+def is_patched() -> bool:
+    return _original is not None
+
+
+def from_liger(module) -> FusedLinearKLTopKLogprobLoss:
+    """The flashkd loss with the settings of an axolotl `LigerFusedLinearKLTopKLogprobLoss` instance."""
+    return FusedLinearKLTopKLogprobLoss(
+        module.weight_hard_loss, module.weight_soft_loss, module.temperature, module.beta,
+        ignore_index=module.ignore_index, compiled=module.compiled, chunk_size=module.chunk_size,
+        compute_ce_loss=module.compute_ce_loss, normalize_topk=module.normalize_topk,
+    )
+
+
+def _plugin_class():
+    try:
+        from axolotl.integrations.base import BasePlugin
+    except ImportError as error:
+        raise ImportError(f'flashkd.integrations.axolotl.FlashKDPlugin needs axolotl ({error}): pip install '
+                          f'"flashkd[axolotl]"') from error
+
+    class FlashKDPlugin(BasePlugin):
+        """`plugins: [..., flashkd.integrations.axolotl.FlashKDPlugin]`: patches at registration, and
+        swaps the loss of a KD trainer built before it (`post_trainer_create`)."""
+
+        def register(self, cfg):
+            patch()
+
+        def post_trainer_create(self, cfg, trainer):
+            loss = getattr(trainer, "_kd_loss_fn", None)
+            if loss is not None and not isinstance(loss, FusedLinearKLTopKLogprobLoss):
+                trainer._kd_loss_fn = from_liger(loss)
+
+    FlashKDPlugin.__module__ = __name__
+    return FlashKDPlugin
+
+
+def __getattr__(name):  # the plugin class needs axolotl: made on first access, not at import
+    if name == "FlashKDPlugin":
+        cls = _plugin_class()
+        globals()[name] = cls
+        return cls
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

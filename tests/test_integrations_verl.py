@@ -1,0 +1,363 @@
+"""flashkd.integrations.verl: verl's own `compute_forward_kl_topk` (its FSDP engine's top-k loss and
+diagnostics, from the student's logits) against `topk_outputs` (from hidden states and the LM head),
+values and diagnostics; the gradients against a float64 autograd of verl's formula; the reverse-KL and
+JSD options against flashkd's top-k definition on the dense logits; bf16 at a trained head's
+magnitudes; `patch()`'s version refusal. On CPU, with verl installed without its dependencies
+(tests/requirements-frameworks.txt)."""
+
+import importlib
+import importlib.util
+import math
+import sys
+import types
+from pathlib import Path
+
+import pytest
+import torch
+
+if importlib.util.find_spec("verl") is None:
+    pytest.skip("verl is not installed", allow_module_level=True)
+
+import flashkd.integrations.verl as fk_verl  # noqa: E402
+from flashkd.losses import LossSpec, topk_row_losses  # noqa: E402
+from conftest import BACKENDS  # noqa: E402
+
+
+def _load_reference():
+    """verl's `verl/trainer/distillation/fsdp/losses.py`, as installed. Importing it through verl's
+    packages pulls in ray and tensordict (`verl/__init__`, `verl.workers.config`); where those are
+    absent the file itself is loaded, with `verl.workers.config` (whose config classes it names in
+    annotations only) stood in for while it loads. Its own imports are real: `verl.utils.ulysses`."""
+    try:
+        return importlib.import_module("verl.trainer.distillation.fsdp.losses")
+    except ImportError:
+        pass
+    root = Path(importlib.util.find_spec("verl").submodule_search_locations[0])
+    names = ("verl", "verl.workers", "verl.workers.config")
+    saved = {name: sys.modules.get(name) for name in names}
+    try:
+        if "verl" not in sys.modules or not hasattr(sys.modules["verl"], "__path__"):
+            package = types.ModuleType("verl")
+            package.__path__ = [str(root)]
+            sys.modules["verl"] = package
+        config = types.ModuleType("verl.workers.config")
+        config.DistillationConfig = config.DistillationLossConfig = object
+        sys.modules["verl.workers"] = types.ModuleType("verl.workers")
+        sys.modules["verl.workers.config"] = config
+        spec = importlib.util.spec_from_file_location("_verl_fsdp_distillation_losses",
+                                                      root / "trainer" / "distillation" / "fsdp" / "losses.py")
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        return module
+    finally:
+        for name, old in saved.items():
+            if old is None:
+                sys.modules.pop(name, None)
+            else:
+                sys.modules[name] = old
+
+
+verl_losses = _load_reference()
+
+
+def _config(clamp=None, chunked=False):
+    loss = types.SimpleNamespace(log_prob_min_clamp=clamp, use_chunked_topk=chunked, chunked_topk_chunk_size=5, topk=None)
+    return types.SimpleNamespace(distillation_loss=loss)
+
+
+def _verl(logits, ids, lp, lengths, clamp=None, chunked=False):
+    """verl's reference on (1, N, V) logits; teacher tensors nested by sequence, as its engine gives them."""
+    offsets = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()])
+    nested = [torch.nested.nested_tensor_from_jagged(t, offsets) for t in (lp, ids)]
+    out = verl_losses.compute_forward_kl_topk(logits[None], nested[0], nested[1], _config(clamp, chunked), "thd")
+    return {k: v[0] for k, v in out.items()}
+
+
+def _problem(n=37, h=24, v=211, k=8, dtype=torch.float64, std=4.0, peak=30.0):
+    """Trained-head magnitudes: student logits of std ~`std` with a peak near `peak` on some rows; a
+    teacher's top-k ids and log-probs from its own (correlated) logits, so that the top-k sets overlap."""
+    x = torch.randn(n, h, dtype=torch.float64)
+    w = torch.randn(v, h, dtype=torch.float64) * std / math.sqrt(h)
+    hot = torch.randint(0, v, (n // 3,))
+    w[hot] += x[: n // 3] * (peak / h)  # rows 0 .. n/3: a logit near `peak` at one id
+    t_logits = (x @ w.t()) * 0.8 + torch.randn(n, v, dtype=torch.float64) * 2.0
+    lp_all = torch.log_softmax(t_logits, -1)
+    lp, ids = lp_all.topk(k, -1)
+    return x.to(dtype), w.to(dtype), ids, lp.to(dtype)
+
+
+def _oracle(x, w, ids, lp, tau, clamp):
+    """verl's formula in float64, differentiable: Σ p (log p − log q) over the ids, clamps included."""
+    z = (x @ w.t()) / tau
+    log_q = torch.log_softmax(z, -1).gather(-1, ids)
+    if clamp is not None:
+        log_q, lp = log_q.clamp_min(clamp), lp.clamp_min(clamp)
+    return (lp.exp() * (lp - log_q)).sum(-1)
+
+
+CASES = [  # temperature, log_prob_min_clamp, verl's use_chunked_topk
+    (1.0, None, False),
+    (1.0, -8.0, False),
+    (0.7, None, True),
+    (1.6, -6.0, True),
+    (1.0, -0.5, False),  # most student log-probs clamped
+]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("tau, clamp, chunked", CASES)
+def test_outputs_match_verl(tau, clamp, chunked, backend, seed):
+    x, w, ids, lp = _problem()
+    lengths = [5, 1, 20, 11]
+    ref = _verl((x @ w.t()) / tau, ids, lp, lengths, clamp, chunked)
+    xs, ws = x.clone().requires_grad_(), w.clone().requires_grad_()
+    ours = fk_verl.topk_outputs(xs, ws, ids, lp, temperature=tau, log_prob_min_clamp=clamp, chunk_size=7,
+                                backend=backend)
+    assert set(ours) == set(ref)
+    assert torch.equal(ours["overlap_count"], ref["overlap_count"])
+    assert 0 < ref["overlap_count"].sum() < ids.numel()  # the overlap is neither empty nor total
+    # verl's chunked path takes its log-softmax in fp32 (`_chunked_topk_log_probs`): equal to its rounding
+    tol = dict(rtol=2e-6, atol=2e-6) if chunked else dict(rtol=1e-10, atol=1e-12)
+    for name in ("student_mass", "teacher_mass", "overlap_token_advantage"):
+        torch.testing.assert_close(ours[name], ref[name], **tol, msg=name)
+    # verl's kl_divergence casts its inputs to fp32: equal to its rounding; to the float64 formula at 1e-10
+    truth = _oracle(x, w, ids, lp, tau, clamp)
+    torch.testing.assert_close(ref["distillation_losses"].double(), truth, rtol=2e-6, atol=2e-6)
+    torch.testing.assert_close(ours["distillation_losses"], truth, rtol=1e-10, atol=1e-12)
+    if clamp is not None:
+        log_q = torch.log_softmax((x @ w.t()) / tau, -1).gather(-1, ids)
+        assert (log_q < clamp).any() and (log_q > clamp).any()  # the clamp cuts some ids, not all
+
+    # gradients: of verl's downstream use, its clamp at 0 then a weighted sum (any aggregation is one)
+    g = torch.rand(x.shape[0], dtype=torch.float64) + 0.5
+    (ours["distillation_losses"].clamp_min(0.0) * g).sum().backward()
+    xo, wo = x.clone().requires_grad_(), w.clone().requires_grad_()
+    (_oracle(xo, wo, ids, lp, tau, clamp).clamp_min(0.0) * g).sum().backward()
+    torch.testing.assert_close(xs.grad, xo.grad, rtol=1e-9, atol=1e-11)
+    torch.testing.assert_close(ws.grad, wo.grad, rtol=1e-9, atol=1e-11)
+
+
+def test_negative_losses_get_no_gradient(seed):
+    """verl clamps the per-token losses at 0: a row below it is cut there, in values and gradients."""
+    x, w, ids, lp = _problem(n=16)
+    lp = lp - 1.5  # teacher mass ~e^-1.5 on its ids: Σ p (log p − log q) < 0 on some rows
+    xs = x.clone().requires_grad_()
+    loss = fk_verl.topk_outputs(xs, w, ids, lp)["distillation_losses"]
+    assert (loss < 0).any() and (loss > 0).any()
+    loss.clamp_min(0.0).sum().backward()
+    xo = x.clone().requires_grad_()
+    _oracle(xo, w, ids, lp, 1.0, None).clamp_min(0.0).sum().backward()
+    torch.testing.assert_close(xs.grad, xo.grad, rtol=1e-9, atol=1e-11)
+    assert (xs.grad[loss < 0] == 0).all()
+
+
+def _topk_oracle(x, w, ids, lp, tau, loss, beta):
+    """flashkd's top-k form written out in float64 on dense logits: categories = the ids + a bucket."""
+    log_q_all = torch.log_softmax((x @ w.t()) / tau, -1)
+    log_q_k = log_q_all.gather(-1, ids)
+    on_ids = torch.zeros_like(log_q_all, dtype=torch.bool).scatter(-1, ids, True)
+    log_q_rest = torch.logsumexp(log_q_all.masked_fill(on_ids, -torch.inf), -1, keepdim=True)
+    p_k = lp.exp()
+    p_rest = (1.0 - p_k.sum(-1, keepdim=True)).clamp_min(0.0)
+    q = torch.cat([log_q_k, log_q_rest], -1).exp()
+    p = torch.cat([p_k, p_rest], -1)
+    p = p / p.sum(-1, keepdim=True)
+
+    def kl(a, b):
+        return (a * torch.where(a > 0, a.log() - b.log(), 0.0)).sum(-1)
+
+    if loss == "reverse_kl":
+        return kl(q, p)
+    m = beta * p + (1 - beta) * q
+    return beta * kl(p, m) + (1 - beta) * kl(q, m)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("loss, beta, tau", [("reverse_kl", 0.5, 1.0), ("jsd", 0.5, 1.0), ("jsd", 0.2, 0.8)])
+def test_reverse_kl_and_jsd_options(loss, beta, tau, backend, seed):
+    x, w, ids, lp = _problem(n=23)
+    # The teacher's rest 1 − Σ p between 1e-3 and 0.3: a rest near float64's cancellation (a peaked
+    # teacher's, ~1e-14) is known to ~1e-2 of itself, and a reverse KL weighs it by q_rest / p_rest
+    rest = 10 ** (torch.rand(x.shape[0], 1, dtype=torch.float64) * 2.5 - 3)
+    lp = lp - lp.logsumexp(-1, keepdim=True) + torch.log1p(-rest)
+    xs, ws = x.clone().requires_grad_(), w.clone().requires_grad_()
+    out = fk_verl.topk_outputs(xs, ws, ids, lp, temperature=tau, loss=loss, beta=beta, backend=backend)
+    truth_x, truth_w = x.clone().requires_grad_(), w.clone().requires_grad_()
+    truth = _topk_oracle(truth_x, truth_w, ids, lp, tau, loss, beta)
+    torch.testing.assert_close(out["distillation_losses"], truth.detach(), rtol=1e-10, atol=1e-12)
+    g = torch.rand(x.shape[0], dtype=torch.float64)
+    (out["distillation_losses"] * g).sum().backward()
+    (truth * g).sum().backward()
+    torch.testing.assert_close(xs.grad, truth_x.grad, rtol=1e-9, atol=1e-11)
+    torch.testing.assert_close(ws.grad, truth_w.grad, rtol=1e-9, atol=1e-11)
+    # the diagnostics are verl's whatever the loss
+    ref = _verl(x @ w.t() / tau, ids, lp, [x.shape[0]])
+    assert torch.equal(out["overlap_count"], ref["overlap_count"])
+    torch.testing.assert_close(out["student_mass"], ref["student_mass"], rtol=1e-10, atol=1e-12)
+
+
+def test_bf16_at_trained_magnitudes(seed):
+    """bf16 hidden states and head: the per-token losses within 1.3x the error of verl's formula on fp32
+    logits of the same bf16 inputs (the fp32-logit pipeline), both against float64 on those inputs."""
+    x, w, ids, lp = _problem(n=64, h=64, v=1031, k=16)
+    xb, wb = x.bfloat16(), w.bfloat16()
+    truth = _oracle(xb.double(), wb.double(), ids, lp, 1.0, None)
+    fp32 = _verl(xb.float() @ wb.float().t(), ids, lp.float(), [64])["distillation_losses"].double()
+    ours = fk_verl.topk_outputs(xb, wb, ids, lp.float())["distillation_losses"].double()
+    err_ours, err_fp32 = (ours - truth).abs().max(), (fp32 - truth).abs().max()
+    assert err_ours <= 1.3 * err_fp32, (err_ours, err_fp32)
+    bf16_logits = _verl((xb @ wb.t()), ids, lp.bfloat16(), [64])["distillation_losses"].double()
+    assert err_ours < (bf16_logits - truth).abs().max()  # verl's own bf16 path is further off
+    # The gradients (bf16, as the parameters'): against float64 on the bf16 inputs, within 1.8x the
+    # floor, the exact gradients rounded to bf16 (measured 1.4-1.65x: the gradient GEMMs' bf16 operands)
+    xs, ws = xb.clone().requires_grad_(), wb.clone().requires_grad_()
+    xd, wd = xb.double().requires_grad_(), wb.double().requires_grad_()
+    g = torch.rand(64, dtype=torch.float64)
+    (fk_verl.topk_outputs(xs, ws, ids, lp.float())["distillation_losses"] * g.float()).sum().backward()
+    (_oracle(xd, wd, ids, lp, 1.0, None) * g).sum().backward()
+    for ours_g, exact in ((xs.grad, xd.grad), (ws.grad, wd.grad)):
+        err = (ours_g.double() - exact).norm() / exact.norm()
+        floor = (exact.bfloat16().double() - exact).norm() / exact.norm()
+        assert err <= 1.8 * floor, (err, floor)
+
+
+def test_bad_inputs_name_the_argument():
+    x, w, ids, lp = _problem(n=4)
+    with pytest.raises(ValueError, match="loss"):
+        fk_verl.topk_outputs(x, w, ids, lp, loss="tvd")
+    with pytest.raises(ValueError, match="log_prob_min_clamp"):
+        fk_verl.topk_outputs(x, w, ids, lp, loss="jsd", log_prob_min_clamp=-5.0)
+    with pytest.raises(ValueError, match="log_prob_min_clamp"):
+        fk_verl.topk_outputs(x, w, ids, lp, log_prob_min_clamp=float("nan"))
+    with pytest.raises(ValueError, match="teacher_ids"):
+        fk_verl.topk_outputs(x, w, ids[:3], lp)
+    with pytest.raises(ValueError, match="teacher_ids"):
+        fk_verl.topk_outputs(x, w, ids + w.shape[0], lp)
+    with pytest.raises(TypeError, match="teacher_ids"):
+        fk_verl.topk_outputs(x, w, ids.double(), lp)
+    with pytest.raises(ValueError, match="lm_head_weight"):
+        fk_verl.topk_outputs(x, w[:, :-1], ids, lp)
+    with pytest.raises(ValueError, match="chunk_size"):
+        fk_verl.topk_outputs(x, w, ids, lp, chunk_size=0)
+
+
+def test_patch_refuses_untested_versions(monkeypatch):
+    real = importlib.metadata.version
+    monkeypatch.setattr(importlib.metadata, "version", lambda name: "0.8.0" if name == "verl" else real(name))
+    with pytest.raises(RuntimeError, match=r"verl 0\.8\.0 is installed.*0\.9\.1"):
+        fk_verl.patch()
+    assert not fk_verl.is_patched()
+
+
+def test_patch_swaps_the_engine_methods():
+    try:
+        engine = importlib.import_module(fk_verl._ENGINE).FSDPEngineWithLMHead
+    except ImportError as error:  # the engine needs ray, tensordict, ...: the GPU machine's install
+        pytest.skip(f"verl's FSDP engine does not import here: {error}")
+    before = (engine.prepare_model_inputs, engine.prepare_model_outputs)
+    fk_verl.patch()
+    try:
+        assert fk_verl.is_patched() and engine.prepare_model_outputs is not before[1]
+    finally:
+        fk_verl.unpatch()
+    assert (engine.prepare_model_inputs, engine.prepare_model_outputs) == before
+
+
+def test_patched_engine_outputs_equal_verls_logits_path(seed):
+    """verl's own `FSDPEngineWithLMHead.prepare_model_outputs`, unpatched on the logits path (its real
+    distillation loss as the logits processor), against the patched one on the fused-kernel path (the
+    model's hidden states, no logits): the same nested per-token outputs, and the same gradients."""
+    import functools
+
+    try:
+        engine_mod = importlib.import_module(fk_verl._ENGINE)
+        from verl.trainer.distillation import distillation_ppo_loss
+        from verl.utils import tensordict_utils as tu
+    except ImportError as error:
+        pytest.skip(f"verl's FSDP engine does not import here: {error}")
+    engine_cls = engine_mod.FSDPEngineWithLMHead
+    x, w, ids, lp = _problem(n=29)
+    lengths = [9, 13, 7]
+    offsets = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()])
+    tau, clamp = 0.9, -8.0
+
+    def nested(t):
+        return torch.nested.nested_tensor_from_jagged(t, offsets)
+
+    def micro_batch(fused):
+        return tu.get_tensordict(
+            {"input_ids": nested(torch.randint(0, w.shape[0], (x.shape[0],))), "teacher_ids": nested(ids),
+             "teacher_logprobs": nested(lp)},
+            {"use_fused_kernels": fused, "distillation_use_topk": True, "distillation_only": True,
+             "use_remove_padding": True, "temperature": tau},
+        )
+
+    head = torch.nn.Linear(w.shape[1], w.shape[0], bias=False, dtype=torch.float64)
+    fake = types.SimpleNamespace(use_ulysses_sp=False, module=types.SimpleNamespace(get_output_embeddings=lambda: head))
+    fake._gather_and_unpad_packed = functools.partial(engine_cls._gather_and_unpad_packed, fake)
+    loss_cfg = types.SimpleNamespace(log_prob_min_clamp=clamp, use_chunked_topk=False, loss_mode="forward_kl_topk")
+    loss_fn = functools.partial(distillation_ppo_loss, config=types.SimpleNamespace(strategy="fsdp"),
+                                distillation_config=types.SimpleNamespace(distillation_loss=loss_cfg))
+    args = {"input_ids_rmpad_rolled": torch.zeros(x.shape[0], dtype=torch.long),
+            "temperature_rmpad": torch.full((x.shape[0],), tau, dtype=torch.float64), "pad_size": 0,
+            "temperature_is_one": False}
+
+    results = []
+    for fused in (False, True):
+        with torch.no_grad():
+            head.weight.copy_(w)
+        head.weight.grad = None
+        xs = x.clone().requires_grad_()
+        if fused:
+            fk_verl.patch()
+            out = types.SimpleNamespace(hidden_states=(torch.zeros(1), xs[None]), log_probs=None, entropy=None)
+        else:
+            out = types.SimpleNamespace(logits=head(xs)[None])
+        try:
+            model_output = engine_cls.prepare_model_outputs(fake, out, args, micro_batch(fused), loss_fn)
+        finally:
+            fk_verl.unpatch()
+        (model_output["distillation_losses"].values().clamp_min(0) * torch.linspace(0.5, 2, x.shape[0])).sum().backward()
+        results.append(({k: v.values() for k, v in model_output.items()}, xs.grad, head.weight.grad))
+    (ref, gx_ref, gw_ref), (ours, gx, gw) = results
+    assert set(ours) == set(ref) == set(fk_verl.FIELDS)
+    for name in fk_verl.FIELDS:  # verl's kl_divergence rounds its loss through fp32
+        torch.testing.assert_close(ours[name].detach(), ref[name].detach().to(ours[name].dtype), rtol=2e-6, atol=2e-6)
+    torch.testing.assert_close(gx, gx_ref, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(gw, gw_ref, rtol=1e-5, atol=1e-6)
+
+
+def test_bench_verl_smoke(tmp_path):
+    """benchmarks/bench_verl.py --smoke: every variant runs, and the per-token losses agree (fp32)."""
+    import json
+
+    spec = importlib.util.spec_from_file_location("bench_verl", Path(__file__).parent.parent / "benchmarks" / "bench_verl.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    assert bench.main(["--smoke", "--out", str(tmp_path)]) == 0
+    rows = json.loads((tmp_path / "results.json").read_text())["rows"]
+    assert [(r["tokens"], r["variant"]) for r in rows] == [
+        (n, v) for n in (37, 64) for v in ("verl", "verl chunked", "flashkd", "flashkd top-k form")]
+    for r in rows:
+        assert len(r["times_s"]) == 2 and r["p20_s"] <= r["median_s"] <= r["p80_s"]
+        if r["variant"] != "flashkd top-k form":
+            assert r["max_abs_diff_vs_first"] < 1e-4
+    assert "| flashkd |" in (tmp_path / "summary.md").read_text()
+
+
+def test_verl_external_modules_installs_the_patch():
+    """VERL_USE_EXTERNAL_MODULES=flashkd.integrations.verl: verl imports it in each process that imports
+    verl (its workers too), and that import installs the patch."""
+    import os
+    import subprocess
+
+    try:
+        importlib.import_module(fk_verl._ENGINE)
+    except ImportError as error:
+        pytest.skip(f"verl's FSDP engine does not import here: {error}")
+    code = ("import verl, flashkd.integrations.verl as fk\n"
+            "from verl.workers.engine.fsdp.transformer_impl import FSDPEngineWithLMHead as E\n"
+            "assert fk.is_patched() and E.prepare_model_outputs.__module__ == 'flashkd.integrations.verl'\n")
+    env = {**os.environ, "VERL_USE_EXTERNAL_MODULES": "flashkd.integrations.verl",
+           "PYTHONPATH": os.pathsep.join(sys.path)}
+    subprocess.run([sys.executable, "-c", code], env=env, check=True, timeout=300)
