@@ -13,24 +13,49 @@ import pytest
 import torch
 
 import flashkd
-from conftest import BACKENDS
+from conftest import BACKENDS, HAS_TRITON
 from flashkd.losses import WHOLE_VOCAB, LossSpec, akl_head, divergence
 from oracle import distill_loss, topk_loss
 from test_exact import OPTIONS, check, make_case, pipeline_grads, truth_grads
 
 NEW = ["skew_kl", "skew_reverse_kl", "akl"]
 PARAMS = {"skew_kl": dict(alpha=0.1), "skew_reverse_kl": dict(alpha=0.1), "akl": dict(head_mass=0.5)}
+IN_KERNEL = ("skew_kl", "skew_reverse_kl")  # the dense Triton row kernel's; AKL's dense rows are the torch rows'
+
+
+@pytest.fixture
+def kernel_calls(monkeypatch):
+    """The losses `triton_rows.rows` (the dense Triton row kernel's launcher) was called for in the test."""
+    if not HAS_TRITON:
+        return []
+    from flashkd.backends import triton_rows
+
+    calls, real = [], triton_rows.rows
+
+    def rows(s, t, labels, spec, *args, **kwargs):
+        calls.append(spec.loss)
+        return real(s, t, labels, spec, *args, **kwargs)
+
+    monkeypatch.setattr(triton_rows, "rows", rows)
+    return calls
+
+
+def assert_ran(calls, backend, loss):
+    """On the Triton backend the skew losses' dense rows run in the kernel, AKL's never; on torch, none do."""
+    runs = backend == "triton" and loss in IN_KERNEL
+    assert (loss in calls) == runs and set(calls) <= {loss}, (backend, loss, calls)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("loss", NEW)
 @pytest.mark.parametrize("option", list(OPTIONS))
-def test_heads_exact_at_trained_magnitudes(backend, loss, option, seed):
+def test_heads_exact_at_trained_magnitudes(backend, loss, option, seed, kernel_calls):
     xs, ws, xt, wt, labels = make_case(seed)
     opts = dict(OPTIONS[option], loss=loss, **PARAMS[loss])
     xs_, ws_ = xs.clone().requires_grad_(), ws.clone().requires_grad_()
     out = flashkd.fused_linear_distill(xs_, ws_, xt, wt, labels, backend=backend, chunk_size=16, **opts)
     grads = torch.autograd.grad(out, (xs_, ws_))
+    assert_ran(kernel_calls, backend, loss)
     zt = (xt.double() @ wt.double().T).float()
 
     def of_logits(zs):
@@ -40,15 +65,21 @@ def test_heads_exact_at_trained_magnitudes(backend, loss, option, seed):
     check(out, grads, truth, pipeline_grads(of_logits, xs, ws))
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("loss,params", [("skew_kl", dict(alpha=0.3)), ("skew_reverse_kl", dict(alpha=0.7)),
+                                         ("skew_kl", dict(alpha=1.0, student_softcap=30.0, teacher_logit_scale=1.25)),
+                                         ("skew_reverse_kl", dict(alpha=0.02, row_weight=True)),
                                          ("akl", dict(head_mass=0.8)), ("akl", dict(head_mass=0.2))])
-def test_dense_logits_exact_at_trained_magnitudes(loss, params, seed):
+def test_dense_logits_exact_at_trained_magnitudes(backend, loss, params, seed, kernel_calls):
     xs, ws, xt, wt, labels = make_case(seed)
     tl = (xt.double() @ wt.double().T).to(xs.dtype)
     opts = dict(loss=loss, temperature=0.9, **params)
+    if opts.pop("row_weight", False):
+        opts["row_weight"] = torch.rand(xs.shape[0], generator=torch.Generator().manual_seed(seed))
     xs_, ws_ = xs.clone().requires_grad_(), ws.clone().requires_grad_()
-    out = flashkd.fused_linear_distill_logits(xs_, ws_, tl, labels, chunk_size=16, **opts)
+    out = flashkd.fused_linear_distill_logits(xs_, ws_, tl, labels, chunk_size=16, backend=backend, **opts)
     grads = torch.autograd.grad(out, (xs_, ws_))
+    assert_ran(kernel_calls, backend, loss)
 
     def of_logits(zs):
         return distill_loss(None, None, None, None, labels, teacher_logits=tl.float(), plain=True, student_logits=zs,
@@ -274,16 +305,48 @@ def test_non_numbers_are_named(name, value):
         flashkd.fused_linear_distill(xs, ws, xt, wt, labels, loss="skew_kl", **{name: value})
 
 
-def test_triton_backend_runs_them_on_the_torch_rows():
-    """No dense Triton kernel has these rows yet: "triton" gives the torch rows' result, bit for bit."""
+@pytest.mark.parametrize("loss", NEW)
+def test_triton_backend_runs_the_skew_losses_in_its_kernel_and_akl_on_the_torch_rows(loss, kernel_calls):
+    """"triton" and "auto" (on a GPU) run skew KL and skew reverse KL in the dense row kernel, at every α,
+    whose results agree with the torch rows' in fp32; AKL's dense rows have no kernel: the torch rows' result,
+    bit for bit. fp64 inputs go to the torch rows whatever the loss."""
     pytest.importorskip("triton")
     device = "cuda" if torch.cuda.is_available() else "cpu"  # on a CPU, the interpreter (tests/conftest.py)
     xs, ws, xt, wt = (t.float().to(device) for t in _small(3)[:4])
     labels = _small(3)[4].to(device)
-    for loss in NEW:
-        a = flashkd.fused_linear_distill(xs, ws, xt, wt, labels, loss=loss, backend="triton")
-        b = flashkd.fused_linear_distill(xs, ws, xt, wt, labels, loss=loss, backend="torch")
-        assert torch.equal(a, b)
+    for params in ([dict(alpha=a) for a in (0.0, 0.1, 1.0)] if loss in IN_KERNEL else [dict(head_mass=0.5)]):
+        for backend in ("triton", "auto") if device == "cuda" else ("triton",):
+            del kernel_calls[:]
+            a = flashkd.fused_linear_distill(xs, ws, xt, wt, labels, loss=loss, backend=backend, **params)
+            b = flashkd.fused_linear_distill(xs, ws, xt, wt, labels, loss=loss, backend="torch", **params)
+            assert_ran(kernel_calls, "triton", loss)
+            if loss in IN_KERNEL:
+                torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+            else:
+                assert torch.equal(a, b)
+    del kernel_calls[:]
+    flashkd.fused_linear_distill(*(t.double() for t in (xs, ws, xt, wt)), labels, loss=loss, backend="triton")
+    assert kernel_calls == []
+
+
+@pytest.mark.parametrize("skew,plain", [("skew_kl", "forward_kl"), ("skew_reverse_kl", "reverse_kl")])
+def test_alpha_ends_in_the_kernel(skew, plain, seed, kernel_calls):
+    """The Triton rows at α = 0 are the KL's (the same kernel: `triton_rows.kernel_kind`), at α = 1 zero: the
+    loss and dX exactly 0 (no CE: weight_hard_loss 0), from fp32 inputs at trained magnitudes."""
+    pytest.importorskip("triton")
+    xs, ws, xt, wt, labels = (t.float() if t.is_floating_point() else t for t in make_case(seed))
+    kw = dict(temperature=1.3, weight_hard_loss=0.0, weight_soft_loss=1.0, backend="triton", chunk_size=16)
+
+    def run(**opts):
+        x = xs.clone().requires_grad_()
+        out = flashkd.fused_linear_distill(x, ws, xt, wt, labels, **kw, **opts)
+        return out, torch.autograd.grad(out, x)[0]
+
+    (a, da), (b, db) = run(loss=skew, alpha=0.0), run(loss=plain)
+    assert torch.equal(a, b) and torch.equal(da, db)
+    zero, dzero = run(loss=skew, alpha=1.0)
+    assert zero.item() == 0.0 and dzero.abs().max().item() == 0.0
+    assert kernel_calls == [skew, skew, plain, plain, skew, skew], kernel_calls  # 2 chunks each
 
 
 def _vocab_parallel_worker(rank, world, seed):

@@ -35,7 +35,13 @@ CASES = [
     for (loss, dtype), vocab, opts in zip(
         itertools.product(LOSSES, DTYPES), itertools.cycle(VOCABS), itertools.cycle(OPTIONS)
     )
-] + [(loss, torch.bfloat16, vocab, opts) for loss, vocab, opts in zip(NEW_LOSSES, VOCABS, OPTIONS[1:])]
+] + [(loss, torch.bfloat16, vocab, opts) for loss, vocab, opts in zip(NEW_LOSSES, VOCABS, OPTIONS[1:])] + [
+    # the skew losses in the dense Triton row kernel away from α = 0.1 (α = 0: the KLs' kernels)
+    ("skew_kl", torch.float16, VOCABS[0], dict(alpha=0.5, temperature=0.7)),
+    ("skew_kl", torch.float32, VOCABS[2], dict(alpha=0.0, bias=True)),
+    ("skew_reverse_kl", torch.float16, VOCABS[1], dict(alpha=0.9, temperature=2.0, reduction="sum")),
+    ("skew_reverse_kl", torch.float32, VOCABS[0], dict(alpha=0.3, weight_hard_loss=0.0, weight_soft_loss=1.0)),
+]
 
 
 @pytest.fixture(autouse=True)
@@ -233,7 +239,8 @@ HEADS = [  # (student σ, c, teacher σ, c): at these inputs' logits (~±0.5), �
 @pytest.mark.parametrize("heads", range(len(HEADS)))
 @pytest.mark.parametrize("loss,dtype", [("jsd", torch.bfloat16), ("forward_kl", torch.float32),
                                         ("reverse_kl", torch.bfloat16), ("tvd", torch.float16),
-                                        ("cosine", torch.bfloat16)])
+                                        ("cosine", torch.bfloat16), ("skew_kl", torch.bfloat16),
+                                        ("skew_reverse_kl", torch.float16)])
 def test_heads_and_row_weight_against_fp64_truth(loss, dtype, heads):
     """Logit scales and softcaps (saturated ones too) and row weights at V = 128256, on the kernel."""
     torch.manual_seed(hash((loss, heads)) % 2**31)

@@ -29,7 +29,8 @@ if not INTERPRET and not torch.cuda.is_available():
 IGNORE = -100
 F32_RTOL = 1e-5  # both backends compute in fp32, in different orders
 F32_EPS = torch.finfo(torch.float32).eps
-# Every loss; β matters for jsd (0 and 1 are the KL endpoints) and cosine only.
+# Every loss, with its parameter (`_spec`): β for jsd (0 and 1 are the KL endpoints) and cosine, α for the
+# skew losses (0: the KL each is there; 1: zero), unused by the others.
 LOSSES = [
     ("forward_kl", 0.3),
     ("reverse_kl", 0.3),
@@ -41,9 +42,20 @@ LOSSES = [
     ("cosine", 0.0),
     ("cosine", 0.3),
     ("cosine", 1.0),
+    ("skew_kl", 0.1),
+    ("skew_kl", 0.97),  # log2 α ≈ 0, log2(1 − α) = −5
+    ("skew_kl", 1.0),
+    ("skew_reverse_kl", 0.0),
+    ("skew_reverse_kl", 0.1),
+    ("skew_reverse_kl", 1.0),
 ]
 # (R, V, labels): V = 1, a sub-tile width, a full tile + 1, several tiles with a ragged tail.
 CASES = [(1, 1, None), (3, 7, "some_ignored"), (5, 257, "out_of_range"), (3, 1000, "some_ignored")]
+
+
+def _spec(loss, param, **options):
+    """The LossSpec of a LOSSES entry: param is the skew losses' α, the others' β."""
+    return LossSpec(loss=loss, **{"alpha" if loss.startswith("skew") else "beta": param}, **options)
 
 
 def _logits(R, V, dtype, seed, scale=3.0):
@@ -177,7 +189,7 @@ def _check(s, t, labels, spec, scale, grad):
 @pytest.mark.parametrize("temperature", [1.0, 0.7, 2.5])
 @pytest.mark.parametrize("loss,beta", LOSSES)
 def test_matches_torch_backend(seed, loss, beta, temperature, dtype, grad):
-    spec = LossSpec(loss=loss, beta=beta, temperature=temperature, temperature_squared=True)
+    spec = _spec(loss, beta, temperature=temperature, temperature_squared=True)
     scale = torch.tensor(1.0 / 3.0, device=DEVICE)
     for i, (R, V, label_kind) in enumerate(CASES):
         s, t = _logits(R, V, dtype, seed + i)
@@ -210,9 +222,10 @@ def test_hard_only(seed, label_kind, dtype, grad):
 
 
 @pytest.mark.parametrize("grad", [True, False])
-@pytest.mark.parametrize("loss,beta", [("forward_kl", 0.3), ("jsd", 0.3), ("tvd", 0.3), ("cosine", 0.5)])
+@pytest.mark.parametrize("loss,beta", [("forward_kl", 0.3), ("jsd", 0.3), ("tvd", 0.3), ("cosine", 0.5),
+                                       ("skew_kl", 0.3), ("skew_reverse_kl", 0.3)])
 def test_soft_only(seed, loss, beta, grad):
-    spec = LossSpec(loss=loss, beta=beta, temperature=0.7, want_hard=False)
+    spec = _spec(loss, beta, temperature=0.7, want_hard=False)
     s, t = _logits(5, 257, torch.float32, seed)
     _, hard, _ = _check(s, t, _labels("some_ignored", 5, 257, seed), spec, torch.tensor(1.0, device=DEVICE), grad)
     assert (hard == 0).all()
@@ -274,10 +287,11 @@ def test_scale_is_honoured(seed, loss):
 @pytest.mark.parametrize("loss,beta,options", [
     ("forward_kl", 0.3, {}), ("reverse_kl", 0.3, {}), ("jsd", 0.3, {}), ("tvd", 0.3, {}),
     ("jsd", 0.3, dict(temperature=1.0, weight_soft=0.0)),  # the CE's gradient from JSD's pass-2 q
+    ("skew_kl", 0.2, {}), ("skew_reverse_kl", 0.2, {}), ("skew_kl", 1.0, {}),
 ])
 def test_columns_at_minus_inf_in_both_are_absent(seed, loss, beta, options):
     """0·log 0 = 0: columns where s and t are both −inf (the whole first tile) change nothing."""
-    spec = LossSpec(loss=loss, beta=beta, **{"temperature": 0.7, **options})
+    spec = _spec(loss, beta, **{"temperature": 0.7, **options})
     R, V, cut = 3, 600, 300
     s, t = _logits(R, V, torch.float32, seed)
     s[:, :cut] = float("-inf")
@@ -309,10 +323,11 @@ def test_kl_is_infinite_where_its_second_distribution_has_no_mass(seed, loss, gr
     torch.testing.assert_close(soft[4:].double(), truth, rtol=F32_RTOL, atol=0.0)
 
 
-@pytest.mark.parametrize("loss,beta", [("forward_kl", 0.3), ("reverse_kl", 0.3), ("jsd", 0.3), ("tvd", 0.3)])
+@pytest.mark.parametrize("loss,beta", [("forward_kl", 0.3), ("reverse_kl", 0.3), ("jsd", 0.3), ("tvd", 0.3),
+                                       ("skew_kl", 0.1), ("skew_reverse_kl", 0.1)])
 def test_underflowing_probabilities(seed, loss, beta):
     """Logits spread over hundreds of nats: most probabilities are exactly 0 in fp32, their logs finite."""
-    spec = LossSpec(loss=loss, beta=beta, temperature=0.7)
+    spec = _spec(loss, beta, temperature=0.7)
     s, t = _logits(3, 1000, torch.float32, seed, scale=40.0)
     args = (s, t, _labels("some_ignored", 3, 1000, seed), spec, torch.tensor(1.0, device=DEVICE), True)
     got, refs = _kernel(*args), _torch(*args)
@@ -428,11 +443,12 @@ def _tile_planes(s, t, spec, labels, width):
 @pytest.mark.parametrize("grad", [True, False])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
-@pytest.mark.parametrize("loss,beta", [("jsd", 0.3), ("jsd", 0.97), ("tvd", 0.3), ("forward_kl", 0.3)])
+@pytest.mark.parametrize("loss,beta", [("jsd", 0.3), ("jsd", 0.97), ("tvd", 0.3), ("forward_kl", 0.3),
+                                       ("skew_kl", 0.1), ("skew_reverse_kl", 0.1)])
 def test_statistics_per_vocab_tile(seed, loss, beta, temperature, dtype, grad, width):
     """rows(..., tiles=...) reads the row twice, with pass 1's statistics merged from the vocab tiles'
     (as the CuTe logits GEMMs make them): the same results as the torch backend, every case above."""
-    spec = LossSpec(loss=loss, beta=beta, temperature=temperature, weight_hard=0.5, weight_soft=0.5,
+    spec = _spec(loss, beta, temperature=temperature, weight_hard=0.5, weight_soft=0.5,
                     ignore_index=IGNORE)
     if not triton_rows.tiles_fit(spec, grad, False, True):
         assert loss == "forward_kl" and not grad  # its loss is taken online in pass 1 then
@@ -477,7 +493,7 @@ def test_gradient_into_the_logits_own_bytes_over_a_long_row(loss, beta):
     s, t = _logits(R, V, torch.float32, 11, scale=4.0)
     labels = _labels("some_ignored", R, V, 11)
     scale = torch.tensor(1.0 / R, device=DEVICE)
-    for spec in (LossSpec(loss=loss, beta=beta), LossSpec(loss=loss, beta=beta, want_soft=False)):
+    for spec in (_spec(loss, beta), _spec(loss, beta, want_soft=False)):
         apart = torch.empty(R, V, device=DEVICE, dtype=torch.bfloat16)
         want = triton_rows.rows(s.clone(), t, labels, spec, scale, True, ds=apart)
         for run in range(4):
@@ -510,8 +526,8 @@ def test_gradient_into_the_logits_own_bytes(seed, loss, beta, labels_kind):
     for i, (R, V, _) in enumerate(CASES):
         s, t = _logits(R, V, torch.float32, seed + i, scale=4.0)
         labels = _labels(labels_kind, R, V, seed + i)
-        for spec in (LossSpec(loss=loss, beta=beta, temperature=0.7), LossSpec(loss=loss, beta=beta, weight_soft=0.0),
-                     LossSpec(loss=loss, beta=beta, want_soft=False)):
+        for spec in (_spec(loss, beta, temperature=0.7), _spec(loss, beta, weight_soft=0.0),
+                     _spec(loss, beta, want_soft=False)):
             apart = torch.empty(R, V, device=DEVICE, dtype=torch.bfloat16)
             want = triton_rows.rows(s.clone(), t, labels, spec, scale, True, ds=apart)
             x = s.clone()
@@ -526,7 +542,7 @@ def test_gradient_into_the_logits_own_bytes(seed, loss, beta, labels_kind):
                 want = triton_rows.rows(s.clone(), t, labels, spec, scale, True, tiles=tiles, ds=apart2)
                 assert same((*got, triton_rows.grad_view(x, torch.bfloat16, spec, True)), (*want, apart2)), (spec, R, V)
     s, t = _logits(3, 9, torch.float32, seed)
-    spec = LossSpec(loss=loss, beta=beta)
+    spec = _spec(loss, beta)
     view = triton_rows.grad_view(s, torch.bfloat16, spec, True)
     wide = s.view(torch.bfloat16)
     other = wide[:, 9:] if view.data_ptr() == s.data_ptr() else wide[:, :9]
@@ -535,3 +551,87 @@ def test_gradient_into_the_logits_own_bytes(seed, loss, beta, labels_kind):
             triton_rows.rows(s, t, None, spec, scale, True, ds=wrong)
     with pytest.raises(TypeError, match="dtype: expected a dtype half as wide"):
         triton_rows.grad_view(s, torch.float32, spec, True)
+
+
+# ------------------------------------------------------- a row sharded over vocab slices (PHASE 1, 2, 3)
+
+
+class _Stop(Exception):
+    """A slice's call reached a collective whose inputs the other slices have not given yet."""
+
+
+class _Slice:
+    """One rank's `ShardedVocab`, as `rows` uses it, for the ranks run one after another in this process:
+    a collective with no result yet keeps this rank's part and stops the call, which is then run again with
+    the result made from every rank's part (`_sharded`)."""
+
+    def __init__(self, start, gathered=None, summed=None):
+        self.start, self.gathered, self.summed, self.part = start, gathered, summed, None
+
+    def gather_rows(self, part):
+        if self.gathered is None:
+            self.part = part.clone()
+            raise _Stop
+        return self.gathered
+
+    def sum_rows(self, x):
+        if self.summed is None:
+            self.part = x.clone()
+            raise _Stop
+        x.copy_(self.summed)
+
+
+def _sharded(s, t, labels, spec, scale, grad, bounds):
+    """(soft, hard, dL/ds) of rows(..., vocab=) on the column slices `bounds` of s and t, one rank each:
+    the all-gather of pass 1's statistics, and the all-reduce of pass 2's sums where the loss needs it."""
+    def run(i, gathered=None, summed=None):
+        a, b = bounds[i]
+        vocab, x = _Slice(a, gathered, summed), s[:, a:b].contiguous()
+        try:
+            return (*triton_rows.rows(x, t[:, a:b].contiguous(), labels, spec, scale, grad, vocab=vocab), x)
+        except _Stop:
+            return vocab.part
+
+    gathered = torch.stack([run(i) for i in range(len(bounds))])
+    outs = [run(i, gathered) for i in range(len(bounds))]
+    if isinstance(outs[0], torch.Tensor):  # phase 3 follows the all-reduce of pass 2's sums
+        summed = torch.stack(outs).sum(0)
+        outs = [run(i, gathered, summed) for i in range(len(bounds))]
+    for soft, hard, _ in outs[1:]:  # every rank has the whole rows' losses
+        assert torch.equal(soft, outs[0][0]) and torch.equal(hard, outs[0][1])
+    order = sorted(range(len(bounds)), key=lambda i: bounds[i][0])
+    return outs[0][0], outs[0][1], torch.cat([outs[i][2] for i in order], 1)
+
+
+@pytest.mark.parametrize("grad", [True, False])
+@pytest.mark.parametrize("loss,param", [("jsd", 0.3), ("skew_kl", 0.1), ("skew_kl", 1.0), ("skew_reverse_kl", 0.1),
+                                        ("skew_reverse_kl", 0.6)])
+def test_rows_sharded_over_vocab_slices(seed, loss, param, grad):
+    """The phases of a row split over ranks' vocab slices (not in rank order; a one-column slice, one of a
+    whole tile): each rank's pass 1, their statistics gathered, pass 2, its sums added over the ranks, pass 3.
+    The losses every rank gets and the slices' dL/ds put together: the torch backend's on the whole rows."""
+    spec = _spec(loss, param, temperature=0.7, weight_hard=0.4, weight_soft=0.6)
+    R, V = 5, 700
+    s, t = _logits(R, V, torch.float32, seed, scale=4.0)
+    labels = _labels("some_ignored", R, V, seed)
+    labels[0], labels[2] = 256, V - 1  # a slice's first column, the one-column slice's
+    scale = torch.tensor(0.37, device=DEVICE)
+    got = _sharded(s, t, labels, spec, scale, grad, [(257, V), (0, 256), (256, 257)])
+    if not grad:
+        got = (got[0], got[1], s)
+    _assert_matches(got, _torch(s, t, labels, spec, scale, grad), torch.float32, 0.0, _log_terms(s, t, spec, scale))
+
+
+def test_every_dense_loss_runs_in_the_kernel_or_on_the_torch_rows():
+    """Each loss's dense rows have one home: the kernel's (`KERNEL_LOSSES`) or the torch rows'
+    (`chunks.TORCH_ROW_LOSSES`, which `pick_backend` sends there); the kernel refuses the others by name."""
+    from flashkd import chunks
+    from flashkd.losses import LOSSES
+
+    assert sorted(triton_rows.KERNEL_LOSSES + chunks.TORCH_ROW_LOSSES) == sorted(LOSSES)
+    s, t = _logits(2, 9, torch.float32, 0)
+    for loss in LOSSES:
+        want = "torch" if loss in chunks.TORCH_ROW_LOSSES else "triton"
+        assert chunks.pick_backend("triton", s, loss) == want, loss
+    with pytest.raises(ValueError, match="^spec: expected a loss of 'jsd', .* got 'akl'"):
+        triton_rows.rows(s.clone(), t, None, LossSpec(loss="akl"), torch.tensor(1.0, device=DEVICE), True)

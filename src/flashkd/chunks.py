@@ -77,7 +77,7 @@ from typing import ClassVar
 import torch
 
 from . import fp8
-from .losses import TORCH_ONLY_LOSSES, DistillStats, LossSpec, check_finite_float, check_ignore_index
+from .losses import DistillStats, LossSpec, check_finite_float, check_ignore_index
 from .backends import torch_rows
 
 # Default memory for one chunk's logits. Bigger chunks make the GEMMs more efficient; past a few
@@ -724,7 +724,7 @@ def pick_backend(backend, x, loss=None):
         if not x.is_cuda or torch.cuda.get_device_capability(x.device) != (9, 0):
             where = x.device if not x.is_cuda else f"{x.device} (sm_{''.join(map(str, torch.cuda.get_device_capability(x.device)))})"
             raise ValueError(f"backend: 'cute' needs CUDA tensors on an sm_90 (Hopper) GPU, got tensors on {where}")
-        return "torch" if x.dtype == torch.float64 else "triton"
+        return "torch" if x.dtype == torch.float64 or loss in TORCH_ROW_LOSSES else "triton"
     if backend == "triton":
         if not _has_triton():
             raise ValueError(
@@ -736,15 +736,22 @@ def pick_backend(backend, x, loss=None):
         if interpret and not x.is_cuda and x.dtype != torch.float64 and (why := _interpreter_problem()):
             raise RuntimeError(why)
     # The Triton kernels compute in fp32: fp64 inputs (float64 gradcheck, references) get the torch rows'
-    # fp64 math on every backend; so do the losses without a dense Triton kernel (`losses.TORCH_ONLY_LOSSES`,
-    # given as `loss` where the rows are dense).
-    return "torch" if x.dtype == torch.float64 or loss in TORCH_ONLY_LOSSES else backend
+    # fp64 math on every backend; so do the losses without a dense Triton kernel (TORCH_ROW_LOSSES, given as
+    # `loss` where the rows are dense).
+    return "torch" if x.dtype == torch.float64 or loss in TORCH_ROW_LOSSES else backend
+
+
+# The losses whose dense rows have no Triton kernel (`triton_rows.KERNEL_LOSSES` are the others): every
+# backend runs them on the torch rows. AKL's head needs an order of the row's p (`losses.akl_head`).
+TORCH_ROW_LOSSES = ("akl",)
 
 
 # The losses "auto" runs with the CuTe DSL logits GEMMs where they fit (`_cute_fits`: of these, forward KL
 # only with grad): each measured faster than the Triton backend's cuBLAS GEMMs in the same process (JSD at
-# every N of the sweep, TVD and forward KL at the seed; BENCHMARKS.md, "The CuTe DSL logits GEMM").
-AUTO_CUTE_LOSSES = ("jsd", "tvd", "forward_kl")
+# every N of the sweep, TVD and forward KL at the seed; BENCHMARKS.md, "The CuTe DSL logits GEMM"). Skew KL
+# and skew reverse KL take JSD's path whole: the same GEMMs and epilogue statistics, the same row kernel
+# reading the row twice (`triton_rows.rows(..., tiles=...)`), their passes JSD's bytes (not timed on their own).
+AUTO_CUTE_LOSSES = ("jsd", "tvd", "forward_kl", "skew_kl", "skew_reverse_kl")
 
 
 def _cute_here(x) -> bool:

@@ -16,11 +16,23 @@ One program owns one row of s, t: (R, V) and walks it in BLOCK_V tiles:
     pass 2  read s (, t)    backwards over the row (the tiles pass 1 read last are likeliest in L2):
                             per-element loss terms -> soft, and the row scalars the gradient needs
                             (K = Σ q log(q/M); for tvd the masses of q below, above and at p, which
-                            give σ − Σ q σ with no cancellation); dL/ds written over s here for
-                            forward_kl, reverse_kl, cosine and CE-only
-    pass 3  read s, t       dL/ds written over s for jsd, tvd (grad only)
+                            give σ − Σ q σ with no cancellation; the skew losses' Σ p u, Σ q (1 − u)
+                            below); dL/ds written over s here for forward_kl, reverse_kl, cosine and
+                            CE-only
+    pass 3  read s, t       dL/ds written over s for jsd, tvd, skew_kl, skew_reverse_kl (grad only)
 
 Rows whose label is `ignore_index` skip all three passes; with grad they get one pass writing zeros.
+
+The skew losses are JSD's pieces, on its mixture (`_mixture`): skew KL = KL(p‖M) at β = α, skew reverse
+KL = KL(q‖M) at β = 1 − α (M′), each its one term of the JSD's loss. Their gradients (the table in
+`flashkd.losses`) share u = 2^−(w + max(z, 0)) in [0, 1], which is (1 − α) q/M for skew KL and α q/M′ for
+skew reverse KL, both finite whatever side is 0:
+    skew KL           dL/da = (q S − p u) / τ,                                         S = Σ p u
+    skew reverse KL   dL/da = q (log(q/M′) − K + (1 − u) − Σ q (1 − u)) / τ,           K = Σ q log(q/M′)
+(the table's g − Σ q g with Σ q = 1; 1 − u rather than u, so that at α = 1, where u = 1, it is 0 exactly).
+Pass 2 sums S (or K and Σ q (1 − u)) beside the loss, pass 3 writes dL/ds: one exp2 an element more than
+JSD's passes in each. α = 0 resolves to the KL each is there (`kernel_kind`); at α = 1 the formula's log2 0
+is −2^100 (`_log2_1m`) and the loss and its gradient come out 0.
 
 Heads' transforms (`flashkd.losses.logit_transform`, z = c · tanh(σ s / c), or σ s): the kernel works on
 z / fold, where fold > 0 is folded into the row's constants (log2(e)·fold/τ for each side's softmax,
@@ -45,15 +57,17 @@ Bytes moved per element, b = bytes of the input dtype (2 for bf16), grad / no gr
 
     forward_kl, reverse_kl,   2 reads of s, t + 1 write   5b / 2b (no grad: pass 1 only)
     cosine
-    jsd, tvd                  3 reads of s, t + 1 write   7b / 4b
+    jsd, tvd, skew_kl,        3 reads of s, t + 1 write   7b / 4b
+    skew_reverse_kl
     CE only (no soft term)    2 reads of s + 1 write      3b / 1b
 
 The CE adds no traffic to a soft loss: it rides on the reads of s. Transcendentals per element (exp2
 unless named; one more exp2 in the pass that writes dL/ds when the CE gradient is in it):
 
     pass 1   1 per softmax: 2 for a soft loss, +1 with the CE unless τ = 1 (then softmax(s) is q); cosine 0
-    pass 2   forward_kl 2, reverse_kl 1 (grad only), jsd 3 + log2, tvd 2, cosine 0
-    pass 3   jsd 2 + log2, tvd 1
+    pass 2   forward_kl 2, reverse_kl 1 (grad only), jsd 3 + log2, tvd 2, cosine 0,
+             skew_kl 4 + log2, skew_reverse_kl 3 + log2
+    pass 3   jsd 2 + log2, tvd 1, skew_kl 3 + log2, skew_reverse_kl 3 + log2
     (log2 is the hardware lg2.approx on GPU)
 
 Measured on an H200 (benchmarks/bench_rows.py, 8192 × 128256 bf16, BENCHMARKS.md): JSD with CE and grad
@@ -111,13 +125,16 @@ _DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
 
 _LABEL_DTYPES = (torch.int32, torch.int64)
 _SCALE_DTYPES = (torch.float32, torch.float64)  # read as fp32 either way
-_LATE_GRAD = ("jsd", "tvd")  # their gradient needs a row scalar that pass 2 computes
+# their gradient needs a row scalar that pass 2 computes
+_LATE_GRAD = ("jsd", "tvd", "skew_kl", "skew_reverse_kl")
 
 _FORWARD_KL: tl.constexpr = tl.constexpr(LOSS_ID["forward_kl"])
 _REVERSE_KL: tl.constexpr = tl.constexpr(LOSS_ID["reverse_kl"])
 _JSD: tl.constexpr = tl.constexpr(LOSS_ID["jsd"])
 _TVD: tl.constexpr = tl.constexpr(LOSS_ID["tvd"])
 _COSINE: tl.constexpr = tl.constexpr(LOSS_ID["cosine"])
+_SKEW_KL: tl.constexpr = tl.constexpr(LOSS_ID["skew_kl"])
+_SKEW_REVERSE_KL: tl.constexpr = tl.constexpr(LOSS_ID["skew_reverse_kl"])
 _NORM_EPS: tl.constexpr = tl.constexpr(COSINE_EPS)
 _LOG2_MIN: tl.constexpr = tl.constexpr(-(2.0**100))  # see _mixture
 # A sharded row's part (PHASE 1): m_s, l_s, l_c, m_t, l_t, r_kl, Σs², Σt², Σst, r_ent over this rank's
@@ -312,6 +329,16 @@ def _loss_pass(
                         # no 0·log 0 guard. (This pass is bound by its instruction count.)
                         acc += p * (tl.minimum(z, 0.0) - w)
                         acc2 -= q * (w + tl.maximum(z, 0.0))
+                    elif LOSS == _SKEW_KL:  # JSD's p side at β = α, and S = Σ p u (module doc)
+                        p = tl.exp2(lp)
+                        z, w = _mixture(lq, lp, log2_beta, log2_1mbeta)
+                        acc += p * (tl.minimum(z, 0.0) - w)
+                        acc2 += tl.exp2(lp - (w + tl.maximum(z, 0.0)))
+                    elif LOSS == _SKEW_REVERSE_KL:  # JSD's q side at β = 1 − α, and Σ q (1 − u)
+                        z, w = _mixture(lq, lp, log2_beta, log2_1mbeta)
+                        x = w + tl.maximum(z, 0.0)
+                        acc2 -= q * x
+                        acc3 += q * (1.0 - tl.exp2(-x))
                     else:  # _TVD: acc2, acc3, acc4 = the mass of q where q < p, q > p, q = p
                         p = tl.exp2(lp)
                         acc += tl.abs(q - p)
@@ -335,13 +362,13 @@ def _grad_pass(
     s_row, g_row, t_row, V, cols, label,  # the row, a tile's columns, its label (-1 without)
     m_s, m_t, log2_l_s, log2_l_t, log2_l_c,  # pass 1's statistics, merged
     log2e_tau, log2e_tau_t, log2e_ce, s_mul, t_mul, log2_beta, log2_1mbeta,  # the row's constants
-    f1, f0, f_lo, f_hi, f_eq, c_ce,  # the gradient's factors (JSD: f1, f0; TVD: f_lo, f_hi, f_eq)
+    f1, f0, f_lo, f_hi, f_eq, c_ce,  # the gradient's factors (JSD, skew: f1, f0; TVD: f_lo, f_hi, f_eq)
     LOSS: tl.constexpr, GRAD_SOFT: tl.constexpr, GRAD_CE: tl.constexpr, CE_IS_Q: tl.constexpr,
     S_HEAD: tl.constexpr, T_HEAD: tl.constexpr, RTNE_BITS: tl.constexpr, RCP_FMA: tl.constexpr,
     IN_PLACE: tl.constexpr, BLOCK_V: tl.constexpr,
 ):
-    """Pass 3, for jsd and tvd: dL/ds = q · (f1 · x + f0) written over s, x the element's log-ratio
-    (or TVD's sign)."""
+    """Pass 3, for jsd, tvd and the skew losses: dL/ds = q · (f1 · x + f0) written over s, x the element's
+    log-ratio (or TVD's sign; skew KL: q · f0 + f1 · p u; skew reverse KL: q · (f1 · x + f0 + f_lo (1 − u)); module doc)."""
     fold_q = GRAD_SOFT and GRAD_CE and CE_IS_Q
     for start in range(0, V, BLOCK_V):
         offs = start + cols
@@ -356,6 +383,13 @@ def _grad_pass(
         if LOSS == _JSD:
             z, w = _mixture(lq, lp, log2_beta, log2_1mbeta)
             g = q * (f1 * (w + tl.maximum(z, 0.0)) + f0)
+        elif LOSS == _SKEW_KL:
+            z, w = _mixture(lq, lp, log2_beta, log2_1mbeta)
+            g = q * f0 + f1 * tl.exp2(lp - (w + tl.maximum(z, 0.0)))
+        elif LOSS == _SKEW_REVERSE_KL:
+            z, w = _mixture(lq, lp, log2_beta, log2_1mbeta)
+            x = w + tl.maximum(z, 0.0)
+            g = q * (f1 * x + f0 + f_lo * (1.0 - tl.exp2(-x)))
         else:  # σ = sign(q − p) taken on the logs, as in pass 2
             g = q * tl.where(lq > lp, f_hi, tl.where(lq < lp, f_lo, f_eq))
         if fold_q:
@@ -573,7 +607,8 @@ def _pass2_factors(
 def _divergence(acc, acc2, acc3, acc4, soft, beta, log2_beta, log2_1mbeta,
                 LOSS: tl.constexpr, SOFT: tl.constexpr, ONLINE_KL: tl.constexpr):
     """The divergences' row scalars (natural log units) from pass 2's sums: the loss where pass 2 takes it
-    (soft passes through otherwise), JSD's K and TVD's σ − Σ q σ for pass 3.
+    (soft passes through otherwise), JSD's K and TVD's σ − Σ q σ for pass 3 (skew KL: S = Σ p u in k_jsd;
+    skew reverse KL: K in k_jsd, Σ q (1 − u) in tvd_zero; module doc).
     Returns (soft, k_jsd, tvd_pos, tvd_neg, tvd_zero)."""
     k_jsd = 0.0
     tvd_pos = 0.0
@@ -585,6 +620,13 @@ def _divergence(acc, acc2, acc3, acc4, soft, beta, log2_beta, log2_1mbeta,
         elif LOSS == _JSD:
             k_jsd = LN2 * (acc2 - log2_1mbeta)  # K = Σ q log(q/M)
             soft = beta * LN2 * (acc - log2_beta) + (1.0 - beta) * k_jsd
+        elif LOSS == _SKEW_KL:  # KL(p‖M) = Σ p log(p/M), M at β = α
+            soft = LN2 * (acc - log2_beta)
+            k_jsd = acc2
+        elif LOSS == _SKEW_REVERSE_KL:  # KL(q‖M′) = K, M′ = M at β = 1 − α
+            k_jsd = LN2 * (acc2 - log2_1mbeta)
+            soft = k_jsd
+            tvd_zero = acc3
         elif LOSS == _TVD:
             soft = 0.5 * acc
             # σ − Σ q σ, for σ = +1, −1, 0, from the masses below / above / at p, which sum to 1:
@@ -611,6 +653,13 @@ def _pass3_factors(c_q, c_st, beta, log2_1mbeta, k_jsd, tvd_pos, tvd_neg, tvd_ze
     if LOSS == _JSD:  # c_st (1 − β) q (log(q/M) − K), log2(q/M) = −(w + max(z, 0)) − log2(1 − β)
         f1 = -c_st * (1.0 - beta) * LN2
         f0 = c_q + f1 * log2_1mbeta - c_st * (1.0 - beta) * k_jsd
+    elif LOSS == _SKEW_KL:  # c_st (q S − p u)
+        f1 = -c_st
+        f0 = c_q + c_st * k_jsd
+    elif LOSS == _SKEW_REVERSE_KL:  # c_st q (log(q/M′) − K + (1 − u) − Σ q (1 − u)), as for JSD at β = 1 − α
+        f1 = -c_st * LN2
+        f0 = c_q + f1 * log2_1mbeta - c_st * (k_jsd + tvd_zero)
+        f_lo = c_st
     else:  # _TVD: c_st q (σ − Σ q σ) / 2
         f_lo = c_q + 0.5 * c_st * tvd_neg
         f_hi = c_q + 0.5 * c_st * tvd_pos
@@ -655,8 +704,8 @@ def _rows_kernel(
     s_mul,  # S_HEAD 1: σ; 2, 3: −2 log2(e)·|σ|/c (`head_mode`)
     t_mul,
     beta,  # JSD mixture weight; cosine's factor
-    log2_beta,  # log2 β        (JSD only)
-    log2_1mbeta,  # log2 (1 − β)  (JSD only)
+    log2_beta,  # log2 β        of the mixture (JSD; skew KL: β = α, skew reverse KL: β = 1 − α)
+    log2_1mbeta,  # log2 (1 − β)  of the mixture
     w_hard,  # weight of dCE/ds in dL/ds, times σ_s (dz/ds, but for a softcap's 1 − (z/c)²)
     w_soft,  # weight of dsoft/ds in dL/ds (spec.soft_scale), times σ_s
     # compile-time switches
@@ -806,6 +855,9 @@ def rows(s, t, labels, spec: LossSpec, scale: torch.Tensor, grad: bool, stats: b
     # (1) check
     if stats and not spec.want_soft:
         raise ValueError("stats: the statistics ride on the soft term's passes; spec.want_soft must be True")
+    if spec.want_soft and kernel_kind(spec) not in KERNEL_LOSSES:
+        raise ValueError(f"spec: expected a loss of {', '.join(map(repr, KERNEL_LOSSES))} (the others run on the "
+                         f"torch rows), got {spec.loss!r}")
     if not isinstance(s, torch.Tensor) or s.dim() != 2:
         raise ValueError(f"s: expected a 2-D (R, V) tensor, got {_describe(s)}")
     if s.dtype not in _DTYPES:
@@ -872,13 +924,21 @@ def rows(s, t, labels, spec: LossSpec, scale: torch.Tensor, grad: bool, stats: b
         labels = labels.contiguous()  # R integers: a strided view costs a negligible copy
 
     # (3) launch
-    kind = spec.kind
+    kind = kernel_kind(spec)
     use_soft = spec.want_soft
     use_ce = spec.want_hard and labels is not None
     grad_soft = grad and use_soft and spec.soft_scale != 0.0
     grad_ce = grad and use_ce and spec.weight_hard != 0.0
     grad_pass = _writing_pass(spec, grad)
-    jsd = use_soft and kind == "jsd"  # 0 < β < 1 here: the endpoints resolve to the KLs
+    # the mixture's (log2 β, log2(1 − β)) (`_mixture`): JSD's β in (0, 1) (its endpoints resolve to the KLs);
+    # skew KL's M at β = α, skew reverse KL's M′ at β = 1 − α, α in (0, 1] (α = 0 resolves to the KLs)
+    log2_mix = (0.0, 0.0)
+    if use_soft and kind == "jsd":
+        log2_mix = (math.log2(spec.beta), _log2_1m(spec.beta))
+    elif use_soft and kind == "skew_kl":
+        log2_mix = (math.log2(spec.alpha), _log2_1m(spec.alpha))
+    elif use_soft and kind == "skew_reverse_kl":
+        log2_mix = (_log2_1m(spec.alpha), math.log2(spec.alpha))
     ce_is_q = use_ce and use_soft and kind != "cosine" and spec.temperature == 1.0
     # pass 1 takes a KL online when that spares a pass: forward KL's gradient pass computes its loss anyway
     online_kl = use_soft and (kind == "reverse_kl" or (kind == "forward_kl" and grad_pass != 2))
@@ -926,8 +986,7 @@ def rows(s, t, labels, spec: LossSpec, scale: torch.Tensor, grad: bool, stats: b
                 s_mul,
                 t_mul,
                 float(spec.beta),
-                math.log2(spec.beta) if jsd else 0.0,
-                math.log1p(-spec.beta) / math.log(2.0) if jsd else 0.0,
+                *log2_mix,
                 float(spec.weight_hard) * sigma_s,
                 float(spec.soft_scale) * sigma_s,
                 LOSS=LOSS_ID[kind],
@@ -976,11 +1035,31 @@ def rows(s, t, labels, spec: LossSpec, scale: torch.Tensor, grad: bool, stats: b
 
 
 def _writing_pass(spec: LossSpec, grad: bool) -> int:
-    """The pass that writes dL/ds (`_rows_kernel`'s GRAD_PASS): 3 (forwards over the row) for jsd and tvd,
-    whose gradient needs pass 2's sums, else 2 (backwards); 0 without grad."""
+    """The pass that writes dL/ds (`_rows_kernel`'s GRAD_PASS): 3 (forwards over the row) for jsd, tvd and
+    the skew losses, whose gradient needs pass 2's sums, else 2 (backwards); 0 without grad."""
     if not grad:
         return 0
-    return 3 if spec.want_soft and spec.soft_scale != 0.0 and spec.kind in _LATE_GRAD else 2
+    return 3 if spec.want_soft and spec.soft_scale != 0.0 and kernel_kind(spec) in _LATE_GRAD else 2
+
+
+# The dense losses this kernel computes (AKL's head needs an order of the row's p: the torch rows run it).
+KERNEL_LOSSES = ("jsd", "forward_kl", "reverse_kl", "tvd", "cosine", "skew_kl", "skew_reverse_kl")
+
+
+def kernel_kind(spec: LossSpec) -> str:
+    """The loss the kernel computes for spec: spec.kind (JSD's endpoints resolved), and the skew losses at
+    α = 0 as the KL each is there (M = q: forward KL; M′ = p: reverse KL), the same formula, whose
+    log2 α the mixture cannot take (`_mixture`). At α = 1 the mixture's formula gives 0 and dL/ds 0 as it is."""
+    kind = spec.kind
+    if kind in ("skew_kl", "skew_reverse_kl") and spec.alpha == 0.0:
+        return "forward_kl" if kind == "skew_kl" else "reverse_kl"
+    return kind
+
+
+def _log2_1m(x: float) -> float:
+    """log2(1 − x) on the host for x in [0, 1], and at x = 1 (the skew losses' α = 1) −2^100 for log2 0:
+    the mixture's z is then ±2^100, whose 2^−|z| is 0 in fp32, with no inf − inf (`_mixture`)."""
+    return math.log1p(-x) / math.log(2.0) if x < 1.0 else -(2.0**100)
 
 
 def grad_view(s: torch.Tensor, dtype: torch.dtype, spec: LossSpec, grad: bool) -> torch.Tensor:
@@ -1008,9 +1087,10 @@ def tiles_fit(spec: LossSpec, grad: bool, stats: bool, labels: bool) -> bool:
     """Whether pass 1 of this call takes nothing but each side's softmax statistics, so that the ones the
     logits GEMMs make per vocab tile can stand in for it (`rows(..., tiles=...)`): a softmax divergence
     whose loss pass 1 does not take online, no transform at load (softcap, negative scale), no stats."""
-    if stats or not spec.want_soft or spec.kind in ("cosine", "reverse_kl"):
+    kind = kernel_kind(spec)
+    if stats or not spec.want_soft or kind in ("cosine", "reverse_kl"):
         return False
-    if spec.kind == "forward_kl" and not grad:  # its loss is then taken online in pass 1
+    if kind == "forward_kl" and not grad:  # its loss is then taken online in pass 1
         return False
     s_head = head_mode(spec.student_logit_scale, spec.student_softcap)[0]
     t_head = head_mode(spec.teacher_logit_scale, spec.teacher_softcap)[0]
