@@ -74,9 +74,8 @@ import torch
 LOSSES = ("jsd", "forward_kl", "reverse_kl", "tvd", "cosine", "skew_kl", "skew_reverse_kl", "akl")
 # the losses between distributions: the ones a top-k teacher allows
 DIVERGENCES = tuple(name for name in LOSSES if name != "cosine")
-# The losses without a dense Triton kernel yet: every backend runs their dense rows on the torch rows
-# (`flashkd.chunks.pick_backend`); on a top-k teacher the Triton backend runs them, their (R, K + 1)
-# category math in torch (`flashkd.backends.triton_topk`)
+# The losses whose top-k category math the Triton backend takes from the torch definition
+# (`flashkd.backends.triton_topk`); of these only AKL's dense rows are the torch rows' (`chunks.TORCH_ROW_LOSSES`)
 TORCH_ONLY_LOSSES = ("skew_kl", "skew_reverse_kl", "akl")
 REDUCTIONS = ("mean", "sum")
 TAILS = ("bucket", "renormalize")  # sparse teacher: what happens to the mass outside the K ids

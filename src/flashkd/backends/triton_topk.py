@@ -26,9 +26,8 @@ the gaps below the max off the ids (`triton_common.lane_gap`): the entropy of q 
 follow on (R, K + 1) in `_topk_stats`; the teacher's entropy over the categories is taken there in torch.
 With a tail clamp (TRL's bucket, `losses.category_logprobs`) the categories are not a softmax of anything,
 so the dense kernel gives way to autograd of the torch definition on the (R, K + 1) categories
-(`_torch_categories`); the passes over the vocab are the same. So do skew KL, skew reverse KL and AKL,
-which have no dense kernel (`losses.TORCH_ONLY_LOSSES`): on a top-k teacher they run on this backend,
-their category math in torch.
+(`_torch_categories`); the passes over the vocab are the same. So do skew KL, skew reverse KL and AKL
+(`losses.TORCH_ONLY_LOSSES`): on a top-k teacher they run on this backend, their category math in torch.
 """
 
 from __future__ import annotations
@@ -336,7 +335,7 @@ def _torch_categories(z_k, z_rest, logprobs, used, rest_empty, valid, spec: Loss
     logsumexp of z/τ (None under "renormalize"), rest_empty (R, 1) whether the ids cover the vocab (None
     with the clamp or "renormalize"). For what the dense kernel on the categories does not do: TRL's
     clamped bucket (`spec.tail_clamp`; its categories are no softmax, nothing is renormalised) and the
-    losses without a dense kernel (`losses.TORCH_ONLY_LOSSES`): the torch definition on these R · C
+    skew and adaptive losses (`losses.TORCH_ONLY_LOSSES`): the torch definition on these R · C
     numbers, differentiated by autograd (a few small launches a block; no pass over the vocab).
     valid: (R,) or None."""
     if valid is not None:  # an ignored row's NaN log-probs must not reach the gradient through 0 · NaN
