@@ -257,5 +257,5 @@ def test_the_losses_need_no_extra_and_the_command_names_it():
     assert done.stdout.split("\n")[:3] == ["losses ok", "exit 2", "exit 2"], done.stdout
     lines = done.stderr.strip().splitlines()
     assert "Traceback" not in done.stderr and len(lines) == 2, done.stderr
-    assert lines[0].endswith("pip install 'flashkd[records]'") and "rfc8785" in lines[0], lines[0]
-    assert lines[1].endswith("pip install 'flashkd[bench]'"), lines[1]
+    assert lines[0].endswith('pip install -e ".[records]"') and "rfc8785" in lines[0], lines[0]
+    assert lines[1].endswith('pip install -e ".[bench]"'), lines[1]
