@@ -9,7 +9,7 @@ one-gpu-torch and vocab-parallel in 5 interleaved rounds):
   one-gpu-torch  the same with backend="torch": the row definition the sharded calls use for now
   vocab-parallel every rank its slice of both heads, the same rows (target: <= 0.55x one-gpu on two
                  GPUs; at one rank, <= 1.03x one-gpu: the Triton rows' phases and their collectives),
-                 and the bytes its collectives carry, counted, beside the README's formula
+                 and the bytes its collectives carry, counted, beside the formula in docs/distributed.md
   agreement      the vocab-parallel call with chunk_size set (--chunk-size, default 2048), check_shards
                  None (its checks' status, layout and options read on the host: one host sync) against
                  False (no read, no sync), each right after ~5 ms of other GPU work is queued (what a
@@ -100,7 +100,7 @@ def count_collectives(run) -> dict:
 
 
 def formula_bytes(w, x, world) -> dict:
-    """The README's bytes for the seed call on the Triton rows (dense JSD + CE, grad): per row 12 fp32 of
+    """The bytes of docs/distributed.md for the seed call on the Triton rows (dense JSD + CE, grad): per row 12 fp32 of
     statistics from each rank and 4 fp32 of pass-2 sums; dX's all-reduce N·Hs·E; the layout's all-gather
     of 88 int64 a rank."""
     n, hs, e = w.n, x.xs.shape[1], x.xs.element_size()

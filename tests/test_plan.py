@@ -83,3 +83,18 @@ def test_a_grown_plan_gives_the_oracles_results(seed, monkeypatch, loss):
     assert abs(out.item() - ref.item()) <= 1e-5 * max(abs(ref.item()), 1.0)
     for got, want in ((dxs, rdx), (dws, rdw)):
         assert ((got.double() - want).norm() / want.norm()).item() <= 1e-5
+
+
+class _OnGpu:
+    """Stands for a CUDA tensor where `pick_backend` only asks where it lives and its dtype."""
+    is_cuda = True
+    dtype = torch.bfloat16
+
+
+@pytest.mark.parametrize("loss", ["akl", "jsd", "skew_kl", None])
+def test_auto_sends_the_losses_without_a_dense_kernel_to_the_torch_rows(monkeypatch, loss):
+    """backend "auto" on a GPU: the dense rows of a loss the Triton row kernel does not take (AKL) run on
+    the torch rows, as "triton" sends them; the others on the kernel."""
+    monkeypatch.setattr(chunks, "_has_triton", lambda: True)
+    want = "torch" if loss in chunks.TORCH_ROW_LOSSES else "triton"
+    assert chunks.pick_backend("auto", _OnGpu(), loss) == want

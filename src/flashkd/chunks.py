@@ -712,7 +712,7 @@ def pick_backend(backend, x, loss=None):
     check_backend(backend)
     interpret = os.environ.get("TRITON_INTERPRET") == "1"
     if backend == "auto":
-        return "triton" if x.is_cuda and _has_triton() else "torch"
+        return "triton" if x.is_cuda and _has_triton() and loss not in TORCH_ROW_LOSSES else "torch"
     if backend == "cute":  # the Triton rows, with CuTe DSL logits GEMMs where they fit (`Plan.gemm`)
         from .backends import cute_gemm
 

@@ -110,7 +110,7 @@ def fused_linear_distill(
       of teacher_input and teacher_weight, on GPUs with FP8 tensor cores (sm_89+; 1x128 on sm_90
       only). The head is quantised anew on every call (one read of teacher_weight, ~V·Ht bytes held
       for the call). Faster, and less exact: the teacher's probabilities move by
-      what e4m3's 3-bit mantissa does to its logits (README, BENCHMARKS.md). See `flashkd.fp8`.
+      what e4m3's 3-bit mantissa does to its logits (docs/api.md, "FP8 teacher"; BENCHMARKS.md). See `flashkd.fp8`.
     """
     call = chunks.make_call(
         chunks.Heads(teacher_input, teacher_weight, teacher_bias), student_input, student_weight, labels,

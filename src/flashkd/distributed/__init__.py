@@ -48,7 +48,7 @@ per call one all-gather of a small int64 row per rank (its checks' status, vocab
 count, the least and largest of its labels and top-k ids where it checks them, and options, encoded;
 8 + 80 int64: world · 704 bytes gathered).
 
-Memory per rank, beyond the inputs: the core's formulas ("Memory" in README.md) with V_r for V
+Memory per rank, beyond the inputs: the core's formulas (docs/memory.md) with V_r for V
 (logits R·V_r·E, dW V_r·Hs·A), the torch backend's fp32 temporaries ≈ 6·R·V_r·4 where it runs,
 plus O(R·n) for the merges (the Triton rows: R·(12·w + 4) fp32).
 

@@ -290,7 +290,7 @@ def patch(*, teacher_precision: str | None = None):
     ServerDistillationTrainer) compute their loss with flashkd; returns a context manager whose exit
     undoes this call's patch (`with patch(): ...`). Patching twice is a no-op (but for
     teacher_precision, which the latest call sets). teacher_precision: `fused_linear_distill`'s,
-    e.g. "fp8" for an FP8 teacher GEMM (README, "FP8 teacher": faster, and not TRL's numbers); it
+    e.g. "fp8" for an FP8 teacher GEMM (docs/api.md, "FP8 teacher": faster, and not TRL's numbers); it
     applies to DistillationTrainer's teacher head (the on-policy trainers' teachers are served)."""
     global _original, _installed
     fp8.check_precision(teacher_precision)
