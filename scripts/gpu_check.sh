@@ -3,7 +3,8 @@
 #   bash scripts/gpu_check.sh [tests] [rows] [breakdown] [profile] [bench-seed] [bench-trained] [bench-sweep] [bench-losses]
 #                             [bench-softonly] [memory] [bench-topk] [bench-logits] [bench-teacher-topk]
 #                             [bench-softcap] [bench-trl] [bench-trl-step] [bench-trl-onpolicy] [bench-fp8]
-#                             [dist-one-gpu] [cute-probe] [cute] [bench-models]
+#                             [dist-one-gpu] [cute-probe] [cute] [bench-models] [bench-divergences] [bench-verl]
+#                             [bench-axolotl]
 # (default: all of them, about 20 minutes on an H200; each of the last five a minute or two, bench-trl-step
 # at most about five: it needs trl 1.16.0 and accelerate (from .whl/); no PYTHONPATH beyond this script's, as
 # benchmarks/bench_trl_step.py falls back to its own stand-in for `datasets` where that is not installed;
@@ -118,6 +119,12 @@ for stage in $stages; do
       python3 probes/probe_cute_rows.py --out "$OUT/cute-probe-cold.json" \
         && python3 probes/probe_cute_rows.py --out "$OUT/cute-probe-warm.json" \
         && python3 probes/probe_cute_jsd.py --out "$OUT/cute-probe-jsd.json" ) 2>&1 | tee "$OUT/cute-probe.log" || status=1 ;;
+    # verl's top-k distillation loss (its own path, bf16 logits) against flashkd's integration and its top-k form; axolotl's
+    # Liger-based top-k KD loss against flashkd's drop-in, without and with the CE (both need the frameworks' wheels
+    # in .whl/: verl, omegaconf, antlr4; axolotl, peft, addict, pydantic and its packages)
+    bench-verl) python3 benchmarks/bench_verl.py --out "$OUT/verl" 2>&1 | tee "$OUT/bench-verl.log" || status=1 ;;
+    bench-axolotl) { python3 benchmarks/bench_axolotl.py --out "$OUT/axolotl" \
+        && python3 benchmarks/bench_axolotl.py --ce --out "$OUT/axolotl-ce"; } 2>&1 | tee "$OUT/bench-axolotl.log" || status=1 ;;
     *) echo "unknown stage $stage"; status=2 ;;
   esac
 done
