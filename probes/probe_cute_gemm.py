@@ -1,7 +1,9 @@
 """The CuTe DSL logits GEMM (`flashkd.backends.cute_gemm`) on this GPU: its fp32 logits and per-(row, vocab
 tile) statistics against float64, at irregular shapes and the chunk shapes, and its time against cuBLAS
-(`torch.mm`, bf16 and fp32 output) in the same process, CUDA events, median of --reps with p20-p80.
-GPU only; needs nvidia-cutlass-dsl.
+(`torch.mm`, bf16 and fp32 output) in the same process, CUDA events, median of --reps with p20-p80; tile
+configurations other than the product's (`cute_gemm.LOGITS`, `ACCUMULATE`) through `variant`. The
+cooperative schedule and the main loop without stores (`store="none"`) it once compared are in the history
+(BENCHMARKS.md, "Ping-pong"). GPU only; needs nvidia-cutlass-dsl.
 
     python probes/probe_cute_gemm.py [--reps 30] [--out FILE.json]
     python probes/probe_cute_gemm.py --compile-only   # one small call: import and compile seconds (run it twice
@@ -21,18 +23,25 @@ from probe_cute_rows import finish, median_ms  # beside this file: run as a scri
 LOG2E = 1.4426950408889634
 
 
-def check(cg, r, v, h, dtype, sums, gen, tile_n, stages, schedule="cooperative", scale=1.0):
+def variant(cg, x, w, planes, k1=1.0, k2=None, out=None, **config):
+    """`cg.logits` by the kernel of another tile configuration (`cg.LOGITS`'s keys); planes None: the bare
+    GEMM, z alone."""
+    out = torch.empty(x.shape[0], w.shape[0], device="cuda") if out is None else out
+    store = "tma" if out.stride(0) % 4 == 0 and out.data_ptr() % 16 == 0 else "direct"
+    return cg._launch(x, w, out, planes, k1, k2, store, dict(cg.LOGITS, **config))
+
+
+def check(cg, r, v, h, dtype, sums, gen, tile_n, stages, scale=1.0):
     x = (torch.randn(r, h, device="cuda", generator=gen) * scale).to(dtype)
     w = (torch.randn(v, h, device="cuda", generator=gen) / math.sqrt(h) * 4).to(dtype)
     planes = torch.full((sums + 1, r, cg.n_tiles(v, tile_n)), float("nan"), device="cuda")
     k1, k2 = LOG2E / 0.7, LOG2E
-    z = cg.logits(x, w, planes, k1, k2 if sums == 2 else None, tile_n=tile_n, stages=stages, schedule=schedule)
+    z = variant(cg, x, w, planes, k1, k2 if sums == 2 else None, tile_n=tile_n, stages=stages)
     torch.cuda.synchronize()
     # float64 GEMM on 128 rows (the chunk shape's whole would take minutes), drawn over every row of a tile
     sub = torch.randperm(r, device="cuda", generator=gen)[:128]
     want = x[sub].double() @ w.double().t()
-    out = {"shape": [r, v, h], "dtype": str(dtype), "sums": sums, "tile_n": tile_n, "stages": stages,
-           "schedule": schedule}
+    out = {"shape": [r, v, h], "dtype": str(dtype), "sums": sums, "tile_n": tile_n, "stages": stages}
     out["z_max_rel"] = ((z[sub].double() - want).abs().max() / want.abs().max()).item()
     m, (l1, l2) = cg.tile_stats(z.double(), (k1, k2), tile_n)  # of the logits the kernel wrote
     out["m_err"] = (planes[0].double() - m).abs().max().item()
@@ -78,8 +87,6 @@ def time_in_turn(fns, rounds, reps, row):
     return True
 
 
-COOPERATIVE = dict(tile_n=256, stages=4, epi_stages=2, schedule="cooperative")
-
 
 def main():
     p = argparse.ArgumentParser()
@@ -100,26 +107,21 @@ def main():
     gen = torch.Generator(device="cuda").manual_seed(0)
     if a.compile_only:
         t0 = time.perf_counter()
-        c = check(cg, 300, 3000, 600, torch.bfloat16, 2, gen, cg.TILE_N, cg.STAGES, cg.SCHEDULE)
+        c = check(cg, 300, 3000, 600, torch.bfloat16, 2, gen, cg.TILE_N, cg.STAGES)
         print(json.dumps({"import_s": result["import_s"], "first_call_s": time.perf_counter() - t0,
                           "compile_s": list(cg.compile_seconds.values()),
                           "loaded_from_disk_s": list(cg.load_seconds.values()), "ok": c["ok"]}))
         sys.exit(0 if c["ok"] else "probe_cute_gemm: the check failed")
     ok = True
-    # K of 1 to 40 tiles of TILE_K; up to 501 × 16 output tiles (several a CTA)
-    pp = "pingpong"
-    for r, v, h, dtype, sums, tn, st, sch in (
-            (77, 1000, 72, torch.bfloat16, 2, 256, 4, "cooperative"), (128, 256, 64, torch.bfloat16, 1, 256, 4, "cooperative"),
-            (300, 3001, 600, torch.float16, 2, 256, 4, "cooperative"), (1, 257, 8, torch.bfloat16, 1, 256, 4, "cooperative"),
-            (257, 5000, 2560, torch.bfloat16, 1, 256, 4, "cooperative"), (300, 3001, 600, torch.bfloat16, 2, 128, 6, "cooperative"),
-            (1000, 30001, 600, torch.bfloat16, 2, 256, 4, "cooperative"), (2048, 128256, 2048, torch.bfloat16, 2, 256, 4, "cooperative"),
-            # one tile a CTA, none for some, several (odd and even counts a warpgroup), K of 1 to 64 k tiles
-            (77, 1000, 72, torch.bfloat16, 2, 128, 5, pp), (128, 128, 64, torch.bfloat16, 1, 128, 5, pp),
-            (300, 3001, 600, torch.float16, 2, 128, 5, pp), (1, 257, 8, torch.bfloat16, 1, 128, 5, pp),
-            (257, 5000, 2560, torch.bfloat16, 1, 128, 5, pp), (1000, 30001, 600, torch.bfloat16, 2, 128, 5, pp),
-            (1024, 128256, 4096, torch.bfloat16, 1, 128, 5, pp), (2048, 128256, 2048, torch.bfloat16, 2, 128, 5, pp)):
+    # one tile a CTA, none for some, several (odd and even counts a warpgroup), K of 1 to 64 k tiles of 64
+    for r, v, h, dtype, sums, tn, st in (
+            (77, 1000, 72, torch.bfloat16, 2, 128, 5), (128, 128, 64, torch.bfloat16, 1, 128, 5),
+            (300, 3001, 600, torch.float16, 2, 128, 5), (1, 257, 8, torch.bfloat16, 1, 128, 5),
+            (257, 5000, 2560, torch.bfloat16, 1, 128, 5), (1000, 30001, 600, torch.bfloat16, 2, 128, 5),
+            (300, 3001, 600, torch.bfloat16, 2, 128, 6), (1000, 30001, 600, torch.bfloat16, 1, 64, 6),
+            (1024, 128256, 4096, torch.bfloat16, 1, 128, 5), (2048, 128256, 2048, torch.bfloat16, 2, 128, 5)):
         try:
-            c = check(cg, r, v, h, dtype, sums, gen, tn, st, sch)
+            c = check(cg, r, v, h, dtype, sums, gen, tn, st)
         except Exception as e:  # a compile or launch error: reported, the rest still run
             c = {"shape": [r, v, h], "error": f"{type(e).__name__}: {e}"[:2000], "ok": False}
         print(json.dumps(c), flush=True)
@@ -135,12 +137,6 @@ def main():
         result["checks"].append(c)
         ok &= c["ok"]
     result["compile_s"] = {str(k): s for k, s in cg.compile_seconds.items()}
-    pingpong = dict(cg.ACCUMULATE)
-
-    def dw(config, add):
-        cg.ACCUMULATE = config
-        cg.accumulate(acc, ds.t(), x.t(), add=add)
-
     for r, h in ((1024, 2048), (2048, 2048)):  # dW (V, H) += dSᵀ · X, against cuBLAS's addmm into fp32
         v = 128256
         ds = torch.randn(r, 2 * v, device="cuda").to(torch.bfloat16)[:, :v]
@@ -148,14 +144,12 @@ def main():
         acc = torch.zeros(v, h, device="cuda")
         row = {"dw_shape": [r, v, h]}
         fns = {
-            "pp_add": lambda: dw(pingpong, True),
-            "pp_store": lambda: dw(pingpong, False),
-            "coop_add": lambda: dw(COOPERATIVE, True),
+            "pp_add": lambda: cg.accumulate(acc, ds.t(), x.t(), add=True),
+            "pp_store": lambda: cg.accumulate(acc, ds.t(), x.t(), add=False),
             "cublas_addmm_fp32": lambda: torch.addmm(acc, ds.t(), x, beta=1.0, out_dtype=torch.float32, out=acc),
             "cublas_bf16": lambda: ds.t() @ x,
         }
         ok &= time_in_turn(fns, 3, a.reps, row)
-        cg.ACCUMULATE = pingpong
         print(json.dumps(row), flush=True)
         result["timing"].append(row)
         del ds, x, acc
@@ -163,35 +157,24 @@ def main():
         v = 128256
         x = torch.randn(r, h, device="cuda", dtype=torch.bfloat16)
         w = torch.randn(v, h, device="cuda", dtype=torch.bfloat16) / math.sqrt(h)
-        p256 = torch.empty(3, r, cg.n_tiles(v, 256), device="cuda")
         p128 = torch.empty(3, r, cg.n_tiles(v, 128), device="cuda")
         z = torch.empty(r, v, device="cuda")
         row = {"shape": [r, v, h]}
-        co = COOPERATIVE
+        e2 = dict(tile_n=128, stages=5, epi_stages=2)
         fns = {
-            # the cooperative schedule: both warpgroups on a 128 × 256 tile, then both in its epilogue
-            "cute_stats2": lambda: cg.logits(x, w, p256, 1.0, 1.0, out=z, **co),
-            "cute_stats1": lambda: cg.logits(x, w, p256[:2], 1.0, out=z, **co),
-            "cute_no_store": lambda: cg.logits(x, w, None, out=z, store="none", **co),
-            # 128-column tiles (6 stages): the main loop's cost of narrower tiles (more operand traffic)
-            "cute_no_store_n128": lambda: cg.logits(x, w, None, out=z, store="none", tile_n=128, stages=6,
-                                                    schedule="cooperative"),
-            # ping-pong: a warpgroup a 128 × 128 tile, the other's epilogue under its main loop; 5 stages and two
-            # pieces in flight, or 6 and one (the defaults)
-            "pp_stats1": lambda: cg.logits(x, w, p128[:2], 1.0, out=z, tile_n=128, stages=5, epi_stages=2, schedule=pp),
-            "pp_stats2": lambda: cg.logits(x, w, p128, 1.0, 1.0, out=z, tile_n=128, stages=5, epi_stages=2, schedule=pp),
-            "pp_bare": lambda: cg.logits(x, w, None, out=z, tile_n=128, stages=5, epi_stages=2, schedule=pp),
-            "pp_no_store": lambda: cg.logits(x, w, None, out=z, store="none", tile_n=128, stages=5, epi_stages=2,
-                                             schedule=pp),
-            "pp_stats1_e1": lambda: cg.logits(x, w, p128[:2], 1.0, out=z, tile_n=128, stages=6, schedule=pp,
-                                              epi_stages=1),
+            # a warpgroup a 128 × 128 tile, the other's epilogue under its main loop; 5 stages and two pieces
+            # in flight, or 6 and one (the product's, `cg.LOGITS`)
+            "pp_stats1": lambda: variant(cg, x, w, p128[:2], 1.0, out=z, **e2),
+            "pp_stats2": lambda: variant(cg, x, w, p128, 1.0, 1.0, out=z, **e2),
+            "pp_bare": lambda: variant(cg, x, w, None, out=z, **e2),
+            "pp_stats1_e1": lambda: cg.logits(x, w, p128[:2], 1.0, out=z),
             "cublas_bf16": lambda: torch.mm(x, w.t()),
             "cublas_fp32": lambda: torch.mm(x, w.t(), out_dtype=torch.float32),
         }
         ok &= time_in_turn(fns, 2, a.reps, row)
         print(json.dumps(row), flush=True)
         result["timing"].append(row)
-        del x, w, p256, p128, z
+        del x, w, p128, z
     finish(result, a.out, None if ok else "probe_cute_gemm: a check failed")
 
 

@@ -3,7 +3,7 @@ takes 1.5–2.5 s, and CuTe DSL's own file cache does not spare it (it traces ag
 exported kernel (`export_to_c`: host launcher and cubin in one object file) loads in milliseconds.
 
 Layout: <root>/<name>/kernel.o and manifest.json, where name hashes everything the object depends on (the
-variant, the GPU, nvidia-cutlass-dsl's version, the source of the module that builds it). root is
+variant, the GPU, nvidia-cutlass-dsl's version, the source of the modules that build it). root is
 $FLASHKD_CACHE_DIR/cute, else $XDG_CACHE_HOME (or ~/.cache)/flashkd/cute; FLASHKD_CACHE_DIR set but empty
 turns the cache off.
 
@@ -25,8 +25,6 @@ from pathlib import Path
 
 FORMAT = 1
 OBJECT, MANIFEST = "kernel.o", "manifest.json"
-hits = 0  # kernels loaded from disk in this process
-writes = 0  # kernels written
 
 
 def root() -> Path | None:
@@ -38,17 +36,18 @@ def root() -> Path | None:
     return Path(base) / "flashkd" / "cute"
 
 
-def name_of(key, source: Path) -> str:
+def name_of(key, source: Path | tuple[Path, ...]) -> str:
     """The folder name of a kernel: a hash of `key` (the variant and the GPU), the toolchain and the bytes of
-    `source` (the module whose code the kernel is traced from)."""
+    `source` (the modules whose code the kernel is traced from)."""
     try:
         from importlib.metadata import version
 
         dsl = version("nvidia-cutlass-dsl")
     except Exception:  # installed without metadata: the source and key still tell variants apart
         dsl = "unknown"
+    sources = (source,) if isinstance(source, Path) else source
     parts = [repr(key), dsl, os.environ.get("CUTE_DSL_ARCH", ""), platform.machine(), str(FORMAT),
-             hashlib.sha256(source.read_bytes()).hexdigest()]
+             *(hashlib.sha256(s.read_bytes()).hexdigest() for s in sources)]
     return hashlib.sha256("\0".join(parts).encode()).hexdigest()[:40]
 
 
@@ -86,12 +85,11 @@ def _load(obj: Path, prefix: str):
     return load_module(str(obj))[prefix]
 
 
-def load_or_compile(key, source: Path, compile_fn):
+def load_or_compile(key, source: Path | tuple[Path, ...], compile_fn):
     """The compiled kernel for `key`: loaded from the cache where a checked copy is there, else
     compile_fn() (a `cute.compile` result), written to the cache for the next process. Returns (fn, how),
     how "cache" or "compiled". Where the cache cannot be written (a read-only home), a warning, and the
     compiled kernel is used all the same."""
-    global hits
     top = root()
     if top is None:
         return compile_fn(), "compiled"
@@ -105,7 +103,6 @@ def load_or_compile(key, source: Path, compile_fn):
             except Exception as e:  # a checked file the runtime refuses (another toolchain build): compile
                 why = f"CuTe DSL could not load it ({type(e).__name__}: {e})"
             else:
-                hits += 1
                 return fn, "cache"
         warnings.warn(f"flashkd: the cached CuTe DSL kernel {folder} is not used: {why}; compiling it again",
                       RuntimeWarning, stacklevel=3)
@@ -121,7 +118,6 @@ def load_or_compile(key, source: Path, compile_fn):
 
 
 def _store(fn, top: Path, folder: Path, name: str, prefix: str, key) -> None:
-    global writes
     top.mkdir(parents=True, exist_ok=True, mode=0o700)
     tmp = top / f".tmp-{name}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
     tmp.mkdir()
@@ -136,8 +132,6 @@ def _store(fn, top: Path, folder: Path, name: str, prefix: str, key) -> None:
         except OSError:
             if not folder.is_dir():
                 raise
-        else:
-            writes += 1
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
 

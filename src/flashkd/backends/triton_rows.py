@@ -161,7 +161,8 @@ _PARTS: tl.constexpr = tl.constexpr(12)
 # 337 without a transform; without grad 394 against 448); for TVD one side's in passes 1 and 2 (536
 # against 552); the KLs, with fewer MUFU a pass, come out no faster (forward KL 397 against 384 with
 # TVD's mask); an exp2 on the FMA pipe (a degree-5 polynomial, +10 instructions for 8 SFU cycles) paid
-# nowhere. The variants were timed by benchmarks/bench_softcap.py, in the history at ea784f5 (BENCHMARKS.md).
+# nowhere. The variants were timed by a benchmark kept in the history, `git show ea784f5:benchmarks/bench_softcap.py`
+# (BENCHMARKS.md, "The tanh's variants"); the tests hold every mask to the same results (test_softcap_tanh.py).
 SOFTCAP_RCP_FMA = types.MappingProxyType({"jsd": 0b101110, "tvd": 0b000110})
 
 @triton.jit
@@ -204,6 +205,24 @@ def _softmax(a, m_s, log2_l_c, k_c, q, CE_IS_Q: tl.constexpr):
     if CE_IS_Q:
         return q
     return tl.exp2((a - m_s) * k_c - log2_l_c)
+
+
+@triton.jit
+def _store_dlds(g_row, offs, mask, g, a, da, q, label, m_s, log2_l_c, log2e_ce, c_ce,
+                GRAD_SOFT: tl.constexpr, GRAD_CE: tl.constexpr, CE_IS_Q: tl.constexpr, S_HEAD: tl.constexpr,
+                RTNE_BITS: tl.constexpr, IN_PLACE: tl.constexpr):
+    """A tile's dL/ds out, by the pass that writes it (2 or 3): the soft part g plus the CE's,
+    c_ce · (softmax(s) − onehot(label)), whose softmax(s) term is already in g where it is q (`fold_q`: its
+    factor is in the pass's), then through the head's transform (a softcap's 1 − tanh², `head_grad`)."""
+    fold_q = GRAD_SOFT and GRAD_CE and CE_IS_Q
+    if fold_q:
+        g -= tl.where(offs == label, c_ce, 0.0)
+    elif GRAD_CE:
+        g += c_ce * (_softmax(a, m_s, log2_l_c, log2e_ce, q, CE_IS_Q) - tl.where(offs == label, 1.0, 0.0))
+    g = head_grad(g, da, S_HEAD)
+    if IN_PLACE:  # `grad_view`: no store before every warp has loaded this tile (`grad_view`'s doc)
+        tl.debug_barrier()
+    store_grad(g_row + offs, g, mask, RTNE_BITS)
 
 
 @triton.jit
@@ -290,7 +309,6 @@ def _loss_pass(
 ):
     """Pass 2, backwards over the row: the per-element loss terms, summed per lane and then over the row
     (acc, acc2, acc3, acc4: see `_divergence`), and dL/ds written over s when GRAD_PASS is 2."""
-    fold_q = GRAD_SOFT and GRAD_CE and CE_IS_Q
     acc = tl.zeros([BLOCK_V], tl.float32)
     acc2 = tl.zeros([BLOCK_V], tl.float32)
     acc3 = tl.zeros([BLOCK_V], tl.float32)
@@ -346,14 +364,8 @@ def _loss_pass(
                         acc3 += tl.where(lq > lp, q, 0.0)
                         acc4 += tl.where(lq == lp, q, 0.0)
             if GRAD_PASS == 2:
-                if fold_q:
-                    g -= tl.where(offs == label, c_ce, 0.0)
-                elif GRAD_CE:
-                    g += c_ce * (_softmax(a, m_s, log2_l_c, log2e_ce, q, CE_IS_Q) - tl.where(offs == label, 1.0, 0.0))
-                g = head_grad(g, da, S_HEAD)
-                if IN_PLACE:  # `grad_view`: no store before every warp has loaded this tile (`grad_view`'s doc)
-                    tl.debug_barrier()
-                store_grad(g_row + offs, g, mask, RTNE_BITS)
+                _store_dlds(g_row, offs, mask, g, a, da, q, label, m_s, log2_l_c, log2e_ce, c_ce,
+                            GRAD_SOFT, GRAD_CE, CE_IS_Q, S_HEAD, RTNE_BITS, IN_PLACE)
     return tl.sum(acc, 0), tl.sum(acc2, 0), tl.sum(acc3, 0), tl.sum(acc4, 0)
 
 
@@ -369,7 +381,6 @@ def _grad_pass(
 ):
     """Pass 3, for jsd, tvd and the skew losses: dL/ds = q · (f1 · x + f0) written over s, x the element's
     log-ratio (or TVD's sign; skew KL: q · f0 + f1 · p u; skew reverse KL: q · (f1 · x + f0 + f_lo (1 − u)); module doc)."""
-    fold_q = GRAD_SOFT and GRAD_CE and CE_IS_Q
     for start in range(0, V, BLOCK_V):
         offs = start + cols
         mask = offs < V
@@ -392,14 +403,8 @@ def _grad_pass(
             g = q * (f1 * x + f0 + f_lo * (1.0 - tl.exp2(-x)))
         else:  # σ = sign(q − p) taken on the logs, as in pass 2
             g = q * tl.where(lq > lp, f_hi, tl.where(lq < lp, f_lo, f_eq))
-        if fold_q:
-            g -= tl.where(offs == label, c_ce, 0.0)
-        elif GRAD_CE:
-            g += c_ce * (_softmax(a, m_s, log2_l_c, log2e_ce, q, CE_IS_Q) - tl.where(offs == label, 1.0, 0.0))
-        g = head_grad(g, da, S_HEAD)
-        if IN_PLACE:  # `grad_view`: no store before every warp has loaded this tile (`grad_view`'s doc)
-            tl.debug_barrier()
-        store_grad(g_row + offs, g, mask, RTNE_BITS)
+        _store_dlds(g_row, offs, mask, g, a, da, q, label, m_s, log2_l_c, log2e_ce, c_ce,
+                    GRAD_SOFT, GRAD_CE, CE_IS_Q, S_HEAD, RTNE_BITS, IN_PLACE)
 
 
 @triton.jit
@@ -525,6 +530,38 @@ def _tile_stats(
         l_c = tl.load(at + 2 * stride_plane, mask=here, other=0.0)
     return _merge(m_s, l_s, l_c, m_t, l_t, zero, zero, zero, zero, zero, log2e_tau, log2e_tau_t, log2e_ce, kl_ratio,
                   LOSS, False, SCALED, False)
+
+
+@triton.jit
+def _row_stats(
+    s_row, t_row, part_ptr, part_row, row, V, cols, label,  # the row (`_rows_kernel`), its label's column
+    world, stride_part, stride_tile, stat_tiles,  # the ranks' parts (PHASE 2, 3) or the vocab tiles' (4)
+    log2e_tau, log2e_tau_t, log2e_ce, kl_ratio, s_mul, t_mul,  # the row's constants (`_rows_kernel`)
+    LOSS: tl.constexpr, SOFT: tl.constexpr, CE: tl.constexpr, CE_IS_Q: tl.constexpr, ONLINE_KL: tl.constexpr,
+    S_HEAD: tl.constexpr, T_HEAD: tl.constexpr, SCALED: tl.constexpr, STATS: tl.constexpr, RCP_FMA: tl.constexpr,
+    PHASE: tl.constexpr, WORLD_BLOCK: tl.constexpr, BLOCK_V: tl.constexpr,
+):
+    """Pass 1's statistics of the row, merged, and the CE's logit (`_label_logit`): from a pass over the row
+    (PHASE 0, 1: `_stats_pass`), from the logits GEMMs' per vocab tile (4: `_tile_stats`), or the ranks'
+    parts merged (2, 3: `_merged_parts`). Returns (m_s, l_s, l_c, m_t, l_t, r_kl, ss, tt, st, r_ent, s_y,
+    in_range)."""
+    if PHASE <= 1:
+        s_y, in_range = _label_logit(s_row, label, V, s_mul, CE, S_HEAD, RCP_FMA)
+        m_s, l_s, l_c, m_t, l_t, r_kl, ss, tt, st, r_ent = _stats_pass(
+            s_row, t_row, V, cols,
+            log2e_tau, log2e_tau_t, log2e_ce, kl_ratio, s_mul, t_mul,
+            LOSS, SOFT, CE, CE_IS_Q, ONLINE_KL, S_HEAD, T_HEAD, SCALED, STATS, RCP_FMA, BLOCK_V,
+        )
+    elif PHASE == 4:
+        s_y, in_range = _label_logit(s_row, label, V, s_mul, CE, S_HEAD, RCP_FMA)
+        m_s, l_s, l_c, m_t, l_t, r_kl, ss, tt, st, r_ent = _tile_stats(
+            part_ptr + row.to(tl.int64) * stride_tile, stat_tiles, stride_part,
+            log2e_tau, log2e_tau_t, log2e_ce, kl_ratio, LOSS, SOFT, CE, CE_IS_Q, SCALED, WORLD_BLOCK)
+    else:
+        m_s, l_s, l_c, m_t, l_t, r_kl, ss, tt, st, r_ent, s_y, in_range = _merged_parts(
+            part_row, world, stride_part, log2e_tau, log2e_tau_t, log2e_ce, kl_ratio,
+            LOSS, CE, ONLINE_KL, SCALED, STATS, WORLD_BLOCK)
+    return m_s, l_s, l_c, m_t, l_t, r_kl, ss, tt, st, r_ent, s_y, in_range
 
 
 @triton.jit
@@ -756,23 +793,11 @@ def _rows_kernel(
     hard = 0.0
     entropy = 0.0
     if valid:
-        if PHASE <= 1:
-            s_y, in_range = _label_logit(s_row, label, V, s_mul, CE, S_HEAD, RCP_FMA)
-            # -------- pass 1: row statistics per lane, merged once after it
-            m_s, l_s, l_c, m_t, l_t, r_kl, ss, tt, st, r_ent = _stats_pass(
-                s_row, t_row, V, cols,
-                log2e_tau, log2e_tau_t, log2e_ce, kl_ratio, s_mul, t_mul,
-                LOSS, SOFT, CE, CE_IS_Q, ONLINE_KL, S_HEAD, T_HEAD, SCALED, STATS, RCP_FMA, BLOCK_V,
-            )
-        elif PHASE == 4:
-            s_y, in_range = _label_logit(s_row, label, V, s_mul, CE, S_HEAD, RCP_FMA)
-            m_s, l_s, l_c, m_t, l_t, r_kl, ss, tt, st, r_ent = _tile_stats(
-                part_ptr + row.to(tl.int64) * stride_tile, stat_tiles, stride_part,
-                log2e_tau, log2e_tau_t, log2e_ce, kl_ratio, LOSS, SOFT, CE, CE_IS_Q, SCALED, WORLD_BLOCK)
-        else:
-            m_s, l_s, l_c, m_t, l_t, r_kl, ss, tt, st, r_ent, s_y, in_range = _merged_parts(
-                part_row, world, stride_part, log2e_tau, log2e_tau_t, log2e_ce, kl_ratio,
-                LOSS, CE, ONLINE_KL, SCALED, STATS, WORLD_BLOCK)
+        # -------- pass 1: row statistics per lane, merged once after it (or given: PHASE 2, 3, 4)
+        m_s, l_s, l_c, m_t, l_t, r_kl, ss, tt, st, r_ent, s_y, in_range = _row_stats(
+            s_row, t_row, part_ptr, part_row, row, V, cols, label, world, stride_part, stride_tile, stat_tiles,
+            log2e_tau, log2e_tau_t, log2e_ce, kl_ratio, s_mul, t_mul,
+            LOSS, SOFT, CE, CE_IS_Q, ONLINE_KL, S_HEAD, T_HEAD, SCALED, STATS, RCP_FMA, PHASE, WORLD_BLOCK, BLOCK_V)
         if PHASE == 1:
             _store_parts(part_row, m_s, l_s, l_c, m_t, l_t, r_kl, ss, tt, st, r_ent, s_y, in_range, CE)
         else:
@@ -828,7 +853,7 @@ def _rows_kernel(
 
 
 def rows(s, t, labels, spec: LossSpec, scale: torch.Tensor, grad: bool, stats: bool = False, *, ds=None, vocab=None,
-         tiles=None, block_v=None, num_warps=None):
+         tiles=None):
     """Per-row (soft, hard) losses of one block, (R,) fp32 each; with `grad`, ds (default: s, overwritten)
     gets dL/ds = scale · (w_hard · dCE/ds + soft_scale · dsoft/ds). See `flashkd.backends` for the contract.
 
@@ -849,10 +874,43 @@ def rows(s, t, labels, spec: LossSpec, scale: torch.Tensor, grad: bool, stats: b
             m_t, l_t of n vocab tiles (module doc of cute_gemm; l_c read only when the CE is wanted and
             softmax(s) is not q). The kernel then reads the row twice, not three times. Only where pass 1
             takes nothing else (`tiles_fit`); the whole vocab (vocab None)
-    block_v, num_warps: the tile and its warps, None for BLOCK_V, NUM_WARPS (benchmarks/bench_rows.py compares
-            others)
     """
-    # (1) check
+    t, ds, in_place = _check(s, t, labels, spec, scale, grad, stats, ds, vocab, tiles)
+    # allocate: every program writes its row's soft and hard (and entropy)
+    R = s.shape[0]
+    soft = torch.empty(R, dtype=torch.float32, device=s.device)
+    hard = torch.empty(R, dtype=torch.float32, device=s.device)
+    entropy = torch.empty(R if stats else 0, dtype=torch.float32, device=s.device)
+    out = (soft, hard, entropy) if stats else (soft, hard)
+    if R == 0:
+        return out
+    if labels is not None:
+        labels = labels.contiguous()  # R integers: a strided view costs a negligible copy
+    launch = _Launch(s, t, ds, labels, spec, scale, grad, stats, in_place, soft, hard, entropy, vocab)
+    if tiles is not None:
+        launch(4, parts=tiles, world=tiles.shape[2], stride_part=tiles.stride(0), stride_tile=tiles.stride(1))
+        return out
+    if vocab is None:
+        launch(0)
+        return out
+    # A row sharded over the ranks' vocab slices: pass 1 on each slice; one all-gather of its statistics
+    # (R · _PARTS fp32 a rank), merged in phase 2 as a program's lanes are; pass 2; where the loss (or its
+    # gradient) needs pass 2's sums over the whole row (forward KL's value, JSD's K, TVD's masses), one
+    # all-reduce of 4 fp32 a row and phase 3 (pass 3). Nothing O(R · V) leaves the rank.
+    parts = torch.empty(R, _PARTS.value, dtype=torch.float32, device=s.device)
+    launch(1, parts=parts)
+    parts = vocab.gather_rows(parts)
+    accs = torch.empty(R, 4, dtype=torch.float32, device=s.device)
+    launch(2, parts=parts, accs=accs, world=parts.shape[0])
+    if launch.needs_phase_3:
+        vocab.sum_rows(accs)
+        launch(3, parts=parts, accs=accs, world=parts.shape[0])
+    return out
+
+
+def _check(s, t, labels, spec: LossSpec, scale, grad: bool, stats: bool, ds, vocab, tiles):
+    """`rows`' arguments checked; returns (t with unit vocab stride, ds (s where None), whether ds is s's own
+    `grad_view`)."""
     if stats and not spec.want_soft:
         raise ValueError("stats: the statistics ride on the soft term's passes; spec.want_soft must be True")
     if spec.want_soft and kernel_kind(spec) not in KERNEL_LOSSES:
@@ -904,7 +962,6 @@ def rows(s, t, labels, spec: LossSpec, scale: torch.Tensor, grad: bool, stats: b
     elif not isinstance(ds, torch.Tensor) or ds.shape != s.shape or ds.dtype not in _DTYPES or ds.device != s.device \
             or (ds.stride(1) != 1 and V > 1):
         raise ValueError(f"ds: expected an ({R}, {V}) float tensor with unit vocab stride on {s.device}, got {_describe(ds)}")
-    # (without grad nothing is written)
     in_place = grad and ds is not s and R * V > 0 and ds.untyped_storage().data_ptr() == s.untyped_storage().data_ptr()
     if in_place:  # only s's own `grad_view` is safe: its stores land on columns the row has read
         want = grad_view(s, ds.dtype, spec, grad)
@@ -912,126 +969,117 @@ def rows(s, t, labels, spec: LossSpec, scale: torch.Tensor, grad: bool, stats: b
             raise ValueError(f"ds: expected a buffer of its own or `grad_view(s, ...)` (a view at byte offset "
                              f"{want.data_ptr() - s.data_ptr()} of s with strides {want.stride()}), got a view "
                              f"of s's storage at byte offset {ds.data_ptr() - s.data_ptr()} with strides {ds.stride()}")
+    return t, ds, in_place
 
-    # (2) allocate: every program writes its row's soft and hard (and entropy)
-    soft = torch.empty(R, dtype=torch.float32, device=s.device)
-    hard = torch.empty(R, dtype=torch.float32, device=s.device)
-    entropy = torch.empty(R if stats else 0, dtype=torch.float32, device=s.device)
-    out = (soft, hard, entropy) if stats else (soft, hard)
-    if R == 0:
-        return out
-    if labels is not None:
-        labels = labels.contiguous()  # R integers: a strided view costs a negligible copy
 
-    # (3) launch
-    kind = kernel_kind(spec)
-    use_soft = spec.want_soft
-    use_ce = spec.want_hard and labels is not None
-    grad_soft = grad and use_soft and spec.soft_scale != 0.0
-    grad_ce = grad and use_ce and spec.weight_hard != 0.0
-    grad_pass = _writing_pass(spec, grad)
-    # the mixture's (log2 β, log2(1 − β)) (`_mixture`): JSD's β in (0, 1) (its endpoints resolve to the KLs);
-    # skew KL's M at β = α, skew reverse KL's M′ at β = 1 − α, α in (0, 1] (α = 0 resolves to the KLs)
-    log2_mix = (0.0, 0.0)
-    if use_soft and kind == "jsd":
-        log2_mix = (math.log2(spec.beta), _log2_1m(spec.beta))
-    elif use_soft and kind == "skew_kl":
-        log2_mix = (math.log2(spec.alpha), _log2_1m(spec.alpha))
-    elif use_soft and kind == "skew_reverse_kl":
-        log2_mix = (_log2_1m(spec.alpha), math.log2(spec.alpha))
-    ce_is_q = use_ce and use_soft and kind != "cosine" and spec.temperature == 1.0
-    # pass 1 takes a KL online when that spares a pass: forward KL's gradient pass computes its loss anyway
-    online_kl = use_soft and (kind == "reverse_kl" or (kind == "forward_kl" and grad_pass != 2))
-    # rows narrower than a tile (a top-k teacher's K + 1 categories) get a tile of their width, with
-    # as many warps as keep 4 elements a thread
-    block = max(128, min(BLOCK_V if block_v is None else block_v, triton.next_power_of_2(V)))
-    warps = max(1, min(NUM_WARPS if num_warps is None else num_warps, block // 128))
-    s_head, fold_s, s_mul = head_mode(spec.student_logit_scale, spec.student_softcap)
-    t_head, fold_t, t_mul = head_mode(spec.teacher_logit_scale, spec.teacher_softcap)
-    t_head = t_head if use_soft else 0
-    sigma_s = float(spec.student_logit_scale)  # dz/ds, but for a softcap's 1 − (z/c)² (in the kernel)
-    log2e = math.log2(math.e)
+class _Launch:
+    """`_rows_kernel`'s launches for one `rows` call: the call's constants, worked out once (the loss's
+    switches and the row's runtime floats), and a launch of a phase with its parts and sums."""
 
-    def launch(phase, parts=s, accs=s, world=1, stride_part=R * _PARTS.value, stride_tile=0):
+    def __init__(self, s, t, ds, labels, spec: LossSpec, scale, grad: bool, stats: bool, in_place: bool, soft, hard,
+                 entropy, vocab):
+        R, V = s.shape
+        kind = kernel_kind(spec)
+        use_soft = spec.want_soft
+        use_ce = spec.want_hard and labels is not None
+        grad_pass = _writing_pass(spec, grad)
+        # the mixture's (log2 β, log2(1 − β)) (`_mixture`): JSD's β in (0, 1) (its endpoints resolve to the KLs);
+        # skew KL's M at β = α, skew reverse KL's M′ at β = 1 − α, α in (0, 1] (α = 0 resolves to the KLs)
+        log2_mix = (0.0, 0.0)
+        if use_soft and kind == "jsd":
+            log2_mix = (math.log2(spec.beta), _log2_1m(spec.beta))
+        elif use_soft and kind == "skew_kl":
+            log2_mix = (math.log2(spec.alpha), _log2_1m(spec.alpha))
+        elif use_soft and kind == "skew_reverse_kl":
+            log2_mix = (_log2_1m(spec.alpha), math.log2(spec.alpha))
+        # pass 1 takes a KL online when that spares a pass: forward KL's gradient pass computes its loss anyway
+        online_kl = use_soft and (kind == "reverse_kl" or (kind == "forward_kl" and grad_pass != 2))
+        # rows narrower than a tile (a top-k teacher's K + 1 categories) get a tile of their width, with
+        # as many warps as keep 4 elements a thread
+        block = max(128, min(BLOCK_V, triton.next_power_of_2(V)))
+        s_head, fold_s, s_mul = head_mode(spec.student_logit_scale, spec.student_softcap)
+        t_head, fold_t, t_mul = head_mode(spec.teacher_logit_scale, spec.teacher_softcap)
+        t_head = t_head if use_soft else 0
+        sigma_s = float(spec.student_logit_scale)  # dz/ds, but for a softcap's 1 − (z/c)² (in the kernel)
+        log2e = math.log2(math.e)
+        self.R = R
+        self.needs_phase_3 = use_soft and (kind in _LATE_GRAD or (kind == "forward_kl" and not online_kl))
+        self.tensors = (
+            s,
+            ds,
+            t if use_soft else s,  # never read when not SOFT
+            labels if labels is not None else s,  # never read when not LABELS
+            soft,
+            hard,
+            entropy,
+            scale,
+        )
+        self.sizes = (
+            V,
+            scale.stride(0) if scale.dim() else 0,
+            t.stride(0) if use_soft else V,
+            ds.stride(0),
+            spec.ignore_index,
+            0 if vocab is None else vocab.start,
+        )
+        self.floats = (
+            # float(): an int weight would be specialised (and recompiled) by value
+            log2e * fold_s / spec.temperature,
+            log2e * fold_t / spec.temperature,
+            log2e * fold_s,
+            1.0 / spec.temperature,
+            fold_s,
+            fold_t,
+            fold_s / fold_t if kind == "forward_kl" else fold_t / fold_s,
+            s_mul,
+            t_mul,
+            float(spec.beta),
+            *log2_mix,
+            float(spec.weight_hard) * sigma_s,
+            float(spec.soft_scale) * sigma_s,
+        )
+        self.constexprs = dict(
+            LOSS=LOSS_ID[kind],
+            SOFT=use_soft,
+            CE=use_ce,
+            LABELS=labels is not None,
+            GRAD_SOFT=grad and use_soft and spec.soft_scale != 0.0,
+            GRAD_CE=grad and use_ce and spec.weight_hard != 0.0,
+            GRAD_PASS=grad_pass,
+            CE_IS_Q=use_ce and use_soft and kind != "cosine" and spec.temperature == 1.0,
+            ONLINE_KL=online_kl,
+            S_HEAD=s_head,
+            T_HEAD=t_head,
+            SCALED=fold_s != 1.0 or (use_soft and fold_t != 1.0),
+            STATS=stats,
+            RTNE_BITS=rtne_bits(ds),
+            IN_PLACE=in_place,
+            # only where a side has a softcap: other kernels keep one specialisation whatever the masks
+            RCP_FMA=_cap_bits(SOFTCAP_RCP_FMA.get(kind, 0), s_head, t_head),
+            BLOCK_V=block,
+            num_warps=max(1, min(NUM_WARPS, block // 128)),
+            maxnreg=MAX_REGS,
+        )
+
+    def __call__(self, phase, parts=None, accs=None, world=1, stride_part=None, stride_tile=0):
+        """One launch of PHASE `phase` (`_rows_kernel`), one program a row; parts, accs: the phase's buffers
+        (none for PHASE 0)."""
+        s = self.tensors[0]
         with launching():
-            _rows_kernel[(R,)](
-                s,
-                ds,
-                t if use_soft else s,  # never read when not SOFT
-                labels if labels is not None else s,  # never read when not LABELS
-                soft,
-                hard,
-                entropy,
-                scale,
-                parts,
-                accs,
-                V,
-                scale.stride(0) if scale.dim() else 0,
-                t.stride(0) if use_soft else V,
-                ds.stride(0),
-                spec.ignore_index,
-                0 if vocab is None else vocab.start,
+            _rows_kernel[(self.R,)](
+                *self.tensors,
+                s if parts is None else parts,
+                s if accs is None else accs,
+                *self.sizes,
                 world,
-                stride_part,
+                self.R * _PARTS.value if stride_part is None else stride_part,
                 stride_tile,
                 world,
-                # float(): an int weight would be specialised (and recompiled) by value
-                log2e * fold_s / spec.temperature,
-                log2e * fold_t / spec.temperature,
-                log2e * fold_s,
-                1.0 / spec.temperature,
-                fold_s,
-                fold_t,
-                fold_s / fold_t if kind == "forward_kl" else fold_t / fold_s,
-                s_mul,
-                t_mul,
-                float(spec.beta),
-                *log2_mix,
-                float(spec.weight_hard) * sigma_s,
-                float(spec.soft_scale) * sigma_s,
-                LOSS=LOSS_ID[kind],
-                SOFT=use_soft,
-                CE=use_ce,
-                LABELS=labels is not None,
-                GRAD_SOFT=grad_soft,
-                GRAD_CE=grad_ce,
-                GRAD_PASS=grad_pass,
-                CE_IS_Q=ce_is_q,
-                ONLINE_KL=online_kl,
-                S_HEAD=s_head,
-                T_HEAD=t_head,
-                SCALED=fold_s != 1.0 or (use_soft and fold_t != 1.0),
-                STATS=stats,
-                RTNE_BITS=rtne_bits(ds),
-                IN_PLACE=in_place,
-                # only where a side has a softcap: other kernels keep one specialisation whatever the masks
-                RCP_FMA=_cap_bits(SOFTCAP_RCP_FMA.get(kind, 0), s_head, t_head),
+                *self.floats,
+                **self.constexprs,
                 PHASE=phase,
                 WORLD_BLOCK=max(2, triton.next_power_of_2(world)),
-                BLOCK_V=block,
-                num_warps=warps,
-                maxnreg=MAX_REGS,
             )
-
-    if tiles is not None:
-        launch(4, parts=tiles, world=tiles.shape[2], stride_part=tiles.stride(0), stride_tile=tiles.stride(1))
-        return out
-    if vocab is None:
-        launch(0)
-        return out
-    # A row sharded over the ranks' vocab slices: pass 1 on each slice; one all-gather of its statistics
-    # (R · _PARTS fp32 a rank), merged in phase 2 as a program's lanes are; pass 2; where the loss (or its
-    # gradient) needs pass 2's sums over the whole row (forward KL's value, JSD's K, TVD's masses), one
-    # all-reduce of 4 fp32 a row and phase 3 (pass 3). Nothing O(R · V) leaves the rank.
-    parts = torch.empty(R, _PARTS.value, dtype=torch.float32, device=s.device)
-    launch(1, parts=parts)
-    parts = vocab.gather_rows(parts)
-    accs = torch.empty(R, 4, dtype=torch.float32, device=s.device)
-    launch(2, parts=parts, accs=accs, world=parts.shape[0])
-    if use_soft and (kind in _LATE_GRAD or (kind == "forward_kl" and not online_kl)):
-        vocab.sum_rows(accs)
-        launch(3, parts=parts, accs=accs, world=parts.shape[0])
-    return out
 
 
 def _writing_pass(spec: LossSpec, grad: bool) -> int:

@@ -170,16 +170,14 @@ def _expand_kernel(
 
 
 def topk_rows(s, t, labels, spec: LossSpec, scale: torch.Tensor, grad: bool, stats: bool = False, *, ds=None,
-              vocab=None, block_v=None, num_warps=None):
+              vocab=None):
     """Per-row (soft, hard) for a top-k teacher t = (ids, logprobs); with `grad`, s is overwritten
     with dL/ds (or ds, contiguous, of s's shape: `triton_rows.rows`'s); with `stats` also (entropy,
     mass). See `flashkd.backends` for the contract.
     vocab: None, or the rank's slice of a sharded vocab (as `triton_rows.rows`'s): s holds the columns
     [vocab.start, vocab.start + V) of each row, ids and labels are global. The stats kernel runs on the
     slice, one all-gather merges its outputs into the whole row's (`_merged`), the (R, K + 1)
-    categories are then the same on every rank, and the expand kernel writes the slice's dL/ds.
-    block_v, num_warps: the stats and expand kernels' tile and warps, None for BLOCK_V, NUM_WARPS
-    (benchmarks/bench_rows.py compares others)."""
+    categories are then the same on every rank, and the expand kernel writes the slice's dL/ds."""
     if not spec.want_soft:  # the CE alone: the dense kernel does it without a teacher (no stats then)
         return triton_rows.rows(s, None, labels, spec, scale, grad, ds=ds, vocab=vocab)
     if ds is None:
@@ -224,8 +222,7 @@ def topk_rows(s, t, labels, spec: LossSpec, scale: torch.Tensor, grad: bool, sta
     l_one = torch.empty(R, **f32) if one else l_tau
     gap = torch.empty(R if stats else 0, **f32)
     block_k = triton.next_power_of_2(K)
-    block_v = BLOCK_V if block_v is None else block_v
-    num_warps = NUM_WARPS if num_warps is None else num_warps
+    block_v, num_warps = BLOCK_V, NUM_WARPS
     with triton_common.launching():
         _stats_kernel[(R,)](
             s, here_ids, s_k, m, l_tau, l_one, gap if stats else m, V, K, log2e * fold / tau, log2e * fold, mul,
