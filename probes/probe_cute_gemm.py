@@ -13,14 +13,37 @@ cooperative schedule and the main loop without stores (`store="none"`) it once c
 import argparse
 import json
 import math
+import statistics
 import sys
 import time
 
 import torch
 
-from probe_cute_rows import finish, median_ms  # beside this file: run as a script from probes/
 
 LOG2E = 1.4426950408889634
+
+
+
+def median_ms(fn, reps):
+    times = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        torch.cuda.synchronize()
+        times.append(a.elapsed_time(b))
+    q = statistics.quantiles(times, n=5)
+    return statistics.median(times), q[0], q[-1]
+
+
+def finish(result, out, failure=None):
+    """A probe's end: its result as JSON to `out` (the --out path, if given), then exit 0, or with the
+    one-line `failure` (non-zero)."""
+    if out:
+        with open(out, "w") as f:
+            json.dump(result, f, indent=2)
+    sys.exit(failure or 0)
 
 
 def variant(cg, x, w, planes, k1=1.0, k2=None, out=None, **config):

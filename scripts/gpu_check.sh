@@ -3,7 +3,7 @@
 #   bash scripts/gpu_check.sh [tests] [rows] [breakdown] [profile] [bench-seed] [bench-trained] [bench-sweep] [bench-losses]
 #                             [bench-softonly] [memory] [bench-topk] [bench-logits] [bench-teacher-topk]
 #                             [bench-softcap] [bench-trl] [bench-trl-step] [bench-trl-onpolicy] [bench-fp8]
-#                             [dist-one-gpu] [cute-probe] [cute] [bench-models] [bench-divergences] [bench-verl]
+#                             [dist-one-gpu] [cute] [bench-models] [bench-divergences] [bench-verl]
 #                             [bench-axolotl]
 # (default: all of them, about 20 minutes on an H200; each of the last five a minute or two, bench-trl-step
 # at most about five: it needs trl 1.16.0 and accelerate (from .whl/); no PYTHONPATH beyond this script's, as
@@ -96,9 +96,7 @@ for stage in $stages; do
         && torchrun --standalone --nproc_per_node=1 benchmarks/bench_dist.py --out "$OUT/dist-one-gpu.json"; } 2>&1 \
       | tee "$OUT/dist-one-gpu.log" || status=1 ;;
     # CuTe DSL on this GPU (not in the default stages): installs the carried .cute/ (bash ../shared/device/cute-payload.sh
-    # packs it) when the package is missing, then a row kernel's compile time with an empty on-disk cache and again
-    # in a second process, its result and its read speed; then a JSD row pass reading S and T once (a cluster a row)
-    # backend "cute": its GEMM's compile with an empty disk cache and its load from it in a second process, the GEMM against
+    # packs it) when the package is missing, then backend "cute": its GEMM's compile with an empty disk cache and its load from it in a second process, the GEMM against
     # cuBLAS (and its dW GEMM against cuBLAS's fp32 addmm), its exactness (the GPU tests of tests/test_exact.py), its
     # time at the seed (and kernel by kernel) and over the N sweep
     cute) ( python3 -c "import cutlass.cute" 2>/dev/null || { bash .cute/install.sh \
@@ -113,18 +111,6 @@ for stage in $stages; do
         ; python3 benchmarks/bench_profile.py --providers floor flashkd-triton flashkd-cute --modes full --steps 5 \
         ; python3 -m flashkd bench --preset sweep --providers flashkd-triton flashkd-cute floor --modes full \
           --out "$OUT/cute-sweep" ) 2>&1 | tee "$OUT/cute.log" || status=1 ;;
-    cute-probe) ( python3 -c "import cutlass.cute" 2>/dev/null || { bash .cute/install.sh \
-        && export PYTHONPATH="$PYTHONPATH:/tmp/cute:/tmp/cute/nvidia_cutlass_dsl/dsl_packages"; }
-      export CUTE_DSL_CACHE_DIR=/tmp/flashkd-cute-cache; rm -rf "$CUTE_DSL_CACHE_DIR"
-      python3 probes/probe_cute_rows.py --out "$OUT/cute-probe-cold.json" \
-        && python3 probes/probe_cute_rows.py --out "$OUT/cute-probe-warm.json" \
-        && python3 probes/probe_cute_jsd.py --out "$OUT/cute-probe-jsd.json" ) 2>&1 | tee "$OUT/cute-probe.log" || status=1 ;;
-    # verl's top-k distillation loss (its own path, bf16 logits) against flashkd's integration and its top-k form; axolotl's
-    # Liger-based top-k KD loss against flashkd's drop-in, without and with the CE (both need the frameworks' wheels
-    # in .whl/: verl, omegaconf, antlr4; axolotl, peft, addict, pydantic and its packages)
-    bench-verl) python3 benchmarks/bench_verl.py --out "$OUT/verl" 2>&1 | tee "$OUT/bench-verl.log" || status=1 ;;
-    bench-axolotl) { python3 benchmarks/bench_axolotl.py --out "$OUT/axolotl" \
-        && python3 benchmarks/bench_axolotl.py --ce --out "$OUT/axolotl-ce"; } 2>&1 | tee "$OUT/bench-axolotl.log" || status=1 ;;
     *) echo "unknown stage $stage"; status=2 ;;
   esac
 done
