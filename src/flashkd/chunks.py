@@ -3,14 +3,16 @@
 The package's internal API of a loss call (the public functions in `flashkd.distill` make and route it;
 `flashkd.distributed` runs it on a vocab slice):
 
-    make_call(teacher, student_input, student_weight, labels, **keywords) -> Call
-                        the one validating function of the public keywords: LossSpec, flags,
-                        chunk_size, backend, grad_accum_dtype (those alone; run checks them with the tensors)
+    parse(Student, Heads | Logits | TopK, *, keywords) -> Call
+                        the one parse of a public function's keywords (but the sharding ones): a
+                        frozen Call of LossSpec, the student's tensors, the teacher's form and tensors,
+                        and Options (chunking, backend, precision, checks, what it returns); an error
+                        is raised here, where it is found
     check(call) -> Rows the tensors checked and flattened;  check_teacher_values(call, rows, v)
-    run(call, rows, vocab=None)                               plan and run (vocab: a rank's slice)
+    run(call, rows, vocab=None)                               plan and run (vocab: a rank's VocabSlice)
     compute(call)       check + run, on this process alone
-    Heads, Logits, TopK the teacher's three forms; tensors(call, part) and with_tensors(call, ...)
-                        reach a call's tensors by their public names
+    tensors(call, part) and with_tensors(call, named)   a call's tensors by part (HEAD, TEACHER_HEAD,
+                        ROWS), under their public names (the distributed layer's errors name them)
 
 Three input forms of the teacher share one chunk loop:
 
@@ -794,7 +796,7 @@ def chunk_rows(chunk_size, xs, ws, backend, form, accum_bytes, v=None, teacher_h
     teacher head, for the cost model (0: not weighed, the budget's plan)."""
     n, hs = xs.shape[0], ws.shape[1]
     v = ws.shape[0] if v is None else v
-    if chunk_size is not None:  # checked by make_call
+    if chunk_size is not None:  # checked by parse
         rows = min(chunk_size, max(n, 1))
         return rows, rows
     row = v * logit_size(xs.dtype)  # one row of logits

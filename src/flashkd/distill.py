@@ -1,7 +1,8 @@
-"""The public functions: each makes one call of its keywords and routes it, to the chunk loop
-(`flashkd.chunks`, `flashkd.teacher`) on this process, or to `flashkd.distributed` when the call
-passes `process_group=` or a head that is a DTensor (imported by the first such call, so that a plain
-call pays nothing for it).
+"""The public functions: each parses its keywords once into a frozen call (`chunks.parse`,
+`teacher.parse`) and routes it, to the chunk loop (`flashkd.chunks`, `flashkd.teacher`) on this
+process, or, with its sharding keywords (`flashkd.distributed.Sharding`), to `flashkd.distributed`
+when the call passes `process_group=` or a head that is a DTensor (imported by the first such call, so
+that a plain call pays nothing for it). Their keyword options and defaults: `KEYWORDS`.
 
     fused_linear_distill         teacher hidden states and LM head: T[c] = Xt[c] @ Wt[:V]^T (+ bt[:V])
     fused_linear_distill_logits  precomputed dense teacher logits:  T[c] = teacher_logits[c, :V]
