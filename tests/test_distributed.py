@@ -670,7 +670,7 @@ def _fsdp_worker(rank, world, seed, backend="torch"):
     # the route formulas: rows when the union's rows are fewer than the vocab's, heads otherwise
     w = distribute_tensor(torch.randn(V, HS, dtype=dtype, device=device), mesh, [Shard(0)])
     args = dict(teacher_input=torch.zeros(1, HT, dtype=dtype, device=device))
-    call = chunks.Call(LossSpec(), chunks.Heads(args["teacher_input"], None), None, w)
+    call = chunks.Call(LossSpec(), chunks.Student(None, w), chunks.Heads(args["teacher_input"], None))
     few = fsdp.route_bytes(call, {}, 8, world)
     many = fsdp.route_bytes(call, {}, 4 * V, world)
     assert few["rows"] < few["heads"] and many["rows"] > many["heads"], (few, many)

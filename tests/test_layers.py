@@ -259,3 +259,82 @@ def test_the_losses_need_no_extra_and_the_command_names_it():
     assert "Traceback" not in done.stderr and len(lines) == 2, done.stderr
     assert lines[0].endswith('pip install -e ".[records]"') and "rfc8785" in lines[0], lines[0]
     assert lines[1].endswith('pip install -e ".[bench]"'), lines[1]
+
+
+def _functions(source: str):
+    """(dotted name within the module, node) of every function in source, nested ones too."""
+    found = []
+
+    def walk(node, prefix):
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                if not isinstance(child, ast.ClassDef):
+                    found.append((prefix + child.name, child))
+                walk(child, f"{prefix}{child.name}.")
+            else:
+                walk(child, prefix)
+
+    walk(ast.parse(source), "")
+    return found
+
+
+# The layers whose functions take their arguments by name: no **kwargs passed through (a public
+# module class's options may gather them: the constructor's keywords are fused_linear_distill's).
+_NAMED_LAYERS = ("kernels", "core", "distributed", "api")
+_KWARGS_ALLOWED = {"flashkd.modules.FusedLinearDistillLoss.__init__"}
+# Functions longer than a reader can hold, being split: this list only shrinks.
+_LONG_ALLOWED = {"flashkd.backends.cute_gemm._build", "flashkd.backends.triton_rows.rows",
+                 "flashkd.backends.triton_rows._rows_kernel"}
+MAX_LINES = 150
+
+
+def _kwargs_in(source: str, module: str) -> list[str]:
+    return [f"{module}.{name}" for name, node in _functions(source) if node.args.kwarg is not None]
+
+
+def _long_in(source: str, module: str) -> list[str]:
+    return [f"{module}.{name} ({node.end_lineno - node.lineno + 1} lines)" for name, node in _functions(source)
+            if node.end_lineno - node.lineno + 1 > MAX_LINES]
+
+
+def test_no_kwargs_in_the_core_and_no_function_over_150_lines():
+    """The core, the distributed layer and the public functions pass their arguments by name (no
+    **kwargs but a public module class's options); no function in src/flashkd is over MAX_LINES lines,
+    but those of _LONG_ALLOWED, each still over it (a split one leaves the list)."""
+    kwargs, long, seen = [], [], set()
+    for module, path in _modules().items():
+        source = path.read_text("utf-8")
+        if FINE_LAYERS[_fine_layer(module)][0] in _NAMED_LAYERS:
+            kwargs += [f for f in _kwargs_in(source, module) if f not in _KWARGS_ALLOWED]
+        for entry in _long_in(source, module):
+            name = entry.split(" (")[0]
+            seen.add(name)
+            if name not in _LONG_ALLOWED:
+                long.append(entry)
+    assert kwargs == []
+    assert long == []
+    assert sorted(_LONG_ALLOWED - seen) == [], "no longer over the limit: take it off _LONG_ALLOWED"
+
+
+def test_the_size_and_kwargs_checks_can_fail():
+    body = "".join(f"        x{i} = {i}\n" for i in range(MAX_LINES))
+    assert _long_in(f"class A:\n    def f(self):\n{body}", "m") == [f"m.A.f ({MAX_LINES + 1} lines)"]
+    assert _kwargs_in("def f(a, *, b):\n    def g(**kw):\n        pass\n", "m") == ["m.f.g"]
+
+
+def test_the_call_is_frozen_and_the_keywords_are_the_signatures():
+    """A call is one frozen value, made by one parse (chunks.parse, teacher.parse); the public
+    functions' keyword options are distill.KEYWORDS, which the modules and integrations read."""
+    import dataclasses
+    import inspect
+
+    from flashkd import chunks, distill, teacher
+    from flashkd.distributed.sharding import Sharding
+
+    for cls in (chunks.Call, chunks.Student, chunks.Heads, chunks.Logits, chunks.TopK, chunks.Options,
+                teacher.TopKCall, Sharding):
+        assert dataclasses.is_dataclass(cls) and cls.__dataclass_params__.frozen, cls
+    assert [f.name for f in dataclasses.fields(chunks.Call)] == ["spec", "student", "teacher", "options"]
+    for name, keywords in distill.KEYWORDS.items():
+        params = inspect.signature(getattr(distill, name)).parameters.values()
+        assert {p.name: p.default for p in params if p.kind is p.KEYWORD_ONLY} == keywords, name

@@ -3,14 +3,16 @@
 The package's internal API of a loss call (the public functions in `flashkd.distill` make and route it;
 `flashkd.distributed` runs it on a vocab slice):
 
-    make_call(teacher, student_input, student_weight, labels, **keywords) -> Call
-                        the one validating function of the public keywords: LossSpec, flags,
-                        chunk_size, backend, grad_accum_dtype (those alone; run checks them with the tensors)
+    parse(Student, Heads | Logits | TopK, *, keywords) -> Call
+                        the one parse of a public function's keywords (but the sharding ones): a
+                        frozen Call of LossSpec, the student's tensors, the teacher's form and tensors,
+                        and Options (chunking, backend, precision, checks, what it returns); an error
+                        is raised here, where it is found
     check(call) -> Rows the tensors checked and flattened;  check_teacher_values(call, rows, v)
-    run(call, rows, vocab=None)                               plan and run (vocab: a rank's slice)
+    run(call, rows, vocab=None)                               plan and run (vocab: a rank's VocabSlice)
     compute(call)       check + run, on this process alone
-    Heads, Logits, TopK the teacher's three forms; tensors(call, part) and with_tensors(call, ...)
-                        reach a call's tensors by their public names
+    tensors(call, part) and with_tensors(call, named)   a call's tensors by part (HEAD, TEACHER_HEAD,
+                        ROWS), under their public names (the distributed layer's errors name them)
 
 Three input forms of the teacher share one chunk loop:
 
@@ -77,7 +79,7 @@ from typing import ClassVar
 import torch
 
 from . import fp8
-from .losses import DistillStats, LossSpec, check_finite_float, check_ignore_index
+from .losses import DistillStats, LossSpec, VocabSlice, check_finite_float, check_ignore_index
 from .backends import torch_rows
 
 # Default memory for one chunk's logits. Bigger chunks make the GEMMs more efficient; past a few
@@ -100,7 +102,7 @@ class Plan:
     form: str  # the teacher's input form: "heads" (Xt, Wt, bt), "logits" (T,) or "topk" (ids, logprobs)
     teacher_chunk: int  # rows of teacher logits computed at a time within a chunk (heads only)
     stats: bool = False  # also sum the DistillStats
-    vocab: object = None  # a rank's slice of the vocab (flashkd.distributed.ShardedVocab); None: all of it
+    vocab: VocabSlice | None = None  # a rank's slice of the vocab (flashkd.distributed.ShardedVocab); None: all of it
     # top-k with teacher_index: DistillStats.per_teacher's (N,) index (−1: no teacher) and its number of teachers
     teacher_index: torch.Tensor | None = dataclasses.field(default=None, compare=False)
     num_teachers: int = 0
@@ -112,15 +114,27 @@ class Plan:
 
 
 # ------------------------------------------------------------------------------------------ the call
-# A call's tensors are marked by their part, so that the distributed layer can treat the forms alike by
-# the fields' own names (which are the public keywords): HEAD, the student's head (V rows, it gets a
-# gradient); TEACHER_HEAD, the teacher's; ROWS, one per row of the batch (TRAILING: with a trailing dim).
+# A call's tensors are marked by their part, so that the distributed layer can treat the forms alike
+# (their field names are the public keywords, which its errors name): HEAD, the student's head (V rows,
+# it gets a gradient); TEACHER_HEAD, the teacher's; ROWS, one per row of the batch (TRAILING: with a
+# trailing dim).
 HEAD, TEACHER_HEAD, ROWS = "head", "teacher head", "rows"
 
 
 def tensor_field(part: str, trailing: bool = False, default=dataclasses.MISSING):
     """A call's tensor field, marked with its part."""
     return dataclasses.field(default=default, metadata={"part": part, "trailing": trailing})
+
+
+@dataclasses.dataclass(frozen=True)
+class Student:
+    """The student's tensors, as passed."""
+
+    student_input: torch.Tensor = tensor_field(ROWS, trailing=True)  # (..., Hs): the first ROWS field
+    student_weight: torch.Tensor = tensor_field(HEAD)  # (V, Hs)
+    labels: torch.Tensor | None = tensor_field(ROWS, default=None)  # (...)
+    student_bias: torch.Tensor | None = tensor_field(HEAD, default=None)  # (V,)
+    row_weight: torch.Tensor | None = tensor_field(ROWS, default=None)  # (...)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -153,90 +167,71 @@ class TopK:
 
 
 @dataclasses.dataclass(frozen=True)
+class Options:
+    """How a call runs and what it returns: chunking, backend, precision, checks (`parse` checks them)."""
+
+    chunk_size: int | None = None
+    backend: str = "auto"
+    grad_accum_dtype: torch.dtype | None = None
+    teacher_precision: str | None = None  # teacher heads only
+    check_labels: bool | None = None
+    check_teacher: bool | None = None  # top-k teacher only
+    return_soft_hard_loss: bool = False
+    return_stats: bool = False
+
+
+@dataclasses.dataclass(frozen=True)
 class Call:
-    """One call of a public loss function: its loss spec, its teacher in one of the three forms, its
-    tensors as passed and its options, under the public keywords' names (`make_call` makes it)."""
+    """One call of a public loss function, made by `parse` (so its options are valid): the loss spec,
+    the student's tensors, the teacher in one of the three forms, and the options. How it is sharded
+    over ranks is not the core's: `flashkd.distributed` takes that beside the call."""
 
     sharded_by: ClassVar[str] = "student_weight"  # the head whose rows are a rank's vocab slice (FSDP)
     spec: LossSpec
+    student: Student
     teacher: Heads | Logits | TopK
-    student_input: torch.Tensor = tensor_field(ROWS, trailing=True)  # (..., Hs): the first ROWS field
-    student_weight: torch.Tensor = tensor_field(HEAD)  # (V, Hs)
-    labels: torch.Tensor | None = tensor_field(ROWS, default=None)  # (...)
-    student_bias: torch.Tensor | None = tensor_field(HEAD, default=None)  # (V,)
-    row_weight: torch.Tensor | None = tensor_field(ROWS, default=None)  # (...)
-    chunk_size: int | None = None
-    backend: str = "auto"
-    return_soft_hard_loss: bool = False
-    return_stats: bool = False
-    grad_accum_dtype: torch.dtype | None = None
-    check_labels: bool | None = None
-    check_teacher: bool | None = None  # top-k teacher only
-    teacher_precision: str | None = None  # teacher heads only
-    process_group: object = None
-    vocab_start: int | None = None
-    check_shards: bool | None = None
-    check_replicas: bool = False
-    fsdp_gather: str = "auto"
-    failed: Exception | None = None  # with a process group: the check that failed in make_call, raised at the exchange
+    options: Options = Options()
+
+    @property
+    def parts(self) -> tuple:
+        """The groups that hold the call's tensors."""
+        return self.student, self.teacher
 
 
-def make_call(teacher, student_input, student_weight, labels, **keywords) -> Call:
-    """The Call of a public function's keywords (`_make_call`, which checks them). With a process group
-    a check that fails is not raised here but carried in the Call (`failed`) to the group's exchange,
-    where every rank raises it (`flashkd.distributed.parallel.shard`): raised here, on one rank only,
-    it would leave the others waiting in a collective. Modules check their options with no teacher:
-    raised at once."""
-    try:
-        return _make_call(teacher, student_input, student_weight, labels, **keywords)
-    except (TypeError, ValueError) as e:
-        if keywords.get("process_group") is None or teacher is None:
-            raise
-        return Call(None, teacher, student_input, student_weight, labels, process_group=keywords["process_group"],
-                    vocab_start=keywords.get("vocab_start"), failed=e)
-
-
-def _make_call(
-    teacher: Heads | Logits | TopK,
-    student_input,
-    student_weight,
-    labels,
+def parse(
+    student: Student | None,
+    teacher: Heads | Logits | TopK | None,
     *,
     loss: str,
     beta: float,
+    alpha: float,
+    head_mass: float,
     temperature: float,
     weight_hard_loss: float,
     weight_soft_loss: float,
     ignore_index: int,
-    student_bias,
     reduction: str,
-    chunk_size,
-    backend: str,
-    return_soft_hard_loss: bool,
     temperature_squared: bool,
-    grad_accum_dtype,
-    check_labels,
     student_logit_scale: float,
-    student_softcap,
-    row_weight,
-    return_stats: bool,
-    process_group,
-    vocab_start,
-    check_shards,
-    check_replicas: bool,
-    fsdp_gather: str,
+    student_softcap: float | None,
     teacher_logit_scale: float = 1.0,  # a top-k teacher has none: its log-probs are its distribution
     teacher_softcap: float | None = None,
     tail: str | None = None,  # only the top-k form has one
     tail_clamp: float | None = None,
-    check_teacher: bool | None = None,
+    chunk_size: int | None,
+    backend: str,
+    grad_accum_dtype: torch.dtype | None,
     teacher_precision: str | None = None,
-    alpha: float = 0.1,
-    head_mass: float = 0.5,
+    check_labels: bool | None,
+    check_teacher: bool | None = None,
+    return_soft_hard_loss: bool,
+    return_stats: bool,
 ) -> Call:
     """The Call of a public function's keywords: its LossSpec (the one place where the public weights'
-    names meet LossSpec's fields, checked under the public names first) and its flags checked. The
-    tensors are checked by `check`, on the local or the distributed route."""
+    names meet LossSpec's fields, checked under the public names first) and its Options, checked. The
+    tensors are checked by `check`, on the local or the distributed route. student and teacher None: a
+    module's options alone (labels counted as given, as the usual forward has them); the Call that comes
+    back holds no tensors."""
     for flag, value, optional in (("return_soft_hard_loss", return_soft_hard_loss, False),
                                   ("return_stats", return_stats, False),
                                   ("temperature_squared", temperature_squared, False),
@@ -251,7 +246,8 @@ def _make_call(
     if grad_accum_dtype is not None and grad_accum_dtype not in FLOATS:
         raise TypeError(f"grad_accum_dtype: expected None or a floating dtype (float16, bfloat16, float32, float64), "
                         f"got {grad_accum_dtype!r}")
-    has_labels = labels is not None
+    labels = None if student is None else student.labels
+    has_labels = student is None or labels is not None
     w_hard, w_soft = weight_hard_loss, weight_soft_loss
     logged = return_soft_hard_loss or return_stats
     spec = LossSpec(
@@ -278,41 +274,36 @@ def _make_call(
     if not has_labels and w_hard != 0.0:
         raise ValueError(f"weight_hard_loss: expected 0 when labels is None (no hard labels to train on), got {w_hard!r}")
     check_ignore_index(labels, spec.ignore_index)
-    return Call(spec, teacher, student_input, student_weight, labels, student_bias, row_weight, chunk_size, backend,
-                return_soft_hard_loss, return_stats, grad_accum_dtype, check_labels, check_teacher, teacher_precision,
-                process_group, vocab_start, check_shards, check_replicas, fsdp_gather)
+    fp8.check_precision(teacher_precision)
+    options = Options(chunk_size, backend, grad_accum_dtype, teacher_precision, check_labels, check_teacher,
+                      return_soft_hard_loss, return_stats)
+    return Call(spec, student, teacher, options)
 
 
 def tensors(call, part: str) -> dict:
-    """The tensors of one part (HEAD, TEACHER_HEAD, ROWS) of a call (a Call, with its teacher's, or
-    a `flashkd.teacher.TopKCall`), by their public names, None where not given."""
-    found = {}
-    for obj in (call, getattr(call, "teacher", None)):
-        if dataclasses.is_dataclass(obj):
-            found.update({f.name: getattr(obj, f.name) for f in dataclasses.fields(obj) if f.metadata.get("part") == part})
-    return found
+    """The tensors of one part (HEAD, TEACHER_HEAD, ROWS) of a call (a Call, or a
+    `flashkd.teacher.TopKCall`), by their public names, None where not given."""
+    return {f.name: getattr(group, f.name) for group in call.parts for f in dataclasses.fields(group)
+            if f.metadata.get("part") == part}
 
 
 def trailing(call, name: str) -> bool:
     """Whether the call's ROWS tensor `name` has a trailing dim beyond the rows (hidden, vocab or K)."""
-    for obj in (call, getattr(call, "teacher", None)):
-        if dataclasses.is_dataclass(obj):
-            for f in dataclasses.fields(obj):
-                if f.name == name:
-                    return f.metadata["trailing"]
+    for group in call.parts:
+        for f in dataclasses.fields(group):
+            if f.name == name:
+                return f.metadata["trailing"]
     raise KeyError(name)
 
 
-def with_tensors(call, **named):
-    """The call with some of its (or its teacher's) tensors replaced, by name."""
-    teacher = getattr(call, "teacher", None)
-    if dataclasses.is_dataclass(teacher):
-        own = {f.name for f in dataclasses.fields(teacher)}
-        mine = {k: v for k, v in named.items() if k in own}
+def with_tensors(call, named: dict):
+    """The call with some of its tensors replaced: named, {public name: tensor}."""
+    changes = {}
+    for role, group in zip(("student", "teacher"), call.parts) if isinstance(call, Call) else (("teacher", call.teacher),):
+        mine = {f.name: named[f.name] for f in dataclasses.fields(group) if f.name in named}
         if mine:
-            call = dataclasses.replace(call, teacher=dataclasses.replace(teacher, **mine))
-        named = {k: v for k, v in named.items() if k not in own}
-    return dataclasses.replace(call, **named)
+            changes[role] = dataclasses.replace(group, **mine)
+    return dataclasses.replace(call, **changes)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -328,14 +319,14 @@ class Rows:
 
 def check(call: Call) -> Rows:
     """The call's tensors checked (types, dtypes, devices, shapes) and flattened to rows."""
-    xs, ws, bs, y = check_student(call.student_input, call.student_weight, call.student_bias, call.labels)
-    t = call.teacher
+    student, t = call.student, call.teacher
+    xs, ws, bs, y = check_student(student.student_input, student.student_weight, student.student_bias, student.labels)
     if isinstance(t, Heads):
-        teacher = check_teacher_heads(xs, call.student_input, ws, t.teacher_input, t.teacher_weight, t.teacher_bias)
+        teacher = check_teacher_heads(xs, student.student_input, ws, t.teacher_input, t.teacher_weight, t.teacher_bias)
     elif isinstance(t, Logits):
-        teacher = (check_teacher_logits(xs, call.student_input, ws, t.teacher_logits),)
+        teacher = (check_teacher_logits(xs, student.student_input, ws, t.teacher_logits),)
     else:
-        teacher = check_teacher_topk(xs, call.student_input, ws, t.teacher_ids, t.teacher_logprobs)
+        teacher = check_teacher_topk(xs, student.student_input, ws, t.teacher_ids, t.teacher_logprobs)
     return Rows(xs, ws, bs, y, teacher)
 
 
@@ -344,7 +335,7 @@ def check_teacher_values(call: Call, rows: Rows, v) -> None:
     v ids (an int, or a device tensor, read only when checking)."""
     if not isinstance(call.teacher, TopK):
         return
-    check = call.check_teacher
+    check = call.options.check_teacher
     if check if check is not None else rows.xs.device.type == "cpu":
         check_topk_values(*rows.teacher, int(v), call.spec, rows.y)
 
@@ -369,17 +360,13 @@ def any_dtensor(*xs) -> bool:
 
 
 
-def run(call: Call, rows: Rows, vocab=None):
+def run(call: Call, rows: Rows, vocab: VocabSlice | None = None):
     """Plan and run a call on its checked rows; the shared tail of the three forms. vocab: a rank's
     slice of the vocab (`flashkd.distributed`); its calls plan their chunks for the group's largest
     slice, `vocab.plan_size`."""
-    spec, form = call.spec, call.teacher.form
+    spec, form, options = call.spec, call.teacher.form, call.options
     xs, ws, bs, y, teacher = rows.xs, rows.ws, rows.bs, rows.y, rows.teacher
-    check_labels, grad_accum_dtype = call.check_labels, call.grad_accum_dtype
-    if vocab is None and call.vocab_start is not None:
-        raise ValueError(f"vocab_start: expected None without process_group, got {call.vocab_start!r}")
-    if call.fsdp_gather not in ("auto", "rows", "heads"):
-        raise ValueError(f"fsdp_gather: expected 'auto', 'rows' or 'heads', got {call.fsdp_gather!r}")
+    check_labels, grad_accum_dtype = options.check_labels, options.grad_accum_dtype
     if check_labels is None:
         check_labels = xs.device.type == "cpu"
     if check_labels and y is not None:
@@ -391,22 +378,22 @@ def run(call: Call, rows: Rows, vocab=None):
     # ask cuBLAS for an output dtype it does not offer (fp64 from fp32 operands).
     if grad_accum_dtype not in (wide, ws.dtype):
         raise TypeError(f"grad_accum_dtype: expected {wide} or student_weight's dtype {ws.dtype}, got {grad_accum_dtype!r}")
-    backend = pick_backend(call.backend, xs, spec.kind if form != "topk" else None)  # top-k: all on Triton
+    backend = pick_backend(options.backend, xs, spec.kind if form != "topk" else None)  # top-k: all on Triton
     want_dw = torch.is_grad_enabled() and ws.requires_grad
     accum_bytes = grad_accum_dtype.itemsize if want_dw else 0
     v = ws.shape[0] if vocab is None else vocab.plan_size
-    chunk, teacher_chunk = chunk_rows(call.chunk_size, xs, ws, backend, form, accum_bytes, v,
+    chunk, teacher_chunk = chunk_rows(options.chunk_size, xs, ws, backend, form, accum_bytes, v,
                                       teacher[0].shape[-1] if form == "heads" else 0)
-    rw = check_row_weight(call.row_weight, xs, call.student_input)
-    stats = call.return_stats
+    rw = check_row_weight(call.student.row_weight, xs, call.student.student_input)
+    stats = options.return_stats
     if form == "heads":
-        teacher = _teacher_head(teacher, call.teacher_precision)
+        teacher = _teacher_head(teacher, options.teacher_precision)
     index, teachers = check_teacher_index(call, rows) if form == "topk" else (None, 0)
-    gemm = "cute" if backend == "triton" and (call.backend == "cute" or (
-        call.backend == "auto" and form == "heads" and spec.kind in AUTO_CUTE_LOSSES and _cute_here(xs))) else "cublas"
+    gemm = "cute" if backend == "triton" and (options.backend == "cute" or (
+        options.backend == "auto" and form == "heads" and spec.kind in AUTO_CUTE_LOSSES and _cute_here(xs))) else "cublas"
     plan = Plan(spec, chunk, backend, grad_accum_dtype, form, teacher_chunk, stats, vocab, index, teachers, gemm)
     loss_, soft, hard, *sums = apply(xs, ws, bs, y, rw, plan, *teacher)
-    out = (loss_, soft, hard) if call.return_soft_hard_loss else (loss_,)
+    out = (loss_, soft, hard) if options.return_soft_hard_loss else (loss_,)
     if stats:
         topk = (sums[4], sums[5], sums[6] if index is not None else None) if form == "topk" else (None,)
         out += (DistillStats(*sums[:4], *topk),)
@@ -809,7 +796,7 @@ def chunk_rows(chunk_size, xs, ws, backend, form, accum_bytes, v=None, teacher_h
     teacher head, for the cost model (0: not weighed, the budget's plan)."""
     n, hs = xs.shape[0], ws.shape[1]
     v = ws.shape[0] if v is None else v
-    if chunk_size is not None:  # checked by make_call
+    if chunk_size is not None:  # checked by parse
         rows = min(chunk_size, max(n, 1))
         return rows, rows
     row = v * logit_size(xs.dtype)  # one row of logits
@@ -1076,7 +1063,7 @@ def check_teacher_index(call: Call, rows: Rows):
     check_tensors({"teacher_index": index}, device=xs.device)
     if index.dtype not in (torch.int64, torch.int32):
         raise TypeError(f"teacher_index: expected an integer dtype (torch.int64 or torch.int32), got {index.dtype}")
-    lead = call.student_input.shape[:-1]
+    lead = call.student.student_input.shape[:-1]
     if index.shape != lead:
         raise ValueError(f"teacher_index: expected shape {tuple(lead)} (student_input's leading dims, as labels), "
                          f"got {tuple(index.shape)}")
@@ -1084,11 +1071,11 @@ def check_teacher_index(call: Call, rows: Rows):
         raise TypeError(f"num_teachers: expected an int with teacher_index, got {count!r}")
     if count < 1:
         raise ValueError(f"num_teachers: expected an int >= 1, got {count!r}")
-    if not call.return_stats:
+    if not call.options.return_stats:
         raise ValueError("teacher_index: expected return_stats=True with it (it only splits the statistics by "
                          "teacher; the loss does not depend on it), got return_stats=False")
     index = index.reshape(-1)
-    check = call.check_teacher
+    check = call.options.check_teacher
     if check if check is not None else xs.device.type == "cpu":
         bad = (index < -1) | (index >= count)
         if y is not None:

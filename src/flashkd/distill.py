@@ -1,7 +1,8 @@
-"""The public functions: each makes one call of its keywords and routes it, to the chunk loop
-(`flashkd.chunks`, `flashkd.teacher`) on this process, or to `flashkd.distributed` when the call
-passes `process_group=` or a head that is a DTensor (imported by the first such call, so that a plain
-call pays nothing for it).
+"""The public functions: each parses its keywords once into a frozen call (`chunks.parse`,
+`teacher.parse`) and routes it, to the chunk loop (`flashkd.chunks`, `flashkd.teacher`) on this
+process, or, with its sharding keywords (`flashkd.distributed.Sharding`), to `flashkd.distributed`
+when the call passes `process_group=` or a head that is a DTensor (imported by the first such call, so
+that a plain call pays nothing for it). Their keyword options and defaults: `KEYWORDS`.
 
     fused_linear_distill         teacher hidden states and LM head: T[c] = Xt[c] @ Wt[:V]^T (+ bt[:V])
     fused_linear_distill_logits  precomputed dense teacher logits:  T[c] = teacher_logits[c, :V]
@@ -112,19 +113,21 @@ def fused_linear_distill(
       for the call). Faster, and less exact: the teacher's probabilities move by
       what e4m3's 3-bit mantissa does to its logits (docs/api.md, "FP8 teacher"; BENCHMARKS.md). See `flashkd.fp8`.
     """
-    call = chunks.make_call(
-        chunks.Heads(teacher_input, teacher_weight, teacher_bias), student_input, student_weight, labels,
-        loss=loss, beta=beta, temperature=temperature, weight_hard_loss=weight_hard_loss,
-        alpha=alpha, head_mass=head_mass,
-        weight_soft_loss=weight_soft_loss, ignore_index=ignore_index, student_bias=student_bias, reduction=reduction,
-        chunk_size=chunk_size, backend=backend, return_soft_hard_loss=return_soft_hard_loss,
-        temperature_squared=temperature_squared, grad_accum_dtype=grad_accum_dtype, check_labels=check_labels,
-        student_logit_scale=student_logit_scale, student_softcap=student_softcap, row_weight=row_weight,
-        return_stats=return_stats, process_group=process_group, vocab_start=vocab_start, check_shards=check_shards,
-        check_replicas=check_replicas, fsdp_gather=fsdp_gather,
-        teacher_logit_scale=teacher_logit_scale, teacher_softcap=teacher_softcap, teacher_precision=teacher_precision,
-    )
-    return _route(call)
+    def parse():
+        return chunks.parse(
+            chunks.Student(student_input, student_weight, labels, student_bias, row_weight),
+            chunks.Heads(teacher_input, teacher_weight, teacher_bias),
+            loss=loss, beta=beta, alpha=alpha, head_mass=head_mass, temperature=temperature,
+            weight_hard_loss=weight_hard_loss, weight_soft_loss=weight_soft_loss, ignore_index=ignore_index,
+            reduction=reduction, temperature_squared=temperature_squared, student_logit_scale=student_logit_scale,
+            student_softcap=student_softcap, teacher_logit_scale=teacher_logit_scale, teacher_softcap=teacher_softcap,
+            chunk_size=chunk_size, backend=backend, grad_accum_dtype=grad_accum_dtype,
+            teacher_precision=teacher_precision, check_labels=check_labels,
+            return_soft_hard_loss=return_soft_hard_loss, return_stats=return_stats,
+        )
+
+    return _route(parse, student_input, (student_weight, student_bias, teacher_weight, teacher_bias),
+                  process_group, vocab_start, check_shards, check_replicas, fsdp_gather)
 
 
 def fused_linear_distill_logits(
@@ -172,19 +175,20 @@ def fused_linear_distill_logits(
     its own scale and softcap, so leave them at their defaults for those. With `process_group`,
     `teacher_logits` are the columns of this rank's vocab slice.
     """
-    call = chunks.make_call(
-        chunks.Logits(teacher_logits), student_input, student_weight, labels,
-        loss=loss, beta=beta, temperature=temperature, weight_hard_loss=weight_hard_loss,
-        alpha=alpha, head_mass=head_mass,
-        weight_soft_loss=weight_soft_loss, ignore_index=ignore_index, student_bias=student_bias, reduction=reduction,
-        chunk_size=chunk_size, backend=backend, return_soft_hard_loss=return_soft_hard_loss,
-        temperature_squared=temperature_squared, grad_accum_dtype=grad_accum_dtype, check_labels=check_labels,
-        student_logit_scale=student_logit_scale, student_softcap=student_softcap, row_weight=row_weight,
-        return_stats=return_stats, process_group=process_group, vocab_start=vocab_start, check_shards=check_shards,
-        check_replicas=check_replicas, fsdp_gather=fsdp_gather,
-        teacher_logit_scale=teacher_logit_scale, teacher_softcap=teacher_softcap,
-    )
-    return _route(call)
+    def parse():
+        return chunks.parse(
+            chunks.Student(student_input, student_weight, labels, student_bias, row_weight),
+            chunks.Logits(teacher_logits),
+            loss=loss, beta=beta, alpha=alpha, head_mass=head_mass, temperature=temperature,
+            weight_hard_loss=weight_hard_loss, weight_soft_loss=weight_soft_loss, ignore_index=ignore_index,
+            reduction=reduction, temperature_squared=temperature_squared, student_logit_scale=student_logit_scale,
+            student_softcap=student_softcap, teacher_logit_scale=teacher_logit_scale, teacher_softcap=teacher_softcap,
+            chunk_size=chunk_size, backend=backend, grad_accum_dtype=grad_accum_dtype, check_labels=check_labels,
+            return_soft_hard_loss=return_soft_hard_loss, return_stats=return_stats,
+        )
+
+    return _route(parse, student_input, (student_weight, student_bias),
+                  process_group, vocab_start, check_shards, check_replicas, fsdp_gather)
 
 
 def fused_linear_distill_topk(
@@ -269,19 +273,20 @@ def fused_linear_distill_topk(
       wrong values and a mass past 1 is renormalised (the bucket gets p_rest = 0).
     - With `process_group`, `teacher_ids` are ids of the whole vocab, the same on every rank.
     """
-    call = chunks.make_call(
-        chunks.TopK(teacher_ids, teacher_logprobs, teacher_index, num_teachers), student_input, student_weight, labels,
-        loss=loss, beta=beta, temperature=temperature, weight_hard_loss=weight_hard_loss,
-        alpha=alpha, head_mass=head_mass,
-        weight_soft_loss=weight_soft_loss, ignore_index=ignore_index, student_bias=student_bias, reduction=reduction,
-        chunk_size=chunk_size, backend=backend, return_soft_hard_loss=return_soft_hard_loss,
-        temperature_squared=temperature_squared, grad_accum_dtype=grad_accum_dtype, check_labels=check_labels,
-        student_logit_scale=student_logit_scale, student_softcap=student_softcap, row_weight=row_weight,
-        return_stats=return_stats, process_group=process_group, vocab_start=vocab_start, check_shards=check_shards,
-        check_replicas=check_replicas, fsdp_gather=fsdp_gather,
-        tail=tail, tail_clamp=tail_clamp, check_teacher=check_teacher,
-    )
-    return _route(call)
+    def parse():
+        return chunks.parse(
+            chunks.Student(student_input, student_weight, labels, student_bias, row_weight),
+            chunks.TopK(teacher_ids, teacher_logprobs, teacher_index, num_teachers),
+            loss=loss, beta=beta, alpha=alpha, head_mass=head_mass, temperature=temperature,
+            weight_hard_loss=weight_hard_loss, weight_soft_loss=weight_soft_loss, ignore_index=ignore_index,
+            reduction=reduction, temperature_squared=temperature_squared, student_logit_scale=student_logit_scale,
+            student_softcap=student_softcap, tail=tail, tail_clamp=tail_clamp,
+            chunk_size=chunk_size, backend=backend, grad_accum_dtype=grad_accum_dtype, check_labels=check_labels,
+            check_teacher=check_teacher, return_soft_hard_loss=return_soft_hard_loss, return_stats=return_stats,
+        )
+
+    return _route(parse, student_input, (student_weight, student_bias),
+                  process_group, vocab_start, check_shards, check_replicas, fsdp_gather)
 
 
 @torch.no_grad()
@@ -334,23 +339,80 @@ def teacher_topk(
     (as in `fused_linear_distill`; `flashkd.fp8`): the top-k targets are then those of the
     FP8 teacher.
     """
-    call = teacher.TopKCall(
-        teacher_input, teacher_weight, k, temperature=temperature, teacher_bias=teacher_bias, vocab_size=vocab_size,
-        chunk_size=chunk_size, backend=backend, teacher_logit_scale=teacher_logit_scale,
-        teacher_softcap=teacher_softcap, process_group=process_group, vocab_start=vocab_start,
-        check_shards=check_shards, fsdp_gather=fsdp_gather, teacher_precision=teacher_precision,
+    def parse():
+        return teacher.parse(
+            chunks.Heads(teacher_input, teacher_weight, teacher_bias), k, temperature=temperature,
+            vocab_size=vocab_size, teacher_logit_scale=teacher_logit_scale, teacher_softcap=teacher_softcap,
+            chunk_size=chunk_size, backend=backend, teacher_precision=teacher_precision,
+        )
+
+    return _route(parse, teacher_input, (teacher_weight, teacher_bias), process_group, vocab_start, check_shards,
+                  False, fsdp_gather)
+
+
+FSDP_GATHER = ("auto", "rows", "heads")
+
+
+def _route(parse, rows, heads, process_group, vocab_start, check_shards, check_replicas, fsdp_gather):
+    """The call that parse() makes, run on this process, or on `flashkd.distributed` with the sharding
+    keywords when it passes process_group or a head (of `heads`) that is a DTensor. With a process
+    group an error of the parse is raised on every rank of it (`distributed.fail`): raised on one rank
+    only, it would leave the others waiting in the call's first collective. rows: the first rows
+    tensor, whose device the group's exchange uses."""
+    sharded = process_group is not None or chunks.any_dtensor(*heads)
+    try:
+        call = parse()
+        if fsdp_gather not in FSDP_GATHER:
+            raise ValueError(f"fsdp_gather: expected 'auto', 'rows' or 'heads', got {fsdp_gather!r}")
+        if not sharded and vocab_start is not None:
+            raise ValueError(f"vocab_start: expected None without process_group, got {vocab_start!r}")
+    except (TypeError, ValueError) as e:
+        if process_group is None:
+            raise
+        from . import distributed
+
+        distributed.fail(e, process_group, vocab_start, rows)
+    if not sharded:
+        return teacher.run(call) if isinstance(call, teacher.TopKCall) else chunks.compute(call)
+    from . import distributed
+
+    return distributed.run(call, distributed.Sharding(process_group, vocab_start, check_shards, check_replicas,
+                                                      fsdp_gather))
+
+
+# The keyword options of the public functions, with their defaults: what the modules and the
+# integrations accept (the signatures above spell them; tests/test_layers.py holds the two alike).
+_SHARDING = dict(process_group=None, vocab_start=None, check_shards=None, check_replicas=False, fsdp_gather="auto")
+_LOSS = dict(loss="jsd", beta=0.5, alpha=0.1, head_mass=0.5, temperature=1.0, weight_hard_loss=0.5,
+             weight_soft_loss=0.5, ignore_index=-100, student_bias=None, reduction="mean", chunk_size=None,
+             backend="auto", return_soft_hard_loss=False, temperature_squared=False, grad_accum_dtype=None,
+             check_labels=None, student_logit_scale=1.0, student_softcap=None, row_weight=None, return_stats=False)
+_TEACHER_HEAD = dict(teacher_logit_scale=1.0, teacher_softcap=None)
+KEYWORDS = {
+    "fused_linear_distill": {**_LOSS, **_TEACHER_HEAD, "teacher_bias": None, "teacher_precision": None, **_SHARDING},
+    "fused_linear_distill_logits": {**_LOSS, **_TEACHER_HEAD, **_SHARDING},
+    "fused_linear_distill_topk": {**_LOSS, "loss": "forward_kl", "weight_hard_loss": 0.0, "weight_soft_loss": 1.0,
+                                  "tail": "bucket", "tail_clamp": None, "check_teacher": None, "teacher_index": None,
+                                  "num_teachers": None, **_SHARDING},
+    "teacher_topk": {"temperature": 1.0, "teacher_bias": None, "vocab_size": None, "chunk_size": None,
+                     "backend": "auto", **_TEACHER_HEAD, **_SHARDING, "teacher_precision": None},
+}
+del KEYWORDS["teacher_topk"]["check_replicas"]  # its rows are checked by the exchange alone
+
+
+def check_options(options: dict) -> None:
+    """Options of `fused_linear_distill` (KEYWORDS' names), checked as a forward with labels would check
+    them, by the call's own parse: a module's options fail where it is made, not at its first forward.
+    What depends on the tensors (triton on a CPU tensor, grad_accum_dtype against the weight's) and
+    the sharding keywords are checked by the call."""
+    o = {**KEYWORDS["fused_linear_distill"], **options}
+    chunks.parse(
+        None, None, loss=o["loss"], beta=o["beta"], alpha=o["alpha"], head_mass=o["head_mass"],
+        temperature=o["temperature"], weight_hard_loss=o["weight_hard_loss"], weight_soft_loss=o["weight_soft_loss"],
+        ignore_index=o["ignore_index"], reduction=o["reduction"], temperature_squared=o["temperature_squared"],
+        student_logit_scale=o["student_logit_scale"], student_softcap=o["student_softcap"],
+        teacher_logit_scale=o["teacher_logit_scale"], teacher_softcap=o["teacher_softcap"],
+        chunk_size=o["chunk_size"], backend=o["backend"], grad_accum_dtype=o["grad_accum_dtype"],
+        teacher_precision=o["teacher_precision"], check_labels=o["check_labels"],
+        return_soft_hard_loss=o["return_soft_hard_loss"], return_stats=o["return_stats"],
     )
-    if process_group is not None or chunks.any_dtensor(teacher_weight, teacher_bias):
-        from . import distributed
-
-        return distributed.teacher_topk(call)
-    return teacher.run(call)
-
-
-def _route(call: chunks.Call):
-    if call.process_group is not None or chunks.any_dtensor(*chunks.tensors(call, chunks.HEAD).values(),
-                                                            *chunks.tensors(call, chunks.TEACHER_HEAD).values()):
-        from . import distributed
-
-        return distributed.run(call)
-    return chunks.compute(call)

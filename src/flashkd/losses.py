@@ -67,7 +67,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import NamedTuple
+from typing import Callable, NamedTuple, Protocol
 
 import torch
 
@@ -558,6 +558,47 @@ class _LogSumExp(torch.autograd.Function):
 
 
 WHOLE_VOCAB = Vocab()
+
+
+class VocabSlice(Protocol):
+    """A rank's slice [start, start + V_r) of the vocab, as the chunk loop, the row backends and
+    teacher_topk's loop use it: a `Vocab` (its reductions merged over the ranks) and the collectives
+    around it. `flashkd.distributed.ShardedVocab` implements it; a call on one process has none."""
+
+    start: int  # the global id of the slice's first row
+    total: int | torch.Tensor  # the vocab's size V (a 0-d device tensor where it was not read on the host)
+    plan_size: int  # the group's largest slice: every rank plans the same chunks for it
+    copies: int  # the ranks that compute the same loss from their slices
+
+    # --- Vocab's reductions over the group (`row_losses`, `topk_row_losses`) ---
+    def size(self, x: torch.Tensor) -> int | torch.Tensor: ...
+    def local(self, ids: torch.Tensor, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]: ...
+    def pick(self, x: torch.Tensor, ids: torch.Tensor | None) -> torch.Tensor: ...
+    def amax(self, x: torch.Tensor) -> torch.Tensor: ...
+    def before(self, count: torch.Tensor) -> torch.Tensor: ...
+    def merge(self, log_softmax=(), lse=(), sums=()) -> tuple[list, list, list]: ...
+
+    # --- the chunk loop (`flashkd.chunks`) ---
+    def rows(self, form: str, backend: str) -> Callable:
+        """The row function of the slice for a teacher form ("heads", "logits", "topk") on a backend."""
+
+    def chunk_dx(self, dx: torch.Tensor) -> None:
+        """A chunk's dX over the slice's rows: summed over the group (it may be asynchronous)."""
+
+    def finish(self, dxs, dws, dbs) -> tuple:
+        """(dxs, dws, dbs) once the last chunk is done: pending sums waited for, dW and db scaled."""
+
+    # --- the Triton rows' phases (`flashkd.backends.triton_rows`, `triton_topk`) ---
+    def gather_rows(self, part: torch.Tensor) -> torch.Tensor:
+        """(world, R, n): every rank's (R, n) part, in rank order."""
+
+    def sum_rows(self, x: torch.Tensor) -> None:
+        """x summed over the group, in place."""
+
+    # --- teacher_topk's loop (`flashkd.teacher`) ---
+    def topk(self, logits: torch.Tensor, k: int, temperature: float, scale: float, softcap: float | None,
+             backend: str) -> tuple[torch.Tensor, torch.Tensor]:
+        """(ids, log-probs) of the global top-k of rows whose slice here is `logits`."""
 
 
 # Guards the cosine norms of all-zero rows; the loss of such a row is β (cos taken as 0).

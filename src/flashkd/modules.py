@@ -7,33 +7,15 @@
 
 from __future__ import annotations
 
-import inspect
-
 import torch
 
-from . import chunks, fp8
 from .chunks import renamed
-from .distill import fused_linear_distill
-
+from .distill import KEYWORDS, check_options, fused_linear_distill
 
 # forward's arguments, and the keyword options of fused_linear_distill the constructor takes
 _PER_CALL = ("student_input", "student_weight", "teacher_input", "teacher_weight", "labels", "student_bias",
              "teacher_bias", "row_weight")
-_DEFAULTS = {name: p.default for name, p in inspect.signature(fused_linear_distill).parameters.items()
-             if p.kind is p.KEYWORD_ONLY}
-_OPTIONS = frozenset(name for name in _DEFAULTS if name not in _PER_CALL and name != "loss")
-
-
-def _check_options(options: dict) -> None:
-    """The options' values, checked by the call's own validation (chunks.make_call: the loss and its
-    numbers, the flags, backend, chunk_size and grad_accum_dtype; fp8.check_precision) as a forward with
-    labels would check them: a bad value fails where the module is made, not at its first forward. What
-    depends on the tensors (triton on a CPU tensor, grad_accum_dtype against the weight's) is checked by
-    the call."""
-    keywords = {**_DEFAULTS, **options}
-    del keywords["teacher_bias"]  # the teacher's, per call
-    chunks.make_call(None, None, None, ..., **keywords)  # labels: given (not None), as the usual forward has them
-    fp8.check_precision(keywords["teacher_precision"])
+_OPTIONS = frozenset(name for name in KEYWORDS["fused_linear_distill"] if name not in _PER_CALL and name != "loss")
 
 
 class FusedLinearDistillLoss(torch.nn.Module):
@@ -47,7 +29,7 @@ class FusedLinearDistillLoss(torch.nn.Module):
             if name not in _OPTIONS:
                 raise TypeError(f"{name}: expected a keyword option of flashkd.fused_linear_distill "
                                 f"({', '.join(sorted(_OPTIONS))}), got {name}={options[name]!r}")
-        _check_options(dict(loss=loss, **options))
+        check_options(dict(loss=loss, **options))
         self.options = dict(loss=loss, **options)
 
     def forward(
@@ -89,7 +71,7 @@ def _option(name: str) -> property:
         return self.options[name]
 
     def set(self, value):
-        _check_options({**self.options, name: value})
+        check_options({**self.options, name: value})
         self.options[name] = value
 
     return property(get, set, doc=f"The `{name}` option of every forward call (`self.options[{name!r}]`).")
@@ -178,7 +160,7 @@ class FusedLinearJSD(torch.nn.Module):
                  accum_dtype: torch.dtype | None = None):
         super().__init__()
         try:  # checked here, as the forward's call will check them
-            _check_options(dict(loss="jsd", beta=jsd_beta, temperature=temperature, ignore_index=ignore_index,
+            check_options(dict(loss="jsd", beta=jsd_beta, temperature=temperature, ignore_index=ignore_index,
                                 weight_hard_loss=0.0, weight_soft_loss=1.0, grad_accum_dtype=accum_dtype))
         except (TypeError, ValueError) as e:
             raise renamed(e, {"beta": "jsd_beta", "grad_accum_dtype": "accum_dtype"}) from None

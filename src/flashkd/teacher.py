@@ -1,6 +1,6 @@
 """teacher_topk's core: a teacher's top-k log-probs, one chunk of logits at a time (for offline targets).
 
-`flashkd.teacher_topk` (in flashkd.distill) makes a TopKCall of its keywords and runs it here, or on a
+`flashkd.teacher_topk` (in flashkd.distill) makes a TopKCall of its keywords (`parse`) and runs it here, or on a
 vocab slice through `flashkd.distributed`, which passes `run` its `shard`.
 """
 
@@ -13,30 +13,39 @@ from typing import ClassVar
 import torch
 
 from . import chunks, fp8
-from .chunks import ROWS, TEACHER_HEAD, tensor_field
 from .losses import LossSpec, check_logit_transform, logit_transform
 
 
 @dataclasses.dataclass(frozen=True)
 class TopKCall:
-    """One call of `flashkd.teacher_topk`, under its keywords' names (see its docstring)."""
+    """One call of `flashkd.teacher_topk`, made by `parse` (see its docstring for the keywords)."""
 
     sharded_by: ClassVar[str] = "teacher_weight"  # the head whose rows are a rank's vocab slice (FSDP)
-    teacher_input: torch.Tensor = tensor_field(ROWS, trailing=True)  # (..., H)
-    teacher_weight: torch.Tensor = tensor_field(TEACHER_HEAD)  # (Vt, H)
-    k: int = 1
+    teacher: chunks.Heads
+    k: int
     temperature: float = 1.0
-    teacher_bias: torch.Tensor | None = tensor_field(TEACHER_HEAD, default=None)  # (Vt,)
     vocab_size: int | None = None
-    chunk_size: int | None = None
-    backend: str = "auto"
     teacher_logit_scale: float = 1.0
     teacher_softcap: float | None = None
-    process_group: object = None
-    vocab_start: int | None = None
-    check_shards: bool | None = None
-    fsdp_gather: str = "auto"
-    teacher_precision: str | None = None
+    options: chunks.Options = chunks.Options()  # chunk_size, backend, teacher_precision
+
+    @property
+    def parts(self) -> tuple:
+        """The groups that hold the call's tensors."""
+        return (self.teacher,)
+
+
+def parse(teacher: chunks.Heads, k, *, temperature, vocab_size, teacher_logit_scale, teacher_softcap, chunk_size,
+          backend, teacher_precision) -> TopKCall:
+    """The TopKCall of `flashkd.teacher_topk`'s keywords, checked where they need no tensor (k and
+    vocab_size are checked against the vocab by `run`)."""
+    LossSpec(temperature=temperature)  # the losses' rule: a finite float > 0 (inf would give uniform log-probs)
+    check_logit_transform("teacher_logit_scale", teacher_logit_scale, "teacher_softcap", teacher_softcap)
+    chunks.check_backend(backend)
+    chunks.check_chunk_size(chunk_size)
+    fp8.check_precision(teacher_precision)
+    options = chunks.Options(chunk_size=chunk_size, backend=backend, teacher_precision=teacher_precision)
+    return TopKCall(teacher, k, temperature, vocab_size, teacher_logit_scale, teacher_softcap, options)
 
 
 @torch.no_grad()
@@ -45,14 +54,13 @@ def run(call: TopKCall, shard=None):
     slice's ShardedVocab (`flashkd.distributed`), called once the local tensors are checked (failed:
     the exception a check raised, which it raises on every rank; rows: this rank's row count); None:
     the whole vocab is here."""
-    teacher_input, teacher_weight, teacher_bias, k = call.teacher_input, call.teacher_weight, call.teacher_bias, call.k
-    temperature, vocab_size, chunk_size, backend = call.temperature, call.vocab_size, call.chunk_size, call.backend
+    x, w, b, k = call.teacher.teacher_input, call.teacher.teacher_weight, call.teacher.teacher_bias, call.k
+    temperature, vocab_size, teacher_precision = call.temperature, call.vocab_size, call.options.teacher_precision
     teacher_logit_scale, teacher_softcap = call.teacher_logit_scale, call.teacher_softcap
-    vocab_start, fsdp_gather, teacher_precision = call.vocab_start, call.fsdp_gather, call.teacher_precision
-    x, w, b = teacher_input, teacher_weight, teacher_bias
+    chunk_size, backend = call.options.chunk_size, call.options.backend
     failed = None
     try:  # vocab-parallel: a check that fails on this rank alone fails on every rank, in `shard`
-        chunks.check_tensors({"teacher_input": teacher_input})
+        chunks.check_tensors({"teacher_input": x})
         if x.dtype not in chunks.FLOATS:
             raise TypeError(f"teacher_input: expected a floating dtype (float16, bfloat16, float32, float64), got {x.dtype}")
         chunks.check_tensors({"teacher_weight": w, "teacher_bias": b}, x.dtype, x.device, like="teacher_input")
@@ -78,10 +86,6 @@ def run(call: TopKCall, shard=None):
         vocab = shard(v, x.device if failed is None else None, failed,
                       0 if failed is not None else math.prod(x.shape[:-1]))
         v = vocab.total  # ids and vocab_size are the whole vocab's
-    elif vocab_start is not None:
-        raise ValueError(f"vocab_start: expected None without process_group, got {vocab_start!r}")
-    if fsdp_gather not in ("auto", "rows", "heads"):
-        raise ValueError(f"fsdp_gather: expected 'auto', 'rows' or 'heads', got {fsdp_gather!r}")
     if vocab_size is not None:
         if isinstance(vocab_size, bool) or not isinstance(vocab_size, int) or not 1 <= vocab_size <= v:
             raise ValueError(f"vocab_size: expected an int in [1, {v}] (teacher_weight's vocab), got {vocab_size!r}")
@@ -90,10 +94,7 @@ def run(call: TopKCall, shard=None):
         w, b = w[:keep], None if b is None else b[:keep]
     if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= v:
         raise ValueError(f"k: expected an int in [1, {v}] (the vocab size), got {k!r}")
-    LossSpec(temperature=temperature)  # the losses' rule: a finite float > 0 (inf would give uniform log-probs)
-    check_logit_transform("teacher_logit_scale", teacher_logit_scale, "teacher_softcap", teacher_softcap)
     backend = chunks.pick_backend(backend, x)
-    chunks.check_chunk_size(chunk_size)
 
     scaling = fp8.scaling_of(teacher_precision, x.device)
     if scaling is not None:

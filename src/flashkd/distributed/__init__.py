@@ -73,24 +73,25 @@ FSDP2 (a head weight that is a DTensor sharded on dim 0 over a 1-D mesh): `flash
 
 from __future__ import annotations
 
+from .sharding import Sharding
 from .vocab import ShardedVocab
 
-__all__ = ["ShardedVocab", "run", "teacher_topk"]
+__all__ = ["ShardedVocab", "Sharding", "fail", "run"]
 
 
-def run(call):
-    """A loss call (`flashkd.chunks.Call`) that is vocab-parallel or has a DTensor head."""
+def run(call, sharding: Sharding):
+    """A loss call (`flashkd.chunks.Call`) or a `flashkd.teacher.TopKCall` that is vocab-parallel or has
+    a DTensor head."""
     from . import fsdp, parallel
 
     if fsdp.has_dtensor_head(call):
-        return fsdp.run(call)
-    return parallel.run(call)
+        return fsdp.run(call, sharding)
+    return parallel.run(call, sharding)
 
 
-def teacher_topk(call):
-    """A `flashkd.teacher.TopKCall` that is vocab-parallel or has a DTensor head."""
-    from . import fsdp, parallel
+def fail(error: Exception, process_group, vocab_start, rows):
+    """Raise error, found on this rank where a call was made, on every rank of process_group: this rank
+    joins the group's exchange with it (`parallel.shard`). rows: the call's rows tensor (its device)."""
+    from . import parallel
 
-    if fsdp.has_dtensor_head(call):
-        return fsdp.run(call)
-    return parallel.teacher_topk(call)
+    parallel.fail(error, process_group, vocab_start, rows)

@@ -49,6 +49,7 @@ import torch
 import torch.distributed as dist
 
 from .. import chunks, teacher
+from .sharding import Sharding
 from .vocab import all_gather, reduce_scatter
 
 # A call's heads (`flashkd.chunks.HEAD`, `TEACHER_HEAD`: gathered on the heads route, sliced on the rows
@@ -86,17 +87,16 @@ def _check_placement(name, x):
     return mesh, offset[0], shape[0]
 
 
-def run(call):
+def run(call, sharding: Sharding):
     """A call (`flashkd.chunks.Call` or `flashkd.teacher.TopKCall`) with a DTensor head."""
-    if call.process_group is not None:
+    if sharding.process_group is not None:
         raise ValueError(
             "process_group: expected None with a DTensor head (its device mesh is the group), got a process group"
         )
-    if call.vocab_start is not None:
-        raise ValueError(f"vocab_start: expected None with a DTensor head (its placement says it), got {call.vocab_start!r}")
-    gather = call.fsdp_gather
-    if gather not in ("auto", "rows", "heads"):
-        raise ValueError(f"fsdp_gather: expected 'auto', 'rows' or 'heads', got {gather!r}")
+    if sharding.vocab_start is not None:
+        raise ValueError(f"vocab_start: expected None with a DTensor head (its placement says it), got "
+                         f"{sharding.vocab_start!r}")
+    gather = sharding.fsdp_gather  # one of "auto", "rows", "heads" (`flashkd.distill` checks it)
     DTensor = _dtensor_type()
     heads = {k: x for k, x in _heads(call).items() if isinstance(x, DTensor)}
     placed = {k: _check_placement(k, x) for k, x in heads.items()}
@@ -128,7 +128,7 @@ def run(call):
         gather = choose(call, heads, sum(counts), world)
     if gather == "heads":
         return _heads_route(call, heads)
-    return _rows_route(call, heads, placed, group, counts)
+    return _rows_route(call, sharding, heads, placed, group, counts)
 
 
 def _is_logits(call) -> bool:
@@ -180,7 +180,7 @@ def _heads_route(call, heads):
     for k, x in heads.items():
         # the student's gradient: a sum over the ranks' batches, averaged into each shard (FSDP's mean)
         gathered[k] = x.full_tensor(grad_placements=[Partial("avg")]) if x.requires_grad else x.full_tensor()
-    call = chunks.with_tensors(call, **gathered)
+    call = chunks.with_tensors(call, gathered)
     return teacher.run(call) if isinstance(call, teacher.TopKCall) else chunks.compute(call)
 
 
@@ -219,7 +219,7 @@ def _gather(x, group, counts):
     return torch.cat([out[r * most : r * most + c] for r, c in enumerate(counts)])
 
 
-def _rows_route(call, heads, placed, group, counts):
+def _rows_route(call, sharding, heads, placed, group, counts):
     from . import parallel
 
     world, rank = len(counts), dist.get_rank(group)
@@ -240,7 +240,7 @@ def _rows_route(call, heads, placed, group, counts):
             raise TypeError(f"{k}: expected a DTensor sharded like {weight}, got a {type(x).__name__}")
         else:
             local[k] = x[start : start + size]  # a plain teacher head: this rank's rows of it
-    if isinstance(call, chunks.Call) and call.return_stats:
+    if isinstance(call, chunks.Call) and call.options.return_stats:
         raise ValueError("return_stats: not available on the FSDP rows route yet; pass fsdp_gather='heads'")
     own_rows = chunks.tensors(call, chunks.ROWS)
     lead = next(iter(own_rows.values())).shape[:-1]  # this rank's rows, as it passed them
@@ -252,15 +252,15 @@ def _rows_route(call, heads, placed, group, counts):
         local[k] = _GatherRows.apply(flat, group, counts) if flat.requires_grad else _gather(flat, group, counts)
     offset = sum(counts[:rank])
     own = slice(offset, offset + counts[rank])
-    call = dataclasses.replace(chunks.with_tensors(call, **local), process_group=group, vocab_start=start,
-                               fsdp_gather="auto")
+    call = chunks.with_tensors(call, local)
+    sharding = dataclasses.replace(sharding, process_group=group, vocab_start=start, fsdp_gather="auto")
     if isinstance(call, teacher.TopKCall):
-        ids, logprobs = parallel.teacher_topk(call)
+        ids, logprobs = parallel.teacher_topk(call, sharding)
         return ids[own].reshape(*lead, -1), logprobs[own].reshape(*lead, -1)
-    return _rows_loss(call, own, counts)
+    return _rows_loss(call, sharding, own, counts)
 
 
-def _rows_loss(call, own, counts):
+def _rows_loss(call, sharding, own, counts):
     """The vocab-parallel call over the union of the rows, each row weighted so that the union's loss
     J is the sum over the ranks of their own losses: dX of a rank's rows is then its own loss's, and
     dW / world the average of theirs. The rank's own loss is J's graph with its own value."""
@@ -268,9 +268,10 @@ def _rows_loss(call, own, counts):
 
     world = len(counts)
     spec = call.spec
-    y, device = call.labels, call.student_input.device
-    work = torch.promote_types(call.student_input.dtype, torch.float32)
-    n = call.student_input.shape[0]
+    student = call.student
+    y, device = student.labels, student.student_input.device
+    work = torch.promote_types(student.student_input.dtype, torch.float32)
+    n = student.student_input.shape[0]
     rank_of = torch.repeat_interleave(torch.arange(world, device=device), torch.tensor(counts, device=device))
     if spec.reduction == "mean":
         valid = torch.ones(n, dtype=work, device=device) if y is None else (y != spec.ignore_index).to(work)
@@ -278,11 +279,12 @@ def _rows_loss(call, own, counts):
         row_scale = 1.0 / per_rank.clamp_min(1.0)[rank_of]
     else:
         row_scale = torch.ones(n, dtype=work, device=device)
-    if call.row_weight is not None:
-        row_scale = row_scale * call.row_weight.to(work)
+    if student.row_weight is not None:
+        row_scale = row_scale * student.row_weight.to(work)
     recorded = []
-    call = dataclasses.replace(call, row_weight=row_scale, spec=dataclasses.replace(spec, reduction="sum"))
-    out = parallel.run(call, reduce_dx=False, dw_scale=1.0 / world, record=recorded)
+    call = dataclasses.replace(call, student=dataclasses.replace(student, row_weight=row_scale),
+                               spec=dataclasses.replace(spec, reduction="sum"))
+    out = parallel.run(call, sharding, reduce_dx=False, dw_scale=1.0 / world, record=recorded)
     union = out[0] if isinstance(out, tuple) else out
     soft = torch.cat([r[0] for r in recorded])[own] * row_scale[own]
     hard = torch.cat([r[1] for r in recorded])[own] * row_scale[own]
@@ -290,6 +292,6 @@ def _rows_loss(call, own, counts):
     soft_sum, hard_sum = soft.sum() * tau2, hard.sum()
     mine = spec.weight_hard * hard_sum + spec.weight_soft * soft_sum
     loss = union + (mine - union).detach() if union.requires_grad else mine.to(union.dtype)
-    if call.return_soft_hard_loss:
+    if call.options.return_soft_hard_loss:
         return loss, soft_sum.to(union.dtype), hard_sum.to(union.dtype)
     return loss

@@ -18,44 +18,55 @@ import torch.distributed as dist
 
 from .. import chunks, fp8, teacher
 from ..losses import shown
+from .sharding import Sharding
 from .vocab import ShardedVocab, all_gather
 
 # The exchanged layout row of a rank whose vocab_start is not an int (it raises with the others).
 _NOT_AN_INT = -(1 << 62)
 
 
-def run(call, **vocab_options):
-    """A loss call with process_group (`flashkd.chunks.Call`); vocab_options go to the ShardedVocab
-    (the FSDP route's)."""
-    group = _check_group(call.process_group)
-    failed, local_size, count, agree, ranges = call.failed, 0, 0, None, None
-    read = _reads(call.check_shards, call.chunk_size)
+def run(call, sharding: Sharding, *, reduce_dx=True, dw_scale=1.0, record=None):
+    """A loss call (`flashkd.chunks.Call`) with process_group, or a `flashkd.teacher.TopKCall`;
+    reduce_dx, dw_scale, record: the ShardedVocab's (the FSDP route's)."""
+    if isinstance(call, teacher.TopKCall):
+        return teacher_topk(call, sharding)
+    group = _check_group(sharding.process_group)
+    failed, local_size, count, agree, ranges = None, 0, 0, None, None
+    read = _reads(sharding.check_shards, call.options.chunk_size)
+    student = call.student
     try:  # a check that fails on this rank alone fails on every rank, after the exchange in `shard`
-        if failed is not None:  # the call's options, checked where it was made (chunks.make_call)
-            raise failed
         rows = chunks.check(call)
-        xs, ws, teacher = rows.xs, rows.ws, rows.teacher
+        xs, ws, teacher_rows = rows.xs, rows.ws, rows.teacher
         local_size, count = ws.shape[0], xs.shape[0]
         replicated = {"student_input": xs}  # a dense teacher's logits are the rank's own vocab columns
         if isinstance(call.teacher, chunks.Heads):
-            replicated["teacher_input"] = teacher[0]
+            replicated["teacher_input"] = teacher_rows[0]
         elif isinstance(call.teacher, chunks.TopK):
-            replicated.update(teacher_ids=teacher[0], teacher_logprobs=teacher[1])
-        agree = _agreed(call, rows)
+            replicated.update(teacher_ids=teacher_rows[0], teacher_logprobs=teacher_rows[1])
+        agree = _agreed(call, sharding, rows)
         if read:
             ranges = _ranges(call, rows)
     except Exception as e:  # noqa: BLE001 (raised again in `shard`, on this rank as it came)
         failed = e
-    vocab = shard(group, call.vocab_start, local_size, _wire_device(group, call.student_input), call.check_shards,
-                  call.chunk_size, failed=failed, rows=("student_input", count), agree=agree, ranges=ranges,
-                  **vocab_options)
-    if call.check_replicas:
+    vocab = shard(group, sharding.vocab_start, local_size, _wire_device(group, student.student_input),
+                  sharding.check_shards, call.options.chunk_size, failed=failed, rows=("student_input", count),
+                  agree=agree, ranges=ranges, reduce_dx=reduce_dx, dw_scale=dw_scale, record=record)
+    if sharding.check_replicas:
         check_replicas(group, {**replicated, "labels": rows.y})
     if read:  # the labels and ids were checked against the group's vocab in `shard`, on every rank alike
-        return chunks.run(dataclasses.replace(call, check_labels=False), rows, vocab)
+        unchecked = dataclasses.replace(call.options, check_labels=False)
+        return chunks.run(dataclasses.replace(call, options=unchecked), rows, vocab)
     # check_shards=False: this rank's checks alone (a call wrong on some ranks can leave the others waiting)
     chunks.check_teacher_values(call, rows, vocab.total)
     return chunks.run(call, rows, vocab)
+
+
+def fail(error: Exception, process_group, vocab_start, rows):
+    """Raise error on every rank of process_group: this rank's call failed where it was made, before
+    its checks here (`flashkd.distributed.fail`)."""
+    group = _check_group(process_group)
+    shard(group, vocab_start, 0, _wire_device(group, rows), None, None, failed=error)
+    raise AssertionError("shard returned with a failed check")  # it raises `error` on this rank
 
 
 def _ranges(call, rows) -> dict:
@@ -63,14 +74,14 @@ def _ranges(call, rows) -> dict:
     (`_RANGED`; check(V) raises this rank's own error where they do not fit it), where check_teacher and
     check_labels ask (default: on CPU tensors; host syncs); the top-k teacher's checks that need no V
     run here, before the exchange."""
-    out, spec, y = {}, call.spec, rows.y
+    out, spec, y, options = {}, call.spec, rows.y, call.options
     counted = None if y is None else y != spec.ignore_index
     cpu = rows.xs.device.type == "cpu"
-    if isinstance(call.teacher, chunks.TopK) and (call.check_teacher if call.check_teacher is not None else cpu):
+    if isinstance(call.teacher, chunks.TopK) and (options.check_teacher if options.check_teacher is not None else cpu):
         ids, lp = rows.teacher
         chunks.check_topk_values(ids, lp, None, spec, y)
         out["teacher_ids"] = (*_extremes(ids, counted), lambda v: chunks.check_topk_values(ids, lp, v, spec, y))
-    if y is not None and (call.check_labels if call.check_labels is not None else cpu):
+    if y is not None and (options.check_labels if options.check_labels is not None else cpu):
         out["labels"] = (*_extremes(y, counted), lambda v: chunks.check_label_range(y, v, spec.ignore_index))
     return out
 
@@ -90,61 +101,68 @@ def _extremes(x, counted) -> tuple[int, int]:
     return (lo, hi) if lo <= hi else _NONE
 
 
-def teacher_topk(call):
+def teacher_topk(call, sharding: Sharding):
     """A `flashkd.teacher.TopKCall` with process_group: the group's layout exchanged once the local
     tensors are checked (a failed check, `failed`, raised on every rank), every rank the same global
     top-k."""
+    x = call.teacher.teacher_input
 
     def sharded(local_size, device, failed=None, rows=0):
-        check_shards = True if call.check_shards is None else call.check_shards
-        agree = None if failed is not None else _agreed(call, None, {"teacher_input's dtype": call.teacher_input.dtype,
-                                                                     "teacher_input's hidden size": call.teacher_input.shape[-1]})
-        group = _check_group(call.process_group)
-        return shard(group, call.vocab_start, local_size, device or _wire_device(group, call.teacher_input),
+        check_shards = True if sharding.check_shards is None else sharding.check_shards
+        agree = None if failed is not None else _agreed(call, sharding, None, {
+            "teacher_input's dtype": x.dtype, "teacher_input's hidden size": x.shape[-1]})
+        group = _check_group(sharding.process_group)
+        return shard(group, sharding.vocab_start, local_size, device or _wire_device(group, x),
                      check_shards, None, failed=failed, rows=("teacher_input", rows), agree=agree)
 
     return teacher.run(call, sharded)
 
 
-# What every rank of a call must pass alike (what changes the loss, which collectives run, or what a
-# check after the exchange reads: grad_accum_dtype), besides its LossSpec: `_agreed` encodes them for
-# `shard`'s one all-gather.
-_AGREED = ("chunk_size", "return_soft_hard_loss", "return_stats", "check_labels", "check_teacher", "check_replicas",
-           "check_shards", "teacher_precision", "fsdp_gather", "k", "temperature", "vocab_size", "teacher_logit_scale",
-           "teacher_softcap", "grad_accum_dtype")
 _SPEC_NAMES = {"weight_hard": "weight_hard_loss", "weight_soft": "weight_soft_loss"}  # LossSpec's fields, as passed
 _FUNCTIONS = {"heads": "fused_linear_distill", "logits": "fused_linear_distill_logits", "topk": "fused_linear_distill_topk"}
 
 
-def _agreed(call, rows, derived=None) -> dict:
-    """{what: value} every rank of the call must agree on: the function, what the run reads before
-    its first collective that can differ from rank to rank (checked here: raises where it fails), the
-    loss spec's fields under their public names, the call's options and the derived facts."""
-    out = {"function": _FUNCTIONS.get(getattr(getattr(call, "teacher", None), "form", None), "teacher_topk")}
-    if rows is not None:  # a loss call (teacher_topk checks its own before it calls `shard`)
-        xs, ws, bs = rows.xs, rows.ws, rows.bs
-        chunks.check_row_weight(call.row_weight, xs, call.student_input)
-        # the row backend's collectives differ: all ranks alike (dense rows of some losses: the torch rows)
-        dense = None if isinstance(call.teacher, chunks.TopK) else call.spec.kind
-        backend = chunks.pick_backend(call.backend, xs, dense)
-        if isinstance(call.teacher, chunks.Heads) and fp8.scaling_of(call.teacher_precision, xs.device) is not None:
-            fp8.check_dtype(xs.dtype)
-        if isinstance(call.teacher, chunks.TopK):
-            chunks.check_teacher_index(call, rows)
-        grad = torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in (xs, ws, bs))
-        # the hidden sizes: dX's all-reduce is R·Hs a chunk (ranks that differ abort in it); the rows are replicated
-        derived = {"backend": backend, "student_input's dtype": xs.dtype, "student_input's hidden size": xs.shape[1],
-                   "teacher_input's hidden size": rows.teacher[0].shape[1] if isinstance(call.teacher, chunks.Heads) else None,
-                   "labels given": rows.y is not None,
-                   "row_weight given": call.row_weight is not None,
-                   "gradients (grad mode, requires_grad; of student_input)": (grad, grad and xs.requires_grad),
-                   "teacher_ids' k": rows.teacher[0].shape[-1] if isinstance(call.teacher, chunks.TopK) else None,
-                   "num_teachers": getattr(call.teacher, "num_teachers", None)}
-        spec = call.spec
-        out.update({_SPEC_NAMES.get(f.name, f.name): getattr(spec, f.name) for f in dataclasses.fields(spec)
-                    if f.name not in ("want_hard", "want_soft")})  # those two follow from the weights and labels
-    out.update({k: getattr(call, k) for k in _AGREED if hasattr(call, k)})
-    out.update(derived or {})
+def _agreed(call, sharding: Sharding, rows, derived=None) -> dict:
+    """{what: value} every rank of the call must agree on (encoded for `shard`'s one all-gather): the
+    function, what the run reads before its first collective that can differ from rank to rank
+    (checked here: raises where it fails), the loss spec's fields under their public names, the call's
+    options (what changes the loss, which collectives run, or what a check after the exchange reads:
+    grad_accum_dtype) and the derived facts."""
+    options = call.options
+    if isinstance(call, teacher.TopKCall):
+        return {"function": "teacher_topk", "chunk_size": options.chunk_size, "check_shards": sharding.check_shards,
+                "teacher_precision": options.teacher_precision, "fsdp_gather": sharding.fsdp_gather, "k": call.k,
+                "temperature": call.temperature, "vocab_size": call.vocab_size,
+                "teacher_logit_scale": call.teacher_logit_scale, "teacher_softcap": call.teacher_softcap,
+                **(derived or {})}
+    out = {"function": _FUNCTIONS[call.teacher.form]}
+    xs, ws, bs = rows.xs, rows.ws, rows.bs
+    chunks.check_row_weight(call.student.row_weight, xs, call.student.student_input)
+    # the row backend's collectives differ: all ranks alike (dense rows of some losses: the torch rows)
+    topk = isinstance(call.teacher, chunks.TopK)
+    backend = chunks.pick_backend(options.backend, xs, None if topk else call.spec.kind)
+    if isinstance(call.teacher, chunks.Heads) and fp8.scaling_of(options.teacher_precision, xs.device) is not None:
+        fp8.check_dtype(xs.dtype)
+    if topk:
+        chunks.check_teacher_index(call, rows)
+    grad = torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in (xs, ws, bs))
+    # the hidden sizes: dX's all-reduce is R·Hs a chunk (ranks that differ abort in it); the rows are replicated
+    derived = {"backend": backend, "student_input's dtype": xs.dtype, "student_input's hidden size": xs.shape[1],
+               "teacher_input's hidden size": rows.teacher[0].shape[1] if isinstance(call.teacher, chunks.Heads) else None,
+               "labels given": rows.y is not None,
+               "row_weight given": call.student.row_weight is not None,
+               "gradients (grad mode, requires_grad; of student_input)": (grad, grad and xs.requires_grad),
+               "teacher_ids' k": rows.teacher[0].shape[-1] if topk else None,
+               "num_teachers": call.teacher.num_teachers if topk else None}
+    spec = call.spec
+    out.update({_SPEC_NAMES.get(f.name, f.name): getattr(spec, f.name) for f in dataclasses.fields(spec)
+                if f.name not in ("want_hard", "want_soft")})  # those two follow from the weights and labels
+    out.update({"chunk_size": options.chunk_size, "return_soft_hard_loss": options.return_soft_hard_loss,
+                "return_stats": options.return_stats, "check_labels": options.check_labels,
+                "check_teacher": options.check_teacher, "check_replicas": sharding.check_replicas,
+                "check_shards": sharding.check_shards, "teacher_precision": options.teacher_precision,
+                "fsdp_gather": sharding.fsdp_gather, "grad_accum_dtype": options.grad_accum_dtype})
+    out.update(derived)
     return out
 
 
@@ -171,7 +189,7 @@ def _reads(check_shards, chunk_size) -> bool:
 
 
 def shard(group, start, local_size, device, check_shards, chunk_size, *, failed=None, rows=("rows", 0), agree=None,
-          ranges=None, **options) -> ShardedVocab:
+          ranges=None, reduce_dx=True, dw_scale=1.0, record=None) -> ShardedVocab:
     """The ShardedVocab of this rank, after one all-gather of a small int64 row per rank: whether its
     local checks passed (`failed`: the exception they raised, or None), its (vocab_start, V_r), its
     row count (`rows`: (the argument holding them, count)), the least and largest of the values it
@@ -215,11 +233,13 @@ def shard(group, start, local_size, device, check_shards, chunk_size, *, failed=
     if not good:
         raise TypeError(f"vocab_start: expected an int (the global id of this rank's first vocab row), got {start!r}")
     if not read:
-        return ShardedVocab(group, start, local_size, (layout[:, 0] + layout[:, 1]).max(), **options)
+        return ShardedVocab(group, start, local_size, (layout[:, 0] + layout[:, 1]).max(), reduce_dx=reduce_dx,
+                            dw_scale=dw_scale, record=record)
     _check_agreement(table, agree, rows, dist.get_rank(group))
     total = _check_layout([row[1:3] for row in table], dist.get_rank(group))
     _check_ranges(table, ranges or {}, total, agree, dist.get_rank(group))
-    return ShardedVocab(group, start, local_size, total, plan_size=max(row[2] for row in table), **options)
+    return ShardedVocab(group, start, local_size, total, plan_size=max(row[2] for row in table), reduce_dx=reduce_dx,
+                        dw_scale=dw_scale, record=record)
 
 
 _SLOTS = 40  # options `agree` may hold (two int64 each): the same width on every rank, whatever it calls

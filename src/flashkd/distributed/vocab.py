@@ -48,7 +48,8 @@ class _AllReduceSum(torch.autograd.Function):
 
 
 class ShardedVocab(Vocab):
-    """The vocab slice [start, start + V_r) of one rank of `group`.
+    """The vocab slice [start, start + V_r) of one rank of `group`: the `flashkd.losses.VocabSlice` that
+    the chunk loop, the row backends and teacher_topk's loop are written against.
 
     total:   the vocab's size V (an int, or a 0-d device tensor when it was not read on the host)
     reduce_dx: all-reduce each chunk's dX over the group (vocab-parallel); False leaves dX partial,
@@ -138,8 +139,11 @@ class ShardedVocab(Vocab):
 
             fn = torch_rows.topk_rows if form == "topk" else torch_rows.rows
 
-        def rows(s, t, labels, spec, scale, grad, *args, **kw):
-            out = fn(s, t, labels, spec, scale, grad, *args, **kw, vocab=self)
+        def rows(s, t, labels, spec, scale, grad, stats=False, *, ds=None):
+            if ds is None:
+                out = fn(s, t, labels, spec, scale, grad, stats, vocab=self)
+            else:  # the Triton rows' dL/ds buffer (the torch rows take none)
+                out = fn(s, t, labels, spec, scale, grad, stats, ds=ds, vocab=self)
             if self.recorded is not None:
                 self.recorded.append(out[:2])
             return out

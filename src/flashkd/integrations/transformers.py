@@ -47,7 +47,6 @@ flashkd's remaining keywords (`chunk_size`, `backend`, `tail`, `temperature_squa
 from __future__ import annotations
 
 import contextlib
-import inspect
 
 import torch
 
@@ -59,7 +58,7 @@ except ModuleNotFoundError as e:  # only transformers itself missing gets the hi
     raise ImportError('flashkd.integrations.transformers needs transformers (and accelerate, which its Trainer '
                       'uses): pip install "flashkd[hf]"', name="transformers") from None
 
-from ..distill import fused_linear_distill, fused_linear_distill_topk
+from ..distill import KEYWORDS, fused_linear_distill, fused_linear_distill_topk
 from . import compute_dtype, full_head, per_item
 
 IGNORE_INDEX = -100  # HF's label for "no loss here"
@@ -68,8 +67,7 @@ _OWN = {"ignore_index", "reduction", "student_bias", "teacher_bias", "return_sof
         "student_logit_scale", "teacher_logit_scale", "student_softcap", "teacher_softcap", "row_weight"}
 
 # What distill_options may hold: the keyword options of either loss (a live teacher, or top-k targets).
-_KEYWORDS = frozenset(name for fn in (fused_linear_distill, fused_linear_distill_topk)
-                      for name, p in inspect.signature(fn).parameters.items() if p.kind is p.KEYWORD_ONLY)
+_KEYWORDS = frozenset(KEYWORDS["fused_linear_distill"]) | frozenset(KEYWORDS["fused_linear_distill_topk"])
 
 
 def head_transform(config) -> tuple[float, float | None]:
