@@ -7,30 +7,8 @@ import torch
 
 import flashkd
 from conftest import BACKENDS
+from helpers.cases import HS, make_inputs, rel_err
 from oracle import distill_loss
-
-V, VT, HS, HT = 37, 41, 11, 6  # odd sizes: no block divides them; VT > V exercises the padded-head policy
-
-
-def make_inputs(lead, dtype, *, ignore="some", bias=False, padded=False, ignore_index=-100):
-    vt = VT if padded else V
-    xs = torch.randn(*lead, HS, dtype=dtype, requires_grad=True)
-    ws = (0.5 * torch.randn(V, HS, dtype=dtype)).requires_grad_()
-    xt = torch.randn(*lead, HT, dtype=dtype)
-    wt = 0.7 * torch.randn(vt, HT, dtype=dtype)
-    labels = torch.randint(0, V, lead)
-    if ignore == "some":
-        labels[torch.rand(lead) < 0.3] = ignore_index
-        labels.view(-1)[0] = ignore_index
-    elif ignore == "all":
-        labels.fill_(ignore_index)
-    bs = (0.3 * torch.randn(V, dtype=dtype)).requires_grad_() if bias else None
-    bt = 0.3 * torch.randn(vt, dtype=dtype) if bias else None
-    return xs, ws, xt, wt, labels, bs, bt
-
-
-def rel_err(a, b):
-    return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30)).item()
 
 
 def check_against_oracle(backend, dtype, lead, *, ignore, bias, padded, tol, chunk_size, **options):

@@ -10,9 +10,8 @@ import torch
 
 import flashkd
 from conftest import BACKENDS
+from helpers.cases import V, check_against_oracle, make_inputs, make_topk, rel_err
 from oracle import distill_loss, student_stats, topk_loss
-from test_distill import V, make_inputs, rel_err
-from test_forms import check_against_oracle, make_topk
 
 # (student σ, student c, teacher σ, teacher c): scales alone, caps alone, both, negative scales, and a
 # cap that the logits (|x| up to ~10 here) pass by far
