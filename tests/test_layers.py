@@ -259,3 +259,25 @@ def test_the_losses_need_no_extra_and_the_command_names_it():
     assert "Traceback" not in done.stderr and len(lines) == 2, done.stderr
     assert lines[0].endswith('pip install -e ".[records]"') and "rfc8785" in lines[0], lines[0]
     assert lines[1].endswith('pip install -e ".[bench]"'), lines[1]
+
+
+def test_test_modules_import_no_other_test_module():
+    """tests/test_*.py share code through tests/helpers/ (and oracle.py, tiny_models.py), never by
+    importing one another: a test module imported by another has its tests' module-level state and
+    fixtures pulled into the importer. Checked on the source, imports inside functions included."""
+    tests = Path(__file__).resolve().parent
+    names = {p.stem for p in tests.glob("test_*.py")}
+    found = []
+    for path in sorted(tests.glob("test_*.py")) + sorted((tests / "helpers").glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text("utf-8"))):
+            if isinstance(node, ast.Import):
+                modules = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and not node.level:
+                modules = [node.module or ""]
+            else:
+                continue
+            for module in modules:
+                top = module.removeprefix("tests.").split(".")[0]
+                if top in names and top != path.stem:
+                    found.append(f"{path.relative_to(tests)}:{node.lineno} imports {module}")
+    assert found == []

@@ -39,7 +39,7 @@ def spawn(worker, world: int, seed: int, *args, timeout=120):
     with tempfile.TemporaryDirectory(prefix="flashkd-dist-") as tmp:
         try:
             mp.spawn(_entry, args=(worker, world, tmp, seed, timeout, *args), nprocs=world, join=True)
-        except mp.ProcessException as e:
+        except (mp.ProcessRaisedException, mp.ProcessExitedException) as e:
             logs = "\n".join(f"--- rank {r}:\n{_read(os.path.join(tmp, f'rank{r}.log'))}" for r in range(world))
             raise AssertionError(f"{e} (seed {seed})\n{logs}") from None
 

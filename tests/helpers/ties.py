@@ -83,15 +83,16 @@ def ignore_rows(labels, rows, ignore_index=-100):
 
 def probs(logits, temperature=1.0, scale=1.0, softcap=None):
     """float64 softmax(head(logits) / τ) over the last dim, rows flattened: the oracle's q or p."""
-    z = logits.double()
+    z = logits.detach().double()
     return torch.softmax(head(z.reshape(-1, z.shape[-1]), scale, softcap) / temperature, -1)
 
 
-def topk_categories(q, ids, logprobs, tail, tail_clamp=None):
+def topk_categories(q, ids, logprobs, tail, tail_clamp=None, rtol=GEMM_RTOL):
     """(q_c, p_c) (rows, K + 1), float64: the student's and the teacher's probabilities over a top-k row's
     categories as `oracle.topk_loss` forms them (the used ids, then the bucket, or renormalized over the
     ids), 0 in unused slots on both sides; and the clamp's ties, (rows,) bool: where Σ over the ids of
-    either side is within fp32's reach of TRL's cap e^−ε (bucket with tail_clamp)."""
+    either side is within rtol of the cap e^−ε (bucket with tail_clamp). Where the clamp flips, the
+    gradient moves by about ε: for ε <= 1e-5 (TRL's 1e-7) less than any tolerance here, so no tie."""
     ids = ids.reshape(-1, ids.shape[-1])
     used = ids >= 0
     q_ids = torch.where(used, q.gather(-1, ids.clamp_min(0)), 0.0)
@@ -105,7 +106,8 @@ def topk_categories(q, ids, logprobs, tail, tail_clamp=None):
         cap = math.exp(-tail_clamp)
         q_c = torch.cat([q_ids, 1 - sq.clamp(max=cap)], -1)
         p_c = torch.cat([p_ids, 1 - sp.clamp(max=cap)], -1)
-        clamp_ties = (near(sq, cap, atol=F32_EPS) | near(sp, cap, atol=F32_EPS)).reshape(-1)
+        if tail_clamp > 1e-5:
+            clamp_ties = (near(sq, cap, rtol) | near(sp, cap, rtol)).reshape(-1)
     else:
         q_c = torch.cat([q_ids, (1 - sq).clamp_min(0)], -1)
         p_c = torch.cat([p_ids, (1 - sp).clamp_min(0)], -1)
@@ -142,14 +144,14 @@ def akl_head_ties(p, head_mass, rtol=GEMM_RTOL):
     return tie | (straddle & torch.zeros_like(tie).scatter(-1, nxt, True))
 
 
-def drop_tied_rows(labels, student_logits, teacher_logits=None, *, loss, ids=None, logprobs=None, rtol=GEMM_RTOL,
+def drop_tied_rows(labels, student_logits, teacher_logits=None, *, loss=None, ids=None, logprobs=None, rtol=GEMM_RTOL,
                    temperature=1.0, student_logit_scale=1.0, student_softcap=None, teacher_logit_scale=1.0,
                    teacher_softcap=None, tail="bucket", tail_clamp=None, head_mass=0.5, ignore_index=-100, **_):
     """labels with the rows ignored where the soft term of `loss` jumps within fp32's reach (an fp32 GEMM's
-    rtol): against the dense teacher's teacher_logits, or a top-k teacher's (ids, logprobs). The logits are
-    the heads' own, float64 products of the same inputs (bias added);
-    the other options are the call's (those the oracle takes; the rest are not looked at). A padded
-    teacher head's columns past the student's vocab are dropped, as the oracle drops them."""
+    rtol): against the dense teacher's teacher_logits, or a top-k teacher's (ids, logprobs). The logits
+    are the heads' own, float64 products of the same inputs (bias added); the other options are the
+    call's (those the oracle takes; the rest are not looked at). A padded teacher head's columns past
+    the student's vocab are dropped, as the oracle drops them."""
     if loss not in ("tvd", "akl") and tail_clamp is None:
         return labels
     q = probs(student_logits, temperature, student_logit_scale, student_softcap)
@@ -157,6 +159,6 @@ def drop_tied_rows(labels, student_logits, teacher_logits=None, *, loss, ids=Non
         p = probs(teacher_logits[..., : q.shape[-1]], temperature, teacher_logit_scale, teacher_softcap)
         ties = divergence_ties(loss, q, p, rtol, head_mass)
     else:
-        q, p, clamp = topk_categories(q, ids, logprobs, tail, tail_clamp if tail == "bucket" else None)
+        q, p, clamp = topk_categories(q, ids, logprobs, tail, tail_clamp if tail == "bucket" else None, rtol)
         ties = divergence_ties(loss, q, p, rtol, head_mass) | clamp[:, None]
     return ignore_rows(labels, tied_rows(ties), ignore_index)
