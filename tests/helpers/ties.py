@@ -131,7 +131,7 @@ def akl_head_ties(p, head_mass, rtol=GEMM_RTOL):
     cumulative sum is at most μ, the first always) may differ in fp32, as its boundary sum is within
     rtol of μ, or two probabilities that straddle the boundary are within rtol of each other (fp32 may
     order them the other way; equal ones are ordered by id on both sides)."""
-    sorted_p, _ = p.double().sort(-1, descending=True, stable=True)
+    sorted_p, _ = p.double().sort(dim=-1, descending=True, stable=True)
     cum = sorted_p.cumsum(-1)
     tie = near(cum, torch.full_like(cum, head_mass), rtol)
     tie[..., 0] = False  # the first is in the head whatever its mass
