@@ -8,7 +8,7 @@ import torch
 import flashkd
 from conftest import BACKENDS
 from helpers.cases import HS, make_inputs, rel_err
-from helpers.ties import drop_tied_rows
+from helpers.ties import drop_tied_rows, logits64
 from oracle import distill_loss
 
 
@@ -16,9 +16,7 @@ def check_against_oracle(backend, dtype, lead, *, ignore, bias, padded, tol, chu
     ignore_index = options.get("ignore_index", -100)
     xs, ws, xt, wt, labels, bs, bt = make_inputs(lead, dtype, ignore=ignore, bias=bias, padded=padded,
                                                  ignore_index=ignore_index)
-    zs = xs.double() @ ws.double().T + (0.0 if bs is None else bs.double())
-    zt = xt.double() @ wt.double().T + (0.0 if bt is None else bt.double())
-    labels = drop_tied_rows(labels, zs, zt, **options)
+    labels = drop_tied_rows(labels, logits64(xs, ws, bs), logits64(xt, wt, bt), **options)
     loss, soft, hard = flashkd.fused_linear_distill(
         xs, ws, xt, wt, labels, student_bias=bs, teacher_bias=bt, chunk_size=chunk_size, backend=backend,
         return_soft_hard_loss=True, **options,

@@ -16,6 +16,7 @@ import torch.distributed as dist
 import flashkd
 from helpers.distributed import (HS, HT, K, LAYOUTS, V, check_close, compare_sharded, flat_tensors, leaf, rank_device,
                                  sharded_inputs, spawn)
+from helpers.ties import drop_tied_rows, logits64
 
 
 def _vocab_parallel_worker(rank, world, seed):
@@ -252,6 +253,7 @@ def _triton_worker(rank, world, seed, dtype_name):
         labels = torch.randint(0, TV, (n,), generator=gen).to(device)
         labels[::4] = -100
         labels[1], labels[3], labels[5] = 256, 0, TV - 1  # a slice's first column; a one-column slice's (world 3)
+        labels = drop_tied_rows(labels, logits64(xs, ws), logits64(xt, wt), **options)
         for grad in (True, False):
             run(flashkd.fused_linear_distill, (xs, ws, (xt, wt), labels), options, grad)
     # the dense-logits form, labels None
@@ -276,6 +278,7 @@ def _triton_worker(rank, world, seed, dtype_name):
         labels = torch.randint(0, TV, (n,), generator=gen).to(device)
         labels[::4] = -100
         labels[1] = 256
+        labels = drop_tied_rows(labels, logits64(xs, ws), ids=ids, logprobs=lp, **options)
         for grad in (True, False):
             run(flashkd.fused_linear_distill_topk, (xs, ws, (ids, lp), labels), options, grad)
     # teacher_topk: each slice's candidates from the top-k kernel, merged; the same ids as unsharded, and

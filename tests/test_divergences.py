@@ -17,7 +17,7 @@ from conftest import BACKENDS, HAS_TRITON
 from flashkd.losses import WHOLE_VOCAB, LossSpec, akl_head, divergence
 from helpers.distributed import LAYOUTS, compare_sharded, leaf, rank_device, sharded_inputs, spawn
 from helpers.exact import OPTIONS, check, make_case, pipeline_grads, truth_grads
-from helpers.ties import drop_tied_rows, near
+from helpers.ties import drop_tied_rows, logits64, near
 from oracle import distill_loss, topk_loss
 
 NEW = ["skew_kl", "skew_reverse_kl", "akl"]
@@ -54,7 +54,7 @@ def assert_ran(calls, backend, loss):
 def test_heads_exact_at_trained_magnitudes(backend, loss, option, seed, kernel_calls):
     xs, ws, xt, wt, labels = make_case(seed)
     opts = dict(OPTIONS[option], loss=loss, **PARAMS[loss])
-    labels = drop_tied_rows(labels, xs.double() @ ws.double().T, xt.double() @ wt.double().T, **opts)
+    labels = drop_tied_rows(labels, logits64(xs, ws), logits64(xt, wt), **opts)
     xs_, ws_ = xs.clone().requires_grad_(), ws.clone().requires_grad_()
     out = flashkd.fused_linear_distill(xs_, ws_, xt, wt, labels, backend=backend, chunk_size=16, **opts)
     grads = torch.autograd.grad(out, (xs_, ws_))
@@ -79,7 +79,7 @@ def test_dense_logits_exact_at_trained_magnitudes(backend, loss, params, seed, k
     opts = dict(loss=loss, temperature=0.9, **params)
     if opts.pop("row_weight", False):
         opts["row_weight"] = torch.rand(xs.shape[0], generator=torch.Generator().manual_seed(seed))
-    labels = drop_tied_rows(labels, xs.double() @ ws.double().T, tl, **opts)
+    labels = drop_tied_rows(labels, logits64(xs, ws), tl, **opts)
     xs_, ws_ = xs.clone().requires_grad_(), ws.clone().requires_grad_()
     out = flashkd.fused_linear_distill_logits(xs_, ws_, tl, labels, chunk_size=16, backend=backend, **opts)
     grads = torch.autograd.grad(out, (xs_, ws_))
@@ -108,7 +108,7 @@ def test_topk_exact_at_trained_magnitudes(backend, loss, tail, clamp, seed):
     ids[2, 3:] = -1  # unused slots
     opts = dict(loss=loss, tail=tail, tail_clamp=clamp, temperature=0.8, weight_hard_loss=0.5, weight_soft_loss=0.5,
                 **PARAMS[loss])
-    labels = drop_tied_rows(labels, xs.double() @ ws.double().T, ids=ids, logprobs=lp, **opts)
+    labels = drop_tied_rows(labels, logits64(xs, ws), ids=ids, logprobs=lp, **opts)
     xs_, ws_ = xs.clone().requires_grad_(), ws.clone().requires_grad_()
     out = flashkd.fused_linear_distill_topk(xs_, ws_, ids, lp, labels, chunk_size=16, backend=backend, **opts)
     grads = torch.autograd.grad(out, (xs_, ws_))

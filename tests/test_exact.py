@@ -13,7 +13,7 @@ import torch
 import flashkd
 from conftest import BACKENDS
 from helpers.exact import HT, N, OPTIONS, V, check, make_case, pipeline_grads, trained_head, truth_grads
-from helpers.ties import drop_tied_rows
+from helpers.ties import drop_tied_rows, logits64
 from oracle import distill_loss, head, topk_loss
 
 LOSSES = ["jsd", "forward_kl", "reverse_kl", "tvd", "cosine"]
@@ -25,7 +25,7 @@ LOSSES = ["jsd", "forward_kl", "reverse_kl", "tvd", "cosine"]
 def test_heads_exact_at_trained_magnitudes(backend, loss, option, seed):
     xs, ws, xt, wt, labels = make_case(seed)
     opts = dict(OPTIONS[option], loss=loss)
-    labels = drop_tied_rows(labels, xs.double() @ ws.double().T, xt.double() @ wt.double().T, **opts)
+    labels = drop_tied_rows(labels, logits64(xs, ws), logits64(xt, wt), **opts)
     xs_, ws_ = xs.clone().requires_grad_(), ws.clone().requires_grad_()
     out = flashkd.fused_linear_distill(xs_, ws_, xt, wt, labels, backend=backend, chunk_size=16, **opts)
     grads = torch.autograd.grad(out, (xs_, ws_))
@@ -45,7 +45,7 @@ def test_dense_logits_exact_at_trained_magnitudes(backend, loss, seed):
     shares (it reads the same bf16 values); the student's side must be exact."""
     xs, ws, xt, wt, labels = make_case(seed)
     tl = (xt.double() @ wt.double().T).to(xs.dtype)
-    labels = drop_tied_rows(labels, xs.double() @ ws.double().T, tl, loss=loss, temperature=0.9)
+    labels = drop_tied_rows(labels, logits64(xs, ws), tl, loss=loss, temperature=0.9)
     xs_, ws_ = xs.clone().requires_grad_(), ws.clone().requires_grad_()
     out = flashkd.fused_linear_distill_logits(xs_, ws_, tl, labels, loss=loss, backend=backend, chunk_size=16,
                                               temperature=0.9)
@@ -69,7 +69,7 @@ def test_topk_exact_at_trained_magnitudes(backend, loss, tail, seed):
     lp = lp.float()
     xs_, ws_ = xs.clone().requires_grad_(), ws.clone().requires_grad_()
     opts = dict(loss=loss, tail=tail, temperature=0.8, weight_hard_loss=0.5, weight_soft_loss=0.5)
-    labels = drop_tied_rows(labels, xs.double() @ ws.double().T, ids=ids, logprobs=lp, **opts)
+    labels = drop_tied_rows(labels, logits64(xs, ws), ids=ids, logprobs=lp, **opts)
     out = flashkd.fused_linear_distill_topk(xs_, ws_, ids, lp, labels, backend=backend, chunk_size=16, **opts)
     grads = torch.autograd.grad(out, (xs_, ws_))
 
@@ -164,7 +164,7 @@ def test_gpu_exact_at_irregular_shapes(backend, loss, option, seed):
     backend = _gpu_backend(backend)
     xs, ws, xt, wt, labels = (t.cuda() for t in make_case(seed))
     opts = dict(OPTIONS[option], loss=loss)
-    labels = drop_tied_rows(labels, xs.double() @ ws.double().T, xt.double() @ wt.double().T, **opts)
+    labels = drop_tied_rows(labels, logits64(xs, ws), logits64(xt, wt), **opts)
     xs_, ws_ = xs.clone().requires_grad_(), ws.clone().requires_grad_()
     if backend == "cute":
         from flashkd.backends import cute_gemm

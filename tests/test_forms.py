@@ -9,7 +9,7 @@ import torch
 import flashkd
 from conftest import BACKENDS
 from helpers.cases import HS, HT, K, V, check_against_oracle, make_student, make_topk, rel_err, tolerance
-from helpers.ties import drop_tied_rows
+from helpers.ties import drop_tied_rows, logits64
 from oracle import distill_loss, topk_loss
 
 
@@ -19,8 +19,7 @@ def check_topk(backend, dtype, lead, *, tol, bias=False, ignore="some", chunk_si
     xs, ws, bs, labels = make_student(lead, dtype, bias=bias, ignore=ignore, ignore_index=ignore_index)
     ids, logprobs = make_topk(lead, k, temperature=options.get("temperature", 1.0), unused=unused)
     logprobs = logprobs.to(dtype)
-    zs = xs.double() @ ws.double().T + (0.0 if bs is None else bs.double())
-    labels = drop_tied_rows(labels, zs, ids=ids, logprobs=logprobs, **options)
+    labels = drop_tied_rows(labels, logits64(xs, ws, bs), ids=ids, logprobs=logprobs, **options)
     loss, soft, hard = flashkd.fused_linear_distill_topk(
         xs, ws, ids, logprobs, labels, student_bias=bs, chunk_size=chunk_size, backend=backend,
         return_soft_hard_loss=True, **options,
@@ -181,8 +180,7 @@ def test_logits_matches_oracle(backend, loss, layout, seed):
     else:
         logits_t = torch.randn(*lead, V, dtype=dtype)
     options = dict(loss=loss, beta=0.35, temperature=0.8, weight_hard_loss=0.3, weight_soft_loss=0.9)
-    zs = xs.double() @ ws.double().T + (0.0 if bs is None else bs.double())
-    labels = drop_tied_rows(labels, zs, logits_t, **options)
+    labels = drop_tied_rows(labels, logits64(xs, ws, bs), logits_t, **options)
     loss_, soft, hard = flashkd.fused_linear_distill_logits(
         xs, ws, logits_t, labels, student_bias=bs, backend=backend, chunk_size=4, return_soft_hard_loss=True,
         **options,

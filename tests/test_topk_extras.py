@@ -9,7 +9,7 @@ import torch
 import flashkd
 from conftest import BACKENDS
 from helpers.cases import K, check_against_oracle, make_student, make_topk, rel_err, tolerance
-from helpers.ties import drop_tied_rows
+from helpers.ties import drop_tied_rows, logits64
 from oracle import student_stats, topk_loss
 
 
@@ -40,8 +40,7 @@ def _run(backend, dtype, lead, ids, logprobs, *, bias=False, ignore="some", teac
     xs, ws, bs, labels = make_student(lead, dtype, bias=bias, ignore=ignore)
     with torch.no_grad():  # student logits that put most of q on the teacher's ids in some rows
         ws.mul_(scale)
-    zs = xs.double() @ ws.double().T + (0.0 if bs is None else bs.double())
-    labels = drop_tied_rows(labels, zs, ids=ids, logprobs=logprobs, **options)
+    labels = drop_tied_rows(labels, logits64(xs, ws, bs), ids=ids, logprobs=logprobs, **options)
     out = flashkd.fused_linear_distill_topk(
         xs, ws, ids, logprobs, labels, student_bias=bs, backend=backend, return_soft_hard_loss=True,
         return_stats=True, teacher_index=teacher_index, num_teachers=num_teachers, **options)

@@ -7,7 +7,7 @@ ties and make a comparison tolerant there and nowhere else. Two ways, by what th
 - elementwise (a row kernel's dL/ds against the torch rows'): `assert_close_except_at_ties`, with a
   slack per element that is 0 away from the ties (`tvd_slack`);
 - through a GEMM (dX, dW, the loss): the rows that hold a tie leave the comparison, on both sides alike
-  (`tied_rows` and its kin; the test drops them in its own API: label −100, no candidates, weight 0).
+  (`drop_tied_rows`: label −100; or `tied_rows`, and the test drops them in its own API: weight 0).
 
 Either way the ties must be few (`assert_few`): inputs that tie everywhere would test nothing.
 """
@@ -24,7 +24,7 @@ F32_EPS = torch.finfo(torch.float32).eps
 # test_softcap_tanh.py); logits an fp32 GEMM made over tens of bf16 products: ~1e-6 of a logit of 30.
 ROWS_RTOL = 16 * F32_EPS
 GEMM_RTOL = 1e-5
-MAX_TIED = 0.02  # of the elements (a row kernel's), or of the rows (see tied_rows: 0.25)
+MAX_TIED = 0.02  # of a row kernel's elements; of the rows, `tied_rows` allows 0.25
 
 
 def near(a, b, rtol=ROWS_RTOL, atol=0.0):
@@ -34,7 +34,7 @@ def near(a, b, rtol=ROWS_RTOL, atol=0.0):
 
 
 def assert_few(tied, max_fraction=MAX_TIED, what="elements"):
-    """tied, after checking that at most max_fraction of it (and at least one) is True."""
+    """tied, after checking that at most max_fraction of it, or one element, is True."""
     k, n = int(tied.sum()), tied.numel()
     assert k <= max(1.0, max_fraction * n), f"{k} of {n} {what} at a tie: inputs this degenerate test nothing"
     return tied
@@ -79,6 +79,12 @@ def ignore_rows(labels, rows, ignore_index=-100):
     labels = labels.clone()
     labels.view(-1)[rows.to(labels.device)] = ignore_index
     return labels
+
+
+def logits64(x, w, b=None):
+    """float64 x @ w^T (+ b), detached: a head's logits as the oracle forms them."""
+    z = x.detach().double() @ w.detach().double().T
+    return z if b is None else z + b.detach().double()
 
 
 def probs(logits, temperature=1.0, scale=1.0, softcap=None):
