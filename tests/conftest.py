@@ -43,7 +43,7 @@ def _seed_mode():
     if value in ("", "random"):
         return value or None
     try:
-        n = int(value, 0)
+        n = int(value)
     except ValueError:
         n = -1
     if not 0 <= n < 2**32:

@@ -98,9 +98,11 @@ def _oracle(x, w, ids, lp, tau, clamp):
 
 def _clamp_ties(x, w, ids, lp, tau, clamp, rtol):
     """(rows,) bool: the rows whose gradient jumps within rtol of a clamp: a student log-prob at
-    log_prob_min_clamp, or the row's loss at verl's clamp at 0. They get weight 0 downstream, on both sides."""
+    log_prob_min_clamp, or the row's loss at verl's clamp at 0 (not exactly 0: that is a row whose ids
+    the clamp cuts on both sides, 0 with no gradient on either). They get weight 0 downstream."""
     x, w, lp = x.detach().double(), w.detach().double(), lp.detach().double()
-    tie = near(_oracle(x, w, ids, lp, tau, clamp), 0.0, rtol=0.0, atol=rtol)[:, None]
+    loss = _oracle(x, w, ids, lp, tau, clamp)
+    tie = (near(loss, 0.0, rtol=0.0, atol=rtol) & (loss != 0))[:, None]
     if clamp is not None:
         tie = tie | near(torch.log_softmax((x @ w.t()) / tau, -1).gather(-1, ids), clamp, rtol)
     return tied_rows(tie)
