@@ -1,5 +1,18 @@
-import os
+"""Seeds, and the Triton interpreter where there is no GPU.
 
+Every test runs seeded: torch's, Python's and numpy's global generators, and Hypothesis, all from one
+seed, which the `seed` fixture also returns. By default it is derived from a fixed base and the test's
+id, so a run is the same on every machine and in every order; FLASHKD_TEST_SEED=<n> gives every test
+the seed n (the replay of a failure), FLASHKD_TEST_SEED=random fresh ones. A failing test's report
+names its seed and the command that replays it (tests/README.md).
+"""
+
+import os
+import random
+import shlex
+import zlib
+
+import numpy
 import pytest
 import torch
 
@@ -19,11 +32,85 @@ def _has_triton():
 HAS_TRITON = _has_triton()
 BACKENDS = ["torch"] + (["triton"] if HAS_TRITON else [])
 
+SEED_BASE = 20260101  # change it and every derived seed changes
+SEED_KEY = pytest.StashKey[int]()  # on a test item: its seed
+MODE_KEY = pytest.StashKey[object]()  # on the config: what _seed_mode() returned
+
+
+def _seed_mode():
+    """None (derived seeds), "random", or the int every test gets, from FLASHKD_TEST_SEED."""
+    value = os.environ.get("FLASHKD_TEST_SEED", "").strip()
+    if value in ("", "random"):
+        return value or None
+    try:
+        n = int(value)
+    except ValueError:
+        n = -1
+    if not 0 <= n < 2**32:
+        raise pytest.UsageError(f"FLASHKD_TEST_SEED: expected an int in [0, 2**32) or 'random', got {value!r}")
+    return n
+
+
+def seed_of(nodeid, mode):
+    """The seed of the test `nodeid`: crc32, not hash(), which Python salts per process."""
+    if mode is None:
+        return zlib.crc32(f"{SEED_BASE}:{nodeid}".encode())
+    if mode == "random":
+        return int.from_bytes(os.urandom(4), "little")
+    return mode
+
+
+def pytest_configure(config):
+    config.stash[MODE_KEY] = _seed_mode()  # a bad value stops the session here
+    try:
+        from hypothesis import settings
+    except ImportError:
+        return
+    # no example database: what ran before must not change what runs now (each test also gets its seed below)
+    settings.register_profile("flashkd", derandomize=config.stash[MODE_KEY] != "random", database=None)
+    settings.load_profile("flashkd")
+
+
+@pytest.fixture(autouse=True)
+def _seeded(request):
+    """Seeds every test, whether or not it asks for `seed`."""
+    s = seed_of(request.node.nodeid, request.config.stash[MODE_KEY])
+    request.node.stash[SEED_KEY] = s
+    torch.manual_seed(s)
+    random.seed(s)
+    numpy.random.seed(s)
+    fn = getattr(request.node, "function", None)
+    if getattr(fn, "is_hypothesis_test", False):
+        from hypothesis import seed as hypothesis_seed
+
+        hypothesis_seed(s)(fn)
+    return s
+
 
 @pytest.fixture
-def seed():
-    """A fresh seed per test, printed on failure so a failing case can be replayed."""
-    s = int.from_bytes(os.urandom(4), "little")
-    torch.manual_seed(s)
-    print(f"seed={s}")
-    return s
+def seed(_seeded):
+    """This test's seed (torch's global generator is seeded with it already)."""
+    return _seeded
+
+
+def _replay(nodeid, s):
+    return f"FLASHKD_TEST_SEED={s} python -m pytest {shlex.quote(nodeid)}"
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item, call):
+    report = yield
+    s = item.stash.get(SEED_KEY, None)
+    if report.failed and s is not None:
+        report.sections.append(("flashkd seed", f"seed {s}; replay: {_replay(item.nodeid, s)}"))
+        report.flashkd_seed = s
+    return report
+
+
+def pytest_terminal_summary(terminalreporter):
+    failed = [r for r in terminalreporter.stats.get("failed", []) + terminalreporter.stats.get("error", [])
+              if hasattr(r, "flashkd_seed")]
+    if failed:
+        terminalreporter.section("flashkd seeds of the failures")
+        for r in failed:
+            terminalreporter.line(_replay(r.nodeid, r.flashkd_seed))

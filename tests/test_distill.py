@@ -7,36 +7,16 @@ import torch
 
 import flashkd
 from conftest import BACKENDS
+from helpers.cases import HS, make_inputs, rel_err
+from helpers.ties import drop_tied_rows, logits64
 from oracle import distill_loss
-
-V, VT, HS, HT = 37, 41, 11, 6  # odd sizes: no block divides them; VT > V exercises the padded-head policy
-
-
-def make_inputs(lead, dtype, *, ignore="some", bias=False, padded=False, ignore_index=-100):
-    vt = VT if padded else V
-    xs = torch.randn(*lead, HS, dtype=dtype, requires_grad=True)
-    ws = (0.5 * torch.randn(V, HS, dtype=dtype)).requires_grad_()
-    xt = torch.randn(*lead, HT, dtype=dtype)
-    wt = 0.7 * torch.randn(vt, HT, dtype=dtype)
-    labels = torch.randint(0, V, lead)
-    if ignore == "some":
-        labels[torch.rand(lead) < 0.3] = ignore_index
-        labels.view(-1)[0] = ignore_index
-    elif ignore == "all":
-        labels.fill_(ignore_index)
-    bs = (0.3 * torch.randn(V, dtype=dtype)).requires_grad_() if bias else None
-    bt = 0.3 * torch.randn(vt, dtype=dtype) if bias else None
-    return xs, ws, xt, wt, labels, bs, bt
-
-
-def rel_err(a, b):
-    return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30)).item()
 
 
 def check_against_oracle(backend, dtype, lead, *, ignore, bias, padded, tol, chunk_size, **options):
     ignore_index = options.get("ignore_index", -100)
     xs, ws, xt, wt, labels, bs, bt = make_inputs(lead, dtype, ignore=ignore, bias=bias, padded=padded,
                                                  ignore_index=ignore_index)
+    labels = drop_tied_rows(labels, logits64(xs, ws, bs), logits64(xt, wt, bt), **options)
     loss, soft, hard = flashkd.fused_linear_distill(
         xs, ws, xt, wt, labels, student_bias=bs, teacher_bias=bt, chunk_size=chunk_size, backend=backend,
         return_soft_hard_loss=True, **options,

@@ -9,167 +9,27 @@ cases run with NCCL on GPUs through scripts/gpu_dist_check.sh (FLASHKD_DIST_BACK
 
 from __future__ import annotations
 
-import datetime
-import math
-import os
-import tempfile
-import traceback
-
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 import flashkd
-
-V, HS, HT, K = 37, 6, 5, 5
-TOL = 1e-9  # fp64 throughout; the sharded sums only reorder fp64 additions
-# Vocab slices [start, stop) held by ranks 0, 1, ...: uneven, a one-row slice, and not in rank order.
-LAYOUTS = {2: [(0, 15), (15, V)], 3: [(26, V), (0, 25), (25, 26)]}
-
-
-def _spawn(worker, world: int, *args, timeout=120):
-    """worker(rank, world, seed, *args) on every rank; a collective waiting past `timeout` seconds raises.
-
-    A rank that dies without a Python error (a signal, from C++) fails the test with every rank's log: the
-    stages each rank reached and, from faulthandler, the Python stack of every thread at the signal.
-    """
-    if os.environ.get("FLASHKD_DIST_BACKEND") == "nccl" and torch.cuda.device_count() < world:
-        pytest.skip(f"needs {world} GPUs")
-    seed = int.from_bytes(os.urandom(4), "little")
-    print(f"seed={seed}")
-    with tempfile.TemporaryDirectory(prefix="flashkd-dist-") as tmp:
-        try:
-            mp.spawn(_entry, args=(worker, world, tmp, seed, timeout, *args), nprocs=world, join=True)
-        except mp.ProcessExitedException as e:
-            logs = "\n".join(f"--- rank {r}:\n{_read(os.path.join(tmp, f'rank{r}.log'))}" for r in range(world))
-            raise AssertionError(f"{e} (seed {seed})\n{logs}") from None
-
-
-def _read(path):
-    try:
-        with open(path, errors="replace") as f:
-            return f.read()[-20000:]
-    except OSError as e:
-        return f"(no log: {e})"
-
-
-def _entry(rank, worker, world, tmp, seed, timeout, *args):
-    import faulthandler
-    import sys
-
-    log = open(os.path.join(tmp, f"rank{rank}.log"), "w", buffering=1)
-    faulthandler.enable(log, all_threads=True)
-    # a fresh process that has imported flashkd (and this module): the layer above the core is not loaded
-    assert "flashkd.distributed" not in sys.modules, "importing flashkd imported flashkd.distributed"
-    backend = os.environ.get("FLASHKD_DIST_BACKEND", "gloo")
-    if backend == "nccl":
-        torch.cuda.set_device(rank)
-    # a file store, not TCP: no port to pick and lose between probing and binding, and no store server
-    # thread in rank 0
-    store = dist.FileStore(os.path.join(tmp, "store"), world)
-    dist.init_process_group(backend, store=store, rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=timeout))
-    log.write("initialized\n")
-    try:
-        worker(rank, world, seed, *args)
-        log.write("worker returned\n")
-        # every rank's queued collectives (FSDP2's gradient reduce-scatters run asynchronously) complete before
-        # the process group is torn down
-        dist.barrier()
-        log.write("barrier passed\n")
-    except BaseException:
-        raise AssertionError(f"rank {rank}, seed {seed}:\n{traceback.format_exc()}") from None
-    finally:
-        dist.destroy_process_group()
-        log.write("group destroyed\n")
-    # The checks are done. torch leaves gloo's run-loop and transport threads running after
-    # destroy_process_group, to be torn down with the interpreter; rank 0 (then also the TCP store's server)
-    # has twice aborted ("terminate called without an active exception", SIGABRT) after a passing FSDP2 run
-    # with no Python error on either rank. What these tests check ends here, so a rank leaves without that
-    # teardown.
-    log.close()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
-
-
-def _device():
-    """NCCL: a GPU per rank; gloo: the CPU, or with FLASHKD_DIST_DEVICE=cuda the one GPU every rank shares."""
-    if dist.get_backend() == "nccl" or os.environ.get("FLASHKD_DIST_DEVICE") == "cuda":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
-
-
-def _close(name, got, want, tol=TOL):
-    assert got.shape == want.shape, (name, got.shape, want.shape)
-    err = (got.double() - want.double()).abs().max().item() if got.numel() else 0.0
-    scale = max(want.double().abs().max().item() if want.numel() else 0.0, 1.0)
-    assert err <= tol * scale or (torch.isnan(got).equal(torch.isnan(want)) and math.isnan(err)), (name, err, scale)
-
-
-def _inputs(gen, n, dtype, device, *, vt=V, bias=False, ignore=True):
-    def rand(*shape, scale=1.0):
-        return (scale * torch.randn(*shape, generator=gen, dtype=torch.float64)).to(dtype=dtype, device=device)
-
-    xs, ws = rand(n, HS), rand(V, HS, scale=0.8)
-    xt, wt = rand(n, HT), rand(vt, HT, scale=0.8)
-    labels = torch.randint(0, V, (n,), generator=gen).to(device)
-    if ignore:
-        labels[:: 4] = -100
-    bs = rand(V) if bias else None
-    bt = rand(vt) if bias else None
-    return xs, ws, xt, wt, labels, bs, bt
-
-
-def _grads(loss, leaves):
-    wanted = [x for x in leaves if x is not None]
-    got = iter(torch.autograd.grad(loss, wanted))
-    return [None if x is None else next(got) for x in leaves]
-
-
-def _leaf(x):
-    return None if x is None else x.detach().clone().requires_grad_()
-
-
-def _compare(fn, case, full, shard, start, stop, **options):
-    """fn(*inputs, **options) unsharded on `full` and vocab-parallel on `shard`; returns nothing, raises."""
-    # the torch backend on GPUs too: its fp64 math is the tight reference (the sharded call uses it)
-    want = fn(*full["args"], **full["kw"], backend="torch", **options)
-    got = fn(*shard["args"], **shard["kw"], backend="torch", **options)
-    want, got = _flat(want), _flat(got)
-    assert len(got) == len(want), case
-    for i, (g, w) in enumerate(zip(got, want)):
-        _close(f"{case}: output {i}", g, w)
-    if not want[0].requires_grad:
-        return
-    leaves_full, leaves_shard = full["leaves"], shard["leaves"]
-    for name, g, w, x in zip(("dX", "dW", "db"), _grads(got[0], leaves_shard), _grads(want[0], leaves_full), leaves_full):
-        if x is None:
-            continue
-        if name != "dX":
-            w = w[start:stop]  # the rank's rows of the unsharded gradient
-        _close(f"{case}: {name}", g, w)
-
-
-def _flat(out):
-    """The tensors of a result: the loss, (soft, hard), DistillStats' fields (None left out)."""
-    if isinstance(out, torch.Tensor):
-        return [out]
-    return [t for x in out if x is not None for t in _flat(x)]
+from helpers.distributed import (HS, HT, K, LAYOUTS, V, check_close, compare_sharded, flat_tensors, leaf, rank_device,
+                                 sharded_inputs, spawn)
+from helpers.ties import drop_tied_rows, logits64
 
 
 def _vocab_parallel_worker(rank, world, seed):
     start, stop = LAYOUTS[world][rank]
     group = dist.group.WORLD
-    device = _device()
+    device = rank_device()
     gen = torch.Generator().manual_seed(seed)  # the same inputs on every rank
     dtype = torch.float64
     par = dict(process_group=group, vocab_start=start)
 
     def both(xs, ws, bs, rest_full, rest_shard, kw_full=None, kw_shard=None):
-        lf = [_leaf(xs), _leaf(ws), _leaf(bs)]
-        ls = [_leaf(xs), _leaf(ws[start:stop]), _leaf(None if bs is None else bs[start:stop])]
+        lf = [leaf(xs), leaf(ws), leaf(bs)]
+        ls = [leaf(xs), leaf(ws[start:stop]), leaf(None if bs is None else bs[start:stop])]
         full = dict(args=[lf[0], lf[1], *rest_full], kw=dict(student_bias=lf[2], **(kw_full or {})), leaves=lf)
         shard = dict(args=[ls[0], ls[1], *rest_shard], kw=dict(student_bias=ls[2], **par, **(kw_shard or {})), leaves=ls)
         return full, shard
@@ -198,27 +58,27 @@ def _vocab_parallel_worker(rank, world, seed):
         for bias, padded in ((False, False), (True, True)):
             # a padded teacher head: its extra rows come after the vocab, in the last slice
             vt = V + 3 if padded else V
-            xs, ws, xt, wt, labels, bs, bt = _inputs(gen, 11, dtype, device, vt=vt, bias=bias)
+            xs, ws, xt, wt, labels, bs, bt = sharded_inputs(gen, 11, dtype, device, vt=vt, bias=bias)
             t_stop = vt if stop == V else stop
             full, shard = both(
                 xs, ws, bs, [xt, wt, labels], [xt, wt[start:t_stop], labels],
                 dict(teacher_bias=bt), dict(teacher_bias=None if bt is None else bt[start:t_stop]),
             )
-            _compare(flashkd.fused_linear_distill, f"heads {options} bias={bias}", full, shard, start, stop, **options)
+            compare_sharded(flashkd.fused_linear_distill, f"heads {options} bias={bias}", full, shard, start, stop, **options)
 
     # labels=None, and no gradient at all
-    xs, ws, xt, wt, _, _, _ = _inputs(gen, 9, dtype, device)
+    xs, ws, xt, wt, _, _, _ = sharded_inputs(gen, 9, dtype, device)
     full, shard = both(xs, ws, None, [xt, wt, None], [xt, wt[start:stop], None])
-    _compare(flashkd.fused_linear_distill, "no labels", full, shard, start, stop, weight_hard_loss=0.0)
+    compare_sharded(flashkd.fused_linear_distill, "no labels", full, shard, start, stop, weight_hard_loss=0.0)
     with torch.no_grad():
-        _compare(flashkd.fused_linear_distill, "no grad", full, shard, start, stop, weight_hard_loss=0.0)
+        compare_sharded(flashkd.fused_linear_distill, "no grad", full, shard, start, stop, weight_hard_loss=0.0)
 
     # the dense-logits form: each rank passes its slice's columns
     for options in (dict(loss="jsd"), dict(loss="tvd", chunk_size=3), dict(loss="cosine")):
-        xs, ws, xt, wt, labels, bs, _ = _inputs(gen, 10, dtype, device, bias=True)
+        xs, ws, xt, wt, labels, bs, _ = sharded_inputs(gen, 10, dtype, device, bias=True)
         tl = xt @ wt.t()
         full, shard = both(xs, ws, bs, [tl, labels], [tl[:, start:stop], labels])
-        _compare(flashkd.fused_linear_distill_logits, f"logits {options}", full, shard, start, stop, **options)
+        compare_sharded(flashkd.fused_linear_distill_logits, f"logits {options}", full, shard, start, stop, **options)
 
     # the top-k form: global ids, the same on every rank; some unused slots; one row with none
     for options in (
@@ -229,30 +89,30 @@ def _vocab_parallel_worker(rank, world, seed):
         dict(loss="forward_kl", student_softcap=2.0, student_logit_scale=1.5, return_stats=True),
         dict(loss="jsd", tail="renormalize", return_stats=True),
     ):
-        xs, ws, xt, wt, labels, bs, _ = _inputs(gen, 12, dtype, device, bias=True)
+        xs, ws, xt, wt, labels, bs, _ = sharded_inputs(gen, 12, dtype, device, bias=True)
         ids, lp = flashkd.teacher_topk(xt, wt, K, temperature=options.get("temperature", 1.0))
         ids = ids.masked_fill(torch.rand(ids.shape, generator=gen).to(device) < 0.25, -1)
         ids[-1] = -1
         full, shard = both(xs, ws, bs, [ids, lp, labels], [ids, lp, labels])
-        _compare(flashkd.fused_linear_distill_topk, f"topk {options}", full, shard, start, stop, **options)
+        compare_sharded(flashkd.fused_linear_distill_topk, f"topk {options}", full, shard, start, stop, **options)
     # ids covering the whole vocab: the bucket is empty on every rank
-    xs, ws, xt, wt, labels, _, _ = _inputs(gen, 4, dtype, device)
+    xs, ws, xt, wt, labels, _, _ = sharded_inputs(gen, 4, dtype, device)
     ids, lp = flashkd.teacher_topk(xt, wt, V)
     full, shard = both(xs, ws, None, [ids, lp, labels], [ids, lp, labels])
-    _compare(flashkd.fused_linear_distill_topk, "topk k=V", full, shard, start, stop, loss="jsd")
+    compare_sharded(flashkd.fused_linear_distill_topk, "topk k=V", full, shard, start, stop, loss="jsd")
 
     # teacher_topk: the global top-k from every rank's candidates
     for k, options in ((K, {}), (1, dict(temperature=0.5)), (V - 2, dict(vocab_size=V - 2)),
                        (K, dict(teacher_softcap=1.5, teacher_logit_scale=2.0))):
-        xt, wt, bt = _inputs(gen, 13, dtype, device, bias=True)[2:][:2] + (None,)
+        xt, wt, bt = sharded_inputs(gen, 13, dtype, device, bias=True)[2:][:2] + (None,)
         bt = torch.randn(V, generator=gen, dtype=dtype).to(device)
         want = flashkd.teacher_topk(xt, wt, k, teacher_bias=bt, **options)
         got = flashkd.teacher_topk(xt, wt[start:stop], k, teacher_bias=bt[start:stop], **par, **options)
         assert torch.equal(got[0], want[0]), ("teacher_topk ids", k)
-        _close(f"teacher_topk logprobs k={k}", got[1], want[1])
+        check_close(f"teacher_topk logprobs k={k}", got[1], want[1])
     # ids >= 3 masked by a −inf bias: whole slices −inf in every row, and k past the finite ids. As
     # unsharded: the 3 finite ids, then masked ids (which of the tied ones is open) with −inf log-probs
-    xt, wt = _inputs(gen, 9, dtype, device)[2:4]
+    xt, wt = sharded_inputs(gen, 9, dtype, device)[2:4]
     bt = torch.zeros(V, dtype=dtype, device=device)
     bt[3:] = -torch.inf
     for k in (6, 3, V):
@@ -260,7 +120,7 @@ def _vocab_parallel_worker(rank, world, seed):
         got = flashkd.teacher_topk(xt, wt[start:stop], k, teacher_bias=bt[start:stop], **par)
         n = min(k, 3)
         assert torch.equal(got[0][:, :n], want[0][:, :n]), ("teacher_topk masked ids", k)
-        _close(f"teacher_topk masked logprobs k={k}", got[1][:, :n], want[1][:, :n])
+        check_close(f"teacher_topk masked logprobs k={k}", got[1][:, :n], want[1][:, :n])
         assert torch.isfinite(want[1][:, :n]).all() and torch.isneginf(want[1][:, n:]).all()
         rest = got[0][:, n:]
         assert (rest >= 3).all() and (rest < V).all(), ("teacher_topk masked: the tied ids are masked ones", k)
@@ -268,11 +128,11 @@ def _vocab_parallel_worker(rank, world, seed):
         assert torch.isneginf(got[1][:, n:]).all()
 
     # modules take the same options
-    xs, ws, xt, wt, labels, _, _ = _inputs(gen, 8, dtype, device)
+    xs, ws, xt, wt, labels, _, _ = sharded_inputs(gen, 8, dtype, device)
     full, shard = both(xs, ws, None, [xt, wt, labels], [xt, wt[start:stop], labels])
     module = flashkd.FusedLinearDistillLoss("jsd", process_group=group, vocab_start=start)
     got = module(*shard["args"])
-    _close("module", got, flashkd.fused_linear_distill(*full["args"]))
+    check_close("module", got, flashkd.fused_linear_distill(*full["args"]))
 
     # an out-of-range label: NaN on its row, not a silently wrong value (check_labels off)
     labels = labels.clone()
@@ -289,7 +149,7 @@ def _raises(exc, match, fn, *args, **kw):
 
 
 def _bad_inputs(rank, world, group, start, stop, device, gen):
-    xs, ws, xt, wt, labels, _, _ = _inputs(gen, 6, torch.float64, device)
+    xs, ws, xt, wt, labels, _, _ = sharded_inputs(gen, 6, torch.float64, device)
     call = flashkd.fused_linear_distill
 
     def sharded(vocab_start, lo=start, hi=stop, **kw):
@@ -313,8 +173,8 @@ def _bad_inputs(rank, world, group, start, stop, device, gen):
 
 
 @pytest.mark.parametrize("world", [2, 3])
-def test_vocab_parallel_equals_unsharded(world):
-    _spawn(_vocab_parallel_worker, world)
+def test_vocab_parallel_equals_unsharded(world, seed):
+    spawn(_vocab_parallel_worker, world, seed)
 
 
 # The Triton rows' sharded phases: a vocab wide enough that the slices span several tiles of the
@@ -330,7 +190,7 @@ def _triton_worker(rank, world, seed, dtype_name):
     from flashkd.distributed.vocab import ShardedVocab
 
     start, stop = TRITON_LAYOUTS[world][rank]
-    group, device = dist.group.WORLD, _device()
+    group, device = dist.group.WORLD, rank_device()
     gen = torch.Generator().manual_seed(seed)
     dtype = getattr(torch, dtype_name)
     gathers = []
@@ -360,15 +220,15 @@ def _triton_worker(rank, world, seed, dtype_name):
             before = len(gathers)
             out = fn(x, w, *teacher, labels, backend="triton", **options, **extra)
             assert not sharded or len(gathers) > before, "the sharded call ran the Triton phases"
-            flat = _flat(out)
+            flat = flat_tensors(out)
             grads = torch.autograd.grad(flat[0], (x, w)) if grad else ()
             outs.append((flat, grads))
         (want, dwant), (got, dgot) = outs
         for i, (g, w) in enumerate(zip(got, want)):
-            _close(f"{options} grad={grad}: output {i}", g, w, tol)
+            check_close(f"{options} grad={grad}: output {i}", g, w, tol)
         if grad:
-            _close(f"{options}: dX", dgot[0], dwant[0], tol)
-            _close(f"{options}: dW", dgot[1], dwant[1][start:stop], tol)
+            check_close(f"{options}: dX", dgot[0], dwant[0], tol)
+            check_close(f"{options}: dW", dgot[1], dwant[1][start:stop], tol)
 
     cases = [
         dict(loss="jsd", beta=0.3),
@@ -393,6 +253,7 @@ def _triton_worker(rank, world, seed, dtype_name):
         labels = torch.randint(0, TV, (n,), generator=gen).to(device)
         labels[::4] = -100
         labels[1], labels[3], labels[5] = 256, 0, TV - 1  # a slice's first column; a one-column slice's (world 3)
+        labels = drop_tied_rows(labels, logits64(xs, ws), logits64(xt, wt), **options)
         for grad in (True, False):
             run(flashkd.fused_linear_distill, (xs, ws, (xt, wt), labels), options, grad)
     # the dense-logits form, labels None
@@ -417,6 +278,7 @@ def _triton_worker(rank, world, seed, dtype_name):
         labels = torch.randint(0, TV, (n,), generator=gen).to(device)
         labels[::4] = -100
         labels[1] = 256
+        labels = drop_tied_rows(labels, logits64(xs, ws), ids=ids, logprobs=lp, **options)
         for grad in (True, False):
             run(flashkd.fused_linear_distill_topk, (xs, ws, (ids, lp), labels), options, grad)
     # teacher_topk: each slice's candidates from the top-k kernel, merged; the same ids as unsharded, and
@@ -430,7 +292,7 @@ def _triton_worker(rank, world, seed, dtype_name):
         got = flashkd.teacher_topk(xt, wt[start:stop], k, teacher_bias=bt[start:stop], backend="triton",
                                    process_group=group, vocab_start=start, **options)
         assert torch.equal(got[0], want[0]), ("teacher_topk ids", k, options)
-        _close(f"teacher_topk {k} {options}", got[1], want[1], tol)
+        check_close(f"teacher_topk {k} {options}", got[1], want[1], tol)
     # a label out of [0, V) with check_labels off: NaN, as unsharded
     xs, ws, xt, wt = rand(n, HS), rand(TV, HS), rand(n, HT), rand(TV, HT)
     labels = torch.randint(0, TV, (n,), generator=gen).to(device)
@@ -441,9 +303,9 @@ def _triton_worker(rank, world, seed, dtype_name):
 
 
 @pytest.mark.parametrize("world,dtype", [(1, "float32"), (2, "float32"), (3, "float32"), (3, "bfloat16")])
-def test_vocab_parallel_triton_rows_equal_unsharded(world, dtype):
+def test_vocab_parallel_triton_rows_equal_unsharded(world, dtype, seed):
     pytest.importorskip("triton")
-    _spawn(_triton_worker, world, dtype, timeout=600)
+    spawn(_triton_worker, world, seed, dtype, timeout=600)
 
 
 def _one_rank_differs_worker(rank, world, seed):
@@ -451,10 +313,10 @@ def _one_rank_differs_worker(rank, world, seed):
     in a collective (the group's timeout is short: a rank left waiting fails the test)."""
     import time
 
-    group, device = dist.group.WORLD, _device()
+    group, device = dist.group.WORLD, rank_device()
     start, stop = LAYOUTS[world][rank]
     gen = torch.Generator().manual_seed(seed)
-    xs, ws, xt, wt, labels, _, _ = _inputs(gen, 6, torch.float64, device)
+    xs, ws, xt, wt, labels, _, _ = sharded_inputs(gen, 6, torch.float64, device)
     odd = rank == world - 1
     par = dict(process_group=group, vocab_start=start)
     ids, lp = flashkd.teacher_topk(xt, wt, K)
@@ -528,7 +390,7 @@ def _one_rank_differs_worker(rank, world, seed):
          dict(xt=xt[:5] if odd else xt)),
         # hidden sizes that differ, each call right on its rank: dX's all-reduce aborted both processes
         (ValueError, r"student_input's hidden size: expected the same value on every rank", heads,
-         dict(xs=_leaf(wider(xs) if odd else xs), ws=_leaf(wider(ws[start:stop]) if odd else ws[start:stop]))),
+         dict(xs=leaf(wider(xs) if odd else xs), ws=leaf(wider(ws[start:stop]) if odd else ws[start:stop]))),
         (ValueError, r"teacher_input's hidden size: expected the same value on every rank", heads,
          dict(xt=wider(xt) if odd else xt, wt=wider(wt[start:stop]) if odd else wt[start:stop])),
         (ValueError, r"teacher_input's hidden size: expected the same value on every rank", targets,
@@ -545,7 +407,7 @@ def _one_rank_differs_worker(rank, world, seed):
         (ValueError, r"teacher_logprobs: expected log-probabilities <= 0", topk, dict(lp=at_row_1(lp, 0.5) if odd else lp)),
         # checked after the exchange: a wrong value on one rank raised there alone
         (ValueError, r"grad_accum_dtype: expected the same value on every rank", heads,
-         dict(xs=_leaf(xs), grad_accum_dtype=torch.float16 if odd else None)),
+         dict(xs=leaf(xs), grad_accum_dtype=torch.float16 if odd else None)),
     ]
     try:
         import triton  # noqa: F401
@@ -563,18 +425,18 @@ def _one_rank_differs_worker(rank, world, seed):
     # a row that does not count (its label ignore_index) is no error, as in an unsharded call
     bad_ignored = ids.clone()
     bad_ignored[0, 0] = V + 2
-    _close("an ignored row", topk(ids=bad_ignored if odd else ids),
+    check_close("an ignored row", topk(ids=bad_ignored if odd else ids),
            flashkd.fused_linear_distill_topk(xs, ws, ids, lp, labels, weight_hard_loss=0.5))
-    _close("after the errors", heads(), flashkd.fused_linear_distill(xs, ws, xt, wt, labels))
+    check_close("after the errors", heads(), flashkd.fused_linear_distill(xs, ws, xt, wt, labels))
     got = targets()
     assert torch.equal(got[0], ids)
     # agreeing options that are equal values of other types: 2 and 2.0
-    _close("2 and 2.0", heads(temperature=2 if odd else 2.0), flashkd.fused_linear_distill(xs, ws, xt, wt, labels,
+    check_close("2 and 2.0", heads(temperature=2 if odd else 2.0), flashkd.fused_linear_distill(xs, ws, xt, wt, labels,
                                                                                           temperature=2.0))
 
 
-def test_a_call_wrong_on_one_rank_raises_on_every_rank_at_once():
-    _spawn(_one_rank_differs_worker, 2, timeout=20)
+def test_a_call_wrong_on_one_rank_raises_on_every_rank_at_once(seed):
+    spawn(_one_rank_differs_worker, 2, seed, timeout=20)
 
 
 class _Student(torch.nn.Module):
@@ -601,7 +463,7 @@ def _fsdp_worker(rank, world, seed, backend="torch"):
     from flashkd.distributed import fsdp
     from flashkd.losses import LossSpec
 
-    device = _device()
+    device = rank_device()
     mesh = init_device_mesh(device.type, (world,))
     dtype = torch.float64 if backend == "torch" else torch.float32
     tol, tol_steps = (1e-9, 1e-9) if backend == "torch" else (1e-5, 1e-4)  # fp32: three SGD steps of rounding
@@ -657,13 +519,13 @@ def _fsdp_worker(rank, world, seed, backend="torch"):
             assert isinstance(head, DTensor), case
             mine = loss_fn(form, model(batches[step][rank]), head, model.lm_head.bias, step, rank, wt_arg,
                            fsdp_gather=gather, **options)
-            _close(f"{case}: step {step} loss", mine.detach(), ref_losses[rank].detach(), tol)
+            check_close(f"{case}: step {step} loss", mine.detach(), ref_losses[rank].detach(), tol)
             opt.zero_grad()
             mine.backward()
             assert isinstance(head.grad, DTensor) and head.grad.placements == head.placements, case
             opt.step()
         for (name, p_ref), (_, p) in zip(ref.named_parameters(), model.named_parameters()):
-            _close(f"{case}: {name} after {steps} steps", p.full_tensor(), p_ref.detach(), tol_steps)
+            check_close(f"{case}: {name} after {steps} steps", p.full_tensor(), p_ref.detach(), tol_steps)
     if backend != "torch":
         return
 
@@ -681,7 +543,7 @@ def _fsdp_worker(rank, world, seed, backend="torch"):
         want = flashkd.teacher_topk(xt[0][rank], wt, K)
         got = flashkd.teacher_topk(xt[0][rank], wt_d, K, fsdp_gather=gather)
         assert torch.equal(got[0], want[0]), ("teacher_topk ids", gather)
-        _close(f"teacher_topk {gather}", got[1], want[1])
+        check_close(f"teacher_topk {gather}", got[1], want[1])
 
     # errors every rank raises alike
     model = _Student(False).to(device=device, dtype=dtype)
@@ -700,11 +562,11 @@ def _fsdp_worker(rank, world, seed, backend="torch"):
             flashkd.fused_linear_distill, h, replicated, xt[0][rank], wt, labels[0][rank])
 
 
-def test_fsdp2_training_steps_equal_unsharded():
-    _spawn(_fsdp_worker, 2)
+def test_fsdp2_training_steps_equal_unsharded(seed):
+    spawn(_fsdp_worker, 2, seed)
 
 
-def test_fsdp2_training_steps_on_the_triton_rows_equal_unsharded():
+def test_fsdp2_training_steps_on_the_triton_rows_equal_unsharded(seed):
     pytest.importorskip("triton")
-    _spawn(_fsdp_worker, 2, "triton", timeout=600)
+    spawn(_fsdp_worker, 2, seed, "triton", timeout=600)
 

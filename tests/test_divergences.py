@@ -15,8 +15,10 @@ import torch
 import flashkd
 from conftest import BACKENDS, HAS_TRITON
 from flashkd.losses import WHOLE_VOCAB, LossSpec, akl_head, divergence
+from helpers.distributed import LAYOUTS, compare_sharded, leaf, rank_device, sharded_inputs, spawn
+from helpers.exact import OPTIONS, check, make_case, pipeline_grads, truth_grads
+from helpers.ties import drop_tied_rows, logits64, near
 from oracle import distill_loss, topk_loss
-from test_exact import OPTIONS, check, make_case, pipeline_grads, truth_grads
 
 NEW = ["skew_kl", "skew_reverse_kl", "akl"]
 PARAMS = {"skew_kl": dict(alpha=0.1), "skew_reverse_kl": dict(alpha=0.1), "akl": dict(head_mass=0.5)}
@@ -52,6 +54,7 @@ def assert_ran(calls, backend, loss):
 def test_heads_exact_at_trained_magnitudes(backend, loss, option, seed, kernel_calls):
     xs, ws, xt, wt, labels = make_case(seed)
     opts = dict(OPTIONS[option], loss=loss, **PARAMS[loss])
+    labels = drop_tied_rows(labels, logits64(xs, ws), logits64(xt, wt), **opts)
     xs_, ws_ = xs.clone().requires_grad_(), ws.clone().requires_grad_()
     out = flashkd.fused_linear_distill(xs_, ws_, xt, wt, labels, backend=backend, chunk_size=16, **opts)
     grads = torch.autograd.grad(out, (xs_, ws_))
@@ -76,6 +79,7 @@ def test_dense_logits_exact_at_trained_magnitudes(backend, loss, params, seed, k
     opts = dict(loss=loss, temperature=0.9, **params)
     if opts.pop("row_weight", False):
         opts["row_weight"] = torch.rand(xs.shape[0], generator=torch.Generator().manual_seed(seed))
+    labels = drop_tied_rows(labels, logits64(xs, ws), tl, **opts)
     xs_, ws_ = xs.clone().requires_grad_(), ws.clone().requires_grad_()
     out = flashkd.fused_linear_distill_logits(xs_, ws_, tl, labels, chunk_size=16, backend=backend, **opts)
     grads = torch.autograd.grad(out, (xs_, ws_))
@@ -104,6 +108,7 @@ def test_topk_exact_at_trained_magnitudes(backend, loss, tail, clamp, seed):
     ids[2, 3:] = -1  # unused slots
     opts = dict(loss=loss, tail=tail, tail_clamp=clamp, temperature=0.8, weight_hard_loss=0.5, weight_soft_loss=0.5,
                 **PARAMS[loss])
+    labels = drop_tied_rows(labels, logits64(xs, ws), ids=ids, logprobs=lp, **opts)
     xs_, ws_ = xs.clone().requires_grad_(), ws.clone().requires_grad_()
     out = flashkd.fused_linear_distill_topk(xs_, ws_, ids, lp, labels, chunk_size=16, backend=backend, **opts)
     grads = torch.autograd.grad(out, (xs_, ws_))
@@ -233,8 +238,8 @@ def test_akl_head_is_the_sorted_prefix(dtype, mu, seed):
     tail[:, 0] = False
     want = torch.zeros_like(head).scatter(-1, order, ~tail)
     # an id whose cumulative sum is within rounding of μ may fall either side: compare the others
-    near = (sorted_p.cumsum(-1) - mu).abs() <= 64 * torch.finfo(dtype).eps
-    sure = ~torch.zeros_like(head).scatter(-1, order, near)
+    tie = near(sorted_p.cumsum(-1), mu, rtol=0.0, atol=64 * torch.finfo(dtype).eps)
+    sure = ~torch.zeros_like(head).scatter(-1, order, tie)
     assert (head == want)[sure].all()
     assert sure[:, :50].float().mean() > 0.5
     assert head.any(-1).all()
@@ -352,21 +357,19 @@ def test_alpha_ends_in_the_kernel(skew, plain, seed, kernel_calls):
 def _vocab_parallel_worker(rank, world, seed):
     """The three on a vocab split across ranks (uneven slices, not in rank order, a one-id slice at world
     3), fp64, against the unsharded call: AKL's head is found from the slices' merged sums and counts."""
-    from test_distributed import HT, LAYOUTS, _compare, _device, _inputs, _leaf
-
     start, stop = LAYOUTS[world][rank]
-    device = _device()
+    dev = rank_device()
     gen = torch.Generator().manual_seed(seed)  # the same inputs on every rank
     par = dict(process_group=torch.distributed.group.WORLD, vocab_start=start)
     for options in (dict(loss="akl"), dict(loss="akl", head_mass=0.2, temperature=0.6, chunk_size=4),
                     dict(loss="akl", head_mass=0.9, return_stats=True), dict(loss="skew_kl", alpha=0.3),
                     dict(loss="skew_reverse_kl", alpha=0.2, return_soft_hard_loss=True)):
-        xs, ws, xt, wt, labels, bs, _ = _inputs(gen, 11, torch.float64, device, bias=True)
+        xs, ws, xt, wt, labels, bs, _ = sharded_inputs(gen, 11, torch.float64, dev, bias=True)
         xt = xt * 3.0  # peaked rows: a head of one id or a few
         xt[2] = 0.0  # a flat teacher: every id tied
         for form in ("heads", "logits"):
-            lf = [_leaf(xs), _leaf(ws), _leaf(bs)]
-            ls = [_leaf(xs), _leaf(ws[start:stop]), _leaf(bs[start:stop])]
+            lf = [leaf(xs), leaf(ws), leaf(bs)]
+            ls = [leaf(xs), leaf(ws[start:stop]), leaf(bs[start:stop])]
             if form == "heads":
                 fn, full_t, shard_t = flashkd.fused_linear_distill, [xt, wt], [xt, wt[start:stop]]
             else:
@@ -374,17 +377,15 @@ def _vocab_parallel_worker(rank, world, seed):
                 fn, full_t, shard_t = flashkd.fused_linear_distill_logits, [tl], [tl[:, start:stop]]
             full = dict(args=[lf[0], lf[1], *full_t, labels], kw=dict(student_bias=lf[2]), leaves=lf)
             shard = dict(args=[ls[0], ls[1], *shard_t, labels], kw=dict(student_bias=ls[2], **par), leaves=ls)
-            _compare(fn, f"{form} {options}", full, shard, start, stop, **options)
+            compare_sharded(fn, f"{form} {options}", full, shard, start, stop, **options)
         ids, lp = flashkd.teacher_topk(xt, wt, 5)
-        lf, ls = [_leaf(xs), _leaf(ws), None], [_leaf(xs), _leaf(ws[start:stop]), None]
+        lf, ls = [leaf(xs), leaf(ws), None], [leaf(xs), leaf(ws[start:stop]), None]
         full = dict(args=[lf[0], lf[1], ids, lp, labels], kw={}, leaves=lf)
         shard = dict(args=[ls[0], ls[1], ids, lp, labels], kw=dict(par), leaves=ls)
-        _compare(flashkd.fused_linear_distill_topk, f"topk {options}", full, shard, start, stop,
+        compare_sharded(flashkd.fused_linear_distill_topk, f"topk {options}", full, shard, start, stop,
                  tail="renormalize", **options)
 
 
 @pytest.mark.parametrize("world", [2, 3])
-def test_vocab_parallel_equals_unsharded(world):
-    from test_distributed import _spawn
-
-    _spawn(_vocab_parallel_worker, world)
+def test_vocab_parallel_equals_unsharded(world, seed):
+    spawn(_vocab_parallel_worker, world, seed)

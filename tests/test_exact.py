@@ -7,76 +7,16 @@ truth of the same inputs, and its loss within 1e-5 relative of the truth. Logits
 this by 3x or more: bf16's ulp is 1/8 on [16, 32), so a top token's probability moves by up to ~6 %.
 """
 
-import math
-
 import pytest
 import torch
 
 import flashkd
 from conftest import BACKENDS
+from helpers.exact import HT, N, OPTIONS, V, check, make_case, pipeline_grads, trained_head, truth_grads
+from helpers.ties import drop_tied_rows, logits64
 from oracle import distill_loss, head, topk_loss
 
-N, HS, HT, V = 29, 40, 56, 517  # irregular: multiples of no block size
 LOSSES = ["jsd", "forward_kl", "reverse_kl", "tvd", "cosine"]
-RATIO = 1.3  # flashkd's gradient error over the fp32-logit pipeline's, at most
-LOSS_RTOL = 1e-5
-
-
-def trained_head(n, h, v, gen, *, std=4.0, peak=30.0, every=4):
-    """bf16 (x (n, h), w (v, h)) on gen's device whose logits x @ w^T have std `std`, and every `every`-th
-    row one logit set to `peak` (a confident token), as a trained LM head gives them."""
-    f64 = dict(generator=gen, dtype=torch.float64, device=gen.device)
-    x = torch.randn(n, h, **f64)
-    w = torch.randn(v, h, **f64) * (std / math.sqrt(h))
-    rows = torch.arange(0, n, every, device=gen.device)
-    wj = w[torch.randint(v, (rows.numel(),), generator=gen, device=gen.device)]
-    x[rows] += ((peak - (x[rows] * wj).sum(-1)) / (wj * wj).sum(-1))[:, None] * wj
-    return x.to(torch.bfloat16), w.to(torch.bfloat16)
-
-
-def make_case(seed, *, ignore=True):
-    gen = torch.Generator().manual_seed(seed)
-    xs, ws = trained_head(N, HS, V, gen)
-    xt, wt = trained_head(N, HT, V, gen)
-    labels = torch.randint(V, (N,), generator=gen)
-    if ignore:
-        labels[1::7] = -100
-    return xs, ws, xt, wt, labels
-
-
-def rel(a, b):
-    return ((a.double() - b.double()).norm() / b.double().norm()).item()
-
-
-def pipeline_grads(loss_of_logits, xs, ws):
-    """The fp32-logit pipeline's (dX, dW): dL/dz in fp32 from fp32 logits, rounded to bf16, through
-    GEMMs that accumulate exactly and round their results to bf16."""
-    zs = (xs.double() @ ws.double().T).float().requires_grad_()
-    (dz,) = torch.autograd.grad(loss_of_logits(zs), zs)
-    dz = dz.to(xs.dtype).double()
-    return (dz @ ws.double()).to(xs.dtype), (dz.T @ xs.double()).to(ws.dtype)
-
-
-def truth_grads(loss_of_inputs, xs, ws):
-    x, w = xs.double().requires_grad_(), ws.double().requires_grad_()
-    loss = loss_of_inputs(x, w)
-    return (loss, *torch.autograd.grad(loss, (x, w)))
-
-
-def check(out, grads, truth, pipeline):
-    loss, dx, dw = truth
-    assert abs(out.item() - loss.item()) <= LOSS_RTOL * abs(loss.item()), (out.item(), loss.item())
-    for name, got, want, base in (("dX", grads[0], dx, pipeline[0]), ("dW", grads[1], dw, pipeline[1])):
-        err, err_base = rel(got, want), rel(base, want)
-        assert err <= RATIO * err_base, f"{name}: error {err:.3e}, fp32-logit pipeline {err_base:.3e}"
-
-
-OPTIONS = {
-    "plain": {},
-    "tau": {"temperature": 0.7},
-    "softcap": {"student_softcap": 30.0, "teacher_softcap": 30.0},
-    "scale": {"student_logit_scale": 0.8, "teacher_logit_scale": 1.25, "temperature": 1.5},
-}
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -85,6 +25,7 @@ OPTIONS = {
 def test_heads_exact_at_trained_magnitudes(backend, loss, option, seed):
     xs, ws, xt, wt, labels = make_case(seed)
     opts = dict(OPTIONS[option], loss=loss)
+    labels = drop_tied_rows(labels, logits64(xs, ws), logits64(xt, wt), **opts)
     xs_, ws_ = xs.clone().requires_grad_(), ws.clone().requires_grad_()
     out = flashkd.fused_linear_distill(xs_, ws_, xt, wt, labels, backend=backend, chunk_size=16, **opts)
     grads = torch.autograd.grad(out, (xs_, ws_))
@@ -104,6 +45,7 @@ def test_dense_logits_exact_at_trained_magnitudes(backend, loss, seed):
     shares (it reads the same bf16 values); the student's side must be exact."""
     xs, ws, xt, wt, labels = make_case(seed)
     tl = (xt.double() @ wt.double().T).to(xs.dtype)
+    labels = drop_tied_rows(labels, logits64(xs, ws), tl, loss=loss, temperature=0.9)
     xs_, ws_ = xs.clone().requires_grad_(), ws.clone().requires_grad_()
     out = flashkd.fused_linear_distill_logits(xs_, ws_, tl, labels, loss=loss, backend=backend, chunk_size=16,
                                               temperature=0.9)
@@ -127,6 +69,7 @@ def test_topk_exact_at_trained_magnitudes(backend, loss, tail, seed):
     lp = lp.float()
     xs_, ws_ = xs.clone().requires_grad_(), ws.clone().requires_grad_()
     opts = dict(loss=loss, tail=tail, temperature=0.8, weight_hard_loss=0.5, weight_soft_loss=0.5)
+    labels = drop_tied_rows(labels, logits64(xs, ws), ids=ids, logprobs=lp, **opts)
     out = flashkd.fused_linear_distill_topk(xs_, ws_, ids, lp, labels, backend=backend, chunk_size=16, **opts)
     grads = torch.autograd.grad(out, (xs_, ws_))
 
@@ -223,6 +166,7 @@ def test_gpu_exact_at_irregular_shapes(backend, loss, option, seed, monkeypatch)
     backend = _gpu_backend(backend)
     xs, ws, xt, wt, labels = (t.cuda() for t in make_case(seed))
     opts = dict(OPTIONS[option], loss=loss)
+    labels = drop_tied_rows(labels, logits64(xs, ws), logits64(xt, wt), **opts)
     xs_, ws_ = xs.clone().requires_grad_(), ws.clone().requires_grad_()
     if backend == "cute":
         from flashkd.backends import cute_gemm

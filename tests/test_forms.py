@@ -8,31 +8,9 @@ import torch
 
 import flashkd
 from conftest import BACKENDS
+from helpers.cases import HS, HT, K, V, check_against_oracle, make_student, make_topk, rel_err, tolerance
+from helpers.ties import drop_tied_rows, logits64
 from oracle import distill_loss, topk_loss
-from test_distill import HS, HT, V, make_inputs, rel_err  # the dense tests' odd shapes and student inputs
-
-K = 7  # teacher slots per row, fewer than V: the bucket is never empty unless a test makes it so
-
-
-def make_student(lead, dtype, *, bias=False, ignore="some", ignore_index=-100):
-    xs, ws, _, _, labels, bs, _ = make_inputs(lead, dtype, ignore=ignore, bias=bias, ignore_index=ignore_index)
-    return xs, ws, bs, labels
-
-
-def make_topk(lead, k=K, *, temperature=1.0, unused=True):
-    """Targets as a teacher would give them: top-k of random logits at τ, slots shuffled, some slots
-    unused (id −1 with −inf or junk log-prob), one row with no used slot at all."""
-    logits = 2.0 * torch.randn(*lead, V, dtype=torch.float64)
-    ids, logprobs = flashkd.teacher_topk(logits, torch.eye(V, dtype=torch.float64), k, temperature=temperature)
-    perm = torch.argsort(torch.rand(*lead, k), -1)
-    ids, logprobs = ids.gather(-1, perm), logprobs.gather(-1, perm)
-    if unused:
-        drop = torch.rand(*lead, k) < 0.25
-        ids = ids.masked_fill(drop, -1)
-        junk = torch.where(torch.rand(*lead, k) < 0.5, -math.inf, 0.7)  # anything goes in an unused slot
-        logprobs = torch.where(drop, junk.to(logprobs.dtype), logprobs)
-        ids.view(-1, k)[-1] = -1
-    return ids, logprobs
 
 
 def check_topk(backend, dtype, lead, *, tol, bias=False, ignore="some", chunk_size=None, k=K, unused=True,
@@ -41,6 +19,7 @@ def check_topk(backend, dtype, lead, *, tol, bias=False, ignore="some", chunk_si
     xs, ws, bs, labels = make_student(lead, dtype, bias=bias, ignore=ignore, ignore_index=ignore_index)
     ids, logprobs = make_topk(lead, k, temperature=options.get("temperature", 1.0), unused=unused)
     logprobs = logprobs.to(dtype)
+    labels = drop_tied_rows(labels, logits64(xs, ws, bs), ids=ids, logprobs=logprobs, **options)
     loss, soft, hard = flashkd.fused_linear_distill_topk(
         xs, ws, ids, logprobs, labels, student_bias=bs, chunk_size=chunk_size, backend=backend,
         return_soft_hard_loss=True, **options,
@@ -54,29 +33,6 @@ def check_topk(backend, dtype, lead, *, tol, bias=False, ignore="some", chunk_si
     assert loss.dim() == 0 and torch.isfinite(loss)
     check_against_oracle((loss, soft, hard), ref, grads, ref_grads, leaves, tol,
                          None if ignore == "none" else labels, ignore_index)
-
-
-def check_against_oracle(out, ref, grads, ref_grads, leaves, tol, labels=None, ignore_index=-100):
-    """(loss, soft, hard) and the gradients of `leaves` against the oracle's, within tol; with labels,
-    the rows whose label is ignore_index get exactly zero dX."""
-    for name, got, want in zip(("loss", "soft", "hard"), out, ref):
-        assert abs(got.item() - want.item()) <= tol * max(abs(want.item()), 1.0), (name, got.item(), want.item())
-    for name, g, rg, x in zip(("dXs", "dWs", "dbs"), grads, ref_grads, leaves):
-        assert g.shape == x.shape and g.dtype == x.dtype and torch.isfinite(g).all(), name
-        if rg.abs().max() == 0:
-            assert g.abs().max() == 0, name
-        else:
-            assert rel_err(g, rg) <= tol, (name, rel_err(g, rg))
-    if labels is not None:
-        ignored = (labels == ignore_index).reshape(-1)
-        if ignored.any():
-            assert grads[0].reshape(-1, HS)[ignored].abs().max() == 0
-
-
-def _tolerance(backend):
-    # torch backend in float64: exact up to rounding; the kernel is tested in fp32 (fp64 inputs would
-    # go to the torch rows)
-    return (torch.float64, 1e-9) if backend == "torch" else (torch.float32, 2e-5)
 
 
 # Every loss × tail × τ × weights; bias, shape, reduction and ignore pattern cycle through the cases.
@@ -96,7 +52,7 @@ TOPK_GRID = [
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("loss,tail,tau,weights,i", TOPK_GRID)
 def test_topk_matches_oracle(backend, loss, tail, tau, weights, i, seed):
-    dtype, tol = _tolerance(backend)
+    dtype, tol = tolerance(backend)
     check_topk(
         backend, dtype, [(23,), (3, 7)][i % 2], tol=tol, bias=i % 3 == 0, ignore=["some", "none", "all"][i % 3],
         chunk_size=[None, 5][i % 2], loss=loss, tail=tail, temperature=tau, weight_hard_loss=weights[0],
@@ -118,7 +74,7 @@ def test_topk_matches_oracle(backend, loss, tail, tau, weights, i, seed):
     ],
 )
 def test_topk_options(backend, tail, options, seed):
-    dtype, tol = _tolerance(backend)
+    dtype, tol = tolerance(backend)
     check_topk(backend, dtype, (19,), tol=tol, tail=tail, **options)
 
 
@@ -126,7 +82,7 @@ def test_topk_options(backend, tail, options, seed):
 @pytest.mark.parametrize("loss", ["forward_kl", "jsd", "reverse_kl", "tvd"])
 def test_topk_covering_the_vocab_is_the_dense_loss(backend, loss, seed):
     """K = V, every slot used: the bucket is empty and the loss is the dense one on the teacher's logits."""
-    dtype, tol = _tolerance(backend)
+    dtype, tol = tolerance(backend)
     check_topk(backend, dtype, (9,), tol=tol, k=V, unused=False, loss=loss, tail="bucket")
     xs, ws, _, labels = make_student((9,), dtype)
     logits_t = torch.randn(9, V, dtype=dtype)
@@ -139,7 +95,7 @@ def test_topk_covering_the_vocab_is_the_dense_loss(backend, loss, seed):
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_topk_without_labels_and_edge_rows(backend, seed):
-    dtype, tol = _tolerance(backend)
+    dtype, tol = tolerance(backend)
     xs, ws, _, _ = make_student((1,), dtype)  # N = 1
     ids, logprobs = make_topk((1,), unused=False)
     loss = flashkd.fused_linear_distill_topk(xs, ws, ids, logprobs, backend=backend)
@@ -214,7 +170,7 @@ def test_topk_bad_input():
 @pytest.mark.parametrize("loss", ["jsd", "forward_kl", "reverse_kl", "tvd", "cosine"])
 @pytest.mark.parametrize("layout", ["contiguous", "padded", "row-strided", "3-d"])
 def test_logits_matches_oracle(backend, loss, layout, seed):
-    dtype, tol = _tolerance(backend)
+    dtype, tol = tolerance(backend)
     lead = (3, 5) if layout == "3-d" else (17,)
     xs, ws, bs, labels = make_student(lead, dtype, bias=layout == "padded")
     if layout == "padded":  # a padded teacher head: columns >= V are dropped
@@ -224,6 +180,7 @@ def test_logits_matches_oracle(backend, loss, layout, seed):
     else:
         logits_t = torch.randn(*lead, V, dtype=dtype)
     options = dict(loss=loss, beta=0.35, temperature=0.8, weight_hard_loss=0.3, weight_soft_loss=0.9)
+    labels = drop_tied_rows(labels, logits64(xs, ws, bs), logits_t, **options)
     loss_, soft, hard = flashkd.fused_linear_distill_logits(
         xs, ws, logits_t, labels, student_bias=bs, backend=backend, chunk_size=4, return_soft_hard_loss=True,
         **options,

@@ -10,8 +10,8 @@ import torch
 import flashkd
 from flashkd import fp8
 from flashkd.backends import triton_fp8
+from helpers.cases import check_against_oracle
 from oracle import distill_loss
-from test_forms import check_against_oracle
 
 E4M3 = torch.float8_e4m3fn
 

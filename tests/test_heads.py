@@ -10,9 +10,9 @@ import torch
 
 import flashkd
 from conftest import BACKENDS
+from helpers.cases import V, check_against_oracle, make_inputs, make_topk, rel_err
+from helpers.ties import drop_tied_rows, logits64
 from oracle import distill_loss, student_stats, topk_loss
-from test_distill import V, make_inputs, rel_err
-from test_forms import check_against_oracle, make_topk
 
 # (student σ, student c, teacher σ, teacher c): scales alone, caps alone, both, negative scales, and a
 # cap that the logits (|x| up to ~10 here) pass by far
@@ -53,6 +53,7 @@ def _run_dense(backend, form, loss, transform, weighted, lead, *, ignore="some",
     options = dict(loss=loss, beta=0.35, temperature=temperature, weight_hard_loss=0.3, weight_soft_loss=0.9,
                    student_logit_scale=s_scale, student_softcap=s_cap, teacher_logit_scale=t_scale,
                    teacher_softcap=t_cap, **extra)
+    labels = drop_tied_rows(labels, logits64(xs, ws, bs), logits64(xt, wt), **options)
     rw = _weights(lead, dtype) if weighted else None
     common = dict(student_bias=bs, backend=backend, chunk_size=5, return_soft_hard_loss=True, row_weight=rw,
                   return_stats=stats, **options)
@@ -140,6 +141,7 @@ def _topk_case(backend, loss, tail, transform, weighted, lead, *, temperature=0.
     rw = _weights(lead, dtype) if weighted else None
     options = dict(loss=loss, tail=tail, beta=0.35, temperature=temperature, weight_hard_loss=0.4,
                    weight_soft_loss=0.7, student_logit_scale=transform[0], student_softcap=transform[1], **extra)
+    labels = drop_tied_rows(labels, logits64(xs, ws, bs), ids=ids, logprobs=logprobs.to(dtype), **options)
     out = flashkd.fused_linear_distill_topk(xs, ws, ids, logprobs.to(dtype), labels, student_bias=bs, chunk_size=5,
                                             backend=backend, return_soft_hard_loss=True, row_weight=rw,
                                             return_stats=stats, **options)

@@ -17,7 +17,7 @@ import flashkd.integrations.trl as fk_trl  # noqa: E402
 import tiny_models  # noqa: E402
 from conftest import BACKENDS  # noqa: E402
 from oracle import head, trl_jsd_loss  # noqa: E402
-from test_exact import RATIO, pipeline_grads  # noqa: E402
+from helpers.exact import RATIO, pipeline_grads  # noqa: E402
 
 from trl.experimental.async_distillation import async_distillation_trainer as trl_ad  # noqa: E402
 

@@ -21,6 +21,7 @@ if importlib.util.find_spec("verl") is None:
 import flashkd.integrations.verl as fk_verl  # noqa: E402
 from flashkd.losses import LossSpec, topk_row_losses  # noqa: E402
 from conftest import BACKENDS  # noqa: E402
+from helpers.ties import near, tied_rows  # noqa: E402
 
 
 def _load_reference():
@@ -95,6 +96,18 @@ def _oracle(x, w, ids, lp, tau, clamp):
     return (lp.exp() * (lp - log_q)).sum(-1)
 
 
+def _clamp_ties(x, w, ids, lp, tau, clamp, rtol):
+    """(rows,) bool: the rows whose gradient jumps within rtol of a clamp: a student log-prob at
+    log_prob_min_clamp, or the row's loss at verl's clamp at 0 (not exactly 0: that is a row whose ids
+    the clamp cuts on both sides, 0 with no gradient on either). They get weight 0 downstream."""
+    x, w, lp = x.detach().double(), w.detach().double(), lp.detach().double()
+    loss = _oracle(x, w, ids, lp, tau, clamp)
+    tie = (near(loss, 0.0, rtol=0.0, atol=rtol) & (loss != 0))[:, None]
+    if clamp is not None:
+        tie = tie | near(torch.log_softmax((x @ w.t()) / tau, -1).gather(-1, ids), clamp, rtol)
+    return tied_rows(tie)
+
+
 CASES = [  # temperature, log_prob_min_clamp, verl's use_chunked_topk
     (1.0, None, False),
     (1.0, -8.0, False),
@@ -130,6 +143,7 @@ def test_outputs_match_verl(tau, clamp, chunked, backend, seed):
 
     # gradients: of verl's downstream use, its clamp at 0 then a weighted sum (any aggregation is one)
     g = torch.rand(x.shape[0], dtype=torch.float64) + 0.5
+    g[_clamp_ties(x, w, ids, lp, tau, clamp, 1e-12)] = 0.0  # float64 on both sides
     (ours["distillation_losses"].clamp_min(0.0) * g).sum().backward()
     xo, wo = x.clone().requires_grad_(), w.clone().requires_grad_()
     (_oracle(xo, wo, ids, lp, tau, clamp).clamp_min(0.0) * g).sum().backward()
@@ -144,9 +158,10 @@ def test_negative_losses_get_no_gradient(seed):
     xs = x.clone().requires_grad_()
     loss = fk_verl.topk_outputs(xs, w, ids, lp)["distillation_losses"]
     assert (loss < 0).any() and (loss > 0).any()
-    loss.clamp_min(0.0).sum().backward()
+    keep = (~_clamp_ties(x, w, ids, lp, 1.0, None, 1e-12)).double()  # float64 on both sides
+    (loss.clamp_min(0.0) * keep).sum().backward()
     xo = x.clone().requires_grad_()
-    _oracle(xo, w, ids, lp, 1.0, None).clamp_min(0.0).sum().backward()
+    (_oracle(xo, w, ids, lp, 1.0, None).clamp_min(0.0) * keep).sum().backward()
     torch.testing.assert_close(xs.grad, xo.grad, rtol=1e-9, atol=1e-11)
     assert (xs.grad[loss < 0] == 0).all()
 
@@ -302,6 +317,7 @@ def test_patched_engine_outputs_equal_verls_logits_path(seed):
             "temperature_rmpad": torch.full((x.shape[0],), tau, dtype=torch.float64), "pad_size": 0,
             "temperature_is_one": False}
 
+    ties = _clamp_ties(x, w, ids, lp, tau, clamp, 1e-5)  # verl's loss: rounded through fp32
     results = []
     for fused in (False, True):
         with torch.no_grad():
@@ -317,7 +333,8 @@ def test_patched_engine_outputs_equal_verls_logits_path(seed):
             model_output = engine_cls.prepare_model_outputs(fake, out, args, micro_batch(fused), loss_fn)
         finally:
             fk_verl.unpatch()
-        (model_output["distillation_losses"].values().clamp_min(0) * torch.linspace(0.5, 2, x.shape[0])).sum().backward()
+        weight = torch.linspace(0.5, 2, x.shape[0]).masked_fill(ties, 0.0)
+        (model_output["distillation_losses"].values().clamp_min(0) * weight).sum().backward()
         results.append(({k: v.values() for k, v in model_output.items()}, xs.grad, head.weight.grad))
     (ref, gx_ref, gw_ref), (ours, gx, gw) = results
     assert set(ours) == set(ref) == set(fk_verl.FIELDS)

@@ -353,3 +353,25 @@ def test_no_global_state_written_in_the_backends():
             found += _globals_in(path.read_text("utf-8"), module)
     assert found == []
     assert _globals_in("n = 0\ndef f():\n    global n\n    n += 1\n", "m") == ["m: global n"]
+
+
+def test_test_modules_import_no_other_test_module():
+    """tests/test_*.py share code through tests/helpers/ (and oracle.py, tiny_models.py), never by
+    importing one another: a test module imported by another has its tests' module-level state and
+    fixtures pulled into the importer. Checked on the source, imports inside functions included."""
+    tests = Path(__file__).resolve().parent
+    names = {p.stem for p in tests.glob("test_*.py")}
+    found = []
+    for path in sorted(tests.glob("test_*.py")) + sorted((tests / "helpers").glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text("utf-8"))):
+            if isinstance(node, ast.Import):
+                modules = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and not node.level:
+                modules = [node.module or ""]
+            else:
+                continue
+            for module in modules:
+                top = module.removeprefix("tests.").split(".")[0]
+                if top in names and top != path.stem:
+                    found.append(f"{path.relative_to(tests)}:{node.lineno} imports {module}")
+    assert found == []

@@ -19,6 +19,7 @@ triton = pytest.importorskip("triton")
 
 from flashkd.backends import torch_rows, triton_rows  # noqa: E402
 from flashkd.losses import LossSpec  # noqa: E402
+from helpers.ties import assert_close_except_at_ties, tvd_slack  # noqa: E402
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"  # set by conftest when there is no GPU
 DEVICE = "cpu" if INTERPRET else "cuda"
@@ -114,7 +115,7 @@ def _assert_matches(got, refs, dtype, term=0.0, log_terms=None, jumps=None):
     so any fp32 evaluation of element j is good to a few fp32 roundings of log_terms[j], and two correct
     ones differ by that much where the difference cancels (seen: 3–5× the torch backend's error there).
     jumps: per element, how far dL/ds may move where the gradient itself jumps at a tie that fp32 cannot
-    resolve (`_tvd_jumps`), else None.
+    resolve (`_tvd_jumps`), else None; the comparison is `helpers.ties.assert_close_except_at_ties`.
     """
     assert got[0].dtype == got[1].dtype == torch.float32
     assert got[2].dtype == refs[0][2].dtype == dtype
@@ -128,19 +129,11 @@ def _assert_matches(got, refs, dtype, term=0.0, log_terms=None, jumps=None):
             floor = max(floor, 8 * F32_EPS * term)
         err_torch = (ref32.double() - truth).nan_to_num().abs().max().item()
         atol = max(floor, 2.0 * err_torch)
-        def msg(m, name=name):
-            return f"{name}: {m}"
-
         if name == "dL/ds" and log_terms is not None:
             atol = atol + 8 * F32_EPS * log_terms  # per element
-        if name == "dL/ds" and jumps is not None:
-            atol = atol + jumps
         for want, slack in ((truth, 0.0), (ref.double(), err_torch)):
-            bound = rtol * want.abs() + atol + slack
-            diff = (x.double() - want).abs()
-            bad = ~((diff <= bound) | (x.isnan() & want.isnan()))
-            assert not bad.any(), msg(f"{int(bad.sum())} element(s) off; worst excess "
-                                      f"{(diff - bound).nan_to_num(posinf=1e30).max().item():.3g}")
+            assert_close_except_at_ties(x, want, jumps if name == "dL/ds" else None, rtol=rtol, atol=atol + slack,
+                                        equal_nan=True, msg=name)
 
 
 def _cosine_term(s, spec, scale):
@@ -164,16 +157,13 @@ def _log_terms(s, t, spec, scale):
 def _tvd_jumps(s, t, spec, scale):
     """TVD's dL/ds = ½ q ∘ (g − Σ q g) / τ with g = sign(q − p) jumps where q = p. Where q and p agree to
     a few fp32 roundings (seen: 2.5e-7 relative, a row of bf16 logits), the kernel's g and the float64
-    truth's may differ, and either is right. A flip of g_j moves element j by up to q_j and every element
-    i by q_i q_j (times scale · soft_scale / τ): that much, per element, for the ties of its row. None for
-    other losses."""
+    truth's may differ, and either is right: per element, how far that may move it (`tvd_slack`, times
+    scale · soft_scale / τ). None for other losses."""
     if not spec.want_soft or spec.kind != "tvd":
         return None
     q = torch.softmax(s.double() / spec.temperature, -1)
     p = torch.softmax(t.double() / spec.temperature, -1)
-    tie = (q - p).abs() <= 16 * F32_EPS * torch.maximum(q, p)
-    factor = scale.double().abs() * abs(spec.soft_scale) / spec.temperature
-    return factor * (q * tie + q * (q * tie).sum(-1, keepdim=True))
+    return tvd_slack(q, p, scale.double().abs() * abs(spec.soft_scale) / spec.temperature)
 
 
 def _check(s, t, labels, spec, scale, grad):
