@@ -394,10 +394,11 @@ KEYWORDS = {
     "fused_linear_distill_topk": {**_LOSS, "loss": "forward_kl", "weight_hard_loss": 0.0, "weight_soft_loss": 1.0,
                                   "tail": "bucket", "tail_clamp": None, "check_teacher": None, "teacher_index": None,
                                   "num_teachers": None, **_SHARDING},
+    # no check_replicas: teacher_topk's rows are checked by the exchange alone
     "teacher_topk": {"temperature": 1.0, "teacher_bias": None, "vocab_size": None, "chunk_size": None,
-                     "backend": "auto", **_TEACHER_HEAD, **_SHARDING, "teacher_precision": None},
+                     "backend": "auto", **_TEACHER_HEAD,
+                     **{k: v for k, v in _SHARDING.items() if k != "check_replicas"}, "teacher_precision": None},
 }
-del KEYWORDS["teacher_topk"]["check_replicas"]  # its rows are checked by the exchange alone
 
 
 def check_options(options: dict) -> None:
