@@ -79,7 +79,7 @@ from typing import ClassVar
 import torch
 
 from . import fp8
-from .losses import DistillStats, LossSpec, VocabSlice, check_finite_float, check_ignore_index
+from .losses import DistillStats, LossSpec, VocabSlice, check_finite_float, check_ignore_index, loss_parameters
 from .backends import torch_rows
 
 # Default memory for one chunk's logits. Bigger chunks make the GEMMs more efficient; past a few
@@ -203,9 +203,9 @@ def parse(
     teacher: Heads | Logits | TopK | None,
     *,
     loss: str,
-    beta: float,
-    alpha: float,
-    head_mass: float,
+    beta: float | None,  # the losses' parameters (losses.PARAMETERS): None, the loss's default
+    alpha: float | None,
+    head_mass: float | None,
     temperature: float,
     weight_hard_loss: float,
     weight_soft_loss: float,
@@ -252,9 +252,7 @@ def parse(
     logged = return_soft_hard_loss or return_stats
     spec = LossSpec(
         loss=loss,
-        beta=beta,
-        alpha=alpha,
-        head_mass=head_mass,
+        **loss_parameters(loss, dict(beta=beta, alpha=alpha, head_mass=head_mass)),
         temperature=temperature,
         weight_hard=w_hard,
         weight_soft=w_soft,

@@ -27,9 +27,9 @@ def fused_linear_distill(
     labels: torch.Tensor | None = None,  # (...) integer, ignore_index marks rows to skip
     *,
     loss: str = "jsd",
-    beta: float = 0.5,
-    alpha: float = 0.1,
-    head_mass: float = 0.5,
+    beta: float | None = None,
+    alpha: float | None = None,
+    head_mass: float | None = None,
     temperature: float = 1.0,
     weight_hard_loss: float = 0.5,
     weight_soft_loss: float = 0.5,
@@ -67,8 +67,11 @@ def fused_linear_distill(
     (KL(p ‖ α p + (1 − α) q)), "skew_reverse_kl" (KL(q ‖ (1 − α) p + α q)), α = `alpha` in [0, 1], or
     "akl" (adaptive KL: forward and reverse KL weighted by the gaps |p − q| in the teacher's head, its
     likeliest ids holding mass `head_mass` μ in [0, 1], and tail; the weights are not differentiated);
-    q and p are the student's and teacher's softmax at temperature τ. The three last run on the torch
-    rows on every backend for now.
+    q and p are the student's and teacher's softmax at temperature τ. AKL runs on the torch rows on
+    every backend for now.
+    beta, alpha, head_mass: the losses' own parameters (`flashkd.losses.PARAMETERS`); None (the
+    default) takes the loss's default (β 0.5, α 0.1, μ 0.5). A loss that does not read one refuses a
+    value for it (ValueError naming the losses that do): `loss="forward_kl", beta=0.3` would change nothing.
 
     Returns the scalar loss  w_hard · CE + w_soft · soft  (see `flashkd.losses` for every formula),
     fp32 (fp64 for fp64 inputs, computed in fp64 on every backend), or `(loss, soft, hard)` with
@@ -137,9 +140,9 @@ def fused_linear_distill_logits(
     labels: torch.Tensor | None = None,
     *,
     loss: str = "jsd",
-    beta: float = 0.5,
-    alpha: float = 0.1,
-    head_mass: float = 0.5,
+    beta: float | None = None,
+    alpha: float | None = None,
+    head_mass: float | None = None,
     temperature: float = 1.0,
     weight_hard_loss: float = 0.5,
     weight_soft_loss: float = 0.5,
@@ -201,9 +204,9 @@ def fused_linear_distill_topk(
     loss: str = "forward_kl",
     tail: str = "bucket",
     tail_clamp: float | None = None,
-    beta: float = 0.5,
-    alpha: float = 0.1,
-    head_mass: float = 0.5,
+    beta: float | None = None,
+    alpha: float | None = None,
+    head_mass: float | None = None,
     temperature: float = 1.0,
     weight_hard_loss: float = 0.0,
     weight_soft_loss: float = 1.0,
@@ -383,7 +386,7 @@ def _route(parse, rows, heads, process_group, vocab_start, check_shards, check_r
 # The keyword options of the public functions, with their defaults: what the modules and the
 # integrations accept (the signatures above spell them; tests/test_layers.py holds the two alike).
 _SHARDING = dict(process_group=None, vocab_start=None, check_shards=None, check_replicas=False, fsdp_gather="auto")
-_LOSS = dict(loss="jsd", beta=0.5, alpha=0.1, head_mass=0.5, temperature=1.0, weight_hard_loss=0.5,
+_LOSS = dict(loss="jsd", beta=None, alpha=None, head_mass=None, temperature=1.0, weight_hard_loss=0.5,
              weight_soft_loss=0.5, ignore_index=-100, student_bias=None, reduction="mean", chunk_size=None,
              backend="auto", return_soft_hard_loss=False, temperature_squared=False, grad_accum_dtype=None,
              check_labels=None, student_logit_scale=1.0, student_softcap=None, row_weight=None, return_stats=False)

@@ -85,6 +85,40 @@ LOSS_ID = {name: i for i, name in enumerate(LOSSES)}
 
 
 @dataclasses.dataclass(frozen=True)
+class Parameter:
+    """A loss's own parameter: its public keyword's default, the losses that read it, and its range."""
+
+    default: float
+    losses: tuple[str, ...]  # every other loss refuses the keyword: a value that would change nothing
+    low: float = 0.0
+    high: float = 1.0
+
+
+# The losses' parameters, by public keyword (a LossSpec field of the same name). The public functions
+# take them as None (the default here); a value given to a loss that does not read it is an error.
+PARAMETERS = {
+    "beta": Parameter(0.5, ("jsd", "cosine")),
+    "alpha": Parameter(0.1, ("skew_kl", "skew_reverse_kl")),
+    "head_mass": Parameter(0.5, ("akl",)),
+}
+
+
+def loss_parameters(loss: str, given: dict) -> dict:
+    """{keyword: value} of every parameter in PARAMETERS for `loss`: `given`'s value where it is not None,
+    else the default. A value given for a loss that does not read it raises ValueError naming the
+    losses that do; `loss` itself is checked by LossSpec."""
+    out = {}
+    for name, param in PARAMETERS.items():
+        value = given.get(name)
+        if value is not None and loss in LOSSES and loss not in param.losses:
+            readers = ", ".join(f"loss={r!r}" for r in param.losses)
+            raise ValueError(f"{name}: loss={loss!r} does not read it (it is read by {readers}); "
+                             f"got {name}={shown(value)}, leave it out")
+        out[name] = param.default if value is None else value
+    return out
+
+
+@dataclasses.dataclass(frozen=True)
 class LossSpec:
     """Everything the row math needs to know about one call; validated once, passed as one object."""
 
@@ -116,11 +150,11 @@ class LossSpec:
             raise ValueError(f"loss: expected one of {', '.join(map(repr, allowed))}{teacher}, got {self.loss!r}")
         if self.reduction not in REDUCTIONS:
             raise ValueError(f"reduction: expected 'mean' or 'sum', got {self.reduction!r}")
-        for name in ("beta", "temperature", "weight_hard", "weight_soft", "alpha", "head_mass"):
+        for name in ("temperature", "weight_hard", "weight_soft", *PARAMETERS):
             check_finite_float(name, getattr(self, name))
-        for name in ("beta", "alpha", "head_mass"):
-            if not 0.0 <= getattr(self, name) <= 1.0:
-                raise ValueError(f"{name}: expected a value in [0, 1], got {getattr(self, name)!r}")
+        for name, param in PARAMETERS.items():
+            if not param.low <= getattr(self, name) <= param.high:
+                raise ValueError(f"{name}: expected a value in [{param.low:g}, {param.high:g}], got {getattr(self, name)!r}")
         if self.temperature <= 0.0:
             raise ValueError(f"temperature: expected a value > 0, got {self.temperature!r}")
         if isinstance(self.ignore_index, bool) or not isinstance(self.ignore_index, int):

@@ -158,7 +158,7 @@ class FusedLinearKLTopKLogprobLoss(torch.nn.Module):
             lp = torch.where(mask, target + shift, 0.0)
         labels = F.pad(true_labels, (0, 1), value=self.ignore_index)[:, 1:].reshape(-1)
         want_ce = self.compute_ce_loss and self.weight_hard_loss > 0.0
-        common = dict(loss=loss, tail=tail, beta=beta if loss == "jsd" else 0.5, temperature=tau,
+        common = dict(loss=loss, tail=tail, beta=beta if loss == "jsd" else None, temperature=tau,
                       temperature_squared=True, ignore_index=self.ignore_index, student_bias=student_bias,
                       reduction="sum", **self.flashkd_options)
         # one call for both terms where the CE's rows hold every soft row and no row weight is needed
