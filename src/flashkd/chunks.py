@@ -174,6 +174,7 @@ class Options:
     backend: str = "auto"
     grad_accum_dtype: torch.dtype | None = None
     teacher_precision: str | None = None  # teacher heads only
+    vocab_size: int | None = None  # a dense teacher (heads, logits): its rows from V on declared padding
     check_labels: bool | None = None
     check_teacher: bool | None = None  # top-k teacher only
     return_soft_hard_loss: bool = False
@@ -222,6 +223,7 @@ def parse(
     backend: str,
     grad_accum_dtype: torch.dtype | None,
     teacher_precision: str | None = None,
+    vocab_size: int | None = None,
     check_labels: bool | None,
     check_teacher: bool | None = None,
     return_soft_hard_loss: bool,
@@ -273,7 +275,9 @@ def parse(
         raise ValueError(f"weight_hard_loss: expected 0 when labels is None (no hard labels to train on), got {w_hard!r}")
     check_ignore_index(labels, spec.ignore_index)
     fp8.check_precision(teacher_precision)
-    options = Options(chunk_size, backend, grad_accum_dtype, teacher_precision, check_labels, check_teacher,
+    if vocab_size is not None and (isinstance(vocab_size, bool) or not isinstance(vocab_size, int) or vocab_size < 1):
+        raise TypeError(f"vocab_size: expected None or an int >= 1 (the student's vocab size), got {vocab_size!r}")
+    options = Options(chunk_size, backend, grad_accum_dtype, teacher_precision, vocab_size, check_labels, check_teacher,
                       return_soft_hard_loss, return_stats)
     return Call(spec, student, teacher, options)
 
@@ -319,10 +323,12 @@ def check(call: Call) -> Rows:
     """The call's tensors checked (types, dtypes, devices, shapes) and flattened to rows."""
     student, t = call.student, call.teacher
     xs, ws, bs, y = check_student(student.student_input, student.student_weight, student.student_bias, student.labels)
+    vocab_size = call.options.vocab_size
     if isinstance(t, Heads):
-        teacher = check_teacher_heads(xs, student.student_input, ws, t.teacher_input, t.teacher_weight, t.teacher_bias)
+        teacher = check_teacher_heads(xs, student.student_input, ws, t.teacher_input, t.teacher_weight, t.teacher_bias,
+                                      vocab_size)
     elif isinstance(t, Logits):
-        teacher = (check_teacher_logits(xs, student.student_input, ws, t.teacher_logits),)
+        teacher = (check_teacher_logits(xs, student.student_input, ws, t.teacher_logits, vocab_size),)
     else:
         teacher = check_teacher_topk(xs, student.student_input, ws, t.teacher_ids, t.teacher_logprobs)
     return Rows(xs, ws, bs, y, teacher)
@@ -341,8 +347,17 @@ def check_teacher_values(call: Call, rows: Rows, v) -> None:
 def compute(call: Call):
     """A call on this process alone (no process group, no DTensor head): checked, planned and run."""
     rows = check(call)
+    check_vocab_size(call.options.vocab_size, rows.ws.shape[0])
     check_teacher_values(call, rows, rows.ws.shape[0])
     return run(call, rows)
+
+
+def check_vocab_size(vocab_size, v) -> None:
+    """vocab_size, where given, against the student's vocab v (the group's, for a vocab slice): the
+    teacher's rows past it are padding of the same tokenizer only if it is the student's whole vocab."""
+    if vocab_size is not None and vocab_size != v:
+        raise ValueError(f"vocab_size: expected {v} (the student's vocab: student_weight's rows), got {vocab_size!r}; "
+                         "it declares the teacher's rows from there on padding of the student's tokenizer")
 
 
 def renamed(error: Exception, names: dict) -> Exception:
@@ -905,7 +920,7 @@ def check_student(xs, ws, bs, y):
     if xs.shape[-1] != hs:
         raise ValueError(
             f"student_input: expected hidden size {hs} (student_weight is {tuple(ws.shape)}), got {xs.shape[-1]}"
-            + _transposed("student_weight", ws, xs)
+            + _transposed("student_weight", ws, xs, "student_input", "pass the student's last hidden states")
         )
     if y is not None and y.shape != xs.shape[:-1]:
         raise ValueError(f"labels: expected shape {tuple(xs.shape[:-1])} (student_input's leading dims), got {tuple(y.shape)}")
@@ -945,23 +960,36 @@ def _check_leading(name, x, student_input, trailing):
         )
 
 
-def _check_vocab(name, vt, v):
+def check_teacher_vocab(name, vt, v, vocab_size, what="rows"):
+    """A dense teacher's vocab vt against the student's v: equal, or larger and declared a padded head of
+    the student's tokenizer by vocab_size (checked against v by `check_vocab_size`). A larger one is not
+    taken as padding unannounced: a teacher with another tokenizer would train on mismatched ids."""
     if vt < v:
         raise ValueError(
-            f"{name}: expected a vocab of at least {v} (the student's), got {vt}; a teacher vocab "
-            "smaller than the student's is not a padded head of the same tokenizer"
+            f"{name}: expected {v} {what} (the student's vocab), got {vt}; a teacher vocab smaller than the "
+            "student's is not a padded head of the same tokenizer"
+        )
+    if vt > v and vocab_size is None:
+        raise ValueError(
+            f"{name}: expected {v} {what} (the student's vocab), got {vt}: ambiguous. If the teacher's head is "
+            f"the student's tokenizer padded to {vt} {what}, pass vocab_size={v} (its {what} from {v} on are "
+            "dropped); a teacher with another tokenizer needs its head's rows mapped into the student's vocab "
+            "first (flashkd.token_map)"
         )
 
 
-def _transposed(name, w, x) -> str:
-    """The likelier culprit when x's hidden size is w's first dim: a head passed as (hidden, vocab)."""
+def _transposed(name, w, x, input_name, logits_hint) -> str:
+    """The likelier culprit when x's last dim is w's first: logits passed for hidden states where w
+    reads as (vocab, hidden) (a vocab outnumbers a hidden size), else a head passed as (hidden, vocab)."""
     if x.shape[-1] != w.shape[0]:
         return ""
+    if w.shape[0] > w.shape[1]:
+        return f"; {input_name} looks like logits (its last dim is {name}'s vocab): {logits_hint}"
     return (f"; {name} looks transposed: a head is (vocab, hidden), as nn.Linear(hidden, vocab).weight is, "
             f"so pass {name}.T, of shape {tuple(w.shape[::-1])}")
 
 
-def check_teacher_heads(xs, student_input, ws, xt, wt, bt):
+def check_teacher_heads(xs, student_input, ws, xt, wt, bt, vocab_size=None):
     check_tensors({"teacher_input": xt, "teacher_weight": wt, "teacher_bias": bt}, xs.dtype, xs.device)
     if wt.dim() != 2 or 0 in wt.shape:  # an empty vocab or hidden size has no distribution
         raise ValueError(f"teacher_weight: expected a 2-D (vocab, hidden) tensor, both >= 1, got shape {tuple(wt.shape)}")
@@ -971,22 +999,23 @@ def check_teacher_heads(xs, student_input, ws, xt, wt, bt):
     if xt.shape[-1] != ht:
         raise ValueError(
             f"teacher_input: expected hidden size {ht} (teacher_weight is {tuple(wt.shape)}), got {xt.shape[-1]}"
-            + _transposed("teacher_weight", wt, xt)
+            + _transposed("teacher_weight", wt, xt, "teacher_input", "pass teacher logits to "
+                          "flashkd.fused_linear_distill_logits(student_input, student_weight, teacher_logits, labels)")
         )
-    _check_vocab("teacher_weight", vt, v)
+    check_teacher_vocab("teacher_weight", vt, v, vocab_size)
     if bt is not None and bt.shape != (vt,):
         raise ValueError(f"teacher_bias: expected shape ({vt},), got {tuple(bt.shape)}")
     # A padded teacher head: its extra ids (>= V) are not tokens of the student's vocab; drop them.
     return xt.reshape(-1, ht), wt[:v], None if bt is None else bt[:v]
 
 
-def check_teacher_logits(xs, student_input, ws, tl):
+def check_teacher_logits(xs, student_input, ws, tl, vocab_size=None):
     # fp32 logits of a bf16 / fp16 student are read as passed, as exactly as the student's own
     wide = xs.dtype in NARROW and isinstance(tl, torch.Tensor) and tl.dtype == torch.float32
     check_tensors({"teacher_logits": tl}, None if wide else xs.dtype, xs.device)
     _check_leading("teacher_logits", tl, student_input, "vocab")
     v = ws.shape[0]
-    _check_vocab("teacher_logits", tl.shape[-1], v)
+    check_teacher_vocab("teacher_logits", tl.shape[-1], v, vocab_size, "columns")
     try:
         flat = tl.view(-1, tl.shape[-1])
     except RuntimeError:

@@ -55,6 +55,7 @@ def fused_linear_distill(
     check_replicas: bool = False,
     fsdp_gather: str = "auto",
     teacher_precision: str | None = None,
+    vocab_size: int | None = None,
 ):
     """Distillation loss between a student and a teacher LM head, without materialising the logits.
 
@@ -98,8 +99,11 @@ def fused_linear_distill(
 
     - labels: int64 or int32 (then ignore_index in int32's range). labels=None: every row counts;
       `weight_hard_loss` must then be 0.
-    - teacher vocab Vt > V (same tokenizer, padded head): teacher ids >= V are dropped, so the teacher
-      distribution is the softmax over the student's V ids. Vt < V is an error.
+    - vocab_size: a teacher head of Vt > V rows is taken as the student's tokenizer padded (Qwen's 151936
+      rows for 151665 tokens, say) only when the call says so, vocab_size=V: its ids >= V are dropped, and
+      the teacher distribution is the softmax over the student's V ids. Without it Vt > V is an error (a
+      teacher with another tokenizer would train on mismatched ids), as are Vt < V and vocab_size != V.
+      With process_group, V is the whole vocab's size.
     - temperature_squared: multiply the soft term by τ² (Hinton).
     - grad_accum_dtype: dtype of the dWs accumulator; None means fp32 (fp64 for fp64 weights).
       Passing the weight's own dtype saves V·Hs·(4 − E) bytes, and rounds dWs once per chunk: its
@@ -125,7 +129,7 @@ def fused_linear_distill(
             reduction=reduction, temperature_squared=temperature_squared, student_logit_scale=student_logit_scale,
             student_softcap=student_softcap, teacher_logit_scale=teacher_logit_scale, teacher_softcap=teacher_softcap,
             chunk_size=chunk_size, backend=backend, grad_accum_dtype=grad_accum_dtype,
-            teacher_precision=teacher_precision, check_labels=check_labels,
+            teacher_precision=teacher_precision, vocab_size=vocab_size, check_labels=check_labels,
             return_soft_hard_loss=return_soft_hard_loss, return_stats=return_stats,
         )
 
@@ -166,14 +170,16 @@ def fused_linear_distill_logits(
     check_shards: bool | None = None,
     check_replicas: bool = False,
     fsdp_gather: str = "auto",
+    vocab_size: int | None = None,
 ):
     """`fused_linear_distill` with the teacher given as precomputed dense logits (no teacher GEMM).
 
     Same losses, options and results as `fused_linear_distill` with teacher logits
     Xt @ Wt^T (+ bt); `teacher_logits` has the student's dtype and is read in place, one chunk of rows
     at a time (its leading dims must flatten to rows without a copy, as a view: any row stride; a vocab
-    stride other than 1 is copied per chunk; other layouts are refused, not copied whole). Its
-    columns >= V (a padded head) are dropped. The teacher gets no gradient. `teacher_logit_scale` and
+    stride other than 1 is copied per chunk; other layouts are refused, not copied whole). With more
+    than V columns (a padded head) pass vocab_size=V, as for `fused_linear_distill`'s teacher_weight:
+    its columns >= V are dropped. The teacher gets no gradient. `teacher_logit_scale` and
     `teacher_softcap` transform `teacher_logits` as given: an HF model's `.logits` already include
     its own scale and softcap, so leave them at their defaults for those. With `process_group`,
     `teacher_logits` are the columns of this rank's vocab slice.
@@ -186,8 +192,8 @@ def fused_linear_distill_logits(
             weight_hard_loss=weight_hard_loss, weight_soft_loss=weight_soft_loss, ignore_index=ignore_index,
             reduction=reduction, temperature_squared=temperature_squared, student_logit_scale=student_logit_scale,
             student_softcap=student_softcap, teacher_logit_scale=teacher_logit_scale, teacher_softcap=teacher_softcap,
-            chunk_size=chunk_size, backend=backend, grad_accum_dtype=grad_accum_dtype, check_labels=check_labels,
-            return_soft_hard_loss=return_soft_hard_loss, return_stats=return_stats,
+            chunk_size=chunk_size, backend=backend, grad_accum_dtype=grad_accum_dtype, vocab_size=vocab_size,
+            check_labels=check_labels, return_soft_hard_loss=return_soft_hard_loss, return_stats=return_stats,
         )
 
     return _route(parse, student_input, (student_weight, student_bias),
@@ -392,8 +398,9 @@ _LOSS = dict(loss="jsd", beta=None, alpha=None, head_mass=None, temperature=1.0,
              check_labels=None, student_logit_scale=1.0, student_softcap=None, row_weight=None, return_stats=False)
 _TEACHER_HEAD = dict(teacher_logit_scale=1.0, teacher_softcap=None)
 KEYWORDS = {
-    "fused_linear_distill": {**_LOSS, **_TEACHER_HEAD, "teacher_bias": None, "teacher_precision": None, **_SHARDING},
-    "fused_linear_distill_logits": {**_LOSS, **_TEACHER_HEAD, **_SHARDING},
+    "fused_linear_distill": {**_LOSS, **_TEACHER_HEAD, "teacher_bias": None, "teacher_precision": None, **_SHARDING,
+                             "vocab_size": None},
+    "fused_linear_distill_logits": {**_LOSS, **_TEACHER_HEAD, **_SHARDING, "vocab_size": None},
     "fused_linear_distill_topk": {**_LOSS, "loss": "forward_kl", "weight_hard_loss": 0.0, "weight_soft_loss": 1.0,
                                   "tail": "bucket", "tail_clamp": None, "check_teacher": None, "teacher_index": None,
                                   "num_teachers": None, **_SHARDING},
@@ -404,19 +411,14 @@ KEYWORDS = {
 }
 
 
-def check_options(options: dict) -> None:
-    """Options of `fused_linear_distill` (KEYWORDS' names), checked as a forward with labels would check
-    them, by the call's own parse: a module's options fail where it is made, not at its first forward.
-    What depends on the tensors (triton on a CPU tensor, grad_accum_dtype against the weight's) and
-    the sharding keywords are checked by the call."""
-    o = {**KEYWORDS["fused_linear_distill"], **options}
-    chunks.parse(
-        None, None, loss=o["loss"], beta=o["beta"], alpha=o["alpha"], head_mass=o["head_mass"],
-        temperature=o["temperature"], weight_hard_loss=o["weight_hard_loss"], weight_soft_loss=o["weight_soft_loss"],
-        ignore_index=o["ignore_index"], reduction=o["reduction"], temperature_squared=o["temperature_squared"],
-        student_logit_scale=o["student_logit_scale"], student_softcap=o["student_softcap"],
-        teacher_logit_scale=o["teacher_logit_scale"], teacher_softcap=o["teacher_softcap"],
-        chunk_size=o["chunk_size"], backend=o["backend"], grad_accum_dtype=o["grad_accum_dtype"],
-        teacher_precision=o["teacher_precision"], check_labels=o["check_labels"],
-        return_soft_hard_loss=o["return_soft_hard_loss"], return_stats=o["return_stats"],
-    )
+# Keywords that are per-call tensors or sharding, not options the parse checks alone.
+_NOT_PARSED = frozenset({"student_bias", "teacher_bias", "row_weight", "teacher_index", "num_teachers", *_SHARDING})
+
+
+def check_options(options: dict, function: str = "fused_linear_distill") -> None:
+    """Options of a public loss function (KEYWORDS[function]'s names), checked as a forward with labels
+    would check them, by the call's own parse: a module's or trainer's options fail where it is made, not
+    at its first forward. What depends on the tensors (triton on a CPU tensor, grad_accum_dtype against
+    the weight's, vocab_size against the heads) and the sharding keywords are checked by the call."""
+    o = {**KEYWORDS[function], **options}
+    chunks.parse(None, None, **{name: value for name, value in o.items() if name not in _NOT_PARSED})

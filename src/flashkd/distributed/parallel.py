@@ -51,6 +51,8 @@ def run(call, sharding: Sharding, *, reduce_dx=True, dw_scale=1.0, record=None):
     vocab = shard(group, sharding.vocab_start, local_size, _wire_device(group, student.student_input),
                   sharding.check_shards, call.options.chunk_size, failed=failed, rows=("student_input", count),
                   agree=agree, ranges=ranges, reduce_dx=reduce_dx, dw_scale=dw_scale, record=record)
+    if call.options.vocab_size is not None:  # agreed by every rank: raised on all alike (one host read, where asked)
+        chunks.check_vocab_size(call.options.vocab_size, int(vocab.total))
     if sharding.check_replicas:
         check_replicas(group, {**replicated, "labels": rows.y})
     if read:  # the labels and ids were checked against the group's vocab in `shard`, on every rank alike
@@ -161,7 +163,8 @@ def _agreed(call, sharding: Sharding, rows, derived=None) -> dict:
                 "return_stats": options.return_stats, "check_labels": options.check_labels,
                 "check_teacher": options.check_teacher, "check_replicas": sharding.check_replicas,
                 "check_shards": sharding.check_shards, "teacher_precision": options.teacher_precision,
-                "fsdp_gather": sharding.fsdp_gather, "grad_accum_dtype": options.grad_accum_dtype})
+                "fsdp_gather": sharding.fsdp_gather, "grad_accum_dtype": options.grad_accum_dtype,
+                "vocab_size": options.vocab_size})
     out.update(derived)
     return out
 
