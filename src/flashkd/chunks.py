@@ -960,7 +960,7 @@ def _check_leading(name, x, student_input, trailing):
         )
 
 
-def check_teacher_vocab(name, vt, v, vocab_size, what="rows"):
+def check_teacher_vocab(name, vt, v, vocab_size, what="rows", keyword="vocab_size={v}"):
     """A dense teacher's vocab vt against the student's v: equal, or larger and declared a padded head of
     the student's tokenizer by vocab_size (checked against v by `check_vocab_size`). A larger one is not
     taken as padding unannounced: a teacher with another tokenizer would train on mismatched ids."""
@@ -972,9 +972,9 @@ def check_teacher_vocab(name, vt, v, vocab_size, what="rows"):
     if vt > v and vocab_size is None:
         raise ValueError(
             f"{name}: expected {v} {what} (the student's vocab), got {vt}: ambiguous. If the teacher's head is "
-            f"the student's tokenizer padded to {vt} {what}, pass vocab_size={v} (its {what} from {v} on are "
-            "dropped); a teacher with another tokenizer needs its head's rows mapped into the student's vocab "
-            "first (flashkd.token_map)"
+            f"the student's tokenizer padded to {vt} {what}, pass {keyword.format(v=v)} (its {what} from {v} on are "
+            "dropped); a teacher with another tokenizer needs its head's rows gathered into the student's "
+            "vocab order first (teacher_weight[index], and a teacher_bias of -inf at student ids it lacks)"
         )
 
 

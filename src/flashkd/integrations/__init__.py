@@ -15,7 +15,36 @@ This package itself imports neither; the helpers below are the pieces both share
 
 from __future__ import annotations
 
+import logging
+import sys
+
 import torch
+
+
+class _Stderr(logging.StreamHandler):
+    """A handler writing to the sys.stderr of the moment (one replaced after import included)."""
+
+    @property
+    def stream(self):
+        return sys.stderr
+
+    @stream.setter
+    def stream(self, _value):
+        pass
+
+
+def announce(message: str) -> None:
+    """One line on the "flashkd" logger, at INFO, when a patch installs: that the trainer now runs flashkd
+    is worth seeing. Shown on stderr unless the application configured that logger itself (its level or
+    handlers): `logging.getLogger("flashkd").setLevel(logging.WARNING)` silences it."""
+    logger = logging.getLogger("flashkd")
+    if not logger.handlers and logger.level == logging.NOTSET:
+        handler = _Stderr()
+        handler.setFormatter(logging.Formatter("%(name)s: %(message)s"))
+        logger.addHandler(handler)
+        logger.setLevel(logging.INFO)
+        logger.propagate = False  # the root logger's handlers would print it twice
+    logger.info(message)
 
 
 def full_head(weight: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype):

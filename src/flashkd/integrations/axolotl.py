@@ -57,6 +57,7 @@ import torch
 import torch.nn.functional as F
 
 from ..distill import fused_linear_distill_topk
+from . import announce
 
 TESTED_AXOLOTL_VERSIONS = ("0.19.0",)
 _TRAINER = "axolotl.integrations.kd.trainer"
@@ -199,6 +200,8 @@ def patch() -> None:
 
     if _original is None:
         _original = {name: getattr(importlib.import_module(name), _NAME) for name in (_TRAINER, _KERNEL)}
+        announce("axolotl's KD trainers built from now on compute their loss with flashkd "
+                 "(flashkd.integrations.axolotl.patch; unpatch() undoes it)")
     for name in (_TRAINER, _KERNEL):
         setattr(importlib.import_module(name), _NAME, FusedLinearKLTopKLogprobLoss)
 

@@ -58,7 +58,8 @@ except ModuleNotFoundError as e:  # only transformers itself missing gets the hi
     raise ImportError('flashkd.integrations.transformers needs transformers (and accelerate, which its Trainer '
                       'uses): pip install "flashkd[hf]"', name="transformers") from None
 
-from ..distill import KEYWORDS, fused_linear_distill, fused_linear_distill_topk
+from ..chunks import check_teacher_vocab, check_vocab_size
+from ..distill import KEYWORDS, check_options, fused_linear_distill, fused_linear_distill_topk
 from . import compute_dtype, full_head, per_item
 
 IGNORE_INDEX = -100  # HF's label for "no loss here"
@@ -117,6 +118,15 @@ class DistillationLossMixin:
         given = dict(loss=loss, beta=beta, temperature=temperature, weight_hard_loss=weight_hard_loss,
                      weight_soft_loss=weight_soft_loss)
         self.distill_options = {**options, **{k: v for k, v in given.items() if v is not None}}
+        # What the first step would refuse, refused here: the options by the call's own parse, the heads' vocabs
+        function = "fused_linear_distill" if teacher_model is not None else "fused_linear_distill_topk"
+        wrong = sorted(set(options) - set(KEYWORDS[function]))
+        if wrong:
+            raise TypeError(f"distill_options: {', '.join(map(repr, wrong))} are not keyword options of "
+                            f"flashkd.{function} (the loss of a {'live teacher' if teacher_model is not None else 'top-k teacher'})")
+        check_options(self.distill_options, function)
+        if teacher_model is not None:
+            _check_heads(self.model, teacher_model, self.distill_options.get("vocab_size"))
         if teacher_model is not None:
             teacher_model.eval()
             if not (self.is_deepspeed_enabled or self.is_fsdp_enabled):
@@ -189,6 +199,19 @@ class DistillationLossMixin:
 class DistillationTrainer(DistillationLossMixin, transformers.Trainer):
     """`transformers.Trainer` that distils `teacher_model` (or the batch's top-k targets) into `model`
     with flashkd's fused loss; keywords as `DistillationLossMixin`'s, then the Trainer's own."""
+
+
+def _check_heads(model, teacher_model, vocab_size):
+    """The two LM heads' vocabs, as the loss will check them (under ZeRO-3 a parameter's full shape is its
+    ds_shape)."""
+    rows = []
+    for module, name in ((model, "model"), (teacher_model, "teacher_model")):
+        weight = _causal_lm(module, name).get_output_embeddings().weight
+        rows.append(tuple(getattr(weight, "ds_shape", None) or weight.shape)[0])
+    v, vt = rows
+    keyword = 'distill_options={{"vocab_size": {v}}}'
+    check_teacher_vocab("teacher_model", vt, v, vocab_size, "LM-head rows", keyword)
+    check_vocab_size(vocab_size, v)
 
 
 def _shifted_labels(inputs, labels, ids):

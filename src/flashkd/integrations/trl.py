@@ -57,7 +57,7 @@ import torch
 
 from .. import fp8
 from ..distill import fused_linear_distill, fused_linear_distill_topk
-from . import compute_dtype, full_head, per_item
+from . import announce, compute_dtype, full_head, per_item
 
 TESTED_TRL_VERSIONS = ("1.16.0",)
 
@@ -312,6 +312,8 @@ def patch(*, teacher_precision: str | None = None):
 
         server.compute_loss = profiling_decorator(server_compute_loss)  # TRL's timing of the method, kept
         token = _installed = object()
+        announce("TRL's DistillationTrainer, AsyncDistillationTrainer and ServerDistillationTrainer compute their "
+                 "loss with flashkd (flashkd.integrations.trl.patch; unpatch() undoes it)")
     return _Undo(token)
 
 

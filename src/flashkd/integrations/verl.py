@@ -56,9 +56,10 @@ import os
 
 import torch
 
-from ..distill import fused_linear_distill_topk
-from ..losses import LossSpec, topk_row_losses
-from . import full_head
+from ..distill import KEYWORDS, fused_linear_distill_topk
+from ..distill import check_options as distill_check_options
+from ..losses import LossSpec, loss_parameters, topk_row_losses
+from . import announce, full_head
 
 TESTED_VERL_VERSIONS = ("0.9.1",)
 LOSSES = ("forward_kl", "reverse_kl", "jsd")
@@ -165,7 +166,7 @@ class _TopK(torch.autograd.Function):
             bs = None if b is None else b.detach().requires_grad_(ctx.needs_input_grad[2])
             loss = fused_linear_distill_topk(
                 xs, ws, ids, lp, None, loss=spec.loss if spec.tail else "forward_kl",
-                tail=spec.tail or "bucket", beta=spec.beta, temperature=spec.temperature,
+                tail=spec.tail or "bucket", beta=spec.beta if spec.loss == "jsd" else None, temperature=spec.temperature,
                 student_bias=bs, reduction="sum", row_weight=weight.detach(), chunk_size=ctx.chunk_size,
                 **ctx.keywords,
             )
@@ -184,7 +185,7 @@ def topk_outputs(
     temperature: float = 1.0,
     log_prob_min_clamp: float | None = None,
     loss: str = "forward_kl",
-    beta: float = 0.5,
+    beta: float | None = None,
     lm_head_bias: torch.Tensor | None = None,
     chunk_size: int | None = None,
     **keywords,
@@ -196,19 +197,12 @@ def topk_outputs(
 
     loss="forward_kl" is verl's (the module docstring), with `log_prob_min_clamp` as verl applies it;
     "reverse_kl" and "jsd" (β in flashkd's convention: 0 forward, 1 reverse) are flashkd's top-k form
-    over the teacher's ids and a tail bucket (`flashkd.losses.topk_row_losses`), without a clamp.
+    over the teacher's ids and a tail bucket (`flashkd.losses.topk_row_losses`), without a clamp; β is
+    read by "jsd" only (None: 0.5).
     `keywords` go to `flashkd.fused_linear_distill_topk` (backend, grad_accum_dtype, check_teacher, ...).
     """
-    if loss not in LOSSES:
-        raise ValueError(f"loss: expected one of {', '.join(map(repr, LOSSES))}, got {loss!r}")
-    if log_prob_min_clamp is not None:
-        if isinstance(log_prob_min_clamp, bool) or not isinstance(log_prob_min_clamp, (int, float)):
-            raise TypeError(f"log_prob_min_clamp: expected a float or None, got {log_prob_min_clamp!r}")
-        if not math.isfinite(log_prob_min_clamp):
-            raise ValueError(f"log_prob_min_clamp: expected a finite float, got {log_prob_min_clamp!r}")
-        if loss != "forward_kl":
-            raise ValueError(f"log_prob_min_clamp: verl clamps its forward KL only; expected None with "
-                             f"loss={loss!r}, got {log_prob_min_clamp!r}")
+    spec = check_options(loss=loss, beta=beta, temperature=temperature, log_prob_min_clamp=log_prob_min_clamp,
+                         chunk_size=chunk_size, **keywords)
     for name, t in (("hidden_states", hidden_states), ("lm_head_weight", lm_head_weight),
                     ("teacher_ids", teacher_ids), ("teacher_logprobs", teacher_logprobs)):
         if not isinstance(t, torch.Tensor):
@@ -222,8 +216,6 @@ def topk_outputs(
     if lm_head_weight.dim() != 2 or lm_head_weight.shape[1] != hidden_states.shape[-1]:
         raise ValueError(f"lm_head_weight: expected shape (V, {hidden_states.shape[-1]}), got "
                          f"{tuple(lm_head_weight.shape)}")
-    spec = LossSpec(loss=loss, beta=beta, temperature=temperature, weight_hard=0.0, weight_soft=1.0,
-                    want_hard=False, tail=None if loss == "forward_kl" else "bucket")
     lead = teacher_ids.shape[:-1]
     k = teacher_ids.shape[-1]
     x = hidden_states.reshape(-1, hidden_states.shape[-1])
@@ -236,6 +228,35 @@ def topk_outputs(
     outs = _TopK.apply(x, lm_head_weight, lm_head_bias, ids, teacher_logprobs.reshape(-1, k), spec,
                        log_prob_min_clamp, chunk_size, keywords)
     return {name: o.reshape(lead) for name, o in zip(FIELDS, outs)}
+
+
+# the keywords topk_outputs passes to fused_linear_distill_topk itself
+_SET_HERE = frozenset({"loss", "beta", "temperature", "chunk_size", "student_bias", "tail", "weight_hard_loss",
+                       "weight_soft_loss", "row_weight", "reduction"})
+
+
+def check_options(*, loss="forward_kl", beta=None, temperature=1.0, log_prob_min_clamp=None, chunk_size=None,
+                  **keywords) -> LossSpec:
+    """`topk_outputs`'s options (no tensors), checked: its LossSpec. `patch` checks its options here, so
+    that a wrong one fails where it is given, not in verl's first training step."""
+    if loss not in LOSSES:
+        raise ValueError(f"loss: expected one of {', '.join(map(repr, LOSSES))}, got {loss!r}")
+    if log_prob_min_clamp is not None:
+        if isinstance(log_prob_min_clamp, bool) or not isinstance(log_prob_min_clamp, (int, float)):
+            raise TypeError(f"log_prob_min_clamp: expected a float or None, got {log_prob_min_clamp!r}")
+        if not math.isfinite(log_prob_min_clamp):
+            raise ValueError(f"log_prob_min_clamp: expected a finite float, got {log_prob_min_clamp!r}")
+        if loss != "forward_kl":
+            raise ValueError(f"log_prob_min_clamp: verl clamps its forward KL only; expected None with "
+                             f"loss={loss!r}, got {log_prob_min_clamp!r}")
+    wrong = sorted(set(keywords) & _SET_HERE | set(keywords) - set(KEYWORDS["fused_linear_distill_topk"]))
+    if wrong:
+        raise TypeError(f"{wrong[0]}: expected a keyword option of topk_outputs or flashkd.fused_linear_distill_topk "
+                        f"that topk_outputs does not set itself, got {wrong[0]}={keywords[wrong[0]]!r}")
+    distill_check_options({"loss": loss, "beta": beta, "temperature": temperature,
+                           "chunk_size": chunk_size, **keywords}, "fused_linear_distill_topk")
+    return LossSpec(loss=loss, **loss_parameters(loss, dict(beta=beta)), temperature=temperature, weight_hard=0.0,
+                    weight_soft=1.0, want_hard=False, tail=None if loss == "forward_kl" else "bucket")
 
 
 # --- verl's FSDP engine -----------------------------------------------------------------------------
@@ -286,6 +307,11 @@ def patch(**options) -> None:
     if _original is None:
         _original = (engine.prepare_model_inputs, engine.prepare_model_outputs)
     inputs_fn, outputs_fn = _original
+    for name in ("temperature", "log_prob_min_clamp"):
+        if name in options:
+            raise TypeError(f"{name}: expected from verl's own config (the micro-batch, distillation_loss), not as "
+                            f"an option of patch(), got {name}={options[name]!r}")
+    check_options(**options)  # a wrong option fails here, not in verl's first training step
     _options.clear()
     _options.update(options)
 
@@ -339,6 +365,8 @@ def patch(**options) -> None:
 
     engine.prepare_model_inputs = prepare_model_inputs
     engine.prepare_model_outputs = prepare_model_outputs
+    announce("verl's FSDP engine computes top-k distillation (use_fused_kernels) with flashkd "
+             "(flashkd.integrations.verl.patch; unpatch() undoes it)")
 
 
 def unpatch() -> None:
