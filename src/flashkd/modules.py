@@ -103,6 +103,8 @@ class _LigerDropIn(FusedLinearDistillLoss):
         compiled: bool = True,
         chunk_size: int | None = None,
         return_soft_hard_loss: bool = False,
+        *,
+        vocab_size: int | None = None,  # flashkd's: declares a teacher head past V rows padding (not Liger's)
     ):
         super().__init__(
             self._loss,
@@ -113,6 +115,7 @@ class _LigerDropIn(FusedLinearDistillLoss):
             temperature=temperature,
             chunk_size=chunk_size,
             return_soft_hard_loss=return_soft_hard_loss,
+            vocab_size=vocab_size,
         )
         self.compiled = compiled
 
@@ -157,21 +160,23 @@ class FusedLinearJSD(torch.nn.Module):
     `(student_input, student_weight, teacher_input, teacher_weight, shift_labels=None)`."""
 
     def __init__(self, jsd_beta: float = 0.5, ignore_index: int = -100, temperature: float = 1.0,
-                 accum_dtype: torch.dtype | None = None):
+                 accum_dtype: torch.dtype | None = None, *, vocab_size: int | None = None):
         super().__init__()
         try:  # checked here, as the forward's call will check them
             check_options(dict(loss="jsd", beta=jsd_beta, temperature=temperature, ignore_index=ignore_index,
-                                weight_hard_loss=0.0, weight_soft_loss=1.0, grad_accum_dtype=accum_dtype))
+                                weight_hard_loss=0.0, weight_soft_loss=1.0, grad_accum_dtype=accum_dtype,
+                                vocab_size=vocab_size))
         except (TypeError, ValueError) as e:
             raise renamed(e, {"beta": "jsd_beta", "grad_accum_dtype": "accum_dtype"}) from None
         self.jsd_beta, self.ignore_index, self.temperature, self.accum_dtype = jsd_beta, ignore_index, temperature, accum_dtype
+        self.vocab_size = vocab_size  # flashkd's (not Liger's): declares a teacher head past V rows padding
 
     def forward(self, student_input, student_weight, teacher_input, teacher_weight, shift_labels=None):
         try:
             return fused_linear_distill(
                 student_input, student_weight, teacher_input, teacher_weight, shift_labels, loss="jsd",
                 beta=self.jsd_beta, temperature=self.temperature, ignore_index=self.ignore_index,
-                weight_hard_loss=0.0, weight_soft_loss=1.0, grad_accum_dtype=self.accum_dtype,
+                weight_hard_loss=0.0, weight_soft_loss=1.0, grad_accum_dtype=self.accum_dtype, vocab_size=self.vocab_size,
             )
         except (TypeError, ValueError) as e:  # errors name the argument as Liger's signature calls it
             raise renamed(e, {"beta": "jsd_beta", "labels": "shift_labels", "grad_accum_dtype": "accum_dtype"}) from None
