@@ -13,10 +13,11 @@ import torch.nn.functional as F
 
 
 def distill_loss(
-    xs, ws, xt, wt, labels=None, *, loss="jsd", beta=0.5, temperature=1.0, weight_hard_loss=0.5,
+    xs, ws, xt, wt, labels=None, *, loss="jsd", beta=None, temperature=1.0, weight_hard_loss=0.5,
     weight_soft_loss=0.5, ignore_index=-100, student_bias=None, teacher_bias=None, reduction="mean",
     temperature_squared=False, plain=False, teacher_logits=None, student_logit_scale=1.0, teacher_logit_scale=1.0,
-    student_softcap=None, teacher_softcap=None, row_weight=None, student_logits=None, alpha=0.1, head_mass=0.5,
+    student_softcap=None, teacher_softcap=None, row_weight=None, student_logits=None, alpha=None, head_mass=0.5,
+    gate_min=0.0, gate_max=1.0, gate_center=0.5, gate_width=0.1,
 ):
     """float64 loss, differentiable w.r.t. xs, ws and student_bias; also returns (soft, hard).
 
@@ -24,6 +25,7 @@ def distill_loss(
     math in fp32 — the baseline whose error the fused op must match. teacher_logits (..., Vt), when
     given, replaces xt @ wt^T (xt, wt are then ignored); student_logits (..., V) likewise xs @ ws^T.
     """
+    alpha, beta = _defaults(loss, alpha, beta)
     up = (lambda x: x) if plain else (lambda x: x.double())
     logits_s = up(xs) @ up(ws).T if student_logits is None else up(student_logits)
     v = logits_s.shape[-1]
@@ -45,11 +47,23 @@ def distill_loss(
     if loss == "cosine":
         soft = beta * (1 - F.cosine_similarity(logits_s, logits_t, dim=-1))
     else:
-        soft = _divergence(q, p, loss, beta, alpha, head_mass)
+        logs = torch.log_softmax(logits_s / temperature, -1), torch.log_softmax(logits_t / temperature, -1)
+        soft = _divergence(q, p, loss, beta, alpha, head_mass, logs=logs, gate=(gate_min, gate_max, gate_center, gate_width),
+                           labels=None if labels is None else labels.reshape(-1))
     if temperature_squared:
         soft = soft * temperature**2
 
     return _reduce(soft, logits_s, labels, ignore_index, reduction, weight_hard_loss, weight_soft_loss, row_weight)
+
+
+# The losses' parameters where a call leaves them out (None): each loss's own default
+_DEFAULT_ALPHA = {"alpha_divergence": 0.5, "renyi": 0.5, "renyi_reverse": 0.5, "ab_divergence": 0.5, "dkd": 1.0}
+_DEFAULT_BETA = {"ab_divergence": 0.5, "dkd": 8.0}
+
+
+def _defaults(loss, alpha, beta):
+    return (_DEFAULT_ALPHA.get(loss, 0.1) if alpha is None else alpha,
+            _DEFAULT_BETA.get(loss, 0.5) if beta is None else beta)
 
 
 def head(logits, scale=1.0, softcap=None):
@@ -79,16 +93,18 @@ def student_stats(xs, ws, labels=None, ids=None, *, temperature=1.0, student_bia
 
 
 def topk_loss(
-    xs, ws, ids, logprobs, labels=None, *, loss="forward_kl", tail="bucket", beta=0.5, temperature=1.0,
+    xs, ws, ids, logprobs, labels=None, *, loss="forward_kl", tail="bucket", beta=None, temperature=1.0,
     weight_hard_loss=0.0, weight_soft_loss=1.0, ignore_index=-100, student_bias=None, reduction="mean",
     temperature_squared=False, student_logit_scale=1.0, student_softcap=None, row_weight=None, student_logits=None,
-    tail_clamp=None, teacher_entropy=False, alpha=0.1, head_mass=0.5,
+    tail_clamp=None, teacher_entropy=False, alpha=None, head_mass=0.5, gate_min=0.0, gate_max=1.0, gate_center=0.5,
+    gate_width=0.1,
 ):
     """float64 loss of a sparse teacher, row by row from the definition: the categories are the used
     ids (+ the rest of the vocab for tail="bucket"), probabilities summed explicitly. student_logits, when
     given, replaces xs @ ws^T and sets the precision (the fp32 pipeline's bar). tail_clamp ε: TRL's
     bucket, each side's rest 1 − min(Σ over the ids, e^−ε), nothing renormalised. teacher_entropy: also
     return each row's −Σ p log p over the categories (zero on ignored rows)."""
+    alpha, beta = _defaults(loss, alpha, beta)
     logits_s = xs.double() @ ws.double().T if student_logits is None else student_logits
     v = logits_s.shape[-1]
     if student_bias is not None:
@@ -120,7 +136,7 @@ def topk_loss(
             continue
         else:
             q_ids, p_ids = q_ids / q_ids.sum(), p_ids / p_ids.sum()
-        soft.append(_divergence(q_ids, p_ids, loss, beta, alpha, head_mass))
+        soft.append(_divergence(q_ids, p_ids, loss, beta, alpha, head_mass, gate=(gate_min, gate_max, gate_center, gate_width)))
         entropy.append(-torch.xlogy(p_ids, p_ids).sum())
     soft = torch.stack(soft) if soft else q.new_zeros(0)
     if temperature_squared:
@@ -174,8 +190,14 @@ def trl_jsd_loss(hidden, weight, bias, ids, logprobs, mask, *, beta, temperature
     return jsd.sum(), jsd.detach().sum(), student_entropy.detach().sum(), teacher_entropy.sum(), per_teacher
 
 
-def _divergence(q, p, loss, beta, alpha=0.1, head_mass=0.5):
-    """The soft term between distributions q (student) and p (teacher) over the last dim."""
+def _divergence(q, p, loss, beta, alpha=0.1, head_mass=0.5, *, logs=None, gate=(0.0, 1.0, 0.5, 0.1), labels=None):
+    """The soft term between distributions q (student) and p (teacher) over the last dim. logs: (log q,
+    log p) where the caller has them (a probability 0 there is −inf exactly: the powers below are taken
+    as exp of their logs, whose gradient at 0 is 0, not 0 · inf); labels: each row's class (dkd)."""
+    if loss in ("jeffreys", "alpha_divergence", "renyi", "renyi_reverse", "ab_divergence", "triangular",
+                "entropy_adaptive", "dkd"):
+        lq, lp = logs if logs is not None else (torch.log(q), torch.log(p))
+        return _power_divergence(q, p, lq, lp, loss, alpha, beta, gate, labels)
 
     def kl(a, b):  # Σ a log(a / b)
         return (torch.xlogy(a, a) - torch.xlogy(a, b)).sum(-1)
@@ -210,6 +232,61 @@ def _divergence(q, p, loss, beta, alpha=0.1, head_mass=0.5):
         g_head = gap.masked_fill(tail, 0.0).sum(-1)
         g_tail = gap.masked_fill(~tail, 0.0).sum(-1)
         return g_head / (g_head + g_tail) * kl(p, q) + g_tail / (g_head + g_tail) * kl(q, p)
+    raise AssertionError(loss)
+
+
+def _power_divergence(q, p, lq, lp, loss, alpha, beta, gate, labels):
+    """The divergences of Jeffreys, Amari, Rényi, Cichocki (αβ), the triangular discrimination, the
+    entropy-gated KL blend and DKD, written as their papers do."""
+
+    def kl(a, b, la, lb):  # Σ a log(a / b), 0 where a = 0 (value and gradient)
+        on = a > 0
+        return (a * torch.where(on, la - torch.where(on, lb, 0.0), 0.0)).sum(-1)
+
+    def power(x, y, lx, ly, a, b):  # Σ x^a y^b: 0^a = 0 for a > 0, inf for a < 0, and x^0 = 1
+        zero = ((lx == -math.inf) & (a > 0)) | ((ly == -math.inf) & (b > 0))
+        inf = ~zero & (((lx == -math.inf) & (a < 0)) | ((ly == -math.inf) & (b < 0)))
+        t = torch.zeros_like(lx)
+        for e, lz in ((a, lx), (b, ly)):
+            if e != 0:
+                t = t + e * torch.where(lz == -math.inf, 0.0, lz)
+        return torch.exp(torch.where(zero, -math.inf, torch.where(inf, math.inf, t))).sum(-1)
+
+    if loss == "jeffreys":
+        return kl(p, q, lp, lq) + kl(q, p, lq, lp)
+    if loss == "triangular":
+        both = (p + q) > 0
+        return torch.where(both, (p - q) ** 2 / torch.where(both, p + q, 1.0), 0.0).sum(-1)
+    if loss == "alpha_divergence":  # Amari: (1 − Σ p^(1−α) q^α) / (α (1 − α))
+        return (1 - power(p, q, lp, lq, 1 - alpha, alpha)) / (alpha * (1 - alpha))
+    if loss in ("renyi", "renyi_reverse"):  # D_α(p‖q), D_α(q‖p)
+        a, b, la, lb = (p, q, lp, lq) if loss == "renyi" else (q, p, lq, lp)
+        if alpha == 1:
+            return kl(a, b, la, lb)
+        return torch.log(power(a, b, la, lb, alpha, 1 - alpha)) / (alpha - 1)
+    if loss == "ab_divergence":  # Cichocki, Cruces & Amari 2011, the teacher's power α, the student's β
+        c = alpha + beta
+        return -(power(p, q, lp, lq, alpha, beta) - alpha / c * power(p, q, lp, lq, c, 0)
+                 - beta / c * power(p, q, lp, lq, 0, c)) / (alpha * beta)
+    if loss == "entropy_adaptive":
+        w_min, w_max, center, width = gate
+        entropy = -torch.xlogy(p, p).sum(-1)
+        n = ((p > 0) | (q > 0)).sum(-1).double()
+        h = torch.where(n > 1, entropy / torch.log(torch.clamp(n, min=2)), 0.0)
+        w = w_min + (w_max - w_min) * torch.sigmoid((h - center) / width)
+        return w * kl(p, q, lp, lq) + (1 - w) * kl(q, p, lq, lp)
+    if loss == "dkd":  # Zhao et al.: α TCKD + β NCKD, y the label
+        y = torch.where(labels >= 0, labels, 0).long()[:, None]
+        # in log space, from the log-softmax: log(1 − p_y) the logsumexp of log p off y
+        others = torch.ones_like(p, dtype=torch.bool).scatter(-1, y, False)
+        lp_off, lq_off = torch.where(others, lp, -math.inf), torch.where(others, lq, -math.inf)
+        rest_p, rest_q = torch.logsumexp(lp_off, -1), torch.logsumexp(lq_off, -1)
+        two_lp = torch.stack([lp.gather(-1, y)[:, 0], rest_p], -1)
+        two_lq = torch.stack([lq.gather(-1, y)[:, 0], rest_q], -1)
+        tckd = kl(two_lp.exp(), two_lq.exp(), two_lp, two_lq)
+        lp_hat, lq_hat = lp_off - rest_p[:, None], lq_off - rest_q[:, None]
+        nckd = kl(lp_hat.exp(), lq_hat.exp(), lp_hat, lq_hat)
+        return alpha * tckd + beta * nckd
     raise AssertionError(loss)
 
 

@@ -79,7 +79,8 @@ from typing import ClassVar
 import torch
 
 from . import fp8
-from .losses import DistillStats, LossSpec, VocabSlice, check_finite_float, check_ignore_index, loss_parameters
+from .losses import (LABEL_LOSSES, DistillStats, LossSpec, VocabSlice, check_finite_float, check_ignore_index,
+                     loss_parameters)
 from .backends import torch_rows
 
 # Default memory for one chunk's logits. Bigger chunks make the GEMMs more efficient; past a few
@@ -207,6 +208,10 @@ def parse(
     beta: float | None,  # the losses' parameters (losses.PARAMETERS): None, the loss's default
     alpha: float | None,
     head_mass: float | None,
+    gate_min: float | None = None,
+    gate_max: float | None = None,
+    gate_center: float | None = None,
+    gate_width: float | None = None,
     temperature: float,
     weight_hard_loss: float,
     weight_soft_loss: float,
@@ -254,7 +259,8 @@ def parse(
     logged = return_soft_hard_loss or return_stats
     spec = LossSpec(
         loss=loss,
-        **loss_parameters(loss, dict(beta=beta, alpha=alpha, head_mass=head_mass)),
+        **loss_parameters(loss, dict(beta=beta, alpha=alpha, head_mass=head_mass, gate_min=gate_min, gate_max=gate_max,
+                                     gate_center=gate_center, gate_width=gate_width)),
         temperature=temperature,
         weight_hard=w_hard,
         weight_soft=w_soft,
@@ -271,6 +277,8 @@ def parse(
         teacher_logit_scale=teacher_logit_scale,
         teacher_softcap=teacher_softcap,
     )
+    if not has_labels and spec.loss in LABEL_LOSSES:
+        raise ValueError(f"labels: loss={spec.loss!r} reads each row's target class (labels), got labels=None")
     if not has_labels and w_hard != 0.0:
         raise ValueError(f"weight_hard_loss: expected 0 when labels is None (no hard labels to train on), got {w_hard!r}")
     check_ignore_index(labels, spec.ignore_index)
@@ -742,8 +750,10 @@ def pick_backend(backend, x, loss=None):
 
 
 # The losses whose dense rows have no Triton kernel (`triton_rows.KERNEL_LOSSES` are the others): every
-# backend runs them on the torch rows. AKL's head needs an order of the row's p (`losses.akl_head`).
-TORCH_ROW_LOSSES = ("akl",)
+# backend runs them on the torch rows. AKL's head needs an order of the row's p (`losses.akl_head`); the
+# divergences after it have no kernel yet (docs/divergences.md).
+TORCH_ROW_LOSSES = ("akl", "jeffreys", "alpha_divergence", "renyi", "renyi_reverse", "ab_divergence", "triangular",
+                    "entropy_adaptive", "dkd")
 
 
 # The losses "auto" runs with the CuTe DSL logits GEMMs where they fit (`_cute_fits`: of these, forward KL

@@ -30,6 +30,10 @@ def fused_linear_distill(
     beta: float | None = None,
     alpha: float | None = None,
     head_mass: float | None = None,
+    gate_min: float | None = None,
+    gate_max: float | None = None,
+    gate_center: float | None = None,
+    gate_width: float | None = None,
     temperature: float = 1.0,
     weight_hard_loss: float = 0.5,
     weight_soft_loss: float = 0.5,
@@ -68,11 +72,21 @@ def fused_linear_distill(
     (KL(p ‖ α p + (1 − α) q)), "skew_reverse_kl" (KL(q ‖ (1 − α) p + α q)), α = `alpha` in [0, 1], or
     "akl" (adaptive KL: forward and reverse KL weighted by the gaps |p − q| in the teacher's head, its
     likeliest ids holding mass `head_mass` μ in [0, 1], and tail; the weights are not differentiated);
-    q and p are the student's and teacher's softmax at temperature τ. AKL runs on the torch rows on
-    every backend for now.
-    beta, alpha, head_mass: the losses' own parameters (`flashkd.losses.PARAMETERS`); None (the
-    default) takes the loss's default (β 0.5, α 0.1, μ 0.5). A loss that does not read one refuses a
-    value for it (ValueError naming the losses that do): `loss="forward_kl", beta=0.3` would change nothing.
+    "jeffreys" (KL(p‖q) + KL(q‖p)), "alpha_divergence" (Amari's, (1 − Σ p^(1−α) q^α)/(α(1 − α)), α in
+    (0, 1)), "renyi" / "renyi_reverse" (D_α(p‖q) / D_α(q‖p) = log Σ p^α q^(1−α) / (α − 1) of order α in
+    (0, 2], α = 1 the KL), "ab_divergence" (the αβ-divergence, −Σ (p^α q^β − α/(α+β) p^(α+β) − β/(α+β)
+    q^(α+β))/(αβ), α, β in [0.05, 2]), "triangular" (Σ (p − q)²/(p + q)), "entropy_adaptive" (w KL(p‖q) +
+    (1 − w) KL(q‖p), w = gate_min + (gate_max − gate_min) · sigmoid((H(p)/log n − gate_center)/gate_width)
+    from the teacher's normalised entropy, not differentiated), "dkd" (decoupled KD: α KL of the label's
+    mass (p_y, 1 − p_y) ‖ (q_y, 1 − q_y) + β KL among the other ids, each side renormalised; needs
+    labels). q and p are the student's and teacher's softmax at temperature τ. AKL and the losses after
+    it run on the torch rows on every backend for now. Formulas, sources and costs: docs/divergences.md.
+    beta, alpha, head_mass, gate_min, gate_max, gate_center, gate_width: the losses' own parameters
+    (`flashkd.losses.PARAMETERS`: the losses that read each, their defaults and ranges); None (the
+    default) takes the loss's default (β 0.5 for jsd, cosine and ab_divergence, 8 for dkd; α 0.1 for the
+    skew losses, 0.5 for alpha_divergence, renyi and ab_divergence, 1 for dkd; μ 0.5; the gate 0, 1,
+    0.5, 0.1). A loss that does not read one refuses a value for it (ValueError naming the losses that
+    do): `loss="forward_kl", beta=0.3` would change nothing.
 
     Returns the scalar loss  w_hard · CE + w_soft · soft  (see `flashkd.losses` for every formula),
     fp32 (fp64 for fp64 inputs, computed in fp64 on every backend), or `(loss, soft, hard)` with
@@ -124,7 +138,8 @@ def fused_linear_distill(
         return chunks.parse(
             chunks.Student(student_input, student_weight, labels, student_bias, row_weight),
             chunks.Heads(teacher_input, teacher_weight, teacher_bias),
-            loss=loss, beta=beta, alpha=alpha, head_mass=head_mass, temperature=temperature,
+            loss=loss, beta=beta, alpha=alpha, head_mass=head_mass, gate_min=gate_min, gate_max=gate_max,
+            gate_center=gate_center, gate_width=gate_width, temperature=temperature,
             weight_hard_loss=weight_hard_loss, weight_soft_loss=weight_soft_loss, ignore_index=ignore_index,
             reduction=reduction, temperature_squared=temperature_squared, student_logit_scale=student_logit_scale,
             student_softcap=student_softcap, teacher_logit_scale=teacher_logit_scale, teacher_softcap=teacher_softcap,
@@ -147,6 +162,10 @@ def fused_linear_distill_logits(
     beta: float | None = None,
     alpha: float | None = None,
     head_mass: float | None = None,
+    gate_min: float | None = None,
+    gate_max: float | None = None,
+    gate_center: float | None = None,
+    gate_width: float | None = None,
     temperature: float = 1.0,
     weight_hard_loss: float = 0.5,
     weight_soft_loss: float = 0.5,
@@ -188,7 +207,8 @@ def fused_linear_distill_logits(
         return chunks.parse(
             chunks.Student(student_input, student_weight, labels, student_bias, row_weight),
             chunks.Logits(teacher_logits),
-            loss=loss, beta=beta, alpha=alpha, head_mass=head_mass, temperature=temperature,
+            loss=loss, beta=beta, alpha=alpha, head_mass=head_mass, gate_min=gate_min, gate_max=gate_max,
+            gate_center=gate_center, gate_width=gate_width, temperature=temperature,
             weight_hard_loss=weight_hard_loss, weight_soft_loss=weight_soft_loss, ignore_index=ignore_index,
             reduction=reduction, temperature_squared=temperature_squared, student_logit_scale=student_logit_scale,
             student_softcap=student_softcap, teacher_logit_scale=teacher_logit_scale, teacher_softcap=teacher_softcap,
@@ -213,6 +233,10 @@ def fused_linear_distill_topk(
     beta: float | None = None,
     alpha: float | None = None,
     head_mass: float | None = None,
+    gate_min: float | None = None,
+    gate_max: float | None = None,
+    gate_center: float | None = None,
+    gate_width: float | None = None,
     temperature: float = 1.0,
     weight_hard_loss: float = 0.0,
     weight_soft_loss: float = 1.0,
@@ -243,9 +267,10 @@ def fused_linear_distill_topk(
     The student distribution is q = softmax(student logits / τ) over the whole vocab; the teacher's
     p is known at K ids per row. tail="bucket": both become distributions over K + 1 categories, the
     K ids and one bucket for the rest of the vocab (p_rest = max(1 − Σ p, 0), q_rest = 1 − Σ q);
-    tail="renormalize": both are renormalised over the K ids. The loss ("forward_kl", "reverse_kl",
-    "jsd", "tvd") is the dense one over those categories; CE mixing, ignore_index, reduction and the
-    gradients are those of `fused_linear_distill`. Exact formulas: `flashkd.losses.topk_row_losses`.
+    tail="renormalize": both are renormalised over the K ids. The loss (any of `fused_linear_distill`'s
+    but "cosine", which needs the teacher's logits, and "dkd", which needs the teacher's probability at
+    the label: both refused) is the dense one over those categories; CE mixing, ignore_index, reduction
+    and the gradients are those of `fused_linear_distill`. Exact formulas: `flashkd.losses.topk_row_losses`.
 
     Temperature: `temperature` divides the student's logits only; `teacher_logprobs` are taken as the
     teacher's distribution at that temperature, as `flashkd.teacher_topk(..., temperature=τ)` makes
@@ -286,7 +311,8 @@ def fused_linear_distill_topk(
         return chunks.parse(
             chunks.Student(student_input, student_weight, labels, student_bias, row_weight),
             chunks.TopK(teacher_ids, teacher_logprobs, teacher_index, num_teachers),
-            loss=loss, beta=beta, alpha=alpha, head_mass=head_mass, temperature=temperature,
+            loss=loss, beta=beta, alpha=alpha, head_mass=head_mass, gate_min=gate_min, gate_max=gate_max,
+            gate_center=gate_center, gate_width=gate_width, temperature=temperature,
             weight_hard_loss=weight_hard_loss, weight_soft_loss=weight_soft_loss, ignore_index=ignore_index,
             reduction=reduction, temperature_squared=temperature_squared, student_logit_scale=student_logit_scale,
             student_softcap=student_softcap, tail=tail, tail_clamp=tail_clamp,
@@ -392,7 +418,8 @@ def _route(parse, rows, heads, process_group, vocab_start, check_shards, check_r
 # The keyword options of the public functions, with their defaults: what the modules and the
 # integrations accept (the signatures above spell them; tests/test_layers.py holds the two alike).
 _SHARDING = dict(process_group=None, vocab_start=None, check_shards=None, check_replicas=False, fsdp_gather="auto")
-_LOSS = dict(loss="jsd", beta=None, alpha=None, head_mass=None, temperature=1.0, weight_hard_loss=0.5,
+_LOSS = dict(loss="jsd", beta=None, alpha=None, head_mass=None, gate_min=None, gate_max=None, gate_center=None,
+             gate_width=None, temperature=1.0, weight_hard_loss=0.5,
              weight_soft_loss=0.5, ignore_index=-100, student_bias=None, reduction="mean", chunk_size=None,
              backend="auto", return_soft_hard_loss=False, temperature_squared=False, grad_accum_dtype=None,
              check_labels=None, student_logit_scale=1.0, student_softcap=None, row_weight=None, return_stats=False)

@@ -28,6 +28,20 @@ Per row, with temperature τ, student logits a, teacher logits b, q = softmax(a/
     akl (μ)       w_h KL(p‖q) + w_t KL(q‖p),              w_h (q − p) / τ + w_t q ∘ (log q − log p − KL(q‖p)) / τ
                   w_h = g_h/(g_h+g_t), w_t = g_t/(g_h+g_t), g_h = Σ_head |p − q|, g_t = Σ_tail |p − q|,
                   the weights constants (q in them detached)
+    jeffreys      KL(p‖q) + KL(q‖p) = Σ (q − p)(log q − log p)  forward_kl's + reverse_kl's
+    alpha_        (1 − S) / (α (1 − α)),                  (q S − e) / ((1 − α) τ)
+      divergence  S = Σ e, e = p^(1−α) q^α (Amari, α ∈ (0, 1); α → 0 forward KL, α → 1 reverse KL)
+    renyi (α)     D_α(p‖q) = log S / (α − 1),             (q − e / S) / τ
+                  S = Σ e, e = p^α q^(1−α), α ∈ (0, 2]; α = 1: KL(p‖q)
+    renyi_        D_α(q‖p) = log S / (α − 1),             α / (α − 1) · (e / S − q) / τ   (α = 1: reverse_kl's)
+      reverse (α) S = Σ e, e = q^α p^(1−α)
+    ab_divergence −Σ (p^α q^β − α/c p^c − β/c q^c) / (α β),  (h − q Σ h) / (α τ),  h = q^c − p^α q^β
+      (α, β)      c = α + β, α, β ∈ [0.05, 2] (Cichocki et al.; α = 1, β → 0 forward KL)
+    triangular    Σ (p − q)² / (p + q)                    q ∘ (g − Σ q g) / τ,  g = (q − p)(q + 3p) / (q + p)²
+    entropy_      w KL(p‖q) + (1 − w) KL(q‖p),            w (q − p) / τ + (1 − w) q ∘ (log q − log p − KL(q‖p)) / τ
+      adaptive    w = w_min + (w_max − w_min) σ((H(p)/log n − c) / s), the teacher's alone (a constant)
+    dkd (α, β)    α KL((p_y, 1−p_y) ‖ (q_y, 1−q_y))       α (q_y − p_y)/(1 − q_y) · (e_y − q) / τ
+                  + β KL(p̂ ‖ q̂), p̂ = p off y / (1 − p_y)    + β (q̂ − p̂) / τ   (0 at y; y the label)
 
 Skew KL is JSD(β = α)'s first piece and skew reverse KL JSD(β = 1 − α)'s second, each alone (DistiLLM,
 α = 0.1 there); their gradients are the chain rule through q = softmax(a/τ) of dL/dq = g. At α = 0 they
@@ -38,6 +52,18 @@ longest prefix whose p sums to at most μ, and the first id always; the weights 
 temperature, and are ½ each where g_h + g_t = 0 (p = q: both KLs and their gradients are 0). `akl_head`
 finds the head without a sort.
 
+The divergences after AKL are computed where p ≈ q without the cancellation of their textbook forms:
+Jeffreys and the triangular discrimination from q − p taken as p · expm1(log q − log p) (`_gap`),
+every term ≥ 0; Amari's α- and the αβ-divergence as sums of non-negative terms of the α-family's
+generator (`power_terms`, `_PowerTerm`: a Taylor series near p = q, forms without cancellation
+elsewhere); Rényi's log S as log1p(S − 1) with S − 1 from those same terms where S is near 1, else a
+logsumexp (`renyi`); the KLs of the entropy blend and of DKD as sums of the terms p log(p/q) − p + q
+≥ 0 (`_kl_terms`). An id where one side is 0 gives these their limits (finite for Amari's, the
+αβ and the triangular; +inf where the formula is infinite: Jeffreys, Rényi of order ≥ 1 where q = 0).
+Orda's "skew JS" of β, (1 − β) KL(p‖M) + β KL(q‖M) with M = (1 − β) p + β q, is jsd with beta = 1 − β;
+"mutual" and "co-Jeffreys" differ from jeffreys only in the teacher's gradient, which flashkd never
+takes (the teacher is a constant): "mutual"'s student gradient is forward_kl's.
+
 JSD endpoints follow the Liger / TRL convention: β = 0 is forward KL(p‖q), β = 1 is reverse KL(q‖p)
 (not the limit of the formula, which is 0 at both ends). Cosine is invariant to τ.
 
@@ -46,7 +72,8 @@ each term summed over rows whose label is not `ignore_index`, times the row's we
 is given, and divided by the number of such rows ("mean", at least 1; the weights do not change it)
 or by 1 ("sum").
 
-A top-k teacher gives p at K ids per row only. The divergences above (not cosine) are then taken
+A top-k teacher gives p at K ids per row only. The divergences above (not cosine, not dkd: p at the
+label is not known where the label is not among the ids) are then taken
 over categories: the K ids and one bucket for the rest of the vocab (tail "bucket": q_rest = Σ q off
 the ids, p_rest = max(1 − Σ p, 0)), or the K ids with q and p renormalised over them ("renormalize").
 q over the categories is softmax(z) of z = (a_ids/τ, logsumexp(a_rest/τ)), so dL/da follows from the
@@ -71,12 +98,23 @@ from typing import Callable, NamedTuple, Protocol
 
 import torch
 
-LOSSES = ("jsd", "forward_kl", "reverse_kl", "tvd", "cosine", "skew_kl", "skew_reverse_kl", "akl")
-# the losses between distributions: the ones a top-k teacher allows
+LOSSES = ("jsd", "forward_kl", "reverse_kl", "tvd", "cosine", "skew_kl", "skew_reverse_kl", "akl",
+          "jeffreys", "alpha_divergence", "renyi", "renyi_reverse", "ab_divergence", "triangular",
+          "entropy_adaptive", "dkd")
+# the losses between distributions (all but cosine)
 DIVERGENCES = tuple(name for name in LOSSES if name != "cosine")
+# the losses that read the labels: the target class (`decoupled_kl`); a top-k teacher does not give p there
+LABEL_LOSSES = ("dkd",)
+# the losses a top-k teacher allows: over its categories
+TOPK_LOSSES = tuple(name for name in DIVERGENCES if name not in LABEL_LOSSES)
 # The losses whose top-k category math the Triton backend takes from the torch definition
-# (`flashkd.backends.triton_topk`); of these only AKL's dense rows are the torch rows' (`chunks.TORCH_ROW_LOSSES`)
-TORCH_ONLY_LOSSES = ("skew_kl", "skew_reverse_kl", "akl")
+# (`flashkd.backends.triton_topk`); their dense rows, but the skew losses', are the torch rows' too
+# (`chunks.TORCH_ROW_LOSSES`)
+TORCH_ONLY_LOSSES = ("skew_kl", "skew_reverse_kl", "akl", "jeffreys", "alpha_divergence", "renyi", "renyi_reverse",
+                     "ab_divergence", "triangular", "entropy_adaptive")
+# The losses whose row is whole: their value merges its sums over the vocab inside `divergence` (a vocab
+# slice's `Vocab.merge`), rather than being a sum over the vocab that the caller merges
+ROW_WHOLE_LOSSES = ("akl", "renyi", "renyi_reverse", "entropy_adaptive", "dkd")
 REDUCTIONS = ("mean", "sum")
 TAILS = ("bucket", "renormalize")  # sparse teacher: what happens to the mass outside the K ids
 
@@ -86,35 +124,64 @@ LOSS_ID = {name: i for i, name in enumerate(LOSSES)}
 
 @dataclasses.dataclass(frozen=True)
 class Parameter:
-    """A loss's own parameter: its public keyword's default, the losses that read it, and its range."""
+    """A loss's own parameter, for the losses that read it: its public keyword's default there, and its
+    range, [low, high] with an end left out where it is open."""
 
     default: float
-    losses: tuple[str, ...]  # every other loss refuses the keyword: a value that would change nothing
+    losses: tuple[str, ...]  # every loss that no Parameter of the keyword lists refuses the keyword
     low: float = 0.0
     high: float = 1.0
+    low_open: bool = False
+    high_open: bool = False
+
+    def holds(self, value: float) -> bool:
+        return ((self.low < value if self.low_open else self.low <= value)
+                and (value < self.high if self.high_open else value <= self.high))
+
+    @property
+    def interval(self) -> str:
+        return f"{'(' if self.low_open else '['}{self.low:g}, {self.high:g}{')' if self.high_open else ']'}"
 
 
-# The losses' parameters, by public keyword (a LossSpec field of the same name). The public functions
-# take them as None (the default here); a value given to a loss that does not read it is an error.
+# The losses' parameters, by public keyword (a LossSpec field of the same name), each keyword with one
+# Parameter per group of losses that read it (the literature's name, with each loss's default and range).
+# The public functions take them as None (the loss's default); a value given to a loss that does not
+# read it is an error.
 PARAMETERS = {
-    "beta": Parameter(0.5, ("jsd", "cosine")),
-    "alpha": Parameter(0.1, ("skew_kl", "skew_reverse_kl")),
-    "head_mass": Parameter(0.5, ("akl",)),
+    "beta": (Parameter(0.5, ("jsd", "cosine")),
+             Parameter(0.5, ("ab_divergence",), 0.05, 2.0),  # the student's power
+             Parameter(8.0, ("dkd",), 0.0, math.inf)),  # the non-target term's weight
+    "alpha": (Parameter(0.1, ("skew_kl", "skew_reverse_kl")),
+              Parameter(0.5, ("alpha_divergence",), low_open=True, high_open=True),
+              Parameter(0.5, ("renyi", "renyi_reverse"), 0.0, 2.0, low_open=True),  # the order
+              Parameter(0.5, ("ab_divergence",), 0.05, 2.0),  # the teacher's power
+              Parameter(1.0, ("dkd",), 0.0, math.inf)),  # the target term's weight
+    "head_mass": (Parameter(0.5, ("akl",)),),
+    # entropy_adaptive's gate: w = gate_min + (gate_max − gate_min) · sigmoid((H/log n − gate_center) / gate_width)
+    "gate_min": (Parameter(0.0, ("entropy_adaptive",)),),
+    "gate_max": (Parameter(1.0, ("entropy_adaptive",)),),
+    "gate_center": (Parameter(0.5, ("entropy_adaptive",)),),
+    "gate_width": (Parameter(0.1, ("entropy_adaptive",), 0.0, math.inf, low_open=True),),
 }
+
+
+def parameter(name: str, loss: str) -> Parameter | None:
+    """The Parameter of keyword `name` that `loss` reads, or None where it reads none."""
+    return next((param for param in PARAMETERS[name] if loss in param.losses), None)
 
 
 def loss_parameters(loss: str, given: dict) -> dict:
     """{keyword: value} of every parameter in PARAMETERS for `loss`: `given`'s value where it is not None,
-    else the default. A value given for a loss that does not read it raises ValueError naming the
-    losses that do; `loss` itself is checked by LossSpec."""
+    else None (LossSpec takes the loss's default). A value given for a loss that does not read it raises
+    ValueError naming the losses that do; `loss` itself is checked by LossSpec."""
     out = {}
-    for name, param in PARAMETERS.items():
+    for name, params in PARAMETERS.items():
         value = given.get(name)
-        if value is not None and loss in LOSSES and loss not in param.losses:
-            readers = ", ".join(f"loss={r!r}" for r in param.losses)
+        if value is not None and loss in LOSSES and parameter(name, loss) is None:
+            readers = ", ".join(f"loss={r!r}" for param in params for r in param.losses)
             raise ValueError(f"{name}: loss={loss!r} does not read it (it is read by {readers}); "
                              f"got {name}={shown(value)}, leave it out")
-        out[name] = param.default if value is None else value
+        out[name] = value
     return out
 
 
@@ -123,7 +190,6 @@ class LossSpec:
     """Everything the row math needs to know about one call; validated once, passed as one object."""
 
     loss: str = "jsd"
-    beta: float = 0.5
     temperature: float = 1.0
     weight_hard: float = 0.5
     weight_soft: float = 0.5
@@ -141,20 +207,37 @@ class LossSpec:
     # tail "bucket" only: None, or ε > 0 for each side's rest taken as 1 − exp(min(log Σ_ids, −ε)), nothing
     # renormalised (TRL's `_add_tail_bucket`, ε = 1e-7): `category_logprobs`
     tail_clamp: float | None = None
-    alpha: float = 0.1  # skew KL / skew reverse KL: the student's (teacher's) share α of the mixture
-    head_mass: float = 0.5  # AKL: μ, the teacher's mass that bounds the head
+    # The losses' own parameters (PARAMETERS): None takes the loss's default (for a loss that does not read
+    # one, the first group's, a value nothing reads)
+    beta: float | None = None
+    alpha: float | None = None  # skew KL / skew reverse KL: the student's (teacher's) share α of the mixture
+    head_mass: float | None = None  # AKL: μ, the teacher's mass that bounds the head
+    gate_min: float | None = None  # entropy_adaptive: the gate's range and its sigmoid's center and width
+    gate_max: float | None = None
+    gate_center: float | None = None
+    gate_width: float | None = None
 
     def __post_init__(self):
-        allowed, teacher = (LOSSES, "") if self.tail is None else (DIVERGENCES, " for a top-k teacher")
+        allowed, teacher = (LOSSES, "") if self.tail is None else (TOPK_LOSSES, " for a top-k teacher")
         if self.loss not in allowed:
-            raise ValueError(f"loss: expected one of {', '.join(map(repr, allowed))}{teacher}, got {self.loss!r}")
+            why = (" (it reads the teacher's probability at the label, which a top-k teacher does not give)"
+                   if self.loss in LABEL_LOSSES else "")
+            raise ValueError(f"loss: expected one of {', '.join(map(repr, allowed))}{teacher}, got {self.loss!r}{why}")
         if self.reduction not in REDUCTIONS:
             raise ValueError(f"reduction: expected 'mean' or 'sum', got {self.reduction!r}")
+        for name, params in PARAMETERS.items():
+            param = parameter(name, self.loss) or params[0]
+            if getattr(self, name) is None:
+                object.__setattr__(self, name, param.default)
         for name in ("temperature", "weight_hard", "weight_soft", *PARAMETERS):
             check_finite_float(name, getattr(self, name))
-        for name, param in PARAMETERS.items():
-            if not param.low <= getattr(self, name) <= param.high:
-                raise ValueError(f"{name}: expected a value in [{param.low:g}, {param.high:g}], got {getattr(self, name)!r}")
+        for name, params in PARAMETERS.items():
+            param = parameter(name, self.loss) or params[0]
+            if not param.holds(getattr(self, name)):
+                readers = "" if param is params[0] else f" for loss={self.loss!r}"
+                raise ValueError(f"{name}: expected a value in {param.interval}{readers}, got {getattr(self, name)!r}")
+        if self.gate_min > self.gate_max:
+            raise ValueError(f"gate_min: expected a value at most gate_max ({self.gate_max!r}), got {self.gate_min!r}")
         if self.temperature <= 0.0:
             raise ValueError(f"temperature: expected a value > 0, got {self.temperature!r}")
         if isinstance(self.ignore_index, bool) or not isinstance(self.ignore_index, int):
@@ -326,7 +409,7 @@ def row_losses(s: torch.Tensor, t: torch.Tensor, labels: torch.Tensor | None, sp
     del z  # the tempered logits: only their log-probs stay (the torch backend's peak memory)
     log_q = logp[0] if logp else None
     after = ()
-    if kind in DIVERGENCES and kind != "akl":
+    if kind in DIVERGENCES and kind not in ROW_WHOLE_LOSSES:
         after += (divergence(log_q, logp[1], spec),)
     if stats:
         after += (row_entropy(log_q.detach()),)
@@ -337,8 +420,8 @@ def row_losses(s: torch.Tensor, t: torch.Tensor, labels: torch.Tensor | None, sp
         dot, ss, tt = sums[:3]
         norm = ss.clamp_min(COSINE_EPS**2).sqrt() * tt.clamp_min(COSINE_EPS**2).sqrt()
         soft = spec.beta * (1.0 - dot / norm)
-    elif kind == "akl":  # a whole row's value: its sums merge inside (`adaptive_kl`)
-        soft = divergence(log_q, logp[1], spec, vocab)
+    elif kind in ROW_WHOLE_LOSSES:  # a whole row's value: its sums merge inside (`adaptive_kl`, `renyi`, ...)
+        soft = divergence(log_q, logp[1], spec, vocab, labels)
     else:
         soft = after[0]
     soft, hard = _with_hard(soft, lse[0] - sums[-1] if ce else None, labels, spec, vocab.size(s))
@@ -639,21 +722,41 @@ class VocabSlice(Protocol):
 COSINE_EPS = 1e-12
 
 
-def divergence(log_q: torch.Tensor, log_p: torch.Tensor, spec: LossSpec, vocab=None) -> torch.Tensor:
+def divergence(log_q: torch.Tensor, log_p: torch.Tensor, spec: LossSpec, vocab=None, labels=None) -> torch.Tensor:
     """The table's divergence per row of log q and log p over the last dim (−inf: probability 0);
-    the formula as written, also on vectors that do not quite sum to 1 (a clamped tail bucket).
-    This block's part of the row's sum over the vocab, but for AKL, whose row is whole: its weights
-    merge their sums over the vocab here (`vocab`, None: the block holds the whole row)."""
-    q, p = log_q.exp(), log_p.exp()
+    the formula as written, also on vectors that do not quite sum to 1 (a clamped tail bucket; the
+    power and Rényi losses take the forms of `power_terms` and `renyi` there, equal to the textbook
+    formulas on distributions). This block's part of the row's sum over the vocab, but for the
+    ROW_WHOLE_LOSSES, whose row is whole: they merge their sums over the vocab here (`vocab`, None: the
+    block holds the whole row). labels (R,): the target class, for DKD only."""
     kind = spec.kind
+    vocab = vocab or WHOLE_VOCAB
+    if kind == "akl":
+        return adaptive_kl(log_q, log_p, spec.head_mass, vocab)
+    if kind == "renyi":  # D_r(p‖q)
+        return renyi(log_p, log_q, spec.alpha, vocab)
+    if kind == "renyi_reverse":  # D_r(q‖p)
+        return renyi(log_q, log_p, spec.alpha, vocab)
+    if kind == "entropy_adaptive":
+        return entropy_adaptive(log_q, log_p, spec, vocab)
+    if kind == "dkd":
+        return decoupled_kl(log_q, log_p, labels, spec.alpha, spec.beta, vocab)
+    if kind in ("jeffreys", "triangular"):
+        gap, log_ratio, present = _gap(log_q, log_p)
+        if kind == "jeffreys":  # Σ (q − p)(log q − log p): every term ≥ 0, none cancels where p ≈ q
+            return (gap * log_ratio).sum(-1)
+        return (gap.square() / torch.where(present, log_p.exp() + log_q.exp(), 1.0)).sum(-1)
+    if kind == "alpha_divergence":  # Amari: (1 − Σ p^(1−α) q^α) / (α (1 − α)), the teacher p
+        return power_terms(log_p, log_q, 1.0 - spec.alpha, spec.alpha).sum(-1)
+    if kind == "ab_divergence":  # Cichocki et al.: −Σ (p^α q^β − α/(α+β) p^(α+β) − β/(α+β) q^(α+β)) / (α β)
+        return power_terms(log_p, log_q, spec.alpha, spec.beta).sum(-1)
+    q, p = log_q.exp(), log_p.exp()
     if kind == "forward_kl":
         return _plogr(p, log_p - log_q)
     if kind == "reverse_kl":
         return _plogr(q, log_q - log_p)
     if kind == "tvd":
         return 0.5 * (q - p).abs().sum(-1)
-    if kind == "akl":
-        return adaptive_kl(log_q, log_p, spec.head_mass, vocab or WHOLE_VOCAB)
     if kind == "skew_kl":  # KL(p ‖ α p + (1 − α) q): JSD's first piece at β = α
         return _plogr(p, log_p - _log_mixture(log_p, log_q, spec.alpha))
     if kind == "skew_reverse_kl":  # KL(q ‖ (1 − α) p + α q): JSD's second piece at β = 1 − α
@@ -661,6 +764,190 @@ def divergence(log_q: torch.Tensor, log_p: torch.Tensor, spec: LossSpec, vocab=N
     beta = spec.beta
     log_m = _log_mixture(log_p, log_q, beta)
     return beta * _plogr(p, log_p - log_m) + (1.0 - beta) * _plogr(q, log_q - log_m)
+
+
+def _gap(log_q: torch.Tensor, log_p: torch.Tensor):
+    """(q − p, log q − log p, present) elementwise, present where either side has mass; q − p taken as
+    p · expm1(log q − log p) where q ≤ p and −q · expm1(log p − log q) where q > p: exact where p ≈ q,
+    bounded where they are far apart (no e^big times a tiny p). Absent on both sides: 0 and 0, with
+    zero gradients (no −inf − −inf)."""
+    present = (log_p > -torch.inf) | (log_q > -torch.inf)
+    lp, lq = torch.where(present, log_p, 0.0), torch.where(present, log_q, 0.0)
+    u = lq - lp
+    gap = lp.exp() * torch.expm1(u.clamp_max(0.0)) - lq.exp() * torch.expm1((-u).clamp_max(0.0))
+    return torch.where(present, gap, 0.0), torch.where(present, u, 0.0), present
+
+
+def power_terms(log_p: torch.Tensor, log_q: torch.Tensor, a: float, b: float) -> torch.Tensor:
+    """The αβ-divergence's terms (Cichocki, Cruces & Amari 2011) of p (power a) and q (power b), a, b > 0,
+    c = a + b, elementwise:
+        −(p^a q^b − (a/c) p^c − (b/c) q^c) / (a b)  ≥ 0,
+    which sum to AB(a, b); at c = 1 they are Amari's α-divergence of order b, (1 − Σ p^a q^b)/(a b) on
+    distributions (on positive measures, its terms (a p + b q − p^a q^b)/(a b)). Taken relative to
+    the larger side, with δ = log q − log p, γ = b/c:
+        q ≤ p:  p^c · ψ(γ, c δ) / c²          q > p:  q^c · ψ(1 − γ, −c δ) / c²
+    ψ(β, y) = (β expm1(y) − expm1(β y)) / (β (1 − β)), y ≤ 0 (`_PowerTerm`): exact where p ≈ q (its
+    Taylor series), bounded where they are far apart; 0 · anything = 0 where a side is absent, and a
+    side at 0 gives the finite limit (q^c/(a c) where p = 0, p^c/(b c) where q = 0)."""
+    c = a + b
+    present = (log_p > -torch.inf) | (log_q > -torch.inf)
+    lp, lq = torch.where(present, log_p, 0.0), torch.where(present, log_q, 0.0)
+    u = lq - lp  # ±inf where one side is absent; never NaN
+    gamma = b / c
+    return (_PowerTerm.apply(c * lp, c * u.clamp_max(0.0), gamma)
+            + _PowerTerm.apply(c * lq, c * (-u).clamp_max(0.0), 1.0 - gamma)) / (c * c)
+
+
+def _kl_terms(log_a: torch.Tensor, log_b: torch.Tensor) -> torch.Tensor:
+    """KL(a‖b)'s terms a log(a/b) − a + b ≥ 0 elementwise (their sum is KL(a‖b) where a and b sum alike):
+    the αβ terms at powers (1, 0), exact where a ≈ b, b where a = 0, +inf where b = 0 < a."""
+    return power_terms(log_a, log_b, 1.0, 0.0)
+
+
+def renyi(log_a: torch.Tensor, log_b: torch.Tensor, order: float, vocab) -> torch.Tensor:
+    """Rényi's divergence of order r > 0 per row, D_r(a‖b) = log(Σ a^r b^(1−r)) / (r − 1), and at r = 1
+    its limit KL(a‖b); a whole row (its sums merged over `vocab`). Rows whose S = Σ a^r b^(1−r) is
+    within e^±¼ of 1 (a ≈ b) take log S = log1p(r (r − 1) A), A = Σ of the positive terms
+    (a^r b^(1−r) − r a − (1 − r) b) / (r (r − 1)) (`power_terms`' ψ, exact where a ≈ b, and r = 1's limit
+    A = KL(a‖b)), so D = r A log1p(z)/z, z = r (r − 1) A; the other rows log S = logsumexp(r log a + (1 − r)
+    log b). Infinite where the formula is: r ≥ 1 where b = 0 and a > 0, any r where a and b share no id."""
+    r = float(order)
+    present = (log_a > -torch.inf) | (log_b > -torch.inf)
+    near = None
+    if r != 1.0:
+        terms = torch.where(log_a == -torch.inf, -torch.inf, r * log_a + (1.0 - r) * log_b)  # a^r b^(1−r), 0 where a is
+        (lse,) = vocab.merge(lse=(terms,))[1]
+        near = lse.detach().abs() <= 0.25
+    keep = present if near is None else present & near[:, None]  # the far rows: A over nothing, 0
+    la, lb = torch.where(keep, log_a, 0.0), torch.where(keep, log_b, 0.0)
+    u = la - lb  # log(a/b): ±inf where one side is absent
+    part = (_PowerTerm.apply(lb, u.clamp_max(0.0), r) + _PowerTerm.apply(la, (-u).clamp_max(0.0), 1.0 - r)).sum(-1)
+    (a_sum,) = vocab.merge(sums=(part,))[2]
+    z = r * (r - 1.0) * a_sum
+    small = z.abs() < 1e-3
+    zs = torch.where(small, 1.0, z)
+    log1p_ratio = torch.where(small, 1.0 - z * (0.5 - z * (1.0 / 3.0 - z * (0.25 - z * 0.2))), torch.log1p(zs) / zs)
+    value = r * a_sum * log1p_ratio
+    if near is None:
+        return value
+    return torch.where(near, value, lse / (r - 1.0))
+
+
+def entropy_adaptive(log_q: torch.Tensor, log_p: torch.Tensor, spec: LossSpec, vocab) -> torch.Tensor:
+    """w KL(p‖q) + (1 − w) KL(q‖p) per row, w = gate_min + (gate_max − gate_min) · sigmoid((H(p)/log n −
+    gate_center) / gate_width): the teacher's entropy H(p) = −Σ p log p normalised by that of a uniform
+    distribution over the row's n ids (those with mass on either side; 0 where n ≤ 1). w is the
+    teacher's alone (no gradient); a KL whose weight is 0 adds nothing, also where it is infinite.
+    A whole row: its sums merge over `vocab`."""
+    p = log_p.exp()
+    present = ((log_p > -torch.inf) | (log_q > -torch.inf)).to(log_p.dtype)
+    forward, reverse, entropy, n = vocab.merge(sums=(
+        _kl_terms(log_p, log_q).sum(-1), _kl_terms(log_q, log_p).sum(-1), -_plogr(p.detach(), log_p.detach()),
+        present.sum(-1)))[2]
+    many = n > 1
+    h = torch.where(many, entropy / torch.log(torch.where(many, n, 2.0)), 0.0)
+    w = spec.gate_min + (spec.gate_max - spec.gate_min) * torch.sigmoid((h - spec.gate_center) / spec.gate_width)
+    w = w.detach()
+    return torch.where(w > 0, w * forward, 0.0) + torch.where(w < 1, (1.0 - w) * reverse, 0.0)
+
+
+def decoupled_kl(log_q: torch.Tensor, log_p: torch.Tensor, labels, alpha: float, beta: float, vocab) -> torch.Tensor:
+    """DKD (Zhao et al., CVPR 2022) per row: α TCKD + β NCKD, with y the row's label,
+        TCKD = KL((p_y, 1 − p_y) ‖ (q_y, 1 − q_y))     NCKD = KL(p̂ ‖ q̂),  p̂_j = p_j / (1 − p_y), j ≠ y
+    (q̂ likewise). log(1 − p_y) is the logsumexp of log p off y: exact where p_y ≈ 1. NCKD is 0 on a row
+    whose teacher puts all its mass on y (p̂ is then undefined; KD weighs it by 1 − p_y = 0); NaN on a
+    row whose label is outside [0, V). A whole row: its logsumexps and sums merge over `vocab`."""
+    if labels is None:
+        raise ValueError("labels: loss='dkd' reads the target class of each row; got labels=None")
+    col, here = vocab.local(labels[:, None], log_q)
+    at = torch.zeros_like(log_q, dtype=torch.bool).scatter_(-1, col, here)
+    off_p, off_q = torch.where(at, -torch.inf, log_p), torch.where(at, -torch.inf, log_q)
+    _, (rest_p, rest_q), (lp_y, lq_y) = vocab.merge(lse=(off_p, off_q), sums=(vocab.pick(log_p, labels),
+                                                                             vocab.pick(log_q, labels)))
+    two_p, two_q = torch.stack([lp_y, rest_p], -1), torch.stack([lq_y, rest_q], -1)
+    target = _kl_terms(two_p, two_q).sum(-1)
+    has_p, has_q = (rest_p > -torch.inf)[:, None], (rest_q > -torch.inf)[:, None]
+    lp_hat = torch.where(has_p, off_p - torch.where(has_p, rest_p[:, None], 0.0), -torch.inf)
+    lq_hat = torch.where(has_q, off_q - torch.where(has_q, rest_q[:, None], 0.0), -torch.inf)
+    (other,) = vocab.merge(sums=(torch.where(has_p[:, 0], _kl_terms(lp_hat, lq_hat).sum(-1), 0.0),))[2]
+    value = (alpha * target if alpha != 0.0 else 0.0) + (beta * other if beta != 0.0 else 0.0)
+    value = value + torch.zeros_like(lp_y)
+    v = vocab.size(log_q)
+    return torch.where((labels >= 0) & (labels < v), value, torch.nan)
+
+
+class _PowerTerm(torch.autograd.Function):
+    """b · ψ(β, y) elementwise, b = exp(log_b), y ≤ 0 (−inf allowed), β any real:
+        ψ(β, y) = (expm1(β y) − β expm1(y)) / (β (β − 1))  ≥ 0,
+    the α-family's generator f(t) = (t^β − β t + β − 1)/(β (β − 1)) at t = e^y; at β = 0 and 1 its limits
+    expm1(y) − y and y e^y − expm1(y). For −⅛ ≤ y its Taylor series Σ_(n ≥ 2) c_n y^n / n!, c_n = Σ_(k < n−1) β^k
+    (to n = 13: below 1e-16 of the sum for |β| ≤ 2); else the form without cancellation for β:
+        β ≤ ½:  (expm1(y) − expm1(β y)/β) / (1 − β)      β > ½:  (e^y expm1((β − 1) y)/(β − 1) − expm1(y)) / β
+    the products with b taken in the log domain where a factor could overflow. Its derivatives:
+    d/dlog_b = b ψ, d/dy = b ψ'(β, y) = b (e^(β y) − e^y)/(β − 1), each product exact (no difference of
+    near numbers). A zero gradient from above gives zero, also where the value is infinite."""
+
+    @staticmethod
+    def forward(ctx, log_b, y, beta):
+        ctx.save_for_backward(log_b, y)
+        ctx.beta = beta
+        return _power_value(log_b, y, beta)
+
+    @staticmethod
+    def backward(ctx, grad):
+        log_b, y = ctx.saved_tensors
+        beta = ctx.beta
+        d_log_b = d_y = None
+        if ctx.needs_input_grad[0]:
+            d_log_b = torch.where(grad == 0, 0.0, grad * _power_value(log_b, y, beta))
+        if ctx.needs_input_grad[1]:
+            d_y = torch.where(grad == 0, 0.0, grad * _power_slope(log_b, y, beta))
+        return d_log_b, d_y, None
+
+
+_TAYLOR_TERMS = 13  # ψ's series to y^13 for −⅛ ≤ y ≤ 0
+
+
+def _power_value(log_b, y, beta: float):
+    b = log_b.exp()
+    small = y >= -0.125
+    ys = torch.where(small, y, 0.0)
+    coef, c_n, fact = [], 1.0, 2.0
+    for n in range(2, _TAYLOR_TERMS + 1):
+        coef.append(c_n / fact)
+        c_n, fact = 1.0 + beta * c_n, fact * (n + 1)
+    poly = torch.full_like(ys, coef[-1])
+    for k in coef[-2::-1]:
+        poly = poly * ys + k
+    taylor = b * ys * ys * poly
+    yl = torch.where(small, -1.0, y)
+    if beta == 0.0:
+        exact = b * torch.expm1(yl) - b * yl
+    elif beta <= 0.5:
+        z = beta * yl
+        if beta > 0.0:
+            b_e = b * torch.expm1(z) / beta
+        else:  # z ≥ 0: b · expm1(z) = e^(log b + z) − b where expm1(z) alone could overflow
+            b_e = torch.where(z <= 1.0, b * torch.expm1(z.clamp_max(1.0)), torch.exp(log_b + z) - b) / beta
+        exact = (b * torch.expm1(yl) - b_e) / (1.0 - beta)
+    else:  # ψ = (ψ' − expm1(y)) / β
+        exact = (_power_slope(log_b, yl, beta) - b * torch.expm1(yl)) / beta
+    value = torch.where(small, taylor, exact)
+    return torch.where(log_b == -torch.inf, 0.0, value)
+
+
+def _power_slope(log_b, y, beta: float):
+    """b ψ'(β, y) = b (e^(β y) − e^y)/(β − 1) for y ≤ 0, as a product of exact factors."""
+    if beta == 0.0:
+        out = log_b.exp() * torch.expm1(y)
+    elif beta < 1.0:
+        out = torch.exp(log_b + beta * y) * torch.expm1((1.0 - beta) * y) / (1.0 - beta)
+    elif beta == 1.0:
+        yc = y.clamp_min(-2000.0)  # e^y · y: 0 below, where −inf would give 0 · inf
+        out = torch.exp(log_b + yc) * yc
+    else:
+        out = torch.exp(log_b + y) * torch.expm1((beta - 1.0) * y) / (beta - 1.0)
+    return torch.where(log_b == -torch.inf, 0.0, out)
 
 
 def _log_mixture(log_p: torch.Tensor, log_q: torch.Tensor, beta: float) -> torch.Tensor:

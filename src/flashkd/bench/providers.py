@@ -32,7 +32,7 @@ from typing import Callable
 import torch
 
 import flashkd
-from ..losses import PARAMETERS, LossSpec, logit_transform, row_losses, topk_row_losses
+from ..losses import LossSpec, logit_transform, parameter, row_losses, topk_row_losses
 from .workloads import Inputs, Workload
 
 LossFn = Callable[[], torch.Tensor]
@@ -91,7 +91,7 @@ def _flashkd(w: Workload, x: Inputs, backend: str = "auto") -> LossFn:
         return lambda: flashkd.teacher_topk(x.xt, x.wt, w.k, temperature=w.temperature, backend=backend,
                                             teacher_softcap=w.softcap, teacher_precision=w.teacher_precision)
     options = dict(
-        loss=w.loss, beta=w.beta if w.loss in PARAMETERS["beta"].losses else None, temperature=w.temperature,
+        loss=w.loss, beta=w.beta if parameter("beta", w.loss) else None, temperature=w.temperature,
         weight_hard_loss=w.weight_hard,
         weight_soft_loss=w.weight_soft, ignore_index=w.ignore_index, backend=backend, student_softcap=w.softcap,
     )
