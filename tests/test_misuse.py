@@ -82,12 +82,18 @@ def test_vocab_size_equal_to_both_heads_changes_nothing():
 
 # -- a keyword the chosen loss does not read ------------------------------------------------------------
 
+ALPHA = ("loss='skew_kl', loss='skew_reverse_kl', loss='alpha_divergence', loss='renyi', loss='renyi_reverse', "
+         "loss='ab_divergence', loss='dkd'")
+BETA = "loss='jsd', loss='cosine', loss='ab_divergence', loss='dkd'"
+
+
 @pytest.mark.parametrize("loss,options,readers", [
-    ("jsd", dict(alpha=0.3), "loss='skew_kl', loss='skew_reverse_kl'"),
+    ("jsd", dict(alpha=0.3), ALPHA),
     ("skew_kl", dict(head_mass=0.3), "loss='akl'"),
-    ("forward_kl", dict(beta=0.3), "loss='jsd', loss='cosine'"),
-    ("tvd", dict(beta=0.5), "loss='jsd', loss='cosine'"),  # the default's value, given: still refused
-    ("akl", dict(alpha=0.1), "loss='skew_kl', loss='skew_reverse_kl'"),
+    ("forward_kl", dict(beta=0.3), BETA),
+    ("tvd", dict(beta=0.5), BETA),  # the default's value, given: still refused
+    ("akl", dict(alpha=0.1), ALPHA),
+    ("jeffreys", dict(gate_width=0.2), "loss='entropy_adaptive'"),
 ])
 def test_a_parameter_the_loss_does_not_read_is_refused(loss, options, readers):
     xs, ws, xt, wt, y = _dense(vt=V)
