@@ -120,7 +120,6 @@ def _entry_point(*argv):
     (["bench", "-n", "0"], "flashkd bench: error: argument -n/--n: expected a positive integer, got 0"),
     (["records", "site", "x"], "flashkd records site: error: the following arguments are required: --out"),
     (["records", "nope"], "flashkd records: error: argument command: invalid choice: 'nope'"),
-    ([], "flashkd: error: the following arguments are required: command"),
 ])
 def test_argparse_usage_errors_are_one_line(argv, line):
     """argparse's own errors as flashkd's are: one line naming the argument (and where the options are

@@ -69,6 +69,7 @@ def test_import_flashkd_alone_imports_no_torch_and_every_public_name_resolves():
 
 @pytest.mark.parametrize("argv, words", [
     (["--help"], ["usage: flashkd", "bench", "records"]),
+    ([], ["usage: flashkd", "bench", "records"]),  # `flashkd` alone said "error: ... required: command"
     (["bench", "--help"], ["usage: flashkd bench", "--preset", "records/", "site/", "trained"]),
     (["records", "--help"], ["usage: flashkd records", "import-liger", "verify", "compare", "site"]),
     (["records", "site", "--help"], ["usage: flashkd records site", "--out", "--replace"]),
