@@ -182,7 +182,7 @@ def compare(args: argparse.Namespace) -> int:
     if missing := _missing("compare", args.paths):
         return missing
     from .identity import primary
-    from .ranking import groups, ranked
+    from .ranking import CPU_CAVEAT, cpu_caveat, groups, on_cpu, ranked
     from .verify import EMPTY, bundle_paths, check_bundle, empty_folders, load, same_run_text, same_runs
 
     bundles = []
@@ -208,7 +208,10 @@ def compare(args: argparse.Namespace) -> int:
     if not bundles:
         print("flashkd records compare: no bundle files found", file=sys.stderr)
         return 2
-    for key, members in groups(bundles).items():
+    grouped = groups(bundles)
+    if cpu := [b for members in grouped.values() for _, b in members if on_cpu(b)]:  # said before any rank, as the site does
+        print(f"{CPU_CAVEAT} {cpu_caveat([b['environment']['manifest']['spec']['hardware']['product'] for b in cpu])}")
+    for key, members in grouped.items():
         b = members[0][1]
         meta = lambda name: b[name]["manifest"]["metadata"]  # noqa: E731
         metric = (primary(b["run"]["manifest"]) or ("none",))[0]

@@ -32,7 +32,7 @@ from importlib import resources
 from pathlib import Path
 
 from .. import files
-from .ranking import groups, ranked
+from .ranking import CPU_CAVEAT, cpu_caveat, groups, on_cpu, ranked
 from .identity import canonical_identity, canonical_json, primary
 from .verify import (EMPTY, INTERRUPTED, OBJECTS, PARTIAL, bundle_paths, check_bundle, empty_folders, interrupted, load,
                      loads, same_run_text, same_runs)
@@ -94,9 +94,7 @@ class Run:
 
     @property
     def on_cpu(self) -> bool:
-        """Measured on a CPU: its host's architecture is not a GPU's (sm_XX, gfxNNN). Its times are wall
-        clock on a machine the kernels are not built for: a check that each ran, not a speed comparison."""
-        return not re.match(r"(sm|gfx)_?\d", self["environment"]["spec"]["hardware"]["architecture"])
+        return on_cpu(self.bundle)
 
     @property
     def hardware_text(self) -> str:
@@ -562,7 +560,7 @@ def _environment():
                              autoescape=jinja2.select_autoescape(["html"], default=True), undefined=Missing,
                              trim_blocks=True, lstrip_blocks=True)
     env.filters.update(quantity=quantity, ratio=ratio, flatten=flatten, shape=shape, hex=_hex, scalar=_scalar)
-    env.globals.update(OBJECTS=OBJECTS)
+    env.globals.update(OBJECTS=OBJECTS, CPU_CAVEAT=CPU_CAVEAT, cpu_caveat_text=cpu_caveat)
     return env
 
 
