@@ -183,11 +183,16 @@ def compare(args: argparse.Namespace) -> int:
         return missing
     from .identity import primary
     from .ranking import CPU_CAVEAT, cpu_caveat, groups, on_cpu, ranked
-    from .verify import EMPTY, bundle_paths, check_bundle, empty_folders, load, same_run_text, same_runs
+    from .verify import (EMPTY, LINK_OUT, bundle_paths, check_bundle, empty_folders, links_out, load, same_run_text,
+                         same_runs)
 
     bundles = []
     for path in empty_folders(args.paths):
         print(f"flashkd records compare: {path}: {EMPTY}", file=sys.stderr)
+    if refused := links_out(args.paths):  # as a file it cannot read: nothing ranked
+        for path in refused:
+            print(f"flashkd records compare: {path}: {LINK_OUT}", file=sys.stderr)
+        return 2
     for path in bundle_paths(args.paths):
         try:
             bundle = load(path)
