@@ -214,8 +214,10 @@ def compare(args: argparse.Namespace) -> int:
         print("flashkd records compare: no bundle files found", file=sys.stderr)
         return 2
     grouped = groups(bundles)
-    if cpu := [b for members in grouped.values() for _, b in members if on_cpu(b)]:  # said before any rank, as the site does
-        print(f"{CPU_CAVEAT} {cpu_caveat([b['environment']['manifest']['spec']['hardware']['product'] for b in cpu])}")
+    hosts = [b["environment"]["manifest"]["spec"]["hardware"]["product"] for members in grouped.values()
+             for _, b in members if on_cpu(b)]
+    if hosts:  # said before any rank, as the site's pages do
+        print(f"{CPU_CAVEAT} {cpu_caveat(hosts)}")
     for key, members in grouped.items():
         b = members[0][1]
         meta = lambda name: b[name]["manifest"]["metadata"]  # noqa: E731

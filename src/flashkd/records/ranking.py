@@ -46,6 +46,7 @@ CPU_CAVEAT = "CPU wall-clock checks, not a speed comparison."
 
 def cpu_caveat(hosts: list[str]) -> str:
     """What follows CPU_CAVEAT, for runs measured on a CPU; `hosts`: each such run's host (its product)."""
-    return (f"{'These runs were' if len(hosts) > 1 else 'This run was'} timed on a CPU ({', '.join(dict.fromkeys(hosts))}) "
-            "by the wall clock: each time says that the implementation ran, passed or failed its check, and how long "
-            "it took on that host. The kernels are built for GPUs, so a rank or a ratio here is not which is faster.")
+    runs = "These runs were" if len(hosts) > 1 else "This run was"
+    return (f"{runs} timed on a CPU ({', '.join(dict.fromkeys(hosts))}) by the wall clock: each time says that the "
+            "implementation ran, passed or failed its check, and how long it took on that host. The kernels are built "
+            "for GPUs, so a rank or a ratio here is not which is faster.")
