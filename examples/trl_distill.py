@@ -4,6 +4,7 @@ Tiny Llama-style student and teacher built from configs and a word-level tokeniz
 seconds on CPU. Needs the `trl` extra (pip install -e ".[trl]")."""
 
 import tempfile
+import warnings
 
 import torch
 from datasets import Dataset
@@ -14,6 +15,14 @@ from trl import DistillationConfig, DistillationTrainer
 import flashkd.integrations.trl
 
 flashkd.integrations.trl.patch()  # the one line: TRL's loss helper is now flashkd's
+
+# Checkpointing off (TRL's default is on), by the name this transformers knows: recent releases (5.24)
+# call it `activation_checkpointing` and warn at the old name, `gradient_checkpointing`
+CHECKPOINTING = "activation_checkpointing" if hasattr(DistillationConfig, "activation_checkpointing") else \
+    "gradient_checkpointing"
+# TRL 1.16 itself reads the model's deprecated `is_gradient_checkpointing` before each generation: its
+# warning, not this script's
+warnings.filterwarnings("ignore", "`is_gradient_checkpointing` is deprecated", FutureWarning)
 
 words = ["<pad>", "<eos>", "<unk>"] + [f"w{i}" for i in range(58)]
 tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
@@ -37,8 +46,8 @@ with tempfile.TemporaryDirectory() as out:  # the trainer's output_dir: it saves
     args = DistillationConfig(
         output_dir=out, per_device_train_batch_size=8, max_completion_length=8, max_steps=8,
         learning_rate=3e-2, lr_scheduler_type="constant", beta=0.5, temperature=1.0, logging_steps=1, report_to=[],
-        save_strategy="no", use_cpu=not torch.cuda.is_available(), bf16=False, gradient_checkpointing=False,
-        disable_tqdm=True,
+        save_strategy="no", use_cpu=not torch.cuda.is_available(), bf16=False, disable_tqdm=True,
+        **{CHECKPOINTING: False},
     )
     trainer = DistillationTrainer(model=student, teacher_model=teacher, args=args, processing_class=tokenizer,
                                   train_dataset=Dataset.from_dict({"prompt": prompts}))

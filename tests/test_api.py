@@ -6,6 +6,7 @@ import torch
 import flashkd
 import flashkd.chunks
 from conftest import BACKENDS
+from helpers.ties import drop_tied_rows, logits64
 from oracle import distill_loss
 
 
@@ -144,6 +145,7 @@ def test_empty_batch(backend):
 @pytest.mark.parametrize("loss", flashkd.LOSSES)
 def test_single_row(backend, loss):
     xs, ws, xt, wt, y = inputs(n=1)
+    y = drop_tied_rows(y, logits64(xs, ws), logits64(xt, wt), loss=loss)  # AKL's loss jumps with its head set
     got = flashkd.fused_linear_distill(xs, ws, xt, wt, y, loss=loss, backend=backend)
     want, _, _ = distill_loss(xs.detach(), ws.detach(), xt, wt, y, loss=loss)
     got.backward()

@@ -120,7 +120,6 @@ def _entry_point(*argv):
     (["bench", "-n", "0"], "flashkd bench: error: argument -n/--n: expected a positive integer, got 0"),
     (["records", "site", "x"], "flashkd records site: error: the following arguments are required: --out"),
     (["records", "nope"], "flashkd records: error: argument command: invalid choice: 'nope'"),
-    ([], "flashkd: error: the following arguments are required: command"),
 ])
 def test_argparse_usage_errors_are_one_line(argv, line):
     """argparse's own errors as flashkd's are: one line naming the argument (and where the options are
@@ -352,6 +351,67 @@ def test_verify_refuses_what_two_readers_read_apart(tmp_path, capsys, run_record
     assert code == 2 and problem in err, err
     code, _, err = _records(capsys, "site", path, "--out", tmp_path / "site")
     assert code == 1 and problem in err and (tmp_path / "site" / "index.html").is_file(), err
+
+
+def test_records_tools_follow_no_link_out_of_the_folder(tmp_path, capsys, run_records):
+    """Records folders are downloaded: verify followed a link in one to /etc/passwd and quoted its start
+    ("not a JSON bundle ...: the file begins 'root:x:0:0:root'"), and site copied the target of a linked
+    evidence file into the site. A link that stays in the folder is read; a loop of links is a file
+    that cannot be read, not a traceback."""
+    from flashkd.records.verify import LINK_OUT
+
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (outside / "passwd").write_text("root:x:0:0:root:/root:/bin/bash\n")
+    (outside / "other.json").write_bytes(run_records[1].read_bytes())  # a sound bundle, but not the folder's
+    run = tmp_path / "run"
+    folder = run / "records"
+    folder.mkdir(parents=True)
+    (folder / "good.json").write_bytes(run_records[0].read_bytes())
+    (folder / "passwd.json").symlink_to(outside / "passwd")
+    (folder / "more").symlink_to(outside, target_is_directory=True)
+    (folder / "alias.json").symlink_to("good.json")  # stays in the folder
+    (folder / "loop.json").symlink_to("loop.json")
+    # the evidence the bundles cite (results.csv, one folder up): the right bytes, but a link out
+    (outside / "results.csv").write_bytes((run_records[0].parents[1] / "results.csv").read_bytes())
+    (run / "results.csv").symlink_to(outside / "results.csv")
+    refused = [f"{folder / 'more'}: {LINK_OUT}", f"{folder / 'passwd.json'}: {LINK_OUT}"]
+
+    code, out, _ = _records(capsys, "verify", folder)
+    assert code == 1 and [line for line in out.splitlines() if LINK_OUT in line] == refused, out
+    assert f"{folder / 'good.json'}: the same bundle as {folder / 'alias.json'}" in out
+    assert f"{folder / 'loop.json'}: cannot read: " in out and "root:x" not in out
+    assert out.splitlines()[-1] == "3 bundle(s) checked, 3 problem(s)"  # alias, good, loop; the two links, the loop
+    code, out, err = _records(capsys, "compare", folder)
+    assert code == 2 and out == "" and err.splitlines() == [f"flashkd records compare: {line}" for line in refused]
+    code, out, err = _records(capsys, "site", folder, "--out", tmp_path / "site")
+    assert code == 1 and all(line in err for line in refused) and "root:x" not in err, err
+    assert f"{run / 'results.csv'}: {LINK_OUT}" in err and "1 run(s)" in out
+    site = tmp_path / "site"
+    assert not (site / "artifacts").exists()
+    assert not any("root:x" in p.read_text("utf-8", "replace") for p in site.rglob("*") if p.is_file())
+    assert "results.csv is a symbolic link out of its folder: not followed" in next((site / "runs").glob("*.html")).read_text()
+    # the same evidence as a plain file is copied
+    (run / "results.csv").unlink()
+    (run / "results.csv").write_bytes((outside / "results.csv").read_bytes())
+    for name in ("passwd.json", "more", "loop.json"):
+        (folder / name).unlink()
+    code, _, err = _records(capsys, "site", folder, "--out", site, "--replace")
+    assert code == 0 and len(list((site / "artifacts").rglob("results.csv"))) == 1, err
+
+
+@pytest.mark.parametrize("data, said", [
+    (b"root:x:0:0:root:/root:/bin/bash\n", "the file does not begin with JSON"),
+    (b"\x89PNG\r\n\x1a\n secret", "not UTF-8 text (at byte 0)"),
+    (b" \n", "the file is empty"),
+])
+def test_what_is_not_a_bundle_is_said_without_quoting_it(tmp_path, capsys, data, said):
+    path = tmp_path / "x.json"
+    path.write_bytes(data)
+    code, out, _ = _records(capsys, "verify", path)
+    assert code == 1 and out.splitlines()[0] == f"{path}: cannot read: not a JSON bundle (one JSON object, {{...}}): {said}"
+    code, _, err = _records(capsys, "compare", path)
+    assert code == 2 and said in err and "root:x" not in err and "PNG" not in err
 
 
 def test_one_run_in_two_files(tmp_path, capsys, run_records):

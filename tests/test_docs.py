@@ -92,3 +92,15 @@ def test_docs_snippets_are_python_that_names_what_it_uses(path):
                 known.add(node.id)
         read = {n.id for n in ast.walk(tree) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Load)}
         assert read <= known, f"{path.name}: {sorted(read - known)} neither imported nor marked as yours"
+
+
+def test_the_docs_say_how_to_run_the_command_before_they_run_it():
+    """The README's commands install into .venv/ without activating it, and the docs' blocks typed a bare
+    `flashkd`: command not found. The README says how once; a page says it before its first such block."""
+    readme = README.read_text("utf-8")
+    assert ".venv/bin/flashkd" in readme and "source .venv/bin/activate" in readme
+    for path in PAGES:
+        text = path.read_text("utf-8")
+        runs = re.search(r"^```(?:bash|sh|console)?\n(?:[^`]*?\n)?(?:\$ )?flashkd ", text, re.M)
+        if runs:
+            assert "source .venv/bin/activate" in text[:runs.start()], path.name

@@ -25,6 +25,8 @@ def test_example_runs(path, tmp_path, tmp_path_factory):
                           cwd=tmp_path)
     assert done.returncode == 0, done.stderr[-2000:]
     assert "loss" in done.stdout
+    # a warning a user would see on their first run, e.g. a deprecated argument the example passes
+    assert not re.search(r"\w+Warning: ", done.stderr), done.stderr[-2000:]
     assert not any(tmp.iterdir()), sorted(p.name for p in tmp.iterdir())
     assert [p.name for p in tmp_path.iterdir()] == ["tmp"]  # nor in the folder it ran from
     assert "/tmp" not in path.read_text()  # no fixed folder outside the temporary one either

@@ -112,12 +112,16 @@ def test_matches_axolotl(case, backend, seed):
         return value, torch.autograd.grad(value, leaves)
 
     # axolotl's kernel casts the logits and log-probs to fp32 (its distillation_loss_fn): equal to that
-    torch.testing.assert_close(l_ours, l_ref.to(l_ours.dtype), rtol=1e-5, atol=1e-4)
-    # Its gradients are those of w_soft · soft + w_hard · CE, without the τ² its value has: equal to
-    # that at τ = 1; at other τ, to the float64 gradient of the value with w_soft for w_soft · τ²
-    g_theirs = g_ours if tau == 1.0 else oracle(w_soft / tau**2)[1]
-    for a, r in zip(g_theirs, g_ref):
-        torch.testing.assert_close(a, r, rtol=1e-4, atol=1e-5 * r.abs().max().item())
+    # where its value is finite. Where it is not (normalize_topk renormalises the student's log-probs at
+    # the ids through their exp in fp32: one below −103 is exp 0, log −inf, the value inf and its gradients
+    # NaN; seed 1552097662 at τ 0.7 has −110), flashkd is held to the float64 formula alone, below.
+    if torch.isfinite(l_ref):
+        torch.testing.assert_close(l_ours, l_ref.to(l_ours.dtype), rtol=1e-5, atol=1e-4)
+        # Its gradients are those of w_soft · soft + w_hard · CE, without the τ² its value has: equal to
+        # that at τ = 1; at other τ, to the float64 gradient of the value with w_soft for w_soft · τ²
+        g_theirs = g_ours if tau == 1.0 else oracle(w_soft / tau**2)[1]
+        for a, r in zip(g_theirs, g_ref):
+            torch.testing.assert_close(a, r, rtol=1e-4, atol=1e-5 * r.abs().max().item())
     # flashkd's: the value's own gradient, to axolotl's formula in float64 at 1e-10
     truth, g_truth = oracle()
     torch.testing.assert_close(l_ours, truth.detach(), rtol=1e-10, atol=1e-10)

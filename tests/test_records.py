@@ -17,7 +17,7 @@ from flashkd.records import (
     bundles_from_results, canonical_json, check_bundle, comparison_key, correctness_key, digest, liger,
 )
 from flashkd.records.cli import add_records_parser, write_bundles
-from flashkd.records.ranking import groups, ranked
+from flashkd.records.ranking import CPU_CAVEAT, cpu_caveat, groups, ranked
 from flashkd.records.emit import harness_commit
 
 # KernelIndex's test vector (tests/data/kernelindex/NOTICE) and Liger-Kernel's published rows, which
@@ -353,6 +353,23 @@ def test_compare_groups_liger_and_torch(tmp_path, capsys):
     assert _cli(["records", "compare", str(tmp_path)]) == 0
     out = capsys.readouterr().out
     assert "60.2416 ms" in out and "x1.00" in out
+    assert CPU_CAVEAT not in out  # Liger's rows were measured on H100s
+
+
+def test_compare_says_cpu_times_are_no_speed_comparison(tmp_path, capsys):
+    """compare ranked CPU runs ("x873.15") without the caveat the site's pages and the bench's table show."""
+    env = report.environment(FAST)
+    w = Workload("jsd", 7, h=12, v=37, dtype="float32")
+    check = measure.Check("passed", 0.0, 0.0, 0.0, measure._tolerance(w, w.torch_dtype))
+    results = [measure.Result(w, provider, "0", check, "full", (ms, ms, ms), None, None, "2026-01-01 00:00:00")
+               for provider, ms in (("flashkd", 1.0), ("torch", 873.15))]
+    write_bundles(bundles_from_results(results, env), tmp_path)
+    capsys.readouterr()
+    assert _cli(["records", "compare", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    first = out.splitlines()[0]
+    assert first == f"{CPU_CAVEAT} {cpu_caveat([env['gpu_name'].removeprefix('CPU ')] * 2)}", first
+    assert first.startswith(f"{CPU_CAVEAT} These runs were timed on a CPU (") and "x873.15" in out
 
 
 # -- emit -------------------------------------------------------------------------------------------

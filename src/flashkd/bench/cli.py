@@ -163,8 +163,11 @@ def main(argv: list[str] | None = None) -> int:
     from ..records.cli import add_records_parser  # imports no package of the records extra
 
     add_records_parser(commands)
-    args = parser.parse_args(argv)
-    return _run(args)
+    argv = sys.argv[1:] if argv is None else argv
+    if not argv:  # `flashkd` alone asks what it does: the help, not a usage error
+        parser.print_help()
+        return 0
+    return _run(parser.parse_args(argv))
 
 
 def bench_main(argv: list[str] | None = None) -> int:

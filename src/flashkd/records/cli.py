@@ -182,12 +182,17 @@ def compare(args: argparse.Namespace) -> int:
     if missing := _missing("compare", args.paths):
         return missing
     from .identity import primary
-    from .ranking import groups, ranked
-    from .verify import EMPTY, bundle_paths, check_bundle, empty_folders, load, same_run_text, same_runs
+    from .ranking import CPU_CAVEAT, cpu_caveat, groups, on_cpu, ranked
+    from .verify import (EMPTY, LINK_OUT, bundle_paths, check_bundle, empty_folders, links_out, load, same_run_text,
+                         same_runs)
 
     bundles = []
     for path in empty_folders(args.paths):
         print(f"flashkd records compare: {path}: {EMPTY}", file=sys.stderr)
+    if refused := links_out(args.paths):  # as a file it cannot read: nothing ranked
+        for path in refused:
+            print(f"flashkd records compare: {path}: {LINK_OUT}", file=sys.stderr)
+        return 2
     for path in bundle_paths(args.paths):
         try:
             bundle = load(path)
@@ -208,7 +213,12 @@ def compare(args: argparse.Namespace) -> int:
     if not bundles:
         print("flashkd records compare: no bundle files found", file=sys.stderr)
         return 2
-    for key, members in groups(bundles).items():
+    grouped = groups(bundles)
+    hosts = [b["environment"]["manifest"]["spec"]["hardware"]["product"] for members in grouped.values()
+             for _, b in members if on_cpu(b)]
+    if hosts:  # said before any rank, as the site's pages do
+        print(f"{CPU_CAVEAT} {cpu_caveat(hosts)}")
+    for key, members in grouped.items():
         b = members[0][1]
         meta = lambda name: b[name]["manifest"]["metadata"]  # noqa: E731
         metric = (primary(b["run"]["manifest"]) or ("none",))[0]

@@ -32,10 +32,10 @@ from importlib import resources
 from pathlib import Path
 
 from .. import files
-from .ranking import groups, ranked
+from .ranking import CPU_CAVEAT, cpu_caveat, groups, on_cpu, ranked
 from .identity import canonical_identity, canonical_json, primary
-from .verify import (EMPTY, INTERRUPTED, OBJECTS, PARTIAL, bundle_paths, check_bundle, empty_folders, interrupted, load,
-                     loads, same_run_text, same_runs)
+from .verify import (EMPTY, INTERRUPTED, LINK_OUT, OBJECTS, PARTIAL, bundle_paths, check_bundle, empty_folders,
+                     interrupted, links_out, load, loads, same_run_text, same_runs, within)
 
 MARKER = ".flashkd-site"  # marks a folder this module wrote, so a rebuild may replace it
 STATIC = ("style.css",)
@@ -94,9 +94,7 @@ class Run:
 
     @property
     def on_cpu(self) -> bool:
-        """Measured on a CPU: its host's architecture is not a GPU's (sm_XX, gfxNNN). Its times are wall
-        clock on a machine the kernels are not built for: a check that each ran, not a speed comparison."""
-        return not re.match(r"(sm|gfx)_?\d", self["environment"]["spec"]["hardware"]["architecture"])
+        return on_cpu(self.bundle)
 
     @property
     def hardware_text(self) -> str:
@@ -235,6 +233,7 @@ class Site:
     files: int
     pages: int = 0
     duplicates: list[str] = dataclasses.field(default_factory=list)  # files given again, each a line
+    refused_evidence: list[Path] = dataclasses.field(default_factory=list)  # links out, not followed (by write)
 
 
 def _title(manifest: dict) -> str:
@@ -280,7 +279,7 @@ def read(paths, compare_pairs=(), out=None) -> Site:
     for path in files:
         try:  # read once: the bytes checked are the bytes served, whatever the file holds by then
             raw[path] = Path(path).read_bytes()
-            bundle = loads(raw[path].decode("utf-8"))
+            bundle = loads(raw[path])
         except (OSError, ValueError) as e:
             rejected.append(Rejected(path, [f"cannot read: {e}"]))
             continue
@@ -290,6 +289,7 @@ def read(paths, compare_pairs=(), out=None) -> Site:
         else:
             good.append((path, bundle))
     rejected += [Rejected(path, [INTERRUPTED]) for path in interrupted(paths) if not ours(path)]
+    rejected += [Rejected(path, [LINK_OUT]) for path in links_out(paths) if not ours(path)]
     duplicates = []  # a run given twice is rendered once; two files that differ on it, not the second
     for path, earlier, identical in same_runs(good):
         good = [(p, b) for p, b in good if p is not path]
@@ -328,11 +328,11 @@ def _own_output(out):
     site a rebuild is replacing (.NAME.old)."""
     if out is None:
         return lambda path: False
-    out = Path(out).resolve()
+    out = Path(os.path.realpath(out))  # not Path.resolve(), which raises at a loop of links
     building = re.compile(re.escape(f".{out.name}.") + r"(\d+" + re.escape(PARTIAL) + "|old)")
 
     def ours(path):
-        path = Path(path).resolve()
+        path = Path(os.path.realpath(path))
         return any(p == out or (p.parent == out.parent and building.fullmatch(p.name)) for p in (path, *path.parents))
 
     return ours
@@ -562,13 +562,14 @@ def _environment():
                              autoescape=jinja2.select_autoescape(["html"], default=True), undefined=Missing,
                              trim_blocks=True, lstrip_blocks=True)
     env.filters.update(quantity=quantity, ratio=ratio, flatten=flatten, shape=shape, hex=_hex, scalar=_scalar)
-    env.globals.update(OBJECTS=OBJECTS)
+    env.globals.update(OBJECTS=OBJECTS, CPU_CAVEAT=CPU_CAVEAT, cpu_caveat_text=cpu_caveat)
     return env
 
 
-def _artifacts(run: Run, out: Path) -> list[dict]:
+def _artifacts(run: Run, out: Path, refused: list[Path]) -> list[dict]:
     """Each evidence file the run cites: copied into the site when a file of that name with the stated
-    digest lies beside the bundle (or one folder up), else listed as not found."""
+    digest lies beside the bundle (or one folder up), else listed as not found. One that is a symbolic
+    link out of its folder is not read: added to `refused`."""
     found = []
     for kind, ref in sorted(run.spec.get("evidence", {}).items()):
         if not isinstance(ref, dict) or "uri" not in ref:
@@ -579,6 +580,11 @@ def _artifacts(run: Run, out: Path) -> list[dict]:
         if re.fullmatch(r"[A-Za-z0-9._-]+", name) and name not in (".", ".."):
             for folder in (run.path.parent, run.path.parent.parent):
                 candidate = folder / name
+                if not within(candidate, folder):
+                    item["note"] = f"{name} is a symbolic link out of its folder: not followed"
+                    if candidate not in refused:
+                        refused.append(candidate)
+                    continue
                 if not candidate.is_file():
                     continue
                 data = candidate.read_bytes()
@@ -685,7 +691,7 @@ def _write(site: Site, out: Path) -> int:
         (out / "runs" / f"{run.id}.canonical.json").write_text(canonical["run"], encoding="utf-8")
         p20, p80 = run.spread
         page(f"runs/{run.id}.html", "run.html", run=run, p20=p20, p80=p80, canonical=canonical,
-             compares=compares.get(run.id, {}), artifacts=_artifacts(run, out), cite=_cite(run),
+             compares=compares.get(run.id, {}), artifacts=_artifacts(run, out, site.refused_evidence), cite=_cite(run),
              sweep=sweep_of.get(run.group.id), unit=run.metric.rsplit(":", 1)[-1])
     for g in site.groups:
         unit = g.first.metric.rsplit(":", 1)[-1]
@@ -727,7 +733,8 @@ def build(paths, out, compare_pairs=(), replace=False) -> Site:
 
 def main(args) -> int:
     """`flashkd records site PATH... --out DIR [--compare RUN RUN]...`: 0, 1 when a file was rejected
-    (the site is still written, the file listed on its index), 2 when nothing could be written."""
+    (the site is still written, the file listed on its index) or an evidence file was a link out of its
+    folder, 2 when nothing could be written."""
     try:
         site = build(args.paths, args.out, [tuple(p) for p in args.compare], args.replace)
     except ValueError as e:
@@ -742,6 +749,9 @@ def main(args) -> int:
             print(f"{x.path}: {problem}", file=sys.stderr)
     for line in site.duplicates:
         print(f"{line}: rendered once", file=sys.stderr)
+    evidence = [p for p in site.refused_evidence if p not in {x.path for x in site.rejected}]  # not said twice
+    for path in evidence:
+        print(f"{path}: {LINK_OUT}", file=sys.stderr)
     for path in empty_folders(args.paths):
         print(f"flashkd records site: {path}: {EMPTY}", file=sys.stderr)
     print(f"{len(site.runs)} run(s) in {len(site.groups)} comparison group(s), {site.pages} pages: "
@@ -749,8 +759,7 @@ def main(args) -> int:
     if site.rejected:
         print(f"flashkd records site: {len(site.rejected)} file(s) rejected, not rendered (listed on the index)",
               file=sys.stderr)
-        return 1
-    return 0
+    return 1 if site.rejected or evidence else 0
 
 
 __all__ = ["build", "read", "write", "Site", "Run", "Group", "Sweep", "Rejected"]

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from functools import cache
 from importlib import resources
 from pathlib import Path
@@ -124,11 +125,29 @@ def check_bundle(bundle) -> list[str]:
 
 
 def bundle_paths(paths) -> list[Path]:
-    """The JSON files named, a folder standing for every *.json under it."""
+    """The JSON files named, a folder standing for every *.json under it that stays in it (`links_out`)."""
     out = []
     for p in map(Path, paths):
-        out += sorted(p.rglob("*.json")) if p.is_dir() else [p]
+        out += [q for q in sorted(p.rglob("*.json")) if within(q, p)] if p.is_dir() else [p]
     return out
+
+
+# Records folders are downloaded: a link in one may lead anywhere on the machine that reads it. What the
+# user names is read where it leads; a link found in a folder only where it stays in that folder.
+LINK_OUT = "a symbolic link that leads out of the folder read: not followed (a records folder is read within itself)"
+
+
+def within(path: Path, folder: Path) -> bool:
+    """Whether `path`, found under `folder`, stays in it, every symbolic link on the way followed
+    (realpath: a loop of links stays where it is, and is an error when read)."""
+    return Path(os.path.realpath(path)).is_relative_to(os.path.realpath(folder))
+
+
+def links_out(paths) -> list[Path]:
+    """The symbolic links under the folders named that lead out of them where a bundle would be read: a
+    *.json (to a file, a folder or nothing) or a folder."""
+    return [q for p in map(Path, paths) if p.is_dir() for q in sorted(p.rglob("*"))
+            if q.is_symlink() and (q.suffix == ".json" or q.is_dir()) and not within(q, p)]
 
 
 def empty_folders(paths) -> list[Path]:
@@ -157,11 +176,19 @@ def load(path: Path):
     """A bundle file's JSON; ValueError where it is not strict JSON (NaN, Infinity, a number past
     float range), repeats a key within an object, holds a string that is not Unicode text (an escaped
     lone surrogate) or nests deeper than MAX_DEPTH; OSError where it cannot be read."""
-    return loads(Path(path).read_text("utf-8"))
+    return loads(Path(path).read_bytes())
 
 
-def loads(text: str):
-    """load() of a bundle's text."""
+# What is not a bundle is said without quoting it: the file may be anything (a key, a password file).
+NOT_JSON = "not a JSON bundle (one JSON object, {...}): "
+
+
+def loads(data: bytes):
+    """load() of a bundle file's bytes."""
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ValueError(f"{NOT_JSON}not UTF-8 text (at byte {e.start})") from None
     try:
         value = json.loads(text, parse_constant=_reject, parse_float=_float, object_pairs_hook=_object)
     except json.JSONDecodeError as e:
@@ -169,9 +196,8 @@ def loads(text: str):
             raise
         # no JSON at all (a README, a CSV, an empty file): the parser's "Expecting value: line 1 column 1"
         # reads as a damaged bundle
-        shown = text.lstrip()[:24]
-        raise ValueError("not a JSON bundle (one JSON object, {...}): "
-                         + (f"the file begins {shown!r}" if shown else "the file is empty")) from None
+        raise ValueError(NOT_JSON + ("the file does not begin with JSON" if text.strip() else "the file is empty")) \
+            from None
     except RecursionError:
         raise ValueError(f"nested deeper than {MAX_DEPTH} levels") from None
     if _depth(value) > MAX_DEPTH:
@@ -265,6 +291,7 @@ def verify_paths(paths, notes: list[str] | None = None) -> tuple[int, list[str]]
         if not found:
             sound.append((path, bundle))
     problems += [f"{path}: {INTERRUPTED}" for path in interrupted(paths)]
+    problems += [f"{path}: {LINK_OUT}" for path in links_out(paths)]
     problems += [f"{path}: {EMPTY}" for path in empty_folders(paths)]
     for path, earlier, identical in same_runs(sound):
         (notes if identical and notes is not None else problems if not identical else []).append(
