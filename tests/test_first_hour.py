@@ -73,6 +73,7 @@ def test_import_flashkd_alone_imports_no_torch_and_every_public_name_resolves():
     ([], ["usage: flashkd", "bench", "records"]),  # `flashkd` alone said "error: ... required: command"
     (["bench", "--help"], ["usage: flashkd bench", "--preset", "records/", "site/", "trained"]),
     (["records", "--help"], ["usage: flashkd records", "import-liger", "verify", "compare", "site"]),
+    (["records"], ["usage: flashkd records", "import-liger", "verify", "compare", "site"]),  # was a usage error
     (["records", "site", "--help"], ["usage: flashkd records site", "--out", "--replace"]),
 ])
 def test_help_answers_without_torch_or_the_records_extra(argv, words):

@@ -162,10 +162,10 @@ def main(argv: list[str] | None = None) -> int:
     bench_parser.set_defaults(run=bench)
     from ..records.cli import add_records_parser  # imports no package of the records extra
 
-    add_records_parser(commands)
+    records_parser = add_records_parser(commands)
     argv = sys.argv[1:] if argv is None else argv
-    if not argv:  # `flashkd` alone asks what it does: the help, not a usage error
-        parser.print_help()
+    if not argv or argv == ["records"]:  # a command alone asks what it does: the help, not a usage error
+        (records_parser if argv else parser).print_help()
         return 0
     return _run(parser.parse_args(argv))
 
