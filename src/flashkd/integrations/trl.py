@@ -6,7 +6,7 @@ Two helpers, each looked up by name in its module on every call:
 - `trl.experimental.async_distillation.async_distillation_trainer._chunked_jsd_loss` (a served
   teacher's top-k log-probs: AsyncDistillationTrainer, on-policy) becomes `chunked_jsd_loss`, the
   top-k form (`fused_linear_distill_topk`); see its docstring for what is the same and what differs.
-and one method:
+and two methods:
 - `trl.experimental.server_distillation.ServerDistillationTrainer.compute_loss` (a served teacher's
   top-1 / top-k log-probs, computed by TRL from the student's full (B, T, V) logits) becomes
   `server_compute_loss`: the student's backbone only, and the same top-k form on its hidden states.
@@ -400,7 +400,7 @@ def _gold_loss(trainer, unwrapped, inputs, t_ids, t_mask, alignment):
 
 def patch(*, teacher_precision: str | None = None):
     """Make TRL's distillation trainers (DistillationTrainer, AsyncDistillationTrainer,
-    ServerDistillationTrainer) compute their loss with flashkd; returns a context manager whose exit
+    ServerDistillationTrainer, and GOLDTrainer with use_uld_loss) compute their loss with flashkd; returns a context manager whose exit
     undoes this call's patch (`with patch(): ...`). Patching twice is a no-op (but for
     teacher_precision, which the latest call sets). teacher_precision: `fused_linear_distill`'s,
     e.g. "fp8" for an FP8 teacher GEMM (docs/api.md, "FP8 teacher": faster, and not TRL's numbers); it
