@@ -17,6 +17,11 @@ chunks of rows, so the [tokens × vocab] logits never exist in full:
     FusedLinearDistillLoss(loss=..., **options)
                                 fused_linear_distill as an nn.Module; FusedLinearJSDLoss and
                                 FusedLinearCosineSimilarityLoss are drop-ins for Liger-Kernel's modules
+    token_map(student_tokenizer, teacher_tokenizer) -> TokenMap
+                                a teacher with another tokenizer: TokenMap.teacher_head gathers its head
+                                into the student's vocab order (the shared tokens, renormalised)
+    fused_linear_uld(student_input, student_weight, teacher_input, teacher_weight, uld_alignment(...))
+                                TRL's GOLD / ULD loss across tokenizers, a chunk of aligned rows at a time
     flashkd.fp8                 the FP8 teacher head behind teacher_precision="fp8"
     flashkd.data                top-k targets on disk (write_topk_targets), read lazily (TopKTargets)
                                 and placed into padded batches (TopKCollator); needs safetensors
@@ -43,6 +48,7 @@ _PUBLIC = {
     "losses": ("LOSSES", "DistillStats", "LossSpec"),
     "data": ("TopKCollator", "TopKTargets", "write_topk_targets"),
     "modules": ("FusedLinearCosineSimilarityLoss", "FusedLinearDistillLoss", "FusedLinearJSD", "FusedLinearJSDLoss"),
+    "cross_vocab": ("TokenMap", "token_map", "UldAlignment", "uld_alignment", "fused_linear_uld"),
 }
 _MODULE_OF = {name: module for module, names in _PUBLIC.items() for name in names}
 
@@ -79,4 +85,9 @@ __all__ = [
     "LossSpec",
     "DistillStats",
     "LOSSES",
+    "token_map",
+    "TokenMap",
+    "uld_alignment",
+    "UldAlignment",
+    "fused_linear_uld",
 ]

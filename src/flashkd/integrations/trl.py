@@ -6,10 +6,14 @@ Two helpers, each looked up by name in its module on every call:
 - `trl.experimental.async_distillation.async_distillation_trainer._chunked_jsd_loss` (a served
   teacher's top-k log-probs: AsyncDistillationTrainer, on-policy) becomes `chunked_jsd_loss`, the
   top-k form (`fused_linear_distill_topk`); see its docstring for what is the same and what differs.
-and one method:
+and two methods:
 - `trl.experimental.server_distillation.ServerDistillationTrainer.compute_loss` (a served teacher's
   top-1 / top-k log-probs, computed by TRL from the student's full (B, T, V) logits) becomes
   `server_compute_loss`: the student's backbone only, and the same top-k form on its hidden states.
+- `trl.experimental.gold.GOLDTrainer.compute_loss`, with a teacher of another tokenizer
+  (`use_uld_loss=True`: ULD and its hybrid mode), becomes `gold_compute_loss`: both models' backbones
+  only, and `flashkd.fused_linear_uld` on their hidden states and heads (a chunk of aligned rows'
+  logits at a time, where TRL's `ULDLoss` takes both models' full (B, T, V) logits).
 
 TRL 1.16's `trl.trainer.distillation_trainer.DistillationTrainer` (and any subclass that keeps its
 `_compute_loss`) computes its loss in the module-level helper
@@ -56,6 +60,7 @@ import math
 import torch
 
 from .. import fp8
+from ..cross_vocab import fused_linear_uld, uld_alignment
 from ..distill import fused_linear_distill, fused_linear_distill_topk
 from . import announce, compute_dtype, full_head, per_item
 
@@ -86,7 +91,14 @@ TRL_TAIL_CLAMP = 1e-7
 _SERVER_MODULE = "trl.experimental.server_distillation.server_distillation_trainer"
 _SERVER_METHODS = ("_compute_prompt_length", "_get_teacher_token_logprobs_from_server", "_get_last_hidden_state")
 
+# GOLDTrainer: its compute_loss, and what of TRL's the patched one reads.
+_GOLD_MODULE = "trl.experimental.gold.gold_trainer"
+_ULD_ATTRIBUTES = ("crossentropy_weight", "distillation_weight", "student_temperature", "teacher_temperature",
+                   "skip_student_eos", "skip_teacher_eos", "use_extended_uld", "token_merge_strategy",
+                   "use_hybrid_loss", "hybrid_matched_weight", "hybrid_unmatched_weight", "beta", "_vocab_mapping")
+
 _original = None  # TRL's helper while patched
+_original_gold = None  # GOLDTrainer.compute_loss while patched
 _original_jsd = None  # TRL's top-k helper while patched
 _original_server = None  # ServerDistillationTrainer.compute_loss while patched
 _installed = None  # a token of the patch() call that installed the helpers, for its context's exit
@@ -285,9 +297,110 @@ def _server_loss(trainer, unwrapped, input_ids, attention_mask, keep, comp_len, 
         )
 
 
+def gold_compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+    """GOLDTrainer.compute_loss with a teacher of another tokenizer (`use_uld_loss=True`), from both
+    models' backbones and `flashkd.fused_linear_uld`, in place of their whole forwards and TRL's
+    `ULDLoss` on the two (B, T, V) logits.
+
+    The same as TRL's, for every ULDLoss option: the teacher's inputs (TRL's own
+    `build_teacher_inputs_from_texts` on the batch's original texts), the answer spans, the byte
+    alignment and its merge strategy ("observed" / "bayesian", extended or positional), both
+    temperatures, the sorted-L1 ULD loss or the hybrid (JSD at β over the ids TRL's vocabulary mapping
+    matches, sorted L1 over the others, TRL's fixed or adaptive weights), the distillation and
+    cross-entropy weights, the logged matched / unmatched terms (the batch's last item, as TRL), and
+    each model's logit transform (from its config, `head_transform`). What differs: speed and memory,
+    the loss math in fp32 where a bf16 model's logits would be (TRL softmaxes them as they come), and a
+    batch without any labelled token, whose CE term TRL makes NaN and this 0. Without
+    `use_uld_loss` (a teacher of the student's tokenizer), for a vision-language teacher, batches with
+    multimodal inputs and `return_outputs=True`, TRL's own method runs."""
+    uld = getattr(self, "uld_loss_fn", None)
+    if (return_outputs or not self.use_uld_loss or self.teacher_tokenizer is None or uld is None
+            or self._teacher_processor is not None or self._get_model_forward_kwargs(inputs)):
+        return _original_gold(self, model, inputs, return_outputs, num_items_in_batch)
+    from trl.experimental.gold.gold_trainer import build_teacher_inputs_from_texts
+
+    from .transformers import _in_forward
+
+    t_ids, t_labels, t_mask, t_offsets = build_teacher_inputs_from_texts(
+        self.teacher_tokenizer, inputs["original_prompt_text"], inputs["original_completion_text"],
+        use_extended_uld=uld.use_extended_uld)
+    device = self.accelerator.device
+    t_ids, t_labels, t_mask = t_ids.to(device), t_labels.to(device), t_mask.to(device)
+    s_offsets = inputs.get("byte_offsets")
+    if uld.use_extended_uld and s_offsets is None:
+        raise ValueError("Input batches must include `byte_offsets` when `use_extended_uld=True`.")
+    alignment = uld_alignment(
+        inputs["labels"], t_labels, inputs["input_ids"], t_ids, s_offsets, t_offsets,
+        merge=uld.token_merge_strategy, extended=uld.use_extended_uld, skip_student_eos=uld.skip_student_eos,
+        skip_teacher_eos=uld.skip_teacher_eos, weight=float(uld.distillation_weight))
+    unwrapped = self.accelerator.unwrap_model(model)
+    loss, matched, unmatched = _in_forward(model, unwrapped, lambda: _gold_loss(
+        self, unwrapped, inputs, t_ids, t_mask, alignment))
+    if matched is not None and len(alignment):
+        last = alignment.item == alignment.item[-1]  # TRL keeps the terms of the batch's last item
+        uld.last_matched_loss = matched[last.to(matched.device)].mean()
+        uld.last_unmatched_loss = unmatched[last.to(matched.device)].mean()
+    if hasattr(uld, "last_matched_loss") and hasattr(uld, "last_unmatched_loss"):  # TRL's logging, as it is
+        step_eq = 1.0 / max(1, int(self.args.gradient_accumulation_steps))
+        self._matched_sum += uld.last_matched_loss.item() if uld.last_matched_loss is not None else 0.0
+        self._unmatched_sum += uld.last_unmatched_loss.item() if uld.last_unmatched_loss is not None else 0.0
+        self._matched_step_eq += step_eq
+        self._unmatched_step_eq += step_eq
+    return loss
+
+
+def _gold_loss(trainer, unwrapped, inputs, t_ids, t_mask, alignment):
+    """GOLD's ULD loss from the two backbones' hidden states; runs as the student wrapper's forward."""
+    from .transformers import _backbone, _causal_lm, _in_forward, _zero3_gathered, head_transform
+
+    uld = trainer.uld_loss_fn
+    lm = _causal_lm(unwrapped, "model")
+    hs = _backbone(lm, "model")(input_ids=inputs["input_ids"], attention_mask=inputs["attention_mask"],
+                                use_cache=False).last_hidden_state
+    dtype = compute_dtype(hs)
+    t_unwrapped = trainer.accelerator.unwrap_model(trainer.teacher_model)
+    teacher = _causal_lm(t_unwrapped, "teacher_model")
+    trainer.teacher_model.eval()
+    with torch.no_grad():
+        ht = _in_forward(trainer.teacher_model, t_unwrapped, lambda: _backbone(teacher, "teacher_model")(
+            input_ids=t_ids, attention_mask=t_mask).last_hidden_state)
+        dtype = torch.promote_types(dtype, compute_dtype(ht))
+    head, t_head = lm.get_output_embeddings(), teacher.get_output_embeddings()
+    ws, bs = full_head(head.weight, head.bias, dtype)
+    with torch.no_grad():
+        wt, bt = full_head(t_head.weight, t_head.bias, dtype)
+    s_scale, s_cap = head_transform(lm.config)
+    t_scale, t_cap = head_transform(teacher.config)
+    matched = None
+    if uld.use_hybrid_loss and uld._vocab_mapping is not None:
+        matched = getattr(trainer, "_flashkd_matched", None)
+        if matched is None:  # TRL's own vocabulary mapping (teacher id -> student id), once per trainer
+            pairs = sorted(uld._vocab_mapping.items())
+            matched = (torch.tensor([s for _, s in pairs], dtype=torch.int64),
+                       torch.tensor([t for t, _ in pairs], dtype=torch.int64))
+            trainer._flashkd_matched = matched
+        matched = tuple(m.to(ws.device) for m in matched)
+    labels = None
+    if uld.crossentropy_weight > 0:  # TRL's CE: row t against the label of t + 1
+        y = inputs["labels"]
+        labels = torch.cat([y[:, 1:], torch.full_like(y[:, :1], -100)], 1)
+    cast = lambda t: None if t is None else t.to(dtype)  # noqa: E731
+    with _zero3_gathered(ws, bs, wt, bt):
+        loss, matched_parts, unmatched_parts = fused_linear_uld(
+            cast(hs), cast(ws), cast(ht).to(hs.device), cast(wt).to(ws.device), alignment.to(ws.device),
+            student_bias=cast(bs), teacher_bias=cast(bt), student_temperature=float(uld.student_temperature),
+            teacher_temperature=float(uld.teacher_temperature), matched=matched,
+            matched_weight=uld.hybrid_matched_weight if matched is not None else None,
+            unmatched_weight=uld.hybrid_unmatched_weight if matched is not None else None,
+            beta=float(uld.beta), labels=labels, ce_weight=float(uld.crossentropy_weight),
+            student_logit_scale=s_scale, student_softcap=s_cap, teacher_logit_scale=t_scale, teacher_softcap=t_cap,
+            return_parts=True)
+    return loss, matched_parts, unmatched_parts
+
+
 def patch(*, teacher_precision: str | None = None):
     """Make TRL's distillation trainers (DistillationTrainer, AsyncDistillationTrainer,
-    ServerDistillationTrainer) compute their loss with flashkd; returns a context manager whose exit
+    ServerDistillationTrainer, and GOLDTrainer with use_uld_loss) compute their loss with flashkd; returns a context manager whose exit
     undoes this call's patch (`with patch(): ...`). Patching twice is a no-op (but for
     teacher_precision, which the latest call sets). teacher_precision: `fused_linear_distill`'s,
     e.g. "fp8" for an FP8 teacher GEMM (docs/api.md, "FP8 teacher": faster, and not TRL's numbers); it
@@ -300,33 +413,37 @@ def patch(*, teacher_precision: str | None = None):
     module = _check()
     jsd_module = _check_jsd()
     server = _check_server()
+    gold = _check_gold()
     token = None
     if _original is None:
-        global _original_jsd, _original_server
+        global _original_jsd, _original_server, _original_gold
         _original = getattr(module, _HELPER)
         _original_jsd = getattr(jsd_module, _JSD_HELPER)
         _original_server = server.__dict__["compute_loss"]
+        _original_gold = gold.__dict__["compute_loss"]
         setattr(module, _HELPER, chunked_divergence_loss)
         setattr(jsd_module, _JSD_HELPER, chunked_jsd_loss)
         from trl.extras.profiling import profiling_decorator
 
         server.compute_loss = profiling_decorator(server_compute_loss)  # TRL's timing of the method, kept
+        gold.compute_loss = gold_compute_loss
         token = _installed = object()
-        announce("TRL's DistillationTrainer, AsyncDistillationTrainer and ServerDistillationTrainer compute their "
-                 "loss with flashkd (flashkd.integrations.trl.patch; unpatch() undoes it)")
+        announce("TRL's DistillationTrainer, AsyncDistillationTrainer, ServerDistillationTrainer and GOLDTrainer "
+                 "(use_uld_loss) compute their loss with flashkd (flashkd.integrations.trl.patch; unpatch() undoes it)")
     return _Undo(token)
 
 
 def unpatch() -> None:
     """Put TRL's own helpers back (nothing to do when not patched)."""
-    global _original, _original_jsd, _original_server, _installed
+    global _original, _original_jsd, _original_server, _original_gold, _installed
     if _original is not None:
         import sys
 
         setattr(sys.modules[_MODULE], _HELPER, _original)
         setattr(sys.modules[_JSD_MODULE], _JSD_HELPER, _original_jsd)
         sys.modules[_SERVER_MODULE].ServerDistillationTrainer.compute_loss = _original_server
-        _original = _original_jsd = _original_server = _installed = None
+        sys.modules[_GOLD_MODULE].GOLDTrainer.compute_loss = _original_gold
+        _original = _original_jsd = _original_server = _original_gold = _installed = None
 
 
 def is_patched() -> bool:
@@ -419,6 +536,34 @@ def _check_server():
             f"{', '.join(TESTED_TRL_VERSIONS)}): expected compute_loss{expected} calling "
             f"_get_teacher_token_logprobs_from_server, and methods {', '.join(_SERVER_METHODS)}; got {found}, "
             f"missing {missing}"
+        )
+    return trainer
+
+
+def _check_gold():
+    """GOLDTrainer, once its compute_loss, ULDLoss's options and the teacher-input builder the patched
+    method reads are as tested."""
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*trl.experimental.*")
+        module = importlib.import_module(_GOLD_MODULE)
+    trainer = getattr(module, "GOLDTrainer", None)
+    method = trainer.__dict__.get("compute_loss") if _original_gold is None else _original_gold
+    found = None if method is None else tuple(inspect.signature(method).parameters)
+    expected = ("self", "model", "inputs", "return_outputs", "num_items_in_batch")
+    called = getattr(getattr(inspect.unwrap(method), "__code__", None), "co_names", ()) if method else ()
+    uld = getattr(module, "ULDLoss", None)
+    init = inspect.getsource(uld.__init__) if uld is not None else ""
+    missing = [a for a in _ULD_ATTRIBUTES if f"self.{a} =" not in init]
+    builder = getattr(module, "build_teacher_inputs_from_texts", None)
+    if (found != expected or "uld_loss_fn" not in called or "build_teacher_inputs_from_texts" not in called
+            or missing or builder is None):
+        raise RuntimeError(
+            f"flashkd.integrations.trl.patch: TRL {importlib.metadata.version('trl')}'s {_GOLD_MODULE}.GOLDTrainer "
+            f"is not what the patch was written for (tested with TRL {', '.join(TESTED_TRL_VERSIONS)}): expected "
+            f"compute_loss{expected} calling uld_loss_fn and build_teacher_inputs_from_texts, and ULDLoss setting "
+            f"{', '.join(_ULD_ATTRIBUTES)}; got {found}, missing {missing}"
         )
     return trainer
 
