@@ -984,7 +984,7 @@ def check_teacher_vocab(name, vt, v, vocab_size, what="rows", keyword="vocab_siz
             f"{name}: expected {v} {what} (the student's vocab), got {vt}: ambiguous. If the teacher's head is "
             f"the student's tokenizer padded to {vt} {what}, pass {keyword.format(v=v)} (its {what} from {v} on are "
             "dropped); a teacher with another tokenizer needs its head's rows gathered into the student's "
-            "vocab order first (teacher_weight[index], and a teacher_bias of -inf at student ids it lacks)"
+            "vocab order first: flashkd.token_map(student_tokenizer, teacher_tokenizer).teacher_head(...)"
         )
 
 
