@@ -19,7 +19,8 @@ One program owns one row of s, t: (R, V) and walks it in BLOCK_V tiles:
                             give σ − Σ q σ with no cancellation; the skew losses' Σ p u, Σ q (1 − u)
                             below); dL/ds written over s here for forward_kl, reverse_kl, cosine and
                             CE-only
-    pass 3  read s, t       dL/ds written over s for jsd, tvd, skew_kl, skew_reverse_kl (grad only)
+    pass 3  read s, t       dL/ds written over s for jsd, tvd, skew_kl, skew_reverse_kl and the divergences
+                            below (grad only)
 
 Rows whose label is `ignore_index` skip all three passes; with grad they get one pass writing zeros.
 
@@ -33,6 +34,25 @@ skew reverse KL, both finite whatever side is 0:
 Pass 2 sums S (or K and Σ q (1 − u)) beside the loss, pass 3 writes dL/ds: one exp2 an element more than
 JSD's passes in each. α = 0 resolves to the KL each is there (`kernel_kind`); at α = 1 the formula's log2 0
 is −2^100 (`_log2_1m`) and the loss and its gradient come out 0.
+
+Jeffreys, the triangular discrimination, Amari's α-, Rényi's (renyi, renyi_reverse) and the αβ-divergence take
+JSD's three passes: pass 2 sums the terms of `flashkd.losses.divergence` in its forms without cancellation
+and one row scalar, pass 3 writes the formula table's dL/da. Every element's δ = log2 q − log2 p is taken from
+the logits' difference, (a − b)·log2(e)/τ − row constant (`_log2_ratio`), exact where a ≈ b, rather than as
+the difference of the two rounded logs; differences of probabilities as the larger side times −expm1(−|·|)
+(`_gap`: q − p, q − e, h = q^c − p^α q^β, q − e/S); the power family's terms as `flashkd.losses.power_terms`,
+the α-family's generator ψ in its Taylor form for |y| ≤ ⅛ and its exact forms beyond (`_psi`, its form per
+power a constexpr, `_psi_mode`). Pass 2 sums, and pass 3 writes:
+    jeffreys          Σ (q − p) δ ln 2,  K = Σ q δ          c ((q − p) + q ln 2 (δ − K))
+    triangular        Σ (q − p)² / (q + p),  G = Σ q g      c q (g − G),  g = (q − p)(q + 3p) / (q + p)²
+    alpha_divergence  A = Σ p ψ-terms (the loss)            c ((q − e) / (1 − α) − q α A),  e = p^(1−α) q^α
+    ab_divergence     Σ terms,  H = Σ h                     c (h − q H) / α
+    renyi(_reverse)   S = Σ p^r q^(1−r) (q^r p^(1−r)), A    c (q − e/S);  c r/(r − 1) (e/S − q)  (r = 1: c q ln 2 (δ − D))
+with c = scale · soft_scale / τ. Rényi's loss is r A log1p(z)/z, z = r (r − 1) A, on rows with |log S| ≤ ¼, else
+log S / (r − 1) (`flashkd.losses.renyi`); its log S is the gradient's. r − 1 and 1 − γ are the host's 1 − r
+and γ' (`_powers`), not rounded from r in fp32. Their rows are exact to fp32 where p ≈ q, but for the αβ of
+α + β ≠ 1, which moves at first order with the normalisers' fp32 rounding; dL/ds carries that rounding times
+q (or q^c), as every fp32 softmax gradient does.
 
 Heads' transforms (`flashkd.losses.logit_transform`, z = c · tanh(σ s / c), or σ s): the kernel works on
 z / fold, where fold > 0 is folded into the row's constants (log2(e)·fold/τ for each side's softmax,
@@ -58,7 +78,9 @@ Bytes moved per element, b = bytes of the input dtype (2 for bf16), grad / no gr
     forward_kl, reverse_kl,   2 reads of s, t + 1 write   5b / 2b (no grad: pass 1 only)
     cosine
     jsd, tvd, skew_kl,        3 reads of s, t + 1 write   7b / 4b
-    skew_reverse_kl
+    skew_reverse_kl, jeffreys,
+    triangular, the power
+    divergences
     CE only (no soft term)    2 reads of s + 1 write      3b / 1b
 
 The CE adds no traffic to a soft loss: it rides on the reads of s. Transcendentals per element (exp2
@@ -1321,7 +1343,8 @@ def _writing_pass(spec: LossSpec, grad: bool) -> int:
     return 3 if spec.want_soft and spec.soft_scale != 0.0 and kernel_kind(spec) in _LATE_GRAD else 2
 
 
-# The dense losses this kernel computes (AKL's head needs an order of the row's p: the torch rows run it).
+# The dense losses this kernel computes (AKL's head needs an order of the row's p, the entropy blend and DKD
+# have no kernel yet: the torch rows run them, `chunks.TORCH_ROW_LOSSES`).
 KERNEL_LOSSES = ("jsd", "forward_kl", "reverse_kl", "tvd", "cosine", "skew_kl", "skew_reverse_kl", "jeffreys",
                  "triangular", "alpha_divergence", "renyi", "renyi_reverse", "ab_divergence")
 # the kernel's losses whose statistics per vocab tile (`tiles_fit`) are not offered: those the CuTe path had
