@@ -751,9 +751,8 @@ def pick_backend(backend, x, loss=None):
 
 # The losses whose dense rows have no Triton kernel (`triton_rows.KERNEL_LOSSES` are the others): every
 # backend runs them on the torch rows. AKL's head needs an order of the row's p (`losses.akl_head`); the
-# divergences after it have no kernel yet (docs/divergences.md).
-TORCH_ROW_LOSSES = ("akl", "jeffreys", "alpha_divergence", "renyi", "renyi_reverse", "ab_divergence", "triangular",
-                    "entropy_adaptive", "dkd")
+# entropy-gated blend and DKD have no kernel yet (docs/divergences.md).
+TORCH_ROW_LOSSES = ("akl", "entropy_adaptive", "dkd")
 
 
 # The losses "auto" runs with the CuTe DSL logits GEMMs where they fit (`_cute_fits`: of these, forward KL

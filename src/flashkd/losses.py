@@ -108,8 +108,8 @@ LABEL_LOSSES = ("dkd",)
 # the losses a top-k teacher allows: over its categories
 TOPK_LOSSES = tuple(name for name in DIVERGENCES if name not in LABEL_LOSSES)
 # The losses whose top-k category math the Triton backend takes from the torch definition
-# (`flashkd.backends.triton_topk`); their dense rows, but the skew losses', are the torch rows' too
-# (`chunks.TORCH_ROW_LOSSES`)
+# (`flashkd.backends.triton_topk`); the dense rows of akl and entropy_adaptive are the torch rows' too
+# (`chunks.TORCH_ROW_LOSSES`), the others' the Triton kernel's
 TORCH_ONLY_LOSSES = ("skew_kl", "skew_reverse_kl", "akl", "jeffreys", "alpha_divergence", "renyi", "renyi_reverse",
                      "ab_divergence", "triangular", "entropy_adaptive")
 # The losses whose row is whole: their value merges its sums over the vocab inside `divergence` (a vocab

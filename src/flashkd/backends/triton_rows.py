@@ -19,7 +19,8 @@ One program owns one row of s, t: (R, V) and walks it in BLOCK_V tiles:
                             give σ − Σ q σ with no cancellation; the skew losses' Σ p u, Σ q (1 − u)
                             below); dL/ds written over s here for forward_kl, reverse_kl, cosine and
                             CE-only
-    pass 3  read s, t       dL/ds written over s for jsd, tvd, skew_kl, skew_reverse_kl (grad only)
+    pass 3  read s, t       dL/ds written over s for jsd, tvd, skew_kl, skew_reverse_kl and the divergences
+                            below (grad only)
 
 Rows whose label is `ignore_index` skip all three passes; with grad they get one pass writing zeros.
 
@@ -33,6 +34,25 @@ skew reverse KL, both finite whatever side is 0:
 Pass 2 sums S (or K and Σ q (1 − u)) beside the loss, pass 3 writes dL/ds: one exp2 an element more than
 JSD's passes in each. α = 0 resolves to the KL each is there (`kernel_kind`); at α = 1 the formula's log2 0
 is −2^100 (`_log2_1m`) and the loss and its gradient come out 0.
+
+Jeffreys, the triangular discrimination, Amari's α-, Rényi's (renyi, renyi_reverse) and the αβ-divergence take
+JSD's three passes: pass 2 sums the terms of `flashkd.losses.divergence` in its forms without cancellation
+and one row scalar, pass 3 writes the formula table's dL/da. Every element's δ = log2 q − log2 p is taken from
+the logits' difference, (a − b)·log2(e)/τ − row constant (`_log2_ratio`), exact where a ≈ b, rather than as
+the difference of the two rounded logs; differences of probabilities as the larger side times −expm1(−|·|)
+(`_gap`: q − p, q − e, h = q^c − p^α q^β, q − e/S); the power family's terms as `flashkd.losses.power_terms`,
+the α-family's generator ψ in its Taylor form for |y| ≤ ⅛ and its exact forms beyond (`_psi`, its form per
+power a constexpr, `_psi_mode`). Pass 2 sums, and pass 3 writes:
+    jeffreys          Σ (q − p) δ ln 2,  K = Σ q δ          c ((q − p) + q ln 2 (δ − K))
+    triangular        Σ (q − p)² / (q + p),  G = Σ q g      c q (g − G),  g = (q − p)(q + 3p) / (q + p)²
+    alpha_divergence  A = Σ p ψ-terms (the loss)            c ((q − e) / (1 − α) − q α A),  e = p^(1−α) q^α
+    ab_divergence     Σ terms,  H = Σ h                     c (h − q H) / α
+    renyi(_reverse)   S = Σ p^r q^(1−r) (q^r p^(1−r)), A    c (q − e/S);  c r/(r − 1) (e/S − q)  (r = 1: c q ln 2 (δ − D))
+with c = scale · soft_scale / τ. Rényi's loss is r A log1p(z)/z, z = r (r − 1) A, on rows with |log S| ≤ ¼, else
+log S / (r − 1) (`flashkd.losses.renyi`); its log S is the gradient's. r − 1 and 1 − γ are the host's 1 − r
+and γ' (`_powers`), not rounded from r in fp32. Their rows are exact to fp32 where p ≈ q, but for the αβ of
+α + β ≠ 1, which moves at first order with the normalisers' fp32 rounding; dL/ds carries that rounding times
+q (or q^c), as every fp32 softmax gradient does.
 
 Heads' transforms (`flashkd.losses.logit_transform`, z = c · tanh(σ s / c), or σ s): the kernel works on
 z / fold, where fold > 0 is folded into the row's constants (log2(e)·fold/τ for each side's softmax,
@@ -58,7 +78,9 @@ Bytes moved per element, b = bytes of the input dtype (2 for bf16), grad / no gr
     forward_kl, reverse_kl,   2 reads of s, t + 1 write   5b / 2b (no grad: pass 1 only)
     cosine
     jsd, tvd, skew_kl,        3 reads of s, t + 1 write   7b / 4b
-    skew_reverse_kl
+    skew_reverse_kl, jeffreys,
+    triangular, the power
+    divergences
     CE only (no soft term)    2 reads of s + 1 write      3b / 1b
 
 The CE adds no traffic to a soft loss: it rides on the reads of s. Transcendentals per element (exp2
@@ -126,7 +148,10 @@ _DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
 _LABEL_DTYPES = (torch.int32, torch.int64)
 _SCALE_DTYPES = (torch.float32, torch.float64)  # read as fp32 either way
 # their gradient needs a row scalar that pass 2 computes
-_LATE_GRAD = ("jsd", "tvd", "skew_kl", "skew_reverse_kl")
+_LATE_GRAD = ("jsd", "tvd", "skew_kl", "skew_reverse_kl", "jeffreys", "triangular", "alpha_divergence", "ab_divergence", "renyi",
+              "renyi_reverse")
+# the power family: their terms are the α-family's generator ψ (`_power_term`) of p and q at powers pow_p, pow_q
+_POWER_LOSSES = ("alpha_divergence", "ab_divergence", "renyi", "renyi_reverse")
 
 _FORWARD_KL: tl.constexpr = tl.constexpr(LOSS_ID["forward_kl"])
 _REVERSE_KL: tl.constexpr = tl.constexpr(LOSS_ID["reverse_kl"])
@@ -135,6 +160,12 @@ _TVD: tl.constexpr = tl.constexpr(LOSS_ID["tvd"])
 _COSINE: tl.constexpr = tl.constexpr(LOSS_ID["cosine"])
 _SKEW_KL: tl.constexpr = tl.constexpr(LOSS_ID["skew_kl"])
 _SKEW_REVERSE_KL: tl.constexpr = tl.constexpr(LOSS_ID["skew_reverse_kl"])
+_JEFFREYS: tl.constexpr = tl.constexpr(LOSS_ID["jeffreys"])
+_TRIANGULAR: tl.constexpr = tl.constexpr(LOSS_ID["triangular"])
+_ALPHA_DIV: tl.constexpr = tl.constexpr(LOSS_ID["alpha_divergence"])
+_AB_DIV: tl.constexpr = tl.constexpr(LOSS_ID["ab_divergence"])
+_RENYI: tl.constexpr = tl.constexpr(LOSS_ID["renyi"])
+_RENYI_REVERSE: tl.constexpr = tl.constexpr(LOSS_ID["renyi_reverse"])
 _NORM_EPS: tl.constexpr = tl.constexpr(COSINE_EPS)
 _LOG2_MIN: tl.constexpr = tl.constexpr(-(2.0**100))  # see _mixture
 # A sharded row's part (PHASE 1): m_s, l_s, l_c, m_t, l_t, r_kl, Σs², Σt², Σst, r_ent over this rank's
@@ -197,6 +228,111 @@ def _mixture(lq, lp, log2_beta, log2_1mbeta):
     them times q and p with no guard for 0 · log 0."""
     z = (tl.maximum(lp, _LOG2_MIN) - tl.maximum(lq, _LOG2_MIN)) + (log2_beta - log2_1mbeta)
     return z, _log2_1p(tl.exp2(tl.abs(z) * -1.0))  # −|z| as a negated operand, not 0 − |z|
+
+
+@triton.jit
+def _expm1(x):
+    """e^x − 1 for x ≤ 1 (−inf gives −1), to a few fp32 roundings of the result: its Taylor series to x^8
+    where |x| < ½ (the first term left out, x^9/9!, is below 1e-8 of the sum there), else e^x − 1,
+    which loses no more than 2 bits there."""
+    small = tl.abs(x) < 0.5
+    xs = tl.where(small, x, 0.0)
+    poly = xs * (1.0 + xs * (0.5 + xs * (1.0 / 6.0 + xs * (1.0 / 24.0 + xs * (1.0 / 120.0 + xs * (
+        1.0 / 720.0 + xs * (1.0 / 5040.0 + xs * (1.0 / 40320.0))))))))
+    return tl.where(small, poly, tl.exp2(x * LOG2E) - 1.0)
+
+
+@triton.jit
+def _log1p(x):
+    """log(1 + x) for x > −1, accurate for small x: log of u = 1 + x corrected by u's rounding error, which
+    (u − 1) − x gives exactly (libdevice's log, not lg2.approx, whose absolute error would be all of a
+    small result)."""
+    u = 1.0 + x
+    return tl.log(u) - ((u - 1.0) - x) / u
+
+
+@triton.jit
+def _gap(lx, ly, d):
+    """2^lx − 2^ly from the two logs (log2; −inf: 0) and their difference d = lx − ly, which the caller
+    takes where it is accurate (from the logits, not from lx and ly rounded): the larger side times
+    −expm1(−|d| ln 2), exact where the two are close (no difference of near numbers) and bounded where
+    they are far apart. NaN where both are −inf (d NaN): callers mask those columns."""
+    e = _expm1(tl.abs(d) * -LN2)  # ≤ 0
+    return tl.where(d >= 0.0, -tl.exp2(lx) * e, tl.exp2(ly) * e)
+
+
+@triton.jit
+def _row_gap(m_s, m_t, log2_l_s, log2_l_t, k):
+    """The row's part of log2 q − log2 p that is not (a − b)·k (`_log2_ratio`)."""
+    return (m_s - m_t) * k + (log2_l_s - log2_l_t)
+
+
+@triton.jit
+def _log2_ratio(a, b, lq, lp, row_gap, k, SCALED: tl.constexpr):
+    """log2 q − log2 p of a tile: without a fold (one constant k = log2(e)/τ for both sides) as (a − b)·k −
+    row_gap, row_gap = (m_s − m_t)·k + log2 l_s − log2 l_t (`_row_gap`), exact where a ≈ b (their difference
+    is), rather than the difference of log2 q and log2 p, each rounded to a few ulp of its own size; with a
+    fold, lq − lp. ±inf where one side is −inf, NaN where both are (as lq − lp)."""
+    if SCALED:
+        return lq - lp
+    return (a - b) * k - row_gap
+
+
+_PSI_TERMS: tl.constexpr = tl.constexpr(9)  # ψ's Taylor series to y^9 for −⅛ ≤ y ≤ 0 (below 1e-9 of it, |β| ≤ 2)
+
+
+@triton.jit
+def _psi(lb, y, beta, MODE: tl.constexpr):
+    """b · ψ(β, y), b = 2^lb, y ≤ 0 (natural units, −inf allowed): the α-family's generator
+    ψ(β, y) = (expm1(β y) − β expm1(y)) / (β (β − 1)) ≥ 0 of `flashkd.losses._PowerTerm`, in its forms:
+    for −⅛ ≤ y the Taylor series Σ_(n ≥ 2) c_n y^n / n!, c_n = 1 + β c_(n−1), c_2 = 1; else, by MODE (β's
+    range, a constexpr from the host: `_psi_mode`), 0: β = 0, expm1(y) − y; 1: β < 0 and 2: 0 < β ≤ ½,
+    (expm1(y) − expm1(β y)/β) / (1 − β) (for β < 0 the product b · expm1(β y), β y ≥ 0, taken as
+    2^(lb + β y log2 e) − b where e^(β y) could overflow); 3: ½ < β < 1, 4: β = 1, 5: β > 1,
+    (ψ' − expm1(y)) / β with b ψ' = b (e^(β y) − e^y)/(β − 1) a product of exact factors. 0 where b is."""
+    b = tl.exp2(lb)
+    small = y >= -0.125
+    ys = tl.where(small, y, 0.0)
+    term = ys * ys * 0.5
+    series = term
+    cn = 1.0
+    for n in tl.static_range(3, _PSI_TERMS + 1):
+        cn = 1.0 + beta * cn
+        term = term * ys * (1.0 / n)
+        series += cn * term
+    yl = tl.where(small, -1.0, y)
+    if MODE == 0:
+        exact = b * _expm1(yl) - b * yl
+    elif MODE == 1:
+        z = beta * yl  # ≥ 0
+        b_e = tl.where(z <= 1.0, b * _expm1(tl.minimum(z, 1.0)), tl.exp2(lb + z * LOG2E) - b)
+        exact = (b * _expm1(yl) - b_e / beta) / (1.0 - beta)
+    elif MODE == 2:
+        exact = (b * _expm1(yl) - b * _expm1(beta * yl) / beta) / (1.0 - beta)
+    else:
+        if MODE == 3:
+            slope = tl.exp2(lb + beta * yl * LOG2E) * _expm1((1.0 - beta) * yl) / (1.0 - beta)
+        elif MODE == 4:
+            yc = tl.maximum(yl, -2000.0)  # e^y · y: 0 below, where −inf would give 0 · inf
+            slope = tl.exp2(lb + yc * LOG2E) * yc
+        else:
+            slope = tl.exp2(lb + yl * LOG2E) * _expm1((beta - 1.0) * yl) / (beta - 1.0)
+        exact = (slope - b * _expm1(yl)) / beta
+    return tl.where(lb == -float("inf"), 0.0, tl.where(small, b * series, exact))
+
+
+@triton.jit
+def _power_term(lp, lq, u, pow_p, pow_q, PSI: tl.constexpr):
+    """`flashkd.losses.power_terms` of p and q at powers pow_p, pow_q, elementwise from log2 p and log2 q:
+    −(p^a q^b − (a/c) p^c − (b/c) q^c) / (a b) ≥ 0, c = a + b, taken relative to the larger side,
+    p^c ψ(γ, c δ) / c² where q ≤ p, q^c ψ(1 − γ, −c δ) / c² where q > p, δ = log(q/p), γ = b / c (PSI:
+    ψ's MODE for γ + 8 × its MODE for 1 − γ), u = log2 q − log2 p (`_log2_ratio`). 0 where both sides are 0."""
+    c = pow_p + pow_q
+    y = tl.abs(u) * (-LN2 * c)
+    lo = _psi(lp * c, y, pow_q / c, PSI % 8)
+    hi = _psi(lq * c, y, pow_p / c, PSI // 8)  # 1 − γ, not rounded from γ (Rényi near r = 1: 1 − r is small)
+    present = (lp > -float("inf")) | (lq > -float("inf"))
+    return tl.where(present, tl.where(u <= 0.0, lo, hi), 0.0) / (c * c)
 
 
 @triton.jit
@@ -301,14 +437,16 @@ def _loss_pass(
     s_row, g_row, t_row, V, n_tiles, cols, label,  # the row, its tiles, its label (-1 without)
     m_s, m_t, log2_l_s, log2_l_t, log2_l_c,  # pass 1's statistics, merged
     log2e_tau, log2e_tau_t, log2e_ce, s_mul, t_mul, log2_beta, log2_1mbeta,  # the row's constants
+    pow_p, pow_q,  # the power family's powers of p and q
     f_q, f_p, f1, f0, f_a, f_b, c_ce,  # the gradient's factors (scale, weights, 1/τ and units folded in)
     LOSS: tl.constexpr, SOFT: tl.constexpr, GRAD_SOFT: tl.constexpr, GRAD_CE: tl.constexpr,
     GRAD_PASS: tl.constexpr, CE_IS_Q: tl.constexpr, ONLINE_KL: tl.constexpr, S_HEAD: tl.constexpr,
     T_HEAD: tl.constexpr, RTNE_BITS: tl.constexpr, RCP_FMA: tl.constexpr, IN_PLACE: tl.constexpr,
-    BLOCK_V: tl.constexpr,
+    PSI: tl.constexpr, SCALED: tl.constexpr, BLOCK_V: tl.constexpr,
 ):
     """Pass 2, backwards over the row: the per-element loss terms, summed per lane and then over the row
     (acc, acc2, acc3, acc4: see `_divergence`), and dL/ds written over s when GRAD_PASS is 2."""
+    row_gap = _row_gap(m_s, m_t, log2_l_s, log2_l_t, log2e_tau)
     acc = tl.zeros([BLOCK_V], tl.float32)
     acc2 = tl.zeros([BLOCK_V], tl.float32)
     acc3 = tl.zeros([BLOCK_V], tl.float32)
@@ -357,6 +495,35 @@ def _loss_pass(
                         x = w + tl.maximum(z, 0.0)
                         acc2 -= q * x
                         acc3 += q * (1.0 - tl.exp2(-x))
+                    elif LOSS == _JEFFREYS:  # Σ (q − p)(log2 q − log2 p), each term ≥ 0, and K = Σ q log2(q/p)
+                        d = _log2_ratio(a, b, lq, lp, row_gap, log2e_tau, SCALED)
+                        present = (lq > -float("inf")) | (lp > -float("inf"))
+                        gap = tl.where(present, _gap(lq, lp, d), 0.0)
+                        acc += tl.where(present, gap * d, 0.0)
+                        acc2 += times(q, d)
+                    elif LOSS == _TRIANGULAR:  # Σ (q − p)² / (q + p), and Σ q g (module doc)
+                        p = tl.exp2(lp)
+                        both = q + p
+                        d = _log2_ratio(a, b, lq, lp, row_gap, log2e_tau, SCALED)
+                        gap = tl.where(both > 0.0, _gap(lq, lp, d), 0.0)
+                        r = tl.where(both > 0.0, gap / both, 0.0)  # in [−1, 1]
+                        acc += gap * r
+                        acc2 += q * r * tl.where(both > 0.0, (q + 3.0 * p) / both, 0.0)
+                    elif LOSS == _RENYI or LOSS == _RENYI_REVERSE:  # S = Σ p^pow_p q^pow_q, and A
+                        first = lq  # the side at the order r > 0: its term is 0 where that side is
+                        if LOSS == _RENYI:
+                            first = lp
+                        acc += tl.where(first == -float("inf"), 0.0, tl.exp2(lp * pow_p + lq * pow_q))
+                        acc2 += _power_term(lp, lq, _log2_ratio(a, b, lq, lp, row_gap, log2e_tau, SCALED), pow_p,
+                                            pow_q, PSI)
+                    elif LOSS == _ALPHA_DIV:
+                        acc += _power_term(lp, lq, _log2_ratio(a, b, lq, lp, row_gap, log2e_tau, SCALED), pow_p,
+                                           pow_q, PSI)
+                    elif LOSS == _AB_DIV:  # the terms, and Σ h, h = q^c − p^α q^β
+                        d = _log2_ratio(a, b, lq, lp, row_gap, log2e_tau, SCALED)
+                        acc += _power_term(lp, lq, d, pow_p, pow_q, PSI)
+                        h = _gap(lq * (pow_p + pow_q), lp * pow_p + lq * pow_q, d * pow_p)
+                        acc2 += tl.where(lq == -float("inf"), 0.0, h)
                     else:  # _TVD: acc2, acc3, acc4 = the mass of q where q < p, q > p, q = p
                         p = tl.exp2(lp)
                         acc += tl.abs(q - p)
@@ -374,13 +541,15 @@ def _grad_pass(
     s_row, g_row, t_row, V, cols, label,  # the row, a tile's columns, its label (-1 without)
     m_s, m_t, log2_l_s, log2_l_t, log2_l_c,  # pass 1's statistics, merged
     log2e_tau, log2e_tau_t, log2e_ce, s_mul, t_mul, log2_beta, log2_1mbeta,  # the row's constants
+    pow_p, pow_q,  # the power family's powers of p and q
     f1, f0, f_lo, f_hi, f_eq, c_ce,  # the gradient's factors (JSD, skew: f1, f0; TVD: f_lo, f_hi, f_eq)
     LOSS: tl.constexpr, GRAD_SOFT: tl.constexpr, GRAD_CE: tl.constexpr, CE_IS_Q: tl.constexpr,
     S_HEAD: tl.constexpr, T_HEAD: tl.constexpr, RTNE_BITS: tl.constexpr, RCP_FMA: tl.constexpr,
-    IN_PLACE: tl.constexpr, BLOCK_V: tl.constexpr,
+    IN_PLACE: tl.constexpr, PSI: tl.constexpr, SCALED: tl.constexpr, BLOCK_V: tl.constexpr,
 ):
     """Pass 3, for jsd, tvd and the skew losses: dL/ds = q · (f1 · x + f0) written over s, x the element's
     log-ratio (or TVD's sign; skew KL: q · f0 + f1 · p u; skew reverse KL: q · (f1 · x + f0 + f_lo (1 − u)); module doc)."""
+    row_gap = _row_gap(m_s, m_t, log2_l_s, log2_l_t, log2e_tau)
     for start in range(0, V, BLOCK_V):
         offs = start + cols
         mask = offs < V
@@ -391,6 +560,9 @@ def _grad_pass(
         lq = (a - m_s) * log2e_tau - log2_l_s
         lp = (b - m_t) * log2e_tau_t - log2_l_t
         q = tl.exp2(lq)
+        d = lq  # log2 q − log2 p for the losses from Jeffreys on (ids above the older losses')
+        if LOSS >= _JEFFREYS:
+            d = _log2_ratio(a, b, lq, lp, row_gap, log2e_tau, SCALED)
         if LOSS == _JSD:
             z, w = _mixture(lq, lp, log2_beta, log2_1mbeta)
             g = q * (f1 * (w + tl.maximum(z, 0.0)) + f0)
@@ -401,8 +573,29 @@ def _grad_pass(
             z, w = _mixture(lq, lp, log2_beta, log2_1mbeta)
             x = w + tl.maximum(z, 0.0)
             g = q * (f1 * x + f0 + f_lo * (1.0 - tl.exp2(-x)))
+        elif LOSS == _JEFFREYS:  # c_st ((q − p) + q (log(q/p) − K)): f1 (q − p) + q (f_lo log2(q/p) + f0)
+            present = (lq > -float("inf")) | (lp > -float("inf"))
+            g = tl.where(present, f1 * _gap(lq, lp, d), 0.0) + times(q, f_lo * d + f0)
+        elif LOSS == _TRIANGULAR:  # c_st q (g − Σ q g), g = (q − p)(q + 3p) / (q + p)²
+            p = tl.exp2(lp)
+            both = q + p
+            gap = tl.where(both > 0.0, _gap(lq, lp, d), 0.0)
+            r = tl.where(both > 0.0, gap / both, 0.0)
+            g = q * (f1 * r * tl.where(both > 0.0, (q + 3.0 * p) / both, 0.0) + f0)
+        elif LOSS == _ALPHA_DIV:  # c_st (q S − e) / (1 − α) = f1 (q − e) + q f0, e = p^(1−α) q^α
+            g = f1 * _gap(lq, lp * pow_p + lq * pow_q, d * pow_p) + q * f0
+        elif LOSS == _AB_DIV:  # c_st (h − q Σ h) / α = f1 h + q f0, h = q^c − p^α q^β
+            g = f1 * _gap(lq * (pow_p + pow_q), lp * pow_p + lq * pow_q, d * pow_p) + q * f0
+        elif LOSS == _RENYI:  # c_st (q − e / S), e = p^r q^(1−r), f_lo = log2 S
+            g = f1 * _gap(lq, lp * pow_p + lq * pow_q - f_lo, d * pow_p + f_lo) + q * f0
+        elif LOSS == _RENYI_REVERSE and PSI == 4:  # r = 1 (γ = 1, 1 − γ = 0): the limit, KL(q‖p)'s
+            g = times(q, f1 * d + f0)  # f0 = c_q − c_st KL(q‖p)
+        elif LOSS == _RENYI_REVERSE:  # c_st r / (r − 1) (e / S − q), e = q^r p^(1−r), f_lo = log2 S
+            g = f1 * _gap(lp * pow_p + lq * pow_q - f_lo, lq, -d * pow_p - f_lo) + q * f0
         else:  # σ = sign(q − p) taken on the logs, as in pass 2
             g = q * tl.where(lq > lp, f_hi, tl.where(lq < lp, f_lo, f_eq))
+        if LOSS == _TRIANGULAR or LOSS == _ALPHA_DIV or LOSS == _AB_DIV or LOSS == _RENYI or LOSS == _RENYI_REVERSE:
+            g = tl.where(a == -float("inf"), 0.0, g)  # q = 0: dL/ds is 0 (no 0 · inf from the powers)
         _store_dlds(g_row, offs, mask, g, a, da, q, label, m_s, log2_l_c, log2e_ce, c_ce,
                     GRAD_SOFT, GRAD_CE, CE_IS_Q, S_HEAD, RTNE_BITS, IN_PLACE)
 
@@ -641,7 +834,7 @@ def _pass2_factors(
 
 
 @triton.jit
-def _divergence(acc, acc2, acc3, acc4, soft, beta, log2_beta, log2_1mbeta,
+def _divergence(acc, acc2, acc3, acc4, soft, beta, log2_beta, log2_1mbeta, pow_p, pow_q,
                 LOSS: tl.constexpr, SOFT: tl.constexpr, ONLINE_KL: tl.constexpr):
     """The divergences' row scalars (natural log units) from pass 2's sums: the loss where pass 2 takes it
     (soft passes through otherwise), JSD's K and TVD's σ − Σ q σ for pass 3 (skew KL: S = Σ p u in k_jsd;
@@ -664,6 +857,33 @@ def _divergence(acc, acc2, acc3, acc4, soft, beta, log2_beta, log2_1mbeta,
             k_jsd = LN2 * (acc2 - log2_1mbeta)
             soft = k_jsd
             tvd_zero = acc3
+        elif LOSS == _JEFFREYS:  # K = KL(q‖p) in k_jsd, in log2 units as the d it is subtracted from
+            soft = LN2 * acc
+            k_jsd = acc2
+        elif LOSS == _TRIANGULAR:  # Σ q g in k_jsd
+            soft = acc
+            k_jsd = acc2
+        elif LOSS == _ALPHA_DIV:  # the loss A = (1 − S) / (α (1 − α)) in k_jsd too
+            soft = acc
+            k_jsd = acc
+        elif LOSS == _AB_DIV:  # Σ h in k_jsd
+            soft = acc
+            k_jsd = acc2
+        elif LOSS == _RENYI or LOSS == _RENYI_REVERSE:  # log2 S in tvd_zero (`flashkd.losses.renyi`)
+            r = pow_p  # the order, and r − 1 as the host gave 1 − r (not rounded from r: small near r = 1)
+            r_1 = -pow_q
+            if LOSS == _RENYI_REVERSE:
+                r = pow_q
+                r_1 = -pow_p
+            log_s = tl.log(acc)  # S = Σ p^r q^(1−r) summed as it is: the rows far from p = q
+            near = tl.abs(log_s) <= 0.25
+            z = r * r_1 * acc2  # S − 1 from the non-negative terms A = acc2
+            small = tl.abs(z) < 1e-3
+            zs = tl.where(small, 1.0, z)
+            ratio = tl.where(small, 1.0 - z * (0.5 - z * (1.0 / 3.0 - z * (0.25 - z * 0.2))), _log1p(zs) / zs)
+            far = log_s / tl.where(r_1 == 0.0, 1.0, r_1)
+            soft = tl.where(near, r * acc2 * ratio, far)
+            tvd_zero = tl.where(near, z * ratio, log_s) * LOG2E
         elif LOSS == _TVD:
             soft = 0.5 * acc
             # σ − Σ q σ, for σ = +1, −1, 0, from the masses below / above / at p, which sum to 1:
@@ -678,7 +898,8 @@ def _divergence(acc, acc2, acc3, acc4, soft, beta, log2_beta, log2_1mbeta,
 
 
 @triton.jit
-def _pass3_factors(c_q, c_st, beta, log2_1mbeta, k_jsd, tvd_pos, tvd_neg, tvd_zero, LOSS: tl.constexpr):
+def _pass3_factors(c_q, c_st, beta, log2_1mbeta, pow_p, pow_q, soft, k_jsd, tvd_pos, tvd_neg, tvd_zero,
+                   LOSS: tl.constexpr, PSI: tl.constexpr):
     """Pass 3's factors, dL/ds = q · (f1 · x + f0) (JSD) or q · f_lo, f_hi, f_eq by TVD's sign, with the
     row's factors (scale, weight, 1/τ, units, its scalar, and the CE's when softmax(s) is q) folded in
     here: the pass is bound by its instruction count. Returns (f1, f0, f_lo, f_hi, f_eq)."""
@@ -697,6 +918,30 @@ def _pass3_factors(c_q, c_st, beta, log2_1mbeta, k_jsd, tvd_pos, tvd_neg, tvd_ze
         f1 = -c_st * LN2
         f0 = c_q + f1 * log2_1mbeta - c_st * (k_jsd + tvd_zero)
         f_lo = c_st
+    elif LOSS == _JEFFREYS:  # c_st ((q − p) + q ln 2 (log2(q/p) − K))
+        f1 = c_st
+        f_lo = c_st * LN2
+        f0 = c_q - c_st * LN2 * k_jsd
+    elif LOSS == _TRIANGULAR:  # c_st q (g − Σ q g)
+        f1 = c_st
+        f0 = c_q - c_st * k_jsd
+    elif LOSS == _ALPHA_DIV:  # c_st (q S − e) / (1 − α), S = 1 − α (1 − α) A: f1 (q − e) − q c_st α A
+        f1 = c_st / pow_p
+        f0 = c_q - c_st * pow_q * k_jsd
+    elif LOSS == _AB_DIV:  # c_st (h − q Σ h) / α
+        f1 = c_st / pow_p
+        f0 = c_q - c_st * k_jsd / pow_p
+    elif LOSS == _RENYI:  # c_st (q − e / S)
+        f1 = c_st
+        f0 = c_q
+        f_lo = tvd_zero
+    elif LOSS == _RENYI_REVERSE and PSI == 4:  # r = 1: c_st q (log(q/p) − KL(q‖p)), the KL the loss
+        f1 = c_st * LN2
+        f0 = c_q - c_st * soft
+    elif LOSS == _RENYI_REVERSE:  # c_st r / (r − 1) (e / S − q)
+        f1 = -c_st * pow_q / pow_p
+        f0 = c_q
+        f_lo = tvd_zero
     else:  # _TVD: c_st q (σ − Σ q σ) / 2
         f_lo = c_q + 0.5 * c_st * tvd_neg
         f_hi = c_q + 0.5 * c_st * tvd_pos
@@ -743,6 +988,8 @@ def _rows_kernel(
     beta,  # JSD mixture weight; cosine's factor
     log2_beta,  # log2 β        of the mixture (JSD; skew KL: β = α, skew reverse KL: β = 1 − α)
     log2_1mbeta,  # log2 (1 − β)  of the mixture
+    pow_p,  # the power family's powers of p and q in its cross term p^pow_p q^pow_q (`_power_term`)
+    pow_q,
     w_hard,  # weight of dCE/ds in dL/ds, times σ_s (dz/ds, but for a softcap's 1 − (z/c)²)
     w_soft,  # weight of dsoft/ds in dL/ds (spec.soft_scale), times σ_s
     # compile-time switches
@@ -763,6 +1010,7 @@ def _rows_kernel(
     RCP_FMA: tl.constexpr,  # softcap loads whose reciprocal is on the FMA pipe, bit 2·(pass − 1) + side
     # (0: s, 1: t); see SOFTCAP_RCP_FMA
     IN_PLACE: tl.constexpr,  # dL/ds goes into s's own bytes (`grad_view`)
+    PSI: tl.constexpr,  # the power family: ψ's forms for its two powers (`_power_term`, `_psi_mode`)
     PHASE: tl.constexpr,  # 0: the whole row; a row sharded over ranks' vocab slices: 1, 2, 3 (`rows`);
     # 4: the whole row, pass 1's statistics given per vocab tile
     WORLD_BLOCK: tl.constexpr,  # a power of 2 >= world (PHASE 4: >= stat_tiles)
@@ -815,10 +1063,10 @@ def _rows_kernel(
                 acc, acc2, acc3, acc4 = _loss_pass(
                     s_row, g_row, t_row, V, n_tiles, cols, label,
                     m_s, m_t, log2_l_s, log2_l_t, log2_l_c,
-                    log2e_tau, log2e_tau_t, log2e_ce, s_mul, t_mul, log2_beta, log2_1mbeta,
+                    log2e_tau, log2e_tau_t, log2e_ce, s_mul, t_mul, log2_beta, log2_1mbeta, pow_p, pow_q,
                     f_q, f_p, f1, f0, f_a, f_b, c_ce,
                     LOSS, SOFT, GRAD_SOFT, GRAD_CE, GRAD_PASS, CE_IS_Q, ONLINE_KL, S_HEAD, T_HEAD, RTNE_BITS,
-                    RCP_FMA, IN_PLACE, BLOCK_V,
+                    RCP_FMA, IN_PLACE, PSI, SCALED, BLOCK_V,
                 )
             if PHASE == 2:  # this rank's sums, added over the ranks before phase 3
                 tl.store(acc_row, acc)
@@ -826,19 +1074,20 @@ def _rows_kernel(
                 tl.store(acc_row + 2, acc3)
                 tl.store(acc_row + 3, acc4)
             soft, k_jsd, tvd_pos, tvd_neg, tvd_zero = _divergence(
-                acc, acc2, acc3, acc4, soft, beta, log2_beta, log2_1mbeta, LOSS, SOFT, ONLINE_KL)
+                acc, acc2, acc3, acc4, soft, beta, log2_beta, log2_1mbeta, pow_p, pow_q, LOSS, SOFT, ONLINE_KL)
 
             # -------- pass 3: dL/ds for jsd, tvd, as q · (f1 · x + f0) with x the element's log-ratio (or
             # TVD's sign)
             if GRAD_PASS == 3 and PHASE != 2:
-                f1, f0, f_lo, f_hi, f_eq = _pass3_factors(c_q, c_st, beta, log2_1mbeta, k_jsd, tvd_pos, tvd_neg,
-                                                          tvd_zero, LOSS)
+                f1, f0, f_lo, f_hi, f_eq = _pass3_factors(c_q, c_st, beta, log2_1mbeta, pow_p, pow_q, soft, k_jsd,
+                                                          tvd_pos, tvd_neg, tvd_zero, LOSS, PSI)
                 _grad_pass(
                     s_row, g_row, t_row, V, cols, label,
                     m_s, m_t, log2_l_s, log2_l_t, log2_l_c,
-                    log2e_tau, log2e_tau_t, log2e_ce, s_mul, t_mul, log2_beta, log2_1mbeta,
+                    log2e_tau, log2e_tau_t, log2e_ce, s_mul, t_mul, log2_beta, log2_1mbeta, pow_p, pow_q,
                     f1, f0, f_lo, f_hi, f_eq, c_ce,
-                    LOSS, GRAD_SOFT, GRAD_CE, CE_IS_Q, S_HEAD, T_HEAD, RTNE_BITS, RCP_FMA, IN_PLACE, BLOCK_V,
+                    LOSS, GRAD_SOFT, GRAD_CE, CE_IS_Q, S_HEAD, T_HEAD, RTNE_BITS, RCP_FMA, IN_PLACE, PSI, SCALED,
+                    BLOCK_V,
                 )
     elif GRAD_PASS != 0 and (PHASE == 0 or PHASE == 2 or PHASE == 4):
         _fill_zeros(g_row, V, BLOCK_V)
@@ -994,6 +1243,7 @@ class _Launch:
             log2_mix = (_log2_1m(spec.alpha), math.log2(spec.alpha))
         # pass 1 takes a KL online when that spares a pass: forward KL's gradient pass computes its loss anyway
         online_kl = use_soft and (kind == "reverse_kl" or (kind == "forward_kl" and grad_pass != 2))
+        pow_p, pow_q = _powers(spec, kind) if use_soft else (1.0, 0.0)
         # rows narrower than a tile (a top-k teacher's K + 1 categories) get a tile of their width, with
         # as many warps as keep 4 elements a thread
         block = max(128, min(BLOCK_V, triton.next_power_of_2(V)))
@@ -1035,6 +1285,8 @@ class _Launch:
             t_mul,
             float(spec.beta),
             *log2_mix,
+            pow_p,
+            pow_q,
             float(spec.weight_hard) * sigma_s,
             float(spec.soft_scale) * sigma_s,
         )
@@ -1054,6 +1306,7 @@ class _Launch:
             STATS=stats,
             RTNE_BITS=rtne_bits(ds),
             IN_PLACE=in_place,
+            PSI=_psi_mode(pow_q / (pow_p + pow_q)) + 8 * _psi_mode(pow_p / (pow_p + pow_q)) if kind in _POWER_LOSSES else 0,
             # only where a side has a softcap: other kernels keep one specialisation whatever the masks
             RCP_FMA=_cap_bits(SOFTCAP_RCP_FMA.get(kind, 0), s_head, t_head),
             BLOCK_V=block,
@@ -1090,8 +1343,12 @@ def _writing_pass(spec: LossSpec, grad: bool) -> int:
     return 3 if spec.want_soft and spec.soft_scale != 0.0 and kernel_kind(spec) in _LATE_GRAD else 2
 
 
-# The dense losses this kernel computes (AKL's head needs an order of the row's p: the torch rows run it).
-KERNEL_LOSSES = ("jsd", "forward_kl", "reverse_kl", "tvd", "cosine", "skew_kl", "skew_reverse_kl")
+# The dense losses this kernel computes (AKL's head needs an order of the row's p, the entropy blend and DKD
+# have no kernel yet: the torch rows run them, `chunks.TORCH_ROW_LOSSES`).
+KERNEL_LOSSES = ("jsd", "forward_kl", "reverse_kl", "tvd", "cosine", "skew_kl", "skew_reverse_kl", "jeffreys",
+                 "triangular", "alpha_divergence", "renyi", "renyi_reverse", "ab_divergence")
+# the kernel's losses whose statistics per vocab tile (`tiles_fit`) are not offered: those the CuTe path had
+_NO_TILES = ("jeffreys", "triangular", "alpha_divergence", "renyi", "renyi_reverse", "ab_divergence")
 
 
 def kernel_kind(spec: LossSpec) -> str:
@@ -1102,6 +1359,34 @@ def kernel_kind(spec: LossSpec) -> str:
     if kind in ("skew_kl", "skew_reverse_kl") and spec.alpha == 0.0:
         return "forward_kl" if kind == "skew_kl" else "reverse_kl"
     return kind
+
+
+def _powers(spec: LossSpec, kind: str) -> tuple[float, float]:
+    """(pow_p, pow_q) of the power family's cross term p^pow_p q^pow_q (`_power_term`): Amari's
+    p^(1−α) q^α, the αβ-divergence's p^α q^β, Rényi's p^r q^(1−r) (renyi) and q^r p^(1−r) (renyi_reverse);
+    (1, 0), unused, for the other losses."""
+    if kind == "alpha_divergence":
+        return 1.0 - float(spec.alpha), float(spec.alpha)
+    if kind == "ab_divergence":
+        return float(spec.alpha), float(spec.beta)
+    if kind == "renyi":
+        return float(spec.alpha), 1.0 - float(spec.alpha)
+    if kind == "renyi_reverse":
+        return 1.0 - float(spec.alpha), float(spec.alpha)
+    return 1.0, 0.0
+
+
+def _psi_mode(beta: float) -> int:
+    """`_psi`'s MODE for β: the form its value takes away from y = 0."""
+    if beta == 0.0:
+        return 0
+    if beta < 0.0:
+        return 1
+    if beta <= 0.5:
+        return 2
+    if beta < 1.0:
+        return 3
+    return 4 if beta == 1.0 else 5
 
 
 def _log2_1m(x: float) -> float:
@@ -1136,7 +1421,7 @@ def tiles_fit(spec: LossSpec, grad: bool, stats: bool, labels: bool) -> bool:
     logits GEMMs make per vocab tile can stand in for it (`rows(..., tiles=...)`): a softmax divergence
     whose loss pass 1 does not take online, no transform at load (softcap, negative scale), no stats."""
     kind = kernel_kind(spec)
-    if stats or not spec.want_soft or kind in ("cosine", "reverse_kl"):
+    if stats or not spec.want_soft or kind in ("cosine", "reverse_kl") or kind in _NO_TILES:
         return False
     if kind == "forward_kl" and not grad:  # its loss is then taken online in pass 1
         return False

@@ -1,0 +1,340 @@
+"""The dense rows of Jeffreys, the triangular discrimination, Amari's α-, Rényi's (both directions) and the
+αβ-divergence in the Triton row kernel (`flashkd.backends.triton_rows`), against the float64 oracle
+(tests/oracle.py, the papers' formulas) and the torch backend.
+
+fp32 inputs on irregular shapes (V = 37, H = 11, N = 19, chunk_size 5); without a GPU the kernel runs
+under Triton's interpreter. The bar is the Triton backend's: 2e-5 relative of the float64 truth of the same
+inputs, for the loss and for dX, dW, db (norm-wise). Where the row functions' forms are exact and the papers'
+would cancel (p ≈ q) the rows are checked one by one, on the same fp32 logits the oracle reads in float64.
+"""
+
+import math
+
+import pytest
+import torch
+
+triton = pytest.importorskip("triton")
+
+import flashkd  # noqa: E402
+from flashkd import chunks  # noqa: E402
+from flashkd.backends import torch_rows, triton_rows  # noqa: E402
+from flashkd.losses import LossSpec  # noqa: E402
+from oracle import _divergence, distill_loss  # noqa: E402
+from test_divergence_family import _mp_rows  # noqa: E402
+from test_triton_rows import _sharded  # noqa: E402
+
+INTERPRET = triton_rows.INTERPRET
+DEVICE = "cpu" if INTERPRET else "cuda"
+if not INTERPRET and not torch.cuda.is_available():
+    pytest.skip("TRITON_INTERPRET is off and there is no CUDA device", allow_module_level=True)
+
+RTOL = 2e-5
+N, H, V = 19, 11, 37
+MOVED = ["jeffreys", "triangular", "alpha_divergence", "renyi", "renyi_reverse", "ab_divergence"]
+# each at interior parameters, and at their ends (and Rényi where its forms change: r = 1, r > 1)
+CASES = [("jeffreys", {}), ("triangular", {}), ("alpha_divergence", dict(alpha=0.3)), ("renyi", dict(alpha=0.7)),
+         ("renyi_reverse", dict(alpha=1.4)), ("ab_divergence", dict(alpha=0.6, beta=1.3)),
+         ("alpha_divergence", dict(alpha=1e-3)), ("alpha_divergence", dict(alpha=0.999)),
+         ("renyi", dict(alpha=2.0)), ("renyi", dict(alpha=0.02)), ("renyi", dict(alpha=1.0)),
+         ("renyi_reverse", dict(alpha=1.0)), ("renyi_reverse", dict(alpha=0.2)), ("renyi_reverse", dict(alpha=2.0)),
+         ("renyi_reverse", dict(alpha=0.999)),
+         ("ab_divergence", dict(alpha=0.05, beta=2.0)), ("ab_divergence", dict(alpha=2.0, beta=0.05)),
+         ("ab_divergence", dict(alpha=0.05, beta=0.05)), ("ab_divergence", dict(alpha=2.0, beta=2.0))]
+ORACLE_DEFAULTS = dict(alpha=0.1, beta=0.5)
+
+
+def _ids(case):
+    loss, params = case
+    return loss + "".join(f"-{k}{v:g}" for k, v in params.items())
+
+
+@pytest.fixture
+def kernel_calls(monkeypatch):
+    """The losses the dense row kernel's launcher was called for."""
+    calls, real = [], triton_rows.rows
+
+    def rows(s, t, labels, spec, *args, **kwargs):
+        calls.append(spec.loss)
+        return real(s, t, labels, spec, *args, **kwargs)
+
+    monkeypatch.setattr(triton_rows, "rows", rows)
+    return calls
+
+
+def _case(seed, std=2.0):
+    g = torch.Generator().manual_seed(seed)
+    f = dict(generator=g, dtype=torch.float64)
+    xs, xt = torch.randn(N, H, **f), torch.randn(N, H, **f)
+    ws, wt = torch.randn(V, H, **f) * (std / math.sqrt(H)), torch.randn(V, H, **f) * (std / math.sqrt(H))
+    bs = torch.randn(V, **f) * 0.5
+    labels = torch.randint(V, (N,), generator=g)
+    labels[1::4] = -100
+    # values fp32 holds: the fp32 calls and the float64 oracle read the same inputs
+    return (*(x.float().double() for x in (xs, ws, xt, wt, bs)), labels)
+
+
+def rel(a, b):
+    return ((a.double() - b.double()).norm() / b.double().norm()).item()
+
+
+def _against_oracle(loss, params, seed, options=None, form="heads", kernel_calls=None):
+    """backend="triton" on fp32 inputs against the float64 oracle of the same inputs (loss, dX, dW, db at
+    RTOL) and the torch backend's fp32 result; returns the Triton call's loss."""
+    xs, ws, xt, wt, bs, labels = _case(seed)
+    opts = dict(loss=loss, weight_hard_loss=0.3, weight_soft_loss=0.7, **params, **(options or {}))
+    teacher = (xt.float(), wt.float()) if form == "heads" else ((xt @ wt.T).float(),)
+    fn = flashkd.fused_linear_distill if form == "heads" else flashkd.fused_linear_distill_logits
+    outs = {}
+    for backend in ("triton", "torch"):
+        leaves = [xs.float().requires_grad_(), ws.float().requires_grad_(), bs.float().requires_grad_()]
+        out = fn(leaves[0], leaves[1], *teacher, labels, student_bias=leaves[2], backend=backend, chunk_size=5, **opts)
+        outs[backend] = (out, *torch.autograd.grad(out, leaves))
+        if backend == "triton" and kernel_calls is not None:
+            assert kernel_calls and set(kernel_calls) == {loss}, kernel_calls  # the kernel ran, every chunk
+    ref = [xs.clone().requires_grad_(), ws.clone().requires_grad_(), bs.clone().requires_grad_()]
+    oracle_teacher = dict(xt=xt, wt=wt) if form == "heads" else dict(xt=None, wt=None, teacher_logits=teacher[0].double())
+    want = distill_loss(ref[0], ref[1], labels=labels, student_bias=ref[2], **oracle_teacher,
+                        **{**ORACLE_DEFAULTS, **opts})[0]
+    truth = (want, *torch.autograd.grad(want, ref))
+    for name, got, base, true in zip(("loss", "dX", "dW", "db"), outs["triton"], outs["torch"], truth):
+        assert torch.isfinite(got).all(), name
+        err = rel(got, true)
+        assert err <= RTOL, f"{name}: error {err:.2e} against the float64 oracle (torch backend: {rel(base, true):.2e})"
+    return outs["triton"][0]
+
+
+@pytest.mark.parametrize("case", CASES, ids=_ids)
+def test_heads_against_the_oracle(case, seed, kernel_calls):
+    _against_oracle(*case, seed, dict(temperature=0.9), kernel_calls=kernel_calls)
+
+
+@pytest.mark.parametrize("case", CASES[:6], ids=_ids)
+@pytest.mark.parametrize("option", ["transforms", "sum_tau2"])
+def test_dense_logits_with_options(case, option, seed, kernel_calls):
+    """The dense-logits form, with both heads' transforms (a softcap and scales: the kernel's folded path) or
+    τ² with "sum" and row weights."""
+    options = (dict(student_logit_scale=0.8, teacher_logit_scale=1.2, student_softcap=6.0, teacher_softcap=5.0,
+                    temperature=1.7) if option == "transforms" else
+               dict(temperature=0.6, temperature_squared=True, reduction="sum"))
+    _against_oracle(*case, seed, options, form="logits", kernel_calls=kernel_calls)
+
+
+def _rows_oracle(s, t, labels, loss, params, temperature, scale):
+    """(soft per row, dL/ds), 0 on ignored rows, of the papers' formulas on the same logits: at 40 digits
+    (tests/test_divergence_family.py's `_mp_rows`), where the oracle's float64 forms would cancel (a loss of
+    1e-12 at rows whose student and teacher share a peak of 30); Rényi of order 1 (a KL there) by the
+    oracle in float64."""
+    if not (loss.startswith("renyi") and params["alpha"] == 1.0):
+        finite = torch.isfinite(s) | torch.isfinite(t)
+        if finite.all():
+            value, dz = _mp_rows(s.double() / temperature, t.double() / temperature, loss, params,
+                                 torch.zeros(s.shape[0], dtype=torch.long))
+            valid = (labels != -100)
+            return torch.where(valid, value, 0.0), torch.where(valid[:, None], dz * (scale / temperature), 0.0)
+    a = s.double().requires_grad_()
+    lq, lp = torch.log_softmax(a / temperature, -1), torch.log_softmax(t.double() / temperature, -1)
+    p = {**ORACLE_DEFAULTS, **params}
+    soft = _divergence(lq.exp(), lp.exp(), loss, p["beta"], p["alpha"], logs=(lq, lp))
+    soft = torch.where(labels != -100, soft, 0.0)
+    (ds,) = torch.autograd.grad(soft.sum() * scale, a)
+    return soft.detach(), ds
+
+
+def _kernel_rows(s, t, labels, loss, params, temperature, scale):
+    spec = LossSpec(loss=loss, temperature=temperature, weight_hard=0.0, weight_soft=1.0, **params)
+    x = s.clone()
+    soft, _ = triton_rows.rows(x, t, labels, spec, torch.tensor(scale, device=DEVICE), True)
+    return soft, x
+
+
+def _grad_slack(s, t, temperature, scale, loss=None, params=None):
+    """Per element, a few fp32 roundings of what dL/ds carries from the softmaxes' normalisers: scale / τ ·
+    q (|log q| + |log p| + 1) (tests/test_triton_rows.py's `_log_terms`). log l_s and log l_t, summed and
+    taken in fp32, shift every log q − log p of a row alike by ~1e-7; the losses cancel that shift to first
+    order, their gradients (q − p, q − e / S, ...) do not, and no fp32 evaluation does better. The
+    αβ-divergence's (h − q Σ h)/α, h = q^c − p^α q^β, moves by q^c + q Σ q^c for such a shift, not q."""
+    lq = torch.log_softmax(s.double() / temperature, -1)
+    lp = torch.log_softmax(t.double() / temperature, -1)
+    size = lq.exp()
+    if loss == "ab_divergence":
+        qc = (lq * (params["alpha"] + params["beta"])).exp()
+        size = qc + size * qc.sum(-1, keepdim=True)
+    w = torch.where(lq > -torch.inf, size * (lq.abs() + lp.abs().nan_to_num(posinf=0.0) + 1.0), 0.0)
+    return 8 * torch.finfo(torch.float32).eps * scale / temperature * w
+
+
+def _normalisation_slack(s, t, loss, params, temperature):
+    """Per row, how far the loss moves where q and p are each scaled by 1 + O(fp32 eps), as a softmax's
+    normaliser summed in fp32 is: 0 to first order for the losses that are 0 at q = p on any scale, but the
+    αβ-divergence of c = α + β ≠ 1, whose terms are homogeneous of degree c: there the first-order change
+    ε Σ q^β (q^α − p^α)/α (and p's likewise) is not small beside a loss of (q − p)²."""
+    if loss != "ab_divergence" or params["alpha"] + params["beta"] == 1.0:
+        return 0.0
+    q = torch.softmax(s.double() / temperature, -1)
+    p = torch.softmax(t.double() / temperature, -1)
+    al, be = params["alpha"], params["beta"]
+    first = ((q**be * (q**al - p**al)).abs().sum(-1) / al + (p**al * (p**be - q**be)).abs().sum(-1) / be)
+    return 16 * torch.finfo(torch.float32).eps * first
+
+
+@pytest.mark.parametrize("case", CASES, ids=_ids)
+@pytest.mark.parametrize("gap", [1e-2, 1e-3])
+def test_rows_near_p_equals_q(case, gap, seed):
+    """A student within `gap` of the teacher (logits std 4; the loss ~gap²): each row's loss within RTOL of
+    the float64 formula on the same fp32 logits (the kernel's forms do not cancel: log q − log p from the
+    logits' difference, q − p and the α-family's ψ without a difference of near numbers), and dL/ds within
+    RTOL of its largest element plus its normalisers' slack (`_grad_slack`). The αβ-divergence of c ≠ 1
+    also moves by its normalisation slack."""
+    loss, params = case
+    g = torch.Generator().manual_seed(seed)
+    t = torch.randn(6, V, generator=g) * 4
+    s = t + gap * torch.randn(6, V, generator=g)
+    labels = torch.tensor([0, 1, -100, 3, 4, 5])
+    soft, ds = _kernel_rows(s, t, labels, loss, params, 0.9, 0.5)
+    want, want_ds = _rows_oracle(s, t, labels, loss, params, 0.9, 0.5)
+    assert (soft[2] == 0).all() and (ds[2] == 0).all()
+    slack = _normalisation_slack(s, t, loss, params, 0.9)
+    err = (soft.double() - want).abs()
+    assert (err <= RTOL * want.abs() + slack).all(), (err / want.abs()).tolist()
+    assert ((ds.double() - want_ds).abs() <= RTOL * want_ds.abs().max() + _grad_slack(s, t, 0.9, 0.5, loss, params)).all()
+
+
+@pytest.mark.parametrize("case", CASES, ids=_ids)
+def test_rows_at_trained_magnitudes(case, seed):
+    """Logits of std 4 with peaks of 30, the teacher's and the student's on different ids in some rows, on
+    the same id in others: each row's loss and dL/ds within RTOL of the formula (the slacks of the rows near
+    p = q above where they apply: the row sharing a peak has a loss of ~1e-13)."""
+    loss, params = case
+    g = torch.Generator().manual_seed(seed)
+    t = torch.randn(6, V, generator=g) * 4
+    s = torch.randn(6, V, generator=g) * 4
+    t[0, 3], s[0, 7] = 30.0, 30.0
+    t[1, 5], s[1, 5] = 30.0, 28.0
+    t[2, 11] = 30.0
+    s[3, 20] = 30.0
+    labels = torch.tensor([0, 1, 2, 3, -100, 5])
+    soft, ds = _kernel_rows(s, t, labels, loss, params, 1.0, 1.0)
+    want, want_ds = _rows_oracle(s, t, labels, loss, params, 1.0, 1.0)
+    assert torch.isfinite(soft).all() and torch.isfinite(ds).all()
+    err = (soft.double() - want).abs()
+    assert (err <= RTOL * want.abs() + _normalisation_slack(s, t, loss, params, 1.0)).all(), (err / want).tolist()
+    assert ((ds.double() - want_ds).abs() <= RTOL * want_ds.abs().max() + _grad_slack(s, t, 1.0, 1.0, loss, params)).all()
+
+
+@pytest.mark.parametrize("loss,params", [("alpha_divergence", dict(alpha=0.3)), ("ab_divergence", dict(alpha=0.3, beta=1.9)),
+                                         ("triangular", {}), ("renyi", dict(alpha=0.6)), ("renyi_reverse", dict(alpha=0.4)),
+                                         ("jeffreys", {}), ("renyi", dict(alpha=1.5)), ("renyi_reverse", dict(alpha=1.0))])
+def test_masked_ids(loss, params, seed, kernel_calls):
+    """−inf teacher logits and −inf student logits at other ids, where the formula is finite there (Amari's, αβ,
+    triangular, Rényi of order < 1); Jeffreys and Rényi of order ≥ 1 with both sides ruling out the same ids.
+    Finite, against the oracle of the same fp32 inputs in float64."""
+    xs, ws, xt, wt, _, labels = _case(seed)
+    tl = (xt @ wt.T).float()
+    bias = torch.zeros(V)
+    if loss == "jeffreys" or (loss.startswith("renyi") and params["alpha"] >= 1):
+        tl[:, 3] = bias[3] = tl[:, 20] = bias[20] = -torch.inf
+    else:
+        tl[:, 3] = -torch.inf
+        tl[::2, 10:14] = -torch.inf
+        bias[20] = -torch.inf
+    opts = dict(loss=loss, weight_hard_loss=0.0, weight_soft_loss=1.0, temperature=0.8, **params)
+    x = xs.float().requires_grad_()
+    out = flashkd.fused_linear_distill_logits(x, ws.float(), tl, None, student_bias=bias, backend="triton",
+                                              chunk_size=5, **opts)
+    assert kernel_calls and set(kernel_calls) == {loss}
+    (dx,) = torch.autograd.grad(out, x)
+    xr = xs.float().double().requires_grad_()
+    want = distill_loss(None, None, None, None, None, teacher_logits=tl.double(),
+                        student_logits=xr @ ws.float().double().T + bias.double(), **{**ORACLE_DEFAULTS, **opts})[0]
+    assert torch.isfinite(out) and torch.isfinite(dx).all()
+    assert abs(out.item() - want.item()) <= RTOL * abs(want.item())
+    assert rel(dx, torch.autograd.grad(want, xr)[0]) <= RTOL
+
+
+@pytest.mark.parametrize("loss", MOVED)
+def test_infinite_where_the_formula_is(loss):
+    """Jeffreys, and Rényi of order ≥ 1 (D(p‖q) where q = 0 < p; the reverse where p = 0 < q), are +inf on a row
+    where one side rules out an id the other does not; the other rows keep their values."""
+    s = torch.randn(3, V) * 2
+    t = torch.randn(3, V) * 2
+    second = s if loss in ("jeffreys", "renyi") else t
+    second[0, 4] = -torch.inf
+    params = dict(alpha=1.5) if loss.startswith("renyi") else dict(alpha=0.3) if loss == "alpha_divergence" else \
+        dict(alpha=0.6, beta=1.3) if loss == "ab_divergence" else {}
+    spec = LossSpec(loss=loss, **params)
+    soft, _ = triton_rows.rows(s.clone(), t, None, spec, torch.tensor(1.0), False)
+    want = _rows_oracle(s, t, torch.zeros(3, dtype=torch.long), loss, params, 1.0, 1.0)[0] \
+        if loss not in ("jeffreys", "renyi", "renyi_reverse") else None
+    if want is None:
+        assert soft[0] == torch.inf and torch.isfinite(soft[1:]).all()
+    else:  # the finite losses: finite there too, their limit
+        torch.testing.assert_close(soft.double(), want, rtol=RTOL, atol=0)
+
+
+@pytest.mark.parametrize("case", CASES[:6], ids=_ids)
+def test_return_stats(case, seed):
+    xs, ws, xt, wt, bs, labels = _case(seed)
+    opts = dict(loss=case[0], temperature=1.3, return_stats=True, chunk_size=5, **case[1])
+    got = flashkd.fused_linear_distill(xs.float(), ws.float(), xt.float(), wt.float(), labels, backend="triton", **opts)
+    want = flashkd.fused_linear_distill(xs, ws, xt, wt, labels, backend="torch", **opts)  # fp64: the truth
+    torch.testing.assert_close(got[0].double(), want[0], rtol=RTOL, atol=0)
+    for name in ("soft_sum", "hard_sum", "entropy_sum"):
+        torch.testing.assert_close(getattr(got[1], name).double(), getattr(want[1], name), rtol=RTOL, atol=0, msg=name)
+    assert got[1].rows.item() == want[1].rows.item() == int((labels != -100).sum())
+
+
+@pytest.mark.parametrize("grad", [True, False])
+@pytest.mark.parametrize("case", CASES[:6] + [("renyi", dict(alpha=2.0)), ("renyi_reverse", dict(alpha=1.0))], ids=_ids)
+def test_rows_sharded_over_vocab_slices(case, grad, seed):
+    """The vocab-parallel phases (each slice's pass 1, the statistics gathered, pass 2, its sums added over the
+    ranks, pass 3; Jeffreys' online KL(q‖p) among the gathered statistics): the unsharded kernel's rows."""
+    loss, params = case
+    spec = LossSpec(loss=loss, temperature=0.7, weight_hard=0.4, weight_soft=0.6, **params)
+    g = torch.Generator().manual_seed(seed)
+    s, t = torch.randn(5, V, generator=g) * 4, torch.randn(5, V, generator=g) * 4
+    t[1] = s[1] + 1e-2 * torch.randn(V, generator=g)  # a row near p = q
+    labels = torch.tensor([16, 3, -100, 36, 15])
+    scale = torch.tensor(0.37)
+    soft, hard, ds = _sharded(s, t, labels, spec, scale, grad, [(16, V), (0, 15), (15, 16)])
+    x = s.clone()
+    want_soft, want_hard = triton_rows.rows(x, t, labels, spec, scale, grad)
+    # the slices' sums merge in another order: the αβ-divergence's row near p = q moves by its normalisation slack
+    slack = _normalisation_slack(s, t, loss, params, 0.7)
+    assert ((soft.double() - want_soft.double()).abs() <= RTOL * want_soft.double().abs() + slack).all()
+    torch.testing.assert_close(hard, want_hard, rtol=RTOL, atol=0)
+    if grad:
+        slack = _grad_slack(s, t, 0.7, 0.37 * spec.weight_soft, loss, params)
+        assert ((ds - x).double().abs() <= RTOL * x.abs().max() + slack).all()
+
+
+def test_routing():
+    """The moved losses' dense rows run in the kernel on "triton" (and "auto" on a GPU), also under a process
+    group (the sharded phases above); the entropy blend, DKD and AKL stay on the torch rows; fp64 on the torch
+    rows; the CuTe path's per-tile statistics are not offered to them."""
+    x32, x64 = torch.zeros(2, 3), torch.zeros(2, 3, dtype=torch.float64)
+    for loss in MOVED:
+        assert loss in triton_rows.KERNEL_LOSSES and loss not in chunks.TORCH_ROW_LOSSES
+        assert chunks.pick_backend("triton", x32, loss) == "triton"
+        assert chunks.pick_backend("triton", x64, loss) == "torch"
+        assert loss not in chunks.AUTO_CUTE_LOSSES
+        assert not triton_rows.tiles_fit(LossSpec(loss=loss), True, False, True)
+    for loss in ("akl", "entropy_adaptive", "dkd"):
+        assert chunks.pick_backend("triton", x32, loss) == "torch"
+
+
+@pytest.mark.parametrize("loss", MOVED)
+def test_ignored_rows_and_columns_at_minus_inf_in_both(loss, seed):
+    """Ignored rows get 0 and a zero gradient whatever they hold; columns at −inf in s and t both are absent."""
+    params = dict(alpha=0.6, beta=1.3) if loss == "ab_divergence" else dict(alpha=0.4) if loss != "jeffreys" and \
+        loss != "triangular" else {}
+    g = torch.Generator().manual_seed(seed)
+    s, t = torch.randn(4, V + 5, generator=g) * 3, torch.randn(4, V + 5, generator=g) * 3
+    s[:, :5] = t[:, :5] = -torch.inf
+    labels = torch.tensor([7, -100, 9, -100])
+    s[1, 8], t[3, 9] = torch.nan, torch.inf
+    soft, ds = _kernel_rows(s, t, labels, loss, params, 0.8, 1.0)
+    assert (soft[1::2] == 0).all() and (ds[1::2] == 0).all() and (ds[:, :5] == 0).all()
+    kept = s[::2, 5:].contiguous(), t[::2, 5:].contiguous(), labels[::2]
+    want, want_ds = _rows_oracle(*kept, loss, params, 0.8, 1.0)
+    torch.testing.assert_close(soft[::2].double(), want, rtol=RTOL, atol=0)
+    assert ((ds[::2, 5:].double() - want_ds).abs() <= RTOL * want_ds.abs().max() + _grad_slack(*kept[:2], 0.8, 1.0, loss, params)).all()
