@@ -35,7 +35,7 @@ import flashkd
 from flashkd.bench.workloads import PRESETS, make_inputs
 from flashkd import chunks
 from flashkd.distributed import fsdp
-from flashkd.losses import LossSpec
+from flashkd.losses import LossSpec, parameter
 
 
 def timed(fn, reps, warmup, rank):
@@ -121,7 +121,8 @@ def main():
     device = torch.device("cuda", torch.cuda.current_device())
     w = PRESETS["seed"][0]
     x = make_inputs(w, device)  # the same seeded inputs on every rank
-    opts = dict(loss=w.loss, beta=w.beta, temperature=w.temperature, weight_hard_loss=w.weight_hard,
+    beta = w.beta if parameter("beta", w.loss) is not None else None  # a loss that does not read beta refuses it
+    opts = dict(loss=w.loss, beta=beta, temperature=w.temperature, weight_hard_loss=w.weight_hard,
                 weight_soft_loss=w.weight_soft, chunk_size=a.chunk_size)
     v = x.ws.shape[0]
     bounds = [v * r // world for r in range(world + 1)]

@@ -349,15 +349,19 @@ def _bad(form):
             (dict(teacher_input=torch.randn(N, HT, dtype=torch.bfloat16)), TypeError,
              ["teacher_input", "torch.float32", "torch.bfloat16"]),
             (dict(teacher_weight=torch.randint(0, 3, (V, HT))), TypeError, ["teacher_weight", "torch.int64"]),
-            (dict(teacher_weight=torch.randn(V + 5, HT), teacher_bias=torch.randn(V)), ValueError,
+            (dict(teacher_weight=torch.randn(V + 5, HT), teacher_bias=torch.randn(V), vocab_size=V), ValueError,
              ["teacher_bias", f"({V + 5},)", f"({V},)"]),
-            (dict(teacher_weight=torch.randn(V - 1, HT)), ValueError, ["teacher_weight", f"at least {V}", f"got {V - 1}"]),
+            (dict(teacher_weight=torch.randn(V - 1, HT)), ValueError, ["teacher_weight", f"expected {V} rows", f"got {V - 1}"]),
+            (dict(teacher_weight=torch.randn(V + 5, HT)), ValueError,
+             ["teacher_weight", f"expected {V} rows", f"got {V + 5}: ambiguous", f"pass vocab_size={V}"]),
         ]
     if form == "logits":
         cases += [
             (dict(teacher_logits=torch.randn(N, V, dtype=torch.float16)), TypeError,
              ["teacher_logits", "torch.float32", "torch.float16"]),
-            (dict(teacher_logits=torch.randn(N, V - 1)), ValueError, ["teacher_logits", f"at least {V}", f"got {V - 1}"]),
+            (dict(teacher_logits=torch.randn(N, V - 1)), ValueError, ["teacher_logits", f"expected {V} columns", f"got {V - 1}"]),
+            (dict(teacher_logits=torch.randn(N, V + 5)), ValueError,
+             ["teacher_logits", f"expected {V} columns", f"got {V + 5}: ambiguous", f"pass vocab_size={V}"]),
             (dict(teacher_logits=torch.randn(N + 1, V)), ValueError, ["teacher_logits", f"({N},)", f"({N + 1},)"]),
         ]
     if form == "topk":

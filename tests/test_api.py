@@ -26,7 +26,11 @@ def inputs(n=6, v=9, hs=4, ht=5, vt=None, dtype=torch.float32):
         (dict(labels=torch.zeros(5, dtype=torch.long)), ValueError, ["labels", "(6,)", "(5,)"]),
         (dict(student_input=torch.randn(6, 3)), ValueError, ["student_input", "hidden size 4", "got 3"]),
         (dict(teacher_input=torch.randn(6, 2)), ValueError, ["teacher_input", "hidden size 5", "got 2"]),
-        (dict(teacher_weight=torch.randn(8, 5)), ValueError, ["teacher_weight", "at least 9", "got 8"]),
+        (dict(teacher_weight=torch.randn(8, 5)), ValueError, ["teacher_weight", "expected 9 rows", "got 8"]),
+        (dict(teacher_weight=torch.randn(10, 5)), ValueError,
+         ["teacher_weight", "expected 9 rows (the student's vocab), got 10: ambiguous", "pass vocab_size=9"]),
+        (dict(teacher_weight=torch.randn(10, 5), vocab_size=10), ValueError, ["vocab_size", "expected 9", "got 10"]),
+        (dict(vocab_size=0), TypeError, ["vocab_size", "int >= 1", "0"]),
         (dict(student_bias=torch.randn(8)), ValueError, ["student_bias", "(9,)", "(8,)"]),
         (dict(labels=torch.full((6,), 9)), ValueError, ["labels", "[0, 9)", "got 9"]),
         (dict(labels=torch.full((6,), -1)), ValueError, ["labels", "got -1"]),
@@ -37,6 +41,9 @@ def inputs(n=6, v=9, hs=4, ht=5, vt=None, dtype=torch.float32):
         (dict(beta=-0.1), ValueError, ["beta", "-0.1"]),
         (dict(beta=float("nan")), TypeError, ["beta", "nan"]),
         (dict(beta=torch.tensor(0.5)), TypeError, ["beta", "Python float"]),
+        (dict(loss="forward_kl", beta=0.35), ValueError, ["beta", "loss='forward_kl' does not read it", "beta=0.35"]),
+        (dict(alpha=0.2), ValueError, ["alpha", "loss='jsd' does not read it", "alpha=0.2"]),
+        (dict(loss="jsd", head_mass=0.7), ValueError, ["head_mass", "loss='jsd' does not read it", "head_mass=0.7"]),
         (dict(loss="kl"), ValueError, ["loss", "'jsd'", "'kl'"]),
         (dict(reduction="none"), ValueError, ["reduction", "'mean'", "'none'"]),
         (dict(backend="cuda"), ValueError, ["backend", "'cuda'"]),
@@ -231,10 +238,15 @@ def test_modules_match_the_function():
     xs, ws, xt, wt, y = inputs()
     for module, loss in ((flashkd.FusedLinearJSDLoss(beta=0.2), "jsd"),
                          (flashkd.FusedLinearCosineSimilarityLoss(beta=0.2), "cosine"),
-                         (flashkd.FusedLinearDistillLoss("tvd", beta=0.2), "tvd")):
-        want = flashkd.fused_linear_distill(xs, ws, xt, wt, y, loss=loss, beta=0.2)
+                         (flashkd.FusedLinearDistillLoss("tvd"), "tvd")):
+        want = flashkd.fused_linear_distill(xs, ws, xt, wt, y, loss=loss, beta=0.2 if loss != "tvd" else None)
         assert torch.equal(module(xs, ws, xt, wt, y), want)
     assert "tvd" in repr(flashkd.FusedLinearDistillLoss("tvd"))
+    # beta is read by jsd and cosine only: a tvd module given one is refused where it is made
+    with pytest.raises(ValueError) as e:
+        flashkd.FusedLinearDistillLoss("tvd", beta=0.2)
+    assert str(e.value) == ("beta: loss='tvd' does not read it (it is read by loss='jsd', loss='cosine'); "
+                            "got beta=0.2, leave it out")
 
 
 

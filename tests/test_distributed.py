@@ -60,9 +60,10 @@ def _vocab_parallel_worker(rank, world, seed):
             vt = V + 3 if padded else V
             xs, ws, xt, wt, labels, bs, bt = sharded_inputs(gen, 11, dtype, device, vt=vt, bias=bias)
             t_stop = vt if stop == V else stop
+            pad = dict(vocab_size=V) if padded else {}  # declared padding; sharded, V is the group's whole vocab
             full, shard = both(
                 xs, ws, bs, [xt, wt, labels], [xt, wt[start:t_stop], labels],
-                dict(teacher_bias=bt), dict(teacher_bias=None if bt is None else bt[start:t_stop]),
+                dict(teacher_bias=bt, **pad), dict(teacher_bias=None if bt is None else bt[start:t_stop], **pad),
             )
             compare_sharded(flashkd.fused_linear_distill, f"heads {options} bias={bias}", full, shard, start, stop, **options)
 

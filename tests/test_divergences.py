@@ -14,7 +14,8 @@ import torch
 
 import flashkd
 from conftest import BACKENDS, HAS_TRITON
-from flashkd.losses import WHOLE_VOCAB, LossSpec, akl_head, divergence
+from flashkd.losses import PARAMETERS, WHOLE_VOCAB, LossSpec, akl_head, divergence, parameter
+from helpers.cases import read
 from helpers.distributed import LAYOUTS, compare_sharded, leaf, rank_device, sharded_inputs, spawn
 from helpers.exact import OPTIONS, check, make_case, pipeline_grads, truth_grads
 from helpers.ties import drop_tied_rows, logits64, near
@@ -142,7 +143,7 @@ def test_every_option_against_the_oracle_in_float64(backend, loss, seed):
                 **(dict(head_mass=0.65) if loss == "akl" else dict(alpha=0.35)))
     leaves = [xs.clone().requires_grad_(), ws.clone().requires_grad_(), bs.clone().requires_grad_()]
     out = flashkd.fused_linear_distill(leaves[0], leaves[1], xt, wt, labels, student_bias=leaves[2], row_weight=rw,
-                                       backend=backend, chunk_size=5, **opts)
+                                       backend=backend, chunk_size=5, **read(opts))
     ref_leaves = [xs.clone().requires_grad_(), ws.clone().requires_grad_(), bs.clone().requires_grad_()]
     want = distill_loss(ref_leaves[0], ref_leaves[1], xt, wt, labels, student_bias=ref_leaves[2], row_weight=rw,
                         **opts)[0]
@@ -286,7 +287,7 @@ def test_masked_ids(loss, seed):
     opts = dict(loss=loss, weight_hard_loss=0.0, weight_soft_loss=1.0,
                 **(dict(head_mass=0.5) if loss == "akl" else dict(alpha=0.2)))
     x = xs.clone().requires_grad_()
-    out = flashkd.fused_linear_distill_logits(x, ws, tl, None, student_bias=bias, **opts)
+    out = flashkd.fused_linear_distill_logits(x, ws, tl, None, student_bias=bias, **read(opts))
     xr = xs.clone().requires_grad_()
     want = distill_loss(None, None, None, None, None, teacher_logits=tl, student_logits=xr @ ws.T + bias, **opts)[0]
     assert torch.isfinite(out)
@@ -294,13 +295,16 @@ def test_masked_ids(loss, seed):
     torch.testing.assert_close(torch.autograd.grad(out, x)[0], torch.autograd.grad(want, xr)[0], rtol=1e-9, atol=1e-12)
 
 
+READER = {"alpha": "skew_kl", "head_mass": "akl"}  # a loss that reads the parameter
+
+
 @pytest.mark.parametrize("name,value", [("alpha", -0.1), ("alpha", 1.5), ("head_mass", -1e-9), ("head_mass", 2.0)])
 def test_out_of_range_parameters_are_named(name, value):
     xs, ws, xt, wt, labels = _small(0)
     with pytest.raises(ValueError, match=rf"^{name}: expected a value in \[0, 1\], got {value!r}"):
-        flashkd.fused_linear_distill(xs, ws, xt, wt, labels, loss="akl" if name == "head_mass" else "skew_kl", **{name: value})
-    with pytest.raises(ValueError, match=rf"^{name}: "):
-        flashkd.FusedLinearDistillLoss("akl" if name == "head_mass" else "skew_kl", **{name: value})
+        flashkd.fused_linear_distill(xs, ws, xt, wt, labels, loss=READER[name], **{name: value})
+    with pytest.raises(ValueError, match=rf"^{name}: expected a value in \[0, 1\], got {value!r}"):
+        flashkd.FusedLinearDistillLoss(READER[name], **{name: value})
 
 
 @pytest.mark.parametrize("name", ["alpha", "head_mass"])
@@ -308,8 +312,31 @@ def test_out_of_range_parameters_are_named(name, value):
 def test_non_numbers_are_named(name, value):
     xs, ws, xt, wt, labels = _small(0)
     with pytest.raises(TypeError, match=rf"^{name}: expected a finite Python float"):
-        flashkd.fused_linear_distill(xs, ws, xt, wt, labels, loss="akl" if name == "head_mass" else "skew_kl",
-                                     **{name: value})
+        flashkd.fused_linear_distill(xs, ws, xt, wt, labels, loss=READER[name], **{name: value})
+
+
+@pytest.mark.parametrize("name", ["alpha", "head_mass"])
+def test_none_is_the_loss_default(name):
+    """None, the keyword's default, is the loss's own default value (`flashkd.losses.PARAMETERS`)."""
+    xs, ws, xt, wt, labels = _small(0)
+    run = lambda **o: flashkd.fused_linear_distill(xs, ws, xt, wt, labels, loss=READER[name], **o)
+    want = run(**{name: parameter(name, READER[name]).default})
+    assert torch.equal(run(**{name: None}), want) and torch.equal(run(), want)
+
+
+@pytest.mark.parametrize("name,loss", [(name, loss) for name in ("alpha", "head_mass")
+                                       for loss in ("jsd", "forward_kl", "tvd", "skew_kl", "akl")
+                                       if parameter(name, loss) is None])
+def test_a_parameter_the_loss_does_not_read_is_refused(name, loss):
+    """A value for a loss that does not read it would change nothing: refused, naming the losses that do."""
+    xs, ws, xt, wt, labels = _small(0)
+    readers = ", ".join(f"loss={r!r}" for param in PARAMETERS[name] for r in param.losses)
+    said = f"{name}: loss={loss!r} does not read it (it is read by {readers}); got {name}=0.3, leave it out"
+    for make in (lambda: flashkd.fused_linear_distill(xs, ws, xt, wt, labels, loss=loss, **{name: 0.3}),
+                 lambda: flashkd.FusedLinearDistillLoss(loss, **{name: 0.3})):
+        with pytest.raises(ValueError) as e:
+            make()
+        assert str(e.value) == said
 
 
 @pytest.mark.parametrize("loss", NEW)

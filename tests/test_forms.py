@@ -8,7 +8,7 @@ import torch
 
 import flashkd
 from conftest import BACKENDS
-from helpers.cases import HS, HT, K, V, check_against_oracle, make_student, make_topk, rel_err, tolerance
+from helpers.cases import HS, HT, K, V, check_against_oracle, make_student, make_topk, read, rel_err, tolerance
 from helpers.ties import drop_tied_rows, logits64
 from oracle import distill_loss, topk_loss
 
@@ -22,7 +22,7 @@ def check_topk(backend, dtype, lead, *, tol, bias=False, ignore="some", chunk_si
     labels = drop_tied_rows(labels, logits64(xs, ws, bs), ids=ids, logprobs=logprobs, **options)
     loss, soft, hard = flashkd.fused_linear_distill_topk(
         xs, ws, ids, logprobs, labels, student_bias=bs, chunk_size=chunk_size, backend=backend,
-        return_soft_hard_loss=True, **options,
+        return_soft_hard_loss=True, **read(options, "forward_kl"),
     )
     leaves = [xs, ws] + ([bs] if bias else [])
     grads = torch.autograd.grad(loss, leaves)
@@ -183,7 +183,7 @@ def test_logits_matches_oracle(backend, loss, layout, seed):
     labels = drop_tied_rows(labels, logits64(xs, ws, bs), logits_t, **options)
     loss_, soft, hard = flashkd.fused_linear_distill_logits(
         xs, ws, logits_t, labels, student_bias=bs, backend=backend, chunk_size=4, return_soft_hard_loss=True,
-        **options,
+        vocab_size=V if layout == "padded" else None, **read(options),
     )
     leaves = [xs, ws] + ([bs] if bs is not None else [])
     grads = torch.autograd.grad(loss_, leaves)
@@ -203,7 +203,9 @@ def test_logits_bad_input():
     cases = [
         (torch.randn(4, V, dtype=torch.float64), TypeError, "teacher_logits: expected dtype torch.float32"),
         (torch.randn(5, V), ValueError, r"teacher_logits: expected leading dims \(4,\)"),
-        (torch.randn(4, V - 1), ValueError, "teacher_logits: expected a vocab of at least 37"),
+        (torch.randn(4, V - 1), ValueError, r"teacher_logits: expected 37 columns \(the student's vocab\), got 36"),
+        (torch.randn(4, V + 4), ValueError,  # a padded head must be declared: vocab_size=V
+         r"teacher_logits: expected 37 columns \(the student's vocab\), got 41: ambiguous\. .*pass vocab_size=37"),
         (torch.randn(V, 4).t(), None, None),  # column-major: read per chunk with a copy, fine
         (torch.randn(2, 4, V).transpose(0, 1)[:, 0], None, None),
         (torch.randn(4, 2, V).transpose(0, 1), ValueError, r"teacher_logits: expected leading dims \(4,\)"),
@@ -216,6 +218,8 @@ def test_logits_bad_input():
         else:
             with pytest.raises(error, match=message):
                 run(xs, ws, logits_t, labels)
+    with pytest.raises(ValueError, match=r"^vocab_size: expected 37 \(the student's vocab: student_weight's rows\), got 41"):
+        run(xs, ws, torch.randn(4, V + 4), labels, vocab_size=V + 4)  # vocab_size is the student's vocab
     xs3 = torch.randn(2, 3, HS)
     t3 = torch.randn(3, 2, V).transpose(0, 1)  # leading dims that cannot flatten without a copy
     with pytest.raises(ValueError, match="teacher_logits: expected leading dims that flatten without a copy"):

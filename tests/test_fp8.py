@@ -10,7 +10,7 @@ import torch
 import flashkd
 from flashkd import fp8
 from flashkd.backends import triton_fp8
-from helpers.cases import check_against_oracle
+from helpers.cases import check_against_oracle, read
 from helpers.ties import drop_tied_rows, logits64
 from oracle import distill_loss
 
@@ -183,14 +183,14 @@ def test_the_fp8_teacher_is_the_loss_of_its_dequantised_logits(fp8_on_cpu, backe
     opts = dict(loss=loss, beta=0.3, temperature=1.7, teacher_bias=bt, teacher_softcap=5.0)
     y = drop_tied_rows(y, logits64(xs, ws), _fp8_logits(xt, wt) + bt.double(), **opts)
     out = flashkd.fused_linear_distill(xs, ws, xt, wt, y, teacher_precision="fp8", backend=backend,
-                                       return_soft_hard_loss=True, chunk_size=16, **opts)
+                                       return_soft_hard_loss=True, chunk_size=16, vocab_size=100, **read(opts))
     grads = torch.autograd.grad(out[0], (xs, ws))
     leaves = [z.detach().double().requires_grad_() for z in (xs, ws)]
     ref = distill_loss(*leaves, None, None, y, teacher_logits=_fp8_logits(xt, wt[:100]), **opts)
     ref_grads = torch.autograd.grad(ref[0], leaves)
     check_against_oracle(out, ref, grads, ref_grads, (xs, ws), 2e-5, labels=y)
     # and it is not the bf16 teacher's loss: the FP8 rounding is really there
-    plain = flashkd.fused_linear_distill(xs, ws, xt, wt, y, backend=backend, **opts)
+    plain = flashkd.fused_linear_distill(xs, ws, xt, wt, y, backend=backend, vocab_size=100, **read(opts))
     assert abs(plain.item() - out[0].item()) > 1e-6 * abs(plain.item())
 
 

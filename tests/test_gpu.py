@@ -12,6 +12,7 @@ import torch
 import flashkd
 from flashkd import fp8
 from flashkd.losses import LossSpec, topk_row_losses
+from helpers.cases import read
 from oracle import distill_loss, topk_loss
 
 pytestmark = [
@@ -77,7 +78,8 @@ def test_against_fp64_truth(backend, loss, dtype, vocab, opts, seed):
     kw = dict(loss=loss, student_bias=bs, teacher_bias=bt, **opts)
     leaves = [xs, ws] + ([bs] if bias else [])
 
-    got = flashkd.fused_linear_distill(xs, ws, xt, wt, y, backend=backend, check_labels=True, **kw)
+    got = flashkd.fused_linear_distill(xs, ws, xt, wt, y, backend=backend, check_labels=True,
+                                       vocab_size=v if vt > v else None, **read(kw))  # Qwen's: padding
     got_grads = torch.autograd.grad(got, leaves)
     plain, plain_grads = _naive(leaves, xt, wt, bt, y, kw, double=False)
     truth, truth_grads = _naive(leaves, xt, wt, bt, y, kw, double=True)
@@ -165,7 +167,8 @@ def test_topk_against_fp64_truth(loss, tail, dtype, v, opts, seed):
     y = torch.randint(0, v, (n,), device=dev)
     y[torch.rand(n, device=dev) < 0.2] = -100
     kw = dict(loss=loss, tail=tail, **opts)
-    got = flashkd.fused_linear_distill_topk(xs, ws, ids, lp, y, check_teacher=True, check_labels=True, **kw)
+    got = flashkd.fused_linear_distill_topk(xs, ws, ids, lp, y, check_teacher=True, check_labels=True,
+                                            **read(kw, "forward_kl"))
     got_grads = torch.autograd.grad(got, [xs, ws])
 
     x64, w64 = (x.detach().double().requires_grad_() for x in (xs, ws))
@@ -196,7 +199,7 @@ def test_logits_against_fp64_truth(loss, dtype, seed):
     logits_t = (2.0 * torch.randn(n, vt, device=dev)).to(dtype)  # a padded teacher head's logits
     y = torch.randint(0, v, (n,), device=dev)
     kw = dict(loss=loss, beta=0.4, temperature=1.3, weight_hard_loss=0.5, weight_soft_loss=0.5)
-    got = flashkd.fused_linear_distill_logits(xs, ws, logits_t, y, **kw)
+    got = flashkd.fused_linear_distill_logits(xs, ws, logits_t, y, vocab_size=v, **read(kw))
     got_grads = torch.autograd.grad(got, [xs, ws])
     results = []
     for double in (True, False):
@@ -292,7 +295,9 @@ def test_fp8_teacher_is_the_loss_of_its_own_logits(loss, dtype, vocab, precision
     v, vt = vocab
     xs, ws, xt, wt, bt, y = _fp8_inputs(dtype, v, vt)
     opts = dict(loss=loss, beta=0.3, temperature=1.3, chunk_size=384)
-    got = flashkd.fused_linear_distill(xs, ws, xt, wt, y, teacher_bias=bt, teacher_precision=precision, **opts)
+    opts = read(opts)  # beta where the loss reads it
+    got = flashkd.fused_linear_distill(xs, ws, xt, wt, y, teacher_bias=bt, teacher_precision=precision,
+                                       vocab_size=v if vt > v else None, **opts)
     g_got = torch.autograd.grad(got, (xs, ws))
     scaling = fp8.scaling_of(precision, xt.device)
     h = fp8.head(wt[:v], scaling)

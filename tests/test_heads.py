@@ -10,7 +10,7 @@ import torch
 
 import flashkd
 from conftest import BACKENDS
-from helpers.cases import V, check_against_oracle, make_inputs, make_topk, rel_err
+from helpers.cases import V, check_against_oracle, make_inputs, make_topk, read, rel_err
 from helpers.ties import drop_tied_rows, logits64
 from oracle import distill_loss, student_stats, topk_loss
 
@@ -56,7 +56,7 @@ def _run_dense(backend, form, loss, transform, weighted, lead, *, ignore="some",
     labels = drop_tied_rows(labels, logits64(xs, ws, bs), logits64(xt, wt), **options)
     rw = _weights(lead, dtype) if weighted else None
     common = dict(student_bias=bs, backend=backend, chunk_size=5, return_soft_hard_loss=True, row_weight=rw,
-                  return_stats=stats, **options)
+                  return_stats=stats, **read(options))
     if form == "heads":
         out = flashkd.fused_linear_distill(xs, ws, xt, wt, labels, **common)
         teacher = dict(xt=xt, wt=wt)
@@ -122,7 +122,7 @@ def test_masked_teacher_ids_stay_masked_under_every_transform(backend, loss, t_s
                    student_softcap=6.0)
     labels = drop_tied_rows(labels, logits64(xs, ws, bs), logits_t, **options)
     out = flashkd.fused_linear_distill_logits(xs, ws, logits_t, labels, student_bias=bs, backend=backend,
-                                              chunk_size=4, return_soft_hard_loss=True, **options)
+                                              chunk_size=4, return_soft_hard_loss=True, **read(options))
     grads = torch.autograd.grad(out[0], [xs, ws, bs])
     leaves = [x.detach().double().requires_grad_() for x in (xs, ws, bs)]
     ref = distill_loss(leaves[0], leaves[1], None, None, labels, student_bias=leaves[2], teacher_logits=logits_t,
@@ -145,7 +145,7 @@ def _topk_case(backend, loss, tail, transform, weighted, lead, *, temperature=0.
     labels = drop_tied_rows(labels, logits64(xs, ws, bs), ids=ids, logprobs=logprobs.to(dtype), **options)
     out = flashkd.fused_linear_distill_topk(xs, ws, ids, logprobs.to(dtype), labels, student_bias=bs, chunk_size=5,
                                             backend=backend, return_soft_hard_loss=True, row_weight=rw,
-                                            return_stats=stats, **options)
+                                            return_stats=stats, **read(options, "forward_kl"))
     leaves = [xs, ws, bs]
     grads = torch.autograd.grad(out[0], leaves)
     ref_leaves = [x.detach().double().requires_grad_() for x in leaves]

@@ -49,11 +49,17 @@ def test_same_values_and_grads(seed, liger_cls, ours_cls, loss, options):
 
 
 def test_padded_teacher_vocab_differs_from_liger_by_design(seed):
-    """Liger gives the teacher's extra ids a student logit of 0; flashkd drops those ids."""
+    """Liger gives the teacher's extra ids a student logit of 0; flashkd drops those ids, where the call
+    declares them padding (vocab_size=V); undeclared, a larger teacher vocab is refused."""
     xs, ws, xt, wt, y = inputs(vt=45)
     wt[37:] *= 4  # the padded ids get real teacher mass, so the two policies must differ visibly
     theirs = chunked.LigerFusedLinearJSDLoss(compiled=False)(xs, ws, xt, wt, y)
-    ours = flashkd.FusedLinearJSDLoss()(xs, ws, xt, wt, y)
+    with pytest.raises(ValueError) as e:
+        flashkd.FusedLinearJSDLoss()(xs, ws, xt, wt, y)
+    assert str(e.value).startswith("teacher_weight: expected 37 rows (the student's vocab), got 45: ambiguous. "
+                                   "If the teacher's head is the student's tokenizer padded to 45 rows, pass "
+                                   "vocab_size=37"), str(e.value)
+    ours = flashkd.FusedLinearDistillLoss("jsd", vocab_size=37)(xs, ws, xt, wt, y)
     truth, _, hard = distill_loss(xs.detach(), ws.detach(), xt, wt, y)
     zero_padded = torch.cat([ws.detach(), torch.zeros(8, ws.shape[1])])  # what Liger's soft term sees
     _, padded_soft, _ = distill_loss(xs.detach(), zero_padded, xt, wt, y)

@@ -8,7 +8,7 @@ import torch
 
 import flashkd
 from conftest import BACKENDS
-from helpers.cases import K, check_against_oracle, make_student, make_topk, rel_err, tolerance
+from helpers.cases import K, check_against_oracle, make_student, make_topk, read, rel_err, tolerance
 from helpers.ties import drop_tied_rows, logits64
 from oracle import student_stats, topk_loss
 
@@ -43,7 +43,7 @@ def _run(backend, dtype, lead, ids, logprobs, *, bias=False, ignore="some", teac
     labels = drop_tied_rows(labels, logits64(xs, ws, bs), ids=ids, logprobs=logprobs, **options)
     out = flashkd.fused_linear_distill_topk(
         xs, ws, ids, logprobs, labels, student_bias=bs, backend=backend, return_soft_hard_loss=True,
-        return_stats=True, teacher_index=teacher_index, num_teachers=num_teachers, **options)
+        return_stats=True, teacher_index=teacher_index, num_teachers=num_teachers, **read(options, "forward_kl"))
     leaves = [xs, ws] + ([bs] if bias else [])
     grads = torch.autograd.grad(out[0], leaves)
     ref_leaves = [x.detach().double().requires_grad_() for x in leaves]

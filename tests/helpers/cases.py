@@ -6,9 +6,20 @@ import math
 import torch
 
 import flashkd
+from flashkd.losses import PARAMETERS, parameter
 
 V, VT, HS, HT = 37, 41, 11, 6  # odd sizes: no block divides them; VT > V exercises the padded-head policy
 K = 7  # teacher slots per row, fewer than V: the bucket is never empty unless a test makes it so
+
+
+def read(options: dict, loss: str = "jsd") -> dict:
+    """`options` without the loss parameters (beta, alpha, head_mass: `flashkd.losses.PARAMETERS`) that
+    their loss does not read, which flashkd refuses; `loss` is the function's default, for options that
+    name none: "jsd" for the dense functions and modules, "forward_kl" for `fused_linear_distill_topk`.
+    The oracle takes every parameter for every loss: give it the options whole."""
+    chosen = options.get("loss", loss)
+    return {name: value for name, value in options.items()
+            if name not in PARAMETERS or parameter(name, chosen) is not None}
 
 
 def make_inputs(lead, dtype, *, ignore="some", bias=False, padded=False, ignore_index=-100):
