@@ -327,16 +327,18 @@ class Rows:
     teacher: tuple  # heads (Xt (N, Ht), Wt[:V], bt[:V]); logits (T[:, :V],); topk (ids, logprobs) (N, K)
 
 
-def check(call: Call) -> Rows:
-    """The call's tensors checked (types, dtypes, devices, shapes) and flattened to rows."""
+def check(call: Call, sliced: bool = False) -> Rows:
+    """The call's tensors checked (types, dtypes, devices, shapes) and flattened to rows; sliced: the heads
+    are a rank's vocab slice (vocab_size, where a hint names it, is then the whole vocab's)."""
     student, t = call.student, call.teacher
     xs, ws, bs, y = check_student(student.student_input, student.student_weight, student.student_bias, student.labels)
     vocab_size = call.options.vocab_size
+    hint = {"keyword": "vocab_size=<the whole vocab's size, not this rank's slice's>"} if sliced else {}
     if isinstance(t, Heads):
         teacher = check_teacher_heads(xs, student.student_input, ws, t.teacher_input, t.teacher_weight, t.teacher_bias,
-                                      vocab_size)
+                                      vocab_size, **hint)
     elif isinstance(t, Logits):
-        teacher = (check_teacher_logits(xs, student.student_input, ws, t.teacher_logits, vocab_size),)
+        teacher = (check_teacher_logits(xs, student.student_input, ws, t.teacher_logits, vocab_size, **hint),)
     else:
         teacher = check_teacher_topk(xs, student.student_input, ws, t.teacher_ids, t.teacher_logprobs)
     return Rows(xs, ws, bs, y, teacher)
@@ -998,7 +1000,7 @@ def _transposed(name, w, x, input_name, logits_hint) -> str:
             f"so pass {name}.T, of shape {tuple(w.shape[::-1])}")
 
 
-def check_teacher_heads(xs, student_input, ws, xt, wt, bt, vocab_size=None):
+def check_teacher_heads(xs, student_input, ws, xt, wt, bt, vocab_size=None, keyword="vocab_size={v}"):
     check_tensors({"teacher_input": xt, "teacher_weight": wt, "teacher_bias": bt}, xs.dtype, xs.device)
     if wt.dim() != 2 or 0 in wt.shape:  # an empty vocab or hidden size has no distribution
         raise ValueError(f"teacher_weight: expected a 2-D (vocab, hidden) tensor, both >= 1, got shape {tuple(wt.shape)}")
@@ -1011,20 +1013,20 @@ def check_teacher_heads(xs, student_input, ws, xt, wt, bt, vocab_size=None):
             + _transposed("teacher_weight", wt, xt, "teacher_input", "pass teacher logits to "
                           "flashkd.fused_linear_distill_logits(student_input, student_weight, teacher_logits, labels)")
         )
-    check_teacher_vocab("teacher_weight", vt, v, vocab_size)
+    check_teacher_vocab("teacher_weight", vt, v, vocab_size, keyword=keyword)
     if bt is not None and bt.shape != (vt,):
         raise ValueError(f"teacher_bias: expected shape ({vt},), got {tuple(bt.shape)}")
     # A padded teacher head: its extra ids (>= V) are not tokens of the student's vocab; drop them.
     return xt.reshape(-1, ht), wt[:v], None if bt is None else bt[:v]
 
 
-def check_teacher_logits(xs, student_input, ws, tl, vocab_size=None):
+def check_teacher_logits(xs, student_input, ws, tl, vocab_size=None, keyword="vocab_size={v}"):
     # fp32 logits of a bf16 / fp16 student are read as passed, as exactly as the student's own
     wide = xs.dtype in NARROW and isinstance(tl, torch.Tensor) and tl.dtype == torch.float32
     check_tensors({"teacher_logits": tl}, None if wide else xs.dtype, xs.device)
     _check_leading("teacher_logits", tl, student_input, "vocab")
     v = ws.shape[0]
-    check_teacher_vocab("teacher_logits", tl.shape[-1], v, vocab_size, "columns")
+    check_teacher_vocab("teacher_logits", tl.shape[-1], v, vocab_size, "columns", keyword)
     try:
         flat = tl.view(-1, tl.shape[-1])
     except RuntimeError:

@@ -35,7 +35,7 @@ def run(call, sharding: Sharding, *, reduce_dx=True, dw_scale=1.0, record=None):
     read = _reads(sharding.check_shards, call.options.chunk_size)
     student = call.student
     try:  # a check that fails on this rank alone fails on every rank, after the exchange in `shard`
-        rows = chunks.check(call)
+        rows = chunks.check(call, sliced=True)
         xs, ws, teacher_rows = rows.xs, rows.ws, rows.teacher
         local_size, count = ws.shape[0], xs.shape[0]
         replicated = {"student_input": xs}  # a dense teacher's logits are the rank's own vocab columns
