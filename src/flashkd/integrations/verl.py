@@ -15,35 +15,78 @@ over the teacher's K ids. verl then clamps the losses at 0 (`compute_forward_kl_
 `losses.py`: the top-k terms do not sum to a divergence) and aggregates them (`agg_loss`, its
 `loss_agg_mode`), or takes them as a reward (`use_policy_gradient`, detached).
 
-`topk_outputs` below computes the same five tensors from hidden states (N, H) and the head (V, H):
+`topk_outputs` below computes the same five tensors from hidden states X (N, H) and the head W (V, H)
+in one sweep over chunks of R rows, never N·V logits. Per chunk:
 
-- the values and the diagnostics in one no-grad pass over row chunks (the GEMM at fp32 accuracy,
-  then verl's formulas on the chunk; its top-K for the overlap): R·V·4 bytes a chunk, never N·V;
-- the gradient of the losses with respect to the hidden states and the head from
-  `flashkd.fused_linear_distill_topk`, run in the backward with `row_weight` = the losses'
-  grad_output: exact for whatever verl does with them downstream (the clamp at 0, each
-  `loss_agg_mode` and its global-batch normalisers, `loss_max_clamp`, the coefficient), with
-  nothing of verl's aggregation restated here; a detached use (policy-gradient mode) never runs it.
+    S = X[c] Wᵀ (+ b)              GEMM 1, fp32 (the GEMM's accumulator for bf16 / fp16 inputs)
+    top-K of S                     the Triton top-k kernel (`triton_topk._kernel_topk`, two reads of S;
+                                   on the torch path each id's rank, over vocab blocks): each teacher
+                                   id's membership of the student's top-K, for the overlap
+    row statistics                 the top-k stats kernel (one read): S at the ids, the logsumexp of
+                                   S/τ off them; the ids' columns set to −inf
+    (R, K + 1) row math            float64, in torch: log q at the ids, the loss (verl's formula with
+                                   its clamps, or the top-k form), student_mass, teacher_mass, token_kl,
+                                   and by autograd of that same code the loss's gradient in the ids'
+                                   logits and in the rest's logsumexp
+    dL/dS (R, V)                   the top-k expand kernel (one read, one write in the inputs' dtype),
+                                   each row times its weight u
+    dX[c] = dS W                   GEMM 2 (fp32 out for narrow inputs)
+    dW += dSᵀ X'[c]                GEMM 3 (fp32 accumulator), X' = X with the rows of predicted weight 0
+                                   zeroed (a select)
 
-  verl's loss is Σ p (log p − log q) over the ids with q over the whole vocab: its gradient in z is
-  P q − p (P = Σ p over the ids that the clamp leaves to the student), which is P times the gradient of
-  flashkd's forward KL with tail="bucket" against the teacher renormalised over those ids (its bucket
-  then holds no teacher mass): the backward passes those targets, ids whose student log-prob the clamp
-  cut at −1 (no gradient, as in verl), and row_weight = grad_output · P.
+overlap_count and overlap_token_advantage follow from the membership and token_kl at the end.
+Ties: an id is in the student's top-K when fewer than K logits (fp32, the GEMM's) outrank it, a tie
+going to the larger id, on both paths (the Triton kernel orders (logit, id) pairs; `_own_by_rank`
+counts so). verl's torch.topk leaves the order among equal logits unspecified: the sets differ only
+where the K-th and (K+1)-th largest logits of a row are exactly equal. Rows the Triton kernel flags
+(its candidates overflowed, about never) are settled with torch.topk on their logits made again, after
+the sweep: one host read in the forward.
+
+The gradient. Verl's use of the per-token losses is linear per token with weights fixed before the
+loss is known (the response mask, `loss_agg_mode`'s normalisers, dp size, the coefficient) except for
+its clamps, which cut a token's gradient where its loss leaves [0, loss_max_clamp]. The patch knows
+all but one scalar: `predicted_grad` w (N,) (`response_weights`) and `predicted_clamp` (0,
+loss_max_clamp); the sweep cuts w where the loss it has just computed leaves those bounds. dL/dS of a
+row carries u = w where w ≠ 0, else 1, so:
+
+- dX row i = (g_i / u_i) · dX_u row i: exact for any grad_output g (rows are independent);
+- dW: the forward's dW is Σ_i w_i dSᵢᵀ Xᵢ; the backward checks g = c·w (`_proportional`: one scalar c,
+  |g − c·w| <= 8 eps · |g| row by row in float64, so a row of w = 0 needs g = 0 exactly) and returns
+  c·dW. That check reads one boolean on the host (a sync, once per micro-batch, in the backward). Where
+  it fails (g is no multiple of w: a use of the losses the patch does not know), or without a
+  prediction, the backward sweeps again for dW alone: GEMM 1, the row statistics and math, dL/dS with
+  u = g, GEMM 3. dX needs nothing more.
+
+GEMMs of N·V·H: 3 when the prediction holds (verl's own path runs 3: the logits, dX, dW), 3 + 2 when
+it does not, 2 + 2 without a prediction (2 in the forward: logits and dX), 1 without a gradient (no
+tensor requires one, or grad mode off: values alone). Exact in every case: float64 inputs give the
+float64 formula's gradients; narrow ones round dL/dS to their dtype once, as flashkd's GEMMs do.
+
+Memory, bytes (E: the inputs' element size, L = 4 for bf16 / fp16 inputs else E, A: the dW
+accumulator's, 4 for narrow inputs unless grad_accum_dtype says otherwise):
+    a chunk      R·V·L (S) + R·V·E (dL/dS, its own buffer for narrow inputs) + R·(8·256 + O(K)) (the
+                 top-k kernel's scratch, the row math); R·V·4 more on the torch path's temporaries
+    kept         N·H·max(E, 4 if narrow) (dX_u) + V·H·A (dW, with a prediction) + N·K·(4 + 1)
+                 (token_kl, membership): alive from the forward to the backward
+    peak         kept + a chunk;  R from `flashkd.chunks.LOGITS_BUDGET` (R·V·L <= 1 GiB on Triton)
+At N 32768, V 151936, H 2048, bf16: 0.27 GB + 1.24 GB kept and about 1.6 GB a chunk, where verl's
+own path holds its (N, V) logits, their log-softmax and its gradient (29.9 GB measured at that size,
+benchmarks/bench_verl.py).
 
 - options verl does not have: loss="reverse_kl" or "jsd" (β) over the same K ids plus a tail
   bucket for the rest of the vocab (flashkd's top-k form, `flashkd.losses.topk_row_losses`, whose
-  values are then the per-token losses), as verl's users ask for.
-
-Costs: the forward pass is one GEMM of the head (no grad) and a top-K per row; the backward one
-flashkd top-k call (its GEMM and the two gradient GEMMs). Four GEMMs of N·V·H, where verl's own path
-does three, with N·V·(2 + 4 + 4) bytes of logits, log-softmax and its gradient alive at once.
+  values are then the per-token losses), as verl's users ask for; the same sweep, its row math that
+  of `flashkd.losses.category_logprobs` and `divergence`.
 
 `patch()` installs it in verl's FSDP engine (`FSDPEngineWithLMHead`) for runs with
 `actor.use_fused_kernels=True` (the path where the model returns no logits): it asks the model for its
 hidden states, takes the last (the LM head's input) and the LM head's weight (gathered once when it
 is an FSDP2 DTensor), and puts the five tensors into the model output where verl's fused path puts
-its own. It refuses a verl version other than `TESTED_VERL_VERSIONS`. verl builds the engine in its
+its own. It passes the prediction: `response_weights` of the micro-batch's prompts, responses,
+response mask and the actor's `loss_agg_mode`, with predicted_clamp (0, `loss_max_clamp`); none where
+they are not known (another mode, Ulysses sequence parallelism, padded inputs), and no gradient at all
+with `use_policy_gradient` (verl detaches the losses there). It refuses a verl version other than
+`TESTED_VERL_VERSIONS`. verl builds the engine in its
 Ray workers: `VERL_USE_EXTERNAL_MODULES=flashkd.integrations.verl` in their environment makes each
 import this module with verl, and the import installs the patch (with its default options).
 """
