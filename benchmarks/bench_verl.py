@@ -190,7 +190,9 @@ def split(x, w, ids, lp, n, args, device):
     times = {name: 0.0 for name, _ in KINDS}
     times["other"] = 0.0
     for event in prof.key_averages():
-        total = getattr(event, "device_time_total", None) or getattr(event, "cuda_time_total", 0.0)
+        if "CUDA" not in str(getattr(event, "device_type", "CUDA")):  # kernels only: no op counted twice
+            continue
+        total = getattr(event, "self_device_time_total", None) or getattr(event, "self_cuda_time_total", 0.0)
         if not total:
             continue
         kind = next((k for k, keys in KINDS if any(key in event.key.lower() for key in keys)), "other")
