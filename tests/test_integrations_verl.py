@@ -355,8 +355,8 @@ def test_bench_verl_smoke(tmp_path):
     spec.loader.exec_module(bench)
     assert bench.main(["--smoke", "--out", str(tmp_path)]) == 0
     rows = json.loads((tmp_path / "results.json").read_text())["rows"]
-    assert [(r["tokens"], r["variant"]) for r in rows] == [
-        (n, v) for n in (37, 64) for v in ("verl", "verl chunked", "flashkd", "flashkd top-k form")]
+    assert [(r["k"], r["tokens"], r["variant"]) for r in rows] == [
+        (k, n, v) for k in (8, 80) for n in (37, 64) for v in bench.VARIANTS]
     for r in rows:
         assert len(r["times_s"]) == 2 and r["p20_s"] <= r["median_s"] <= r["p80_s"]
         if r["variant"] != "flashkd top-k form":
@@ -380,3 +380,212 @@ def test_verl_external_modules_installs_the_patch():
     env = {**os.environ, "VERL_USE_EXTERNAL_MODULES": "flashkd.integrations.verl",
            "PYTHONPATH": os.pathsep.join(sys.path)}
     subprocess.run([sys.executable, "-c", code], env=env, check=True, timeout=300)
+
+
+# --- the gradient taken in the forward for a predicted weight per token, and its fallback -----------
+
+
+def _verl_function(path, name):
+    """One function of an installed verl file, its source run as written (verl's modules import ray,
+    tensordict, ... at the top): `agg_loss` from trainer/ppo/core_algos.py with `masked_sum` from
+    utils/torch_functional.py."""
+    import ast
+
+    root = Path(importlib.util.find_spec("verl").submodule_search_locations[0])
+    tree = ast.parse((root / path).read_text())
+    (node,) = [n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == name]
+    node.decorator_list = []
+    scope = {"torch": torch, "Optional": __import__("typing").Optional}
+    exec(compile(ast.Module([node], []), str(root / path), "exec"), scope)
+    return scope[name]
+
+
+_agg_loss = _verl_function("trainer/ppo/core_algos.py", "agg_loss")
+_agg_loss.__globals__["verl_F"] = types.SimpleNamespace(
+    masked_sum=_verl_function("utils/torch_functional.py", "masked_sum"))
+
+PROMPTS, RESPONSES = [3, 2, 4, 2], [5, 6, 4, 7]
+
+
+def _downstream(losses, mask, mode, max_clamp, coef):
+    """verl's use of the per-token losses (N,) after the engine: `no_padding_2_padding` (each response's
+    losses from the rows one before its tokens), the clamp at 0, `loss_max_clamp`, `agg_loss`, the
+    coefficient."""
+    ends = torch.tensor(PROMPTS).add(torch.tensor(RESPONSES)).cumsum(0)
+    width = max(RESPONSES)
+    padded = torch.stack([torch.nn.functional.pad(losses[e - r - 1:e - 1], (0, width - r))
+                          for r, e in zip(RESPONSES, ends.tolist())])
+    padded = padded.clamp_min(0.0)
+    if max_clamp is not None:
+        padded = padded.clamp(min=-max_clamp, max=max_clamp)
+    return _agg_loss(padded, mask, mode, global_batch_size=None, batch_num_tokens=None) * coef
+
+
+def _agg_problem(clamp, tau=0.9):
+    """A packed batch of PROMPTS + RESPONSES rows with some negative losses, a response mask with holes,
+    and loss_max_clamp at the median positive loss; rows at a clamp's tie are masked out."""
+    n = sum(PROMPTS) + sum(RESPONSES)
+    x, w, ids, lp = _problem(n=n)
+    lp[::3] -= 1.5  # teacher mass ~e^-1.5: Σ p (log p − log q) < 0 on some rows
+    mask = torch.zeros(len(RESPONSES), max(RESPONSES), dtype=torch.bool)
+    for b, r in enumerate(RESPONSES):
+        mask[b, :r] = torch.rand(r) > 0.2
+    truth = _oracle(x, w, ids, lp, tau, clamp)
+    max_clamp = truth[truth > 0].median().item() * 1.0001
+    ties = _clamp_ties(x, w, ids, lp, tau, clamp, 1e-12) | fk_verl_near(truth, max_clamp)
+    ends = torch.tensor(PROMPTS).add(torch.tensor(RESPONSES)).cumsum(0)
+    for b, (r, e) in enumerate(zip(RESPONSES, ends.tolist())):
+        mask[b, :r] &= ~ties[e - r - 1:e - 1]
+    return x, w, ids, lp, mask, max_clamp
+
+
+def fk_verl_near(a, b):
+    return near(a, b, rtol=1e-12)
+
+
+@pytest.mark.parametrize("mode", fk_verl.AGG_MODES)
+@pytest.mark.parametrize("clamp", [None, -6.0])
+@pytest.mark.parametrize("bias", [False, True])
+def test_predicted_gradient_is_exact_and_its_fallback_too(mode, clamp, bias, seed, monkeypatch):
+    """For each loss_agg_mode, log_prob_min_clamp, loss_max_clamp and a coefficient: the gradient verl's
+    aggregation sends back is a multiple of the prediction (`response_weights`, the clamps): dW from the
+    forward, no second sweep; a gradient that is none (random per token) takes the fallback, one sweep.
+    Both against the float64 autograd of verl's formula and verl's own aggregation."""
+    tau, coef = 0.9, 0.37
+    x, w, ids, lp, mask, max_clamp = _agg_problem(clamp, tau)
+    b = torch.randn(w.shape[0], dtype=torch.float64) if bias else None
+    base = fk_verl.response_weights(torch.tensor(PROMPTS), torch.tensor(RESPONSES), mask, mode, x.shape[0],
+                                    torch.float64)
+    assert (base == 0).any() and (base != 0).any()
+    sweeps = []
+    real = fk_verl._sweep
+    monkeypatch.setattr(fk_verl, "_sweep", lambda *a, **k: sweeps.append(k.get("weight") is not None) or real(*a, **k))
+
+    def oracle(xo, wo, bo):
+        z = (xo @ wo.t() + (0 if bo is None else bo)) / tau
+        log_q = torch.log_softmax(z, -1).gather(-1, ids)
+        lq, lpc = (log_q, lp) if clamp is None else (log_q.clamp_min(clamp), lp.clamp_min(clamp))
+        return (lpc.exp() * (lpc - lq)).sum(-1)
+
+    for matched in (True, False):
+        sweeps.clear()
+        leaves = [t.clone().requires_grad_() for t in (x, w) + ((b,) if bias else ())]
+        out = fk_verl.topk_outputs(leaves[0], leaves[1], ids, lp, temperature=tau, log_prob_min_clamp=clamp,
+                                   lm_head_bias=leaves[2] if bias else None, chunk_size=7,
+                                   predicted_grad=base, predicted_clamp=(0.0, max_clamp))
+        truth_leaves = [t.clone().requires_grad_() for t in (x, w) + ((b,) if bias else ())]
+        truth = oracle(*truth_leaves, *([None] if not bias else []))
+        torch.testing.assert_close(out["distillation_losses"], truth.detach(), rtol=1e-10, atol=1e-12)
+        cut = (truth < 0) | (truth > max_clamp)
+        assert cut.any() and (~cut & (base != 0)).any()
+        if matched:
+            _downstream(out["distillation_losses"], mask, mode, max_clamp, coef).backward()
+            _downstream(truth, mask, mode, max_clamp, coef).backward()
+        else:
+            g = torch.rand(x.shape[0], dtype=torch.float64)
+            ours = out["distillation_losses"]
+            (_downstream(ours, mask, mode, max_clamp, coef) + (ours * g).sum()).backward()
+            (_downstream(truth, mask, mode, max_clamp, coef) + (truth * g).sum()).backward()
+        assert sweeps == [False] + ([] if matched else [True]), (matched, sweeps)
+        for ours, exact in zip(leaves, truth_leaves):
+            torch.testing.assert_close(ours.grad, exact.grad, rtol=1e-9, atol=1e-11)
+
+
+def test_without_a_prediction_the_backward_sweeps_once(seed, monkeypatch):
+    """No predicted_grad: dX from the forward, dW from one sweep in the backward, no check; only dX wanted:
+    no sweep at all (dX is exact for any gradient)."""
+    x, w, ids, lp = _problem(n=19)
+    sweeps = []
+    real = fk_verl._sweep
+    monkeypatch.setattr(fk_verl, "_sweep", lambda *a, **k: sweeps.append(k.get("weight") is not None) or real(*a, **k))
+    g = torch.rand(19, dtype=torch.float64)
+    for want_w in (True, False):
+        sweeps.clear()
+        xs, ws = x.clone().requires_grad_(), w.clone().requires_grad_(want_w)
+        (fk_verl.topk_outputs(xs, ws, ids, lp, predicted_grad=None)["distillation_losses"] * g).sum().backward()
+        xo, wo = x.clone().requires_grad_(), w.clone().requires_grad_(want_w)
+        (_oracle(xo, wo, ids, lp, 1.0, None) * g).sum().backward()
+        torch.testing.assert_close(xs.grad, xo.grad, rtol=1e-9, atol=1e-11)
+        if want_w:
+            torch.testing.assert_close(ws.grad, wo.grad, rtol=1e-9, atol=1e-11)
+        assert sweeps == [False, True] if want_w else [False]
+
+
+def test_response_weights_follow_no_padding_2_padding():
+    """Each response's weights sit on the rows one before its tokens; 1 / (tokens + 1e-8) per sequence for
+    seq-mean-token-mean; 0 on prompts and the last row of each sequence; None for another mode."""
+    mask = torch.tensor([[1, 1, 0, 1, 1, 0, 0], [1, 1, 1, 1, 1, 1, 0], [0, 1, 1, 1, 0, 0, 0],
+                         [1, 1, 1, 1, 1, 1, 1]], dtype=torch.bool)
+    n = sum(PROMPTS) + sum(RESPONSES)
+    rows = fk_verl.response_weights(torch.tensor(PROMPTS), torch.tensor(RESPONSES), mask, "token-mean", n)
+    losses = torch.arange(n, dtype=torch.float32).requires_grad_()
+    _downstream(losses + 1, mask, "token-sum", None, 1.0).backward()
+    assert torch.equal(rows, losses.grad)
+    means = fk_verl.response_weights(torch.tensor(PROMPTS), torch.tensor(RESPONSES), mask, "seq-mean-token-mean", n)
+    assert torch.equal(means != 0, rows != 0)
+    assert fk_verl.response_weights(torch.tensor(PROMPTS), torch.tensor(RESPONSES), mask, "seq-sum", n) is None
+
+
+# --- the diagnostics from the pass: the student's top-K by rank, and the Triton path -------------------
+
+
+def test_top_k_membership_by_rank_orders_ties_by_id():
+    """`_own_by_rank`: an id is in the top K when fewer than K logits outrank it, ties to the larger id:
+    the set of the first K of a sort by (logit, id) descending, tied rows included; and the Triton top-k
+    kernel's set on the same rows."""
+    g = torch.Generator().manual_seed(5)
+    s = torch.randint(0, 6, (40, 97), generator=g).float()  # many exact ties
+    k = 9
+    ids = torch.stack([torch.randperm(97, generator=g)[:k] for _ in range(40)])
+    order = torch.stack([torch.tensor(sorted(range(97), key=lambda j: (-s[r, j].item(), -j))[:k]) for r in range(40)])
+    want = (ids[:, :, None] == order[:, None, :]).any(-1)
+    assert torch.equal(fk_verl._own_by_rank(s, ids, s.gather(1, ids)), want)
+    if "triton" in BACKENDS:
+        from flashkd.backends import triton_topk
+
+        top, _, redo, _ = triton_topk._kernel_topk(s.contiguous(), k, 1.0)
+        got = (ids[:, :, None] == top[:, None, :]).any(-1)
+        assert torch.equal(got[~redo.bool()], want[~redo.bool()])
+
+
+@pytest.mark.skipif("triton" not in BACKENDS, reason="triton is not installed")
+@pytest.mark.parametrize("k", [8, 80])
+def test_triton_path_equals_torch_path(k, seed):
+    """fp32 inputs (the Triton rows; fp64 ones take the torch rows on every backend): the five outputs
+    and both gradients, predicted and fallback, against the torch path. K 80 passes the interpreter's
+    top-k kernel's limit (64): membership by rank there."""
+    x, w, ids, lp = _problem(n=29, h=24, v=211, k=k, dtype=torch.float32)
+    base = torch.rand(29) * (torch.rand(29) > 0.2)
+    g_other = torch.rand(29)
+    results = {}
+    for backend in BACKENDS:
+        for matched in (True, False):
+            xs, ws = x.clone().requires_grad_(), w.clone().requires_grad_()
+            out = fk_verl.topk_outputs(xs, ws, ids, lp, temperature=0.8, log_prob_min_clamp=-7.0, chunk_size=11,
+                                       backend=backend, predicted_grad=base, predicted_clamp=(0.0, None))
+            loss = out["distillation_losses"]
+            g = base * (loss >= 0) * 2.5 if matched else g_other
+            (loss * g).sum().backward()
+            results[backend, matched] = (out, xs.grad, ws.grad, g)
+    for matched in (True, False):
+        (a, ax, aw, ag), (b, bx, bw, bg) = results["torch", matched], results["triton", matched]
+        assert torch.equal(a["overlap_count"], b["overlap_count"])
+        for name in ("distillation_losses", "student_mass", "teacher_mass", "overlap_token_advantage"):
+            torch.testing.assert_close(a[name], b[name], rtol=2e-6, atol=2e-6, msg=name)
+        assert torch.equal(ag, bg)  # the same row weights on both (no clamp tie)
+        torch.testing.assert_close(ax, bx, rtol=1e-4, atol=1e-6)
+        torch.testing.assert_close(aw, bw, rtol=1e-4, atol=1e-6)
+
+
+def test_k_128_matches_verl(seed):
+    """K = 128 (a quarter of the vocab here): the five outputs equal verl's."""
+    x, w, ids, lp = _problem(n=21, h=16, v=509, k=128)
+    ref = _verl(x @ w.t(), ids, lp, [21])
+    ours = fk_verl.topk_outputs(x, w, ids, lp, chunk_size=8)
+    assert torch.equal(ours["overlap_count"], ref["overlap_count"])
+    assert 0 < ref["overlap_count"].sum() < ids.numel()
+    for name in ("student_mass", "teacher_mass", "overlap_token_advantage"):
+        torch.testing.assert_close(ours[name], ref[name], rtol=1e-10, atol=1e-12, msg=name)
+    # verl's kl_divergence rounds through fp32: the loss against the float64 formula
+    torch.testing.assert_close(ours["distillation_losses"], _oracle(x, w, ids, lp, 1.0, None), rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(ours["distillation_losses"], ref["distillation_losses"].double(), rtol=2e-6, atol=2e-6)

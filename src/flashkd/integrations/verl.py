@@ -15,165 +15,402 @@ over the teacher's K ids. verl then clamps the losses at 0 (`compute_forward_kl_
 `losses.py`: the top-k terms do not sum to a divergence) and aggregates them (`agg_loss`, its
 `loss_agg_mode`), or takes them as a reward (`use_policy_gradient`, detached).
 
-`topk_outputs` below computes the same five tensors from hidden states (N, H) and the head (V, H):
+`topk_outputs` below computes the same five tensors from hidden states X (N, H) and the head W (V, H)
+in one sweep over chunks of R rows, never N·V logits. Per chunk:
 
-- the values and the diagnostics in one no-grad pass over row chunks (the GEMM at fp32 accuracy,
-  then verl's formulas on the chunk; its top-K for the overlap): R·V·4 bytes a chunk, never N·V;
-- the gradient of the losses with respect to the hidden states and the head from
-  `flashkd.fused_linear_distill_topk`, run in the backward with `row_weight` = the losses'
-  grad_output: exact for whatever verl does with them downstream (the clamp at 0, each
-  `loss_agg_mode` and its global-batch normalisers, `loss_max_clamp`, the coefficient), with
-  nothing of verl's aggregation restated here; a detached use (policy-gradient mode) never runs it.
+    S = X[c] Wᵀ (+ b)              GEMM 1, fp32 (the GEMM's accumulator for bf16 / fp16 inputs)
+    top-K of S                     the Triton top-k kernel (`triton_topk._kernel_topk`, two reads of S;
+                                   on the torch path each id's rank, over vocab blocks): each teacher
+                                   id's membership of the student's top-K, for the overlap
+    row statistics                 the top-k stats kernel (one read): S at the ids, the logsumexp of
+                                   S/τ off them; the ids' columns set to −inf
+    (R, K + 1) row math            float64, in torch: log q at the ids, the loss (verl's formula with
+                                   its clamps, or the top-k form), student_mass, teacher_mass, token_kl,
+                                   and by autograd of that same code the loss's gradient in the ids'
+                                   logits and in the rest's logsumexp
+    dL/dS (R, V)                   the top-k expand kernel (one read, one write in the inputs' dtype),
+                                   each row times its weight u
+    dX[c] = dS W                   GEMM 2 (fp32 out for narrow inputs)
+    dW += dSᵀ X'[c]                GEMM 3 (fp32 accumulator), X' = X with the rows of predicted weight 0
+                                   zeroed (a select)
 
-  verl's loss is Σ p (log p − log q) over the ids with q over the whole vocab: its gradient in z is
-  P q − p (P = Σ p over the ids that the clamp leaves to the student), which is P times the gradient of
-  flashkd's forward KL with tail="bucket" against the teacher renormalised over those ids (its bucket
-  then holds no teacher mass): the backward passes those targets, ids whose student log-prob the clamp
-  cut at −1 (no gradient, as in verl), and row_weight = grad_output · P.
+overlap_count and overlap_token_advantage follow from the membership and token_kl at the end.
+Ties: an id is in the student's top-K when fewer than K logits (fp32, the GEMM's) outrank it, a tie
+going to the larger id, on both paths (the Triton kernel orders (logit, id) pairs; `_own_by_rank`
+counts so). verl's torch.topk leaves the order among equal logits unspecified: the sets differ only
+where the K-th and (K+1)-th largest logits of a row are exactly equal. Rows the Triton kernel flags
+(its candidates overflowed, about never) are settled with torch.topk on their logits made again, after
+the sweep: one host read in the forward.
+
+The gradient. Verl's use of the per-token losses is linear per token with weights fixed before the
+loss is known (the response mask, `loss_agg_mode`'s normalisers, dp size, the coefficient) except for
+its clamps, which cut a token's gradient where its loss leaves [0, loss_max_clamp]. The patch knows
+all but one scalar: `predicted_grad` w (N,) (`response_weights`) and `predicted_clamp` (0,
+loss_max_clamp); the sweep cuts w where the loss it has just computed leaves those bounds. dL/dS of a
+row carries u = w where w ≠ 0, else 1, so:
+
+- dX row i = (g_i / u_i) · dX_u row i: exact for any grad_output g (rows are independent);
+- dW: the forward's dW is Σ_i w_i dSᵢᵀ Xᵢ; the backward checks g = c·w (`_proportional`: one scalar c,
+  |g − c·w| <= 8 eps · |g| row by row in float64, so a row of w = 0 needs g = 0 exactly) and returns
+  c·dW. That check reads one boolean on the host (a sync, once per micro-batch, in the backward). Where
+  it fails (g is no multiple of w: a use of the losses the patch does not know), or without a
+  prediction, the backward sweeps again for dW alone: GEMM 1, the row statistics and math, dL/dS with
+  u = g, GEMM 3. dX needs nothing more.
+
+GEMMs of N·V·H: 3 when the prediction holds (verl's own path runs 3: the logits, dX, dW), 3 + 2 when
+it does not, 2 + 2 without a prediction (2 in the forward: logits and dX), 1 without a gradient (no
+tensor requires one, or grad mode off: values alone). Exact in every case: float64 inputs give the
+float64 formula's gradients; narrow ones round dL/dS to their dtype once, as flashkd's GEMMs do.
+
+Memory, bytes (E: the inputs' element size, L = 4 for bf16 / fp16 inputs else E, A: the dW
+accumulator's, 4 for narrow inputs unless grad_accum_dtype says otherwise):
+    a chunk      R·V·L (S) + R·V·E (dL/dS, its own buffer for narrow inputs) + R·(8·256 + O(K)) (the
+                 top-k kernel's scratch, the row math); R·V·4 more on the torch path's temporaries
+    kept         N·H·max(E, 4 if narrow) (dX_u) + V·H·A (dW, with a prediction) + N·K·(4 + 1)
+                 (token_kl, membership): alive from the forward to the backward
+    peak         kept + a chunk;  R from `flashkd.chunks.LOGITS_BUDGET` (R·V·L <= 1 GiB on Triton)
+At N 32768, V 151936, H 2048, bf16: 0.27 GB + 1.24 GB kept and about 1.6 GB a chunk, where verl's
+own path holds its (N, V) logits, their log-softmax and its gradient (29.9 GB measured at that size,
+benchmarks/bench_verl.py).
 
 - options verl does not have: loss="reverse_kl" or "jsd" (β) over the same K ids plus a tail
   bucket for the rest of the vocab (flashkd's top-k form, `flashkd.losses.topk_row_losses`, whose
-  values are then the per-token losses), as verl's users ask for.
-
-Costs: the forward pass is one GEMM of the head (no grad) and a top-K per row; the backward one
-flashkd top-k call (its GEMM and the two gradient GEMMs). Four GEMMs of N·V·H, where verl's own path
-does three, with N·V·(2 + 4 + 4) bytes of logits, log-softmax and its gradient alive at once.
+  values are then the per-token losses), as verl's users ask for; the same sweep, its row math that
+  of `flashkd.losses.category_logprobs` and `divergence`.
 
 `patch()` installs it in verl's FSDP engine (`FSDPEngineWithLMHead`) for runs with
 `actor.use_fused_kernels=True` (the path where the model returns no logits): it asks the model for its
 hidden states, takes the last (the LM head's input) and the LM head's weight (gathered once when it
 is an FSDP2 DTensor), and puts the five tensors into the model output where verl's fused path puts
-its own. It refuses a verl version other than `TESTED_VERL_VERSIONS`. verl builds the engine in its
+its own. It passes the prediction: `response_weights` of the micro-batch's prompts, responses,
+response mask and the actor's `loss_agg_mode`, with predicted_clamp (0, `loss_max_clamp`); none where
+they are not known (another mode, Ulysses sequence parallelism, padded inputs), and no gradient at all
+with `use_policy_gradient` (verl detaches the losses there). It refuses a verl version other than
+`TESTED_VERL_VERSIONS`. verl builds the engine in its
 Ray workers: `VERL_USE_EXTERNAL_MODULES=flashkd.integrations.verl` in their environment makes each
 import this module with verl, and the import installs the patch (with its default options).
 """
 
 from __future__ import annotations
 
+import contextlib
 import importlib.metadata
 import math
 import os
 
 import torch
 
-from ..distill import KEYWORDS, fused_linear_distill_topk
+from .. import chunks
 from ..distill import check_options as distill_check_options
-from ..losses import LossSpec, loss_parameters, topk_row_losses
+from ..losses import LossSpec, category_logprobs, divergence, loss_parameters
 from . import announce, full_head
+
+try:
+    import triton
+except ImportError:  # the torch rows only
+    triton = None
 
 TESTED_VERL_VERSIONS = ("0.9.1",)
 LOSSES = ("forward_kl", "reverse_kl", "jsd")
 FIELDS = ("distillation_losses", "student_mass", "teacher_mass", "overlap_count", "overlap_token_advantage")
-
-# Added to the renormalised teacher log-probs of the backward's targets: their sum then passes 1 by
-# ~2.4e-4, past any rounding of K log-probs, so that flashkd renormalises them and its tail bucket
-# holds no teacher mass at all (rather than a rounding's worth); the renormalisation removes it. A row
-# whose largest log-prob is within that of 0 is shifted by less, to put it at 0 exactly (p = 1, the
-# others adding to it): a log-prob may not pass 0, and capping one would change the ratios.
-_ABOVE_ONE = 2.0**-12
+# What `topk_outputs` takes from flashkd.fused_linear_distill_topk's keywords (the rest do not apply here)
+KEYWORDS = ("backend", "grad_accum_dtype")
+# The backward's proportionality check: |g − c·w| <= _CHECK_EPS · eps · |g| on every row (eps of g's dtype)
+_CHECK_EPS = 8
+_LN2 = math.log(2.0)
+_LOG2E = math.log2(math.e)
 
 _original = None  # (prepare_model_inputs, prepare_model_outputs) of verl's engine while patched
 _options: dict = {}
 
 
-def _linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
-    """x @ w^T (+ b) at fp32 accuracy for narrow inputs (the GEMM's fp32 accumulator, as flashkd's
-    loss reads it): a trained head's logits reach 20-40, where bf16's ulp is 1/8."""
-    if x.dtype in (torch.bfloat16, torch.float16):
-        z = torch.mm(x, w.t(), out_dtype=torch.float32) if x.is_cuda else x.float() @ w.float().t()
-    else:
-        z = x @ w.t()
-    return z if b is None else z + b.to(z.dtype)
-
-
-def _chunk_rows(n: int, v: int, chunk_size: int | None) -> int:
+def _chunk_rows(n: int, v: int, chunk_size: int | None, backend: str, logit_bytes: int) -> int:
     if chunk_size is not None:
-        if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
-            raise ValueError(f"chunk_size: expected None or an int >= 1, got {chunk_size!r}")
         return chunk_size
-    # ~512 MiB of fp32 logits a chunk (and as much for the log-softmax): 8192 rows at V = 16k, 864 at 152k
-    return max(1, min(n, (512 << 20) // (8 * max(v, 1))))
+    # the chunk loop's budget for one chunk's logits (`flashkd.chunks.LOGITS_BUDGET`); the torch rows
+    # hold a few more (R, V) temporaries
+    per_row = v * (logit_bytes if backend == "triton" else 4 * logit_bytes)
+    return max(1, min(max(n, 1), chunks.LOGITS_BUDGET[backend] // max(per_row, 1)))
 
 
-@torch.no_grad()
-def _values(x, w, b, ids, lp, spec: LossSpec, clamp, chunk_size):
-    """The per-token outputs (N,) each, and what the backward needs: (outputs, bwd_ids, bwd_lp, bwd_w)."""
-    n, v = x.shape[0], w.shape[0]
-    wide = torch.float64 if x.dtype == torch.float64 else torch.float32
-    k = ids.shape[-1]
-    out = {name: torch.empty(n, dtype=torch.int64 if name == "overlap_count" else wide, device=x.device)
-           for name in FIELDS}
-    verl_kl = spec.loss == "forward_kl" and spec.tail is None
-    bwd_ids = torch.empty_like(ids) if verl_kl else ids
-    bwd_lp = torch.empty(n, k, dtype=wide, device=x.device) if verl_kl else lp
-    bwd_w = torch.empty(n, dtype=wide, device=x.device) if verl_kl else None
-    rows = _chunk_rows(n, v, chunk_size)
-    for s in range(0, n, rows):
-        e = min(s + rows, n)
-        z = _linear(x[s:e], w, b)  # one (R, V) fp32 block, worked on in place
-        i, t = ids[s:e], lp[s:e].to(wide)
-        if not verl_kl:  # flashkd's top-k form on the untempered logits (it applies τ)
-            out["distillation_losses"][s:e] = topk_row_losses(z, (i, t), None, spec)[0]
-        if spec.temperature != 1.0:
-            z.div_(spec.temperature)
-        own = torch.topk(z, k, dim=-1).indices  # the student's top-K (log_softmax keeps the order)
-        # log q relative to the row's largest logit, as log_softmax takes it: z_k − logsumexp(z) would
-        # round both at the logits' magnitude (fp32's ulp is 4e-6 at 40) before they cancel
-        z.sub_(z.max(-1, keepdim=True).values)
-        log_q = z.gather(-1, i) - torch.logsumexp(z, -1, keepdim=True)
-        del z
-        out["student_mass"][s:e] = log_q.exp().sum(-1)
-        out["teacher_mass"][s:e] = t.exp().sum(-1)
+def _own_by_rank(s: torch.Tensor, ids: torch.Tensor, s_k: torch.Tensor) -> torch.Tensor:
+    """(R, K) bool: whether each teacher id is among the K largest logits of its row of s (R, V), by its
+    rank: rank = #{j: s_j > s_id} + #{j > id: s_j = s_id} (ties to the larger id, as the Triton top-k
+    kernel orders them), in the student's top-K when rank < K. Over vocab blocks of B columns:
+    R·K·B <= 2^22 booleans at a time, never (R, K, V)."""
+    r, v = s.shape
+    k = ids.shape[1]
+    rank = torch.zeros(r, k, dtype=torch.int64, device=s.device)
+    block = max(1, (1 << 22) // max(1, r * k))
+    sk = s_k[:, :, None]
+    for start in range(0, v, block):
+        part = s[:, None, start:start + block]
+        cols = torch.arange(start, min(start + block, v), device=s.device)
+        rank += (part > sk).sum(-1)
+        rank += ((part == sk) & (cols > ids[:, :, None])).sum(-1)
+    return rank < k
+
+
+def _stats(s: torch.Tensor, ids: torch.Tensor, tau: float, backend: str, own: bool):
+    """One chunk's row statistics from its logits s (R, V) (fp32, or the inputs' fp32 / fp64), read
+    once before anything is written over them: (rel_k, rel_rest, shift, log2_rest, own, redo).
+    rel_k (R, K) and rel_rest (R,) are z = s/τ at the ids and the logsumexp of z off the ids, both
+    minus shift/τ (shift: the largest logit off the ids), float64; log2_rest = rel_rest / ln 2 in
+    the kernels' fp32 (the expand step's). own (R, K) bool: each id in the student's top-K (None
+    unless asked); redo (R,) bool: rows whose top-K the kernel could not settle (None on the torch
+    path). s is left with −inf at the ids, as the expand step reads it."""
+    r, v = s.shape
+    k = ids.shape[1]
+    if backend == "triton":
+        from ..backends import triton_common, triton_topk
+
+        members = redo = None
+        if own and k <= triton_topk.TOPK_MAX_K:  # the student's top-K, two reads of s; ties to the larger id
+            top, _, redo, _ = triton_topk._kernel_topk(s, k, 1.0)
+            members, redo = (ids[:, :, None] == top[:, None, :]).any(-1), redo.bool()
+        elif own:
+            members = _own_by_rank(s, ids, s.gather(1, ids))
+        s_k = torch.empty(r, k, device=s.device, dtype=torch.float32)
+        m = torch.empty(r, device=s.device, dtype=torch.float32)
+        log2_rest = torch.empty(r, device=s.device, dtype=torch.float32)
+        head, fold, mul = triton_common.head_mode(1.0, None)
+        with triton_common.launching():
+            triton_topk._stats_kernel[(r,)](
+                s, ids, s_k, m, log2_rest, log2_rest, m, v, k, _LOG2E * fold / tau, _LOG2E * fold, mul,
+                STREAM=True, ONE=False, HEAD=head, STATS=False, BLOCK_V=triton_topk.BLOCK_V,
+                BLOCK_K=triton.next_power_of_2(k), num_warps=triton_topk.NUM_WARPS,
+            )
+        rel_rest = _LN2 * log2_rest.double()
+    else:
+        s_k = s.gather(1, ids)
+        members = _own_by_rank(s, ids, s_k) if own else None
+        redo = None
+        s.scatter_(1, ids, -torch.inf)
+        m = s.amax(1)
+        finite = m > -torch.inf
+        rel_rest = torch.logsumexp((s - torch.where(finite, m, 0.0)[:, None]) / tau, 1).double()
+        log2_rest = rel_rest / _LN2
+    # no logit off the ids (the ids cover the vocab): the shift is the largest at the ids
+    empty = rel_rest == -torch.inf
+    shift = torch.where(empty, s_k.amax(1), m)
+    rel_k = (s_k.double() - shift.double()[:, None]) / tau
+    return rel_k, rel_rest, shift, log2_rest, members, redo
+
+
+def _categories(rel_k, rel_rest, lp, spec: LossSpec, clamp, grad: bool):
+    """The per-row math on (R, K + 1) numbers, float64: verl's formulas (the module docstring) for
+    the loss (or flashkd's top-k form for "reverse_kl" / "jsd") and the diagnostics, and with `grad`
+    the loss's gradient in rel_k and rel_rest (autograd of the same code, so the clamps act as
+    torch's `clamp_min` does in verl). Returns (loss, student_mass, teacher_mass, token_kl (R, K),
+    d loss/d rel_k or None, d loss/d rel_rest or None)."""
+    with torch.enable_grad():
+        a = rel_k.detach().requires_grad_(grad)
+        r = rel_rest.detach()[:, None].requires_grad_(grad)
+        log_q = a - torch.logaddexp(r, torch.logsumexp(a, -1, keepdim=True))
+        t = lp.to(torch.float64)
         lq, lpc = (log_q, t) if clamp is None else (log_q.clamp_min(clamp), t.clamp_min(clamp))
         token_kl = lpc.exp() * (lpc - lq)
-        overlap = (i.unsqueeze(-1) == own.unsqueeze(-2)).any(-1)
-        count = overlap.sum(-1)
-        out["overlap_count"][s:e] = count
-        adv = (-token_kl * overlap).sum(-1) / count.clamp_min(1)
-        out["overlap_token_advantage"][s:e] = torch.where(count > 0, adv, 0.0)
-        if verl_kl:
-            out["distillation_losses"][s:e] = token_kl.sum(-1)
-            # the gradient's targets: the ids whose student log-prob the clamp leaves alone, the
-            # teacher renormalised over them, and their mass as the row's weight
-            live = torch.ones_like(i, dtype=torch.bool) if clamp is None else log_q >= clamp
-            lp_live = torch.where(live, lpc, -torch.inf)
-            mass = torch.logsumexp(lp_live, -1, keepdim=True)
-            bwd_ids[s:e] = torch.where(live, i, -1)
-            target = lp_live - torch.where(live.any(-1, keepdim=True), mass, 0.0)
-            shift = (-target.max(-1, keepdim=True).values).clamp_max(_ABOVE_ONE)
-            bwd_lp[s:e] = torch.where(live, target + shift, 0.0)
-            bwd_w[s:e] = torch.where(live.any(-1), mass[:, 0].exp(), 0.0)
-    return out, bwd_ids, bwd_lp, bwd_w
+        if spec.loss == "forward_kl":
+            loss = token_kl.sum(-1)
+        else:
+            used = torch.ones_like(a, dtype=torch.bool)
+            log_qc, log_pc = category_logprobs(a, r, t, used, r == -torch.inf, "bucket")
+            loss = divergence(log_qc, log_pc, spec)
+        da = dr = None
+        if grad:
+            da, dr = torch.autograd.grad(loss.sum(), (a, r))
+    return (loss.detach(), log_q.detach().exp().sum(-1), t.exp().sum(-1), token_kl.detach(), da,
+            None if dr is None else dr[:, 0])
+
+
+def _expand(s, ds, ids, id_grad, rest_grad, shift, log2_rest, rel_rest, tau, backend):
+    """dL/ds (R, V) into ds (rounded to its dtype; ds may be s): rest_grad · softmax of z over the
+    row's off-ids columns (s holds −inf at the ids) and id_grad at the ids; both already / τ and
+    times the row's weight."""
+    r, v = s.shape
+    k = ids.shape[1]
+    if backend == "triton":
+        from ..backends import triton_common, triton_topk
+
+        head, fold, mul = triton_common.head_mode(1.0, None)
+        f32 = torch.float32
+        with triton_common.launching():
+            triton_topk._expand_kernel[(r,)](
+                s, ds, ids, id_grad.to(f32).contiguous(), rest_grad.to(f32).contiguous(), shift, log2_rest, shift,
+                shift, ids, v, k, _LOG2E * fold / tau, _LOG2E * fold, mul, REST=True, CE=False, HEAD=head,
+                RTNE_BITS=triton_common.rtne_bits(ds), BLOCK_V=triton_topk.BLOCK_V,
+                BLOCK_K=triton.next_power_of_2(k), num_warps=triton_topk.NUM_WARPS,
+            )
+        return ds
+    off = s > -torch.inf
+    g = (s - shift[:, None]) / tau - rel_rest.to(s.dtype)[:, None]
+    g = torch.where(off, rest_grad.to(s.dtype)[:, None] * torch.exp(torch.where(off, g, 0.0)), 0.0)
+    g.scatter_(1, ids, id_grad.to(s.dtype))
+    ds.copy_(g)
+    return ds
+
+
+def _sweep(x, w, b, ids, lp, spec: LossSpec, clamp, *, rows: int, backend: str, accum: torch.dtype,
+           values: bool, want_dx: bool, want_dw: bool, want_db: bool, weight=None, base=None, bounds=(None, None)):
+    """The chunk loop: for each chunk of `rows` rows, one GEMM of the head (S = X Wᵀ + b at fp32
+    accuracy), the row statistics (`_stats`), the per-row math (`_categories`), dL/dS (`_expand`),
+    then the gradient GEMMs: dX = dS W and dW += dSᵀ X. Row weights: `weight` (N,) given (the
+    backward's recomputation), or predicted from `base` (N,) and `bounds` as each chunk's losses come
+    out (pred = base where lo <= loss <= hi, else 0); dL/dS then carries u = pred where pred ≠ 0,
+    else 1, so that dX (u-weighted, fp32 for narrow inputs) can be re-weighted to any g row by row,
+    and dW (dB) sums the rows with pred ≠ 0 only (X masked by a select: no rounding).
+    Returns a dict of what was asked: the five outputs and token_kl, own, redo (values); dx_u, u,
+    pred (want_dx or base); dw, db."""
+    n, v = x.shape[0], w.shape[0]
+    k = ids.shape[1]
+    dev = x.device
+    wide = torch.float64 if x.dtype == torch.float64 else torch.float32
+    narrow = x.dtype in chunks.NARROW
+    grad = want_dx or want_dw or want_db
+    out = {}
+    if values:
+        out["distillation_losses"] = torch.empty(n, dtype=wide, device=dev)
+        out["student_mass"] = torch.empty(n, dtype=wide, device=dev)
+        out["teacher_mass"] = torch.empty(n, dtype=wide, device=dev)
+        out["token_kl"] = torch.empty(n, k, dtype=wide, device=dev)
+        out["own"] = torch.empty(n, k, dtype=torch.bool, device=dev)
+        out["redo"] = torch.zeros(n, dtype=torch.bool, device=dev) if backend == "triton" else None
+    if want_dx:
+        out["dx_u"] = torch.empty(n, x.shape[1], dtype=torch.float32 if narrow else x.dtype, device=dev)
+    if base is not None:
+        out["u"] = torch.empty(n, dtype=wide, device=dev)
+        out["pred"] = torch.empty(n, dtype=wide, device=dev)
+    dw = db = None
+    if want_db:
+        db = torch.zeros(v, dtype=torch.float64 if x.dtype == torch.float64 else torch.float32, device=dev)
+    lo, hi = bounds
+    for start in range(0, n, rows):
+        c = slice(start, min(start + rows, n))
+        xc = x[c]
+        s = chunks.linear(xc, w, b)
+        i = ids[c]
+        rel_k, rel_rest, shift, log2_rest, own, redo = _stats(s, i, spec.temperature, backend, values)
+        loss, q_mass, p_mass, token_kl, da, dr = _categories(rel_k, rel_rest, lp[c], spec, clamp, grad)
+        if values:
+            out["distillation_losses"][c] = loss
+            out["student_mass"][c] = q_mass
+            out["teacher_mass"][c] = p_mass
+            out["token_kl"][c] = token_kl
+            out["own"][c] = own
+            if redo is not None:
+                out["redo"][c] = redo
+        if not grad:
+            del s
+            continue
+        keep = None
+        if weight is not None:
+            u = weight[c].to(torch.float64)
+        elif base is not None:
+            loss_out = loss.to(wide)  # the value verl's clamps compare, as returned
+            inside = torch.ones_like(loss_out, dtype=torch.bool)
+            if lo is not None:
+                inside &= loss_out >= torch.tensor(lo, dtype=wide)
+            if hi is not None:
+                inside &= loss_out <= torch.tensor(hi, dtype=wide)
+            pred = torch.where(inside, base[c].to(wide), 0.0)
+            keep = pred != 0
+            u = torch.where(keep, pred, 1.0)
+            out["pred"][c], out["u"][c] = pred, u
+            u = u.to(torch.float64)
+        else:
+            u = torch.ones(c.stop - c.start, dtype=torch.float64, device=dev)
+        id_grad = da * (u / spec.temperature)[:, None]
+        rest_grad = dr * (u / spec.temperature)
+        ds = torch.empty(s.shape, dtype=x.dtype, device=dev) if narrow or backend != "triton" else s
+        ds = _expand(s, ds, i, id_grad, rest_grad, shift, log2_rest, rel_rest, spec.temperature, backend)
+        del s
+        if want_dx:
+            chunks.accumulate_mm(out["dx_u"][c], ds, w, beta=0.0)
+        if (want_dw or want_db) and (weight is not None or base is not None):
+            xm = xc if keep is None else torch.where(keep[:, None], xc, 0.0)
+            if want_dw:
+                if dw is None:
+                    dw = torch.empty(w.shape, dtype=accum, device=dev)
+                chunks.accumulate_mm(dw, ds.t(), xm, beta=0.0 if start == 0 else 1.0)
+            if want_db:
+                m = torch.ones(c.stop - c.start, dtype=ds.dtype, device=dev) if keep is None else keep.to(ds.dtype)
+                db += (m[None] @ ds if not narrow or not ds.is_cuda else
+                       torch.mm(m[None], ds, out_dtype=torch.float32))[0].to(db.dtype)
+        del ds
+    if want_dw and dw is None and (weight is not None or base is not None):
+        dw = torch.zeros(w.shape, dtype=accum, device=dev)  # no rows
+    out["dw"], out["db"] = dw, db
+    return out
+
+
+def _diagnostics(out, x, w, b, ids):
+    """overlap_count and overlap_token_advantage from each id's membership of the student's top-K.
+    Rows the Triton top-k kernel flagged (many ties at its threshold: rare) are settled here with
+    torch.topk on their logits, made again: finding them is one host read."""
+    own = out["own"]
+    if out["redo"] is not None:
+        rows = out["redo"].nonzero()[:, 0]  # the forward's one host sync
+        if rows.numel():
+            z = chunks.linear(x[rows], w, b)
+            top = torch.topk(z, ids.shape[1], dim=-1).indices
+            own[rows] = (ids[rows][:, :, None] == top[:, None, :]).any(-1)
+    count = own.sum(-1)
+    adv = (-out["token_kl"] * own).sum(-1) / count.clamp_min(1)
+    return count, torch.where(count > 0, adv, 0.0)
+
+
+def _proportional(g: torch.Tensor, pred: torch.Tensor):
+    """(c, ok): c = g_j / pred_j at the row of largest |pred| (0 where pred is all 0), a 0-d float64
+    device tensor, and ok, a 0-d bool device tensor: |g_i − c·pred_i| <= 8·eps·|g_i| on every row, in
+    float64 (eps: g's dtype's). A row with pred 0 then needs g exactly 0, and a g of 0 needs pred 0
+    (or c = 0); a NaN fails. Where it holds, c·(pred-weighted dW) differs from the g-weighted one by
+    under 8 eps of each row's share: below what rounding the recomputation does itself."""
+    g64, p64 = g.double(), pred.double()
+    j = p64.abs().argmax()
+    c = torch.where(p64[j] != 0, g64[j] / torch.where(p64[j] != 0, p64[j], 1.0), 0.0)
+    tol = _CHECK_EPS * torch.finfo(g.dtype).eps
+    return c, ((g64 - c * p64).abs() <= tol * g64.abs()).all()
 
 
 class _TopK(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, w, b, ids, lp, spec, clamp, chunk_size, keywords):
-        out, bwd_ids, bwd_lp, bwd_w = _values(x, w, b, ids, lp, spec, clamp, chunk_size)
-        ctx.save_for_backward(x, w, b, bwd_ids, bwd_lp, bwd_w)
-        ctx.spec, ctx.chunk_size, ctx.keywords = spec, chunk_size, keywords
-        ctx.mark_non_differentiable(*(out[name] for name in FIELDS[1:]))
-        return tuple(out[name] for name in FIELDS)
+    def forward(ctx, x, w, b, ids, lp, spec, clamp, rows, backend, accum, base, bounds):
+        want_dx, want_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        want_db = b is not None and ctx.needs_input_grad[2]
+        out = _sweep(x, w, b, ids, lp, spec, clamp, rows=rows, backend=backend, accum=accum, values=True,
+                     want_dx=want_dx, want_dw=want_dw and base is not None, want_db=want_db and base is not None,
+                     base=base, bounds=bounds)
+        count, adv = _diagnostics(out, x, w, b, ids)
+        ctx.save_for_backward(x, w, b, ids, lp, out.get("dx_u"), out.get("u"), out.get("pred"), out["dw"], out["db"])
+        ctx.spec, ctx.clamp, ctx.rows, ctx.backend, ctx.accum = spec, clamp, rows, backend, accum
+        ctx.want = (want_dx, want_dw, want_db)
+        diagnostics = (out["student_mass"], out["teacher_mass"], count, adv)
+        ctx.mark_non_differentiable(*diagnostics)
+        return (out["distillation_losses"],) + diagnostics
 
     @staticmethod
     def backward(ctx, g, *_):
-        x, w, b, ids, lp, row = ctx.saved_tensors
-        spec = ctx.spec
-        weight = g if row is None else g * row
-        with torch.enable_grad():
-            xs = x.detach().requires_grad_(ctx.needs_input_grad[0])
-            ws = w.detach().requires_grad_(ctx.needs_input_grad[1])
-            bs = None if b is None else b.detach().requires_grad_(ctx.needs_input_grad[2])
-            loss = fused_linear_distill_topk(
-                xs, ws, ids, lp, None, loss=spec.loss if spec.tail else "forward_kl",
-                tail=spec.tail or "bucket", beta=spec.beta if spec.loss == "jsd" else None, temperature=spec.temperature,
-                student_bias=bs, reduction="sum", row_weight=weight.detach(), chunk_size=ctx.chunk_size,
-                **ctx.keywords,
-            )
-            wanted = [t for t in (xs, ws, bs) if t is not None and t.requires_grad]
-            grads = iter(torch.autograd.grad(loss, wanted)) if wanted else iter(())
-        dx, dw, db = (next(grads) if t is not None and t.requires_grad else None for t in (xs, ws, bs))
-        return dx, dw, db, None, None, None, None, None, None
+        x, w, b, ids, lp, dx_u, u, pred, dw_pred, db_pred = ctx.saved_tensors
+        want_dx, want_dw, want_db = ctx.want
+        dx = dw = db = None
+        if want_dx:  # exact for any g: each row of dx_u carries the weight u, re-weighted to g here
+            factor = g.to(dx_u.dtype) if u is None else (g.to(torch.float64) / u).to(dx_u.dtype)
+            dx = (dx_u * factor[:, None]).to(x.dtype)
+        if want_dw or want_db:
+            ok = False
+            if pred is not None:
+                c, ok = _proportional(g, pred)
+                ok = bool(ok)  # the backward's one host read: which branch
+            if ok:
+                dw = None if dw_pred is None else (dw_pred * c.to(dw_pred.dtype)).to(w.dtype)
+                db = None if db_pred is None else (db_pred * c.to(db_pred.dtype)).to(b.dtype)
+            else:  # g is no multiple of the prediction (or there was none): dW from g, one more sweep
+                out = _sweep(x, w, b, ids, lp, ctx.spec, ctx.clamp, rows=ctx.rows, backend=ctx.backend,
+                             accum=ctx.accum, values=False, want_dx=False, want_dw=want_dw, want_db=want_db,
+                             weight=g.detach())
+                dw = None if out["dw"] is None else out["dw"].to(w.dtype)
+                db = None if out["db"] is None else out["db"].to(b.dtype)
+        return dx, dw, db, None, None, None, None, None, None, None, None, None
 
 
 def topk_outputs(
@@ -188,6 +425,8 @@ def topk_outputs(
     beta: float | None = None,
     lm_head_bias: torch.Tensor | None = None,
     chunk_size: int | None = None,
+    predicted_grad: torch.Tensor | None = None,  # (...) like teacher_ids without K
+    predicted_clamp: tuple[float | None, float | None] = (None, None),
     **keywords,
 ) -> dict[str, torch.Tensor]:
     """verl's `compute_forward_kl_topk` outputs from hidden states: a dict of FIELDS, each (...) like
@@ -198,11 +437,20 @@ def topk_outputs(
     loss="forward_kl" is verl's (the module docstring), with `log_prob_min_clamp` as verl applies it;
     "reverse_kl" and "jsd" (β in flashkd's convention: 0 forward, 1 reverse) are flashkd's top-k form
     over the teacher's ids and a tail bucket (`flashkd.losses.topk_row_losses`), without a clamp; β is
-    read by "jsd" only (None: 0.5).
-    `keywords` go to `flashkd.fused_linear_distill_topk` (backend, grad_accum_dtype, check_teacher, ...).
+    read by "jsd" only (None: 0.5). The teacher's ids in a row are distinct (a top-k's are).
+
+    predicted_grad, predicted_clamp: what the gradient that will reach `distillation_losses` is
+    expected to be, up to one scalar: predicted_grad (a float tensor, constant) where
+    lo <= loss <= hi for (lo, hi) = predicted_clamp (None: no bound), 0 elsewhere (a clamp of the
+    losses there, as verl's clamp at 0 and `loss_max_clamp`). The forward then makes dW for it, and
+    the backward scales it when the gradient is a multiple of it; otherwise (and without a
+    prediction) the backward makes dW again from the gradient it got. Exact either way (the module
+    docstring).
+    `keywords`: `backend` ("auto", "torch", "triton") and `grad_accum_dtype` (the dW accumulator's,
+    fp32 by default for bf16 / fp16 inputs), as `flashkd.fused_linear_distill_topk` takes them.
     """
     spec = check_options(loss=loss, beta=beta, temperature=temperature, log_prob_min_clamp=log_prob_min_clamp,
-                         chunk_size=chunk_size, **keywords)
+                         chunk_size=chunk_size, predicted_clamp=predicted_clamp, **keywords)
     for name, t in (("hidden_states", hidden_states), ("lm_head_weight", lm_head_weight),
                     ("teacher_ids", teacher_ids), ("teacher_logprobs", teacher_logprobs)):
         if not isinstance(t, torch.Tensor):
@@ -216,27 +464,49 @@ def topk_outputs(
     if lm_head_weight.dim() != 2 or lm_head_weight.shape[1] != hidden_states.shape[-1]:
         raise ValueError(f"lm_head_weight: expected shape (V, {hidden_states.shape[-1]}), got "
                          f"{tuple(lm_head_weight.shape)}")
+    if hidden_states.dtype not in chunks.FLOATS or lm_head_weight.dtype != hidden_states.dtype:
+        raise TypeError(f"lm_head_weight: expected hidden_states' float dtype {hidden_states.dtype}, got "
+                        f"{lm_head_weight.dtype}")
+    if lm_head_bias is not None and (not isinstance(lm_head_bias, torch.Tensor)
+                                     or lm_head_bias.shape != (lm_head_weight.shape[0],)):
+        raise ValueError(f"lm_head_bias: expected None or a tensor of shape ({lm_head_weight.shape[0]},)")
     lead = teacher_ids.shape[:-1]
     k = teacher_ids.shape[-1]
     x = hidden_states.reshape(-1, hidden_states.shape[-1])
-    ids = teacher_ids.reshape(-1, k).long()
+    ids = teacher_ids.reshape(-1, k).long().contiguous()
     if x.device.type == "cpu" and ids.numel() and (ids.min() < 0 or ids.max() >= lm_head_weight.shape[0]):
         raise ValueError(f"teacher_ids: expected ids in [0, {lm_head_weight.shape[0]}) (the LM head's rows), got "
                          f"values in [{int(ids.min())}, {int(ids.max())}]")
-    if k > lm_head_weight.shape[0]:
-        raise ValueError(f"teacher_ids: expected K <= V = {lm_head_weight.shape[0]}, got K = {k}")
-    outs = _TopK.apply(x, lm_head_weight, lm_head_bias, ids, teacher_logprobs.reshape(-1, k), spec,
-                       log_prob_min_clamp, chunk_size, keywords)
+    if not 1 <= k <= lm_head_weight.shape[0]:
+        raise ValueError(f"teacher_ids: expected 1 <= K <= V = {lm_head_weight.shape[0]}, got K = {k}")
+    if predicted_grad is not None:
+        if not isinstance(predicted_grad, torch.Tensor) or not predicted_grad.dtype.is_floating_point \
+                or predicted_grad.shape != lead or predicted_grad.device != x.device:
+            got = (f"a {predicted_grad.dtype} tensor of shape {tuple(predicted_grad.shape)} on {predicted_grad.device}"
+                   if isinstance(predicted_grad, torch.Tensor) else repr(predicted_grad))
+            raise ValueError(f"predicted_grad: expected None or a float tensor of shape {tuple(lead)} on {x.device}, "
+                             f"got {got}")
+        predicted_grad = predicted_grad.detach().reshape(-1)
+    backend = chunks.pick_backend(keywords.get("backend", "auto"), x)
+    narrow = x.dtype in chunks.NARROW
+    accum = keywords.get("grad_accum_dtype") or (torch.float32 if narrow else x.dtype)
+    rows = _chunk_rows(x.shape[0], lm_head_weight.shape[0], chunk_size, backend, 4 if narrow else x.element_size())
+    lp = teacher_logprobs.reshape(-1, k)
+    args = (x, lm_head_weight, lm_head_bias, ids, lp, spec, log_prob_min_clamp, rows, backend, accum)
+    graded = torch.is_grad_enabled() and any(
+        t is not None and t.requires_grad for t in (hidden_states, lm_head_weight, lm_head_bias))
+    if graded:
+        outs = _TopK.apply(*args, predicted_grad, tuple(predicted_clamp))
+    else:  # no gradient wanted: the values alone, one GEMM
+        out = _sweep(*args[:7], rows=rows, backend=backend, accum=accum, values=True, want_dx=False,
+                     want_dw=False, want_db=False)
+        outs = (out["distillation_losses"], out["student_mass"], out["teacher_mass"],
+                *_diagnostics(out, x, lm_head_weight, lm_head_bias, ids))
     return {name: o.reshape(lead) for name, o in zip(FIELDS, outs)}
 
 
-# the keywords topk_outputs passes to fused_linear_distill_topk itself
-_SET_HERE = frozenset({"loss", "beta", "temperature", "chunk_size", "student_bias", "tail", "weight_hard_loss",
-                       "weight_soft_loss", "row_weight", "reduction"})
-
-
 def check_options(*, loss="forward_kl", beta=None, temperature=1.0, log_prob_min_clamp=None, chunk_size=None,
-                  **keywords) -> LossSpec:
+                  predicted_clamp=(None, None), **keywords) -> LossSpec:
     """`topk_outputs`'s options (no tensors), checked: its LossSpec. `patch` checks its options here, so
     that a wrong one fails where it is given, not in verl's first training step."""
     if loss not in LOSSES:
@@ -249,17 +519,53 @@ def check_options(*, loss="forward_kl", beta=None, temperature=1.0, log_prob_min
         if loss != "forward_kl":
             raise ValueError(f"log_prob_min_clamp: verl clamps its forward KL only; expected None with "
                              f"loss={loss!r}, got {log_prob_min_clamp!r}")
-    wrong = sorted(set(keywords) & _SET_HERE | set(keywords) - set(KEYWORDS["fused_linear_distill_topk"]))
+    if chunk_size is not None and (isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1):
+        raise ValueError(f"chunk_size: expected None or an int >= 1, got {chunk_size!r}")
+    if (not isinstance(predicted_clamp, (tuple, list)) or len(predicted_clamp) != 2
+            or any(v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)) or math.isnan(v))
+                   for v in predicted_clamp)):
+        raise ValueError(f"predicted_clamp: expected a pair (lo, hi) of floats or None, got {predicted_clamp!r}")
+    wrong = sorted(set(keywords) - set(KEYWORDS))
     if wrong:
-        raise TypeError(f"{wrong[0]}: expected a keyword option of topk_outputs or flashkd.fused_linear_distill_topk "
-                        f"that topk_outputs does not set itself, got {wrong[0]}={keywords[wrong[0]]!r}")
-    distill_check_options({"loss": loss, "beta": beta, "temperature": temperature,
-                           "chunk_size": chunk_size, **keywords}, "fused_linear_distill_topk")
-    return LossSpec(loss=loss, **loss_parameters(loss, dict(beta=beta)), temperature=temperature, weight_hard=0.0,
-                    weight_soft=1.0, want_hard=False, tail=None if loss == "forward_kl" else "bucket")
+        raise TypeError(f"{wrong[0]}: expected a keyword option of topk_outputs (or one of {', '.join(KEYWORDS)}), "
+                        f"got {wrong[0]}={keywords[wrong[0]]!r}")
+    distill_check_options({"loss": loss, "beta": beta, "temperature": temperature, "chunk_size": chunk_size,
+                           **keywords}, "fused_linear_distill_topk")
+    return LossSpec(loss=loss, **loss_parameters(loss, dict(beta=beta)), temperature=float(temperature),
+                    weight_hard=0.0, weight_soft=1.0, want_hard=False, tail=None if loss == "forward_kl" else "bucket")
 
 
 # --- verl's FSDP engine -----------------------------------------------------------------------------
+
+# verl's `agg_loss` modes whose per-token weights are known here (up to one scalar: its global-batch
+# normalisers, dp_size, the distillation coefficient and the engine's loss scale)
+AGG_MODES = ("token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-sum-norm", "seq-mean-token-mean")
+
+
+def response_weights(prompt_lens: torch.Tensor, response_lens: torch.Tensor, response_mask: torch.Tensor,
+                     loss_agg_mode: str, n_rows: int, dtype: torch.dtype = torch.float32) -> torch.Tensor | None:
+    """(n_rows,) the weight verl's `agg_loss(loss_agg_mode)` gives each packed row's loss, up to one
+    scalar, before its clamps (`topk_outputs`' predicted_grad); None for a mode not in AGG_MODES.
+    Rows are the sequences' tokens packed (prompt then response each); verl's `no_padding_2_padding`
+    takes the response's losses from the rows one before its tokens (the logits at t predict t + 1):
+    row start_b + t for t < response_lens[b], start_b = (end of sequence b) − response_lens[b] − 1,
+    weighted by response_mask[b, t] (and by 1 / (its row sum + 1e-8) for "seq-mean-token-mean", as
+    agg_loss divides); every other row (prompts, the last token, padding) by 0."""
+    if loss_agg_mode not in AGG_MODES:
+        return None
+    dev = response_mask.device
+    prompt_lens, response_lens = prompt_lens.to(dev), response_lens.to(dev)
+    per = response_mask.to(dtype)
+    if loss_agg_mode == "seq-mean-token-mean":
+        per = per / (torch.sum(response_mask, dim=-1) + 1e-8).to(dtype)[:, None]  # agg_loss's divisor
+    seq = torch.repeat_interleave(torch.arange(len(response_lens), device=dev), response_lens)
+    first = torch.cumsum(response_lens, 0) - response_lens  # each sequence's first response slot, packed
+    t = torch.arange(seq.numel(), device=dev) - first[seq]
+    start = torch.cumsum(prompt_lens + response_lens, 0) - response_lens - 1
+    base = torch.zeros(n_rows, dtype=dtype, device=dev)
+    base[start[seq] + t] = per[seq, t]
+    return base
+
 
 _ENGINE = "verl.workers.engine.fsdp.transformer_impl"
 
@@ -290,6 +596,31 @@ def _lm_head(module):
         raise RuntimeError(f"flashkd.integrations.verl: {type(module).__name__} has no output embeddings (LM head)")
     return head
 
+
+
+def _predicted(micro_batch, loss_fn, loss_cfg, hidden):
+    """The per-row weights verl's distillation loss will give this rank's losses (`response_weights`),
+    or None where they are not known here: another loss_agg_mode, Ulysses sequence parallelism (each
+    rank holds a slice of the rows), padded (not nested) prompts, or a policy-gradient loss (detached)."""
+    from verl.utils.ulysses import get_ulysses_sequence_parallel_world_size
+
+    config = (getattr(loss_fn, "keywords", None) or {}).get("config")
+    mode = getattr(config, "loss_agg_mode", None)
+    if mode not in AGG_MODES or get_ulysses_sequence_parallel_world_size() > 1 \
+            or getattr(loss_cfg, "use_policy_gradient", False):
+        return None
+    try:
+        prompts, responses, mask = micro_batch["prompts"], micro_batch["responses"], micro_batch["response_mask"]
+    except KeyError:
+        return None
+    if not (prompts.is_nested and responses.is_nested):
+        return None
+    if mask.is_nested:
+        mask = mask.to_padded_tensor(0)
+    dtype = torch.float64 if hidden.dtype == torch.float64 else torch.float32
+    base = response_weights(prompts.offsets().diff(), responses.offsets().diff(), mask.to(hidden.device), mode,
+                            hidden.shape[0], dtype)
+    return base
 
 def patch(**options) -> None:
     """Install flashkd's top-k path in verl's FSDP engine (`FSDPEngineWithLMHead`): for a micro-batch
@@ -354,9 +685,14 @@ def patch(**options) -> None:
         temperature = micro_batch["temperature"]
         if isinstance(temperature, torch.Tensor):
             temperature = temperature.flatten()[0].item()  # verl's fused path takes one temperature
-        outs = topk_outputs(hidden, weight.to(hidden.dtype), ids, lp, temperature=float(temperature),
-                            log_prob_min_clamp=getattr(loss_cfg, "log_prob_min_clamp", None),
-                            lm_head_bias=None if bias is None else bias.to(hidden.dtype), **_options)
+        predicted = _predicted(micro_batch, logits_processor_func, loss_cfg, hidden)
+        options = dict(_options)
+        if predicted is not None:
+            options.update(predicted_grad=predicted, predicted_clamp=(0.0, getattr(loss_cfg, "loss_max_clamp", None)))
+        with contextlib.nullcontext() if not getattr(loss_cfg, "use_policy_gradient", False) else torch.no_grad():
+            outs = topk_outputs(hidden, weight.to(hidden.dtype), ids, lp, temperature=float(temperature),
+                                log_prob_min_clamp=getattr(loss_cfg, "log_prob_min_clamp", None),
+                                lm_head_bias=None if bias is None else bias.to(hidden.dtype), **options)
         cu_seqlens = micro_batch["input_ids"].offsets()
         for name, v in outs.items():
             v = self._gather_and_unpad_packed(v, output_args["pad_size"])
