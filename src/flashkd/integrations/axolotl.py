@@ -64,8 +64,8 @@ _TRAINER = "axolotl.integrations.kd.trainer"
 _KERNEL = "axolotl.integrations.kd.kernels.liger"
 _NAME = "LigerFusedLinearKLTopKLogprobLoss"
 
-# As in flashkd.integrations.verl: lifts the renormalised targets' sum just past 1, so that the bucket
-# (tail="bucket", beta 0 without normalize_topk) holds no teacher mass; flashkd renormalises it away.
+# Lifts the renormalised targets' sum just past 1, so that the bucket (tail="bucket", beta 0 without
+# normalize_topk) holds no teacher mass; flashkd renormalises it away.
 _ABOVE_ONE = 2.0**-12
 
 _original = None  # {module name: axolotl's class} while patched
