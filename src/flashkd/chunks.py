@@ -79,8 +79,8 @@ from typing import ClassVar
 import torch
 
 from . import fp8
-from .losses import (LABEL_LOSSES, DistillStats, LossSpec, VocabSlice, check_finite_float, check_ignore_index,
-                     loss_parameters)
+from .losses import (LABEL_LOSSES, LEARNING_LOSSES, DistillStats, LossSpec, VocabSlice, check_finite_float,
+                     check_ignore_index, loss_parameters)
 from .backends import torch_rows
 
 # Default memory for one chunk's logits. Bigger chunks make the GEMMs more efficient; past a few
@@ -111,6 +111,8 @@ class Plan:
     # and the fp32 dW's chunk GEMMs (`flashkd.backends.cute_gemm`), where `_cute_fits`; else (and "cublas")
     # torch.mm
     gemm: str = "cublas"
+    # the teacher learns (`learns`): its heads' tensors are the autograd function's differentiable inputs
+    learns: bool = False
 
 
 
@@ -407,12 +409,14 @@ def run(call: Call, rows: Rows, vocab: VocabSlice | None = None):
                                       teacher[0].shape[-1] if form == "heads" else 0)
     rw = check_row_weight(call.student.row_weight, xs, call.student.student_input)
     stats = options.return_stats
-    if form == "heads":
+    learning = learns(call, teacher, vocab)
+    if form == "heads" and not learning:  # (a learning teacher with teacher_precision is refused by `learns`)
         teacher = _teacher_head(teacher, options.teacher_precision)
     index, teachers = check_teacher_index(call, rows) if form == "topk" else (None, 0)
     gemm = "cute" if backend == "triton" and (options.backend == "cute" or (
         options.backend == "auto" and form == "heads" and spec.kind in AUTO_CUTE_LOSSES and _cute_here(xs))) else "cublas"
-    plan = Plan(spec, chunk, backend, grad_accum_dtype, form, teacher_chunk, stats, vocab, index, teachers, gemm)
+    plan = Plan(spec, chunk, backend, grad_accum_dtype, form, teacher_chunk, stats, vocab, index, teachers, gemm,
+                learning)
     loss_, soft, hard, *sums = apply(xs, ws, bs, y, rw, plan, *teacher)
     out = (loss_, soft, hard) if options.return_soft_hard_loss else (loss_,)
     if stats:
@@ -420,6 +424,32 @@ def run(call: Call, rows: Rows, vocab: VocabSlice | None = None):
         out += (DistillStats(*sums[:4], *topk),)
     return out if len(out) > 1 else loss_
 
+
+
+def learns(call: Call, teacher: tuple, vocab=None) -> bool:
+    """Whether the call's teacher learns: a loss of LEARNING_LOSSES, in grad mode, on teacher tensors of
+    which one requires grad; their gradients then come from the same pass as the student's (two more
+    GEMMs a block). For every other loss the teacher is a constant, whatever it requires. Where such a
+    teacher cannot learn (dense logits, an FP8 head, a vocab slice) the call is refused, not silently
+    given a constant teacher."""
+    if call.spec.kind not in LEARNING_LOSSES or not torch.is_grad_enabled():
+        return False
+    if not any(isinstance(x, torch.Tensor) and x.requires_grad for x in teacher):
+        return False
+    loss = f"loss={call.spec.loss!r}"
+    if call.teacher.form == "logits":
+        raise ValueError(f"teacher_logits: {loss} gives the teacher a gradient, which the dense-logits form does not "
+                         "(its N x V gradient is what the fused losses never hold); got teacher_logits that require "
+                         "grad. Pass the teacher's hidden states and head to flashkd.fused_linear_distill, or "
+                         "teacher_logits.detach() for a constant teacher")
+    if call.options.teacher_precision is not None:
+        raise ValueError(f"teacher_precision: expected None with {loss} and a teacher that requires grad (an FP8 "
+                         f"head has no gradient), got {call.options.teacher_precision!r}")
+    if vocab is not None:
+        raise ValueError(f"process_group: {loss} with a teacher that requires grad runs on one process only (its "
+                         "gradients over a vocab slice are not summed over the group); detach the teacher's "
+                         "tensors, or call without process_group")
+    return True
 
 
 def apply(xs, ws, bs, y, rw, plan, *teacher):
@@ -432,7 +462,7 @@ def apply(xs, ws, bs, y, rw, plan, *teacher):
 
 def _apply(xs, ws, bs, y, rw, plan, *teacher):
     with autocast_off(xs.device):
-        if torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in (xs, ws, bs)):
+        if plan.learns or torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in (xs, ws, bs)):
             return _FusedDistill.apply(xs, ws, bs, y, rw, plan, *teacher)
         # Evaluation: no autograd node, and no gradient work at all. The teacher is a constant: without
         # no_grad a teacher that requires grad would get a graph through every chunk's logits (and a grad).
@@ -473,8 +503,13 @@ class _FusedDistill(torch.autograd.Function):
     @staticmethod
     def forward(ctx, xs, ws, bs, y, rw, plan: Plan, *teacher):
         want_dx, want_dw, want_db = ctx.needs_input_grad[:3]
-        (loss, *logged), dxs, dws, dbs = _chunk_loop(xs, ws, bs, y, rw, teacher, plan, want_dx, want_dw, want_db)
-        ctx.save_for_backward(dxs, dws, dbs)
+        # A learning teacher's (xt, wt, bt) get gradients as the student's do; any other teacher is a constant
+        # (None below, whatever it requires). A head passed as both (self-distillation) is two inputs here:
+        # autograd sums their gradients, the teacher's None adding nothing.
+        want_teacher = ctx.needs_input_grad[6:] if plan.learns else (False,) * len(teacher)
+        (loss, *logged), *grads = _chunk_loop(xs, ws, bs, y, rw, teacher, plan, want_dx, want_dw, want_db,
+                                              want_teacher)
+        ctx.save_for_backward(*grads)
         ctx.num_teacher = len(teacher)
         ctx.backend = plan.backend
         ctx.mark_non_differentiable(*logged)
@@ -497,15 +532,20 @@ class _FusedDistill(torch.autograd.Function):
             grads = tuple(None if g is None else triton_rows.scale_(g, grad_loss) for g in ctx.saved_tensors)
         else:
             grads = tuple(None if g is None else g.mul_(grad_loss) for g in ctx.saved_tensors)
-        return (*grads, None, None, None, *(None,) * ctx.num_teacher)
+        return (*grads[:3], None, None, None, *grads[3:], *(None,) * (ctx.num_teacher - len(grads[3:])))
 
 
-def _chunk_loop(xs, ws, bs, y, rw, teacher, plan: Plan, want_dx, want_dw, want_db):
-    """((loss, soft, hard, *sums of DistillStats when plan.stats), dxs, dws, dbs)."""
+def _chunk_loop(xs, ws, bs, y, rw, teacher, plan: Plan, want_dx, want_dw, want_db, want_teacher=()):
+    """((loss, soft, hard, *sums of DistillStats when plan.stats), dxs, dws, dbs), and dxt, dwt, dbt after
+    them where want_teacher (a learning teacher's three) asks for any."""
     spec = plan.spec
     n, v = xs.shape[0], ws.shape[0]
     rows = _rows(plan)
-    grad = want_dx or want_dw or want_db
+    want_dxt, want_dwt, want_dbt = tuple(want_teacher) + (False,) * (3 - len(want_teacher))
+    teacher_grad = any(want_teacher)
+    # dL/dt from the rows, where there is a soft term (else the teacher's gradient is 0)
+    learn = teacher_grad and spec.want_soft
+    grad = want_dx or want_dw or want_db or learn
     device = xs.device
     # Loss math and accumulators in fp32, or fp64 for fp64 inputs (which float64 gradcheck relies on).
     f32 = dict(device=device, dtype=torch.promote_types(xs.dtype, torch.float32))
@@ -529,6 +569,13 @@ def _chunk_loop(xs, ws, bs, y, rw, teacher, plan: Plan, want_dx, want_dw, want_d
     accum = plan.grad_accum_dtype if n > plan.chunk else ws.dtype
     dws = torch.zeros(ws.shape, device=device, dtype=ws.dtype) if want_dw and n == 0 else None
     dbs = torch.zeros(v, **f32) if want_db else None
+    if teacher_grad:  # the learning teacher's, as the student's (`learns`)
+        xt, wt, bt = teacher
+        new = torch.empty_like if learn and n else torch.zeros_like
+        dxt = new(xt, memory_format=torch.contiguous_format) if want_dxt else None
+        accum_t = plan.grad_accum_dtype if n > plan.teacher_chunk else wt.dtype
+        dwt = torch.zeros(wt.shape, device=device, dtype=wt.dtype) if want_dwt and not (learn and n) else None
+        dbt = torch.zeros(v, **f32) if want_dbt else None
     cute = _cute_fits(plan, xs, ws, bs, teacher, y is not None, grad)
     if cute:
         from .backends import cute_gemm, triton_rows
@@ -570,7 +617,23 @@ def _chunk_loop(xs, ws, bs, y, rw, teacher, plan: Plan, want_dx, want_dw, want_d
             out = {} if ds is None else {"ds": ds[in_c]}
             if tiles is not None:
                 out["tiles"] = tiles[:, in_c]
+            if learn:
+                out["teacher_grad"] = True  # dL/dt written over t (`torch_rows.rows`)
             soft, hard, *extra = rows(s_b, t, None if y is None else y[b], spec, row_scale, grad, plan.stats, **out)
+            if learn:  # the teacher's GEMMs, as the student's below: dXt[b] = dT Wt, dWt += dTᵀ Xt[b], dbt += Σ dT
+                dt = t.to(wt.dtype)  # rounded once to the inputs' dtype for the GEMMs, as dL/ds is
+                if want_dxt:
+                    torch.mm(dt, wt, out=dxt[b])
+                if want_dwt:
+                    # ignored rows' dT is 0, and their hidden states zeroed, as the student's: no 0 · NaN
+                    xt_b = xt[b] if y is None else torch.where((y[b] != spec.ignore_index)[:, None], xt[b], 0.0)
+                    if sub == 0:
+                        dwt = torch.empty(wt.shape, device=device, dtype=accum_t)
+                    accumulate_mm(dwt, dt.t(), xt_b, beta=0.0 if sub == 0 else 1.0)
+                    del xt_b
+                if want_dbt:
+                    dbt += t.sum(0, dtype=dbt.dtype)
+                del dt
             if rw is not None:
                 soft, hard = soft * rw[b], hard * rw[b]
             soft_sum += soft.sum()
@@ -625,7 +688,9 @@ def _chunk_loop(xs, ws, bs, y, rw, teacher, plan: Plan, want_dx, want_dw, want_d
     if plan.stats:
         count = torch.full((), n, device=device) if y is None else (y != spec.ignore_index).sum()
         logged += (soft_sum, hard_sum, count, entropy_sum, mass_sum, teacher_entropy_sum, per_teacher)
-    return logged, dxs, dws, dbs
+    if not teacher_grad:
+        return logged, dxs, dws, dbs
+    return logged, dxs, dws, dbs, dxt, None if dwt is None else dwt.to(wt.dtype), None if dbt is None else dbt.to(bt.dtype)
 
 
 def _rows(plan: Plan):
@@ -751,9 +816,10 @@ def pick_backend(backend, x, loss=None):
 
 # The losses whose dense rows have no Triton kernel (`triton_rows.KERNEL_LOSSES` are the others): every
 # backend runs them on the torch rows. AKL's head needs an order of the row's p (`losses.akl_head`); the
-# divergences after it have no kernel yet (docs/divergences.md).
+# divergences after it have no kernel yet (docs/divergences.md); a learning teacher's (LEARNING_LOSSES) dL/dt
+# is autograd's on the torch rows, beside dL/ds.
 TORCH_ROW_LOSSES = ("akl", "jeffreys", "alpha_divergence", "renyi", "renyi_reverse", "ab_divergence", "triangular",
-                    "entropy_adaptive", "dkd")
+                    "entropy_adaptive", "dkd", *LEARNING_LOSSES)
 
 
 # The losses "auto" runs with the CuTe DSL logits GEMMs where they fit (`_cute_fits`: of these, forward KL
