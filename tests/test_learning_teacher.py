@@ -279,8 +279,9 @@ def test_teacher_alone_learns(loss, seed):
     out = run_flashkd(t, labels, loss=loss)
     ref = dict(t, xt=tensors["xt"].clone().requires_grad_(), wt=tensors["wt"].clone().requires_grad_())
     want = run_oracle(ref, labels, loss=loss)
-    for got, truth in zip(torch.autograd.grad(out, (t["xt"], t["wt"])), torch.autograd.grad(want, (ref["xt"], ref["wt"]))):
-        torch.testing.assert_close(got, truth)
+    got = torch.autograd.grad(out, (t["xt"], t["wt"]))
+    for g, truth in zip(got, torch.autograd.grad(want, (ref["xt"], ref["wt"]))):
+        torch.testing.assert_close(g, truth)
     with torch.no_grad():  # no grad mode: the value alone
         assert run_flashkd(t, labels, loss=loss).grad_fn is None
 

@@ -27,6 +27,8 @@ Three input forms of the teacher share one chunk loop:
         for each block b of Rt rows of c:
             T = the teacher's block for b           only when the soft term is wanted
             soft, hard = backend.rows(S[b], T, ...) dL/dS[b] written (rounded to the inputs' dtype)
+            a learning teacher (`learns`): dL/dT written over T too, then dXt[b] = dT @ Wt;  dWt += dT^T @ Xt[b];
+                                              dbt += Σ_rows dT   (two more GEMMs; losses.LEARNING_LOSSES)
         dXs[c] = dS @ Ws;  dWs += dS^T @ Xs[c] (fp32);  dbs += Σ_rows dS (fp32)
     loss = scale · (w_hard Σ hard + w_soft Σ soft);   backward multiplies the saved grads by grad_output
 
@@ -52,6 +54,10 @@ else E: the logits' element size):
                          is moved out of them, freeing S before dW is made, where V·Hs·E > R·V·E)
              chunks      N·Hs·E + max(logits + V·Hs·A,  V·Hs·(A + E))    (second term only when A ≠ E)
              (`peak_bytes`; without dW wanted, V·Hs terms are 0)
+    a learning teacher (losses.LEARNING_LOSSES, teacher tensors requiring grad; always the torch rows), on top:
+             N·Ht·E (dXt) + V·Ht·A (dWt accumulator; A = E when all rows fit one block) + V·4 (dbt), held for
+             the loop, + Rt·V·E for a block's dL/dT rounded to the inputs' dtype when L ≠ E; its autograd
+             temporaries are the torch rows' (`peak_bytes(..., learning=(Ht, A))`, the bias's V·4 left out)
 The default plan (triton) keeps R·V·L + Rt·V·L within 1 GiB, in equal chunks with R = Rt; or, when that
 takes more than one chunk and the weight's gradient is wanted, all N rows in one chunk (with teacher
 heads, their logits in two blocks of ceil(N/2) rows) if its peak is no higher: its dW is then one
@@ -462,7 +468,7 @@ def apply(xs, ws, bs, y, rw, plan, *teacher):
 
 def _apply(xs, ws, bs, y, rw, plan, *teacher):
     with autocast_off(xs.device):
-        if plan.learns or torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in (xs, ws, bs)):
+        if plan.learns or (torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in (xs, ws, bs))):
             return _FusedDistill.apply(xs, ws, bs, y, rw, plan, *teacher)
         # Evaluation: no autograd node, and no gradient work at all. The teacher is a constant: without
         # no_grad a teacher that requires grad would get a graph through every chunk's logits (and a grad).
@@ -690,7 +696,8 @@ def _chunk_loop(xs, ws, bs, y, rw, teacher, plan: Plan, want_dx, want_dw, want_d
         logged += (soft_sum, hard_sum, count, entropy_sum, mass_sum, teacher_entropy_sum, per_teacher)
     if not teacher_grad:
         return logged, dxs, dws, dbs
-    return logged, dxs, dws, dbs, dxt, None if dwt is None else dwt.to(wt.dtype), None if dbt is None else dbt.to(bt.dtype)
+    dwt = None if dwt is None else dwt.to(wt.dtype)
+    return logged, dxs, dws, dbs, dxt, dwt, None if dbt is None else dbt.to(bt.dtype)
 
 
 def _rows(plan: Plan):
@@ -919,11 +926,18 @@ def accum_share(rows, v, hs, ht, accum_bytes) -> float:
     return 2 * v * hs * accum_bytes * ACCUM_BALANCE / (2 * rows * v * (3 * hs + ht))
 
 
-def peak_bytes(n, v, hs, e, rows, teacher_rows, *, form, accum_bytes) -> int:
+def peak_bytes(n, v, hs, e, rows, teacher_rows, *, form, accum_bytes, learning=None) -> int:
     """Peak extra bytes of a plan, as the module's doc gives them (e: bytes of an input element, a
     logit L = max(e, 4) (`logit_size`), accum_bytes: of a dW accumulator element, 0 when dW is not
     wanted; the bias grad's V fp32 left out). Narrow inputs (L ≠ e) hold the chunk's dL/ds in their
-    dtype inside its fp32 logits' bytes, or beside them for a top-k teacher."""
+    dtype inside its fp32 logits' bytes, or beside them for a top-k teacher. learning: (Ht, A) of a
+    learning teacher (`learns`), A the bytes of its dWt accumulator's element (0: dWt not wanted); its
+    gradients are held beside everything else, so they add to the peak."""
+    if learning:
+        ht, accum_t = learning
+        held = n * ht * e + v * ht * (accum_t if teacher_rows < n or not accum_t else e)
+        rounded = teacher_rows * v * e if max(e, 4) != e else 0
+        return held + rounded + peak_bytes(n, v, hs, e, rows, teacher_rows, form=form, accum_bytes=accum_bytes)
     logit = max(e, 4)
     apart = logit != e and form == "topk"  # dL/ds in a buffer of its own (else in s's bytes, or over s)
     logits = rows * v * logit + (teacher_rows * v * logit if form == "heads" else 0) + (rows * v * e if apart else 0)
