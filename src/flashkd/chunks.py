@@ -575,13 +575,13 @@ def _chunk_loop(xs, ws, bs, y, rw, teacher, plan: Plan, want_dx, want_dw, want_d
     accum = plan.grad_accum_dtype if n > plan.chunk else ws.dtype
     dws = torch.zeros(ws.shape, device=device, dtype=ws.dtype) if want_dw and n == 0 else None
     dbs = torch.zeros(v, **f32) if want_db else None
-    if teacher_grad:  # the learning teacher's, as the student's (`learns`)
+    if teacher_grad:  # the learning teacher's [dxt, dwt, dbt], as the student's (`learns`); 0 without dL/dt
         xt, wt, bt = teacher
-        new = torch.empty_like if learn and n else torch.zeros_like
-        dxt = new(xt, memory_format=torch.contiguous_format) if want_dxt else None
-        accum_t = plan.grad_accum_dtype if n > plan.teacher_chunk else wt.dtype
-        dwt = torch.zeros(wt.shape, device=device, dtype=wt.dtype) if want_dwt and not (learn and n) else None
-        dbt = torch.zeros(v, **f32) if want_dbt else None
+        new, filled = (torch.empty, True) if learn and n else (torch.zeros, False)  # filled by the blocks' GEMMs
+        accum_t = plan.grad_accum_dtype if n > plan.teacher_chunk and filled else wt.dtype
+        learner = (new(xt.shape, device=device, dtype=xt.dtype) if want_dxt else None,
+                   new(wt.shape, device=device, dtype=accum_t) if want_dwt else None,
+                   torch.zeros(v, **f32) if want_dbt else None)
     cute = _cute_fits(plan, xs, ws, bs, teacher, y is not None, grad)
     if cute:
         from .backends import cute_gemm, triton_rows
@@ -626,20 +626,8 @@ def _chunk_loop(xs, ws, bs, y, rw, teacher, plan: Plan, want_dx, want_dw, want_d
             if learn:
                 out["teacher_grad"] = True  # dL/dt written over t (`torch_rows.rows`)
             soft, hard, *extra = rows(s_b, t, None if y is None else y[b], spec, row_scale, grad, plan.stats, **out)
-            if learn:  # the teacher's GEMMs, as the student's below: dXt[b] = dT Wt, dWt += dTᵀ Xt[b], dbt += Σ dT
-                dt = t.to(wt.dtype)  # rounded once to the inputs' dtype for the GEMMs, as dL/ds is
-                if want_dxt:
-                    torch.mm(dt, wt, out=dxt[b])
-                if want_dwt:
-                    # ignored rows' dT is 0, and their hidden states zeroed, as the student's: no 0 · NaN
-                    xt_b = xt[b] if y is None else torch.where((y[b] != spec.ignore_index)[:, None], xt[b], 0.0)
-                    if sub == 0:
-                        dwt = torch.empty(wt.shape, device=device, dtype=accum_t)
-                    accumulate_mm(dwt, dt.t(), xt_b, beta=0.0 if sub == 0 else 1.0)
-                    del xt_b
-                if want_dbt:
-                    dbt += t.sum(0, dtype=dbt.dtype)
-                del dt
+            if learn:
+                _teacher_gemms(learner, t, xt, wt, b, None if y is None else y[b] != spec.ignore_index)
             if rw is not None:
                 soft, hard = soft * rw[b], hard * rw[b]
             soft_sum += soft.sum()
@@ -696,8 +684,24 @@ def _chunk_loop(xs, ws, bs, y, rw, teacher, plan: Plan, want_dx, want_dw, want_d
         logged += (soft_sum, hard_sum, count, entropy_sum, mass_sum, teacher_entropy_sum, per_teacher)
     if not teacher_grad:
         return logged, dxs, dws, dbs
-    dwt = None if dwt is None else dwt.to(wt.dtype)
-    return logged, dxs, dws, dbs, dxt, dwt, None if dbt is None else dbt.to(bt.dtype)
+    dxt, dwt, dbt = learner
+    return logged, dxs, dws, dbs, dxt, None if dwt is None else dwt.to(wt.dtype), None if dbt is None else dbt.to(bt.dtype)
+
+
+def _teacher_gemms(grads, t, xt, wt, b: slice, counted) -> None:
+    """A learning teacher's block b, as the student's chunk: t holds dL/dt (`torch_rows.rows`), and
+    dXt[b] = dT Wt, dWt += dTᵀ Xt[b] (its accumulator written, not read, at the first block), dbt += Σ_rows
+    dT, into grads = (dxt, dwt, dbt) (None: not wanted). counted: the block's rows whose label is not ignored."""
+    dxt, dwt, dbt = grads
+    dt = t.to(wt.dtype)  # rounded once to the inputs' dtype for the GEMMs, as dL/ds is
+    if dxt is not None:
+        torch.mm(dt, wt, out=dxt[b])
+    if dwt is not None:
+        # ignored rows' dT is 0, and their hidden states zeroed, as the student's: no 0 · NaN in dWt
+        x = xt[b] if counted is None else torch.where(counted[:, None], xt[b], 0.0)
+        accumulate_mm(dwt, dt.t(), x, beta=0.0 if b.start == 0 else 1.0)
+    if dbt is not None:
+        dbt += t.sum(0, dtype=dbt.dtype)
 
 
 def _rows(plan: Plan):
