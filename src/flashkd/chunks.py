@@ -56,8 +56,9 @@ else E: the logits' element size):
              (`peak_bytes`; without dW wanted, V·Hs terms are 0)
     a learning teacher (losses.LEARNING_LOSSES, teacher tensors requiring grad; always the torch rows), on top:
              N·Ht·E (dXt) + V·Ht·A (dWt accumulator; A = E when all rows fit one block) + V·4 (dbt), held for
-             the loop, + Rt·V·E for a block's dL/dT rounded to the inputs' dtype when L ≠ E; its autograd
-             temporaries are the torch rows' (`peak_bytes(..., learning=(Ht, A))`, the bias's V·4 left out)
+             the loop, + Rt·V·E for a block's dL/dT rounded to the inputs' dtype when L ≠ E (an upper bound:
+             made once the rows' temporaries are freed); no autograd temporaries beyond the loss's own with a
+             constant teacher (co_jeffreys: jeffreys' peak; mutual: less). `peak_bytes(..., learning=(Ht, A))`
 The default plan (triton) keeps R·V·L + Rt·V·L within 1 GiB, in equal chunks with R = Rt; or, when that
 takes more than one chunk and the weight's gradient is wanted, all N rows in one chunk (with teacher
 heads, their logits in two blocks of ceil(N/2) rows) if its peak is no higher: its dW is then one
