@@ -195,7 +195,7 @@ def _divergence(q, p, loss, beta, alpha=0.1, head_mass=0.5, *, logs=None, gate=(
     log p) where the caller has them (a probability 0 there is −inf exactly: the powers below are taken
     as exp of their logs, whose gradient at 0 is 0, not 0 · inf); labels: each row's class (dkd)."""
     if loss in ("jeffreys", "alpha_divergence", "renyi", "renyi_reverse", "ab_divergence", "triangular",
-                "entropy_adaptive", "dkd"):
+                "entropy_adaptive", "dkd", "mutual", "co_jeffreys"):
         lq, lp = logs if logs is not None else (torch.log(q), torch.log(p))
         return _power_divergence(q, p, lq, lp, loss, alpha, beta, gate, labels)
 
@@ -252,8 +252,10 @@ def _power_divergence(q, p, lq, lp, loss, alpha, beta, gate, labels):
                 t = t + e * torch.where(lz == -math.inf, 0.0, lz)
         return torch.exp(torch.where(zero, -math.inf, torch.where(inf, math.inf, t))).sum(-1)
 
-    if loss == "jeffreys":
+    if loss in ("jeffreys", "co_jeffreys"):  # co_jeffreys: the same, differentiated on both sides
         return kl(p, q, lp, lq) + kl(q, p, lq, lp)
+    if loss == "mutual":  # each side's KL toward the other's detached distribution (Jeffreys' value)
+        return kl(p.detach(), q, lp.detach(), lq) + kl(q.detach(), p, lq.detach(), lp)
     if loss == "triangular":
         both = (p + q) > 0
         return torch.where(both, (p - q) ** 2 / torch.where(both, p + q, 1.0), 0.0).sum(-1)

@@ -27,6 +27,8 @@ Three input forms of the teacher share one chunk loop:
         for each block b of Rt rows of c:
             T = the teacher's block for b           only when the soft term is wanted
             soft, hard = backend.rows(S[b], T, ...) dL/dS[b] written (rounded to the inputs' dtype)
+            a learning teacher (`learns`): dL/dT written over T too, then dXt[b] = dT @ Wt;  dWt += dT^T @ Xt[b];
+                                              dbt += Σ_rows dT   (two more GEMMs; losses.LEARNING_LOSSES)
         dXs[c] = dS @ Ws;  dWs += dS^T @ Xs[c] (fp32);  dbs += Σ_rows dS (fp32)
     loss = scale · (w_hard Σ hard + w_soft Σ soft);   backward multiplies the saved grads by grad_output
 
@@ -52,6 +54,11 @@ else E: the logits' element size):
                          is moved out of them, freeing S before dW is made, where V·Hs·E > R·V·E)
              chunks      N·Hs·E + max(logits + V·Hs·A,  V·Hs·(A + E))    (second term only when A ≠ E)
              (`peak_bytes`; without dW wanted, V·Hs terms are 0)
+    a learning teacher (losses.LEARNING_LOSSES, teacher tensors requiring grad; always the torch rows), on top:
+             N·Ht·E (dXt) + V·Ht·A (dWt accumulator; A = E when all rows fit one block) + V·4 (dbt), held for
+             the loop, + Rt·V·E for a block's dL/dT rounded to the inputs' dtype when L ≠ E (an upper bound:
+             made once the rows' temporaries are freed); no autograd temporaries beyond the loss's own with a
+             constant teacher (co_jeffreys: jeffreys' peak; mutual: less). `peak_bytes(..., learning=(Ht, A))`
 The default plan (triton) keeps R·V·L + Rt·V·L within 1 GiB, in equal chunks with R = Rt; or, when that
 takes more than one chunk and the weight's gradient is wanted, all N rows in one chunk (with teacher
 heads, their logits in two blocks of ceil(N/2) rows) if its peak is no higher: its dW is then one
@@ -79,8 +86,8 @@ from typing import ClassVar
 import torch
 
 from . import fp8
-from .losses import (LABEL_LOSSES, DistillStats, LossSpec, VocabSlice, check_finite_float, check_ignore_index,
-                     loss_parameters)
+from .losses import (LABEL_LOSSES, LEARNING_LOSSES, DistillStats, LossSpec, VocabSlice, check_finite_float,
+                     check_ignore_index, loss_parameters)
 from .backends import torch_rows
 
 # Default memory for one chunk's logits. Bigger chunks make the GEMMs more efficient; past a few
@@ -111,6 +118,8 @@ class Plan:
     # and the fp32 dW's chunk GEMMs (`flashkd.backends.cute_gemm`), where `_cute_fits`; else (and "cublas")
     # torch.mm
     gemm: str = "cublas"
+    # the teacher learns (`learns`): its heads' tensors are the autograd function's differentiable inputs
+    learns: bool = False
 
 
 
@@ -409,12 +418,14 @@ def run(call: Call, rows: Rows, vocab: VocabSlice | None = None):
                                       teacher[0].shape[-1] if form == "heads" else 0)
     rw = check_row_weight(call.student.row_weight, xs, call.student.student_input)
     stats = options.return_stats
-    if form == "heads":
+    learning = learns(call, teacher, vocab)
+    if form == "heads" and not learning:  # (a learning teacher with teacher_precision is refused by `learns`)
         teacher = _teacher_head(teacher, options.teacher_precision)
     index, teachers = check_teacher_index(call, rows) if form == "topk" else (None, 0)
     gemm = "cute" if backend == "triton" and (options.backend == "cute" or (
         options.backend == "auto" and form == "heads" and spec.kind in AUTO_CUTE_LOSSES and _cute_here(xs))) else "cublas"
-    plan = Plan(spec, chunk, backend, grad_accum_dtype, form, teacher_chunk, stats, vocab, index, teachers, gemm)
+    plan = Plan(spec, chunk, backend, grad_accum_dtype, form, teacher_chunk, stats, vocab, index, teachers, gemm,
+                learning)
     loss_, soft, hard, *sums = apply(xs, ws, bs, y, rw, plan, *teacher)
     out = (loss_, soft, hard) if options.return_soft_hard_loss else (loss_,)
     if stats:
@@ -422,6 +433,32 @@ def run(call: Call, rows: Rows, vocab: VocabSlice | None = None):
         out += (DistillStats(*sums[:4], *topk),)
     return out if len(out) > 1 else loss_
 
+
+
+def learns(call: Call, teacher: tuple, vocab=None) -> bool:
+    """Whether the call's teacher learns: a loss of LEARNING_LOSSES, in grad mode, on teacher tensors of
+    which one requires grad; their gradients then come from the same pass as the student's (two more
+    GEMMs a block). For every other loss the teacher is a constant, whatever it requires. Where such a
+    teacher cannot learn (dense logits, an FP8 head, a vocab slice) the call is refused, not silently
+    given a constant teacher."""
+    if call.spec.kind not in LEARNING_LOSSES or not torch.is_grad_enabled():
+        return False
+    if not any(isinstance(x, torch.Tensor) and x.requires_grad for x in teacher):
+        return False
+    loss = f"loss={call.spec.loss!r}"
+    if call.teacher.form == "logits":
+        raise ValueError(f"teacher_logits: {loss} gives the teacher a gradient, which the dense-logits form does not "
+                         "(its N x V gradient is what the fused losses never hold); got teacher_logits that require "
+                         "grad. Pass the teacher's hidden states and head to flashkd.fused_linear_distill, or "
+                         "teacher_logits.detach() for a constant teacher")
+    if call.options.teacher_precision is not None:
+        raise ValueError(f"teacher_precision: expected None with {loss} and a teacher that requires grad (an FP8 "
+                         f"head has no gradient), got {call.options.teacher_precision!r}")
+    if vocab is not None:
+        raise ValueError(f"process_group: {loss} with a teacher that requires grad runs on one process only (its "
+                         "gradients over a vocab slice are not summed over the group); detach the teacher's "
+                         "tensors, or call without process_group")
+    return True
 
 
 def apply(xs, ws, bs, y, rw, plan, *teacher):
@@ -434,7 +471,7 @@ def apply(xs, ws, bs, y, rw, plan, *teacher):
 
 def _apply(xs, ws, bs, y, rw, plan, *teacher):
     with autocast_off(xs.device):
-        if torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in (xs, ws, bs)):
+        if plan.learns or (torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in (xs, ws, bs))):
             return _FusedDistill.apply(xs, ws, bs, y, rw, plan, *teacher)
         # Evaluation: no autograd node, and no gradient work at all. The teacher is a constant: without
         # no_grad a teacher that requires grad would get a graph through every chunk's logits (and a grad).
@@ -475,8 +512,13 @@ class _FusedDistill(torch.autograd.Function):
     @staticmethod
     def forward(ctx, xs, ws, bs, y, rw, plan: Plan, *teacher):
         want_dx, want_dw, want_db = ctx.needs_input_grad[:3]
-        (loss, *logged), dxs, dws, dbs = _chunk_loop(xs, ws, bs, y, rw, teacher, plan, want_dx, want_dw, want_db)
-        ctx.save_for_backward(dxs, dws, dbs)
+        # A learning teacher's (xt, wt, bt) get gradients as the student's do; any other teacher is a constant
+        # (None below, whatever it requires). A head passed as both (self-distillation) is two inputs here:
+        # autograd sums their gradients, the teacher's None adding nothing.
+        want_teacher = ctx.needs_input_grad[6:] if plan.learns else (False,) * len(teacher)
+        (loss, *logged), *grads = _chunk_loop(xs, ws, bs, y, rw, teacher, plan, want_dx, want_dw, want_db,
+                                              want_teacher)
+        ctx.save_for_backward(*grads)
         ctx.num_teacher = len(teacher)
         ctx.backend = plan.backend
         ctx.mark_non_differentiable(*logged)
@@ -499,15 +541,20 @@ class _FusedDistill(torch.autograd.Function):
             grads = tuple(None if g is None else triton_rows.scale_(g, grad_loss) for g in ctx.saved_tensors)
         else:
             grads = tuple(None if g is None else g.mul_(grad_loss) for g in ctx.saved_tensors)
-        return (*grads, None, None, None, *(None,) * ctx.num_teacher)
+        return (*grads[:3], None, None, None, *grads[3:], *(None,) * (ctx.num_teacher - len(grads[3:])))
 
 
-def _chunk_loop(xs, ws, bs, y, rw, teacher, plan: Plan, want_dx, want_dw, want_db):
-    """((loss, soft, hard, *sums of DistillStats when plan.stats), dxs, dws, dbs)."""
+def _chunk_loop(xs, ws, bs, y, rw, teacher, plan: Plan, want_dx, want_dw, want_db, want_teacher=()):
+    """((loss, soft, hard, *sums of DistillStats when plan.stats), dxs, dws, dbs), and dxt, dwt, dbt after
+    them where want_teacher (a learning teacher's three) asks for any."""
     spec = plan.spec
     n, v = xs.shape[0], ws.shape[0]
     rows = _rows(plan)
-    grad = want_dx or want_dw or want_db
+    want_dxt, want_dwt, want_dbt = tuple(want_teacher) + (False,) * (3 - len(want_teacher))
+    teacher_grad = any(want_teacher)
+    # dL/dt from the rows, where there is a soft term (else the teacher's gradient is 0)
+    learn = teacher_grad and spec.want_soft
+    grad = want_dx or want_dw or want_db or learn
     device = xs.device
     # Loss math and accumulators in fp32, or fp64 for fp64 inputs (which float64 gradcheck relies on).
     f32 = dict(device=device, dtype=torch.promote_types(xs.dtype, torch.float32))
@@ -531,6 +578,13 @@ def _chunk_loop(xs, ws, bs, y, rw, teacher, plan: Plan, want_dx, want_dw, want_d
     accum = plan.grad_accum_dtype if n > plan.chunk else ws.dtype
     dws = torch.zeros(ws.shape, device=device, dtype=ws.dtype) if want_dw and n == 0 else None
     dbs = torch.zeros(v, **f32) if want_db else None
+    if teacher_grad:  # the learning teacher's [dxt, dwt, dbt], as the student's (`learns`); 0 without dL/dt
+        xt, wt, bt = teacher
+        new, filled = (torch.empty, True) if learn and n else (torch.zeros, False)  # filled by the blocks' GEMMs
+        accum_t = plan.grad_accum_dtype if n > plan.teacher_chunk and filled else wt.dtype
+        learner = (new(xt.shape, device=device, dtype=xt.dtype) if want_dxt else None,
+                   new(wt.shape, device=device, dtype=accum_t) if want_dwt else None,
+                   torch.zeros(v, **f32) if want_dbt else None)
     cute = _cute_fits(plan, xs, ws, bs, teacher, y is not None, grad)
     if cute:
         from .backends import cute_gemm, triton_rows
@@ -572,7 +626,11 @@ def _chunk_loop(xs, ws, bs, y, rw, teacher, plan: Plan, want_dx, want_dw, want_d
             out = {} if ds is None else {"ds": ds[in_c]}
             if tiles is not None:
                 out["tiles"] = tiles[:, in_c]
+            if learn:
+                out["teacher_grad"] = True  # dL/dt written over t (`torch_rows.rows`)
             soft, hard, *extra = rows(s_b, t, None if y is None else y[b], spec, row_scale, grad, plan.stats, **out)
+            if learn:
+                _teacher_gemms(learner, t, xt, wt, b, None if y is None else y[b] != spec.ignore_index)
             if rw is not None:
                 soft, hard = soft * rw[b], hard * rw[b]
             soft_sum += soft.sum()
@@ -627,7 +685,26 @@ def _chunk_loop(xs, ws, bs, y, rw, teacher, plan: Plan, want_dx, want_dw, want_d
     if plan.stats:
         count = torch.full((), n, device=device) if y is None else (y != spec.ignore_index).sum()
         logged += (soft_sum, hard_sum, count, entropy_sum, mass_sum, teacher_entropy_sum, per_teacher)
-    return logged, dxs, dws, dbs
+    if not teacher_grad:
+        return logged, dxs, dws, dbs
+    dxt, dwt, dbt = learner
+    return logged, dxs, dws, dbs, dxt, None if dwt is None else dwt.to(wt.dtype), None if dbt is None else dbt.to(bt.dtype)
+
+
+def _teacher_gemms(grads, t, xt, wt, b: slice, counted) -> None:
+    """A learning teacher's block b, as the student's chunk: t holds dL/dt (`torch_rows.rows`), and
+    dXt[b] = dT Wt, dWt += dTᵀ Xt[b] (its accumulator written, not read, at the first block), dbt += Σ_rows
+    dT, into grads = (dxt, dwt, dbt) (None: not wanted). counted: the block's rows whose label is not ignored."""
+    dxt, dwt, dbt = grads
+    dt = t.to(wt.dtype)  # rounded once to the inputs' dtype for the GEMMs, as dL/ds is
+    if dxt is not None:
+        torch.mm(dt, wt, out=dxt[b])
+    if dwt is not None:
+        # ignored rows' dT is 0, and their hidden states zeroed, as the student's: no 0 · NaN in dWt
+        x = xt[b] if counted is None else torch.where(counted[:, None], xt[b], 0.0)
+        accumulate_mm(dwt, dt.t(), x, beta=0.0 if b.start == 0 else 1.0)
+    if dbt is not None:
+        dbt += t.sum(0, dtype=dbt.dtype)
 
 
 def _rows(plan: Plan):
@@ -753,8 +830,9 @@ def pick_backend(backend, x, loss=None):
 
 # The losses whose dense rows have no Triton kernel (`triton_rows.KERNEL_LOSSES` are the others): every
 # backend runs them on the torch rows. AKL's head needs an order of the row's p (`losses.akl_head`); the
-# entropy-gated blend and DKD have no kernel yet (docs/divergences.md).
-TORCH_ROW_LOSSES = ("akl", "entropy_adaptive", "dkd")
+# entropy-gated blend and DKD have no kernel yet (docs/divergences.md); a learning teacher's (LEARNING_LOSSES)
+# dL/dt is autograd's on the torch rows, beside dL/ds.
+TORCH_ROW_LOSSES = ("akl", "entropy_adaptive", "dkd", *LEARNING_LOSSES)
 
 
 # The losses "auto" runs with the CuTe DSL logits GEMMs where they fit (`_cute_fits`: of these, forward KL
@@ -854,11 +932,18 @@ def accum_share(rows, v, hs, ht, accum_bytes) -> float:
     return 2 * v * hs * accum_bytes * ACCUM_BALANCE / (2 * rows * v * (3 * hs + ht))
 
 
-def peak_bytes(n, v, hs, e, rows, teacher_rows, *, form, accum_bytes) -> int:
+def peak_bytes(n, v, hs, e, rows, teacher_rows, *, form, accum_bytes, learning=None) -> int:
     """Peak extra bytes of a plan, as the module's doc gives them (e: bytes of an input element, a
     logit L = max(e, 4) (`logit_size`), accum_bytes: of a dW accumulator element, 0 when dW is not
     wanted; the bias grad's V fp32 left out). Narrow inputs (L ≠ e) hold the chunk's dL/ds in their
-    dtype inside its fp32 logits' bytes, or beside them for a top-k teacher."""
+    dtype inside its fp32 logits' bytes, or beside them for a top-k teacher. learning: (Ht, A) of a
+    learning teacher (`learns`), A the bytes of its dWt accumulator's element (0: dWt not wanted); its
+    gradients are held beside everything else, so they add to the peak."""
+    if learning:
+        ht, accum_t = learning
+        held = n * ht * e + v * ht * (accum_t if teacher_rows < n or not accum_t else e)
+        rounded = teacher_rows * v * e if max(e, 4) != e else 0
+        return held + rounded + peak_bytes(n, v, hs, e, rows, teacher_rows, form=form, accum_bytes=accum_bytes)
     logit = max(e, 4)
     apart = logit != e and form == "topk"  # dL/ds in a buffer of its own (else in s's bytes, or over s)
     logits = rows * v * logit + (teacher_rows * v * logit if form == "heads" else 0) + (rows * v * e if apart else 0)

@@ -79,8 +79,9 @@ def fused_linear_distill(
     (1 − w) KL(q‖p), w = gate_min + (gate_max − gate_min) · sigmoid((H(p)/log n − gate_center)/gate_width)
     from the teacher's normalised entropy, not differentiated), "dkd" (decoupled KD: α KL of the label's
     mass (p_y, 1 − p_y) ‖ (q_y, 1 − q_y) + β KL among the other ids, each side renormalised; needs
-    labels). q and p are the student's and teacher's softmax at temperature τ. AKL and the losses after
-    it run on the torch rows on every backend for now. Formulas, sources and costs: docs/divergences.md.
+    labels); "mutual" and "co_jeffreys" (KL(p‖q) + KL(q‖p), with a teacher that learns too: below). q and
+    p are the student's and teacher's softmax at temperature τ. AKL and the losses after it run on the
+    torch rows on every backend for now. Formulas, sources and costs: docs/divergences.md.
     beta, alpha, head_mass, gate_min, gate_max, gate_center, gate_width: the losses' own parameters
     (`flashkd.losses.PARAMETERS`: the losses that read each, their defaults and ranges); None (the
     default) takes the loss's default (β 0.5 for jsd, cosine and ab_divergence, 8 for dkd; α 0.1 for the
@@ -93,7 +94,13 @@ def fused_linear_distill(
     `return_soft_hard_loss` — `soft` and `hard` are the two terms before their weights, detached, for
     logging. With `return_stats` a `flashkd.DistillStats` comes last: `(loss, stats)`, or
     `(loss, soft, hard, stats)` with both. Gradients flow to `student_input`, `student_weight` and
-    `student_bias`; the teacher is a constant (no graph through it, whatever it requires). Rows whose
+    `student_bias`; the teacher is a constant (no graph through it, whatever it requires), but for
+    loss="mutual" and "co_jeffreys", whose teacher learns: where `teacher_input`, `teacher_weight` or
+    `teacher_bias` require grad (in grad mode) they get their gradients from the same pass (mutual: each
+    side's gradient that of its KL toward the other's detached distribution, KL(p̄‖q) for the student and
+    KL(q̄‖p) for the teacher; co_jeffreys: Jeffreys' own on both sides; both report Jeffreys' value). A
+    head passed as both student_weight and teacher_weight (self-distillation) gets both sides' gradients
+    summed where the teacher learns, the student's alone otherwise. docs/divergences.md. Rows whose
     label is `ignore_index` contribute nothing, NaN or inf in them included. The gradients are first
     order only: a backward with create_graph=True (double backward) raises RuntimeError. torch.autocast
     changes nothing: the GEMMs run in the inputs' dtype (cast them first for autocast's, as
@@ -198,7 +205,9 @@ def fused_linear_distill_logits(
     at a time (its leading dims must flatten to rows without a copy, as a view: any row stride; a vocab
     stride other than 1 is copied per chunk; other layouts are refused, not copied whole). With more
     than V columns (a padded head) pass vocab_size=V, as for `fused_linear_distill`'s teacher_weight:
-    its columns >= V are dropped. The teacher gets no gradient. `teacher_logit_scale` and
+    its columns >= V are dropped. The teacher gets no gradient: loss="mutual" or "co_jeffreys" with
+    teacher_logits that require grad (in grad mode) is refused (ValueError; their gradient would be
+    N x V), pass the teacher's hidden states and head to `fused_linear_distill`. `teacher_logit_scale` and
     `teacher_softcap` transform `teacher_logits` as given: an HF model's `.logits` already include
     its own scale and softcap, so leave them at their defaults for those. With `process_group`,
     `teacher_logits` are the columns of this rank's vocab slice.
@@ -268,8 +277,8 @@ def fused_linear_distill_topk(
     p is known at K ids per row. tail="bucket": both become distributions over K + 1 categories, the
     K ids and one bucket for the rest of the vocab (p_rest = max(1 − Σ p, 0), q_rest = 1 − Σ q);
     tail="renormalize": both are renormalised over the K ids. The loss (any of `fused_linear_distill`'s
-    but "cosine", which needs the teacher's logits, and "dkd", which needs the teacher's probability at
-    the label: both refused) is the dense one over those categories; CE mixing, ignore_index, reduction
+    but "cosine", which needs the teacher's logits, "dkd", which needs the teacher's probability at
+    the label, and "mutual" / "co_jeffreys", whose teacher learns through its head: all refused) is the dense one over those categories; CE mixing, ignore_index, reduction
     and the gradients are those of `fused_linear_distill`. Exact formulas: `flashkd.losses.topk_row_losses`.
 
     Temperature: `temperature` divides the student's logits only; `teacher_logprobs` are taken as the

@@ -42,6 +42,8 @@ Per row, with temperature τ, student logits a, teacher logits b, q = softmax(a/
       adaptive    w = w_min + (w_max − w_min) σ((H(p)/log n − c) / s), the teacher's alone (a constant)
     dkd (α, β)    α KL((p_y, 1−p_y) ‖ (q_y, 1−q_y))       α (q_y − p_y)/(1 − q_y) · (e_y − q) / τ
                   + β KL(p̂ ‖ q̂), p̂ = p off y / (1 − p_y)    + β (q̂ − p̂) / τ   (0 at y; y the label)
+    mutual        KL(p‖q) + KL(q‖p)  (Jeffreys' value)    (q − p) / τ: forward_kl's;   the teacher's dL/db = (p − q) / τ
+    co_jeffreys   KL(p‖q) + KL(q‖p)                       jeffreys';   the teacher's dL/db: Jeffreys' own w.r.t. b
 
 Skew KL is JSD(β = α)'s first piece and skew reverse KL JSD(β = 1 − α)'s second, each alone (DistiLLM,
 α = 0.1 there); their gradients are the chain rule through q = softmax(a/τ) of dL/dq = g. At α = 0 they
@@ -60,9 +62,17 @@ elsewhere); Rényi's log S as log1p(S − 1) with S − 1 from those same terms 
 logsumexp (`renyi`); the KLs of the entropy blend and of DKD as sums of the terms p log(p/q) − p + q
 ≥ 0 (`_kl_terms`). An id where one side is 0 gives these their limits (finite for Amari's, the
 αβ and the triangular; +inf where the formula is infinite: Jeffreys, Rényi of order ≥ 1 where q = 0).
-Orda's "skew JS" of β, (1 − β) KL(p‖M) + β KL(q‖M) with M = (1 − β) p + β q, is jsd with beta = 1 − β;
-"mutual" and "co-Jeffreys" differ from jeffreys only in the teacher's gradient, which flashkd never
-takes (the teacher is a constant): "mutual"'s student gradient is forward_kl's.
+Orda's "skew JS" of β, (1 − β) KL(p‖M) + β KL(q‖M) with M = (1 − β) p + β q, is jsd with beta = 1 − β.
+
+The teacher learns from two losses (LEARNING_LOSSES), co-training's (orda-kernel's "mutual" and
+"cojeffreys"): differentiated w.r.t. the teacher's logits b too, where its tensors require grad
+(`flashkd.chunks`; every other loss's teacher is a constant). Both report Jeffreys' value J = KL(p‖q) +
+KL(q‖p). "mutual" is deep mutual learning (Zhang et al. 2018): each side is pulled toward the other's
+distribution taken as a constant, the student by KL(p̄‖q), the teacher by KL(q̄‖p) (a bar: detached), so
+the gradient is forward KL's on each side, dL/da = (q − p)/τ and dL/db = (p − q)/τ; it is not J's
+gradient. "co_jeffreys" differentiates J itself on both sides: the student's gradient is jeffreys', the
+teacher's J's w.r.t. b. Their values are jeffreys' form (`_gap`, no cancellation where p ≈ q); mutual's
+gradients come from a term of value 0 (`_Pull`).
 
 JSD endpoints follow the Liger / TRL convention: β = 0 is forward KL(p‖q), β = 1 is reverse KL(q‖p)
 (not the limit of the formula, which is 0 at both ends). Cosine is invariant to τ.
@@ -100,13 +110,15 @@ import torch
 
 LOSSES = ("jsd", "forward_kl", "reverse_kl", "tvd", "cosine", "skew_kl", "skew_reverse_kl", "akl",
           "jeffreys", "alpha_divergence", "renyi", "renyi_reverse", "ab_divergence", "triangular",
-          "entropy_adaptive", "dkd")
+          "entropy_adaptive", "dkd", "mutual", "co_jeffreys")
 # the losses between distributions (all but cosine)
 DIVERGENCES = tuple(name for name in LOSSES if name != "cosine")
 # the losses that read the labels: the target class (`decoupled_kl`); a top-k teacher does not give p there
 LABEL_LOSSES = ("dkd",)
-# the losses a top-k teacher allows: over its categories
-TOPK_LOSSES = tuple(name for name in DIVERGENCES if name not in LABEL_LOSSES)
+# the losses whose teacher learns too: differentiated w.r.t. the teacher's logits where its tensors require grad
+LEARNING_LOSSES = ("mutual", "co_jeffreys")
+# the losses a top-k teacher allows: over its categories (a learning teacher needs its head)
+TOPK_LOSSES = tuple(name for name in DIVERGENCES if name not in LABEL_LOSSES + LEARNING_LOSSES)
 # The losses whose top-k category math the Triton backend takes from the torch definition
 # (`flashkd.backends.triton_topk`); the dense rows of akl and entropy_adaptive are the torch rows' too
 # (`chunks.TORCH_ROW_LOSSES`), the others' the Triton kernel's
@@ -221,7 +233,10 @@ class LossSpec:
         allowed, teacher = (LOSSES, "") if self.tail is None else (TOPK_LOSSES, " for a top-k teacher")
         if self.loss not in allowed:
             why = (" (it reads the teacher's probability at the label, which a top-k teacher does not give)"
-                   if self.loss in LABEL_LOSSES else "")
+                   if self.loss in LABEL_LOSSES else
+                   " (its teacher learns: the gradient of its logits needs the teacher's hidden states and head, "
+                   "which a top-k teacher does not have; use flashkd.fused_linear_distill)"
+                   if self.loss in LEARNING_LOSSES and self.tail is not None else "")
             raise ValueError(f"loss: expected one of {', '.join(map(repr, allowed))}{teacher}, got {self.loss!r}{why}")
         if self.reduction not in REDUCTIONS:
             raise ValueError(f"reduction: expected 'mean' or 'sum', got {self.reduction!r}")
@@ -741,11 +756,15 @@ def divergence(log_q: torch.Tensor, log_p: torch.Tensor, spec: LossSpec, vocab=N
         return entropy_adaptive(log_q, log_p, spec, vocab)
     if kind == "dkd":
         return decoupled_kl(log_q, log_p, labels, spec.alpha, spec.beta, vocab)
-    if kind in ("jeffreys", "triangular"):
-        gap, log_ratio, present = _gap(log_q, log_p)
-        if kind == "jeffreys":  # Σ (q − p)(log q − log p): every term ≥ 0, none cancels where p ≈ q
-            return (gap * log_ratio).sum(-1)
-        return (gap.square() / torch.where(present, log_p.exp() + log_q.exp(), 1.0)).sum(-1)
+    if kind in ("jeffreys", "co_jeffreys", "mutual", "triangular"):
+        lq, lp = (log_q.detach(), log_p.detach()) if kind == "mutual" else (log_q, log_p)
+        gap, log_ratio, present = _gap(lq, lp)
+        if kind == "triangular":
+            return (gap.square() / torch.where(present, log_p.exp() + log_q.exp(), 1.0)).sum(-1)
+        value = (gap * log_ratio).sum(-1)  # Σ (q − p)(log q − log p): every term ≥ 0, none cancels where p ≈ q
+        if kind == "mutual":  # Jeffreys' value; each side's gradient that of its KL toward the other, detached
+            value = value + _Pull.apply(log_q, lp.exp()) + _Pull.apply(log_p, lq.exp())
+        return value
     if kind == "alpha_divergence":  # Amari: (1 − Σ p^(1−α) q^α) / (α (1 − α)), the teacher p
         return power_terms(log_p, log_q, 1.0 - spec.alpha, spec.alpha).sum(-1)
     if kind == "ab_divergence":  # Cichocki et al.: −Σ (p^α q^β − α/(α+β) p^(α+β) − β/(α+β) q^(α+β)) / (α β)
@@ -764,6 +783,22 @@ def divergence(log_q: torch.Tensor, log_p: torch.Tensor, spec: LossSpec, vocab=N
     beta = spec.beta
     log_m = _log_mixture(log_p, log_q, beta)
     return beta * _plogr(p, log_p - log_m) + (1.0 - beta) * _plogr(q, log_q - log_m)
+
+
+class _Pull(torch.autograd.Function):
+    """0 per row, whose gradient w.r.t. log_x (R, V) is −w: that of KL(w‖x) = Σ w (log w − log x) for a
+    constant target w, without its value (mutual learning's, whose value is Jeffreys'). An x − x.detach()
+    would be NaN where log x is −inf; this is 0 there, and its gradient still −w."""
+
+    @staticmethod
+    def forward(ctx, log_x, w):
+        ctx.save_for_backward(w)
+        return log_x.new_zeros(log_x.shape[:-1])
+
+    @staticmethod
+    def backward(ctx, grad):
+        (w,) = ctx.saved_tensors
+        return -grad[..., None] * w, None
 
 
 def _gap(log_q: torch.Tensor, log_p: torch.Tensor):

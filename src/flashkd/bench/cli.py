@@ -32,7 +32,8 @@ if TYPE_CHECKING:  # imported where they are used, after the arguments are parse
 # FORMS, INPUTS, DTYPES and PRESETS, flashkd.records.protocol MODES, flashkd.fp8 PRECISIONS, and the
 # providers of flashkd.bench.providers.PROVIDERS (a dict others may add to: checked against it in plan()).
 LOSSES = ("jsd", "forward_kl", "reverse_kl", "tvd", "cosine", "skew_kl", "skew_reverse_kl", "akl", "jeffreys",
-          "alpha_divergence", "renyi", "renyi_reverse", "ab_divergence", "triangular", "entropy_adaptive", "dkd")
+          "alpha_divergence", "renyi", "renyi_reverse", "ab_divergence", "triangular", "entropy_adaptive", "dkd",
+          "mutual", "co_jeffreys")
 TAILS = ("bucket", "renormalize")
 FORMS = ("heads", "logits", "topk", "teacher_topk")
 INPUTS = ("bench", "trained")

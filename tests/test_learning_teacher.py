@@ -1,0 +1,320 @@
+"""A teacher that learns: loss="mutual" and loss="co_jeffreys" give the teacher's hidden states, head and bias
+their gradients from the same pass as the student's; every other loss keeps the teacher a constant.
+
+The oracle below is the naive formula over the full logits in float64 with torch autograd, written from
+the definitions (orda-kernel's "mutual" and "cojeffreys"), sharing no code with flashkd.losses:
+    value (both)   J = KL(p‖q) + KL(q‖p),  KL(a‖b) = Σ a (log a − log b)
+    mutual         KL(p̄‖q) + KL(q̄‖p), a bar detached: each side learns toward the other's distribution
+    co_jeffreys    J, both sides differentiated
+with q = softmax(student logits / τ), p = softmax(teacher logits / τ).
+"""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import flashkd
+from conftest import BACKENDS, HAS_TRITON
+from flashkd.losses import LEARNING_LOSSES, LOSSES
+
+N, V, HS, HT, CHUNK = 19, 37, 11, 6, 5
+IGNORED = (2, 11, 12)  # rows whose label is ignore_index; they hold NaN in the inputs
+
+
+def _kl(a, log_a, log_b):
+    return (torch.xlogy(a, a) - a * log_b).sum(-1) if log_a is None else (a * (log_a - log_b)).sum(-1)
+
+
+def oracle(xs, ws, xt, wt, labels=None, *, loss, bs=None, bt=None, temperature=1.0, weight_hard_loss=0.5,
+           weight_soft_loss=0.5, ignore_index=-100, reduction="mean", temperature_squared=False, row_weight=None,
+           vocab_size=None):
+    """The loss of the full logits in float64, differentiable w.r.t. every tensor as the loss defines."""
+    up = lambda x: None if x is None else x.double()  # noqa: E731
+    xs, ws, bs, xt, wt, bt = map(up, (xs, ws, bs, xt, wt, bt))
+    v = ws.shape[0]
+    xs, xt = xs.reshape(-1, xs.shape[-1]), xt.reshape(-1, xt.shape[-1])
+    keep = torch.ones(xs.shape[0], dtype=torch.bool) if labels is None else labels.reshape(-1) != ignore_index
+    rows = keep.nonzero()[:, 0]  # ignored rows never enter the math (their NaN included)
+    s = xs[rows] @ ws.T + (0 if bs is None else bs)
+    t = xt[rows] @ wt[:v].T + (0 if bt is None else bt[:v])
+    if loss not in LEARNING_LOSSES:
+        t = t.detach()  # every other loss: the teacher is a constant
+    log_q, log_p = F.log_softmax(s / temperature, -1), F.log_softmax(t / temperature, -1)
+    q, p = log_q.exp(), log_p.exp()
+    if loss == "mutual":
+        soft = _kl(p.detach(), log_p.detach(), log_q) + _kl(q.detach(), log_q.detach(), log_p)
+    elif loss in ("co_jeffreys", "jeffreys"):
+        soft = _kl(p, log_p, log_q) + _kl(q, log_q, log_p)
+    elif loss == "jsd":  # β = 0.5
+        log_m = torch.log(0.5 * (p + q))
+        soft = 0.5 * _kl(p, log_p, log_m) + 0.5 * _kl(q, log_q, log_m)
+    else:
+        raise ValueError(loss)
+    if temperature_squared:
+        soft = soft * temperature**2
+    hard = s.new_zeros(len(rows)) if labels is None else F.cross_entropy(s, labels.reshape(-1)[rows], reduction="none")
+    if row_weight is not None:
+        w = row_weight.reshape(-1)[rows].double()
+        soft, hard = soft * w, hard * w
+    total = weight_hard_loss * hard.sum() + weight_soft_loss * soft.sum()
+    return total / max(len(rows), 1) if reduction == "mean" else total
+
+
+def make(seed, dtype=torch.float64, vt=V, bias=False):
+    g = torch.Generator().manual_seed(seed)
+    r = lambda *shape: torch.randn(*shape, generator=g, dtype=torch.float64).to(dtype)  # noqa: E731
+    xs, ws, xt, wt = r(N, HS), r(V, HS) / 2, r(N, HT), r(vt, HT) / 2
+    labels = torch.randint(0, V, (N,), generator=g)
+    labels[list(IGNORED)] = -100
+    xs[IGNORED[0]], xt[IGNORED[1]] = torch.nan, torch.inf  # padding: whatever it holds, it adds nothing
+    bs, bt = (r(V), r(vt)) if bias else (None, None)
+    return dict(xs=xs, ws=ws, bs=bs, xt=xt, wt=wt, bt=bt), labels
+
+
+LEAVES = ("xs", "ws", "bs", "xt", "wt", "bt")
+
+
+def leaves(tensors):
+    return {k: None if x is None else x.clone().requires_grad_() for k, x in tensors.items()}
+
+
+def run_flashkd(t, labels, **opts):
+    return flashkd.fused_linear_distill(t["xs"], t["ws"], t["xt"], t["wt"], labels, student_bias=t["bs"],
+                                        teacher_bias=t["bt"], chunk_size=CHUNK, **opts)
+
+
+def run_oracle(t, labels, **opts):
+    opts.pop("backend", None)
+    return oracle(t["xs"], t["ws"], t["xt"], t["wt"], labels, bs=t["bs"], bt=t["bt"], **opts)
+
+
+def grads_of(out, t):
+    names = [k for k in LEAVES if t[k] is not None]
+    return dict(zip(names, torch.autograd.grad(out, [t[k] for k in names], allow_unused=True)))
+
+
+OPTIONS = {
+    "plain": {},
+    "tau": dict(temperature=1.7, temperature_squared=True),
+    "row_weight": dict(row_weight="draw"),
+    "sum": dict(reduction="sum", weight_hard_loss=0.3, weight_soft_loss=1.2),
+    "soft_only": dict(weight_hard_loss=0.0, weight_soft_loss=1.0, labels=None),
+    "bias": dict(bias=True, temperature=0.8),
+    "padded": dict(vt=V + 4, vocab_size=V, bias=True),
+    "no_soft": dict(weight_soft_loss=0.0),  # the teacher's gradient is 0 there
+}
+
+
+def case(seed, option, dtype=torch.float64):
+    opts = dict(OPTIONS[option])
+    tensors, labels = make(seed, dtype, vt=opts.pop("vt", V), bias=opts.pop("bias", False))
+    if "labels" in opts:
+        labels = opts.pop("labels")
+        for k in ("xs", "xt"):  # every row counts: no NaN padding
+            tensors[k] = torch.nan_to_num(tensors[k], nan=0.5, posinf=0.5)
+    if opts.get("row_weight") == "draw":
+        opts["row_weight"] = torch.rand(N, generator=torch.Generator().manual_seed(seed + 1), dtype=dtype) * 2 - 0.5
+    return tensors, labels, opts
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("loss", LEARNING_LOSSES)
+@pytest.mark.parametrize("option", list(OPTIONS))
+def test_value_and_all_six_gradients(loss, option, backend, seed):
+    tensors, labels, opts = case(seed, option)
+    mine, ref = leaves(tensors), leaves(tensors)
+    out = run_flashkd(mine, labels, loss=loss, backend=backend, **opts)
+    want = run_oracle(ref, labels, loss=loss, **opts)
+    torch.testing.assert_close(out, want)
+    got, truth = grads_of(out, mine), grads_of(want, ref)
+    assert set(got) == set(truth) and {"xt", "wt"} <= set(got)
+    for name in got:
+        assert got[name] is not None, name
+        torch.testing.assert_close(got[name], truth[name], msg=lambda m: f"d{name}: {m}")
+    if option == "no_soft":
+        assert all(not got[k].any() for k in ("xt", "wt", "bt") if k in got)
+    else:
+        assert got["xt"].abs().sum() > 0 and got["wt"].abs().sum() > 0
+    if labels is not None:
+        assert not got["xt"][list(IGNORED)].any()  # ignored rows: zero, their NaN kept out
+
+
+@pytest.mark.parametrize("loss", LEARNING_LOSSES)
+def test_mutual_and_co_jeffreys_differ_in_gradients_only(loss, seed):
+    """Both report Jeffreys' value; mutual's student gradient is forward KL's, its teacher's the
+    KL toward the student's (detached); co_jeffreys' student gradient is jeffreys'."""
+    tensors, labels, _ = case(seed, "plain")
+    runs = {}
+    for name in ("jeffreys", "forward_kl", loss):
+        t = leaves(tensors)
+        out = run_flashkd(t, labels, loss=name)
+        runs[name] = out.detach(), grads_of(out, t)
+    torch.testing.assert_close(runs[loss][0], runs["jeffreys"][0])
+    like = "forward_kl" if loss == "mutual" else "jeffreys"
+    for k in ("xs", "ws"):
+        torch.testing.assert_close(runs[loss][1][k], runs[like][1][k])
+    other = "jeffreys" if loss == "mutual" else "forward_kl"
+    assert not torch.allclose(runs[loss][1]["xs"], runs[other][1]["xs"])
+
+
+@pytest.mark.parametrize("loss", LEARNING_LOSSES)
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_float32_on_the_torch_rows(loss, backend, seed, monkeypatch):
+    """fp32 inputs: the triton backend routes these losses to the torch rows (no kernel call), and gives the
+    torch backend's results bit for bit; both within fp32 rounding of the float64 oracle."""
+    if HAS_TRITON:
+        from flashkd.backends import triton_rows
+
+        def refuse(*args, **kwargs):
+            raise AssertionError("the Triton row kernel was called")
+
+        monkeypatch.setattr(triton_rows, "rows", refuse)
+    tensors, labels, _ = case(seed, "bias", torch.float32)
+    outs = {}
+    for b in ("torch", backend):
+        t = leaves(tensors)
+        out = run_flashkd(t, labels, loss=loss, backend=b, temperature=0.8)
+        outs[b] = out, grads_of(out, t)
+    out, got = outs[backend]
+    assert out.dtype == torch.float32
+    torch.testing.assert_close(out, outs["torch"][0], rtol=0, atol=0)
+    ref = leaves({k: None if x is None else x.double() for k, x in tensors.items()})
+    want = run_oracle(ref, labels, loss=loss, temperature=0.8)
+    truth = grads_of(want, ref)
+    torch.testing.assert_close(out.double(), want, rtol=5e-7, atol=0)
+    for name in got:
+        torch.testing.assert_close(got[name], outs["torch"][1][name], rtol=0, atol=0)
+        scale = truth[name].abs().max().item()
+        torch.testing.assert_close(got[name].double(), truth[name], rtol=0, atol=2e-6 * scale,
+                                   msg=lambda m: f"d{name}: {m}")
+
+
+@pytest.mark.parametrize("loss", ["mutual", "co_jeffreys", "jsd"])
+def test_shared_head(loss, seed):
+    """Self-distillation from a deeper layer: one head (and bias) for both sides. A learning teacher's
+    head gradient is the sum of both sides'; a constant teacher's (jsd) is the student's alone."""
+    tensors, labels, _ = case(seed, "bias")
+    head, bias = tensors["ws"], tensors["bs"]
+    # the deeper layer's states (a generator of their own: the global one, seeded alike, would repeat xs)
+    xt = torch.randn(N, HS, generator=torch.Generator().manual_seed(seed + 2), dtype=torch.float64)
+    xt[IGNORED[1]] = torch.nan
+
+    def grads(fn):
+        w, b = head.clone().requires_grad_(), bias.clone().requires_grad_()
+        xs_, xt_ = tensors["xs"].clone().requires_grad_(), xt.clone().requires_grad_()
+        out = fn(dict(xs=xs_, ws=w, bs=b, xt=xt_, wt=w, bt=b), labels, loss=loss)
+        return out, dict(zip(("xs", "xt", "w", "b"), torch.autograd.grad(out, (xs_, xt_, w, b), allow_unused=True)))
+
+    out, got = grads(run_flashkd)
+    want, truth = grads(run_oracle)
+    torch.testing.assert_close(out, want)
+    for name in ("xs", "w", "b"):
+        torch.testing.assert_close(got[name], truth[name], msg=lambda m: f"d{name}: {m}")
+    if loss == "jsd":
+        assert got["xt"] is None
+    else:
+        torch.testing.assert_close(got["xt"], truth["xt"])
+    # the student's half alone: the head's gradient with the teacher's copy detached
+    w = head.clone().requires_grad_()
+    alone = oracle(tensors["xs"], w, xt, head, labels, loss=loss, bs=bias, bt=bias)
+    (dw_student,) = torch.autograd.grad(alone, w)
+    if loss == "jsd":
+        torch.testing.assert_close(got["w"], dw_student)
+    else:
+        assert (got["w"] - dw_student).abs().max() > 1e-3 * dw_student.abs().max()
+
+
+def small_case(seed, n=6, v=9, hs=4, ht=3):
+    """A case small enough for float64 gradcheck: biases, an ignored row, chunks of 2 rows."""
+    g = torch.Generator().manual_seed(seed)
+    r = lambda *shape: torch.randn(*shape, generator=g, dtype=torch.float64)  # noqa: E731
+    tensors = dict(xs=r(n, hs), ws=r(v, hs), bs=r(v), xt=r(n, ht), wt=r(v, ht), bt=r(v))
+    labels = torch.randint(0, v, (n,), generator=g)
+    labels[1] = -100
+    return tensors, labels
+
+
+def small_loss(tensors, labels, loss, **opts):
+    names = list(LEAVES)
+
+    def fn(*xs):
+        t = dict(zip(names, xs))
+        return flashkd.fused_linear_distill(t["xs"], t["ws"], t["xt"], t["wt"], labels, student_bias=t["bs"],
+                                            teacher_bias=t["bt"], chunk_size=2, loss=loss, **opts)
+
+    return fn, [tensors[k].clone().requires_grad_() for k in names]
+
+
+@pytest.mark.parametrize("opts", [{}, dict(temperature=1.7, temperature_squared=True, reduction="sum")])
+def test_gradcheck_co_jeffreys(opts, seed):
+    """co_jeffreys differentiates its value on both sides: float64 gradcheck of all six leaves."""
+    fn, inputs = small_loss(*small_case(seed), "co_jeffreys", **opts)
+    assert torch.autograd.gradcheck(fn, inputs)
+
+
+def test_mutual_is_not_the_gradient_of_its_value(seed):
+    """mutual's gradient is each side's KL toward the other, not J's: gradcheck of its value fails."""
+    fn, inputs = small_loss(*small_case(seed), "mutual")
+    assert not torch.autograd.gradcheck(fn, inputs, raise_exception=False)
+
+
+@pytest.mark.parametrize("loss", [name for name in LOSSES if name not in LEARNING_LOSSES])
+def test_every_other_teacher_is_a_constant(loss, seed):
+    """A teacher that requires grad gets none from any other loss, as before."""
+    tensors, labels, _ = case(seed, "bias")
+    t = leaves(tensors)
+    out = run_flashkd(t, labels, loss=loss)
+    out.backward()
+    assert t["xs"].grad is not None and t["ws"].grad is not None
+    assert t["xt"].grad is None and t["wt"].grad is None and t["bt"].grad is None
+
+
+@pytest.mark.parametrize("loss", LEARNING_LOSSES)
+def test_teacher_alone_learns(loss, seed):
+    """A constant student and a learning teacher: the teacher's gradients, the student none."""
+    tensors, labels, _ = case(seed, "plain")
+    t = {k: None if x is None else x.clone() for k, x in tensors.items()}
+    t["xt"].requires_grad_()
+    t["wt"].requires_grad_()
+    out = run_flashkd(t, labels, loss=loss)
+    ref = dict(t, xt=tensors["xt"].clone().requires_grad_(), wt=tensors["wt"].clone().requires_grad_())
+    want = run_oracle(ref, labels, loss=loss)
+    got = torch.autograd.grad(out, (t["xt"], t["wt"]))
+    for g, truth in zip(got, torch.autograd.grad(want, (ref["xt"], ref["wt"]))):
+        torch.testing.assert_close(g, truth)
+    with torch.no_grad():  # no grad mode: the value alone
+        assert run_flashkd(t, labels, loss=loss).grad_fn is None
+
+
+def test_top_k_form_refuses_them():
+    ids = torch.randint(0, V, (N, 4))
+    lp = torch.log_softmax(torch.randn(N, 4), -1)
+    for loss in LEARNING_LOSSES:
+        with pytest.raises(ValueError, match=f"loss: .*got '{loss}' .*its teacher learns.*fused_linear_distill"):
+            flashkd.fused_linear_distill_topk(torch.randn(N, HS), torch.randn(V, HS), ids, lp, loss=loss)
+
+
+@pytest.mark.parametrize("loss", LEARNING_LOSSES)
+def test_dense_logits_form(loss, seed):
+    """Dense teacher logits: a constant teacher learns nothing (the student's gradient is the loss's), and
+    logits that require grad are refused: their gradient would be N x V."""
+    tensors, labels, _ = case(seed, "plain")
+    xs = tensors["xs"].clone().requires_grad_()
+    zt = tensors["xt"] @ tensors["wt"].T
+    out = flashkd.fused_linear_distill_logits(xs, tensors["ws"], zt, labels, loss=loss, chunk_size=CHUNK)
+    ref = xs.detach().clone().requires_grad_()
+    want = oracle(ref, tensors["ws"], tensors["xt"], tensors["wt"], labels, loss=loss)
+    torch.testing.assert_close(out, want)
+    torch.testing.assert_close(torch.autograd.grad(out, xs)[0], torch.autograd.grad(want, ref)[0])
+    with pytest.raises(ValueError, match="teacher_logits: .*require grad.*fused_linear_distill"):
+        flashkd.fused_linear_distill_logits(xs, tensors["ws"], zt.requires_grad_(), labels, loss=loss)
+    with torch.no_grad():  # no gradient asked for: nothing to refuse
+        flashkd.fused_linear_distill_logits(xs, tensors["ws"], zt, labels, loss=loss)
+    flashkd.fused_linear_distill_logits(xs, tensors["ws"], zt, labels, loss="jsd")  # constant teacher, as before
+
+
+def test_fp8_learning_teacher_is_refused(seed):
+    tensors, labels, _ = case(seed, "plain", torch.float32)
+    t = leaves(tensors)
+    with pytest.raises(ValueError, match="teacher_precision: expected None with loss='mutual'"):
+        run_flashkd(t, labels, loss="mutual", teacher_precision="fp8")
