@@ -75,7 +75,7 @@ def main():
             ms = triton.testing.do_bench(lambda: triton_topk.row_topk(s, k, args.temperature, lanes=lanes), rep=200)
             # the kernel alone: without the redo check (a host sync) and the gather of the log-probs
             ms_kernel = triton.testing.do_bench(
-                lambda: triton_topk._kernel_topk(s, k, args.temperature, lanes=lanes), rep=200)
+                lambda: triton_topk.kernel_topk(s, k, args.temperature, lanes=lanes), rep=200)
             print(f"teacher_topk: row_topk k={k}, {lanes} lanes (ids, log-probs): {ms:.3f} ms "
                   f"({2 * s.numel() * 2 / ms / 1e6:.0f} GB/s over 2 reads)")
             print(f"teacher_topk: its kernel alone: {ms_kernel:.3f} ms")

@@ -172,7 +172,7 @@ def run_one(fn, x, w, args, device, token_weight=None):
 
 
 KINDS = (("GEMMs", ("gemm", "cutlass", "nvjet", "xmma", "sm90_", "sm80_", "cublas")),
-         ("row pass", ("_stats_kernel", "_expand_kernel")), ("diagnostics", ("_topk_kernel",)))
+         ("row pass", ("stats_kernel", "expand_kernel")), ("diagnostics", ("_topk_kernel",)))
 
 
 def split(x, w, ids, lp, n, args, device):

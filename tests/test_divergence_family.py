@@ -11,7 +11,6 @@ fp32-logit pipeline's error.
 
 import math
 
-import mpmath
 import pytest
 import torch
 
@@ -19,6 +18,7 @@ import flashkd
 from conftest import BACKENDS, HAS_TRITON
 from helpers.distributed import LAYOUTS, compare_sharded, leaf, rank_device, sharded_inputs, spawn
 from helpers.exact import OPTIONS, check, make_case, pipeline_grads, truth_grads
+from helpers.mp import mp_rows
 from oracle import distill_loss, topk_loss
 
 FAMILY = ["jeffreys", "alpha_divergence", "renyi", "renyi_reverse", "ab_divergence", "triangular", "entropy_adaptive",
@@ -157,59 +157,6 @@ def test_every_option_against_the_oracle_in_float64(backend, loss, seed):
         torch.testing.assert_close(got, ref, rtol=1e-9, atol=1e-11)
 
 
-def _mp_rows(a, b, loss, params, labels):
-    """(loss per row, dL/da per row) at 40 digits of student logits a and teacher logits b (R, V) float64:
-    the papers' formulas, and their gradients through q = softmax(a) by the chain rule."""
-    mpmath.mp.dps = 40
-    values, grads = [], []
-    for r in range(a.shape[0]):
-        za = [mpmath.mpf(float(x)) for x in a[r]]
-        zb = [mpmath.mpf(float(x)) for x in b[r]]
-        sa, sb = sum(mpmath.exp(x) for x in za), sum(mpmath.exp(x) for x in zb)
-        q, p = [mpmath.exp(x) / sa for x in za], [mpmath.exp(x) / sb for x in zb]
-        g = _mp_loss_and_dq(q, p, loss, params, int(labels[r]))
-        value, dq = g
-        mean = sum(qj * dj for qj, dj in zip(q, dq))  # through the softmax: q ∘ (dL/dq − Σ q dL/dq)
-        values.append(float(value))
-        grads.append([float(qj * (dj - mean)) for qj, dj in zip(q, dq)])
-    return torch.tensor(values, dtype=torch.float64), torch.tensor(grads, dtype=torch.float64)
-
-
-def _mp_loss_and_dq(q, p, loss, params, y):
-    log = mpmath.log
-    alpha, beta = mpmath.mpf(params.get("alpha", 0.5)), mpmath.mpf(params.get("beta", 0.5))
-    if loss == "jeffreys":
-        return (sum((qj - pj) * log(qj / pj) for qj, pj in zip(q, p)),
-                [log(qj / pj) + 1 - pj / qj for qj, pj in zip(q, p)])
-    if loss == "triangular":
-        return (sum((pj - qj) ** 2 / (pj + qj) for qj, pj in zip(q, p)),
-                [(qj - pj) * (qj + 3 * pj) / (qj + pj) ** 2 for qj, pj in zip(q, p)])
-    if loss == "alpha_divergence":
-        s = sum(pj ** (1 - alpha) * qj ** alpha for qj, pj in zip(q, p))
-        return (1 - s) / (alpha * (1 - alpha)), [-(pj / qj) ** (1 - alpha) / (1 - alpha) for qj, pj in zip(q, p)]
-    if loss == "renyi":
-        s = sum(pj ** alpha * qj ** (1 - alpha) for qj, pj in zip(q, p))
-        return log(s) / (alpha - 1), [-(pj / qj) ** alpha / s for qj, pj in zip(q, p)]
-    if loss == "renyi_reverse":
-        s = sum(qj ** alpha * pj ** (1 - alpha) for qj, pj in zip(q, p))
-        return log(s) / (alpha - 1), [alpha * (qj / pj) ** (alpha - 1) / ((alpha - 1) * s) for qj, pj in zip(q, p)]
-    if loss == "ab_divergence":
-        c = alpha + beta
-        value = -sum(pj ** alpha * qj ** beta - alpha / c * pj ** c - beta / c * qj ** c for qj, pj in zip(q, p))
-        return value / (alpha * beta), [(qj ** (c - 1) - pj ** alpha * qj ** (beta - 1)) / alpha for qj, pj in zip(q, p)]
-    if loss == "dkd":
-        py, qy = p[y], q[y]
-        tckd = py * log(py / qy) + (1 - py) * log((1 - py) / (1 - qy))
-        nckd = sum(pj / (1 - py) * log((pj / (1 - py)) / (qj / (1 - qy))) for j, (qj, pj) in enumerate(zip(q, p)) if j != y)
-        # d/dq_j of α TCKD + β NCKD, as a function of q whose components are free (the softmax's chain adds the rest)
-        dq = [alpha * (-py / qy + (1 - py) / (1 - qy)) if j == y else beta * (-pj / (1 - py) / qj)
-              for j, (qj, pj) in enumerate(zip(q, p))]
-        # NCKD's q̂ = q / (1 − q_y): its term Σ p̂ log(1 − q_y) = log(1 − q_y), whose derivative in q_y is −1 / (1 − q_y)
-        dq[y] -= beta / (1 - qy)
-        return alpha * tckd + beta * nckd, dq
-    raise AssertionError(loss)
-
-
 @pytest.mark.parametrize("loss,params", [(loss, PARAMS[loss]) for loss in FAMILY if loss != "entropy_adaptive"] + [
     ("renyi", dict(alpha=1.7)), ("renyi_reverse", dict(alpha=0.3)), ("alpha_divergence", dict(alpha=0.95)),
     ("ab_divergence", dict(alpha=2.0, beta=0.05))])
@@ -225,7 +172,7 @@ def test_p_near_q_is_exact(loss, params, gap, seed):
     labels = torch.randint(23, (4,), generator=g)
     out = flashkd.losses.row_losses(a, b, labels, flashkd.losses.LossSpec(loss=loss, **params))[0]
     (grad,) = torch.autograd.grad(out.sum(), a)
-    value, dz = _mp_rows(a.detach(), b, loss, params, labels)
+    value, dz = mp_rows(a.detach(), b, loss, params, labels)
     torch.testing.assert_close(out.detach(), value, rtol=2e-14 / gap, atol=0)
     torch.testing.assert_close(grad, dz, rtol=1e-9, atol=1e-9 * dz.abs().max().item())
 
@@ -244,7 +191,7 @@ def test_gradients_are_the_tables_at_trained_magnitudes(loss, seed):
     labels = torch.randint(31, (4,), generator=g)
     out = flashkd.losses.row_losses(a, b, labels, flashkd.losses.LossSpec(loss=loss, **PARAMS[loss]))[0]
     (grad,) = torch.autograd.grad(out.sum(), a)
-    value, dz = _mp_rows(a.detach(), b, loss, PARAMS[loss], labels)
+    value, dz = mp_rows(a.detach(), b, loss, PARAMS[loss], labels)
     torch.testing.assert_close(out.detach(), value, rtol=1e-12, atol=0)
     torch.testing.assert_close(grad, dz, rtol=1e-9, atol=1e-12)
 

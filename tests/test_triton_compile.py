@@ -68,9 +68,9 @@ def _compile_topk() -> int:
     ints = ("V", "K", "k")
     pointers = {"s_ptr": "*fp32", "g_ptr": "*bf16", "x_ptr": "*bf16", "ids_ptr": "*i64", "labels_ptr": "*i64", "redo_ptr": "*i8",
                 "scratch_ptr": "*i64"}
-    variants = [(triton_topk._stats_kernel, dict(STREAM=stream, ONE=one, HEAD=head, STATS=stats, BLOCK_V=1024, BLOCK_K=64))
+    variants = [(triton_topk.stats_kernel, dict(STREAM=stream, ONE=one, HEAD=head, STATS=stats, BLOCK_V=1024, BLOCK_K=64))
                 for stream, one, head, stats in ((True, True, 0, True), (True, False, 2, False), (False, False, 0, False))]
-    variants += [(triton_topk._expand_kernel, dict(REST=rest, CE=ce, HEAD=head, RTNE_BITS=False, BLOCK_V=1024, BLOCK_K=64))
+    variants += [(triton_topk.expand_kernel, dict(REST=rest, CE=ce, HEAD=head, RTNE_BITS=False, BLOCK_V=1024, BLOCK_K=64))
                  for rest, ce, head in ((True, True, 0), (True, False, 2), (False, True, 1), (False, False, 0))]
     variants += [(triton_topk._topk_kernel, dict(HEAD=head, SLOTS=4, CAP=256, BLOCK_V=256)) for head in (0, 2)]
     for kernel, constexprs in variants:

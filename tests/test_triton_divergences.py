@@ -20,8 +20,8 @@ from flashkd import chunks  # noqa: E402
 from flashkd.backends import torch_rows, triton_rows  # noqa: E402
 from flashkd.losses import LossSpec  # noqa: E402
 from oracle import _divergence, distill_loss  # noqa: E402
-from test_divergence_family import _mp_rows  # noqa: E402
-from test_triton_rows import _sharded  # noqa: E402
+from helpers.mp import mp_rows  # noqa: E402
+from helpers.rows import sharded  # noqa: E402
 
 INTERPRET = triton_rows.INTERPRET
 DEVICE = "cpu" if INTERPRET else "cuda"
@@ -121,13 +121,13 @@ def test_dense_logits_with_options(case, option, seed, kernel_calls):
 
 def _rows_oracle(s, t, labels, loss, params, temperature, scale):
     """(soft per row, dL/ds), 0 on ignored rows, of the papers' formulas on the same logits: at 40 digits
-    (tests/test_divergence_family.py's `_mp_rows`), where the oracle's float64 forms would cancel (a loss of
+    (tests/test_divergence_family.py's `mp_rows`), where the oracle's float64 forms would cancel (a loss of
     1e-12 at rows whose student and teacher share a peak of 30); Rényi of order 1 (a KL there) by the
     oracle in float64."""
     if not (loss.startswith("renyi") and params["alpha"] == 1.0):
         finite = torch.isfinite(s) | torch.isfinite(t)
         if finite.all():
-            value, dz = _mp_rows(s.double() / temperature, t.double() / temperature, loss, params,
+            value, dz = mp_rows(s.double() / temperature, t.double() / temperature, loss, params,
                                  torch.zeros(s.shape[0], dtype=torch.long))
             valid = (labels != -100)
             return torch.where(valid, value, 0.0), torch.where(valid[:, None], dz * (scale / temperature), 0.0)
@@ -295,7 +295,7 @@ def test_rows_sharded_over_vocab_slices(case, grad, seed):
     t[1] = s[1] + 1e-2 * torch.randn(V, generator=g)  # a row near p = q
     labels = torch.tensor([16, 3, -100, 36, 15])
     scale = torch.tensor(0.37)
-    soft, hard, ds = _sharded(s, t, labels, spec, scale, grad, [(16, V), (0, 15), (15, 16)])
+    soft, hard, ds = sharded(s, t, labels, spec, scale, grad, [(16, V), (0, 15), (15, 16)])
     x = s.clone()
     want_soft, want_hard = triton_rows.rows(x, t, labels, spec, scale, grad)
     # the slices' sums merge in another order: the αβ-divergence's row near p = q moves by its normalisation slack

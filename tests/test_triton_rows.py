@@ -19,6 +19,7 @@ triton = pytest.importorskip("triton")
 
 from flashkd.backends import torch_rows, triton_rows  # noqa: E402
 from flashkd.losses import LossSpec  # noqa: E402
+from helpers.rows import sharded  # noqa: E402
 from helpers.ties import assert_close_except_at_ties, tvd_slack  # noqa: E402
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"  # set by conftest when there is no GPU
@@ -546,53 +547,6 @@ def test_gradient_into_the_logits_own_bytes(seed, loss, beta, labels_kind):
 # ------------------------------------------------------- a row sharded over vocab slices (PHASE 1, 2, 3)
 
 
-class _Stop(Exception):
-    """A slice's call reached a collective whose inputs the other slices have not given yet."""
-
-
-class _Slice:
-    """One rank's `ShardedVocab`, as `rows` uses it, for the ranks run one after another in this process:
-    a collective with no result yet keeps this rank's part and stops the call, which is then run again with
-    the result made from every rank's part (`_sharded`)."""
-
-    def __init__(self, start, gathered=None, summed=None):
-        self.start, self.gathered, self.summed, self.part = start, gathered, summed, None
-
-    def gather_rows(self, part):
-        if self.gathered is None:
-            self.part = part.clone()
-            raise _Stop
-        return self.gathered
-
-    def sum_rows(self, x):
-        if self.summed is None:
-            self.part = x.clone()
-            raise _Stop
-        x.copy_(self.summed)
-
-
-def _sharded(s, t, labels, spec, scale, grad, bounds):
-    """(soft, hard, dL/ds) of rows(..., vocab=) on the column slices `bounds` of s and t, one rank each:
-    the all-gather of pass 1's statistics, and the all-reduce of pass 2's sums where the loss needs it."""
-    def run(i, gathered=None, summed=None):
-        a, b = bounds[i]
-        vocab, x = _Slice(a, gathered, summed), s[:, a:b].contiguous()
-        try:
-            return (*triton_rows.rows(x, t[:, a:b].contiguous(), labels, spec, scale, grad, vocab=vocab), x)
-        except _Stop:
-            return vocab.part
-
-    gathered = torch.stack([run(i) for i in range(len(bounds))])
-    outs = [run(i, gathered) for i in range(len(bounds))]
-    if isinstance(outs[0], torch.Tensor):  # phase 3 follows the all-reduce of pass 2's sums
-        summed = torch.stack(outs).sum(0)
-        outs = [run(i, gathered, summed) for i in range(len(bounds))]
-    for soft, hard, _ in outs[1:]:  # every rank has the whole rows' losses
-        assert torch.equal(soft, outs[0][0]) and torch.equal(hard, outs[0][1])
-    order = sorted(range(len(bounds)), key=lambda i: bounds[i][0])
-    return outs[0][0], outs[0][1], torch.cat([outs[i][2] for i in order], 1)
-
-
 @pytest.mark.parametrize("grad", [True, False])
 @pytest.mark.parametrize("loss,param", [("jsd", 0.3), ("skew_kl", 0.1), ("skew_kl", 1.0), ("skew_reverse_kl", 0.1),
                                         ("skew_reverse_kl", 0.6)])
@@ -606,7 +560,7 @@ def test_rows_sharded_over_vocab_slices(seed, loss, param, grad):
     labels = _labels("some_ignored", R, V, seed)
     labels[0], labels[2] = 256, V - 1  # a slice's first column, the one-column slice's
     scale = torch.tensor(0.37, device=DEVICE)
-    got = _sharded(s, t, labels, spec, scale, grad, [(257, V), (0, 256), (256, 257)])
+    got = sharded(s, t, labels, spec, scale, grad, [(257, V), (0, 256), (256, 257)])
     if not grad:
         got = (got[0], got[1], s)
     _assert_matches(got, _torch(s, t, labels, spec, scale, grad), torch.float32, 0.0, _log_terms(s, t, spec, scale))

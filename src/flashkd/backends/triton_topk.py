@@ -49,7 +49,7 @@ _LN2 = math.log(2.0)
 
 
 @triton.jit
-def _stats_kernel(
+def stats_kernel(
     s_ptr,  # (R, V) student logits; −inf written over the ids when STREAM
     ids_ptr,  # (R, K) int32 / int64 ids, −1 unused
     s_k_ptr,  # (R, K) fp32 out: s at the ids, −inf in unused slots
@@ -106,7 +106,7 @@ def _stats_kernel(
 
 
 @triton.jit
-def _expand_kernel(
+def expand_kernel(
     s_ptr,  # (R, V) student logits, −inf at the ids
     g_ptr,  # (R, V) dL/ds out, rows V apart: s itself, or a narrower buffer (bf16 dL/ds of fp32 logits)
     ids_ptr,  # (R, K) ids, −1 unused
@@ -224,7 +224,7 @@ def topk_rows(s, t, labels, spec: LossSpec, scale: torch.Tensor, grad: bool, sta
     block_k = triton.next_power_of_2(K)
     block_v, num_warps = BLOCK_V, NUM_WARPS
     with triton_common.launching():
-        _stats_kernel[(R,)](
+        stats_kernel[(R,)](
             s, here_ids, s_k, m, l_tau, l_one, gap if stats else m, V, K, log2e * fold / tau, log2e * fold, mul,
             STREAM=stream, ONE=one, HEAD=head, STATS=stats, BLOCK_V=block_v, BLOCK_K=block_k, num_warps=num_warps,
         )
@@ -288,7 +288,7 @@ def topk_rows(s, t, labels, spec: LossSpec, scale: torch.Tensor, grad: bool, sta
     dz = sigma if head < 2 else (sigma * torch.cosh(s_k.double() * (sigma / spec.student_softcap)).pow(-2)).float()
     coef = g[:, K] / tau * sigma if bucket else None
     with triton_common.launching():
-        _expand_kernel[(R,)](
+        expand_kernel[(R,)](
             s, ds, here_ids, (id_grad * dz).contiguous(), coef if bucket else m, m, l_tau,
             c_ce * sigma if grad_ce else m, l_one_rel if grad_ce else m,
             here_labels if grad_ce else ids, V, K, log2e * fold / tau, log2e * fold, mul,
@@ -540,7 +540,7 @@ def row_topk(x: torch.Tensor, k: int, temperature: float, scale: float = 1.0, so
     """
     if not 1 <= k <= TOPK_MAX_K:
         raise ValueError(f"k: expected 1 <= k <= {TOPK_MAX_K} for the kernel, got {k}")
-    ids, vals, redo, lse = _kernel_topk(x, k, temperature, scale, softcap, lanes=lanes)
+    ids, vals, redo, lse = kernel_topk(x, k, temperature, scale, softcap, lanes=lanes)
     # the log-probs from the values the kernel sorted (a softcap's tanh there is not torch's: taking
     # torch's here could break the order of near ties by an ulp)
     logprobs = vals * (triton_common.head_mode(scale, softcap)[1] / temperature) - lse[:, None]
@@ -554,7 +554,7 @@ def row_topk(x: torch.Tensor, k: int, temperature: float, scale: float = 1.0, so
     return (ids, logprobs, nonfinite, lse) if with_lse else (ids, logprobs, nonfinite)
 
 
-def _kernel_topk(x: torch.Tensor, k: int, temperature: float, scale: float = 1.0, softcap: float | None = None, *,
+def kernel_topk(x: torch.Tensor, k: int, temperature: float, scale: float = 1.0, softcap: float | None = None, *,
                  lanes: int | None = None):
     """The kernel alone on a contiguous (R, V) x: (ids (R, k) int64, vals (R, k) fp32, redo (R,) int8,
     lse (R,) fp32); lanes: `row_topk`'s."""

@@ -245,7 +245,7 @@ def shard(group, start, local_size, device, check_shards, chunk_size, *, failed=
                         dw_scale=dw_scale, record=record)
 
 
-_SLOTS = 40  # options `agree` may hold (two int64 each): the same width on every rank, whatever it calls
+_SLOTS = 64  # options `agree` may hold (two int64 each): the same width on every rank, whatever it calls
 # The values a rank checks against the group's vocab V, which only the exchange gives (labels and a
 # top-k teacher's ids are global ids), in the order an unsharded call checks them: the least and the
 # largest of each in the row (`_NONE` where it checks none: checks off, no labels, no row that counts).

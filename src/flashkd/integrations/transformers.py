@@ -148,7 +148,7 @@ class DistillationLossMixin:
                              "every batch (flashkd.TopKCollator), got neither")
         y = _shifted_labels(inputs, labels, ids)
         student = self.accelerator.unwrap_model(model)
-        loss, count = _in_forward(model, student, lambda: self._loss(student, inputs, y, ids, logprobs))
+        loss, count = in_forward(model, student, lambda: self._loss(student, inputs, y, ids, logprobs))
         loss = per_item(loss, count, num_items_in_batch)
         if num_items_in_batch is not None and self.args.average_tokens_across_devices:
             # num_items_in_batch counts every process's rows, and DDP averages the gradients.
@@ -157,9 +157,9 @@ class DistillationLossMixin:
 
     def _loss(self, student, inputs, y, ids, logprobs):
         """Σ loss over the counted rows and their count; runs as the student wrapper's forward."""
-        lm = _causal_lm(student, "model")
+        lm = causal_lm(student, "model")
         with self.accelerator.autocast():
-            hs = _backbone(lm, "model")(**inputs, use_cache=False).last_hidden_state[:, :-1]
+            hs = backbone(lm, "model")(**inputs, use_cache=False).last_hidden_state[:, :-1]
             dtype = compute_dtype(hs)  # autocast's: the final norm may well return fp32
         head = lm.get_output_embeddings()
         ws, bs = full_head(head.weight, head.bias, hs.dtype)
@@ -167,11 +167,11 @@ class DistillationLossMixin:
         transform = dict(student_logit_scale=scale, student_softcap=cap)
         if ids is None:
             unwrapped = self.accelerator.unwrap_model(self.teacher_model)
-            teacher = _causal_lm(unwrapped, "teacher_model")
+            teacher = causal_lm(unwrapped, "teacher_model")
             teacher.eval()
             with torch.no_grad(), self.accelerator.autocast():
-                ht = _in_forward(self.teacher_model, unwrapped,
-                                 lambda: _backbone(teacher, "teacher_model")(**inputs, use_cache=False).last_hidden_state)
+                ht = in_forward(self.teacher_model, unwrapped,
+                                 lambda: backbone(teacher, "teacher_model")(**inputs, use_cache=False).last_hidden_state)
                 dtype = torch.promote_types(dtype, compute_dtype(ht))
             ht = ht[:, :-1]
             t_head = teacher.get_output_embeddings()
@@ -184,7 +184,7 @@ class DistillationLossMixin:
             params = (ws, bs)
         y = y.to(hs.device)
         cast = lambda t: None if t is None else t.to(dtype)  # noqa: E731
-        with _zero3_gathered(*params):
+        with zero3_gathered(*params):
             if ids is None:
                 loss = fused_linear_distill(cast(hs), cast(ws), cast(ht), cast(wt), y, student_bias=cast(bs),
                                             teacher_bias=cast(bt), reduction="sum", **transform,
@@ -206,7 +206,7 @@ def _check_heads(model, teacher_model, vocab_size):
     ds_shape)."""
     rows = []
     for module, name in ((model, "model"), (teacher_model, "teacher_model")):
-        weight = _causal_lm(module, name).get_output_embeddings().weight
+        weight = causal_lm(module, name).get_output_embeddings().weight
         rows.append(tuple(getattr(weight, "ds_shape", None) or weight.shape)[0])
     v, vt = rows
     keyword = 'distill_options={{"vocab_size": {v}}}'
@@ -234,7 +234,7 @@ def _shifted_labels(inputs, labels, ids):
     return y
 
 
-def _causal_lm(module, name):
+def causal_lm(module, name):
     """The causal LM itself: under PEFT the base model, whose layers carry the adapters."""
     if hasattr(module, "get_base_model"):
         module = module.get_base_model()
@@ -243,15 +243,15 @@ def _causal_lm(module, name):
     return module
 
 
-def _backbone(lm, name):
-    backbone = lm.base_model
-    if backbone is lm:
+def backbone(lm, name):
+    base = lm.base_model
+    if base is lm:
         raise TypeError(f"{name}: expected a model whose base_model is its backbone without the LM head, "
                         f"got {type(lm).__name__} (base_model_prefix {lm.base_model_prefix!r})")
-    return backbone
+    return base
 
 
-def _in_forward(wrapper, module, fn):
+def in_forward(wrapper, module, fn):
     """fn(), run as `module`'s forward called through `wrapper` (DDP, FSDP, a DeepSpeed engine, or
     module itself): their forward hooks fire (gradient sync, parameter gathering) as for a forward."""
     had = "forward" in module.__dict__
@@ -274,7 +274,7 @@ def _in_forward(wrapper, module, fn):
         restore()
 
 
-def _zero3_gathered(*params):
+def zero3_gathered(*params):
     """Under DeepSpeed ZeRO-3 the heads' parameters, gathered for the loss (their module is not called)."""
     from transformers.integrations.deepspeed import is_deepspeed_zero3_enabled
 

@@ -319,7 +319,7 @@ def gold_compute_loss(self, model, inputs, return_outputs=False, num_items_in_ba
         return _original_gold(self, model, inputs, return_outputs, num_items_in_batch)
     from trl.experimental.gold.gold_trainer import build_teacher_inputs_from_texts
 
-    from .transformers import _in_forward
+    from .transformers import in_forward
 
     t_ids, t_labels, t_mask, t_offsets = build_teacher_inputs_from_texts(
         self.teacher_tokenizer, inputs["original_prompt_text"], inputs["original_completion_text"],
@@ -334,7 +334,7 @@ def gold_compute_loss(self, model, inputs, return_outputs=False, num_items_in_ba
         merge=uld.token_merge_strategy, extended=uld.use_extended_uld, skip_student_eos=uld.skip_student_eos,
         skip_teacher_eos=uld.skip_teacher_eos, weight=float(uld.distillation_weight))
     unwrapped = self.accelerator.unwrap_model(model)
-    loss, matched, unmatched = _in_forward(model, unwrapped, lambda: _gold_loss(
+    loss, matched, unmatched = in_forward(model, unwrapped, lambda: _gold_loss(
         self, unwrapped, inputs, t_ids, t_mask, alignment))
     if matched is not None and len(alignment):
         last = alignment.item == alignment.item[-1]  # TRL keeps the terms of the batch's last item
@@ -351,18 +351,18 @@ def gold_compute_loss(self, model, inputs, return_outputs=False, num_items_in_ba
 
 def _gold_loss(trainer, unwrapped, inputs, t_ids, t_mask, alignment):
     """GOLD's ULD loss from the two backbones' hidden states; runs as the student wrapper's forward."""
-    from .transformers import _backbone, _causal_lm, _in_forward, _zero3_gathered, head_transform
+    from .transformers import backbone, causal_lm, in_forward, zero3_gathered, head_transform
 
     uld = trainer.uld_loss_fn
-    lm = _causal_lm(unwrapped, "model")
-    hs = _backbone(lm, "model")(input_ids=inputs["input_ids"], attention_mask=inputs["attention_mask"],
+    lm = causal_lm(unwrapped, "model")
+    hs = backbone(lm, "model")(input_ids=inputs["input_ids"], attention_mask=inputs["attention_mask"],
                                 use_cache=False).last_hidden_state
     dtype = compute_dtype(hs)
     t_unwrapped = trainer.accelerator.unwrap_model(trainer.teacher_model)
-    teacher = _causal_lm(t_unwrapped, "teacher_model")
+    teacher = causal_lm(t_unwrapped, "teacher_model")
     trainer.teacher_model.eval()
     with torch.no_grad():
-        ht = _in_forward(trainer.teacher_model, t_unwrapped, lambda: _backbone(teacher, "teacher_model")(
+        ht = in_forward(trainer.teacher_model, t_unwrapped, lambda: backbone(teacher, "teacher_model")(
             input_ids=t_ids, attention_mask=t_mask).last_hidden_state)
         dtype = torch.promote_types(dtype, compute_dtype(ht))
     head, t_head = lm.get_output_embeddings(), teacher.get_output_embeddings()
@@ -385,7 +385,7 @@ def _gold_loss(trainer, unwrapped, inputs, t_ids, t_mask, alignment):
         y = inputs["labels"]
         labels = torch.cat([y[:, 1:], torch.full_like(y[:, :1], -100)], 1)
     cast = lambda t: None if t is None else t.to(dtype)  # noqa: E731
-    with _zero3_gathered(ws, bs, wt, bt):
+    with zero3_gathered(ws, bs, wt, bt):
         loss, matched_parts, unmatched_parts = fused_linear_uld(
             cast(hs), cast(ws), cast(ht).to(hs.device), cast(wt).to(ws.device), alignment.to(ws.device),
             student_bias=cast(bs), teacher_bias=cast(bt), student_temperature=float(uld.student_temperature),

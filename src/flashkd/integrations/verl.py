@@ -19,7 +19,7 @@ over the teacher's K ids. verl then clamps the losses at 0 (`compute_forward_kl_
 in one sweep over chunks of R rows, never N·V logits. Per chunk:
 
     S = X[c] Wᵀ (+ b)              GEMM 1, fp32 (the GEMM's accumulator for bf16 / fp16 inputs)
-    top-K of S                     the Triton top-k kernel (`triton_topk._kernel_topk`, two reads of S;
+    top-K of S                     the Triton top-k kernel (`triton_topk.kernel_topk`, two reads of S;
                                    on the torch path each id's rank, over vocab blocks): each teacher
                                    id's membership of the student's top-K, for the overlap
     row statistics                 the top-k stats kernel (one read): S at the ids, the logsumexp of
@@ -166,7 +166,7 @@ def _stats(s: torch.Tensor, ids: torch.Tensor, tau: float, backend: str, own: bo
 
         members = redo = None
         if own and k <= triton_topk.TOPK_MAX_K:  # the student's top-K, two reads of s; ties to the larger id
-            top, _, redo, _ = triton_topk._kernel_topk(s, k, 1.0)
+            top, _, redo, _ = triton_topk.kernel_topk(s, k, 1.0)
             members, redo = (ids[:, :, None] == top[:, None, :]).any(-1), redo.bool()
         elif own:
             members = _own_by_rank(s, ids, s.gather(1, ids))
@@ -175,7 +175,7 @@ def _stats(s: torch.Tensor, ids: torch.Tensor, tau: float, backend: str, own: bo
         log2_rest = torch.empty(r, device=s.device, dtype=torch.float32)
         head, fold, mul = triton_common.head_mode(1.0, None)
         with triton_common.launching():
-            triton_topk._stats_kernel[(r,)](
+            triton_topk.stats_kernel[(r,)](
                 s, ids, s_k, m, log2_rest, log2_rest, m, v, k, _LOG2E * fold / tau, _LOG2E * fold, mul,
                 STREAM=True, ONE=False, HEAD=head, STATS=False, BLOCK_V=triton_topk.BLOCK_V,
                 BLOCK_K=triton.next_power_of_2(k), num_warps=triton_topk.NUM_WARPS,
@@ -235,7 +235,7 @@ def _expand(s, ds, ids, id_grad, rest_grad, shift, log2_rest, rel_rest, tau, bac
         head, fold, mul = triton_common.head_mode(1.0, None)
         f32 = torch.float32
         with triton_common.launching():
-            triton_topk._expand_kernel[(r,)](
+            triton_topk.expand_kernel[(r,)](
                 s, ds, ids, id_grad.to(f32).contiguous(), rest_grad.to(f32).contiguous(), shift, log2_rest, shift,
                 shift, ids, v, k, _LOG2E * fold / tau, _LOG2E * fold, mul, REST=True, CE=False, HEAD=head,
                 RTNE_BITS=triton_common.rtne_bits(ds), BLOCK_V=triton_topk.BLOCK_V,
