@@ -114,3 +114,20 @@ def pytest_terminal_summary(terminalreporter):
         terminalreporter.section("flashkd seeds of the failures")
         for r in failed:
             terminalreporter.line(_replay(r.nodeid, r.flashkd_seed))
+
+
+@pytest.fixture
+def kernel_calls(monkeypatch):
+    """The losses `triton_rows.rows` (the dense Triton row kernel's launcher) was called for in the test."""
+    if not HAS_TRITON:
+        return []
+    from flashkd.backends import triton_rows
+
+    calls, real = [], triton_rows.rows
+
+    def rows(s, t, labels, spec, *args, **kwargs):
+        calls.append(spec.loss)
+        return real(s, t, labels, spec, *args, **kwargs)
+
+    monkeypatch.setattr(triton_rows, "rows", rows)
+    return calls

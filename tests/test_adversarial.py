@@ -437,8 +437,15 @@ def test_trainer_refuses_unknown_distill_options_when_built(tmp_path):
     with pytest.raises(TypeError, match=r"distill_options: expected keyword options of flashkd.fused_linear_distill "
                                         r"or fused_linear_distill_topk, got 'chunksize'"):
         DistillationTrainer(model=tiny_models.llama(16, 0), args=args, distill_options={"chunksize": 8})
-    for options in ({"chunk_size": 8, "tail": "renormalize"}, {"teacher_precision": None, "backend": "torch"}):
-        assert DistillationTrainer(model=tiny_models.llama(16, 0), args=args, distill_options=options).distill_options == options
+    options = {"chunk_size": 8, "tail": "renormalize"}  # top-k targets (no teacher model): the top-k form's options
+    assert DistillationTrainer(model=tiny_models.llama(16, 0), args=args, distill_options=options).distill_options == options
+    options = {"teacher_precision": None, "backend": "torch"}  # a live teacher's
+    assert DistillationTrainer(model=tiny_models.llama(16, 0), teacher_model=tiny_models.llama(24, 1), args=args,
+                               distill_options=options).distill_options == options
+    # a live teacher's option without one: the first step's top-k call would not take it
+    with pytest.raises(TypeError, match=r"^distill_options: 'teacher_precision' is not a keyword option of "
+                                        r"flashkd.fused_linear_distill_topk \(the loss of a top-k teacher\)$"):
+        DistillationTrainer(model=tiny_models.llama(16, 0), args=args, distill_options=options)
 
 
 def test_writer_names_the_example_with_non_finite_hidden_states(tmp_path):

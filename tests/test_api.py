@@ -242,11 +242,11 @@ def test_modules_match_the_function():
         want = flashkd.fused_linear_distill(xs, ws, xt, wt, y, loss=loss, beta=0.2 if loss != "tvd" else None)
         assert torch.equal(module(xs, ws, xt, wt, y), want)
     assert "tvd" in repr(flashkd.FusedLinearDistillLoss("tvd"))
-    # beta is read by jsd and cosine only: a tvd module given one is refused where it is made
+    # beta is not read by tvd: a tvd module given one is refused where it is made
     with pytest.raises(ValueError) as e:
         flashkd.FusedLinearDistillLoss("tvd", beta=0.2)
-    assert str(e.value) == ("beta: loss='tvd' does not read it (it is read by loss='jsd', loss='cosine'); "
-                            "got beta=0.2, leave it out")
+    assert str(e.value) == ("beta: loss='tvd' does not read it (it is read by loss='jsd', loss='cosine', "
+                            "loss='ab_divergence', loss='dkd'); got beta=0.2, leave it out")
 
 
 

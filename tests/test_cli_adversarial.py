@@ -45,8 +45,9 @@ def _usage_error(capsys, argv) -> str:
     (["--form", "topk", "--loss", "cosine"], "flashkd bench: --loss: expected one of"),
     # the small preset's cosine: the user named no loss, so the message names what they did name
     (["--form", "topk"], "flashkd bench: --form topk: a loss of preset small is not one of this form's: expected one "
-                         "of 'jsd', 'forward_kl', 'reverse_kl', 'tvd', 'skew_kl', 'skew_reverse_kl', 'akl' for a top-k "
-                         "teacher, got 'cosine'; name the losses with --loss"),
+                         "of 'jsd', 'forward_kl', 'reverse_kl', 'tvd', 'skew_kl', 'skew_reverse_kl', 'akl', 'jeffreys', "
+                         "'alpha_divergence', 'renyi', 'renyi_reverse', 'ab_divergence', 'triangular', 'entropy_adaptive' "
+                         "for a top-k teacher, got 'cosine'; name the losses with --loss"),
     (["--h", "1"], "flashkd bench: --h: expected at least 2"),
     (["--device", "nope"], "flashkd bench: --device: expected cpu, cuda or cuda:N, got 'nope'"),
     (["--preset", "seed", "--teacher-precision", "fp8"],

@@ -40,23 +40,6 @@ ENDS = [("alpha_divergence", dict(alpha=1e-3)), ("alpha_divergence", dict(alpha=
 ORACLE_DEFAULTS = dict(alpha=0.1, beta=0.5, gate_min=0.0, gate_max=1.0, gate_center=0.5, gate_width=0.1)
 
 
-@pytest.fixture
-def kernel_calls(monkeypatch):
-    """The losses `triton_rows.rows` (the dense Triton row kernel's launcher) was called for in the test."""
-    if not HAS_TRITON:
-        return []
-    from flashkd.backends import triton_rows
-
-    calls, real = [], triton_rows.rows
-
-    def rows(s, t, labels, spec, *args, **kwargs):
-        calls.append(spec.loss)
-        return real(s, t, labels, spec, *args, **kwargs)
-
-    monkeypatch.setattr(triton_rows, "rows", rows)
-    return calls
-
-
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("loss", FAMILY)
 @pytest.mark.parametrize("option", list(OPTIONS))

@@ -26,23 +26,6 @@ PARAMS = {"skew_kl": dict(alpha=0.1), "skew_reverse_kl": dict(alpha=0.1), "akl":
 IN_KERNEL = ("skew_kl", "skew_reverse_kl")  # the dense Triton row kernel's; AKL's dense rows are the torch rows'
 
 
-@pytest.fixture
-def kernel_calls(monkeypatch):
-    """The losses `triton_rows.rows` (the dense Triton row kernel's launcher) was called for in the test."""
-    if not HAS_TRITON:
-        return []
-    from flashkd.backends import triton_rows
-
-    calls, real = [], triton_rows.rows
-
-    def rows(s, t, labels, spec, *args, **kwargs):
-        calls.append(spec.loss)
-        return real(s, t, labels, spec, *args, **kwargs)
-
-    monkeypatch.setattr(triton_rows, "rows", rows)
-    return calls
-
-
 def assert_ran(calls, backend, loss):
     """On the Triton backend the skew losses' dense rows run in the kernel, AKL's never; on torch, none do."""
     runs = backend == "triton" and loss in IN_KERNEL

@@ -188,7 +188,7 @@ def _trainer(tmp_path, teacher_vocab=None, **kw):
     (dict(loss="kl"), ValueError, "loss: expected one of"),
     (dict(distill_options={"head_mass": 2.0}), ValueError, "head_mass: loss='jsd' does not read it"),
     (dict(loss="akl", distill_options={"head_mass": 2.0}), ValueError, "head_mass: expected a value in [0, 1]"),
-    (dict(distill_options={"tail": "bucket"}), TypeError, "distill_options: 'tail' are not keyword options"),
+    (dict(distill_options={"tail": "bucket"}), TypeError, "distill_options: 'tail' is not a keyword option"),
     (dict(teacher_vocab=50), ValueError, "teacher_model: expected 61 LM-head rows (the student's vocab), got 50"),
     (dict(teacher_vocab=64), ValueError, "teacher_model: expected 61 LM-head rows (the student's vocab), got 64"),
     (dict(teacher_vocab=64, distill_options={"vocab_size": 60}), ValueError, "vocab_size: expected 61"),

@@ -48,19 +48,6 @@ def _ids(case):
     return loss + "".join(f"-{k}{v:g}" for k, v in params.items())
 
 
-@pytest.fixture
-def kernel_calls(monkeypatch):
-    """The losses the dense row kernel's launcher was called for."""
-    calls, real = [], triton_rows.rows
-
-    def rows(s, t, labels, spec, *args, **kwargs):
-        calls.append(spec.loss)
-        return real(s, t, labels, spec, *args, **kwargs)
-
-    monkeypatch.setattr(triton_rows, "rows", rows)
-    return calls
-
-
 def _case(seed, std=2.0):
     g = torch.Generator().manual_seed(seed)
     f = dict(generator=g, dtype=torch.float64)

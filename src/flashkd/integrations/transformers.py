@@ -122,8 +122,9 @@ class DistillationLossMixin:
         function = "fused_linear_distill" if teacher_model is not None else "fused_linear_distill_topk"
         wrong = sorted(set(options) - set(KEYWORDS[function]))
         if wrong:
-            raise TypeError(f"distill_options: {', '.join(map(repr, wrong))} are not keyword options of "
-                            f"flashkd.{function} (the loss of a {'live teacher' if teacher_model is not None else 'top-k teacher'})")
+            what = "is not a keyword option" if len(wrong) == 1 else "are not keyword options"
+            raise TypeError(f"distill_options: {', '.join(map(repr, wrong))} {what} of flashkd.{function} (the loss "
+                            f"of a {'live teacher' if teacher_model is not None else 'top-k teacher'})")
         check_options(self.distill_options, function)
         if teacher_model is not None:
             _check_heads(self.model, teacher_model, self.distill_options.get("vocab_size"))
