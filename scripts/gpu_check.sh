@@ -113,6 +113,13 @@ for stage in $stages; do
         ; python3 benchmarks/bench_profile.py --providers floor flashkd-triton flashkd-cute --modes full --steps 5 \
         ; python3 -m flashkd bench --preset sweep --providers flashkd-triton flashkd-cute floor --modes full \
           --out "$OUT/cute-sweep" ) 2>&1 | tee "$OUT/cute.log" || status=1 ;;
+    # verl's top-k distillation loss (its own path, bf16 logits) against flashkd's integration (its predicted, fallback
+    # and unpredicted backward) and its top-k form, 32768 / 65536 tokens, K 32 / 128, with the integration's time split;
+    # axolotl's Liger-based top-k KD loss against flashkd's drop-in, without and with the CE (both need the frameworks'
+    # wheels in .whl/: verl, omegaconf, antlr4; axolotl, peft, addict, pydantic and its packages)
+    bench-verl) python3 benchmarks/bench_verl.py --out "$OUT/verl" 2>&1 | tee "$OUT/bench-verl.log" || status=1 ;;
+    bench-axolotl) { python3 benchmarks/bench_axolotl.py --out "$OUT/axolotl" \
+        && python3 benchmarks/bench_axolotl.py --ce --out "$OUT/axolotl-ce"; } 2>&1 | tee "$OUT/bench-axolotl.log" || status=1 ;;
     *) echo "unknown stage $stage"; status=2 ;;
   esac
 done
