@@ -20,8 +20,12 @@ import sys
 import pytest
 
 _INTS = ("V", "stride_scale", "stride_t", "stride_g", "ignore_index", "label_lo", "world", "stride_part")
-_LOSSES = (("jsd", 3, False), ("tvd", 3, False), ("forward_kl", 2, False), ("forward_kl", 0, True),
-           ("reverse_kl", 2, True), ("reverse_kl", 0, True), ("cosine", 2, False), ("cosine", 0, False))
+# (loss, the pass that writes dL/ds, ONLINE_KL, PSI): the power family's PSI, ψ's forms for its two powers
+# (`triton_rows._psi_mode`), as Amari's α 0.3, Rényi's order 0.7 and 1.4, and the αβ-divergence at (2, 0.05) make them
+_LOSSES = (("jsd", 3, False, 0), ("tvd", 3, False, 0), ("forward_kl", 2, False, 0), ("forward_kl", 0, True, 0),
+           ("reverse_kl", 2, True, 0), ("reverse_kl", 0, True, 0), ("cosine", 2, False, 0), ("cosine", 0, False, 0),
+           ("jeffreys", 3, False, 0), ("triangular", 3, False, 0), ("alpha_divergence", 3, False, 2 + 8 * 3),
+           ("renyi", 3, False, 3 + 8 * 2), ("renyi_reverse", 3, False, 5 + 8 * 1), ("ab_divergence", 0, False, 2 + 8 * 3))
 
 
 def _compile_phase(phase: int) -> int:
@@ -36,13 +40,13 @@ def _compile_phase(phase: int) -> int:
     kernel = triton_rows._rows_kernel
     names = list(inspect.signature(kernel.fn).parameters)
     count = 0
-    for (loss, grad_pass, online), (labels, stats, softcap) in itertools.product(
+    for (loss, grad_pass, online, psi), (labels, stats, softcap) in itertools.product(
             _LOSSES, [(True, False, False), (False, True, True)]):
         grad = grad_pass != 0
         constexprs = dict(
             LOSS=LOSS_ID[loss], SOFT=True, CE=labels, LABELS=labels, GRAD_SOFT=grad, GRAD_CE=grad and labels,
             GRAD_PASS=grad_pass, CE_IS_Q=labels and loss != "cosine", ONLINE_KL=online, S_HEAD=2 if softcap else 0,
-            T_HEAD=0, SCALED=softcap, STATS=stats, RTNE_BITS=False, RCP_FMA=0, IN_PLACE=grad, PHASE=phase, WORLD_BLOCK=4,
+            T_HEAD=0, SCALED=softcap, STATS=stats, RTNE_BITS=False, RCP_FMA=0, IN_PLACE=grad, PSI=psi, PHASE=phase, WORLD_BLOCK=4,
             BLOCK_V=1024)
         signature = {}
         for name in names:
