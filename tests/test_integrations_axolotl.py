@@ -165,6 +165,15 @@ def test_refusals_name_the_argument():
         fk_ax.FusedLinearKLTopKLogprobLoss(weight_soft_loss=None)
     with pytest.raises(ValueError, match="temperature"):
         fk_ax.FusedLinearKLTopKLogprobLoss(temperature=0.0)
+    # flashkd's options, at construction (they used to fail at the first forward)
+    with pytest.raises(ValueError, match=r"^backend: expected 'auto', 'torch', 'triton' or 'cute', got 'cuda'"):
+        fk_ax.FusedLinearKLTopKLogprobLoss(backend="cuda")
+    with pytest.raises(TypeError, match=r"^tail: expected a keyword of axolotl's loss or an option"):
+        fk_ax.FusedLinearKLTopKLogprobLoss(tail="renormalize")
+    with pytest.raises(TypeError, match=r"^chunksize: expected a keyword of axolotl's loss"):
+        fk_ax.FusedLinearKLTopKLogprobLoss(chunksize=8)
+    with pytest.raises(TypeError, match=r"^ignore_index: expected an int"):
+        fk_ax.FusedLinearKLTopKLogprobLoss(ignore_index=-100.0)
     x, w, ids, lp, mask, labels = _problem()
     loss = fk_ax.FusedLinearKLTopKLogprobLoss()
     with pytest.raises(ValueError, match="target_mask"):

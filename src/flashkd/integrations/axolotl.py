@@ -56,7 +56,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from ..distill import fused_linear_distill_topk
+from ..distill import KEYWORDS, check_options, fused_linear_distill_topk
 from . import announce
 
 TESTED_AXOLOTL_VERSIONS = ("0.19.0",)
@@ -67,6 +67,9 @@ _NAME = "LigerFusedLinearKLTopKLogprobLoss"
 # Lifts the renormalised targets' sum just past 1, so that the bucket (tail="bucket", beta 0 without
 # normalize_topk) holds no teacher mass; flashkd renormalises it away.
 _ABOVE_ONE = 2.0**-12
+# the keywords of fused_linear_distill_topk that forward sets itself
+_SET_HERE = frozenset({"loss", "tail", "beta", "temperature", "temperature_squared", "ignore_index", "student_bias",
+                       "reduction", "weight_soft_loss", "weight_hard_loss", "row_weight"})
 
 _original = None  # {module name: axolotl's class} while patched
 
@@ -110,6 +113,13 @@ class FusedLinearKLTopKLogprobLoss(torch.nn.Module):
             raise ValueError(f"normalize_topk: expected True with beta={beta!r} (without it axolotl's reverse KL and "
                              f"JSD take the student's unnormalised probabilities at the K ids, which is no "
                              f"divergence flashkd computes); got False. Use kd_normalize_topk: true, or kd_beta: 0")
+        # flashkd's own options, checked here by the call's parse (not at the first training step)
+        wrong = sorted(set(flashkd_options) & _SET_HERE | set(flashkd_options) - set(KEYWORDS["fused_linear_distill_topk"]))
+        if wrong:
+            raise TypeError(f"{wrong[0]}: expected a keyword of axolotl's loss or an option of "
+                            f"flashkd.fused_linear_distill_topk that this loss does not set itself, got "
+                            f"{wrong[0]}={flashkd_options[wrong[0]]!r}")
+        check_options({**flashkd_options, "ignore_index": ignore_index}, "fused_linear_distill_topk")
         self.ignore_index = ignore_index
         self.compiled, self.chunk_size = compiled, chunk_size
         self.compute_ce_loss = bool(compute_ce_loss)
