@@ -12,6 +12,9 @@ chunks of rows, so the [tokens × vocab] logits never exist in full:
                                 a sparse teacher: its top-k ids and log-probs per token (stored, or
                                 returned by an inference server)
 
+    fused_linear_distill_teachers(student_input, student_weight, teacher_inputs, teacher_heads, labels,
+                                  combine="routed" | "geometric" | "sum")
+                                several teacher heads in one loss (flashkd.teachers)
     teacher_topk(teacher_input, teacher_weight, k)
                                 makes those top-k targets from a teacher, one chunk of logits at a time
     FusedLinearDistillLoss(loss=..., **options)
@@ -49,6 +52,7 @@ _PUBLIC = {
     "data": ("TopKCollator", "TopKTargets", "write_topk_targets"),
     "modules": ("FusedLinearCosineSimilarityLoss", "FusedLinearDistillLoss", "FusedLinearJSD", "FusedLinearJSDLoss"),
     "cross_vocab": ("TokenMap", "token_map", "UldAlignment", "uld_alignment", "fused_linear_uld"),
+    "teachers": ("fused_linear_distill_teachers",),
 }
 _MODULE_OF = {name: module for module, names in _PUBLIC.items() for name in names}
 
@@ -90,4 +94,5 @@ __all__ = [
     "uld_alignment",
     "UldAlignment",
     "fused_linear_uld",
+    "fused_linear_distill_teachers",
 ]
