@@ -99,7 +99,7 @@ def fused_linear_distill_teachers(
     full. teacher_inputs, teacher_heads (and teacher_biases, entries None for none): M each, M >= 1.
     routed takes `teacher_index` (labels' shape, int64 or int32, each row's teacher in [0, M) or −1 for
     none; one host sync: the groups' sizes), geometric and sum `teacher_weights` (M floats or a float tensor
-    (..., M), >= 0). teacher_logit_scale and teacher_softcap: one for all or M, per teacher; geometric
+    (..., M), >= 0, checked on CPU; a tensor (M,) is read on the host). teacher_logit_scale and teacher_softcap: one for all or M, per teacher; geometric
     refuses softcaps. The other keywords are `fused_linear_distill`'s, passed through; the returns too:
     loss, (soft, hard) with return_soft_hard_loss, a `DistillStats` with return_stats (per_teacher (M, 3)
     for routed and sum: rows, soft sum, 0 for the teacher entropy the dense form does not compute). The
@@ -223,7 +223,7 @@ def _check_weights(weights, lead, m, device):
     if isinstance(weights, torch.Tensor):
         if not weights.is_floating_point():
             raise TypeError(f"teacher_weights: expected a float tensor, got {weights.dtype}")
-        if weights.dim() == 1 and len(lead) != 1 and weights.shape[0] == m:
+        if tuple(weights.shape) == (m,):  # one weight per teacher, read on the host
             weights = weights.tolist()
         else:
             if tuple(weights.shape) != (*lead, m):
