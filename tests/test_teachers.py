@@ -138,7 +138,8 @@ def test_geometric_padded_heads_and_reduction_sum(seed):
     xs, ws, _, xts, wts, _, labels = make(g, 2, torch.float64)
     wts = [torch.cat([wts[0], torch.randn(4, HTS[0], generator=g, dtype=torch.float64)]), wts[1]]
     out = flashkd.fused_linear_distill_teachers(
-        xs, ws, xts, wts, labels, combine="geometric", teacher_weights=torch.tensor([0.6, 0.9], dtype=torch.float64), vocab_size=V, reduction="sum",
+        xs, ws, xts, wts, labels, combine="geometric", teacher_weights=torch.tensor([0.6, 0.9], dtype=torch.float64),
+        vocab_size=V, reduction="sum",
         temperature=1.7, backend="torch", return_soft_hard_loss=True)
     mixed = 0.6 * logits(xts[0], wts[0][:V], None) + 0.9 * logits(xts[1], wts[1], None)
     xd, wd = _double([xs, ws])
@@ -270,8 +271,8 @@ def test_sum_per_row_without_ce(seed):
         xs, ws, xts, wts, labels, combine="sum", teacher_weights=w, weight_hard_loss=0.0, weight_soft_loss=1.0,
         backend="torch", return_soft_hard_loss=True, return_stats=True)
     xd, wd = _double([xs, ws])
-    parts = [distill_loss(xd, wd, xts[t], wts[t], labels, weight_hard_loss=0.0, weight_soft_loss=1.0, row_weight=w[:, t])
-             for t in range(2)]
+    parts = [distill_loss(xd, wd, xts[t], wts[t], labels, weight_hard_loss=0.0, weight_soft_loss=1.0,
+                          row_weight=w[:, t]) for t in range(2)]
     ref = (parts[0][0] + parts[1][0], parts[0][1] + parts[1][1], torch.zeros((), dtype=torch.float64))
     check((loss, soft, hard), ref, [xs, ws], [xd, wd], 1e-9)
     assert stats.hard_sum.item() == 0

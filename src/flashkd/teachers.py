@@ -99,9 +99,9 @@ def fused_linear_distill_teachers(
     full. teacher_inputs, teacher_heads (and teacher_biases, entries None for none): M each, M >= 1.
     routed takes `teacher_index` (labels' shape, int64 or int32, each row's teacher in [0, M) or −1 for
     none; one host sync: the groups' sizes), geometric and sum `teacher_weights` (M floats or a float tensor
-    (..., M), >= 0, checked on CPU; a tensor (M,) is read on the host). teacher_logit_scale and teacher_softcap: one for all or M, per teacher; geometric
-    refuses softcaps. The other keywords are `fused_linear_distill`'s, passed through; the returns too:
-    loss, (soft, hard) with return_soft_hard_loss, a `DistillStats` with return_stats (per_teacher (M, 3)
+    (..., M), >= 0, checked on CPU; a tensor (M,) is read on the host). teacher_logit_scale and
+    teacher_softcap: one for all or M, per teacher; geometric refuses softcaps. The other keywords are
+    `fused_linear_distill`'s, passed through; the returns too: loss, (soft, hard) with return_soft_hard_loss, a `DistillStats` with return_stats (per_teacher (M, 3)
     for routed and sum: rows, soft sum, 0 for the teacher entropy the dense form does not compute). The
     teachers are constants: loss="mutual" and "co_jeffreys" are refused. No process_group: a sharded
     head takes `fused_linear_distill`'s own calls.
@@ -234,7 +234,8 @@ def _check_weights(weights, lead, m, device):
                 raise ValueError("teacher_weights: expected finite values >= 0")
             return weights.detach().reshape(-1, m)
     if not isinstance(weights, (list, tuple)) or len(weights) != m:
-        raise ValueError(f"teacher_weights: expected {m} floats (one per teacher) or a tensor (..., {m}), got {weights!r}")
+        raise ValueError(f"teacher_weights: expected {m} floats (one per teacher) or a tensor (..., {m}), "
+                         f"got {weights!r}")
     for w in weights:
         if isinstance(w, bool) or not isinstance(w, (int, float)) or not math.isfinite(w) or w < 0:
             raise ValueError(f"teacher_weights: expected finite floats >= 0, got {w!r}")
