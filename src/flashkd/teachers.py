@@ -103,8 +103,9 @@ def fused_linear_distill_teachers(
     teacher_softcap: one for all or M, per teacher; geometric refuses softcaps. The other keywords are
     `fused_linear_distill`'s, passed through; the returns too: loss, (soft, hard) with
     return_soft_hard_loss, a `DistillStats` with return_stats (per_teacher (M, 3) for routed and sum:
-    rows, soft sum, 0 for the teacher entropy the dense form does not compute). The teachers are constants: loss="mutual" and "co_jeffreys" are refused. No process_group: a sharded
-    head takes `fused_linear_distill`'s own calls.
+    rows, soft sum, 0 for the teacher entropy the dense form does not compute). The teachers are
+    constants: loss="mutual" and "co_jeffreys" are refused. No process_group: a sharded head takes
+    `fused_linear_distill`'s own calls.
     """
     if combine not in COMBINES:
         raise ValueError(f"combine: expected one of {COMBINES}, got {combine!r}")
