@@ -516,18 +516,28 @@ def _check_jsd():
     return module
 
 
-def _check_server():
-    """ServerDistillationTrainer, once its compute_loss and the methods the patched one calls are as tested."""
+_COMPUTE_LOSS = ("self", "model", "inputs", "return_outputs", "num_items_in_batch")  # Trainer.compute_loss's parameters
+
+
+def _compute_loss(module_name, class_name, original):
+    """(module, trainer class, its compute_loss's parameters, the names that method's code uses) of one of TRL's
+    experimental trainers, as TRL defines them (`original`: its own compute_loss while patched)."""
     import warnings
 
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*trl.experimental.*")
-        module = importlib.import_module(_SERVER_MODULE)
-    trainer = getattr(module, "ServerDistillationTrainer", None)
-    method = trainer.__dict__.get("compute_loss") if _original_server is None else _original_server
+        module = importlib.import_module(module_name)
+    trainer = getattr(module, class_name, None)
+    method = trainer.__dict__.get("compute_loss") if original is None else original
     found = None if method is None else tuple(inspect.signature(method).parameters)
-    expected = ("self", "model", "inputs", "return_outputs", "num_items_in_batch")
     called = getattr(getattr(inspect.unwrap(method), "__code__", None), "co_names", ()) if method else ()
+    return module, trainer, found, called
+
+
+def _check_server():
+    """ServerDistillationTrainer, once its compute_loss and the methods the patched one calls are as tested."""
+    _, trainer, found, called = _compute_loss(_SERVER_MODULE, "ServerDistillationTrainer", _original_server)
+    expected = _COMPUTE_LOSS
     missing = [m for m in _SERVER_METHODS if not callable(getattr(trainer, m, None))]
     if found != expected or missing or "_get_teacher_token_logprobs_from_server" not in called:
         raise RuntimeError(
@@ -543,16 +553,8 @@ def _check_server():
 def _check_gold():
     """GOLDTrainer, once its compute_loss, ULDLoss's options and the teacher-input builder the patched
     method reads are as tested."""
-    import warnings
-
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=".*trl.experimental.*")
-        module = importlib.import_module(_GOLD_MODULE)
-    trainer = getattr(module, "GOLDTrainer", None)
-    method = trainer.__dict__.get("compute_loss") if _original_gold is None else _original_gold
-    found = None if method is None else tuple(inspect.signature(method).parameters)
-    expected = ("self", "model", "inputs", "return_outputs", "num_items_in_batch")
-    called = getattr(getattr(inspect.unwrap(method), "__code__", None), "co_names", ()) if method else ()
+    module, trainer, found, called = _compute_loss(_GOLD_MODULE, "GOLDTrainer", _original_gold)
+    expected = _COMPUTE_LOSS
     uld = getattr(module, "ULDLoss", None)
     init = inspect.getsource(uld.__init__) if uld is not None else ""
     missing = [a for a in _ULD_ATTRIBUTES if f"self.{a} =" not in init]
