@@ -49,12 +49,13 @@ for stage in $stages; do
       --out "$OUT/sweep" 2>&1 | tee "$OUT/bench-sweep.log" || status=1 ;;
     bench-losses) python3 -m flashkd bench --preset seed -n 8192 --loss forward_kl reverse_kl tvd --providers flashkd floor \
       --modes full no-grad-forward --out "$OUT/losses" 2>&1 | tee "$OUT/bench-losses.log" || status=1 ;;
-    # every divergence beside JSD at the seed (the dense rows of AKL, entropy_adaptive and DKD run on the torch
+    # every divergence beside JSD at the seed, orda-kernel 0.1.0 (from .whl/) beside flashkd where it has the loss
+    # (its fused Triton path on the GPU; tvd, akl and the cosine are not among its losses) (the dense rows of AKL, entropy_adaptive and DKD run on the torch
     # definition for now, the rest in the Triton kernel), and on a top-k teacher (the Triton backend's passes, the
     # categories' math in torch for all but JSD and the KLs)
     bench-divergences) { python3 -m flashkd bench --preset seed -n 8192 --loss jsd forward_kl skew_kl skew_reverse_kl \
       jeffreys triangular alpha_divergence renyi renyi_reverse ab_divergence entropy_adaptive dkd akl \
-      --providers flashkd floor --modes full --out "$OUT/divergences" \
+      --providers flashkd orda floor --modes full --out "$OUT/divergences" \
       && python3 -m flashkd bench --preset topk --loss jsd skew_kl skew_reverse_kl jeffreys alpha_divergence akl \
       --providers flashkd floor --modes full --out "$OUT/divergences-topk"; } 2>&1 | tee "$OUT/bench-divergences.log" || status=1 ;;
     bench-softonly) python3 -m flashkd bench --preset seed -n 8192 --loss jsd --weight-hard 0 --weight-soft 1 \

@@ -41,7 +41,7 @@ DTYPE_NAMES = ("bfloat16", "bf16", "float16", "fp16", "float32", "fp32")
 PRESET_NAMES = ("logits", "models", "seed", "small", "sweep", "teacher-topk", "topk", "trained")
 MODES = ("full", "forward", "backward", "no-grad-forward")
 PRECISIONS = ("fp8", "fp8-rowwise", "fp8-1x128")
-PROVIDER_NAMES = ("flashkd", "flashkd-triton", "flashkd-cute", "torch", "liger", "trl", "floor")
+PROVIDER_NAMES = ("flashkd", "flashkd-triton", "flashkd-cute", "torch", "liger", "trl", "orda", "floor")
 
 USAGE = """\
 Times each provider on the same seeded inputs, after checking its loss and gradients against an fp32

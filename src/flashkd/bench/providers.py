@@ -17,6 +17,10 @@ workload raises `Skip` with a one-line reason.
     trl       TRL's ChunkedDivergenceFunction (trl.kernels.chunked_divergence, TRL >= 1.16, when
               installed), the loss TRL's DistillationTrainer runs: soft-only (weight_hard 0) jsd,
               forward_kl and reverse_kl of the heads form, its per-token divergence averaged as flashkd's
+    orda      orda-kernel 0.1.0's fused loss (`orda_kernel.distillation_loss`, when installed): the heads form
+              as its SeparateTeacher, dense logits as its PrecomputedTeacher; every divergence it shares with
+              flashkd, its parameters mapped to flashkd's (its KL term always carries τ², so its weight is
+              divided by τ² here); student CE as the hard term
     floor     the GEMMs alone, no loss math at all: student logits forward, dX and dW backward, plus the
               teacher's share (its logits GEMM, or one read of its dense logits); teacher_topk: its GEMM
 
@@ -173,6 +177,61 @@ def _trl(w: Workload, x: Inputs) -> LossFn:
     return lambda: (ChunkedDivergenceFunction.apply(*args)[0] * valid).sum() * scale
 
 
+# flashkd's loss -> orda-kernel's name and (kl_alpha, kl_beta) from flashkd's LossSpec. Its skew losses and skew JS
+# weigh the student by β where flashkd's weigh the teacher by α (skew_kl) or β (jsd); its ABKD's α is the student's
+# exponent, flashkd's ab_divergence's α the teacher's (tests/test_bench_orda.py holds each off its defaults)
+ORDA_LOSSES = {
+    "forward_kl": ("forward", lambda s: (None, None)),
+    "reverse_kl": ("reverse", lambda s: (None, None)),
+    "jeffreys": ("jeffreys", lambda s: (None, None)),
+    "triangular": ("triangular", lambda s: (None, None)),
+    "jsd": ("skew_js", lambda s: (None, 1.0 - s.beta)),
+    "skew_kl": ("skew_forward", lambda s: (None, 1.0 - s.alpha)),
+    "skew_reverse_kl": ("skew_reverse", lambda s: (None, s.alpha)),
+    "alpha_divergence": ("alpha_divergence", lambda s: (s.alpha, None)),
+    "renyi": ("renyi", lambda s: (s.alpha, None)),
+    "renyi_reverse": ("renyi_reverse", lambda s: (s.alpha, None)),
+    "ab_divergence": ("abkd", lambda s: (s.beta, s.alpha)),
+    "dkd": ("dkd", lambda s: (s.alpha, s.beta)),
+    "entropy_adaptive": ("entropy_adaptive", lambda s: (None, None)),
+}
+
+
+def orda_options(spec: LossSpec) -> dict:
+    """orda_kernel.distillation_loss's keywords for flashkd's loss `spec` (no τ² on the soft term, as flashkd's
+    default: orda's KL always carries it, so its weight is divided by τ²)."""
+    import orda_kernel
+
+    name, params = ORDA_LOSSES[spec.loss]
+    kl_alpha, kl_beta = params(spec)
+    gate = None
+    if spec.loss == "entropy_adaptive":
+        gate = orda_kernel.EntropyGate(spec.gate_min, spec.gate_max, spec.gate_center, spec.gate_width)
+    tau = spec.temperature
+    return dict(student_ce_weight=spec.weight_hard, teacher_ce_weight=0.0,
+                kl_weight=spec.weight_soft * (1.0 if spec.temperature_squared else 1.0 / tau**2), kl_temperature=tau,
+                kl_divergence=name, kl_alpha=kl_alpha, kl_beta=kl_beta, entropy_gate=gate,
+                ignore_index=spec.ignore_index)
+
+
+def _orda(w: Workload, x: Inputs) -> LossFn:
+    _no_fp8("orda", w)
+    if w.form not in ("heads", "logits"):
+        raise Skip(f"orda has no {w.form} form here (its teachers: hidden states and head, or dense logits)")
+    if w.loss not in ORDA_LOSSES:
+        raise Skip(f"orda has no {w.loss} loss")
+    if w.softcap is not None:
+        raise Skip("orda's loss has no logit softcap")
+    if why := _orda_missing():
+        raise Skip(why)
+    import orda_kernel
+
+    options = orda_options(w.spec())
+    teacher = (orda_kernel.SeparateTeacher(x.xt, x.wt[: w.v]) if w.form == "heads"
+               else orda_kernel.PrecomputedTeacher(logits=x.tl[:, : w.v]))
+    return lambda: orda_kernel.distillation_loss(x.xs, x.ws, x.y, teacher, **options).loss
+
+
 class _Floor(torch.autograd.Function):
     """The GEMMs of a fused distillation step and nothing else: the time no loss can beat.
 
@@ -229,6 +288,21 @@ def _trl_missing() -> str | None:
     return None
 
 
+def _orda_missing() -> str | None:
+    try:
+        import orda_kernel  # noqa: F401
+    except ImportError as e:
+        return f"orda-kernel is not importable ({e}); pip install orda-kernel==0.1.0"
+    return None
+
+
+def _orda_version() -> str:
+    try:
+        return importlib.metadata.version("orda-kernel")
+    except importlib.metadata.PackageNotFoundError:
+        return "not installed"
+
+
 def _liger_version() -> str:
     try:
         return importlib.metadata.version("liger-kernel")
@@ -254,5 +328,7 @@ PROVIDERS: dict[str, Provider] = {
     "liger": Provider(_liger, _liger_version, grads_in_forward=True, missing=_liger_missing),
     # its backward recomputes the logits: gradients are not made in forward
     "trl": Provider(_trl, _trl_version, missing=_trl_missing),
+    # its backward (Triton on CUDA) computes the gradients from saved row statistics
+    "orda": Provider(_orda, _orda_version, missing=_orda_missing),
     "floor": Provider(_floor, lambda: torch.__version__, has_loss=False),
 }
