@@ -15,6 +15,7 @@ pytest.importorskip("datasets")
 
 import flashkd.integrations.trl as fk_trl  # noqa: E402
 import tiny_models  # noqa: E402
+from helpers.integrations import unpatched  # noqa: E402
 
 with warnings.catch_warnings():
     warnings.simplefilter("ignore")
@@ -25,11 +26,7 @@ TEMPLATE = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endf
             "{% if add_generation_prompt %}assistant: {% endif %}")
 
 
-@pytest.fixture(autouse=True)
-def _unpatched():
-    fk_trl.unpatch()
-    yield
-    fk_trl.unpatch()
+_unpatched = unpatched(fk_trl)
 
 
 def _bpe(size, seed):
