@@ -1,13 +1,15 @@
 """What the two TRL benchmarks (bench_trl_step.py, bench_trl_onpolicy.py) share: `datasets` or its
 stand-in put in place before TRL is imported, the options both take, their clocks and loss-helper
 wrapping, and the stand-ins AsyncDistillationTrainer runs with in place of vLLM (which
-tests/test_integrations_trl_onpolicy.py loads too)."""
+tests/test_integrations_trl_onpolicy.py loads too). bench_verl.py and bench_axolotl.py take the clocks
+and the timed forward + backward loop (`timed_steps`) from here too."""
 
 from __future__ import annotations
 
 import argparse
 import contextlib
 import queue
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -71,6 +73,36 @@ def stamp():
 
 def seconds(a, b):
     return a.elapsed_time(b) / 1e3 if isinstance(a, torch.cuda.Event) else b - a
+
+
+def timed_steps(step, x, w, args, device):
+    """`step(xs, ws)` -> (a loss, a tensor to keep) on fresh leaves of x and w, then the loss's backward,
+    args.warmup + args.reps times; the reps' seconds (median, p20, p80, each), the peak memory a run
+    allocates beyond what was allocated before it (CUDA), and the last run's kept tensor, in float64 on
+    the CPU. bench_verl.py and bench_axolotl.py time their variants with it."""
+    cuda = device.type == "cuda"
+    times, kept, peak = [], None, None
+    for rep in range(args.warmup + args.reps):
+        xs, ws = x.detach().requires_grad_(), w.detach().requires_grad_()
+        sync()
+        if cuda:
+            torch.cuda.reset_peak_memory_stats()
+            before = torch.cuda.memory_allocated()
+        a = stamp()
+        loss, keep = step(xs, ws)
+        loss.backward()
+        b = stamp()
+        sync()
+        if cuda:
+            peak = torch.cuda.max_memory_allocated() - before
+        if rep >= args.warmup:
+            times.append(seconds(a, b))
+        kept = keep.detach().double().cpu()
+        del loss, keep, xs, ws
+    times.sort()
+    q = lambda f: times[min(len(times) - 1, int(f * len(times)))]  # noqa: E731
+    return {"median_s": statistics.median(times), "p20_s": q(0.2), "p80_s": q(0.8), "times_s": times,
+            "peak_extra_bytes": peak}, kept
 
 
 @contextlib.contextmanager

@@ -21,7 +21,6 @@ Needs axolotl==0.19.0, liger-kernel, peft and addict (pip install --no-deps axol
 
 import argparse
 import json
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -29,7 +28,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _trl_common import seconds, stamp, sync  # noqa: E402
+from _trl_common import timed_steps  # noqa: E402
 
 from axolotl.integrations.kd.kernels.liger import LigerFusedLinearKLTopKLogprobLoss  # noqa: E402
 
@@ -69,30 +68,14 @@ def inputs(n, v, h, k, dtype, device, g):
 
 
 def run_one(module, x, w, ids, lp, mask, labels, args, device):
-    cuda = device.type == "cuda"
-    times, value, peak = [], None, None
-    for rep in range(args.warmup + args.reps):
-        xs, ws = x.detach().requires_grad_(), w.detach().requires_grad_()
-        sync()
-        if cuda:
-            torch.cuda.reset_peak_memory_stats()
-            before = torch.cuda.memory_allocated()
-        a = stamp()
-        loss = module(ws, xs, ids, lp.to(x.dtype) if isinstance(module, LigerFusedLinearKLTopKLogprobLoss) else lp,
-                      mask, labels)
-        loss.backward()
-        b = stamp()
-        sync()
-        if cuda:
-            peak = torch.cuda.max_memory_allocated() - before
-        if rep >= args.warmup:
-            times.append(seconds(a, b))
-        value = loss.item()
-        del loss, xs, ws
-    times.sort()
-    q = lambda f: times[min(len(times) - 1, int(f * len(times)))]  # noqa: E731
-    return {"median_s": statistics.median(times), "p20_s": q(0.2), "p80_s": q(0.8), "times_s": times,
-            "peak_extra_bytes": peak, "loss": value}
+    lp = lp.to(x.dtype) if isinstance(module, LigerFusedLinearKLTopKLogprobLoss) else lp
+
+    def step(xs, ws):
+        loss = module(ws, xs, ids, lp, mask, labels)
+        return loss, loss
+
+    result, loss = timed_steps(step, x, w, args, device)
+    return {**result, "loss": loss.item()}
 
 
 def main(argv=None):

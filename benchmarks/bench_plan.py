@@ -26,15 +26,7 @@ def timed(step, reps):
     """Median ms of `reps` calls after 3 warm-up calls, with CUDA events."""
     for _ in range(3):
         step()
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        step()
-        b.record()
-        torch.cuda.synchronize()
-        times.append(a.elapsed_time(b))
-    return statistics.median(times)
+    return statistics.median(measure.event_times(step, reps))
 
 
 def main():

@@ -33,8 +33,6 @@ Needs verl==0.9.1 (pip install --no-deps verl==0.9.1 omegaconf antlr4-python3-ru
 """
 
 import argparse
-import importlib
-import importlib.util
 import json
 import statistics
 import sys
@@ -45,40 +43,11 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _trl_common import seconds, stamp, sync  # noqa: E402
+from _trl_common import seconds, stamp, sync, timed_steps  # noqa: E402
+from _verl_losses import load_verl_losses  # noqa: E402
 
 import flashkd  # noqa: E402
 import flashkd.integrations.verl as fk_verl  # noqa: E402
-
-
-def load_verl_losses():
-    """verl's fsdp/losses.py: through its package where verl imports whole (ray, tensordict, ...), else
-    the file itself with `verl.workers.config` (named in its annotations only) stood in for."""
-    try:
-        return importlib.import_module("verl.trainer.distillation.fsdp.losses")
-    except ImportError:
-        pass
-    root = Path(importlib.util.find_spec("verl").submodule_search_locations[0])
-    saved = {name: sys.modules.get(name) for name in ("verl", "verl.workers", "verl.workers.config")}
-    try:
-        if not hasattr(sys.modules.get("verl"), "__path__"):
-            package = types.ModuleType("verl")
-            package.__path__ = [str(root)]
-            sys.modules["verl"] = package
-        config = types.ModuleType("verl.workers.config")
-        config.DistillationConfig = config.DistillationLossConfig = object
-        sys.modules["verl.workers"] = types.ModuleType("verl.workers")
-        sys.modules["verl.workers.config"] = config
-        spec = importlib.util.spec_from_file_location("_bench_verl_losses", root / "trainer/distillation/fsdp/losses.py")
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-        return module
-    finally:
-        for name, old in saved.items():
-            if old is None:
-                sys.modules.pop(name, None)
-            else:
-                sys.modules[name] = old
 
 
 VARIANTS = ["verl", "verl chunked", "flashkd", "flashkd fallback", "flashkd unpredicted", "flashkd top-k form"]
@@ -143,32 +112,14 @@ def variant(name, verl_losses, ids, lp, n):
 
 
 def run_one(fn, x, w, args, device, token_weight=None):
-    cuda = device.type == "cuda"
-    times, losses = [], None
-    peak = None
-    for rep in range(args.warmup + args.reps):
-        xs, ws = x.detach().requires_grad_(), w.detach().requires_grad_()
-        sync()
-        if cuda:
-            torch.cuda.reset_peak_memory_stats()
-            before = torch.cuda.memory_allocated()
-        a = stamp()
+    """Timed forward + backward of a variant: its per-token losses clamped at 0, (weighed and) averaged;
+    (times and peak memory, the last run's per-token losses in float64 on the CPU)."""
+    def step(xs, ws):
         per_token = fn(xs, ws)
         kept = per_token.clamp_min(0.0)
-        loss = (kept if token_weight is None else kept * token_weight).sum() / x.shape[0]
-        loss.backward()
-        b = stamp()
-        sync()
-        if cuda:
-            peak = torch.cuda.max_memory_allocated() - before
-        if rep >= args.warmup:
-            times.append(seconds(a, b))
-        losses = per_token.detach().double().cpu()
-        del per_token, loss, xs, ws
-    times.sort()
-    q = lambda f: times[min(len(times) - 1, int(f * len(times)))]  # noqa: E731
-    return {"median_s": statistics.median(times), "p20_s": q(0.2), "p80_s": q(0.8), "times_s": times,
-            "peak_extra_bytes": peak}, losses
+        return (kept if token_weight is None else kept * token_weight).sum() / x.shape[0], per_token
+
+    return timed_steps(step, x, w, args, device)
 
 
 KINDS = (("GEMMs", ("gemm", "cutlass", "nvjet", "xmma", "sm90_", "sm80_", "cublas")),

@@ -25,14 +25,9 @@ LOG2E = 1.4426950408889634
 
 
 def median_ms(fn, reps):
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        torch.cuda.synchronize()
-        times.append(a.elapsed_time(b))
+    from flashkd.bench.measure import event_times
+
+    times = event_times(fn, reps)
     q = statistics.quantiles(times, n=5)
     return statistics.median(times), q[0], q[-1]
 

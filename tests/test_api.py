@@ -6,6 +6,7 @@ import torch
 import flashkd
 import flashkd.chunks
 from conftest import BACKENDS
+from helpers.integrations import error_without
 from helpers.ties import drop_tied_rows, logits64
 from oracle import distill_loss
 
@@ -327,13 +328,6 @@ def test_half_inputs_are_as_accurate_as_plain_torch(seed, dtype):
 def test_hf_integration_without_transformers_names_the_extra():
     """As on a machine without transformers (its import blocked): the import error says what to install,
     as flashkd.data's and flashkd.integrations.trl's do."""
-    import subprocess
-    import sys
-
-    code = ("import sys; sys.modules['transformers'] = None\n"
-            "from flashkd.integrations.transformers import DistillationTrainer\n")
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
-    assert done.returncode == 1
-    last = done.stderr.strip().splitlines()[-1]
-    assert last.startswith("ImportError: flashkd.integrations.transformers needs transformers"), done.stderr
+    last = error_without("transformers", "from flashkd.integrations.transformers import DistillationTrainer\n")
+    assert last.startswith("ImportError: flashkd.integrations.transformers needs transformers"), last
     assert 'pip install "flashkd[hf]"' in last

@@ -296,13 +296,9 @@ def _refused(capsys, argv, message):
 
 
 @pytest.mark.parametrize("argv, message", [
-    (["--rep", "inf"], "argument --rep: expected a finite number of ms above 0, got inf"),
-    (["--rep", "0"], "argument --rep: expected a finite number of ms above 0, got 0"),
-    (["--rep", "nan"], "argument --rep: expected a finite number of ms above 0, got nan"),
-    (["--warmup", "inf"], "argument --warmup: expected a finite number of ms, 0 or more, got inf"),
-    (["--warmup", "-1"], "argument --warmup: expected a finite number of ms, 0 or more, got -1"),
-    (["--device", "nope"], "flashkd bench: --device: expected cpu, cuda or cuda:N, got 'nope'"),
-    (["--device", "mps"], "flashkd bench: --device: expected cpu, cuda or cuda:N, got 'mps'"),
+    *((["--rep", v], f"argument --rep: expected a finite number of ms above 0, got {v}") for v in ("inf", "0", "nan")),
+    *((["--warmup", v], f"argument --warmup: expected a finite number of ms, 0 or more, got {v}") for v in ("inf", "-1")),
+    *((["--device", v], f"flashkd bench: --device: expected cpu, cuda or cuda:N, got {v!r}") for v in ("nope", "mps")),
 ])
 def test_bench_refuses_bad_options(tmp_path, capsys, argv, message):
     _refused(capsys, [*argv, "-n", "7", *FAST_ARGS[:4], "--out", str(tmp_path / "run")], message)

@@ -16,10 +16,12 @@ import torch
 
 import flashkd
 from conftest import BACKENDS, HAS_TRITON
-from helpers.distributed import LAYOUTS, compare_sharded, leaf, rank_device, sharded_inputs, spawn
-from helpers.exact import OPTIONS, check, make_case, pipeline_grads, truth_grads
+from helpers.distributed import LAYOUTS, rank_device, sharded_inputs, spawn
+from helpers.divergences import (check_dense_exact, check_every_option_in_float64, check_masked_ids, check_topk_exact,
+                                 compare_forms_sharded, small)
+from helpers.exact import OPTIONS
 from helpers.mp import mp_rows
-from oracle import distill_loss, topk_loss
+from oracle import distill_loss
 
 FAMILY = ["jeffreys", "alpha_divergence", "renyi", "renyi_reverse", "ab_divergence", "triangular", "entropy_adaptive",
           "dkd"]
@@ -44,38 +46,15 @@ ORACLE_DEFAULTS = dict(alpha=0.1, beta=0.5, gate_min=0.0, gate_max=1.0, gate_cen
 @pytest.mark.parametrize("loss", FAMILY)
 @pytest.mark.parametrize("option", list(OPTIONS))
 def test_heads_exact_at_trained_magnitudes(backend, loss, option, seed, kernel_calls):
-    xs, ws, xt, wt, labels = make_case(seed)
-    opts = dict(OPTIONS[option], loss=loss, **PARAMS[loss])
-    xs_, ws_ = xs.clone().requires_grad_(), ws.clone().requires_grad_()
-    out = flashkd.fused_linear_distill(xs_, ws_, xt, wt, labels, backend=backend, chunk_size=16, **opts)
-    grads = torch.autograd.grad(out, (xs_, ws_))
+    check_dense_exact(backend, seed, dict(OPTIONS[option], loss=loss, **PARAMS[loss]))
     # the torch rows on every backend for those of chunks.TORCH_ROW_LOSSES, else the kernel on "triton"
     assert kernel_calls == ([] if backend == "torch" or loss in flashkd.chunks.TORCH_ROW_LOSSES else [loss] * 2)
-    zt = (xt.double() @ wt.double().T).float()
-
-    def of_logits(zs):
-        return distill_loss(None, None, None, None, labels, teacher_logits=zt, plain=True, student_logits=zs, **opts)[0]
-
-    truth = truth_grads(lambda x, w: distill_loss(x, w, xt, wt, labels, **opts)[0], xs, ws)
-    check(out, grads, truth, pipeline_grads(of_logits, xs, ws))
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("loss,params", ENDS)
 def test_dense_logits_exact_at_the_parameters_ends(backend, loss, params, seed):
-    xs, ws, xt, wt, labels = make_case(seed)
-    tl = (xt.double() @ wt.double().T).to(xs.dtype)
-    opts = dict(loss=loss, temperature=0.9, **params)
-    xs_, ws_ = xs.clone().requires_grad_(), ws.clone().requires_grad_()
-    out = flashkd.fused_linear_distill_logits(xs_, ws_, tl, labels, chunk_size=16, backend=backend, **opts)
-    grads = torch.autograd.grad(out, (xs_, ws_))
-
-    def of_logits(zs):
-        return distill_loss(None, None, None, None, labels, teacher_logits=tl.float(), plain=True, student_logits=zs,
-                            **opts)[0]
-
-    truth = truth_grads(lambda x, w: distill_loss(x, w, None, None, labels, teacher_logits=tl, **opts)[0], xs, ws)
-    check(out, grads, truth, pipeline_grads(of_logits, xs, ws))
+    check_dense_exact(backend, seed, dict(loss=loss, temperature=0.9, **params), logits=True)
 
 
 # The top-k forms: the KLs of Jeffreys and the entropy blend are infinite with the plain bucket where fp32
@@ -91,29 +70,7 @@ TOPK_CASES += [(loss, "bucket", 1e-7) for loss in ("jeffreys", "triangular")]
 @pytest.mark.parametrize("loss,tail,clamp", TOPK_CASES)
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_topk_exact_at_trained_magnitudes(backend, loss, tail, clamp, seed):
-    """On the Triton backend the kernels' passes over the vocab, the categories' math in torch."""
-    xs, ws, xt, wt, labels = make_case(seed)
-    ids, lp = flashkd.teacher_topk(xt.double(), wt.double(), 9, temperature=0.8)
-    lp = lp.float()
-    ids[2, 3:] = -1  # unused slots
-    opts = dict(loss=loss, tail=tail, tail_clamp=clamp, temperature=0.8, weight_hard_loss=0.5, weight_soft_loss=0.5,
-                **PARAMS[loss])
-    xs_, ws_ = xs.clone().requires_grad_(), ws.clone().requires_grad_()
-    out = flashkd.fused_linear_distill_topk(xs_, ws_, ids, lp, labels, chunk_size=16, backend=backend, **opts)
-    grads = torch.autograd.grad(out, (xs_, ws_))
-
-    def of_logits(zs):
-        return topk_loss(None, None, ids, lp, labels, student_logits=zs, **opts)[0]
-
-    truth = truth_grads(lambda x, w: topk_loss(x, w, ids, lp, labels, **opts)[0], xs, ws)
-    check(out, grads, truth, pipeline_grads(of_logits, xs, ws))
-
-
-def _small(seed, n=13, h=8, v=29, scale=1.5):
-    g = torch.Generator().manual_seed(seed)
-    f = dict(generator=g, dtype=torch.float64)
-    return (torch.randn(n, h, **f), torch.randn(v, h, **f) * scale, torch.randn(n, h, **f), torch.randn(v, h, **f) * scale,
-            torch.randint(v, (n,), generator=g))
+    check_topk_exact(backend, seed, loss, tail, clamp, PARAMS[loss], drop_ties=False)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -122,22 +79,7 @@ def test_every_option_against_the_oracle_in_float64(backend, loss, seed):
     """fp64 inputs: the loss and every gradient (x, W, bias) to ~1e-10 of the oracle, with the options
     that touch the rows: temperature and τ², both heads' transforms, biases, row weights, ignored rows,
     "sum", and the parameters away from their defaults."""
-    xs, ws, xt, wt, labels = _small(seed)
-    labels[::5] = -100
-    bs = torch.randn(ws.shape[0], dtype=torch.float64)
-    rw = torch.rand(xs.shape[0], dtype=torch.float64)
-    opts = dict(loss=loss, temperature=1.7, temperature_squared=True, student_logit_scale=0.8, teacher_logit_scale=1.2,
-                student_softcap=3.0, teacher_softcap=4.0, reduction="sum", weight_hard_loss=0.3, weight_soft_loss=0.7,
-                **PARAMS[loss])
-    leaves = [xs.clone().requires_grad_(), ws.clone().requires_grad_(), bs.clone().requires_grad_()]
-    out = flashkd.fused_linear_distill(leaves[0], leaves[1], xt, wt, labels, student_bias=leaves[2], row_weight=rw,
-                                       backend=backend, chunk_size=5, **opts)
-    ref_leaves = [xs.clone().requires_grad_(), ws.clone().requires_grad_(), bs.clone().requires_grad_()]
-    want = distill_loss(ref_leaves[0], ref_leaves[1], xt, wt, labels, student_bias=ref_leaves[2], row_weight=rw,
-                        **opts)[0]
-    torch.testing.assert_close(out, want, rtol=1e-10, atol=1e-12)
-    for got, ref in zip(torch.autograd.grad(out, leaves), torch.autograd.grad(want, ref_leaves)):
-        torch.testing.assert_close(got, ref, rtol=1e-9, atol=1e-11)
+    check_every_option_in_float64(backend, seed, loss, PARAMS[loss])
 
 
 @pytest.mark.parametrize("loss,params", [(loss, PARAMS[loss]) for loss in FAMILY if loss != "entropy_adaptive"] + [
@@ -193,7 +135,7 @@ def test_gradients_are_the_tables_at_trained_magnitudes(loss, seed):
 
 def test_entropy_gate_ends_are_the_kls_and_renyi_1_is_the_kl(seed):
     """gate_min = gate_max = 1 is forward KL and 0 reverse KL; Rényi of order 1 is KL(p‖q), its reverse KL(q‖p)."""
-    xs, ws, xt, wt, labels = _small(seed)
+    xs, ws, xt, wt, labels = small(seed)
     kw = dict(temperature=1.3, weight_hard_loss=0.0, weight_soft_loss=1.0)
 
     def run(**opts):
@@ -219,7 +161,7 @@ def test_masked_ids(loss, params, backend, seed):
     gradients, against the oracle, where the formula is finite there (Amari's, αβ, triangular, Rényi of order
     < 1). Jeffreys, the KL blend, Rényi of order ≥ 1 and DKD are infinite where one side rules out an id the
     other does not: there both rule out the same ids."""
-    xs, ws, xt, wt, labels = _small(seed, v=31)
+    xs, ws, xt, wt, labels = small(seed, v=31)
     tl = xt @ wt.T
     bias = torch.zeros(ws.shape[0], dtype=torch.float64)
     same = loss in ("jeffreys", "entropy_adaptive", "dkd") or (loss.startswith("renyi") and params["alpha"] >= 1)
@@ -235,16 +177,7 @@ def test_masked_ids(loss, params, backend, seed):
         bias[20] = -torch.inf  # the student rules an id out, everywhere
     labels = labels if loss == "dkd" else None  # (the oracle's CE, weighed by 0, is NaN at a −inf label)
     opts = dict(loss=loss, weight_hard_loss=0.0, weight_soft_loss=1.0, **params)
-    x = xs.clone().requires_grad_()
-    out = flashkd.fused_linear_distill_logits(x, ws, tl, labels, student_bias=bias, backend=backend, **opts)
-    xr = xs.clone().requires_grad_()
-    want = distill_loss(None, None, None, None, labels, teacher_logits=tl, student_logits=xr @ ws.T + bias,
-                        **{**ORACLE_DEFAULTS, **opts})[0]
-    assert torch.isfinite(out)
-    torch.testing.assert_close(out, want, rtol=1e-10, atol=1e-12)
-    got_dx = torch.autograd.grad(out, x)[0]
-    assert torch.isfinite(got_dx).all()
-    torch.testing.assert_close(got_dx, torch.autograd.grad(want, xr)[0], rtol=1e-9, atol=1e-12)
+    check_masked_ids(xs, ws, tl, labels, bias, opts, oracle={**ORACLE_DEFAULTS, **opts}, backend=backend)
 
 
 def test_a_side_at_zero_gives_the_limits_in_fp32():
@@ -270,7 +203,7 @@ def test_a_side_at_zero_gives_the_limits_in_fp32():
     ("dkd", "head_mass", 0.5), ("forward_kl", "gate_min", 0.1), ("jsd", "gate_width", 0.2),
     ("entropy_adaptive", "alpha", 0.5)])
 def test_a_parameter_the_loss_does_not_read_is_refused(loss, name, value):
-    xs, ws, xt, wt, labels = _small(0)
+    xs, ws, xt, wt, labels = small(0)
     with pytest.raises(ValueError, match=rf"^{name}: loss={loss!r} does not read it \(it is read by "):
         flashkd.fused_linear_distill(xs, ws, xt, wt, labels, loss=loss, **{name: value})
     with pytest.raises(ValueError, match=rf"^{name}: loss={loss!r} does not read it"):
@@ -286,7 +219,7 @@ def test_a_parameter_the_loss_does_not_read_is_refused(loss, name, value):
     ("entropy_adaptive", "gate_max", 1.5, r"\[0, 1\]"), ("entropy_adaptive", "gate_center", 2.0, r"\[0, 1\]"),
     ("skew_kl", "alpha", 1.5, r"\[0, 1\]"), ("akl", "head_mass", -1e-9, r"\[0, 1\]")])
 def test_out_of_range_parameters_are_named(loss, name, value, interval):
-    xs, ws, xt, wt, labels = _small(0)
+    xs, ws, xt, wt, labels = small(0)
     with pytest.raises(ValueError, match=rf"^{name}: expected a value in {interval}( for loss={loss!r})?, got {value!r}$"):
         flashkd.fused_linear_distill(xs, ws, xt, wt, labels, loss=loss, **{name: value})
     with pytest.raises(ValueError, match=rf"^{name}: expected a value in {interval}"):
@@ -294,7 +227,7 @@ def test_out_of_range_parameters_are_named(loss, name, value, interval):
 
 
 def test_gate_min_above_gate_max_is_refused():
-    xs, ws, xt, wt, labels = _small(0)
+    xs, ws, xt, wt, labels = small(0)
     with pytest.raises(ValueError, match=r"^gate_min: expected a value at most gate_max \(0.2\), got 0.5$"):
         flashkd.fused_linear_distill(xs, ws, xt, wt, labels, loss="entropy_adaptive", gate_min=0.5, gate_max=0.2)
 
@@ -302,14 +235,14 @@ def test_gate_min_above_gate_max_is_refused():
 @pytest.mark.parametrize("name", ["gate_min", "gate_width", "alpha", "beta"])
 @pytest.mark.parametrize("value", [math.nan, math.inf, "0.1", True])
 def test_non_numbers_are_named(name, value):
-    xs, ws, xt, wt, labels = _small(0)
+    xs, ws, xt, wt, labels = small(0)
     loss = "entropy_adaptive" if name.startswith("gate") else "ab_divergence"
     with pytest.raises(TypeError, match=rf"^{name}: expected a finite Python float"):
         flashkd.fused_linear_distill(xs, ws, xt, wt, labels, loss=loss, **{name: value})
 
 
 def test_dkd_needs_labels_and_a_dense_teacher():
-    xs, ws, xt, wt, labels = _small(0)
+    xs, ws, xt, wt, labels = small(0)
     with pytest.raises(ValueError, match=r"^labels: loss='dkd' reads each row's target class \(labels\), got labels=None$"):
         flashkd.fused_linear_distill(xs, ws, xt, wt, None, loss="dkd", weight_hard_loss=0.0)
     with pytest.raises(ValueError, match=r"^labels: loss='dkd'"):
@@ -328,8 +261,8 @@ def test_triton_backend_runs_them_on_the_torch_rows(loss, kernel_calls):
     result, bit for bit (the others' kernel: tests/test_triton_divergences.py)."""
     pytest.importorskip("triton")
     device = "cuda" if torch.cuda.is_available() else "cpu"  # on a CPU, the interpreter (tests/conftest.py)
-    xs, ws, xt, wt = (t.float().to(device) for t in _small(3)[:4])
-    labels = _small(3)[4].to(device)
+    xs, ws, xt, wt = (t.float().to(device) for t in small(3)[:4])
+    labels = small(3)[4].to(device)
     for backend in ("triton", "auto") if device == "cuda" else ("triton",):
         a = flashkd.fused_linear_distill(xs, ws, xt, wt, labels, loss=loss, backend=backend, **PARAMS[loss])
         b = flashkd.fused_linear_distill(xs, ws, xt, wt, labels, loss=loss, backend="torch", **PARAMS[loss])
@@ -351,25 +284,7 @@ def _vocab_parallel_worker(rank, world, seed):
     for options in cases:
         xs, ws, xt, wt, labels, bs, _ = sharded_inputs(gen, 11, torch.float64, dev, bias=True)
         xt = xt * 3.0  # peaked rows
-        for form in ("heads", "logits"):
-            lf = [leaf(xs), leaf(ws), leaf(bs)]
-            ls = [leaf(xs), leaf(ws[start:stop]), leaf(bs[start:stop])]
-            if form == "heads":
-                fn, full_t, shard_t = flashkd.fused_linear_distill, [xt, wt], [xt, wt[start:stop]]
-            else:
-                tl = xt @ wt.t()
-                fn, full_t, shard_t = flashkd.fused_linear_distill_logits, [tl], [tl[:, start:stop]]
-            full = dict(args=[lf[0], lf[1], *full_t, labels], kw=dict(student_bias=lf[2]), leaves=lf)
-            shard = dict(args=[ls[0], ls[1], *shard_t, labels], kw=dict(student_bias=ls[2], **par), leaves=ls)
-            compare_sharded(fn, f"{form} {options}", full, shard, start, stop, **options)
-        if options["loss"] == "dkd":
-            continue
-        ids, lp = flashkd.teacher_topk(xt, wt, 5)
-        lf, ls = [leaf(xs), leaf(ws), None], [leaf(xs), leaf(ws[start:stop]), None]
-        full = dict(args=[lf[0], lf[1], ids, lp, labels], kw={}, leaves=lf)
-        shard = dict(args=[ls[0], ls[1], ids, lp, labels], kw=dict(par), leaves=ls)
-        compare_sharded(flashkd.fused_linear_distill_topk, f"topk {options}", full, shard, start, stop,
-                        tail="renormalize", **options)
+        compare_forms_sharded(options, (xs, ws, xt, wt, labels, bs), start, stop, par, topk=options["loss"] != "dkd")
 
 
 @pytest.mark.parametrize("world", [2, 3])

@@ -15,11 +15,11 @@ import torch
 import flashkd
 from conftest import BACKENDS, HAS_TRITON
 from flashkd.losses import PARAMETERS, WHOLE_VOCAB, LossSpec, akl_head, divergence, parameter
-from helpers.cases import read
-from helpers.distributed import LAYOUTS, compare_sharded, leaf, rank_device, sharded_inputs, spawn
-from helpers.exact import OPTIONS, check, make_case, pipeline_grads, truth_grads
-from helpers.ties import drop_tied_rows, logits64, near
-from oracle import distill_loss, topk_loss
+from helpers.distributed import LAYOUTS, rank_device, sharded_inputs, spawn
+from helpers.divergences import (check_dense_exact, check_every_option_in_float64, check_masked_ids, check_topk_exact,
+                                 compare_forms_sharded, small)
+from helpers.exact import N, OPTIONS, make_case
+from helpers.ties import near
 
 NEW = ["skew_kl", "skew_reverse_kl", "akl"]
 PARAMS = {"skew_kl": dict(alpha=0.1), "skew_reverse_kl": dict(alpha=0.1), "akl": dict(head_mass=0.5)}
@@ -36,20 +36,8 @@ def assert_ran(calls, backend, loss):
 @pytest.mark.parametrize("loss", NEW)
 @pytest.mark.parametrize("option", list(OPTIONS))
 def test_heads_exact_at_trained_magnitudes(backend, loss, option, seed, kernel_calls):
-    xs, ws, xt, wt, labels = make_case(seed)
-    opts = dict(OPTIONS[option], loss=loss, **PARAMS[loss])
-    labels = drop_tied_rows(labels, logits64(xs, ws), logits64(xt, wt), **opts)
-    xs_, ws_ = xs.clone().requires_grad_(), ws.clone().requires_grad_()
-    out = flashkd.fused_linear_distill(xs_, ws_, xt, wt, labels, backend=backend, chunk_size=16, **opts)
-    grads = torch.autograd.grad(out, (xs_, ws_))
+    check_dense_exact(backend, seed, dict(OPTIONS[option], loss=loss, **PARAMS[loss]))
     assert_ran(kernel_calls, backend, loss)
-    zt = (xt.double() @ wt.double().T).float()
-
-    def of_logits(zs):
-        return distill_loss(None, None, None, None, labels, teacher_logits=zt, plain=True, student_logits=zs, **opts)[0]
-
-    truth = truth_grads(lambda x, w: distill_loss(x, w, xt, wt, labels, **opts)[0], xs, ws)
-    check(out, grads, truth, pipeline_grads(of_logits, xs, ws))
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -58,23 +46,11 @@ def test_heads_exact_at_trained_magnitudes(backend, loss, option, seed, kernel_c
                                          ("skew_reverse_kl", dict(alpha=0.02, row_weight=True)),
                                          ("akl", dict(head_mass=0.8)), ("akl", dict(head_mass=0.2))])
 def test_dense_logits_exact_at_trained_magnitudes(backend, loss, params, seed, kernel_calls):
-    xs, ws, xt, wt, labels = make_case(seed)
-    tl = (xt.double() @ wt.double().T).to(xs.dtype)
     opts = dict(loss=loss, temperature=0.9, **params)
     if opts.pop("row_weight", False):
-        opts["row_weight"] = torch.rand(xs.shape[0], generator=torch.Generator().manual_seed(seed))
-    labels = drop_tied_rows(labels, logits64(xs, ws), tl, **opts)
-    xs_, ws_ = xs.clone().requires_grad_(), ws.clone().requires_grad_()
-    out = flashkd.fused_linear_distill_logits(xs_, ws_, tl, labels, chunk_size=16, backend=backend, **opts)
-    grads = torch.autograd.grad(out, (xs_, ws_))
+        opts["row_weight"] = torch.rand(N, generator=torch.Generator().manual_seed(seed))  # make_case's rows
+    check_dense_exact(backend, seed, opts, logits=True)
     assert_ran(kernel_calls, backend, loss)
-
-    def of_logits(zs):
-        return distill_loss(None, None, None, None, labels, teacher_logits=tl.float(), plain=True, student_logits=zs,
-                            **opts)[0]
-
-    truth = truth_grads(lambda x, w: distill_loss(x, w, None, None, labels, teacher_logits=tl, **opts)[0], xs, ws)
-    check(out, grads, truth, pipeline_grads(of_logits, xs, ws))
 
 
 @pytest.mark.parametrize("loss,tail,clamp", [
@@ -85,60 +61,13 @@ def test_dense_logits_exact_at_trained_magnitudes(backend, loss, params, seed, k
     ("akl", "renormalize", None), ("akl", "bucket", 1e-7)])
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_topk_exact_at_trained_magnitudes(backend, loss, tail, clamp, seed):
-    """On the Triton backend the kernels' passes over the vocab, the categories' math in torch."""
-    xs, ws, xt, wt, labels = make_case(seed)
-    ids, lp = flashkd.teacher_topk(xt.double(), wt.double(), 9, temperature=0.8)
-    lp = lp.float()
-    ids[2, 3:] = -1  # unused slots
-    opts = dict(loss=loss, tail=tail, tail_clamp=clamp, temperature=0.8, weight_hard_loss=0.5, weight_soft_loss=0.5,
-                **PARAMS[loss])
-    labels = drop_tied_rows(labels, logits64(xs, ws), ids=ids, logprobs=lp, **opts)
-    xs_, ws_ = xs.clone().requires_grad_(), ws.clone().requires_grad_()
-    out = flashkd.fused_linear_distill_topk(xs_, ws_, ids, lp, labels, chunk_size=16, backend=backend, **opts)
-    grads = torch.autograd.grad(out, (xs_, ws_))
-
-    def of_logits(zs):
-        return topk_loss(None, None, ids, lp, labels, student_logits=zs, **opts)[0]
-
-    truth = truth_grads(lambda x, w: topk_loss(x, w, ids, lp, labels, **opts)[0], xs, ws)
-    check(out, grads, truth, pipeline_grads(of_logits, xs, ws))
-
-
-def _small(seed, n=13, h=8, v=29, scale=1.5):
-    g = torch.Generator().manual_seed(seed)
-    f = dict(generator=g, dtype=torch.float64)
-    return (torch.randn(n, h, **f), torch.randn(v, h, **f) * scale, torch.randn(n, h, **f), torch.randn(v, h, **f) * scale,
-            torch.randint(v, (n,), generator=g))
-
-
-@pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("loss", NEW)
-def test_every_option_against_the_oracle_in_float64(backend, loss, seed):
-    """fp64 inputs: the loss and every gradient (x, W, bias) to ~1e-10 of the oracle, with the options
-    that touch the rows: temperature and τ², both heads' transforms, biases, row weights, ignored rows,
-    "sum", and α / μ away from their defaults."""
-    xs, ws, xt, wt, labels = _small(seed)
-    labels[::5] = -100
-    bs = torch.randn(ws.shape[0], dtype=torch.float64)
-    rw = torch.rand(xs.shape[0], dtype=torch.float64)
-    opts = dict(loss=loss, temperature=1.7, temperature_squared=True, student_logit_scale=0.8, teacher_logit_scale=1.2,
-                student_softcap=3.0, teacher_softcap=4.0, reduction="sum", weight_hard_loss=0.3, weight_soft_loss=0.7,
-                **(dict(head_mass=0.65) if loss == "akl" else dict(alpha=0.35)))
-    leaves = [xs.clone().requires_grad_(), ws.clone().requires_grad_(), bs.clone().requires_grad_()]
-    out = flashkd.fused_linear_distill(leaves[0], leaves[1], xt, wt, labels, student_bias=leaves[2], row_weight=rw,
-                                       backend=backend, chunk_size=5, **read(opts))
-    ref_leaves = [xs.clone().requires_grad_(), ws.clone().requires_grad_(), bs.clone().requires_grad_()]
-    want = distill_loss(ref_leaves[0], ref_leaves[1], xt, wt, labels, student_bias=ref_leaves[2], row_weight=rw,
-                        **opts)[0]
-    torch.testing.assert_close(out, want, rtol=1e-10, atol=1e-12)
-    for got, ref in zip(torch.autograd.grad(out, leaves), torch.autograd.grad(want, ref_leaves)):
-        torch.testing.assert_close(got, ref, rtol=1e-9, atol=1e-11)
+    check_topk_exact(backend, seed, loss, tail, clamp, PARAMS[loss], drop_ties=True)
 
 
 @pytest.mark.parametrize("form", ["heads", "topk"])
 @pytest.mark.parametrize("skew,plain", [("skew_kl", "forward_kl"), ("skew_reverse_kl", "reverse_kl")])
 def test_alpha_0_is_the_plain_kl_and_alpha_1_is_zero(form, skew, plain, seed):
-    xs, ws, xt, wt, labels = _small(seed)
+    xs, ws, xt, wt, labels = small(seed)
     if form == "heads":
         fn, teacher = flashkd.fused_linear_distill, (xt, wt)
     else:
@@ -251,13 +180,20 @@ def test_akl_is_zero_with_zero_gradient_where_p_is_q():
     assert torch.autograd.grad(same.sum(), x)[0].abs().max().item() == 0.0
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("loss", NEW)
+def test_every_option_against_the_oracle_in_float64(backend, loss, seed):
+    """With α / μ away from their defaults (`check_every_option_in_float64` says which options)."""
+    check_every_option_in_float64(backend, seed, loss, dict(head_mass=0.65) if loss == "akl" else dict(alpha=0.35))
+
+
 @pytest.mark.parametrize("loss", NEW)
 def test_masked_ids(loss, seed):
     """−inf teacher logits (ids the teacher rules out) and −inf student logits at other ids: finite where
     the formula is (skew at α > 0), against the oracle. AKL's reverse KL is infinite where the teacher
     rules out an id the student does not (as reverse_kl is), and its forward KL where the student rules out
     one the teacher does not: there both rule out the same ids."""
-    xs, ws, xt, wt, labels = _small(seed, v=31)
+    xs, ws, xt, wt, labels = small(seed, v=31)
     tl = xt @ wt.T
     tl[:, 3] = -torch.inf
     tl[::2, 10:14] = -torch.inf
@@ -269,13 +205,7 @@ def test_masked_ids(loss, seed):
         bias[3] = -torch.inf
     opts = dict(loss=loss, weight_hard_loss=0.0, weight_soft_loss=1.0,
                 **(dict(head_mass=0.5) if loss == "akl" else dict(alpha=0.2)))
-    x = xs.clone().requires_grad_()
-    out = flashkd.fused_linear_distill_logits(x, ws, tl, None, student_bias=bias, **read(opts))
-    xr = xs.clone().requires_grad_()
-    want = distill_loss(None, None, None, None, None, teacher_logits=tl, student_logits=xr @ ws.T + bias, **opts)[0]
-    assert torch.isfinite(out)
-    torch.testing.assert_close(out, want, rtol=1e-10, atol=1e-12)
-    torch.testing.assert_close(torch.autograd.grad(out, x)[0], torch.autograd.grad(want, xr)[0], rtol=1e-9, atol=1e-12)
+    check_masked_ids(xs, ws, tl, None, bias, opts)
 
 
 READER = {"alpha": "skew_kl", "head_mass": "akl"}  # a loss that reads the parameter
@@ -283,7 +213,7 @@ READER = {"alpha": "skew_kl", "head_mass": "akl"}  # a loss that reads the param
 
 @pytest.mark.parametrize("name,value", [("alpha", -0.1), ("alpha", 1.5), ("head_mass", -1e-9), ("head_mass", 2.0)])
 def test_out_of_range_parameters_are_named(name, value):
-    xs, ws, xt, wt, labels = _small(0)
+    xs, ws, xt, wt, labels = small(0)
     with pytest.raises(ValueError, match=rf"^{name}: expected a value in \[0, 1\], got {value!r}"):
         flashkd.fused_linear_distill(xs, ws, xt, wt, labels, loss=READER[name], **{name: value})
     with pytest.raises(ValueError, match=rf"^{name}: expected a value in \[0, 1\], got {value!r}"):
@@ -293,7 +223,7 @@ def test_out_of_range_parameters_are_named(name, value):
 @pytest.mark.parametrize("name", ["alpha", "head_mass"])
 @pytest.mark.parametrize("value", [math.nan, math.inf, "0.1", True])
 def test_non_numbers_are_named(name, value):
-    xs, ws, xt, wt, labels = _small(0)
+    xs, ws, xt, wt, labels = small(0)
     with pytest.raises(TypeError, match=rf"^{name}: expected a finite Python float"):
         flashkd.fused_linear_distill(xs, ws, xt, wt, labels, loss=READER[name], **{name: value})
 
@@ -301,7 +231,7 @@ def test_non_numbers_are_named(name, value):
 @pytest.mark.parametrize("name", ["alpha", "head_mass"])
 def test_none_is_the_loss_default(name):
     """None, the keyword's default, is the loss's own default value (`flashkd.losses.PARAMETERS`)."""
-    xs, ws, xt, wt, labels = _small(0)
+    xs, ws, xt, wt, labels = small(0)
     run = lambda **o: flashkd.fused_linear_distill(xs, ws, xt, wt, labels, loss=READER[name], **o)
     want = run(**{name: parameter(name, READER[name]).default})
     assert torch.equal(run(**{name: None}), want) and torch.equal(run(), want)
@@ -312,7 +242,7 @@ def test_none_is_the_loss_default(name):
                                        if parameter(name, loss) is None])
 def test_a_parameter_the_loss_does_not_read_is_refused(name, loss):
     """A value for a loss that does not read it would change nothing: refused, naming the losses that do."""
-    xs, ws, xt, wt, labels = _small(0)
+    xs, ws, xt, wt, labels = small(0)
     readers = ", ".join(f"loss={r!r}" for param in PARAMETERS[name] for r in param.losses)
     said = f"{name}: loss={loss!r} does not read it (it is read by {readers}); got {name}=0.3, leave it out"
     for make in (lambda: flashkd.fused_linear_distill(xs, ws, xt, wt, labels, loss=loss, **{name: 0.3}),
@@ -329,8 +259,8 @@ def test_triton_backend_runs_the_skew_losses_in_its_kernel_and_akl_on_the_torch_
     bit for bit. fp64 inputs go to the torch rows whatever the loss."""
     pytest.importorskip("triton")
     device = "cuda" if torch.cuda.is_available() else "cpu"  # on a CPU, the interpreter (tests/conftest.py)
-    xs, ws, xt, wt = (t.float().to(device) for t in _small(3)[:4])
-    labels = _small(3)[4].to(device)
+    xs, ws, xt, wt = (t.float().to(device) for t in small(3)[:4])
+    labels = small(3)[4].to(device)
     for params in ([dict(alpha=a) for a in (0.0, 0.1, 1.0)] if loss in IN_KERNEL else [dict(head_mass=0.5)]):
         for backend in ("triton", "auto") if device == "cuda" else ("triton",):
             del kernel_calls[:]
@@ -379,23 +309,7 @@ def _vocab_parallel_worker(rank, world, seed):
         xs, ws, xt, wt, labels, bs, _ = sharded_inputs(gen, 11, torch.float64, dev, bias=True)
         xt = xt * 3.0  # peaked rows: a head of one id or a few
         xt[2] = 0.0  # a flat teacher: every id tied
-        for form in ("heads", "logits"):
-            lf = [leaf(xs), leaf(ws), leaf(bs)]
-            ls = [leaf(xs), leaf(ws[start:stop]), leaf(bs[start:stop])]
-            if form == "heads":
-                fn, full_t, shard_t = flashkd.fused_linear_distill, [xt, wt], [xt, wt[start:stop]]
-            else:
-                tl = xt @ wt.t()
-                fn, full_t, shard_t = flashkd.fused_linear_distill_logits, [tl], [tl[:, start:stop]]
-            full = dict(args=[lf[0], lf[1], *full_t, labels], kw=dict(student_bias=lf[2]), leaves=lf)
-            shard = dict(args=[ls[0], ls[1], *shard_t, labels], kw=dict(student_bias=ls[2], **par), leaves=ls)
-            compare_sharded(fn, f"{form} {options}", full, shard, start, stop, **options)
-        ids, lp = flashkd.teacher_topk(xt, wt, 5)
-        lf, ls = [leaf(xs), leaf(ws), None], [leaf(xs), leaf(ws[start:stop]), None]
-        full = dict(args=[lf[0], lf[1], ids, lp, labels], kw={}, leaves=lf)
-        shard = dict(args=[ls[0], ls[1], ids, lp, labels], kw=dict(par), leaves=ls)
-        compare_sharded(flashkd.fused_linear_distill_topk, f"topk {options}", full, shard, start, stop,
-                 tail="renormalize", **options)
+        compare_forms_sharded(options, (xs, ws, xt, wt, labels, bs), start, stop, par)
 
 
 @pytest.mark.parametrize("world", [2, 3])

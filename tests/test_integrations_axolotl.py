@@ -16,6 +16,7 @@ liger_mod = pytest.importorskip("axolotl.integrations.kd.kernels.liger")
 
 import flashkd.integrations.axolotl as fk_ax  # noqa: E402
 from conftest import BACKENDS  # noqa: E402
+from helpers.integrations import check_refuses_version, error_without  # noqa: E402
 
 Liger = liger_mod.LigerFusedLinearKLTopKLogprobLoss
 
@@ -197,11 +198,7 @@ def test_plugin_swaps_a_built_trainers_loss():
 
 
 def test_patch_refuses_untested_versions(monkeypatch):
-    real = importlib.metadata.version
-    monkeypatch.setattr(importlib.metadata, "version", lambda name: "0.18.2" if name == "axolotl" else real(name))
-    with pytest.raises(RuntimeError, match=r"axolotl 0\.18\.2 is installed.*0\.19\.0"):
-        fk_ax.patch()
-    assert not fk_ax.is_patched()
+    check_refuses_version(fk_ax, monkeypatch, "axolotl", "0.18.2", r"axolotl 0\.18\.2 is installed.*0\.19\.0")
 
 
 def test_patch_swaps_the_trainers_class():
@@ -237,14 +234,6 @@ def test_bench_axolotl_smoke(tmp_path, ce):
 def test_plugin_without_axolotl_names_the_extra():
     """As on a machine without axolotl (its import blocked): the module imports, the plugin's error says
     what to install."""
-    import subprocess
-    import sys
-
-    code = ("import sys; sys.modules['axolotl'] = None\n"
-            "import flashkd.integrations.axolotl as fk\n"
-            "fk.FlashKDPlugin\n")
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
-    assert done.returncode == 1
-    last = done.stderr.strip().splitlines()[-1]
-    assert last.startswith("ImportError: flashkd.integrations.axolotl.FlashKDPlugin needs axolotl"), done.stderr
+    last = error_without("axolotl", "import flashkd.integrations.axolotl as fk\nfk.FlashKDPlugin\n")
+    assert last.startswith("ImportError: flashkd.integrations.axolotl.FlashKDPlugin needs axolotl"), last
     assert 'pip install "flashkd[axolotl]"' in last

@@ -13,15 +13,12 @@ import flashkd.integrations.trl as fk_trl  # noqa: E402
 from oracle import distill_loss  # noqa: E402
 import tiny_models  # noqa: E402
 from conftest import BACKENDS  # noqa: E402
+from helpers.integrations import check_refuses_version, unpatched  # noqa: E402
 
 from trl.trainer import distillation_trainer as trl_dt  # noqa: E402
 
 
-@pytest.fixture(autouse=True)
-def _unpatched():
-    fk_trl.unpatch()
-    yield
-    fk_trl.unpatch()
+_unpatched = unpatched(fk_trl)
 
 
 def _trl_helper():
@@ -169,11 +166,7 @@ def test_a_stale_context_exit_leaves_a_later_patch_alone():
 
 
 def test_refuses_untested_version(monkeypatch):
-    real = fk_trl.importlib.metadata.version
-    monkeypatch.setattr(fk_trl.importlib.metadata, "version", lambda name: "9.9.0" if name == "trl" else real(name))
-    with pytest.raises(RuntimeError, match=r"installed TRL is 9\.9\.0.*tested with TRL 1\.16\.0"):
-        fk_trl.patch()
-    assert not fk_trl.is_patched()
+    check_refuses_version(fk_trl, monkeypatch, "trl", "9.9.0", r"installed TRL is 9\.9\.0.*tested with TRL 1\.16\.0")
 
 
 def test_refuses_changed_helper(monkeypatch):

@@ -15,6 +15,7 @@ pytest.importorskip("datasets")
 
 import flashkd.integrations.trl as fk_trl  # noqa: E402
 import tiny_models  # noqa: E402
+from helpers.integrations import unpatched  # noqa: E402
 
 with warnings.catch_warnings():
     warnings.simplefilter("ignore")
@@ -25,11 +26,7 @@ TEMPLATE = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endf
             "{% if add_generation_prompt %}assistant: {% endif %}")
 
 
-@pytest.fixture(autouse=True)
-def _unpatched():
-    fk_trl.unpatch()
-    yield
-    fk_trl.unpatch()
+_unpatched = unpatched(fk_trl)
 
 
 def _bpe(size, seed):
@@ -135,7 +132,8 @@ def test_untouched_paths_run_trls_method(setup, monkeypatch):
     calls = []
     original = GOLDTrainer.compute_loss
     fk_trl.patch()
-    monkeypatch.setattr(fk_trl, "_original_gold", lambda *a, **k: calls.append(1) or original(*a, **k))
+    saved = vars(GOLDTrainer)["_flashkd_saved"]  # TRL's own method, kept on the class while patched
+    monkeypatch.setitem(saved, "compute_loss", lambda *a, **k: calls.append(1) or original(*a, **k))
     loss, outputs = trainer.compute_loss(trainer.model, batch, return_outputs=True)
     assert calls == [1] and outputs.logits.shape[-1] == trainer.model.config.vocab_size
 

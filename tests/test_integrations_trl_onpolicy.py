@@ -18,25 +18,15 @@ import tiny_models  # noqa: E402
 from conftest import BACKENDS  # noqa: E402
 from oracle import head, trl_jsd_loss  # noqa: E402
 from helpers.exact import RATIO, pipeline_grads  # noqa: E402
+from helpers.integrations import unpatched  # noqa: E402
 
 from trl.experimental.async_distillation import async_distillation_trainer as trl_ad  # noqa: E402
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """These tests' tensors are tiny: one intra-op thread. On a loaded machine two threads make each
-    small op wait for the other's core (7 ms a 16 x 32 linear against 33 us, measured here)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny tensors (conftest.py)
 
 
-@pytest.fixture(autouse=True)
-def _unpatched():
-    fk_trl.unpatch()
-    yield
-    fk_trl.unpatch()
+_unpatched = unpatched(fk_trl)
 
 
 def _trl_jsd():

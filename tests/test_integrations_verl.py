@@ -22,41 +22,17 @@ import flashkd.integrations.verl as fk_verl  # noqa: E402
 from flashkd.losses import LossSpec, topk_row_losses  # noqa: E402
 from conftest import BACKENDS  # noqa: E402
 from helpers.cases import read  # noqa: E402
+from helpers.integrations import check_refuses_version  # noqa: E402
 from helpers.ties import near, tied_rows  # noqa: E402
 
 
 def _load_reference():
-    """verl's `verl/trainer/distillation/fsdp/losses.py`, as installed. Importing it through verl's
-    packages pulls in ray and tensordict (`verl/__init__`, `verl.workers.config`); where those are
-    absent the file itself is loaded, with `verl.workers.config` (whose config classes it names in
-    annotations only) stood in for while it loads. Its own imports are real: `verl.utils.ulysses`."""
-    try:
-        return importlib.import_module("verl.trainer.distillation.fsdp.losses")
-    except ImportError:
-        pass
-    root = Path(importlib.util.find_spec("verl").submodule_search_locations[0])
-    names = ("verl", "verl.workers", "verl.workers.config")
-    saved = {name: sys.modules.get(name) for name in names}
-    try:
-        if "verl" not in sys.modules or not hasattr(sys.modules["verl"], "__path__"):
-            package = types.ModuleType("verl")
-            package.__path__ = [str(root)]
-            sys.modules["verl"] = package
-        config = types.ModuleType("verl.workers.config")
-        config.DistillationConfig = config.DistillationLossConfig = object
-        sys.modules["verl.workers"] = types.ModuleType("verl.workers")
-        sys.modules["verl.workers.config"] = config
-        spec = importlib.util.spec_from_file_location("_verl_fsdp_distillation_losses",
-                                                      root / "trainer" / "distillation" / "fsdp" / "losses.py")
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-        return module
-    finally:
-        for name, old in saved.items():
-            if old is None:
-                sys.modules.pop(name, None)
-            else:
-                sys.modules[name] = old
+    """verl's fsdp/losses.py as installed: benchmarks/_verl_losses.py (loaded by path) says how."""
+    spec = importlib.util.spec_from_file_location("_verl_losses", Path(__file__).parent.parent / "benchmarks"
+                                                  / "_verl_losses.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.load_verl_losses()
 
 
 verl_losses = _load_reference()
@@ -259,11 +235,7 @@ def test_bad_inputs_name_the_argument():
 
 
 def test_patch_refuses_untested_versions(monkeypatch):
-    real = importlib.metadata.version
-    monkeypatch.setattr(importlib.metadata, "version", lambda name: "0.8.0" if name == "verl" else real(name))
-    with pytest.raises(RuntimeError, match=r"verl 0\.8\.0 is installed.*0\.9\.1"):
-        fk_verl.patch()
-    assert not fk_verl.is_patched()
+    check_refuses_version(fk_verl, monkeypatch, "verl", "0.8.0", r"verl 0\.8\.0 is installed.*0\.9\.1")
 
 
 def test_patch_swaps_the_engine_methods():

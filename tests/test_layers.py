@@ -355,6 +355,28 @@ def test_no_global_state_written_in_the_backends():
     assert _globals_in("n = 0\ndef f():\n    global n\n    n += 1\n", "m") == ["m: global n"]
 
 
+def _module_state_written_in(source: str, module: str) -> list[str]:
+    """`global` statements, and writes through `globals()`, in a module's source."""
+    found = _globals_in(source, module)
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "globals":
+            found.append(f"{module}:{node.lineno}: globals()")
+    return found
+
+
+def test_no_global_state_written_in_the_integrations():
+    """A patch keeps its state with what it patches (`flashkd.integrations.replace` saves the library's
+    original on the patched module or class, `restore` puts it back), not in module globals of flashkd
+    that patch() rebinds: no `global` statement, no `globals()` in flashkd.integrations."""
+    found = []
+    for module, path in _modules().items():
+        if module == "flashkd.integrations" or module.startswith("flashkd.integrations."):
+            found += _module_state_written_in(path.read_text("utf-8"), module)
+    assert found == []
+    assert _module_state_written_in("_saved = None\ndef patch():\n    global _saved\n", "m") == ["m: global _saved"]
+    assert _module_state_written_in("def get(name):\n    globals()[name] = 1\n", "m") == ["m:2: globals()"]
+
+
 def test_test_modules_import_no_other_test_module():
     """tests/test_*.py share code through tests/helpers/ (and oracle.py, tiny_models.py), never by
     importing one another: a test module imported by another has its tests' module-level state and

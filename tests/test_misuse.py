@@ -232,3 +232,38 @@ def test_a_patch_says_once_that_it_is_installed(capsys):
         logger.handlers, logger.level, logger.propagate = saved
         if was:
             fk_trl.patch()
+
+
+def test_a_patch_keeps_the_original_on_what_it_patches_and_restores_it_exactly():
+    """`flashkd.integrations.replace` keeps the library's own attribute on the module or class it patches
+    (the first time only: patching twice keeps the original), and `restore` puts back exactly that: an
+    attribute the class had inherited is deleted again, not left as a copy of its base's."""
+    import types
+
+    from flashkd.integrations import is_replaced, original, replace, restore
+
+    class Base:
+        def step(self):
+            return "base"
+
+    class Trainer(Base):
+        def loss(self):
+            return "library"
+
+    library, ours = Trainer.loss, lambda self: "flashkd"  # noqa: E731
+    record = replace(Trainer, "loss", ours)
+    assert replace(Trainer, "loss", ours) is record and Trainer().loss() == "flashkd"
+    assert original(Trainer, "loss") is library and is_replaced(Trainer, "loss")
+    replace(Trainer, "step", ours)
+    assert Trainer().step() == "flashkd" and original(Trainer, "step") is Base.step
+    restore(Trainer, "loss", "step")
+    assert Trainer.loss is library and "step" not in vars(Trainer) and "_flashkd_saved" not in vars(Trainer)
+    assert not record and not is_replaced(Trainer, "loss") and original(Trainer, "loss") is library
+    restore(Trainer, "loss")  # not patched: nothing to do
+    module = types.ModuleType("m")
+    module.helper = len
+    replace(module, "helper", abs)
+    assert module.helper is abs and original(module, "helper") is len
+    restore(module, "helper")
+    assert module.helper is len and vars(module).keys() == {"__name__", "__doc__", "__package__", "__loader__",
+                                                              "__spec__", "helper"}

@@ -13,14 +13,7 @@ from helpers.ties import drop_tied_rows, logits64
 from oracle import student_stats, topk_loss
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """These tests' tensors are tiny: one intra-op thread. On a loaded machine two threads make each
-    small op wait for the other's core (7 ms a 16 x 32 linear against 33 us, measured here)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny tensors (conftest.py)
 
 
 def _peaked_topk(lead, dtype, *, past_one=False):

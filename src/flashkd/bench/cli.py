@@ -234,12 +234,17 @@ def add_bench_arguments(p: argparse.ArgumentParser) -> None:
                         "CPU anyway: hours; without it they are refused there")
 
 
+def _int(text: str, otherwise: int) -> int:
+    """`text` as an int, or `otherwise` where it is none."""
+    try:
+        return int(text)
+    except ValueError:
+        return otherwise
+
+
 def _positive(text: str) -> int:
     """A positive integer that a record carries exactly (sizes are record axes): at most 2^53 − 1."""
-    try:
-        value = int(text)
-    except ValueError:
-        value = 0
+    value = _int(text, 0)
     if value < 1:
         raise argparse.ArgumentTypeError(f"expected a positive integer, got {text}")
     if value > 2**53 - 1:
@@ -249,10 +254,7 @@ def _positive(text: str) -> int:
 
 def _seed(text: str) -> int:
     """A seed that a record carries: KernelIndex's schema holds seeds in [0, 2^53 − 1]."""
-    try:
-        value = int(text)
-    except ValueError:
-        value = -1
+    value = _int(text, -1)
     if not 0 <= value <= 2**53 - 1:
         raise argparse.ArgumentTypeError(f"expected an integer from 0 to 2^53 - 1 (what a record carries), got {text}")
     return value

@@ -442,6 +442,20 @@ def _time_cuda(step, grads, settings: Settings):
     return [float(t) for t in times]
 
 
+def event_times(fn, reps: int) -> list[float]:
+    """The ms of each of `reps` calls of fn(), one at a time between two CUDA events, synchronised after
+    each: the clock of the benchmarks and probes that time single calls (do_bench's batching unwanted)."""
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end))
+    return times
+
+
 def cuda_peak(step) -> tuple[int, int]:
     """(peak bytes allocated during step(), bytes allocated before it), on the current CUDA device:
     Liger's measure (reset the peak, run, read max_memory_allocated), step's result kept until then."""

@@ -10,7 +10,9 @@
     flashkd.integrations.axolotl       FusedLinearKLTopKLogprobLoss, FlashKDPlugin, patch(): axolotl
                                        0.19's KD loss
 
-This package itself imports neither; the helpers below are the pieces both share.
+This package itself imports neither; the helpers below are the pieces they share. A patch keeps its state
+with what it patches, not in module globals: `replace` sets a module's or a class's attribute and keeps
+the original on that same target (`_flashkd_saved`), `original` reads it back and `restore` puts it back.
 """
 
 from __future__ import annotations
@@ -45,6 +47,59 @@ def announce(message: str) -> None:
         logger.setLevel(logging.INFO)
         logger.propagate = False  # the root logger's handlers would print it twice
     logger.info(message)
+
+
+_SAVED = "_flashkd_saved"  # on a patched module or class: {attribute name: its own attribute before the patch}
+_INHERITED = object()  # saved for an attribute the target did not have of its own (a class's from its bases)
+
+
+def replace(target, name: str, value) -> dict:
+    """Set `target.name` (an attribute of a module or a class) to `value`, and keep what the target held there
+    in its `_flashkd_saved` record: only the first time, so that patching again keeps the library's own
+    original. Returns the record, one object from the first `replace` until `restore` has put every name
+    back and emptied it: a patch call that keeps it can tell whether its install is still the one in place
+    (the record still holds names)."""
+    saved = vars(target).get(_SAVED)
+    if saved is None:
+        saved = {}
+        setattr(target, _SAVED, saved)
+    saved.setdefault(name, vars(target).get(name, _INHERITED))
+    setattr(target, name, value)
+    return saved
+
+
+def is_replaced(target, name: str) -> bool:
+    """Whether `target.name` is flashkd's (set by `replace`, not restored since)."""
+    return name in vars(target).get(_SAVED, ())
+
+
+def original(target, name: str):
+    """`target.name` as its library defines it: while replaced, the saved original (a class's inherited one
+    from its bases), else the attribute itself; None where there is none."""
+    saved = vars(target).get(_SAVED, {})
+    if name not in saved:
+        return getattr(target, name, None)
+    if saved[name] is _INHERITED:
+        return getattr(super(target, target), name, None) if isinstance(target, type) else None
+    return saved[name]
+
+
+def restore(target, *names: str) -> None:
+    """Put back exactly what `replace` saved on `target` for `names` (an attribute the target had not of its
+    own is deleted, the inherited one shows again), and drop the record once it is empty. A name not
+    replaced is left alone."""
+    saved = vars(target).get(_SAVED)
+    if saved is None:
+        return
+    for name in names:
+        if name in saved:
+            value = saved.pop(name)
+            if value is _INHERITED:
+                delattr(target, name)
+            else:
+                setattr(target, name, value)
+    if not saved:
+        delattr(target, _SAVED)
 
 
 def full_head(weight: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype):

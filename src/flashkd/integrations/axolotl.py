@@ -50,14 +50,16 @@ inputs), the result is fp32 (fp64 for fp64 inputs) where Liger accumulates in th
 
 from __future__ import annotations
 
+import functools
 import importlib.metadata
 import math
+import sys
 
 import torch
 import torch.nn.functional as F
 
 from ..distill import KEYWORDS, check_options, fused_linear_distill_topk
-from . import announce
+from . import announce, is_replaced, replace, restore
 
 TESTED_AXOLOTL_VERSIONS = ("0.19.0",)
 _TRAINER = "axolotl.integrations.kd.trainer"
@@ -70,8 +72,6 @@ _ABOVE_ONE = 2.0**-12
 # the keywords of fused_linear_distill_topk that forward sets itself
 _SET_HERE = frozenset({"loss", "tail", "beta", "temperature", "temperature_squared", "ignore_index", "student_bias",
                        "reduction", "weight_soft_loss", "weight_hard_loss", "row_weight"})
-
-_original = None  # {module name: axolotl's class} while patched
 
 
 def _weight(name, value):
@@ -203,33 +203,28 @@ def _check_version():
 
 def patch() -> None:
     """axolotl's KD trainer builds `FusedLinearKLTopKLogprobLoss` where it built Liger's (trainers built
-    after this call). Refuses an axolotl version other than TESTED_AXOLOTL_VERSIONS. Idempotent."""
-    global _original
+    after this call). Refuses an axolotl version other than TESTED_AXOLOTL_VERSIONS. Idempotent: axolotl's
+    class is kept on its modules while patched, for `unpatch()`."""
     _check_version()
     import importlib
 
-    if _original is None:
-        _original = {name: getattr(importlib.import_module(name), _NAME) for name in (_TRAINER, _KERNEL)}
+    modules = [importlib.import_module(name) for name in (_TRAINER, _KERNEL)]
+    if not is_replaced(modules[0], _NAME):
         announce("axolotl's KD trainers built from now on compute their loss with flashkd "
                  "(flashkd.integrations.axolotl.patch; unpatch() undoes it)")
-    for name in (_TRAINER, _KERNEL):
-        setattr(importlib.import_module(name), _NAME, FusedLinearKLTopKLogprobLoss)
+    for module in modules:
+        replace(module, _NAME, FusedLinearKLTopKLogprobLoss)
 
 
 def unpatch() -> None:
-    """axolotl's own loss class again (nothing when not patched)."""
-    global _original
-    if _original is None:
-        return
-    import importlib
-
-    for name, cls in _original.items():
-        setattr(importlib.import_module(name), _NAME, cls)
-    _original = None
+    """axolotl's own loss class again, exactly as it was (nothing when not patched)."""
+    for name in (_TRAINER, _KERNEL):
+        if name in sys.modules:
+            restore(sys.modules[name], _NAME)
 
 
 def is_patched() -> bool:
-    return _original is not None
+    return _TRAINER in sys.modules and is_replaced(sys.modules[_TRAINER], _NAME)
 
 
 def from_liger(module) -> FusedLinearKLTopKLogprobLoss:
@@ -241,6 +236,7 @@ def from_liger(module) -> FusedLinearKLTopKLogprobLoss:
     )
 
 
+@functools.cache
 def _plugin_class():
     try:
         from axolotl.integrations.base import BasePlugin
@@ -266,7 +262,5 @@ def _plugin_class():
 
 def __getattr__(name):  # the plugin class needs axolotl: made on first access, not at import
     if name == "FlashKDPlugin":
-        cls = _plugin_class()
-        globals()[name] = cls
-        return cls
+        return _plugin_class()
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

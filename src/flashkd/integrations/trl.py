@@ -56,13 +56,14 @@ import importlib
 import importlib.metadata
 import inspect
 import math
+import sys
 
 import torch
 
 from .. import fp8
 from ..cross_vocab import fused_linear_uld, uld_alignment
 from ..distill import fused_linear_distill, fused_linear_distill_topk
-from . import announce, compute_dtype, full_head, per_item
+from . import announce, compute_dtype, full_head, is_replaced, original, per_item, replace, restore
 
 TESTED_TRL_VERSIONS = ("1.16.0",)
 
@@ -97,11 +98,6 @@ _ULD_ATTRIBUTES = ("crossentropy_weight", "distillation_weight", "student_temper
                    "skip_student_eos", "skip_teacher_eos", "use_extended_uld", "token_merge_strategy",
                    "use_hybrid_loss", "hybrid_matched_weight", "hybrid_unmatched_weight", "beta", "_vocab_mapping")
 
-_original = None  # TRL's helper while patched
-_original_gold = None  # GOLDTrainer.compute_loss while patched
-_original_jsd = None  # TRL's top-k helper while patched
-_original_server = None  # ServerDistillationTrainer.compute_loss while patched
-_installed = None  # a token of the patch() call that installed the helpers, for its context's exit
 _options: dict = {}  # fused_linear_distill keywords the patch was given
 
 
@@ -220,7 +216,8 @@ def server_compute_loss(self, model, inputs, return_outputs=False, num_items_in_
     (`flashkd.integrations.transformers.head_transform`) where TRL's server path takes the model's own
     logits. `return_outputs=True` (the model's outputs asked for) is TRL's own method."""
     if return_outputs:
-        return _original_server(self, model, inputs, return_outputs, num_items_in_batch)
+        return _own_compute_loss(_SERVER_MODULE, "ServerDistillationTrainer")(self, model, inputs, return_outputs,
+                                                                              num_items_in_batch)
     # TRL's layout of the batch, as its compute_loss rebuilds it
     prompt_ids, prompt_mask = inputs["prompt_ids"], inputs["prompt_mask"]
     completion_ids, completion_mask = inputs["completion_ids"], inputs["completion_mask"]
@@ -316,7 +313,8 @@ def gold_compute_loss(self, model, inputs, return_outputs=False, num_items_in_ba
     uld = getattr(self, "uld_loss_fn", None)
     if (return_outputs or not self.use_uld_loss or self.teacher_tokenizer is None or uld is None
             or self._teacher_processor is not None or self._get_model_forward_kwargs(inputs)):
-        return _original_gold(self, model, inputs, return_outputs, num_items_in_batch)
+        return _own_compute_loss(_GOLD_MODULE, "GOLDTrainer")(self, model, inputs, return_outputs,
+                                                              num_items_in_batch)
     from trl.experimental.gold.gold_trainer import build_teacher_inputs_from_texts
 
     from .transformers import in_forward
@@ -405,7 +403,6 @@ def patch(*, teacher_precision: str | None = None):
     teacher_precision, which the latest call sets). teacher_precision: `fused_linear_distill`'s,
     e.g. "fp8" for an FP8 teacher GEMM (docs/api.md, "FP8 teacher": faster, and not TRL's numbers); it
     applies to DistillationTrainer's teacher head (the on-policy trainers' teachers are served)."""
-    global _original, _installed
     fp8.check_precision(teacher_precision)
     _options.clear()
     if teacher_precision is not None:
@@ -414,51 +411,54 @@ def patch(*, teacher_precision: str | None = None):
     jsd_module = _check_jsd()
     server = _check_server()
     gold = _check_gold()
-    token = None
-    if _original is None:
-        global _original_jsd, _original_server, _original_gold
-        _original = getattr(module, _HELPER)
-        _original_jsd = getattr(jsd_module, _JSD_HELPER)
-        _original_server = server.__dict__["compute_loss"]
-        _original_gold = gold.__dict__["compute_loss"]
-        setattr(module, _HELPER, chunked_divergence_loss)
-        setattr(jsd_module, _JSD_HELPER, chunked_jsd_loss)
-        from trl.extras.profiling import profiling_decorator
+    if is_replaced(module, _HELPER):
+        return _Undo(None)
+    from trl.extras.profiling import profiling_decorator
 
-        server.compute_loss = profiling_decorator(server_compute_loss)  # TRL's timing of the method, kept
-        gold.compute_loss = gold_compute_loss
-        token = _installed = object()
-        announce("TRL's DistillationTrainer, AsyncDistillationTrainer, ServerDistillationTrainer and GOLDTrainer "
-                 "(use_uld_loss) compute their loss with flashkd (flashkd.integrations.trl.patch; unpatch() undoes it)")
-    return _Undo(token)
+    record = replace(module, _HELPER, chunked_divergence_loss)
+    replace(jsd_module, _JSD_HELPER, chunked_jsd_loss)
+    replace(server, "compute_loss", profiling_decorator(server_compute_loss))  # TRL's timing of the method, kept
+    replace(gold, "compute_loss", gold_compute_loss)
+    announce("TRL's DistillationTrainer, AsyncDistillationTrainer, ServerDistillationTrainer and GOLDTrainer "
+             "(use_uld_loss) compute their loss with flashkd (flashkd.integrations.trl.patch; unpatch() undoes it)")
+    return _Undo(record)
+
+
+def _patched_places():
+    """(module or class, attribute) of each place patch() replaces, among the TRL modules imported so far
+    (the originals are kept on them: `flashkd.integrations.replace`)."""
+    places = [(sys.modules.get(_MODULE), _HELPER), (sys.modules.get(_JSD_MODULE), _JSD_HELPER),
+              (getattr(sys.modules.get(_SERVER_MODULE), "ServerDistillationTrainer", None), "compute_loss"),
+              (getattr(sys.modules.get(_GOLD_MODULE), "GOLDTrainer", None), "compute_loss")]
+    return [(target, name) for target, name in places if target is not None]
 
 
 def unpatch() -> None:
-    """Put TRL's own helpers back (nothing to do when not patched)."""
-    global _original, _original_jsd, _original_server, _original_gold, _installed
-    if _original is not None:
-        import sys
-
-        setattr(sys.modules[_MODULE], _HELPER, _original)
-        setattr(sys.modules[_JSD_MODULE], _JSD_HELPER, _original_jsd)
-        sys.modules[_SERVER_MODULE].ServerDistillationTrainer.compute_loss = _original_server
-        sys.modules[_GOLD_MODULE].GOLDTrainer.compute_loss = _original_gold
-        _original = _original_jsd = _original_server = _original_gold = _installed = None
+    """Put TRL's own helpers and methods back, exactly as they were (nothing to do when not patched)."""
+    for target, name in _patched_places():
+        restore(target, name)
 
 
 def is_patched() -> bool:
-    return _original is not None
+    module = sys.modules.get(_MODULE)
+    return module is not None and is_replaced(module, _HELPER)
+
+
+def _own_compute_loss(module_name, class_name):
+    """TRL's own compute_loss of one of its trainers (the saved one while patched)."""
+    return original(getattr(sys.modules[module_name], class_name), "compute_loss")
 
 
 class _Undo(contextlib.AbstractContextManager):
     """Undoes its patch() call's install, if that install is still the one in place: after an unpatch()
-    and a later, independent patch(), a stale context's exit leaves the later patch alone."""
+    and a later, independent patch(), a stale context's exit leaves the later patch alone. `record`: what
+    the install's `replace` returned, which `restore` empties (None: the call installed nothing)."""
 
-    def __init__(self, token):
-        self._token = token
+    def __init__(self, record):
+        self._record = record
 
     def __exit__(self, *exc):
-        if self._token is not None and self._token is _installed:
+        if self._record:
             unpatch()
 
 
@@ -475,7 +475,7 @@ def _check():
             f"only (its loss helper is private and may change); install trl=={TESTED_TRL_VERSIONS[-1]}"
         )
     module = importlib.import_module(_MODULE)
-    helper = getattr(module, _HELPER, None) if _original is None else _original
+    helper = original(module, _HELPER)
     trainer = getattr(module, "DistillationTrainer", None)
     found = None if helper is None else tuple(inspect.signature(helper).parameters)
     caller = getattr(getattr(trainer, "_compute_loss", None), "__code__", None)
@@ -496,7 +496,7 @@ def _check_jsd():
     with warnings.catch_warnings():  # TRL warns on importing trl.experimental: flashkd imports it, not the user
         warnings.filterwarnings("ignore", message=".*trl.experimental.*")
         module = importlib.import_module(_JSD_MODULE)
-    helper = getattr(module, _JSD_HELPER, None) if _original_jsd is None else _original_jsd
+    helper = original(module, _JSD_HELPER)
     trainer = getattr(module, "AsyncDistillationTrainer", None)
     found = None if helper is None else tuple(inspect.signature(helper).parameters)
     caller = getattr(getattr(trainer, "_compute_loss", None), "__code__", None)
@@ -519,16 +519,16 @@ def _check_jsd():
 _COMPUTE_LOSS = ("self", "model", "inputs", "return_outputs", "num_items_in_batch")  # Trainer.compute_loss's parameters
 
 
-def _compute_loss(module_name, class_name, original):
+def _compute_loss(module_name, class_name):
     """(module, trainer class, its compute_loss's parameters, the names that method's code uses) of one of TRL's
-    experimental trainers, as TRL defines them (`original`: its own compute_loss while patched)."""
+    experimental trainers, as TRL defines them (its own compute_loss while patched)."""
     import warnings
 
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*trl.experimental.*")
         module = importlib.import_module(module_name)
     trainer = getattr(module, class_name, None)
-    method = trainer.__dict__.get("compute_loss") if original is None else original
+    method = None if trainer is None else original(trainer, "compute_loss")
     found = None if method is None else tuple(inspect.signature(method).parameters)
     called = getattr(getattr(inspect.unwrap(method), "__code__", None), "co_names", ()) if method else ()
     return module, trainer, found, called
@@ -536,7 +536,7 @@ def _compute_loss(module_name, class_name, original):
 
 def _check_server():
     """ServerDistillationTrainer, once its compute_loss and the methods the patched one calls are as tested."""
-    _, trainer, found, called = _compute_loss(_SERVER_MODULE, "ServerDistillationTrainer", _original_server)
+    _, trainer, found, called = _compute_loss(_SERVER_MODULE, "ServerDistillationTrainer")
     expected = _COMPUTE_LOSS
     missing = [m for m in _SERVER_METHODS if not callable(getattr(trainer, m, None))]
     if found != expected or missing or "_get_teacher_token_logprobs_from_server" not in called:
@@ -553,7 +553,7 @@ def _check_server():
 def _check_gold():
     """GOLDTrainer, once its compute_loss, ULDLoss's options and the teacher-input builder the patched
     method reads are as tested."""
-    module, trainer, found, called = _compute_loss(_GOLD_MODULE, "GOLDTrainer", _original_gold)
+    module, trainer, found, called = _compute_loss(_GOLD_MODULE, "GOLDTrainer")
     expected = _COMPUTE_LOSS
     uld = getattr(module, "ULDLoss", None)
     init = inspect.getsource(uld.__init__) if uld is not None else ""

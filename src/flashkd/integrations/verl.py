@@ -97,13 +97,14 @@ import contextlib
 import importlib.metadata
 import math
 import os
+import sys
 
 import torch
 
 from .. import chunks
 from ..distill import check_options as distill_check_options
 from ..losses import LossSpec, category_logprobs, divergence, loss_parameters
-from . import announce, full_head
+from . import announce, full_head, is_replaced, original, replace, restore
 
 try:
     import triton
@@ -120,8 +121,8 @@ _CHECK_EPS = 8
 _LN2 = math.log(2.0)
 _LOG2E = math.log2(math.e)
 
-_original = None  # (prepare_model_inputs, prepare_model_outputs) of verl's engine while patched
-_options: dict = {}
+# the methods of verl's FSDPEngineWithLMHead that patch() replaces (verl's own kept on the class meanwhile)
+_METHODS = ("prepare_model_inputs", "prepare_model_outputs")
 
 
 def _chunk_rows(n: int, v: int, chunk_size: int | None, backend: str, logit_bytes: int) -> int:
@@ -627,24 +628,21 @@ def patch(**options) -> None:
     with top-k distillation and `use_fused_kernels`, the model's last hidden states and LM head give
     verl's five per-token outputs (`topk_outputs`). `options` go to `topk_outputs` (loss="reverse_kl"
     or "jsd", beta, chunk_size, backend, ...); the temperature and `log_prob_min_clamp` come from verl's
-    own config. Idempotent; `unpatch()` restores verl's methods."""
-    global _original
+    own config. Idempotent (a second call sets the options); `unpatch()` restores verl's methods, which
+    are kept on the engine class while patched."""
     _check_version()
     from verl.utils import tensordict_utils as tu
     from verl.utils.ulysses import get_ulysses_sequence_parallel_world_size, slice_input_tensor
     import importlib
 
     engine = importlib.import_module(_ENGINE).FSDPEngineWithLMHead
-    if _original is None:
-        _original = (engine.prepare_model_inputs, engine.prepare_model_outputs)
-    inputs_fn, outputs_fn = _original
+    inputs_fn, outputs_fn = (original(engine, name) for name in _METHODS)
     for name in ("temperature", "log_prob_min_clamp"):
         if name in options:
             raise TypeError(f"{name}: expected from verl's own config (the micro-batch, distillation_loss), not as "
                             f"an option of patch(), got {name}={options[name]!r}")
     check_options(**options)  # a wrong option fails here, not in verl's first training step
-    _options.clear()
-    _options.update(options)
+    options = dict(options)
 
     def ours(micro_batch):
         return (tu.get_non_tensor_data(data=micro_batch, key="distillation_use_topk", default=False)
@@ -686,40 +684,35 @@ def patch(**options) -> None:
         if isinstance(temperature, torch.Tensor):
             temperature = temperature.flatten()[0].item()  # verl's fused path takes one temperature
         predicted = _predicted(micro_batch, logits_processor_func, loss_cfg, hidden)
-        options = dict(_options)
+        these = dict(options)
         if predicted is not None:
-            options.update(predicted_grad=predicted, predicted_clamp=(0.0, getattr(loss_cfg, "loss_max_clamp", None)))
+            these.update(predicted_grad=predicted, predicted_clamp=(0.0, getattr(loss_cfg, "loss_max_clamp", None)))
         with contextlib.nullcontext() if not getattr(loss_cfg, "use_policy_gradient", False) else torch.no_grad():
             outs = topk_outputs(hidden, weight.to(hidden.dtype), ids, lp, temperature=float(temperature),
                                 log_prob_min_clamp=getattr(loss_cfg, "log_prob_min_clamp", None),
-                                lm_head_bias=None if bias is None else bias.to(hidden.dtype), **options)
+                                lm_head_bias=None if bias is None else bias.to(hidden.dtype), **these)
         cu_seqlens = micro_batch["input_ids"].offsets()
         for name, v in outs.items():
             v = self._gather_and_unpad_packed(v, output_args["pad_size"])
             model_output[name] = torch.nested.nested_tensor_from_jagged(v, cu_seqlens)
         return model_output
 
-    engine.prepare_model_inputs = prepare_model_inputs
-    engine.prepare_model_outputs = prepare_model_outputs
+    replace(engine, "prepare_model_inputs", prepare_model_inputs)
+    replace(engine, "prepare_model_outputs", prepare_model_outputs)
     announce("verl's FSDP engine computes top-k distillation (use_fused_kernels) with flashkd "
              "(flashkd.integrations.verl.patch; unpatch() undoes it)")
 
 
 def unpatch() -> None:
-    """verl's own engine methods again (nothing when not patched)."""
-    global _original
-    if _original is None:
-        return
-    import importlib
-
-    engine = importlib.import_module(_ENGINE).FSDPEngineWithLMHead
-    engine.prepare_model_inputs, engine.prepare_model_outputs = _original
-    _original = None
-    _options.clear()
+    """verl's own engine methods again, exactly as they were (nothing when not patched)."""
+    module = sys.modules.get(_ENGINE)
+    if module is not None:
+        restore(module.FSDPEngineWithLMHead, *_METHODS)
 
 
 def is_patched() -> bool:
-    return _original is not None
+    module = sys.modules.get(_ENGINE)
+    return module is not None and is_replaced(module.FSDPEngineWithLMHead, _METHODS[0])
 
 
 # verl imports the modules named in VERL_USE_EXTERNAL_MODULES in every process that imports verl (its
