@@ -4,7 +4,7 @@
 #                             [bench-softonly] [memory] [bench-topk] [bench-logits] [bench-teacher-topk]
 #                             [bench-softcap] [bench-trl] [bench-trl-step] [bench-trl-onpolicy] [bench-fp8]
 #                             [dist-one-gpu] [cute] [bench-models] [bench-divergences] [bench-verl]
-#                             [bench-axolotl]
+#                             [bench-axolotl] [bench-teachers]
 # (default: all of them, about 20 minutes on an H200; each of the last five a minute or two, bench-trl-step
 # at most about five: it needs trl 1.16.0 and accelerate (from .whl/); no PYTHONPATH beyond this script's, as
 # benchmarks/bench_trl_step.py falls back to its own stand-in for `datasets` where that is not installed;
@@ -121,6 +121,12 @@ for stage in $stages; do
     bench-verl) python3 benchmarks/bench_verl.py --out "$OUT/verl" 2>&1 | tee "$OUT/bench-verl.log" || status=1 ;;
     bench-axolotl) { python3 benchmarks/bench_axolotl.py --out "$OUT/axolotl" \
         && python3 benchmarks/bench_axolotl.py --ce --out "$OUT/axolotl-ce"; } 2>&1 | tee "$OUT/bench-axolotl.log" || status=1 ;;
+    # several teachers (routed, geometric, sum, arithmetic where flashkd has it) against the one-teacher call and
+    # their GEMM floors, the exact token map against the same-vocabulary call, and GOLD's hybrid ULD loss against
+    # TRL's ULDLoss (Llama-3 student <- Qwen3 teacher, 8192 aligned rows; checked first at a small shape), a few
+    # minutes; the GOLD part needs trl 1.16.0 from .whl/ (and `datasets` or the benchmark's stand-in): where trl is
+    # missing, TRL's rows are skipped with a note
+    bench-teachers) python3 benchmarks/bench_teachers.py --out "$OUT/teachers" 2>&1 | tee "$OUT/bench-teachers.log" || status=1 ;;
     *) echo "unknown stage $stage"; status=2 ;;
   esac
 done
