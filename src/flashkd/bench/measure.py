@@ -31,10 +31,12 @@ from ..losses import logit_transform
 from .providers import PROVIDERS, LossFn, Skip, naive_loss, teacher_block
 from .workloads import Inputs, Workload, make_inputs
 
-# The reference keeps ~10 fp32 (R, V) tensors for autograd. With at most 4 GiB of logits per block
-# that is ~50 GB: the seed workload (N=8192, V=128256) is one block, i.e. the naive formula as it
-# stands; larger N go block by block, which changes only the order of fp32 sums.
+# The reference keeps ~10 fp32 (R, V) tensors for autograd (the power divergences, AKL and DKD up to ~16).
+# With at most 4 GiB of logits per block that is up to ~70 GB: the seed workload (N=8192, V=128256) is
+# one block on an H200; a GPU with less free memory takes blocks of at most 1/20 of it (an H100: ~3.5
+# GiB). Blocks change only the order of fp32 sums.
 _REFERENCE_BLOCK_BYTES = 4 << 30
+_REFERENCE_SHARE = 20
 _MEMORY_REPS = 5  # peaks repeat exactly from call to call; Liger takes 10
 
 
@@ -296,7 +298,7 @@ def reference(w: Workload, x: Inputs) -> Reference | TopkReference:
     teacher = x._replace(xt=None if x.xt is None else x.xt.to(work), wt=None if x.wt is None else x.wt.to(work))
     spec = w.spec()
     count = (x.y != w.ignore_index).sum().clamp_min(1)
-    rows = _reference_rows(w.v * 4)
+    rows = _reference_rows(w.v * 4, xs.device)
     total = torch.zeros((), device=xs.device, dtype=work)
     with _ieee_fp32():
         for start in range(0, w.n, rows):
@@ -307,8 +309,11 @@ def reference(w: Workload, x: Inputs) -> Reference | TopkReference:
     return Reference(total, xs.grad, ws.grad)
 
 
-def _reference_rows(bytes_per_row: int) -> int:
-    return max(1, _REFERENCE_BLOCK_BYTES // bytes_per_row)
+def _reference_rows(bytes_per_row: int, device: torch.device | None = None) -> int:
+    block = _REFERENCE_BLOCK_BYTES
+    if device is not None and device.type == "cuda":
+        block = min(block, torch.cuda.mem_get_info(device)[0] // _REFERENCE_SHARE)
+    return max(1, block // bytes_per_row)
 
 
 def _topk_reference(w: Workload, x: Inputs) -> TopkReference:
