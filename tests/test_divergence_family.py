@@ -50,7 +50,7 @@ def test_heads_exact_at_trained_magnitudes(backend, loss, option, seed, kernel_c
     out = flashkd.fused_linear_distill(xs_, ws_, xt, wt, labels, backend=backend, chunk_size=16, **opts)
     grads = torch.autograd.grad(out, (xs_, ws_))
     # the torch rows on every backend for those of chunks.TORCH_ROW_LOSSES, else the kernel on "triton"
-    assert kernel_calls == ([] if backend == "torch" or loss in flashkd.chunks.TORCH_ROW_LOSSES else [loss] * 2)
+    assert kernel_calls == ([] if backend == "torch" or loss in flashkd.core.backend.TORCH_ROW_LOSSES else [loss] * 2)
     zt = (xt.double() @ wt.double().T).float()
 
     def of_logits(zs):
@@ -322,7 +322,7 @@ def test_dkd_needs_labels_and_a_dense_teacher():
     flashkd.FusedLinearDistillLoss("dkd", alpha=0.5, beta=2.0)
 
 
-@pytest.mark.parametrize("loss", [loss for loss in FAMILY if loss in flashkd.chunks.TORCH_ROW_LOSSES])
+@pytest.mark.parametrize("loss", [loss for loss in FAMILY if loss in flashkd.core.backend.TORCH_ROW_LOSSES])
 def test_triton_backend_runs_them_on_the_torch_rows(loss, kernel_calls):
     """"triton" (and "auto" on a GPU) have no dense kernel for the entropy blend and DKD: the torch rows'
     result, bit for bit (the others' kernel: tests/test_triton_divergences.py)."""

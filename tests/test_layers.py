@@ -69,11 +69,13 @@ def test_the_checker_sees_an_upward_import():
 
 
 # The package's layers, lowest first: a module imports only from its own layer or lower ones. The core
-# (the losses, the row backends, the FP8 head, the chunk loop, teacher_topk's loop) knows nothing of the
-# distributed layer, the public functions, the data on disk, the integrations, the records or the bench.
+# (flashkd.core: the call, its checks, plan, backend choice and loop, teacher_topk's loop; below it the
+# losses, the row backends and the FP8 head) knows nothing of the distributed layer, the public functions,
+# the data on disk, the integrations, the records or the bench. flashkd.chunks: the names the integrations
+# still import from the core, until they import them from flashkd.core.
 FINE_LAYERS = (
     ("kernels", ("flashkd.losses", "flashkd.backends", "flashkd.fp8")),
-    ("core", ("flashkd.chunks", "flashkd.teacher")),
+    ("core", ("flashkd.core", "flashkd.chunks")),
     ("distributed", ("flashkd.distributed",)),
     ("api", ("flashkd", "flashkd.distill", "flashkd.modules", "flashkd.data")),
     ("integrations", ("flashkd.integrations",)),
@@ -186,14 +188,14 @@ def test_the_graph_checks_can_fail():
     assert _cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": set()}) == ["a", "b", "c", "a"]
     assert _cycle({"a": {"b"}, "b": set()}) is None
     modules = _modules()
-    targets, _ = _edges("def f():\n    from .distributed import parallel\n", "flashkd.chunks", modules)
+    targets, _ = _edges("def f():\n    from ..distributed import parallel\n", "flashkd.core.loop", modules)
     assert targets == {"flashkd.distributed.parallel"}
-    assert _fine_layer("flashkd.distributed.parallel") > _fine_layer("flashkd.chunks")
-    _, private = _edges("from ..chunks import _rows\nfrom . import triton_rows\nx = triton_rows._head\n",
+    assert _fine_layer("flashkd.distributed.parallel") > _fine_layer("flashkd.core.loop")
+    _, private = _edges("from ..core.backend import _cute_on\nfrom . import triton_rows\nx = triton_rows._head\n",
                         "flashkd.backends.triton_topk", modules)
-    assert private == ["flashkd.backends.triton_topk imports _rows from flashkd.chunks",
+    assert private == ["flashkd.backends.triton_topk imports _cute_on from flashkd.core.backend",
                        "flashkd.backends.triton_topk reads flashkd.backends.triton_rows._head"]
-    assert _fine_layer("flashkd.records.site") > _fine_layer("flashkd") > _fine_layer("flashkd.teacher")
+    assert _fine_layer("flashkd.records.site") > _fine_layer("flashkd") > _fine_layer("flashkd.core.topk")
 
 
 def test_nothing_reads_a_folder_beside_the_repository():
@@ -322,18 +324,19 @@ def test_the_size_and_kwargs_checks_can_fail():
 
 
 def test_the_call_is_frozen_and_the_keywords_are_the_signatures():
-    """A call is one frozen value, made by one parse (chunks.parse, teacher.parse); the public
+    """A call is one frozen value, made by one parse (core.call.parse, parse_teacher_topk); the public
     functions' keyword options are distill.KEYWORDS, which the modules and integrations read."""
     import dataclasses
     import inspect
 
-    from flashkd import chunks, distill, teacher
+    from flashkd import distill
+    from flashkd.core import call as calls
     from flashkd.distributed.sharding import Sharding
 
-    for cls in (chunks.Call, chunks.Student, chunks.Heads, chunks.Logits, chunks.TopK, chunks.Options,
-                teacher.TopKCall, Sharding):
+    for cls in (calls.Call, calls.Student, calls.Heads, calls.Logits, calls.TopK, calls.Options,
+                calls.TeacherTopK, Sharding):
         assert dataclasses.is_dataclass(cls) and cls.__dataclass_params__.frozen, cls
-    assert [f.name for f in dataclasses.fields(chunks.Call)] == ["spec", "student", "teacher", "options"]
+    assert [f.name for f in dataclasses.fields(calls.Call)] == ["spec", "student", "teacher", "options"]
     for name, keywords in distill.KEYWORDS.items():
         params = inspect.signature(getattr(distill, name)).parameters.values()
         assert {p.name: p.default for p in params if p.kind is p.KEYWORD_ONLY} == keywords, name

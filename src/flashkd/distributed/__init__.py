@@ -80,7 +80,7 @@ __all__ = ["ShardedVocab", "Sharding", "fail", "run"]
 
 
 def run(call, sharding: Sharding):
-    """A loss call (`flashkd.chunks.Call`) or a `flashkd.teacher.TopKCall` that is vocab-parallel or has
+    """A call (`flashkd.core.call.Call`, a loss's or teacher_topk's) that is vocab-parallel or has
     a DTensor head."""
     from . import fsdp, parallel
 
