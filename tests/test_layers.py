@@ -378,3 +378,100 @@ def test_test_modules_import_no_other_test_module():
                 if top in names and top != path.stem:
                     found.append(f"{path.relative_to(tests)}:{node.lineno} imports {module}")
     assert found == []
+
+
+# The core's files each hold one of its jobs (the call, the checks, the plan, the backend choice, the loop,
+# teacher_topk's loop, the entry): none grows past a reader's sitting.
+CORE_MAX_LINES = 400
+
+
+def _over(sources: dict, limit: int) -> list[str]:
+    """The files of sources ({name: text}) over `limit` lines."""
+    return [f"{name} ({len(text.splitlines())} lines)" for name, text in sorted(sources.items())
+            if len(text.splitlines()) > limit]
+
+
+def test_no_file_of_the_core_is_over_400_lines():
+    sources = {str(p.relative_to(ROOT)): p.read_text("utf-8") for p in sorted((ROOT / "core").glob("*.py"))}
+    assert len(sources) >= 7 and _over(sources, CORE_MAX_LINES) == []
+
+
+def test_the_core_size_check_can_fail():
+    assert _over({"core/loop.py": "x = 1\n" * (CORE_MAX_LINES + 1), "core/plan.py": "x = 1\n"}, CORE_MAX_LINES) == [
+        f"core/loop.py ({CORE_MAX_LINES + 1} lines)"]
+
+
+# torch.distributed's collectives, and the VocabSlice's exchanges that run them: the backends compute, and
+# take the exchanged statistics as inputs (their sliced row functions yield them); the core's row function
+# has the slice exchange them (`flashkd.core.backend.exchanged`).
+_COLLECTIVES = {"all_reduce", "all_gather", "all_gather_into_tensor", "all_gather_single", "all_gather_object",
+                "reduce_scatter", "reduce_scatter_tensor", "reduce_scatter_single", "all_to_all", "all_to_all_single",
+                "isend", "irecv", "gather_rows", "sum_rows", "exchange"}
+# names that are collectives only on torch.distributed (torch.gather, Tensor.scatter, a GPU barrier are not)
+_ON_DIST_ONLY = {"broadcast", "barrier", "gather", "scatter", "reduce", "merge"}
+
+
+def _collectives_in(source: str, module: str) -> list[str]:
+    """The collectives source runs: an import of torch.distributed, or a call of a _COLLECTIVES name on a
+    module alias of it or on any object (a VocabSlice's); those of _ON_DIST_ONLY only on torch.distributed."""
+    found, dist = [], set()
+    tree = ast.parse(source)
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for a in node.names:
+                if a.name.startswith("torch.distributed"):
+                    found.append(f"{module}: import {a.name}")
+                    dist.add(a.asname or a.name)
+        elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("torch.distributed"):
+            found.append(f"{module}: from {node.module} import {', '.join(a.name for a in node.names)}")
+        elif isinstance(node, ast.ImportFrom) and node.module == "torch" and any(a.name == "distributed" for a in node.names):
+            found.append(f"{module}: from torch import distributed")
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):
+            owner, name = ast.unparse(node.func.value), node.func.attr
+            on_dist = owner in dist or "distributed" in owner
+            if (name in _COLLECTIVES and name not in _ON_DIST_ONLY) or (name in _ON_DIST_ONLY and on_dist):
+                found.append(f"{module}: {owner}.{name}(...)")
+    return found
+
+
+def test_no_collective_in_the_backends():
+    found = []
+    for module, path in _modules().items():
+        if module.startswith("flashkd.backends"):
+            found += _collectives_in(path.read_text("utf-8"), module)
+    assert found == []
+
+
+def test_the_collective_check_can_fail():
+    assert _collectives_in("import torch.distributed as dist\ndist.all_reduce(x)\n", "m") == [
+        "m: import torch.distributed", "m: dist.all_reduce(...)"]
+    assert _collectives_in("def f(vocab, x):\n    return vocab.gather_rows(x)\n", "m") == ["m: vocab.gather_rows(...)"]
+    assert _collectives_in("y = torch.gather(x, 1, i)\ncute.arch.barrier()\n", "m") == []
+    assert _collectives_in("torch.distributed.barrier()\n", "m") == ["m: torch.distributed.barrier(...)"]
+
+
+# The teacher's forms and the call's types are told apart by their `form` (a ClassVar), never by
+# isinstance, but where the call is made from the public keywords (core/call.py).
+_CALL_TYPES = {"Call", "Student", "Heads", "Logits", "TopK", "TeacherTopK"}
+
+
+def _isinstance_on_call_types(source: str, module: str) -> list[str]:
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "isinstance":
+            kinds = node.args[1]
+            names = {n.attr if isinstance(n, ast.Attribute) else getattr(n, "id", None)
+                     for n in (kinds.elts if isinstance(kinds, ast.Tuple) else [kinds])}
+            if names & _CALL_TYPES:
+                found.append(f"{module}: {ast.unparse(node)}")
+    return found
+
+
+def test_no_isinstance_on_call_types_outside_the_parse():
+    found = []
+    for module, path in _modules().items():
+        if module != "flashkd.core.call":
+            found += _isinstance_on_call_types(path.read_text("utf-8"), module)
+    assert found == []
+    assert _isinstance_on_call_types("if isinstance(t, calls.TopK):\n    pass\n", "m") == ["m: isinstance(t, calls.TopK)"]

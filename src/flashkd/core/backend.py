@@ -19,14 +19,42 @@ from ..backends import torch_rows
 from ..losses import LEARNING_LOSSES
 
 def row_function(plan):
-    """The backend's row function for the plan's teacher form (see `flashkd.backends`)."""
-    if plan.vocab is not None:
-        return plan.vocab.rows(plan.form, plan.backend)
+    """The row function of the plan's backend and teacher form (see `flashkd.backends`): for the whole
+    vocab the backend's own; for a slice (`plan.vocab`) the Triton rows' steps with the statistics they
+    yield exchanged over the slice's ranks (`VocabSlice.exchange`), or the torch rows on the slice's
+    reductions, each block's (soft, hard) then given to `VocabSlice.record`."""
+    form, vocab = plan.form, plan.vocab
     if plan.backend == "triton":
         from ..backends import triton_rows, triton_topk
 
-        return triton_topk.topk_rows if plan.form == "topk" else triton_rows.rows
-    return torch_rows.topk_rows if plan.form == "topk" else torch_rows.rows
+        if vocab is None:
+            return triton_topk.topk_rows if form == "topk" else triton_rows.rows
+
+        def rows(s, t, labels, spec, scale, grad, stats=False, *, ds=None):
+            if form == "topk":
+                steps = triton_topk.sliced_topk_rows(s, t, labels, spec, scale, grad, stats, ds=ds, start=vocab.start,
+                                                     total=vocab.total)
+            else:
+                steps = triton_rows.sliced_rows(s, t, labels, spec, scale, grad, stats, ds=ds, start=vocab.start)
+            return vocab.record(exchanged(steps, vocab))
+
+        return rows
+    fn = torch_rows.topk_rows if form == "topk" else torch_rows.rows
+    if vocab is None:
+        return fn
+    return lambda s, t, labels, spec, scale, grad, stats=False: vocab.record(
+        fn(s, t, labels, spec, scale, grad, stats, vocab=vocab))
+
+
+def exchanged(steps, vocab):
+    """The value of a sliced row function's steps (a generator: `triton_rows.sliced_rows`), each statistic
+    it yields, (kind, tensor), exchanged over the slice's ranks and sent back in."""
+    try:
+        asked = next(steps)
+        while True:
+            asked = steps.send(vocab.exchange(*asked))
+    except StopIteration as done:
+        return done.value
 
 
 def cute_fits(plan, xs, ws, bs, teacher, labels: bool, grad: bool) -> bool:

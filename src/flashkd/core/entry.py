@@ -4,6 +4,7 @@ Why a module of its own: it is the sequence every route runs, in one place, so t
 layer supplies a `VocabSlice` and calls it once, instead of restating the steps:
 
     check   the tensors (`checks.check`), the backend (`backend.pick`), whether the teacher learns
+            (`plan.learns`)
     agree   a slice's ranks exchange what they checked and chose (`VocabSlice.agree`: a failed check
             raised on every rank, the options and the layout agreed, the ids and labels checked against
             the group's vocab); nothing for the whole vocab
@@ -29,7 +30,7 @@ def run(call, vocab: VocabSlice | None = None):
     try:
         rows = checks.check(call, sliced=vocab is not None)
         backend = backends.pick(call, rows.xs)
-        learning = checks.learns(call, rows.teacher, vocab)
+        learning = plans.learns(call, rows.teacher, vocab)
         if form in ("heads", "teacher_topk") and not learning and fp8.scaling_of(call.options.teacher_precision,
                                                                              rows.xs.device) is not None:
             fp8.check_dtype(rows.xs.dtype)

@@ -48,7 +48,7 @@ import functools
 
 import torch
 
-from ..losses import LossSpec, VocabSlice
+from ..losses import LEARNING_LOSSES, LossSpec, VocabSlice
 from . import backend as backends
 
 
@@ -80,6 +80,32 @@ class Plan:
     gemm: str = "cublas"
     # the teacher learns (`learns`): its heads' tensors are the autograd function's differentiable inputs
     learns: bool = False
+
+
+def learns(call, teacher: tuple, vocab=None) -> bool:
+    """Whether the call's teacher learns: a loss of LEARNING_LOSSES, in grad mode, on teacher tensors of
+    which one requires grad; their gradients then come from the same pass as the student's (two more
+    GEMMs a block). For every other loss the teacher is a constant, whatever it requires. Where such a
+    teacher cannot learn (dense logits, an FP8 head, a vocab slice) the call is refused, not silently
+    given a constant teacher."""
+    if call.spec.kind not in LEARNING_LOSSES or not torch.is_grad_enabled():
+        return False
+    if not any(isinstance(x, torch.Tensor) and x.requires_grad for x in teacher):
+        return False
+    loss = f"loss={call.spec.loss!r}"
+    if call.teacher.form == "logits":
+        raise ValueError(f"teacher_logits: {loss} gives the teacher a gradient, which the dense-logits form does not "
+                         "(its N x V gradient is what the fused losses never hold); got teacher_logits that require "
+                         "grad. Pass the teacher's hidden states and head to flashkd.fused_linear_distill, or "
+                         "teacher_logits.detach() for a constant teacher")
+    if call.options.teacher_precision is not None:
+        raise ValueError(f"teacher_precision: expected None with {loss} and a teacher that requires grad (an FP8 "
+                         f"head has no gradient), got {call.options.teacher_precision!r}")
+    if vocab is not None:
+        raise ValueError(f"process_group: {loss} with a teacher that requires grad runs on one process only (its "
+                         "gradients over a vocab slice are not summed over the group); detach the teacher's "
+                         "tensors, or call without process_group")
+    return True
 
 
 def make(call, rows, backend: str, learning: bool, vocab: VocabSlice | None = None) -> Plan:

@@ -6,8 +6,8 @@
 not differentiated) and one differentiable all-reduce SUM of everything summed over the vocab,
 stacked into one (R, n) fp32 tensor. The SUM's backward is again an all-reduce SUM (autograd seeds
 each rank's copy of the replicated loss with 1/world, so that the sum over the ranks of their
-copies' gradients is the gradient of the loss). The Triton rows' sharded phases use
-`gather_rows` and `sum_rows` instead (`flashkd.backends.triton_rows.rows`).
+copies' gradients is the gradient of the loss). Between the Triton rows' phases the core's row
+function calls `exchange` instead (`gather_rows`, `sum_rows`): the kernels run no collective.
 """
 
 from __future__ import annotations
@@ -121,32 +121,24 @@ class ShardedVocab(Vocab):
             at += f.shape[1]
         return out
 
-    # --- the chunk loop's hooks (flashkd.core.loop) ---
-    def rows(self, form, backend="torch"):
-        """The row function of the chunk loop over this slice: on backend "triton" the Triton rows'
-        sharded phases (`flashkd.backends.triton_rows.rows`, `triton_topk.topk_rows` with vocab=self),
-        else the torch definition, whose autograd runs through `merge`."""
-        if backend == "triton":
-            from ..backends import triton_rows, triton_topk
+    # --- the chunk loop's hooks (flashkd.core.loop, flashkd.core.backend.row_function) ---
+    def record(self, out):
+        """A block's row function's result, as it came: its (soft, hard) kept where asked (the FSDP route)."""
+        if self.recorded is not None:
+            self.recorded.append(out[:2])
+        return out
 
-            fn = triton_topk.topk_rows if form == "topk" else triton_rows.rows
-        else:
-            from ..backends import torch_rows
+    # --- the Triton rows' exchanges between their phases (flashkd.backends.triton_rows.sliced_rows) ---
+    def exchange(self, kind, x):
+        """The statistic a sliced row function asks for: "gather", every rank's (R, n) x as (world, R, n),
+        in rank order (`gather_rows`); "sum", x summed over the group (`sum_rows`)."""
+        if kind == "gather":
+            return self.gather_rows(x)
+        if kind == "sum":
+            self.sum_rows(x)
+            return x
+        raise ValueError(f"kind: expected 'gather' or 'sum', got {kind!r}")
 
-            fn = torch_rows.topk_rows if form == "topk" else torch_rows.rows
-
-        def rows(s, t, labels, spec, scale, grad, stats=False, *, ds=None):
-            if ds is None:
-                out = fn(s, t, labels, spec, scale, grad, stats, vocab=self)
-            else:  # the Triton rows' dL/ds buffer (the torch rows take none)
-                out = fn(s, t, labels, spec, scale, grad, stats, ds=ds, vocab=self)
-            if self.recorded is not None:
-                self.recorded.append(out[:2])
-            return out
-
-        return rows
-
-    # --- the Triton rows' collectives (flashkd.backends.triton_rows.rows) ---
     def gather_rows(self, part):
         """(world, R, n): every rank's (R, n) part, in rank order (one all-gather)."""
         every = torch.empty(self.copies * part.numel(), dtype=part.dtype, device=part.device)
