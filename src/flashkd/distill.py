@@ -412,6 +412,10 @@ def _route(parse, rows, heads, process_group, vocab_start, check_shards, check_r
             raise ValueError(f"fsdp_gather: expected 'auto', 'rows' or 'heads', got {fsdp_gather!r}")
         if not sharded and vocab_start is not None:
             raise ValueError(f"vocab_start: expected None without process_group, got {vocab_start!r}")
+        if sharded:
+            from .distributed.sharding import check_keywords
+
+            check_keywords(process_group, vocab_start, check_shards)
     except (TypeError, ValueError) as e:
         if process_group is None:
             raise

@@ -66,7 +66,7 @@ Orda's "skew JS" of β, (1 − β) KL(p‖M) + β KL(q‖M) with M = (1 − β) 
 
 The teacher learns from two losses (LEARNING_LOSSES), co-training's (orda-kernel's "mutual" and
 "cojeffreys"): differentiated w.r.t. the teacher's logits b too, where its tensors require grad
-(`flashkd.chunks`; every other loss's teacher is a constant). Both report Jeffreys' value J = KL(p‖q) +
+(`flashkd.core.loop`; every other loss's teacher is a constant). Both report Jeffreys' value J = KL(p‖q) +
 KL(q‖p). "mutual" is deep mutual learning (Zhang et al. 2018): each side is pulled toward the other's
 distribution taken as a constant, the student by KL(p̄‖q), the teacher by KL(q̄‖p) (a bar: detached), so
 the gradient is forward KL's on each side, dL/da = (q − p)/τ and dL/db = (p − q)/τ; it is not J's

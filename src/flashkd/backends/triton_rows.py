@@ -101,7 +101,7 @@ an element): fewer instructions, not fewer transcendentals, make it faster.
 
 Numerics: every load is widened to fp32 and all math is fp32 whatever the input dtype (fp64 inputs
 included: they are computed in fp32, the losses come back in fp32 and dL/ds is rounded to fp64; the
-public functions send fp64 to the torch rows instead, `chunks.pick_backend`);
+public functions send fp64 to the torch rows instead, `flashkd.core.backend.pick_backend`);
 dL/ds is rounded once, to the input dtype, at the store. The softmaxes run on exp2/log2 in units of
 log2: log2 q = (s − m_s)·log2(e)/τ − log2 l_s, one multiply by a constant prepared on the host, with
 the row max subtracted first so that the large elements, which carry the losses, have small exponents

@@ -23,7 +23,7 @@ import torch
 from .. import fp8
 from ..losses import LABEL_LOSSES, LossSpec, check_finite_float, check_ignore_index, check_logit_transform, loss_parameters
 from .backend import check_backend
-from .checks import FLOATS, check_chunk_size
+from .checks import FLOATS, check_chunk_size, check_num_teachers
 
 # A call's tensors are marked by their part, so that the distributed layer can treat the forms alike
 # (their field names are the public keywords, which its errors name): HEAD, the student's head (V rows,
@@ -78,13 +78,11 @@ class TopK:
 
 
 @dataclasses.dataclass(frozen=True)
-class TeacherTopK:
-    """teacher_topk's teacher: hidden states and an LM head whose top-k log-probs (and ids) are wanted."""
+class TeacherTopK(Heads):
+    """teacher_topk's teacher: hidden states and an LM head (Heads' fields) whose top-k log-probs (and ids)
+    are wanted, k a row."""
 
     form: ClassVar[str] = "teacher_topk"
-    teacher_input: torch.Tensor = tensor_field(ROWS, trailing=True)  # (..., Ht)
-    teacher_weight: torch.Tensor = tensor_field(TEACHER_HEAD)  # (Vt, Ht)
-    teacher_bias: torch.Tensor | None = tensor_field(TEACHER_HEAD, default=None)  # (Vt,)
     k: int = 1
 
 
@@ -211,6 +209,8 @@ def parse(
     fp8.check_precision(teacher_precision)
     if vocab_size is not None and (isinstance(vocab_size, bool) or not isinstance(vocab_size, int) or vocab_size < 1):
         raise TypeError(f"vocab_size: expected None or an int >= 1 (the student's vocab size), got {vocab_size!r}")
+    if teacher is not None and teacher.form == "topk":
+        check_num_teachers(teacher.teacher_index is not None, teacher.num_teachers, return_stats)
     options = Options(chunk_size, backend, grad_accum_dtype, teacher_precision, vocab_size, check_labels, check_teacher,
                       return_soft_hard_loss, return_stats)
     return Call(spec, student, teacher, options)
@@ -226,6 +226,13 @@ def parse_teacher_topk(teacher: TeacherTopK, *, temperature, vocab_size, teacher
     check_backend(backend)
     check_chunk_size(chunk_size)
     fp8.check_precision(teacher_precision)
+    # their types here, before any work; their ranges against the vocab in `flashkd.core.topk`
+    if vocab_size is not None and (isinstance(vocab_size, bool) or not isinstance(vocab_size, int)):
+        raise ValueError(f"vocab_size: expected an int in [1, V] (V: teacher_weight's vocab), got {vocab_size!r}")
+    k = teacher.k
+    if isinstance(k, bool) or not isinstance(k, int):
+        raise ValueError(f"k: expected an int in [1, V] (V: the vocab size, teacher_weight's rows or vocab_size), "
+                         f"got {k!r}")
     options = Options(chunk_size=chunk_size, backend=backend, teacher_precision=teacher_precision, vocab_size=vocab_size)
     return Call(spec, None, teacher, options)
 

@@ -343,13 +343,27 @@ def check_topk_values(ids, lp, v, spec, y):
         raise ValueError(f"teacher_ids: expected distinct ids within a row, got id {dups[0].item()} twice in row {row}")
 
 
+def check_num_teachers(indexed: bool, count, return_stats: bool) -> None:
+    """num_teachers (count) of a top-k teacher, with or without teacher_index (indexed), and return_stats
+    that teacher_index asks for: what the parse checks of them, before any work."""
+    if not indexed:
+        if count is not None:
+            raise ValueError(f"num_teachers: expected None without teacher_index (it sizes the per-teacher sums), got {count!r}")
+        return
+    if isinstance(count, bool) or not isinstance(count, int):
+        raise TypeError(f"num_teachers: expected an int with teacher_index, got {count!r}")
+    if count < 1:
+        raise ValueError(f"num_teachers: expected an int >= 1, got {count!r}")
+    if not return_stats:
+        raise ValueError("teacher_index: expected return_stats=True with it (it only splits the statistics by "
+                         "teacher; the loss does not depend on it), got return_stats=False")
+
+
 def check_teacher_index(call, rows: Rows):
     """(teacher_index flattened to (N,), num_teachers) of a top-k call, or (None, 0) without one; its
     values checked on the rows that count with check_teacher (default: on CPU, a host sync elsewhere)."""
-    index, count = call.teacher.teacher_index, call.teacher.num_teachers
+    index, count = call.teacher.teacher_index, call.teacher.num_teachers  # count checked by the parse
     if index is None:
-        if count is not None:
-            raise ValueError(f"num_teachers: expected None without teacher_index (it sizes the per-teacher sums), got {count!r}")
         return None, 0
     xs, y, spec = rows.xs, rows.y, call.spec
     check_tensors({"teacher_index": index}, device=xs.device)
@@ -359,13 +373,6 @@ def check_teacher_index(call, rows: Rows):
     if index.shape != lead:
         raise ValueError(f"teacher_index: expected shape {tuple(lead)} (student_input's leading dims, as labels), "
                          f"got {tuple(index.shape)}")
-    if isinstance(count, bool) or not isinstance(count, int):
-        raise TypeError(f"num_teachers: expected an int with teacher_index, got {count!r}")
-    if count < 1:
-        raise ValueError(f"num_teachers: expected an int >= 1, got {count!r}")
-    if not call.options.return_stats:
-        raise ValueError("teacher_index: expected return_stats=True with it (it only splits the statistics by "
-                         "teacher; the loss does not depend on it), got return_stats=False")
     index = index.reshape(-1)
     check = call.options.check_teacher
     if check if check is not None else xs.device.type == "cpu":

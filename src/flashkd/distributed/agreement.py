@@ -141,7 +141,7 @@ def wire_device(group, x):
 
 
 def _reads(check_shards, chunk_size) -> bool:
-    """Whether `shard` reads the exchanged rows on the host: unless check_shards is False, and then
+    """Whether `layout` reads the exchanged rows on the host: unless check_shards is False, and then
     also when chunk_size is None (the chunks are planned for the largest slice, which every rank must
     agree on)."""
     return check_shards is not False or chunk_size is None

@@ -1,11 +1,13 @@
 """Vocab-parallel calls: `process_group=` and `vocab_start=` on the public functions.
 
 Each rank passes the same rows (hidden states, labels, top-k targets) and the rows
-[vocab_start, vocab_start + V_r) of each head. A call here is its parse (the sharding keywords) and
-one call of the core's entry (`flashkd.core.run`) with this rank's `ShardedVocab`, whose `agree` the
-entry calls once the local tensors are checked, and whose exchanges its loop calls: the GEMMs give each rank its slice of every chunk's logits, the
-row backend (the Triton rows' phases, or the torch row definition) merges the row statistics over
-the group, dX is all-reduced, dW and db stay the slice's.
+[vocab_start, vocab_start + V_r) of each head. A call here is one call of the core's entry
+(`flashkd.core.run`) with this rank's `ShardedVocab` (its sharding keywords were parsed with the
+call, `sharding.check_keywords`): the entry checks the local tensors, has the slice agree across
+the ranks (`ShardedVocab.agree`: one exchange, `agreement`), plans and runs the loop. The GEMMs give
+each rank its slice of every chunk's logits, the row backend (the Triton rows' phases, with the
+slice's exchanges between them, or the torch row definition on the slice's reductions) merges the
+row statistics over the group, dX is all-reduced, dW and db stay the slice's.
 """
 
 from __future__ import annotations

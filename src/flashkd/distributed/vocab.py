@@ -163,7 +163,7 @@ class ShardedVocab(Vocab):
             dbs = None if dbs is None else dbs.mul_(self.dw_scale)
         return dxs, dws, dbs
 
-    # --- teacher_topk's per-chunk top-k (flashkd.teacher) ---
+    # --- teacher_topk's per-chunk top-k (flashkd.core.topk) ---
     def topk(self, logits, k, temperature, scale=1.0, softcap=None, backend="torch"):
         """(ids, log-probs) of the global top-k of rows whose slice here is `logits` (R, V_r'): each rank's
         local top-k candidates (global ids, their z/τ) and its (max, sum-exp) of z/τ, in one all-gather
