@@ -6,6 +6,7 @@
     plan     the chunk plan and the memory formulas it keeps within
     backend  the backend choice and the row function of a plan, for the whole vocab or a slice
     loop     the chunk loop and its autograd Function
+    mixture  a teacher form: several heads' distributions mixed per row (`flashkd.teachers`' arithmetic)
     topk     teacher_topk's loop
     entry    `run(call, vocab=None)`: the one entry, check -> agree (a slice's ranks) -> plan -> loop
 
@@ -13,7 +14,7 @@ The layer below `flashkd.distributed`: it imports nothing of it, and runs a rank
 through the `flashkd.losses.VocabSlice` it is given.
 """
 
-from . import backend, call, checks, loop, plan, topk
+from . import backend, call, checks, loop, mixture, plan, topk
 from .entry import run
 
-__all__ = ["backend", "call", "checks", "loop", "plan", "run", "topk"]
+__all__ = ["backend", "call", "checks", "loop", "mixture", "plan", "run", "topk"]

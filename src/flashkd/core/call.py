@@ -78,6 +78,27 @@ class TopK:
 
 
 @dataclasses.dataclass(frozen=True)
+class Mixture:
+    """Several teachers as hidden states and LM heads, their distributions at the temperature mixed per row,
+    p = Σ_m w_m softmax(z_m / τ) (`flashkd.teachers`, combine="arithmetic"; `flashkd.core.mixture`). Made
+    and checked by `flashkd.teachers` (weights ≥ 0 summing to 1 a row); not sharded."""
+
+    form: ClassVar[str] = "mixture"
+    teacher_inputs: tuple  # M of (..., Ht_m)
+    teacher_heads: tuple  # M of (Vt_m, Ht_m)
+    teacher_biases: tuple  # M of (Vt_m,) or None
+    teacher_weights: object  # M floats, or a float tensor (N, M)
+    scales: tuple  # M floats: each head's logit scale
+    softcaps: tuple  # M floats or None: each head's softcap
+
+    def checked(self, xs, student_input, ws, vocab_size) -> tuple:
+        """Its tensors checked as the heads form's and flattened to rows (`flashkd.core.mixture.check`)."""
+        from . import mixture
+
+        return mixture.check(xs, student_input, ws, self, vocab_size)
+
+
+@dataclasses.dataclass(frozen=True)
 class TeacherTopK(Heads):
     """teacher_topk's teacher: hidden states and an LM head (Heads' fields) whose top-k log-probs (and ids)
     are wanted, k a row."""
@@ -110,7 +131,7 @@ class Call:
 
     spec: LossSpec
     student: Student | None
-    teacher: Heads | Logits | TopK | TeacherTopK
+    teacher: Heads | Logits | TopK | TeacherTopK | Mixture
     options: Options = Options()
 
     @property

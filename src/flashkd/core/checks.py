@@ -53,6 +53,8 @@ def check(call, sliced: bool = False) -> Rows:
                                       vocab_size, **hint)
     elif t.form == "logits":
         teacher = (check_teacher_logits(xs, student.student_input, ws, t.teacher_logits, vocab_size, **hint),)
+    elif t.form == "mixture":
+        teacher = t.checked(xs, student.student_input, ws, vocab_size)
     else:
         teacher = check_teacher_topk(xs, student.student_input, ws, t.teacher_ids, t.teacher_logprobs)
     rows = Rows(xs, ws, bs, y, teacher, check_row_weight(student.row_weight, xs, student.student_input))

@@ -37,7 +37,7 @@ import functools
 import torch
 
 from .. import fp8
-from . import backend as backends
+from . import backend as backends, mixture
 from ..losses import DistillStats
 from .checks import NARROW
 from .plan import Plan
@@ -110,7 +110,7 @@ class _FusedDistill(torch.autograd.Function):
         # A learning teacher's (xt, wt, bt) get gradients as the student's do; any other teacher is a constant
         # (None below, whatever it requires). A head passed as both (self-distillation) is two inputs here:
         # autograd sums their gradients, the teacher's None adding nothing.
-        want_teacher = ctx.needs_input_grad[6:] if plan.learns else (False,) * len(teacher)
+        want_teacher = ctx.needs_input_grad[6:] if plan.learns else ()
         (loss, *logged), *grads = _chunk_loop(xs, ws, bs, y, rw, teacher, plan, want_dx, want_dw, want_db,
                                               want_teacher)
         ctx.save_for_backward(*grads)
@@ -213,7 +213,7 @@ def _chunk_loop(xs, ws, bs, y, rw, teacher, plan: Plan, want_dx, want_dw, want_d
             b = slice(sub, min(sub + plan.teacher_chunk, c.stop))
             in_c = slice(b.start - c.start, b.stop - c.start)
             if tiles is None:
-                t = _teacher_block(plan.form, teacher, b) if spec.want_soft else None
+                t = _teacher_block(plan.form, teacher, b, spec.temperature) if spec.want_soft else None
             else:
                 t = cute_gemm.logits(teacher[0][b], teacher[1], tiles[3:, in_c], k_t)
             s_b = s[in_c]  # rows of s: contiguous
@@ -312,7 +312,9 @@ def _teacher_head(teacher, precision):
     return xt, fp8.head(wt, scaling), bt
 
 
-def _teacher_block(form, teacher, c):
+def _teacher_block(form, teacher, c, tau):
+    if form == "mixture":
+        return mixture.block(teacher, c, tau, linear)
     if form == "heads":
         xt, wt, bt = teacher
         if isinstance(wt, fp8.Head):

@@ -26,6 +26,9 @@ else E: the logits' element size):
              the loop, + Rt·V·E for a block's dL/dT rounded to the inputs' dtype when L ≠ E (an upper bound:
              made once the rows' temporaries are freed); no autograd temporaries beyond the loss's own with a
              constant teacher (co_jeffreys: jeffreys' peak; mutual: less). `peak_bytes(..., learning=(Ht, A))`
+    a mixture of M teacher heads (`flashkd.core.mixture`): its blocks hold 3·Rt·V·L (the running log-mixture, one
+             teacher's logits, logsumexp's temporary) with Rt a third of the heads form's, planned as one head of
+             hidden size ΣHt_m
 The default plan (triton) keeps R·V·L + Rt·V·L within 1 GiB, in equal chunks with R = Rt; or, when that
 takes more than one chunk and the weight's gradient is wanted, all N rows in one chunk (with teacher
 heads, their logits in two blocks of ceil(N/2) rows) if its peak is no higher: its dW is then one
@@ -49,7 +52,7 @@ import functools
 import torch
 
 from ..losses import LEARNING_LOSSES, LossSpec, VocabSlice
-from . import backend as backends
+from . import backend as backends, mixture
 
 
 # Default memory for one chunk's logits. Bigger chunks make the GEMMs more efficient; past a few
@@ -123,8 +126,13 @@ def make(call, rows, backend: str, learning: bool, vocab: VocabSlice | None = No
     want_dw = torch.is_grad_enabled() and ws.requires_grad
     accum_bytes = grad_accum_dtype.itemsize if want_dw else 0
     v = ws.shape[0] if vocab is None else vocab.plan_size
-    chunk, teacher_chunk = chunk_rows(options.chunk_size, xs, ws, backend, form, accum_bytes, v,
-                                      rows.teacher[0].shape[-1] if form == "heads" else 0)
+    if form == "mixture":  # planned as teacher heads of ΣHt, in blocks a third as large (`flashkd.core.mixture`)
+        chunk, teacher_chunk = chunk_rows(options.chunk_size, xs, ws, backend, "heads", accum_bytes, v,
+                                          sum(x.shape[-1] for x in rows.teacher[0]))
+        teacher_chunk = -(-teacher_chunk // mixture.TEMPORARIES)
+    else:
+        chunk, teacher_chunk = chunk_rows(options.chunk_size, xs, ws, backend, form, accum_bytes, v,
+                                          rows.teacher[0].shape[-1] if form == "heads" else 0)
     return Plan(spec, chunk, backend, grad_accum_dtype, form, teacher_chunk, options.return_stats, vocab, rows.index,
                 rows.teachers, backends.gemm_of(call, backend, xs), learning)
 
