@@ -27,7 +27,7 @@ import triton
 import flashkd
 from flashkd.backends import triton_rows
 from flashkd.bench.workloads import Workload, make_inputs
-from flashkd import chunks
+from flashkd import core
 from flashkd.losses import LossSpec
 
 from bench_memory import time_and_extra  # this folder is on sys.path when a script here runs
@@ -62,11 +62,11 @@ def chunked(xs, ws, xt, wt, ds, rows, accum):
     acc = torch.empty(ws.shape, device=ws.device, dtype=accum)
     for start in range(0, n, rows):
         c = slice(start, min(start + rows, n))
-        s = chunks.linear(xs[c], ws, None)
-        t = chunks.linear(xt[c], wt, None)
+        s = core.loop.linear(xs[c], ws, None)
+        t = core.loop.linear(xt[c], wt, None)
         del s, t
         torch.mm(ds[c], ws, out=dx[c])
-        chunks.accumulate_mm(acc, ds[c].t(), xs[c], beta=0.0 if start == 0 else 1.0)
+        core.loop.accumulate_mm(acc, ds[c].t(), xs[c], beta=0.0 if start == 0 else 1.0)
     return dx, acc.to(ws.dtype)
 
 
@@ -99,10 +99,10 @@ def plans(x, loss, specs):
     spec = LossSpec(loss=loss, beta=0.5, temperature=1.0, weight_hard=0.5, weight_soft=0.5)
     for text in specs:
         rows, teacher = (int(part) for part in text.split(":"))
-        plan = chunks.Plan(spec, rows, "triton", torch.float32, "heads", teacher)
+        plan = core.plan.Plan(spec, rows, "triton", torch.float32, "heads", teacher)
 
         def step():
-            chunks.apply(xs, ws, None, y, None, plan, xt, wt, None)[0].backward()
+            core.loop.apply(xs, ws, None, y, None, plan, xt, wt, None)[0].backward()
 
         ms, extra = time_and_extra(step, [xs, ws])
         line(f"plan {rows}:{teacher} ({extra:.0f} MiB)", ms)
@@ -133,7 +133,7 @@ def main():
         return
     xs, ws, xt, wt, y = x.xs.detach(), x.ws.detach(), x.xt, x.wt, x.y  # GEMM items: no autograd
     n, (v, hs) = xs.shape[0], ws.shape
-    rows, _ = chunks.chunk_rows(None, xs, ws, "triton", "heads", 0)  # the chunked plan: as without grad
+    rows, _ = core.plan.chunk_rows(None, xs, ws, "triton", "heads", 0)  # the chunked plan: as without grad
     k = len(sizes(n, rows))
     print(f"N={n} Hs={hs} Ht={xt.shape[1]} V={v} bf16; chunk loop: R={rows} rows per chunk, {k} chunks")
     print(f"{'item':<40}{'ms p50':>9}{'p20':>9}{'p80':>9}")
@@ -159,7 +159,7 @@ def main():
         ("T = Xt Wt^T", lambda: xt @ wt.t(), lambda c: xt[c] @ wt.t()),
         ("dX = dS Ws", lambda: ds @ ws, lambda c: torch.mm(ds[c], ws, out=dx[c])),
         ("dW = dS^T Xs", lambda: ds.t() @ xs,
-         lambda c: chunks.accumulate_mm(acc, ds[c].t(), xs[c], beta=0.0 if c.start == 0 else 1.0)),
+         lambda c: core.loop.accumulate_mm(acc, ds[c].t(), xs[c], beta=0.0 if c.start == 0 else 1.0)),
     ):
         one, per_chunk = bench(whole), bench(lambda: [part(c) for c in chunks])
         line(f"{name}, all rows", one)

@@ -33,7 +33,7 @@ import torch.distributed as dist
 
 import flashkd
 from flashkd.bench.workloads import PRESETS, make_inputs
-from flashkd import chunks
+from flashkd import core
 from flashkd.distributed import fsdp
 from flashkd.losses import LossSpec, parameter
 
@@ -206,7 +206,7 @@ def main():
             flashkd.fused_linear_distill(xs, head, x.xt[rows], wt_d, x.y[rows], fsdp_gather=gather, **opts).backward()
         torch.cuda.reset_peak_memory_stats()
         ms = timed(run, a.reps, a.warmup, rank)
-        call = chunks.Call(LossSpec(), chunks.Heads(x.xt, wt_d), None, ws_d)
+        call = core.call.Call(LossSpec(), core.call.Student(x.xs, ws_d), core.call.Heads(x.xt, wt_d))
         cost = fsdp.route_bytes(call, {"student_weight": ws_d, "teacher_weight": wt_d}, w.n, world)
         results[f"fsdp-{gather}"] = {"ms": ms, "peak_mib": torch.cuda.max_memory_allocated() / 2**20,
                                      "formula_bytes": cost[gather], "formula_gb_per_s": cost[gather] / ms / 1e6}

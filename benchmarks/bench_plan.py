@@ -3,7 +3,7 @@ at given chunk sizes, beside its four-GEMM floor, at the model heads where the p
 
 For each head (Hs, Ht, V) and N: the floor's ms; then per chunk size (auto: the default plan) the call's
 ms, its ratio to the floor, its chunks, the dW accumulator's share of a chunk's GEMM time that the cost
-model gives (`chunks.accum_share`), the ms the model predicts over the auto plan's from the accumulator's
+model gives (`core.plan.accum_share`), the ms the model predicts over the auto plan's from the accumulator's
 traffic alone (chunks × 2·V·Hs·4 bytes at --bandwidth), and its peak extra memory against `peak_bytes`.
 Usage: python benchmarks/bench_plan.py [--heads Gemma Phi-4] [-n 8192] [--chunks auto 512 1024] [--loss jsd cosine]
        [--no-grad] [--reps 10]
@@ -16,7 +16,7 @@ import statistics
 import torch
 
 import flashkd
-from flashkd import chunks
+from flashkd import core
 from flashkd.bench import measure
 from flashkd.bench.providers import PROVIDERS
 from flashkd.bench.workloads import MODEL_HEADS, Workload, make_inputs
@@ -57,7 +57,7 @@ def main():
             torch.cuda.empty_cache()
             for loss, c in ((loss, c) for loss in args.loss for c in args.chunks):
                 size = None if c == "auto" else int(c)
-                rows, _ = chunks.chunk_rows(size, x.xs, x.ws, "triton", "heads", 4, v, ht)
+                rows, _ = core.plan.chunk_rows(size, x.xs, x.ws, "triton", "heads", 4, v, ht)
                 count = -(-n // rows)
                 options = dict(loss=loss, chunk_size=size)
 
@@ -73,9 +73,9 @@ def main():
                 step()
                 torch.cuda.synchronize()
                 peak = (torch.cuda.max_memory_allocated() - before) / 2**20
-                bound = chunks.peak_bytes(n, v, hs, 2, rows, rows, form="heads", accum_bytes=4) / 2**20
+                bound = core.plan.peak_bytes(n, v, hs, 2, rows, rows, form="heads", accum_bytes=4) / 2**20
                 acc_ms = count * 2 * v * hs * 4 / args.bandwidth * 1e3
-                share = chunks.accum_share(rows, v, hs, ht, 4)
+                share = core.plan.accum_share(rows, v, hs, ht, 4)
                 print(f"{label[:44]:44} {n:6} {loss:>10} {c:>6} {count:6} {share:6.3f} {ms:8.2f} {ms / floor:7.3f} {acc_ms:7.2f} "
                       f"{peak:9.0f} {bound:8.0f}", flush=True)
                 if args.no_grad:

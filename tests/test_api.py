@@ -4,7 +4,7 @@ import pytest
 import torch
 
 import flashkd
-import flashkd.chunks
+import flashkd.core
 from conftest import BACKENDS
 from helpers.integrations import error_without
 from helpers.ties import drop_tied_rows, logits64
@@ -211,7 +211,7 @@ def test_no_gradient_work_without_grad(monkeypatch):
     calls = []
     real = flashkd.backends.torch_rows.rows
     monkeypatch.setattr(flashkd.backends.torch_rows, "rows", lambda *a: calls.append(a[-1]) or real(*a))
-    monkeypatch.setattr(flashkd.chunks, "accumulate_mm", lambda *a: pytest.fail("dW GEMM under no_grad"))
+    monkeypatch.setattr(flashkd.core.loop, "accumulate_mm", lambda *a: pytest.fail("dW GEMM under no_grad"))
     xs, ws, xt, wt, y = inputs()
     with torch.no_grad():
         flashkd.fused_linear_distill(xs, ws, xt, wt, y, chunk_size=2)
@@ -220,7 +220,7 @@ def test_no_gradient_work_without_grad(monkeypatch):
 
 
 def test_only_the_wanted_grads_are_computed(monkeypatch):
-    monkeypatch.setattr(flashkd.chunks, "accumulate_mm", lambda *a: pytest.fail("dW GEMM for a frozen head"))
+    monkeypatch.setattr(flashkd.core.loop, "accumulate_mm", lambda *a: pytest.fail("dW GEMM for a frozen head"))
     xs, ws, xt, wt, y = inputs()
     ws.requires_grad_(False)
     flashkd.fused_linear_distill(xs, ws, xt, wt, y).backward()

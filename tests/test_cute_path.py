@@ -11,7 +11,7 @@ import torch
 pytest.importorskip("triton")
 
 import flashkd  # noqa: E402
-from flashkd import chunks  # noqa: E402
+from flashkd import core  # noqa: E402
 from flashkd.backends import cute_gemm  # noqa: E402
 from helpers.ties import drop_tied_rows, logits64  # noqa: E402
 
@@ -43,8 +43,8 @@ def _accumulate_stand_in(calls):
 @pytest.fixture
 def cute_on_cpu(monkeypatch):
     calls = []
-    real_pick = chunks.pick_backend
-    monkeypatch.setattr(chunks, "pick_backend", lambda b, x, *loss: "triton" if b == "cute" else real_pick(b, x, *loss))
+    real_pick = core.backend.pick_backend
+    monkeypatch.setattr(core.backend, "pick_backend", lambda b, x, *loss: "triton" if b == "cute" else real_pick(b, x, *loss))
     monkeypatch.setattr(cute_gemm, "eligible", lambda x, w: True)
     monkeypatch.setattr(cute_gemm, "n_tiles", lambda v, tile_n=TILE: -(-v // TILE))
     monkeypatch.setattr(cute_gemm, "logits", _stand_in(calls))
@@ -113,11 +113,11 @@ def test_cute_path_keeps_to_triton_where_its_gemm_does_not_fit(cute_on_cpu, seed
 @pytest.mark.parametrize("here", [True, False])
 def test_auto_takes_the_cute_gemms_for_the_losses_measured_faster(cute_on_cpu, monkeypatch, seed, here):
     """backend="auto" on an sm_90 GPU with nvidia-cutlass-dsl installed (stood in for: `_cute_here`): the CuTe
-    GEMMs for JSD, TVD and forward KL (`chunks.AUTO_CUTE_LOSSES`), not for reverse KL or cosine (which do not
+    GEMMs for JSD, TVD and forward KL (`core.backend.AUTO_CUTE_LOSSES`), not for reverse KL or cosine (which do not
     fit) nor forward KL without grad; elsewhere none. The results are the Triton backend's either way."""
-    real_pick = chunks.pick_backend
-    monkeypatch.setattr(chunks, "pick_backend", lambda b, x, *loss: "triton" if b in ("cute", "auto") else real_pick(b, x, *loss))
-    monkeypatch.setattr(chunks, "_cute_here", lambda x: here)
+    real_pick = core.backend.pick_backend
+    monkeypatch.setattr(core.backend, "pick_backend", lambda b, x, *loss: "triton" if b in ("cute", "auto") else real_pick(b, x, *loss))
+    monkeypatch.setattr(core.backend, "_cute_here", lambda x: here)
     xs, ws, xt, wt, y = _case(seed)
     xs, ws = xs.requires_grad_(), ws.requires_grad_()
     for loss, takes in (("jsd", here), ("tvd", here), ("forward_kl", here), ("reverse_kl", False)):
@@ -135,16 +135,16 @@ def test_auto_takes_the_cute_gemms_for_the_losses_measured_faster(cute_on_cpu, m
 def test_cute_here_is_false_off_hopper_and_without_the_package(monkeypatch):
     import importlib.util
 
-    assert not chunks._cute_here(torch.zeros(2, 8))  # CPU tensors
+    assert not core.backend._cute_here(torch.zeros(2, 8))  # CPU tensors
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda d=None: (9, 0))
     fake = torch.zeros(2, 8)
     monkeypatch.setattr(type(fake), "is_cuda", property(lambda self: True))
-    chunks._cute_on.cache_clear()  # its answer is kept for the process
+    core.backend._cute_on.cache_clear()  # its answer is kept for the process
     try:
-        assert not chunks._cute_here(fake)  # an sm_90 GPU, no nvidia-cutlass-dsl
+        assert not core.backend._cute_here(fake)  # an sm_90 GPU, no nvidia-cutlass-dsl
     finally:
-        chunks._cute_on.cache_clear()
+        core.backend._cute_on.cache_clear()
 
 
 def test_the_gemm_refuses_what_it_cannot_run():

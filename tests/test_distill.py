@@ -126,7 +126,7 @@ def test_chunk_size_does_not_change_result(seed, backend, chunk_size):
 def test_default_chunks_fit_the_budget_and_are_even(seed):
     """The planned rows per chunk never exceed what fits, take no more chunks than needed, split n rows
     evenly, and are a multiple of 256 whenever that costs no extra chunk."""
-    from flashkd.chunks import even_chunks as _even_chunks
+    from flashkd.core.plan import even_chunks as _even_chunks
 
     g = torch.Generator().manual_seed(seed)
     cases = [(8192, 2092), (16384, 2092), (8192, 4186), (1, 5), (0, 5), (10, 3), (5000, 2092), (257, 256)]
@@ -148,7 +148,7 @@ def test_default_chunks_fit_the_budget_and_are_even(seed):
 def test_teacher_blocks_inside_a_chunk(seed, backend, loss, monkeypatch):
     """A chunk's teacher logits computed a few rows at a time (blocks not dividing the chunk) give the
     oracle's results."""
-    monkeypatch.setattr(flashkd.chunks, "chunk_rows", lambda *args: (7, 3))
+    monkeypatch.setattr(flashkd.core.plan, "chunk_rows", lambda *args: (7, 3))
     check_against_oracle(backend, torch.float32, (3, 7), ignore="some", bias=True, padded=True, tol=2e-5,
                          chunk_size=None, loss=loss, temperature=1.3)
 
@@ -159,7 +159,7 @@ def test_logits_freed_before_the_next_are_made(seed, backend, monkeypatch):
     and when a teacher block's are, only the chunk's own student logits."""
     import weakref
 
-    made, linear = [], flashkd.chunks.linear
+    made, linear = [], flashkd.core.loop.linear
 
     def tracked(x, w, b):
         alive = [student for student, ref in made if ref() is not None]
@@ -169,11 +169,11 @@ def test_logits_freed_before_the_next_are_made(seed, backend, monkeypatch):
         made.append((student, weakref.ref(out)))
         return out
 
-    monkeypatch.setattr(flashkd.chunks, "linear", tracked)
+    monkeypatch.setattr(flashkd.core.loop, "linear", tracked)
     xs, ws = torch.randn(11, 4, requires_grad=True), torch.randn(13, 4, requires_grad=True)
     xt, wt, y = torch.randn(11, 6), torch.randn(13, 6), torch.randint(0, 13, (11,))
     for chunk, teacher in ((4, 4), (4, 3), (11, 6)):
-        monkeypatch.setattr(flashkd.chunks, "chunk_rows", lambda *args: (chunk, teacher))
+        monkeypatch.setattr(flashkd.core.plan, "chunk_rows", lambda *args: (chunk, teacher))
         flashkd.fused_linear_distill(xs, ws, xt, wt, y, backend=backend).backward()
     assert len(made) == (3 + 3) + (3 + 5) + (1 + 2)  # chunks + teacher blocks of each plan
 
@@ -181,7 +181,7 @@ def test_logits_freed_before_the_next_are_made(seed, backend, monkeypatch):
 def test_default_plan_one_chunk_when_no_higher(seed):
     """The default (triton) plan: 1 GiB of logits in equal chunks, or all rows in one chunk with the
     teacher in two blocks when dW is wanted and that chunk's peak (no dW accumulator) is no higher."""
-    from flashkd.chunks import LOGITS_BUDGET as _LOGITS_BUDGET, chunk_rows as _chunk_rows, even_chunks as _even_chunks, peak_bytes as _peak_bytes
+    from flashkd.core.plan import LOGITS_BUDGET as _LOGITS_BUDGET, chunk_rows as _chunk_rows, even_chunks as _even_chunks, peak_bytes as _peak_bytes
 
     def plan(n, v, hs, form="heads", accum=4, dtype=torch.bfloat16):
         xs, ws = torch.empty(n, hs, device="meta", dtype=dtype), torch.empty(v, hs, device="meta", dtype=dtype)
@@ -222,7 +222,7 @@ def test_peak_bytes_formula():
     (V = 128256, Hs = 2048, bf16; MiB): fp32 logits of R rows 0.4893·R, dS of R rows in bf16 0.2446·R
     (inside S's bytes, but for a top-k teacher's, or where moved out of them), dX 16·N/4096, dW 501, fp32
     accumulator 1002."""
-    from flashkd.chunks import peak_bytes as _peak_bytes
+    from flashkd.core.plan import peak_bytes as _peak_bytes
 
     v, hs, mib = 128256, 2048, 2**20
     row, ds, dw = v * 4 / mib, v * 2 / mib, v * hs * 2 / mib

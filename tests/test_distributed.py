@@ -460,7 +460,7 @@ def _fsdp_worker(rank, world, seed, backend="torch"):
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
-    from flashkd import chunks
+    from flashkd import core
     from flashkd.distributed import fsdp
     from flashkd.losses import LossSpec
 
@@ -533,7 +533,7 @@ def _fsdp_worker(rank, world, seed, backend="torch"):
     # the route formulas: rows when the union's rows are fewer than the vocab's, heads otherwise
     w = distribute_tensor(torch.randn(V, HS, dtype=dtype, device=device), mesh, [Shard(0)])
     args = dict(teacher_input=torch.zeros(1, HT, dtype=dtype, device=device))
-    call = chunks.Call(LossSpec(), chunks.Student(None, w), chunks.Heads(args["teacher_input"], None))
+    call = core.call.Call(LossSpec(), core.call.Student(None, w), core.call.Heads(args["teacher_input"], None))
     few = fsdp.route_bytes(call, {}, 8, world)
     many = fsdp.route_bytes(call, {}, 4 * V, world)
     assert few["rows"] < few["heads"] and many["rows"] > many["heads"], (few, many)

@@ -47,8 +47,8 @@ ORACLE_DEFAULTS = dict(alpha=0.1, beta=0.5, gate_min=0.0, gate_max=1.0, gate_cen
 @pytest.mark.parametrize("option", list(OPTIONS))
 def test_heads_exact_at_trained_magnitudes(backend, loss, option, seed, kernel_calls):
     check_dense_exact(backend, seed, dict(OPTIONS[option], loss=loss, **PARAMS[loss]))
-    # the torch rows on every backend for those of chunks.TORCH_ROW_LOSSES, else the kernel on "triton"
-    assert kernel_calls == ([] if backend == "torch" or loss in flashkd.chunks.TORCH_ROW_LOSSES else [loss] * 2)
+    # the torch rows on every backend for those of core.backend.TORCH_ROW_LOSSES, else the kernel on "triton"
+    assert kernel_calls == ([] if backend == "torch" or loss in flashkd.core.backend.TORCH_ROW_LOSSES else [loss] * 2)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -255,7 +255,7 @@ def test_dkd_needs_labels_and_a_dense_teacher():
     flashkd.FusedLinearDistillLoss("dkd", alpha=0.5, beta=2.0)
 
 
-@pytest.mark.parametrize("loss", [loss for loss in FAMILY if loss in flashkd.chunks.TORCH_ROW_LOSSES])
+@pytest.mark.parametrize("loss", [loss for loss in FAMILY if loss in flashkd.core.backend.TORCH_ROW_LOSSES])
 def test_triton_backend_runs_them_on_the_torch_rows(loss, kernel_calls):
     """"triton" (and "auto" on a GPU) have no dense kernel for the entropy blend and DKD: the torch rows'
     result, bit for bit (the others' kernel: tests/test_triton_divergences.py)."""

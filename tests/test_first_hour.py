@@ -16,7 +16,7 @@ import pytest
 import torch
 
 import flashkd
-from flashkd import chunks
+from flashkd import core
 from flashkd.bench import cli
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -203,10 +203,10 @@ def numpy_version(monkeypatch):
     """Sets the numpy version the backend pick sees (its answer is cached once a process: cleared around)."""
     import numpy
 
-    chunks._interpreter_problem.cache_clear()
+    core.backend._interpreter_problem.cache_clear()
     yield lambda v: monkeypatch.setattr(numpy, "__version__", v)
     monkeypatch.undo()
-    chunks._interpreter_problem.cache_clear()
+    core.backend._interpreter_problem.cache_clear()
 
 
 def _heads(n=3, v=11, h=4):

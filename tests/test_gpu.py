@@ -130,9 +130,9 @@ def test_memory_stays_within_the_formula():
             xs.grad = ws.grad = None
             e, a = 2, 4 if accum is None else 2
             extra = _peak_extra(lambda: (3.0 * run(grad_accum_dtype=accum, chunk_size=chunk)).backward())
-            rows, teacher = flashkd.chunks.chunk_rows(chunk, xs, ws, "triton", form, a)
+            rows, teacher = flashkd.core.plan.chunk_rows(chunk, xs, ws, "triton", form, a)
             # the formula in distill.py, with the grads left in .grad; slack for cuBLAS workspaces
-            bound = flashkd.chunks.peak_bytes(n, v, hs, e, rows, teacher, form=form, accum_bytes=a)
+            bound = flashkd.core.plan.peak_bytes(n, v, hs, e, rows, teacher, form=form, accum_bytes=a)
             print(f"N={n} {form} accum={accum} plan={rows}:{teacher}: extra {extra / 2**20:.0f} MiB, "
                   f"formula {bound / 2**20:.0f} MiB")
             assert extra <= bound + (64 << 20), (n, form, accum, extra / 2**20, bound / 2**20)

@@ -69,11 +69,12 @@ def test_the_checker_sees_an_upward_import():
 
 
 # The package's layers, lowest first: a module imports only from its own layer or lower ones. The core
-# (the losses, the row backends, the FP8 head, the chunk loop, teacher_topk's loop) knows nothing of the
-# distributed layer, the public functions, the data on disk, the integrations, the records or the bench.
+# (flashkd.core: the call, its checks, plan, backend choice and loop, teacher_topk's loop; below it the
+# losses, the row backends and the FP8 head) knows nothing of the distributed layer, the public functions,
+# the data on disk, the integrations, the records or the bench..
 FINE_LAYERS = (
     ("kernels", ("flashkd.losses", "flashkd.backends", "flashkd.fp8")),
-    ("core", ("flashkd.chunks", "flashkd.teacher")),
+    ("core", ("flashkd.core",)),
     ("distributed", ("flashkd.distributed",)),
     ("api", ("flashkd", "flashkd.distill", "flashkd.modules", "flashkd.data")),
     ("integrations", ("flashkd.integrations",)),
@@ -186,14 +187,14 @@ def test_the_graph_checks_can_fail():
     assert _cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": set()}) == ["a", "b", "c", "a"]
     assert _cycle({"a": {"b"}, "b": set()}) is None
     modules = _modules()
-    targets, _ = _edges("def f():\n    from .distributed import parallel\n", "flashkd.chunks", modules)
+    targets, _ = _edges("def f():\n    from ..distributed import parallel\n", "flashkd.core.loop", modules)
     assert targets == {"flashkd.distributed.parallel"}
-    assert _fine_layer("flashkd.distributed.parallel") > _fine_layer("flashkd.chunks")
-    _, private = _edges("from ..chunks import _rows\nfrom . import triton_rows\nx = triton_rows._head\n",
+    assert _fine_layer("flashkd.distributed.parallel") > _fine_layer("flashkd.core.loop")
+    _, private = _edges("from ..core.backend import _cute_on\nfrom . import triton_rows\nx = triton_rows._head\n",
                         "flashkd.backends.triton_topk", modules)
-    assert private == ["flashkd.backends.triton_topk imports _rows from flashkd.chunks",
+    assert private == ["flashkd.backends.triton_topk imports _cute_on from flashkd.core.backend",
                        "flashkd.backends.triton_topk reads flashkd.backends.triton_rows._head"]
-    assert _fine_layer("flashkd.records.site") > _fine_layer("flashkd") > _fine_layer("flashkd.teacher")
+    assert _fine_layer("flashkd.records.site") > _fine_layer("flashkd") > _fine_layer("flashkd.core.topk")
 
 
 def test_nothing_reads_a_folder_beside_the_repository():
@@ -322,18 +323,19 @@ def test_the_size_and_kwargs_checks_can_fail():
 
 
 def test_the_call_is_frozen_and_the_keywords_are_the_signatures():
-    """A call is one frozen value, made by one parse (chunks.parse, teacher.parse); the public
+    """A call is one frozen value, made by one parse (core.call.parse, parse_teacher_topk); the public
     functions' keyword options are distill.KEYWORDS, which the modules and integrations read."""
     import dataclasses
     import inspect
 
-    from flashkd import chunks, distill, teacher
+    from flashkd import distill
+    from flashkd.core import call as calls
     from flashkd.distributed.sharding import Sharding
 
-    for cls in (chunks.Call, chunks.Student, chunks.Heads, chunks.Logits, chunks.TopK, chunks.Options,
-                teacher.TopKCall, Sharding):
+    for cls in (calls.Call, calls.Student, calls.Heads, calls.Logits, calls.TopK, calls.Options,
+                calls.TeacherTopK, Sharding):
         assert dataclasses.is_dataclass(cls) and cls.__dataclass_params__.frozen, cls
-    assert [f.name for f in dataclasses.fields(chunks.Call)] == ["spec", "student", "teacher", "options"]
+    assert [f.name for f in dataclasses.fields(calls.Call)] == ["spec", "student", "teacher", "options"]
     for name, keywords in distill.KEYWORDS.items():
         params = inspect.signature(getattr(distill, name)).parameters.values()
         assert {p.name: p.default for p in params if p.kind is p.KEYWORD_ONLY} == keywords, name
@@ -397,3 +399,100 @@ def test_test_modules_import_no_other_test_module():
                 if top in names and top != path.stem:
                     found.append(f"{path.relative_to(tests)}:{node.lineno} imports {module}")
     assert found == []
+
+
+# The core's files each hold one of its jobs (the call, the checks, the plan, the backend choice, the loop,
+# teacher_topk's loop, the entry): none grows past a reader's sitting.
+CORE_MAX_LINES = 400
+
+
+def _over(sources: dict, limit: int) -> list[str]:
+    """The files of sources ({name: text}) over `limit` lines."""
+    return [f"{name} ({len(text.splitlines())} lines)" for name, text in sorted(sources.items())
+            if len(text.splitlines()) > limit]
+
+
+def test_no_file_of_the_core_is_over_400_lines():
+    sources = {str(p.relative_to(ROOT)): p.read_text("utf-8") for p in sorted((ROOT / "core").glob("*.py"))}
+    assert len(sources) >= 7 and _over(sources, CORE_MAX_LINES) == []
+
+
+def test_the_core_size_check_can_fail():
+    assert _over({"core/loop.py": "x = 1\n" * (CORE_MAX_LINES + 1), "core/plan.py": "x = 1\n"}, CORE_MAX_LINES) == [
+        f"core/loop.py ({CORE_MAX_LINES + 1} lines)"]
+
+
+# torch.distributed's collectives, and the VocabSlice's exchanges that run them: the backends compute, and
+# take the exchanged statistics as inputs (their sliced row functions yield them); the core's row function
+# has the slice exchange them (`flashkd.core.backend.exchanged`).
+_COLLECTIVES = {"all_reduce", "all_gather", "all_gather_into_tensor", "all_gather_single", "all_gather_object",
+                "reduce_scatter", "reduce_scatter_tensor", "reduce_scatter_single", "all_to_all", "all_to_all_single",
+                "isend", "irecv", "gather_rows", "sum_rows", "exchange"}
+# names that are collectives only on torch.distributed (torch.gather, Tensor.scatter, a GPU barrier are not)
+_ON_DIST_ONLY = {"broadcast", "barrier", "gather", "scatter", "reduce", "merge"}
+
+
+def _collectives_in(source: str, module: str) -> list[str]:
+    """The collectives source runs: an import of torch.distributed, or a call of a _COLLECTIVES name on a
+    module alias of it or on any object (a VocabSlice's); those of _ON_DIST_ONLY only on torch.distributed."""
+    found, dist = [], set()
+    tree = ast.parse(source)
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for a in node.names:
+                if a.name.startswith("torch.distributed"):
+                    found.append(f"{module}: import {a.name}")
+                    dist.add(a.asname or a.name)
+        elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("torch.distributed"):
+            found.append(f"{module}: from {node.module} import {', '.join(a.name for a in node.names)}")
+        elif isinstance(node, ast.ImportFrom) and node.module == "torch" and any(a.name == "distributed" for a in node.names):
+            found.append(f"{module}: from torch import distributed")
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):
+            owner, name = ast.unparse(node.func.value), node.func.attr
+            on_dist = owner in dist or "distributed" in owner
+            if (name in _COLLECTIVES and name not in _ON_DIST_ONLY) or (name in _ON_DIST_ONLY and on_dist):
+                found.append(f"{module}: {owner}.{name}(...)")
+    return found
+
+
+def test_no_collective_in_the_backends():
+    found = []
+    for module, path in _modules().items():
+        if module.startswith("flashkd.backends"):
+            found += _collectives_in(path.read_text("utf-8"), module)
+    assert found == []
+
+
+def test_the_collective_check_can_fail():
+    assert _collectives_in("import torch.distributed as dist\ndist.all_reduce(x)\n", "m") == [
+        "m: import torch.distributed", "m: dist.all_reduce(...)"]
+    assert _collectives_in("def f(vocab, x):\n    return vocab.gather_rows(x)\n", "m") == ["m: vocab.gather_rows(...)"]
+    assert _collectives_in("y = torch.gather(x, 1, i)\ncute.arch.barrier()\n", "m") == []
+    assert _collectives_in("torch.distributed.barrier()\n", "m") == ["m: torch.distributed.barrier(...)"]
+
+
+# The teacher's forms and the call's types are told apart by their `form` (a ClassVar), never by
+# isinstance, but where the call is made from the public keywords (core/call.py).
+_CALL_TYPES = {"Call", "Student", "Heads", "Logits", "TopK", "TeacherTopK"}
+
+
+def _isinstance_on_call_types(source: str, module: str) -> list[str]:
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "isinstance":
+            kinds = node.args[1]
+            names = {n.attr if isinstance(n, ast.Attribute) else getattr(n, "id", None)
+                     for n in (kinds.elts if isinstance(kinds, ast.Tuple) else [kinds])}
+            if names & _CALL_TYPES:
+                found.append(f"{module}: {ast.unparse(node)}")
+    return found
+
+
+def test_no_isinstance_on_call_types_outside_the_parse():
+    found = []
+    for module, path in _modules().items():
+        if module != "flashkd.core.call":
+            found += _isinstance_on_call_types(path.read_text("utf-8"), module)
+    assert found == []
+    assert _isinstance_on_call_types("if isinstance(t, calls.TopK):\n    pass\n", "m") == ["m: isinstance(t, calls.TopK)"]

@@ -1,25 +1,25 @@
-"""The chunk plan's cost model (chunks.chunk_rows with a teacher head's width, chunks.accum_share): which plans
+"""The chunk plan's cost model (core.plan.chunk_rows with a teacher head's width, core.plan.accum_share): which plans
 it picks at the model heads, the bounds it keeps at any shape, and a call on a grown plan against the oracle."""
 
 import pytest
 import torch
 
 import flashkd
-from flashkd import chunks
+from flashkd import core
 from oracle import distill_loss
 
 
 def _plan(n, v, hs, ht=0, form="heads", accum=4, dtype=torch.bfloat16):
     xs, ws = torch.empty(n, hs, device="meta", dtype=dtype), torch.empty(v, hs, device="meta", dtype=dtype)
-    return chunks.chunk_rows(None, xs, ws, "triton", form, accum, v, ht)
+    return core.plan.chunk_rows(None, xs, ws, "triton", form, accum, v, ht)
 
 
 def test_accum_share_counts_bytes_against_flops():
     # Gemma-3 4B <- 12B at 512 rows: 2·V·Hs·4 bytes at 160 FLOP a byte over 2·512·V·(3·2560 + 3840) FLOPs
     v, hs, ht = 262144, 2560, 3840
-    assert chunks.accum_share(512, v, hs, ht, 4) == pytest.approx(8 * hs * 160 / (2 * 512 * (3 * hs + ht)))
-    assert chunks.accum_share(1024, v, hs, ht, 4) == pytest.approx(chunks.accum_share(512, v, hs, ht, 4) / 2)
-    assert chunks.accum_share(512, v, hs, ht, 2) == pytest.approx(chunks.accum_share(512, v, hs, ht, 4) / 2)
+    assert core.plan.accum_share(512, v, hs, ht, 4) == pytest.approx(8 * hs * 160 / (2 * 512 * (3 * hs + ht)))
+    assert core.plan.accum_share(1024, v, hs, ht, 4) == pytest.approx(core.plan.accum_share(512, v, hs, ht, 4) / 2)
+    assert core.plan.accum_share(512, v, hs, ht, 2) == pytest.approx(core.plan.accum_share(512, v, hs, ht, 4) / 2)
 
 
 def test_plans_at_the_model_heads():
@@ -40,7 +40,7 @@ def test_plans_at_the_model_heads():
 
 def test_grown_plans_keep_their_bounds(seed):
     g = torch.Generator().manual_seed(seed)
-    budget = chunks.LOGITS_BUDGET["triton"]
+    budget = core.plan.LOGITS_BUDGET["triton"]
     for _ in range(500):
         n, v, hs, ht = (int(torch.randint(lo, hi, (), generator=g))
                         for lo, hi in ((1, 40000), (1000, 260000), (64, 8192), (64, 16384)))
@@ -52,10 +52,10 @@ def test_grown_plans_keep_their_bounds(seed):
             assert (rows, teacher) == _plan(n, v, hs, 0, accum=accum), (n, v, hs, ht)
         if rows != base:  # grown: whole row tiles or all rows, within ACCUM_GROWTH × the budget of S + T
             assert rows % 256 == 0 or rows == n, (n, v, hs, ht, rows)
-            assert rows * v * 4 * 2 <= chunks.ACCUM_GROWTH * budget, (n, v, hs, ht, rows)
+            assert rows * v * 4 * 2 <= core.plan.ACCUM_GROWTH * budget, (n, v, hs, ht, rows)
             # the formula still bounds it: the grown logits over the base plan's, and no more
-            grow = chunks.peak_bytes(n, v, hs, 2, rows, rows, form="heads", accum_bytes=accum)
-            was = chunks.peak_bytes(n, v, hs, 2, base, base, form="heads", accum_bytes=accum)
+            grow = core.plan.peak_bytes(n, v, hs, 2, rows, rows, form="heads", accum_bytes=accum)
+            was = core.plan.peak_bytes(n, v, hs, 2, base, base, form="heads", accum_bytes=accum)
             assert grow - was <= (rows - base) * v * 4 * 2, (n, v, hs, ht, base, rows)
 
 
@@ -64,10 +64,10 @@ def test_a_grown_plan_gives_the_oracles_results(seed, monkeypatch, loss):
     """A small budget (base plan 150-row chunks, accumulator share ≈ 0.5) grows to 256-row chunks, the last
     ragged; loss and grads at a trained head's magnitudes (logits std ≈ 4, peaks ≈ 30) against float64."""
     n, hs, ht, v = 300, 8, 12, 37
-    monkeypatch.setitem(chunks.LOGITS_BUDGET, "triton", 150 * v * 4 * 2)
+    monkeypatch.setitem(core.plan.LOGITS_BUDGET, "triton", 150 * v * 4 * 2)
     planned = []
-    plan = chunks.chunk_rows
-    monkeypatch.setattr(chunks, "chunk_rows", lambda *a, **k: planned.append(plan(*a, **k)) or planned[-1])
+    plan = core.plan.chunk_rows
+    monkeypatch.setattr(core.plan, "chunk_rows", lambda *a, **k: planned.append(plan(*a, **k)) or planned[-1])
     xs = (torch.randn(n, hs) * 1.4).requires_grad_()
     ws = (torch.randn(v, hs) * 1.4).requires_grad_()
     xt, wt = torch.randn(n, ht) * 1.2, torch.randn(v, ht) * 1.2
@@ -95,6 +95,6 @@ class _OnGpu:
 def test_auto_sends_the_losses_without_a_dense_kernel_to_the_torch_rows(monkeypatch, loss):
     """backend "auto" on a GPU: the dense rows of a loss the Triton row kernel does not take (AKL) run on
     the torch rows, as "triton" sends them; the others on the kernel."""
-    monkeypatch.setattr(chunks, "_has_triton", lambda: True)
-    want = "torch" if loss in chunks.TORCH_ROW_LOSSES else "triton"
-    assert chunks.pick_backend("auto", _OnGpu(), loss) == want
+    monkeypatch.setattr(core.backend, "_has_triton", lambda: True)
+    want = "torch" if loss in core.backend.TORCH_ROW_LOSSES else "triton"
+    assert core.backend.pick_backend("auto", _OnGpu(), loss) == want

@@ -147,6 +147,61 @@ def test_geometric_padded_heads_and_reduction_sum(seed):
     check(out, ref, [xs, ws], [xd, wd], 1e-9)
 
 
+def _mixture(zs, wd, tau):
+    """τ · log Σ_m w_m softmax(z_m / τ): teacher logits whose softmax at τ is the mixture."""
+    return tau * torch.stack([torch.log_softmax(z / tau, -1) + wd[:, t:t + 1].log() for t, z in enumerate(zs)]).logsumexp(0)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("per_row", [False, True], ids=["scalar", "per_row"])
+@pytest.mark.parametrize("m", [2, 3])
+def test_arithmetic(seed, backend, per_row, m):
+    """p = Σ w_m p_m at τ: the oracle's teacher logits are τ · log of the mixed probabilities, each teacher with its
+    own logit scale and softcap; a zero weight on a row drops that teacher there; the chunks and blocks of the
+    loop (7 rows a chunk, 3 a block) do not show."""
+    g = torch.Generator().manual_seed(seed)
+    dtype, tol = _tolerance(backend)
+    xs, ws, bs, xts, wts, bts, labels = make(g, m, dtype, bias=True)
+    xts = [3.0 * x for x in xts]  # logits of std ~4: distributions far apart, so that a wrong mixture shows
+    if per_row:
+        w = torch.rand(N, m, generator=g, dtype=torch.float64) + 0.05
+        w[2, 0] = 0.0
+        w = (w / w.sum(-1, keepdim=True)).to(dtype)
+        wd = w.double()
+    else:
+        w = [0.25, 0.75] if m == 2 else [0.2, 0.5, 0.3]
+        wd = torch.tensor(w, dtype=torch.float64).expand(N, m)
+    scales, caps, tau = [1.0, 0.5, 2.0][:m], [None, 20.0, None][:m], 1.7
+    out = flashkd.fused_linear_distill_teachers(
+        xs, ws, xts, wts, labels, combine="arithmetic", teacher_weights=w, teacher_biases=bts, student_bias=bs,
+        teacher_logit_scale=scales, teacher_softcap=caps, temperature=tau, backend=backend, chunk_size=7,
+        return_soft_hard_loss=True, return_stats=True, loss="jsd", beta=0.3)
+    zs = [logits(xts[t], wts[t], bts[t], scales[t]) for t in range(m)]
+    zs = [z if c is None else c * torch.tanh(z / c) for z, c in zip(zs, caps)]
+    xd, wsd, bd = _double([xs, ws, bs])
+    ref = distill_loss(xd, wsd, None, None, labels, teacher_logits=_mixture(zs, wd, tau), student_bias=bd,
+                       temperature=tau, loss="jsd", beta=0.3)
+    check(out[:3], ref, [xs, ws, bs], [xd, wsd, bd], tol)
+    assert out[3].per_teacher is None
+    # the mixture is no teacher's alone, nor the geometric mean's
+    alone = distill_loss(xd, wsd, None, None, labels, teacher_logits=zs[0], student_bias=bd, temperature=tau,
+                         loss="jsd", beta=0.3)
+    assert abs(alone[0].item() - ref[0].item()) > 100 * tol * abs(ref[0].item())
+
+
+def test_arithmetic_of_one_weight_is_that_teacher(seed):
+    """Weights (0, 1): the other teacher's call exactly, padded heads cut to vocab_size, reduction "sum"."""
+    g = torch.Generator().manual_seed(seed)
+    xs, ws, _, xts, wts, _, labels = make(g, 2, torch.float64)
+    wts = [torch.cat([wts[0], torch.randn(4, HTS[0], generator=g, dtype=torch.float64)]), wts[1]]
+    out = flashkd.fused_linear_distill_teachers(xs, ws, xts, wts, labels, combine="arithmetic", teacher_weights=[0.0, 1.0],
+                                                vocab_size=V, reduction="sum", backend="torch")
+    one = flashkd.fused_linear_distill(xs, ws, xts[1], wts[1], labels, reduction="sum", backend="torch")
+    assert abs(out.item() - one.item()) <= 1e-12 * abs(one.item())
+    for a, b in zip(torch.autograd.grad(out, [xs, ws]), torch.autograd.grad(one, [xs, ws])):
+        assert torch.allclose(a, b, rtol=1e-10, atol=1e-14)
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("per_row", [False, True], ids=["scalar", "per_row"])
 @pytest.mark.parametrize("reduction", ["mean", "sum"])
@@ -233,6 +288,16 @@ ERRORS = [
     (dict(combine="sum", teacher_weights=[1.0, 1.0], teacher_biases=[None]), ValueError, "teacher_biases"),
     (dict(combine="sum", teacher_weights=[1.0, 1.0], reduction="none"), ValueError, "reduction"),
     (dict(combine="sum", teacher_weights=[1.0, 1.0], loss="mutual"), ValueError, "loss"),
+    # arithmetic: a mixture of distributions, its weights summing to 1 (never renormalised)
+    (dict(combine="arithmetic", teacher_weights=[0.5, 0.6]), ValueError, "teacher_weights: expected .*summing to 1"),
+    (dict(combine="arithmetic", teacher_weights=[1.0, 1.0]), ValueError, "teacher_weights: expected .*summing to 1"),
+    (dict(combine="arithmetic", teacher_weights=torch.full((N, 2), 0.6, dtype=torch.float64)), ValueError,
+     "teacher_weights: expected .*summing to 1"),
+    (dict(combine="arithmetic", teacher_weights=torch.tensor([[1.5, -0.5]] * N, dtype=torch.float64)), ValueError,
+     "teacher_weights"),
+    (dict(combine="arithmetic", teacher_weights=[0.5, 0.5], teacher_precision="fp8"), ValueError,
+     "teacher_precision"),
+    (dict(combine="arithmetic", teacher_weights=[0.5, 0.5], loss="co_jeffreys"), ValueError, "loss"),
 ]
 
 

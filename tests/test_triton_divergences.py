@@ -16,7 +16,7 @@ import torch
 triton = pytest.importorskip("triton")
 
 import flashkd  # noqa: E402
-from flashkd import chunks  # noqa: E402
+from flashkd import core  # noqa: E402
 from flashkd.backends import torch_rows, triton_rows  # noqa: E402
 from flashkd.losses import LossSpec  # noqa: E402
 from oracle import _divergence, distill_loss  # noqa: E402
@@ -300,13 +300,13 @@ def test_routing():
     rows; the CuTe path's per-tile statistics are not offered to them."""
     x32, x64 = torch.zeros(2, 3), torch.zeros(2, 3, dtype=torch.float64)
     for loss in MOVED:
-        assert loss in triton_rows.KERNEL_LOSSES and loss not in chunks.TORCH_ROW_LOSSES
-        assert chunks.pick_backend("triton", x32, loss) == "triton"
-        assert chunks.pick_backend("triton", x64, loss) == "torch"
-        assert loss not in chunks.AUTO_CUTE_LOSSES
+        assert loss in triton_rows.KERNEL_LOSSES and loss not in core.backend.TORCH_ROW_LOSSES
+        assert core.backend.pick_backend("triton", x32, loss) == "triton"
+        assert core.backend.pick_backend("triton", x64, loss) == "torch"
+        assert loss not in core.backend.AUTO_CUTE_LOSSES
         assert not triton_rows.tiles_fit(LossSpec(loss=loss), True, False, True)
     for loss in ("akl", "entropy_adaptive", "dkd"):
-        assert chunks.pick_backend("triton", x32, loss) == "torch"
+        assert core.backend.pick_backend("triton", x32, loss) == "torch"
 
 
 @pytest.mark.parametrize("loss", MOVED)

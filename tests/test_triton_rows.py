@@ -568,14 +568,14 @@ def test_rows_sharded_over_vocab_slices(seed, loss, param, grad):
 
 def test_every_dense_loss_runs_in_the_kernel_or_on_the_torch_rows():
     """Each loss's dense rows have one home: the kernel's (`KERNEL_LOSSES`) or the torch rows'
-    (`chunks.TORCH_ROW_LOSSES`, which `pick_backend` sends there); the kernel refuses the others by name."""
-    from flashkd import chunks
+    (`core.backend.TORCH_ROW_LOSSES`, which `pick_backend` sends there); the kernel refuses the others by name."""
+    from flashkd import core
     from flashkd.losses import LOSSES
 
-    assert sorted(triton_rows.KERNEL_LOSSES + chunks.TORCH_ROW_LOSSES) == sorted(LOSSES)
+    assert sorted(triton_rows.KERNEL_LOSSES + core.backend.TORCH_ROW_LOSSES) == sorted(LOSSES)
     s, t = _logits(2, 9, torch.float32, 0)
     for loss in LOSSES:
-        want = "torch" if loss in chunks.TORCH_ROW_LOSSES else "triton"
-        assert chunks.pick_backend("triton", s, loss) == want, loss
+        want = "torch" if loss in core.backend.TORCH_ROW_LOSSES else "triton"
+        assert core.backend.pick_backend("triton", s, loss) == want, loss
     with pytest.raises(ValueError, match="^spec: expected a loss of 'jsd', .* got 'akl'"):
         triton_rows.rows(s.clone(), t, None, LossSpec(loss="akl"), torch.tensor(1.0, device=DEVICE), True)

@@ -33,7 +33,8 @@ chunks of rows, so the [tokens × vocab] logits never exist in full:
 "akl"); the total is
 weight_hard_loss · CE + weight_soft_loss · soft. The formulas, the one pure-torch definition of every
 loss and of its top-k variant, are in flashkd.losses (LossSpec); the public functions in flashkd.distill;
-the chunk loop, its memory bounds and the three forms' shared tail in flashkd.chunks; the row kernels in
+the call's parse, checks, plan, backend choice and chunk loop (one entry, flashkd.core.run) in
+flashkd.core; the row kernels in
 flashkd.backends.
 `flashkd bench` and `flashkd records` (flashkd.bench, flashkd.records) time the losses and keep their
 results as KernelIndex records.

@@ -133,7 +133,7 @@ from pathlib import Path
 import torch
 
 from . import files
-from .chunks import renamed
+from .core.checks import renamed
 from .losses import is_finite
 from .distill import teacher_topk
 

@@ -1,5 +1,5 @@
-"""The public functions: each parses its keywords once into a frozen call (`chunks.parse`,
-`teacher.parse`) and routes it, to the chunk loop (`flashkd.chunks`, `flashkd.teacher`) on this
+"""The public functions: each parses its keywords once into a frozen call (`core.call.parse`,
+`parse_teacher_topk`) and routes it, to the core's one entry (`flashkd.core.run`) on this
 process, or, with its sharding keywords (`flashkd.distributed.Sharding`), to `flashkd.distributed`
 when the call passes `process_group=` or a head that is a DTensor (imported by the first such call, so
 that a plain call pays nothing for it). Their keyword options and defaults: `KEYWORDS`.
@@ -9,14 +9,16 @@ that a plain call pays nothing for it). Their keyword options and defaults: `KEY
     fused_linear_distill_topk    sparse teacher: (ids, logprobs)[c], K per row (losses.topk_row_losses)
     teacher_topk                 a teacher's top-k log-probs, the targets of the top-k form
 
-The chunk loop, its plan and its memory bounds: `flashkd.chunks`.
+The chunk loop, its plan and its memory bounds: `flashkd.core` (`loop`, `plan`).
 """
 
 from __future__ import annotations
 
 import torch
 
-from . import chunks, teacher
+from . import core
+from .core import call as calls
+from .core.checks import any_dtensor
 
 
 def fused_linear_distill(
@@ -142,9 +144,9 @@ def fused_linear_distill(
       what e4m3's 3-bit mantissa does to its logits (docs/api.md, "FP8 teacher"; BENCHMARKS.md). See `flashkd.fp8`.
     """
     def parse():
-        return chunks.parse(
-            chunks.Student(student_input, student_weight, labels, student_bias, row_weight),
-            chunks.Heads(teacher_input, teacher_weight, teacher_bias),
+        return calls.parse(
+            calls.Student(student_input, student_weight, labels, student_bias, row_weight),
+            calls.Heads(teacher_input, teacher_weight, teacher_bias),
             loss=loss, beta=beta, alpha=alpha, head_mass=head_mass, gate_min=gate_min, gate_max=gate_max,
             gate_center=gate_center, gate_width=gate_width, temperature=temperature,
             weight_hard_loss=weight_hard_loss, weight_soft_loss=weight_soft_loss, ignore_index=ignore_index,
@@ -213,9 +215,9 @@ def fused_linear_distill_logits(
     `teacher_logits` are the columns of this rank's vocab slice.
     """
     def parse():
-        return chunks.parse(
-            chunks.Student(student_input, student_weight, labels, student_bias, row_weight),
-            chunks.Logits(teacher_logits),
+        return calls.parse(
+            calls.Student(student_input, student_weight, labels, student_bias, row_weight),
+            calls.Logits(teacher_logits),
             loss=loss, beta=beta, alpha=alpha, head_mass=head_mass, gate_min=gate_min, gate_max=gate_max,
             gate_center=gate_center, gate_width=gate_width, temperature=temperature,
             weight_hard_loss=weight_hard_loss, weight_soft_loss=weight_soft_loss, ignore_index=ignore_index,
@@ -317,9 +319,9 @@ def fused_linear_distill_topk(
     - With `process_group`, `teacher_ids` are ids of the whole vocab, the same on every rank.
     """
     def parse():
-        return chunks.parse(
-            chunks.Student(student_input, student_weight, labels, student_bias, row_weight),
-            chunks.TopK(teacher_ids, teacher_logprobs, teacher_index, num_teachers),
+        return calls.parse(
+            calls.Student(student_input, student_weight, labels, student_bias, row_weight),
+            calls.TopK(teacher_ids, teacher_logprobs, teacher_index, num_teachers),
             loss=loss, beta=beta, alpha=alpha, head_mass=head_mass, gate_min=gate_min, gate_max=gate_max,
             gate_center=gate_center, gate_width=gate_width, temperature=temperature,
             weight_hard_loss=weight_hard_loss, weight_soft_loss=weight_soft_loss, ignore_index=ignore_index,
@@ -384,8 +386,8 @@ def teacher_topk(
     FP8 teacher.
     """
     def parse():
-        return teacher.parse(
-            chunks.Heads(teacher_input, teacher_weight, teacher_bias), k, temperature=temperature,
+        return calls.parse_teacher_topk(
+            calls.TeacherTopK(teacher_input, teacher_weight, teacher_bias, k), temperature=temperature,
             vocab_size=vocab_size, teacher_logit_scale=teacher_logit_scale, teacher_softcap=teacher_softcap,
             chunk_size=chunk_size, backend=backend, teacher_precision=teacher_precision,
         )
@@ -403,13 +405,17 @@ def _route(parse, rows, heads, process_group, vocab_start, check_shards, check_r
     group an error of the parse is raised on every rank of it (`distributed.fail`): raised on one rank
     only, it would leave the others waiting in the call's first collective. rows: the first rows
     tensor, whose device the group's exchange uses."""
-    sharded = process_group is not None or chunks.any_dtensor(*heads)
+    sharded = process_group is not None or any_dtensor(*heads)
     try:
         call = parse()
         if fsdp_gather not in FSDP_GATHER:
             raise ValueError(f"fsdp_gather: expected 'auto', 'rows' or 'heads', got {fsdp_gather!r}")
         if not sharded and vocab_start is not None:
             raise ValueError(f"vocab_start: expected None without process_group, got {vocab_start!r}")
+        if sharded:
+            from .distributed.sharding import check_keywords
+
+            check_keywords(process_group, vocab_start, check_shards)
     except (TypeError, ValueError) as e:
         if process_group is None:
             raise
@@ -417,7 +423,7 @@ def _route(parse, rows, heads, process_group, vocab_start, check_shards, check_r
 
         distributed.fail(e, process_group, vocab_start, rows)
     if not sharded:
-        return teacher.run(call) if isinstance(call, teacher.TopKCall) else chunks.compute(call)
+        return core.run(call)
     from . import distributed
 
     return distributed.run(call, distributed.Sharding(process_group, vocab_start, check_shards, check_replicas,
@@ -457,4 +463,4 @@ def check_options(options: dict, function: str = "fused_linear_distill") -> None
     at its first forward. What depends on the tensors (triton on a CPU tensor, grad_accum_dtype against
     the weight's, vocab_size against the heads) and the sharding keywords are checked by the call."""
     o = {**KEYWORDS[function], **options}
-    chunks.parse(None, None, **{name: value for name, value in o.items() if name not in _NOT_PARSED})
+    calls.parse(None, None, **{name: value for name, value in o.items() if name not in _NOT_PARSED})

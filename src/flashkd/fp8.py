@@ -162,7 +162,7 @@ def dequantize(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
 
 
 def linear(x: torch.Tensor, h: Head, bias: torch.Tensor | None) -> torch.Tensor:
-    """The teacher logits (R, v) in fp32 (the GEMM's accumulator, as `chunks.linear` gives them) from
+    """The teacher logits (R, v) in fp32 (the GEMM's accumulator, as `core.loop.linear` gives them) from
     the FP8 GEMM: x (R, K), bias (v,) or None. The result is a view of (R, Vp) rows when the vocab was
     padded (rows Vp apart)."""
     xq, sx = quantize(x, h.scaling)

@@ -66,7 +66,7 @@ Orda's "skew JS" of β, (1 − β) KL(p‖M) + β KL(q‖M) with M = (1 − β) 
 
 The teacher learns from two losses (LEARNING_LOSSES), co-training's (orda-kernel's "mutual" and
 "cojeffreys"): differentiated w.r.t. the teacher's logits b too, where its tensors require grad
-(`flashkd.chunks`; every other loss's teacher is a constant). Both report Jeffreys' value J = KL(p‖q) +
+(`flashkd.core.loop`; every other loss's teacher is a constant). Both report Jeffreys' value J = KL(p‖q) +
 KL(q‖p). "mutual" is deep mutual learning (Zhang et al. 2018): each side is pulled toward the other's
 distribution taken as a constant, the student by KL(p̄‖q), the teacher by KL(q̄‖p) (a bar: detached), so
 the gradient is forward KL's on each side, dL/da = (q − p)/τ and dL/db = (p − q)/τ; it is not J's
@@ -104,7 +104,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Callable, NamedTuple, Protocol
+from typing import NamedTuple, Protocol
 
 import torch
 
@@ -694,8 +694,8 @@ WHOLE_VOCAB = Vocab()
 
 class VocabSlice(Protocol):
     """A rank's slice [start, start + V_r) of the vocab, as the chunk loop, the row backends and
-    teacher_topk's loop use it: a `Vocab` (its reductions merged over the ranks) and the collectives
-    around it. `flashkd.distributed.ShardedVocab` implements it; a call on one process has none."""
+    teacher_topk's loop use it: a `Vocab` (its reductions merged over the ranks) and the exchanges
+    around it (the backends run none: the core calls these between their phases). `flashkd.distributed.ShardedVocab` implements it; a call on one process has none."""
 
     start: int  # the global id of the slice's first row
     total: int | torch.Tensor  # the vocab's size V (a 0-d device tensor where it was not read on the host)
@@ -710,9 +710,19 @@ class VocabSlice(Protocol):
     def before(self, count: torch.Tensor) -> torch.Tensor: ...
     def merge(self, log_softmax=(), lse=(), sums=()) -> tuple[list, list, list]: ...
 
-    # --- the chunk loop (`flashkd.chunks`) ---
-    def rows(self, form: str, backend: str) -> Callable:
-        """The row function of the slice for a teacher form ("heads", "logits", "topk") on a backend."""
+    # --- the core's entry (`flashkd.core.run`) ---
+    def agree(self, call, rows, backend: str | None, ranged: dict, failed: Exception | None) -> bool:
+        """The ranks' one exchange before the loop, once each has checked its call (failed: the error its
+        checks raised, then rows and backend are None): raises on every rank where any rank's call fails or
+        differs; sets start, total and plan_size; True where it checked `ranged`'s values against V."""
+
+    # --- the chunk loop (`flashkd.core.loop`, `flashkd.core.backend.row_function`) ---
+    def exchange(self, kind: str, x: torch.Tensor) -> torch.Tensor:
+        """A statistic the Triton rows ask for between their phases: "gather", every rank's (R, n) x as
+        (world, R, n) in rank order; "sum", x summed over the group."""
+
+    def record(self, out: tuple) -> tuple:
+        """A block's row function's result (soft, hard, ...), returned as it came (kept where asked)."""
 
     def chunk_dx(self, dx: torch.Tensor) -> None:
         """A chunk's dX over the slice's rows: summed over the group (it may be asynchronous)."""
@@ -720,14 +730,7 @@ class VocabSlice(Protocol):
     def finish(self, dxs, dws, dbs) -> tuple:
         """(dxs, dws, dbs) once the last chunk is done: pending sums waited for, dW and db scaled."""
 
-    # --- the Triton rows' phases (`flashkd.backends.triton_rows`, `triton_topk`) ---
-    def gather_rows(self, part: torch.Tensor) -> torch.Tensor:
-        """(world, R, n): every rank's (R, n) part, in rank order."""
-
-    def sum_rows(self, x: torch.Tensor) -> None:
-        """x summed over the group, in place."""
-
-    # --- teacher_topk's loop (`flashkd.teacher`) ---
+    # --- teacher_topk's loop (`flashkd.core.topk`) ---
     def topk(self, logits: torch.Tensor, k: int, temperature: float, scale: float, softcap: float | None,
              backend: str) -> tuple[torch.Tensor, torch.Tensor]:
         """(ids, log-probs) of the global top-k of rows whose slice here is `logits`."""

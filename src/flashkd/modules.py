@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from .chunks import renamed
+from .core.checks import renamed
 from .distill import KEYWORDS, check_options, fused_linear_distill
 
 # forward's arguments, and the keyword options of fused_linear_distill the constructor takes

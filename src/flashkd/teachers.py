@@ -16,21 +16,27 @@ head W_m (Vt_m, Ht_m), logits z_m = σ_m (X_m W_m^T + b_m) (σ_m its `teacher_lo
                The concatenation copies the heads (V × Σ Ht_m) and the hidden states (N × Σ Ht_m) once.
                A per-teacher softcap is not a linear map of the logits and cannot be concatenated: refused
                (a logit scale is folded into w_m).
+    arithmetic p = Σ_m w_m softmax(z_m / τ), the teachers' distributions at τ mixed per row (the weights ≥ 0
+               summing to 1 on each row: checked, never renormalised). Its log needs each teacher's row
+               statistics, so the core's chunk loop makes it block by block from the M heads in turn
+               (`flashkd.core.mixture`): one call, M teacher GEMMs over all rows (as geometric's one GEMM over
+               the concatenated heads), no head copied; the loss and its gradients as for one teacher whose
+               log-probs are log p. Softcaps per teacher are taken (the mixture is of the distributions).
     sum        Σ_m w_m D(p_m ‖ q), the weighted sum of the divergences to each teacher, the hard CE taken
                once: M calls, so the student's GEMMs run M times. Scalar weights are folded into each call's
                weight_soft_loss (the first call carries the CE); per-row weights go through row_weight, which
                would weigh the CE as well, so the CE then has a call of its own (an (M+1)-th pass of the
                student, its own head, detached, standing in as the teacher with weight_soft_loss 0).
 
-teacher_weights: M floats, or a float tensor (..., M) of student_input's leading dims (per row), ≥ 0.
-An arithmetic mixture Σ_m w_m p_m is not offered: its log needs each teacher's row statistics (its
-logsumexp) inside the row kernel, which one call over one teacher head does not give.
+teacher_weights: M floats, or a float tensor (..., M) of student_input's leading dims (per row), ≥ 0; for
+arithmetic each row's summing to 1 (within M · the weights' dtype's epsilon; a tensor's checked on the host: one
+host sync).
 
 Statistics (`return_stats`): for routed and sum a `DistillStats` whose totals are those of the one-call
 form, and `per_teacher` (M, 3): per teacher the rows that count (as floats), its soft sum (row-weighted, and
 times w_m for sum: the column sums to soft_sum) and its teacher entropy sum, which is 0: the dense form
-does not compute the teacher's entropy (its `teacher_entropy_sum` is None). For geometric the one call's
-stats, `per_teacher` None.
+does not compute the teacher's entropy (its `teacher_entropy_sum` is None). For geometric and arithmetic the
+one call's stats, `per_teacher` None (the rows' teacher is the mixture, no one teacher's).
 """
 
 from __future__ import annotations
@@ -40,10 +46,12 @@ from typing import NamedTuple, Sequence
 
 import torch
 
+from . import core
+from .core import call as calls
 from .distill import fused_linear_distill
 from .losses import LEARNING_LOSSES, REDUCTIONS, DistillStats
 
-COMBINES = ("routed", "geometric", "sum")
+COMBINES = ("routed", "geometric", "arithmetic", "sum")
 
 
 class _Teachers(NamedTuple):
@@ -137,6 +145,9 @@ def fused_linear_distill_teachers(
                       reduction, options)
     else:
         w = _check_weights(teacher_weights, lead, m, student_input.device)
+        if combine == "arithmetic":
+            return _arithmetic(student_input, student_weight, student_bias, teachers, labels, row_weight, w, weights,
+                               reduction, return_soft_hard_loss, return_stats, options)
         if combine == "geometric":
             if any(c is not None for c in teachers.softcaps):
                 raise ValueError("teacher_softcap: expected None with combine='geometric' (a softcap per teacher is "
@@ -363,3 +374,33 @@ def _geometric(xs, ws, bs, teachers, labels, row_weight, w, weights, reduction, 
     return fused_linear_distill(xs, ws, xt, wt, labels, student_bias=bs, row_weight=row_weight,
                                 weight_hard_loss=w_hard, weight_soft_loss=w_soft, reduction=reduction,
                                 return_soft_hard_loss=return_soft_hard_loss, return_stats=return_stats, **options)
+
+
+def _arithmetic(xs, ws, bs, teachers, labels, row_weight, w, weights, reduction, return_soft_hard_loss, return_stats,
+                options):
+    m = len(teachers.inputs)
+    if options["teacher_precision"] is not None:
+        raise ValueError(f"teacher_precision: expected None with combine='arithmetic' (its teachers' logits are made "
+                         f"in their own dtype), got {options['teacher_precision']!r}")
+    if isinstance(w, torch.Tensor):
+        total = w.double().sum(-1)
+        tol = m * torch.finfo(w.dtype).eps
+        off = (total - 1.0).abs() > tol
+        if bool(off.any()):  # the one host sync
+            row = int(off.nonzero()[0, 0])
+            raise ValueError(f"teacher_weights: expected each row's weights summing to 1 with combine='arithmetic' (a "
+                             f"mixture of distributions; they are not renormalised), got {total[row].item()!r} at row "
+                             f"{row}")
+        if not bool(((w >= 0) & w.isfinite()).all()):
+            raise ValueError("teacher_weights: expected finite values >= 0")
+    elif abs(math.fsum(w) - 1.0) > m * 2.0**-52:
+        raise ValueError(f"teacher_weights: expected weights summing to 1 with combine='arithmetic' (a mixture of "
+                         f"distributions; they are not renormalised), got {list(w)} (sum {math.fsum(w)!r})")
+    lead = xs.shape[:-1]
+    mixture = calls.Mixture(tuple(x.reshape(*lead, -1) for x in teachers.inputs), tuple(teachers.heads),
+                            tuple(teachers.biases), w, tuple(teachers.scales), tuple(teachers.softcaps))
+    w_hard, w_soft = weights
+    call = calls.parse(calls.Student(xs, ws, labels, bs, row_weight), mixture, weight_hard_loss=w_hard,
+                       weight_soft_loss=w_soft, reduction=reduction, return_soft_hard_loss=return_soft_hard_loss,
+                       return_stats=return_stats, **options)
+    return core.run(call)

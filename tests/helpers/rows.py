@@ -7,47 +7,31 @@ import torch
 from flashkd.backends import triton_rows
 
 
-class _Stop(Exception):
-    """A slice's call reached a collective whose inputs the other slices have not given yet."""
-
-
-class _Slice:
-    """One rank's `ShardedVocab`, as `rows` uses it, for the ranks run one after another in this process:
-    a collective with no result yet keeps this rank's part and stops the call, which is then run again with
-    the result made from every rank's part (`sharded`)."""
-
-    def __init__(self, start, gathered=None, summed=None):
-        self.start, self.gathered, self.summed, self.part = start, gathered, summed, None
-
-    def gather_rows(self, part):
-        if self.gathered is None:
-            self.part = part.clone()
-            raise _Stop
-        return self.gathered
-
-    def sum_rows(self, x):
-        if self.summed is None:
-            self.part = x.clone()
-            raise _Stop
-        x.copy_(self.summed)
-
-
 def sharded(s, t, labels, spec, scale, grad, bounds):
-    """(soft, hard, dL/ds) of rows(..., vocab=) on the column slices `bounds` of s and t, one rank each:
-    the all-gather of pass 1's statistics, and the all-reduce of pass 2's sums where the loss needs it."""
-    def run(i, gathered=None, summed=None):
-        a, b = bounds[i]
-        vocab, x = _Slice(a, gathered, summed), s[:, a:b].contiguous()
-        try:
-            return (*triton_rows.rows(x, t[:, a:b].contiguous(), labels, spec, scale, grad, vocab=vocab), x)
-        except _Stop:
-            return vocab.part
-
-    gathered = torch.stack([run(i) for i in range(len(bounds))])
-    outs = [run(i, gathered) for i in range(len(bounds))]
-    if isinstance(outs[0], torch.Tensor):  # phase 3 follows the all-reduce of pass 2's sums
-        summed = torch.stack(outs).sum(0)
-        outs = [run(i, gathered, summed) for i in range(len(bounds))]
+    """(soft, hard, dL/ds) of `sliced_rows` on the column slices `bounds` of s and t, one rank each: the
+    all-gather of pass 1's statistics, and the all-reduce of pass 2's sums where the loss needs it, made
+    here from every slice's part."""
+    xs = [s[:, a:b].contiguous() for a, b in bounds]
+    steps = [triton_rows.sliced_rows(x, t[:, a:b].contiguous(), labels, spec, scale, grad, start=a)
+             for x, (a, b) in zip(xs, bounds)]
+    asked = [next(step) for step in steps]  # every slice's pass 1 statistics: ("gather", parts)
+    done = [None] * len(steps)
+    while True:
+        what = {kind for kind, _ in asked}
+        assert len(what) == 1, what  # every rank asks for the same exchange
+        kind = what.pop()
+        parts = [part for _, part in asked]
+        result = torch.stack(parts) if kind == "gather" else torch.stack(parts).sum(0)
+        asked = []
+        for i, step in enumerate(steps):
+            try:
+                asked.append(step.send(result.clone() if kind == "sum" else result))
+            except StopIteration as stop:
+                done[i] = stop.value
+        if not asked:
+            break
+        assert len(asked) == len(steps)
+    outs = [(*out, x) for out, x in zip(done, xs)]
     for soft, hard, _ in outs[1:]:  # every rank has the whole rows' losses
         assert torch.equal(soft, outs[0][0]) and torch.equal(hard, outs[0][1])
     order = sorted(range(len(bounds)), key=lambda i: bounds[i][0])

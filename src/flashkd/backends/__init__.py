@@ -1,7 +1,7 @@
 """Row backends: each exposes `rows` (dense teacher) and `topk_rows` (sparse teacher), both
 `(s, t, labels, spec, scale, grad, stats=False) -> (soft, hard)`.
 
-The chunk loop in `flashkd.chunks` computes one block of logits with two GEMMs and hands it to a
+The chunk loop in `flashkd.core.loop` computes one block of logits with two GEMMs and hands it to a
 backend's `rows`, which returns the per-row losses and, when `grad`, overwrites `s` with dL/ds:
 
     s:      (R, V) student logits of the block, contiguous; overwritten with dL/ds when `grad`
@@ -23,8 +23,10 @@ backend's `rows`, which returns the per-row losses and, when `grad`, overwrites 
     The logits are the heads' raw outputs: the spec's logit scales and softcaps are the backend's to
     apply (`flashkd.losses.logit_transform`), and dL/ds is w.r.t. the raw s.
 
-Keywords beyond the contract: `vocab` (every backend): the block's slice of a vocab sharded over a
-process group (`flashkd.distributed.ShardedVocab`; the torch rows merge through its `merge`, the Triton
-kernels through its `gather_rows` / `sum_rows`); `ds` (Triton): a buffer of s's shape that gets
-dL/ds instead of s, rounded once to its dtype (bf16 gradients of fp32 logits).
+Keywords beyond the contract: `vocab` (torch): the block's slice of a vocab sharded over a process group
+(a `flashkd.losses.VocabSlice`), whose `merge` the torch row definitions reduce through; `ds` (Triton):
+a buffer of s's shape that gets dL/ds instead of s, rounded once to its dtype (bf16 gradients of fp32
+logits). A slice on the Triton rows is `sliced_rows` / `sliced_topk_rows` (start=, total=): a generator
+that yields the row statistics its ranks must exchange and takes them back, so that no backend runs a
+collective (`flashkd.core.backend.row_function` has the slice exchange them).
 """

@@ -101,7 +101,7 @@ an element): fewer instructions, not fewer transcendentals, make it faster.
 
 Numerics: every load is widened to fp32 and all math is fp32 whatever the input dtype (fp64 inputs
 included: they are computed in fp32, the losses come back in fp32 and dL/ds is rounded to fp64; the
-public functions send fp64 to the torch rows instead, `chunks.pick_backend`);
+public functions send fp64 to the torch rows instead, `flashkd.core.backend.pick_backend`);
 dL/ds is rounded once, to the input dtype, at the store. The softmaxes run on exp2/log2 in units of
 log2: log2 q = (s − m_s)·log2(e)/τ − log2 l_s, one multiply by a constant prepared on the host, with
 the row max subtracted first so that the large elements, which carry the losses, have small exponents
@@ -1101,8 +1101,13 @@ def _rows_kernel(
 # --------------------------------------------------------------------------------------------- launcher
 
 
-def rows(s, t, labels, spec: LossSpec, scale: torch.Tensor, grad: bool, stats: bool = False, *, ds=None, vocab=None,
-         tiles=None):
+def rows(s, t, labels, spec: LossSpec, scale: torch.Tensor, grad: bool, stats: bool = False, *, ds=None, tiles=None):
+    """`sliced_rows` of whole rows: per-row (soft, hard) losses of one block, with nothing to exchange."""
+    return unexchanged(sliced_rows(s, t, labels, spec, scale, grad, stats, ds=ds, tiles=tiles))
+
+
+def sliced_rows(s, t, labels, spec: LossSpec, scale: torch.Tensor, grad: bool, stats: bool = False, *, ds=None,
+                tiles=None, start=None):
     """Per-row (soft, hard) losses of one block, (R,) fp32 each; with `grad`, ds (default: s, overwritten)
     gets dL/ds = scale · (w_hard · dCE/ds + soft_scale · dsoft/ds). See `flashkd.backends` for the contract.
 
@@ -1114,17 +1119,20 @@ def rows(s, t, labels, spec: LossSpec, scale: torch.Tensor, grad: bool, stats: b
     ds:     (R, V) of those dtypes, unit vocab stride, sharing no memory with s or t, or None (s): the fp32
             logits of bf16 inputs write their gradient once, rounded to bf16, for the gradient GEMMs;
             or `grad_view(s, dtype, spec, grad)`, a view of s's own bytes (s is then spent)
-    vocab:  None (s holds whole rows), or the rank's slice of a vocab sharded over a process group
-            (`flashkd.distributed.ShardedVocab`): s, t hold the columns [vocab.start, vocab.start + V) of
-            every row, labels are global ids, and the losses and dL/ds come out as those of the whole
-            rows, through `vocab.gather_rows` and `vocab.sum_rows`
+    start:  None (s holds whole rows: a generator that yields nothing, `rows`), or the global id of the
+            first column of a rank's slice of a vocab sharded over a process group: s, t hold the columns
+            [start, start + V) of every row, labels are global ids, and the losses and dL/ds come out as
+            those of the whole rows. The statistics the ranks exchange are the generator's: it yields
+            ("gather", parts) and takes every rank's parts (world, R, n) in rank order, then (where the
+            loss needs them) ("sum", accs) and takes their sums over the ranks; the exchanges are the
+            caller's (`flashkd.core.backend.row_function`), no collective runs here
     tiles:  None, or pass 1's statistics of s and t given per vocab tile, as the CuTe logits GEMMs make them
             (`flashkd.backends.cute_gemm`): a (5, R, n) fp32 tensor, unit last stride, planes m_s, l_s, l_c,
             m_t, l_t of n vocab tiles (module doc of cute_gemm; l_c read only when the CE is wanted and
             softmax(s) is not q). The kernel then reads the row twice, not three times. Only where pass 1
-            takes nothing else (`tiles_fit`); the whole vocab (vocab None)
+            takes nothing else (`tiles_fit`); the whole vocab (start None)
     """
-    t, ds, in_place = _check(s, t, labels, spec, scale, grad, stats, ds, vocab, tiles)
+    t, ds, in_place = _check(s, t, labels, spec, scale, grad, stats, ds, start, tiles)
     # allocate: every program writes its row's soft and hard (and entropy)
     R = s.shape[0]
     soft = torch.empty(R, dtype=torch.float32, device=s.device)
@@ -1135,29 +1143,38 @@ def rows(s, t, labels, spec: LossSpec, scale: torch.Tensor, grad: bool, stats: b
         return out
     if labels is not None:
         labels = labels.contiguous()  # R integers: a strided view costs a negligible copy
-    launch = _Launch(s, t, ds, labels, spec, scale, grad, stats, in_place, soft, hard, entropy, vocab)
+    launch = _Launch(s, t, ds, labels, spec, scale, grad, stats, in_place, soft, hard, entropy, start)
     if tiles is not None:
         launch(4, parts=tiles, world=tiles.shape[2], stride_part=tiles.stride(0), stride_tile=tiles.stride(1))
         return out
-    if vocab is None:
+    if start is None:
         launch(0)
         return out
-    # A row sharded over the ranks' vocab slices: pass 1 on each slice; one all-gather of its statistics
-    # (R · _PARTS fp32 a rank), merged in phase 2 as a program's lanes are; pass 2; where the loss (or its
-    # gradient) needs pass 2's sums over the whole row (forward KL's value, JSD's K, TVD's masses), one
-    # all-reduce of 4 fp32 a row and phase 3 (pass 3). Nothing O(R · V) leaves the rank.
+    # A row sharded over the ranks' vocab slices: pass 1 on each slice; its statistics (R · _PARTS fp32 a
+    # rank) gathered from every rank, merged in phase 2 as a program's lanes are; pass 2; where the loss (or
+    # its gradient) needs pass 2's sums over the whole row (forward KL's value, JSD's K, TVD's masses), their
+    # sums over the ranks (4 fp32 a row) and phase 3 (pass 3). Nothing O(R · V) leaves the rank.
     parts = torch.empty(R, _PARTS.value, dtype=torch.float32, device=s.device)
     launch(1, parts=parts)
-    parts = vocab.gather_rows(parts)
+    parts = yield "gather", parts
     accs = torch.empty(R, 4, dtype=torch.float32, device=s.device)
     launch(2, parts=parts, accs=accs, world=parts.shape[0])
     if launch.needs_phase_3:
-        vocab.sum_rows(accs)
+        accs = yield "sum", accs
         launch(3, parts=parts, accs=accs, world=parts.shape[0])
     return out
 
 
-def _check(s, t, labels, spec: LossSpec, scale, grad: bool, stats: bool, ds, vocab, tiles):
+def unexchanged(steps):
+    """The value of a row function's steps (`sliced_rows`) that ask for no exchange: those of whole rows."""
+    try:
+        next(steps)
+    except StopIteration as done:
+        return done.value
+    raise AssertionError("a row function of whole rows asked for an exchange over ranks")
+
+
+def _check(s, t, labels, spec: LossSpec, scale, grad: bool, stats: bool, ds, start, tiles):
     """`rows`' arguments checked; returns (t with unit vocab stride, ds (s where None), whether ds is s's own
     `grad_view`)."""
     if stats and not spec.want_soft:
@@ -1198,7 +1215,7 @@ def _check(s, t, labels, spec: LossSpec, scale, grad: bool, stats: bool, ds, voc
         raise ValueError(f"scale: expected device {s.device} like s, got {scale.device}")
 
     if tiles is not None:
-        if vocab is not None or not tiles_fit(spec, grad, stats, labels is not None):
+        if start is not None or not tiles_fit(spec, grad, stats, labels is not None):
             raise ValueError("tiles: statistics per vocab tile are taken only for whole rows of a softmax loss "
                              "without transforms at load, an online KL or stats (`tiles_fit`)")
         if (not isinstance(tiles, torch.Tensor) or tiles.dim() != 3 or tiles.shape[:2] != (5, R)
@@ -1226,7 +1243,7 @@ class _Launch:
     switches and the row's runtime floats), and a launch of a phase with its parts and sums."""
 
     def __init__(self, s, t, ds, labels, spec: LossSpec, scale, grad: bool, stats: bool, in_place: bool, soft, hard,
-                 entropy, vocab):
+                 entropy, start):
         R, V = s.shape
         kind = kernel_kind(spec)
         use_soft = spec.want_soft
@@ -1270,7 +1287,7 @@ class _Launch:
             t.stride(0) if use_soft else V,
             ds.stride(0),
             spec.ignore_index,
-            0 if vocab is None else vocab.start,
+            0 if start is None else start,
         )
         self.floats = (
             # float(): an int weight would be specialised (and recompiled) by value

@@ -169,17 +169,23 @@ def expand_kernel(
     triton_common.store_grad(g_row + ids, id_grad, used, RTNE_BITS)
 
 
-def topk_rows(s, t, labels, spec: LossSpec, scale: torch.Tensor, grad: bool, stats: bool = False, *, ds=None,
-              vocab=None):
+def topk_rows(s, t, labels, spec: LossSpec, scale: torch.Tensor, grad: bool, stats: bool = False, *, ds=None):
+    """`sliced_topk_rows` of whole rows, with nothing to exchange."""
+    return triton_rows.unexchanged(sliced_topk_rows(s, t, labels, spec, scale, grad, stats, ds=ds))
+
+
+def sliced_topk_rows(s, t, labels, spec: LossSpec, scale: torch.Tensor, grad: bool, stats: bool = False, *, ds=None,
+                     start=None, total=None):
     """Per-row (soft, hard) for a top-k teacher t = (ids, logprobs); with `grad`, s is overwritten
     with dL/ds (or ds, contiguous, of s's shape: `triton_rows.rows`'s); with `stats` also (entropy,
-    mass). See `flashkd.backends` for the contract.
-    vocab: None, or the rank's slice of a sharded vocab (as `triton_rows.rows`'s): s holds the columns
-    [vocab.start, vocab.start + V) of each row, ids and labels are global. The stats kernel runs on the
-    slice, one all-gather merges its outputs into the whole row's (`_merged`), the (R, K + 1)
+    mass). See `flashkd.backends` for the contract. A generator, as `triton_rows.sliced_rows`.
+    start, total: None (whole rows), or the global id of a rank's slice's first column and the vocab's
+    size V (an int, or a 0-d device tensor): s holds the columns [start, start + V_r) of each row, ids
+    and labels are global. The stats kernel runs on the slice; its outputs, yielded as ("gather",
+    parts) and taken back from every rank, merge into the whole row's (`_merged`); the (R, K + 1)
     categories are then the same on every rank, and the expand kernel writes the slice's dL/ds."""
     if not spec.want_soft:  # the CE alone: the dense kernel does it without a teacher (no stats then)
-        return triton_rows.rows(s, None, labels, spec, scale, grad, ds=ds, vocab=vocab)
+        return (yield from triton_rows.sliced_rows(s, None, labels, spec, scale, grad, ds=ds, start=start))
     if ds is None:
         ds = s
     elif not isinstance(ds, torch.Tensor) or ds.shape != s.shape or not ds.is_contiguous() or ds.device != s.device:
@@ -187,7 +193,8 @@ def topk_rows(s, t, labels, spec: LossSpec, scale: torch.Tensor, grad: bool, sta
         raise ValueError(f"ds: expected a contiguous tensor of shape {tuple(s.shape)} on {s.device}, got {got}")
     ids, logprobs = t
     R, V = s.shape
-    lo, total = (0, V) if vocab is None else (vocab.start, vocab.total)  # total: an int, or a 0-d device tensor
+    sliced = start is not None
+    lo, total = (0, V) if not sliced else (start, total)  # total: an int, or a 0-d device tensor
     K = ids.shape[1]
     if R == 0:
         return (s.new_zeros(0, dtype=torch.float32),) * (5 if stats else 2)
@@ -208,11 +215,11 @@ def topk_rows(s, t, labels, spec: LossSpec, scale: torch.Tensor, grad: bool, sta
 
     used = (ids >= 0) & (ids < total)
     # the kernels read the slice's own columns: an id (a label) elsewhere is an unused slot (no label) here
-    here_ids = ids if vocab is None else torch.where((ids >= lo) & (ids < lo + V), ids - lo, -1)
+    here_ids = ids if not sliced else torch.where((ids >= lo) & (ids < lo + V), ids - lo, -1)
     if labels is not None:
         valid = labels != spec.ignore_index
         in_range = (labels >= 0) & (labels < total)
-        here_labels = labels if vocab is None else labels - lo
+        here_labels = labels if not sliced else labels - lo
         here = (here_labels >= 0) & (here_labels < V)
         s_y = s.gather(1, torch.where(here, here_labels, 0).long()[:, None])[:, 0].to(torch.float32)  # before the stats kernel writes −inf
     s_k = torch.empty(R, K, **f32)
@@ -228,10 +235,10 @@ def topk_rows(s, t, labels, spec: LossSpec, scale: torch.Tensor, grad: bool, sta
             s, here_ids, s_k, m, l_tau, l_one, gap if stats else m, V, K, log2e * fold / tau, log2e * fold, mul,
             STREAM=stream, ONE=one, HEAD=head, STATS=stats, BLOCK_V=block_v, BLOCK_K=block_k, num_warps=num_warps,
         )
-    if vocab is not None:
-        s_k, m, l_tau, l_one, gap, s_y = _merged(vocab, s_k, m, l_tau, l_one if one else None, gap if stats else None,
-                                                 torch.where(here, s_y, 0.0) if ce else None, log2e * fold / tau,
-                                                 log2e * fold)
+    if sliced:
+        mine = [s_k, m, l_tau, l_one if one else None, gap if stats else None, torch.where(here, s_y, 0.0) if ce else None]
+        every = yield "gather", torch.cat([mine[0]] + [x[:, None] for x in mine[1:] if x is not None], 1)
+        s_k, m, l_tau, l_one, gap, s_y = _merged(every, *mine[3:], log2e * fold / tau, log2e * fold)
         l_one = l_one if one else l_tau
 
     # the categories, in the loss math's precision, with the torch definition's code; m is in the
@@ -298,15 +305,13 @@ def topk_rows(s, t, labels, spec: LossSpec, scale: torch.Tensor, grad: bool, sta
     return out
 
 
-def _merged(vocab, s_k, m, l_tau, l_one, gap, s_y, k_tau, k_one):
+def _merged(every, l_one, gap, s_y, k_tau, k_one):
     """The stats kernel's outputs over each rank's slice (s at the ids, −inf where an id is another
     rank's; the off-ids max, the log2 sums relative to it, the gap; the label's logit, 0 where another
-    rank holds it) merged into the whole row's, from one all-gather of (R, K + 3..6) fp32 a rank: the
-    sums moved to the row's max and added, as `triton_rows` merges a program's lanes (l_one, gap, s_y:
-    None where not computed)."""
-    k = s_k.shape[1]
-    parts = [s_k, m[:, None], l_tau[:, None]] + [x[:, None] for x in (l_one, gap, s_y) if x is not None]
-    every = vocab.gather_rows(torch.cat(parts, 1))  # (world, R, K + n)
+    rank holds it), every: (world, R, K + 3..6) fp32, every rank's in rank order, merged into the whole
+    row's: the sums moved to the row's max and added, as `triton_rows` merges a program's lanes (l_one,
+    gap, s_y: this rank's, None where not computed)."""
+    k = every.shape[2] - 2 - sum(x is not None for x in (l_one, gap, s_y))
     m_r = every[:, :, k]
     m = m_r.amax(0)
     w_tau = torch.exp2(every[:, :, k + 1] + (m_r - m) * k_tau)  # each slice's sum at τ, relative to the row's max

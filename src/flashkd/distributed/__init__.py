@@ -13,13 +13,14 @@ is the unsharded call's, on every rank; dX is the full gradient on every rank (a
 and db are the slice's.
 
 On backend "triton" the dense forms run the fused row kernel in phases
-(`flashkd.backends.triton_rows.rows` with the `ShardedVocab`): pass 1 over the slice writes each
+(`flashkd.backends.triton_rows.sliced_rows` on the `ShardedVocab`'s slice): pass 1 over the slice writes each
 row's statistics at the slice's own maxima (the max and sum-exp of s/τ, t/τ and s, the online KL's
 and the entropy's gap sums, cosine's three sums, the label's logit and whether the slice holds it:
-12 fp32); one all-gather of them (`ShardedVocab.gather_rows`) lets every rank merge the row's as a
+12 fp32); one all-gather of them (`ShardedVocab.exchange`, which the core's row function calls between the
+kernel's phases) lets every rank merge the row's as a
 program merges its lanes; pass 2 takes the loss terms and writes dL/ds over the slice where its
 constants are known (forward and reverse KL, cosine, the CE alone); jsd, tvd and forward KL with
-grad add their pass-2 sums over the ranks (`ShardedVocab.sum_rows`, R·4 fp32: JSD's K, TVD's masses,
+grad add their pass-2 sums over the ranks (`ShardedVocab.exchange`: an all-reduce, R·4 fp32: JSD's K, TVD's masses,
 forward KL's value) before pass 3 writes dL/ds. A top-k teacher's stats kernel runs on the slice
 (its ids and labels made local: another rank's are unused slots here), one all-gather of its outputs
 (s at the ids, the off-ids max and sums, the gap, the label's logit: R·(K + 3..6) fp32) gives the
@@ -80,7 +81,7 @@ __all__ = ["ShardedVocab", "Sharding", "fail", "run"]
 
 
 def run(call, sharding: Sharding):
-    """A loss call (`flashkd.chunks.Call`) or a `flashkd.teacher.TopKCall` that is vocab-parallel or has
+    """A call (`flashkd.core.call.Call`, a loss's or teacher_topk's) that is vocab-parallel or has
     a DTensor head."""
     from . import fsdp, parallel
 
@@ -91,7 +92,7 @@ def run(call, sharding: Sharding):
 
 def fail(error: Exception, process_group, vocab_start, rows):
     """Raise error, found on this rank where a call was made, on every rank of process_group: this rank
-    joins the group's exchange with it (`parallel.shard`). rows: the call's rows tensor (its device)."""
+    joins the group's exchange with it (`agreement.layout`). rows: the call's rows tensor (its device)."""
     from . import parallel
 
     parallel.fail(error, process_group, vocab_start, rows)

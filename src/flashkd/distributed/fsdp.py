@@ -48,17 +48,19 @@ import dataclasses
 import torch
 import torch.distributed as dist
 
-from .. import chunks, teacher
+from .. import core
+from ..core import call as calls
+from ..core.checks import any_dtensor
 from .sharding import Sharding
-from .vocab import all_gather, reduce_scatter
+from .agreement import all_gather, reduce_scatter
 
-# A call's heads (`flashkd.chunks.HEAD`, `TEACHER_HEAD`: gathered on the heads route, sliced on the rows
+# A call's heads (`flashkd.core.call.HEAD`, `TEACHER_HEAD`: gathered on the heads route, sliced on the rows
 # route) and its rows (`ROWS`: each rank's own, gathered on the rows route) are the fields its class
 # marks so, by their public names.
 
 
 def _heads(call) -> dict:
-    return {**chunks.tensors(call, chunks.HEAD), **chunks.tensors(call, chunks.TEACHER_HEAD)}
+    return {**calls.tensors(call, calls.HEAD), **calls.tensors(call, calls.TEACHER_HEAD)}
 
 
 def _dtensor_type():
@@ -68,7 +70,7 @@ def _dtensor_type():
 
 
 def has_dtensor_head(call) -> bool:
-    return chunks.any_dtensor(*_heads(call).values())
+    return any_dtensor(*_heads(call).values())
 
 
 def _check_placement(name, x):
@@ -88,7 +90,7 @@ def _check_placement(name, x):
 
 
 def run(call, sharding: Sharding):
-    """A call (`flashkd.chunks.Call` or `flashkd.teacher.TopKCall`) with a DTensor head."""
+    """A call (`flashkd.core.call.Call`, a loss's or teacher_topk's) with a DTensor head."""
     if sharding.process_group is not None:
         raise ValueError(
             "process_group: expected None with a DTensor head (its device mesh is the group), got a process group"
@@ -121,7 +123,7 @@ def run(call, sharding: Sharding):
         gather = "heads"  # the only route of dense teacher logits: no row counts needed
     counts = None
     if gather != "heads":
-        first = next(iter(chunks.tensors(call, chunks.ROWS).values()))  # the hidden states
+        first = next(iter(calls.tensors(call, calls.ROWS).values()))  # the hidden states
         n_local = first.reshape(-1, first.shape[-1]).shape[0] if first.dim() >= 1 else 0
         counts = _exchange_counts(group, n_local, first.device)
     if gather == "auto":
@@ -132,7 +134,7 @@ def run(call, sharding: Sharding):
 
 
 def _is_logits(call) -> bool:
-    return isinstance(call, chunks.Call) and isinstance(call.teacher, chunks.Logits)
+    return call.teacher.form == "logits"
 
 
 def route_bytes(call, heads, n, world) -> dict:
@@ -142,8 +144,8 @@ def route_bytes(call, heads, n, world) -> dict:
     weight = _heads(call)[call.sharded_by]
     v, h = weight.shape
     e = weight.dtype.itemsize
-    if isinstance(call, teacher.TopKCall):
-        k = call.k
+    if call.teacher.form == "teacher_topk":
+        k = call.teacher.k
         return {"rows": f * n * h * e + (world - 1) * n * (2 * k + 2) * 8, "heads": f * v * h * e}
     heads_bytes = 2 * f * v * h * e
     sharded_teacher = heads.get("teacher_weight")
@@ -152,7 +154,7 @@ def route_bytes(call, heads, n, world) -> dict:
         heads_bytes += f * vt * ht * sharded_teacher.dtype.itemsize
     if _is_logits(call):
         return {"rows": float("inf"), "heads": heads_bytes}
-    if isinstance(call.teacher, chunks.Heads):
+    if call.teacher.form == "heads":
         teacher_bytes, stats = call.teacher.teacher_input.shape[-1] * e, 13
     else:
         ids, lp = call.teacher.teacher_ids, call.teacher.teacher_logprobs
@@ -180,8 +182,7 @@ def _heads_route(call, heads):
     for k, x in heads.items():
         # the student's gradient: a sum over the ranks' batches, averaged into each shard (FSDP's mean)
         gathered[k] = x.full_tensor(grad_placements=[Partial("avg")]) if x.requires_grad else x.full_tensor()
-    call = chunks.with_tensors(call, gathered)
-    return teacher.run(call) if isinstance(call, teacher.TopKCall) else chunks.compute(call)
+    return core.run(calls.with_tensors(call, gathered))
 
 
 class _GatherRows(torch.autograd.Function):
@@ -236,26 +237,26 @@ def _rows_route(call, sharding, heads, placed, group, counts):
                     f"{k}: expected {full_v} rows (a DTensor sharded like {weight}), got {heads[k].shape[0]}"
                 )
             local[k] = heads[k].to_local()  # its gradient comes back as a DTensor with the same placement
-        elif k in chunks.tensors(call, chunks.HEAD):  # the student's bias: it gets a gradient of the slice
+        elif k in calls.tensors(call, calls.HEAD):  # the student's bias: it gets a gradient of the slice
             raise TypeError(f"{k}: expected a DTensor sharded like {weight}, got a {type(x).__name__}")
         else:
             local[k] = x[start : start + size]  # a plain teacher head: this rank's rows of it
-    if isinstance(call, chunks.Call) and call.options.return_stats:
+    if call.options.return_stats:
         raise ValueError("return_stats: not available on the FSDP rows route yet; pass fsdp_gather='heads'")
-    own_rows = chunks.tensors(call, chunks.ROWS)
+    own_rows = calls.tensors(call, calls.ROWS)
     lead = next(iter(own_rows.values())).shape[:-1]  # this rank's rows, as it passed them
     for k, x in own_rows.items():
         if x is None:
             continue
         # (N_r, ...) rows: the trailing dim stays for the hidden states and top-k targets
-        flat = x.reshape(counts[rank], *(x.shape[-1:] if chunks.trailing(call, k) else ()))
+        flat = x.reshape(counts[rank], *(x.shape[-1:] if calls.trailing(call, k) else ()))
         local[k] = _GatherRows.apply(flat, group, counts) if flat.requires_grad else _gather(flat, group, counts)
     offset = sum(counts[:rank])
     own = slice(offset, offset + counts[rank])
-    call = chunks.with_tensors(call, local)
+    call = calls.with_tensors(call, local)
     sharding = dataclasses.replace(sharding, process_group=group, vocab_start=start, fsdp_gather="auto")
-    if isinstance(call, teacher.TopKCall):
-        ids, logprobs = parallel.teacher_topk(call, sharding)
+    if call.teacher.form == "teacher_topk":
+        ids, logprobs = parallel.run(call, sharding)
         return ids[own].reshape(*lead, -1), logprobs[own].reshape(*lead, -1)
     return _rows_loss(call, sharding, own, counts)
 

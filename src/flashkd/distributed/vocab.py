@@ -6,8 +6,8 @@
 not differentiated) and one differentiable all-reduce SUM of everything summed over the vocab,
 stacked into one (R, n) fp32 tensor. The SUM's backward is again an all-reduce SUM (autograd seeds
 each rank's copy of the replicated loss with 1/world, so that the sum over the ranks of their
-copies' gradients is the gradient of the loss). The Triton rows' sharded phases use
-`gather_rows` and `sum_rows` instead (`flashkd.backends.triton_rows.rows`).
+copies' gradients is the gradient of the loss). Between the Triton rows' phases the core's row
+function calls `exchange` instead (`gather_rows`, `sum_rows`): the kernels run no collective.
 """
 
 from __future__ import annotations
@@ -16,18 +16,9 @@ import torch
 import torch.distributed as dist
 
 from ..losses import Vocab, logit_transform
-
-
-# torch 2.13 renamed the tensor collectives, and the old names warn (FutureWarning) there; 2.11 has only the
-# old names. Looked up at each call, so a wrapper set on torch.distributed (the bench's byte count) sees it.
-def all_gather(out, x, group):
-    """out: every rank's x, in rank order, along dim 0 (one all-gather)."""
-    return (getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor)(out, x, group=group)
-
-
-def reduce_scatter(out, x, group):
-    """out: this rank's 1/world of x along dim 0, summed over the ranks (one reduce-scatter)."""
-    return (getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor)(out, x, group=group)
+from . import agreement
+from .agreement import all_gather, reduce_scatter  # noqa: F401 (the FSDP route's, with this module's)
+from .sharding import Sharding
 
 
 class _AllReduceSum(torch.autograd.Function):
@@ -51,25 +42,30 @@ class ShardedVocab(Vocab):
     """The vocab slice [start, start + V_r) of one rank of `group`: the `flashkd.losses.VocabSlice` that
     the chunk loop, the row backends and teacher_topk's loop are written against.
 
-    total:   the vocab's size V (an int, or a 0-d device tensor when it was not read on the host)
+    total:   the vocab's size V (an int, or a 0-d device tensor when it was not read on the host), once agreed
     reduce_dx: all-reduce each chunk's dX over the group (vocab-parallel); False leaves dX partial,
              for the FSDP route, where the gather of the rows reduce-scatters it in backward
     dw_scale: factor on dW and db at the end (1, or 1/world on the FSDP route, which averages them
              over the data-parallel ranks as FSDP does)
     """
 
-    def __init__(self, group, start: int, local_size: int, total, *, plan_size=None, reduce_dx=True, dw_scale=1.0,
-                 record=None):
+    def __init__(self, group, sharding: Sharding, *, reduce_dx=True, dw_scale=1.0, record=None):
         self.group = group
-        self.start = start
-        self.local_size = local_size
-        self.total = total
-        self.plan_size = local_size if plan_size is None else plan_size  # the group's largest slice
+        self.sharding = sharding
+        # the layout, once the ranks agree (`agree`): this slice's first id and size, the vocab's, the largest slice's
+        self.start, self.local_size, self.total, self.plan_size = sharding.vocab_start, 0, 0, 0
         self.copies = dist.get_world_size(group)
         self.reduce_dx = reduce_dx
         self.dw_scale = dw_scale
         self.recorded = record  # a list: gets (soft, hard) of each block, in row order (FSDP route)
         self._pending = []
+
+    def agree(self, call, rows, backend, ranged, failed) -> bool:
+        """`flashkd.losses.VocabSlice.agree`: the group's one exchange before the loop (`agreement.agree`),
+        which raises on every rank where any rank's call fails; then this slice knows its layout."""
+        self.start, self.local_size, self.total, self.plan_size, checked = agreement.agree(
+            self.group, self.sharding, call, rows, backend, ranged, failed)
+        return checked
 
     # --- flashkd.losses.Vocab ---
     def size(self, x):
@@ -125,32 +121,24 @@ class ShardedVocab(Vocab):
             at += f.shape[1]
         return out
 
-    # --- the chunk loop's hooks (flashkd.chunks._chunk_loop) ---
-    def rows(self, form, backend="torch"):
-        """The row function of the chunk loop over this slice: on backend "triton" the Triton rows'
-        sharded phases (`flashkd.backends.triton_rows.rows`, `triton_topk.topk_rows` with vocab=self),
-        else the torch definition, whose autograd runs through `merge`."""
-        if backend == "triton":
-            from ..backends import triton_rows, triton_topk
+    # --- the chunk loop's hooks (flashkd.core.loop, flashkd.core.backend.row_function) ---
+    def record(self, out):
+        """A block's row function's result, as it came: its (soft, hard) kept where asked (the FSDP route)."""
+        if self.recorded is not None:
+            self.recorded.append(out[:2])
+        return out
 
-            fn = triton_topk.topk_rows if form == "topk" else triton_rows.rows
-        else:
-            from ..backends import torch_rows
+    # --- the Triton rows' exchanges between their phases (flashkd.backends.triton_rows.sliced_rows) ---
+    def exchange(self, kind, x):
+        """The statistic a sliced row function asks for: "gather", every rank's (R, n) x as (world, R, n),
+        in rank order (`gather_rows`); "sum", x summed over the group (`sum_rows`)."""
+        if kind == "gather":
+            return self.gather_rows(x)
+        if kind == "sum":
+            self.sum_rows(x)
+            return x
+        raise ValueError(f"kind: expected 'gather' or 'sum', got {kind!r}")
 
-            fn = torch_rows.topk_rows if form == "topk" else torch_rows.rows
-
-        def rows(s, t, labels, spec, scale, grad, stats=False, *, ds=None):
-            if ds is None:
-                out = fn(s, t, labels, spec, scale, grad, stats, vocab=self)
-            else:  # the Triton rows' dL/ds buffer (the torch rows take none)
-                out = fn(s, t, labels, spec, scale, grad, stats, ds=ds, vocab=self)
-            if self.recorded is not None:
-                self.recorded.append(out[:2])
-            return out
-
-        return rows
-
-    # --- the Triton rows' collectives (flashkd.backends.triton_rows.rows) ---
     def gather_rows(self, part):
         """(world, R, n): every rank's (R, n) part, in rank order (one all-gather)."""
         every = torch.empty(self.copies * part.numel(), dtype=part.dtype, device=part.device)
@@ -175,7 +163,7 @@ class ShardedVocab(Vocab):
             dbs = None if dbs is None else dbs.mul_(self.dw_scale)
         return dxs, dws, dbs
 
-    # --- teacher_topk's per-chunk top-k (flashkd.teacher) ---
+    # --- teacher_topk's per-chunk top-k (flashkd.core.topk) ---
     def topk(self, logits, k, temperature, scale=1.0, softcap=None, backend="torch"):
         """(ids, log-probs) of the global top-k of rows whose slice here is `logits` (R, V_r'): each rank's
         local top-k candidates (global ids, their z/τ) and its (max, sum-exp) of z/τ, in one all-gather

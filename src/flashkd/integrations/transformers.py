@@ -58,7 +58,7 @@ except ModuleNotFoundError as e:  # only transformers itself missing gets the hi
     raise ImportError('flashkd.integrations.transformers needs transformers (and accelerate, which its Trainer '
                       'uses): pip install "flashkd[hf]"', name="transformers") from None
 
-from ..chunks import check_teacher_vocab, check_vocab_size
+from ..core.checks import check_teacher_vocab, check_vocab_size
 from ..distill import KEYWORDS, check_options, fused_linear_distill, fused_linear_distill_topk
 from . import compute_dtype, full_head, per_item
 

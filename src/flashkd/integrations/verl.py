@@ -68,7 +68,7 @@ accumulator's, 4 for narrow inputs unless grad_accum_dtype says otherwise):
                  top-k kernel's scratch, the row math); R·V·4 more on the torch path's temporaries
     kept         N·H·max(E, 4 if narrow) (dX_u) + V·H·A (dW, with a prediction) + N·K·(4 + 1)
                  (token_kl, membership): alive from the forward to the backward
-    peak         kept + a chunk;  R from `flashkd.chunks.LOGITS_BUDGET` (R·V·L <= 1 GiB on Triton)
+    peak         kept + a chunk;  R from `flashkd.core.plan.LOGITS_BUDGET` (R·V·L <= 1 GiB on Triton)
 At N 32768, V 151936, H 2048, bf16: 0.27 GB + 1.24 GB kept and about 1.6 GB a chunk, where verl's
 own path holds its (N, V) logits, their log-softmax and its gradient (29.9 GB measured at that size,
 benchmarks/bench_verl.py).
@@ -101,7 +101,7 @@ import sys
 
 import torch
 
-from .. import chunks
+from ..core import backend as core_backend, checks as core_checks, loop as core_loop, plan as core_plan
 from ..distill import check_options as distill_check_options
 from ..losses import LossSpec, category_logprobs, divergence, loss_parameters
 from . import announce, full_head, is_replaced, original, replace, restore
@@ -128,10 +128,10 @@ _METHODS = ("prepare_model_inputs", "prepare_model_outputs")
 def _chunk_rows(n: int, v: int, chunk_size: int | None, backend: str, logit_bytes: int) -> int:
     if chunk_size is not None:
         return chunk_size
-    # the chunk loop's budget for one chunk's logits (`flashkd.chunks.LOGITS_BUDGET`); the torch rows
+    # the chunk loop's budget for one chunk's logits (`flashkd.core.plan.LOGITS_BUDGET`); the torch rows
     # hold a few more (R, V) temporaries
     per_row = v * (logit_bytes if backend == "triton" else 4 * logit_bytes)
-    return max(1, min(max(n, 1), chunks.LOGITS_BUDGET[backend] // max(per_row, 1)))
+    return max(1, min(max(n, 1), core_plan.LOGITS_BUDGET[backend] // max(per_row, 1)))
 
 
 def _own_by_rank(s: torch.Tensor, ids: torch.Tensor, s_k: torch.Tensor) -> torch.Tensor:
@@ -266,7 +266,7 @@ def _sweep(x, w, b, ids, lp, spec: LossSpec, clamp, *, rows: int, backend: str, 
     k = ids.shape[1]
     dev = x.device
     wide = torch.float64 if x.dtype == torch.float64 else torch.float32
-    narrow = x.dtype in chunks.NARROW
+    narrow = x.dtype in core_checks.NARROW
     grad = want_dx or want_dw or want_db
     out = {}
     if values:
@@ -288,7 +288,7 @@ def _sweep(x, w, b, ids, lp, spec: LossSpec, clamp, *, rows: int, backend: str, 
     for start in range(0, n, rows):
         c = slice(start, min(start + rows, n))
         xc = x[c]
-        s = chunks.linear(xc, w, b)
+        s = core_loop.linear(xc, w, b)
         i = ids[c]
         rel_k, rel_rest, shift, log2_rest, own, redo = _stats(s, i, spec.temperature, backend, values)
         loss, q_mass, p_mass, token_kl, da, dr = _categories(rel_k, rel_rest, lp[c], spec, clamp, grad)
@@ -326,13 +326,13 @@ def _sweep(x, w, b, ids, lp, spec: LossSpec, clamp, *, rows: int, backend: str, 
         ds = _expand(s, ds, i, id_grad, rest_grad, shift, log2_rest, rel_rest, spec.temperature, backend)
         del s
         if want_dx:
-            chunks.accumulate_mm(out["dx_u"][c], ds, w, beta=0.0)
+            core_loop.accumulate_mm(out["dx_u"][c], ds, w, beta=0.0)
         if (want_dw or want_db) and (weight is not None or base is not None):
             xm = xc if keep is None else torch.where(keep[:, None], xc, 0.0)
             if want_dw:
                 if dw is None:
                     dw = torch.empty(w.shape, dtype=accum, device=dev)
-                chunks.accumulate_mm(dw, ds.t(), xm, beta=0.0 if start == 0 else 1.0)
+                core_loop.accumulate_mm(dw, ds.t(), xm, beta=0.0 if start == 0 else 1.0)
             if want_db:
                 m = torch.ones(c.stop - c.start, dtype=ds.dtype, device=dev) if keep is None else keep.to(ds.dtype)
                 db += (m[None] @ ds if not narrow or not ds.is_cuda else
@@ -352,7 +352,7 @@ def _diagnostics(out, x, w, b, ids):
     if out["redo"] is not None:
         rows = out["redo"].nonzero()[:, 0]  # the forward's one host sync
         if rows.numel():
-            z = chunks.linear(x[rows], w, b)
+            z = core_loop.linear(x[rows], w, b)
             top = torch.topk(z, ids.shape[1], dim=-1).indices
             own[rows] = (ids[rows][:, :, None] == top[:, None, :]).any(-1)
     count = own.sum(-1)
@@ -465,7 +465,7 @@ def topk_outputs(
     if lm_head_weight.dim() != 2 or lm_head_weight.shape[1] != hidden_states.shape[-1]:
         raise ValueError(f"lm_head_weight: expected shape (V, {hidden_states.shape[-1]}), got "
                          f"{tuple(lm_head_weight.shape)}")
-    if hidden_states.dtype not in chunks.FLOATS or lm_head_weight.dtype != hidden_states.dtype:
+    if hidden_states.dtype not in core_checks.FLOATS or lm_head_weight.dtype != hidden_states.dtype:
         raise TypeError(f"lm_head_weight: expected hidden_states' float dtype {hidden_states.dtype}, got "
                         f"{lm_head_weight.dtype}")
     if lm_head_bias is not None and (not isinstance(lm_head_bias, torch.Tensor)
@@ -488,8 +488,8 @@ def topk_outputs(
             raise ValueError(f"predicted_grad: expected None or a float tensor of shape {tuple(lead)} on {x.device}, "
                              f"got {got}")
         predicted_grad = predicted_grad.detach().reshape(-1)
-    backend = chunks.pick_backend(keywords.get("backend", "auto"), x)
-    narrow = x.dtype in chunks.NARROW
+    backend = core_backend.pick_backend(keywords.get("backend", "auto"), x)
+    narrow = x.dtype in core_checks.NARROW
     accum = keywords.get("grad_accum_dtype") or (torch.float32 if narrow else x.dtype)
     rows = _chunk_rows(x.shape[0], lm_head_weight.shape[0], chunk_size, backend, 4 if narrow else x.element_size())
     lp = teacher_logprobs.reshape(-1, k)

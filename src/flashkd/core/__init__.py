@@ -1,0 +1,20 @@
+"""The core of flashkd: a loss call's parse, checks, plan, backend choice and chunk loop, and teacher_topk's loop.
+
+    call     the call as one frozen value (Call: LossSpec, Student, the teacher's form, Options) and its
+             one parse (`parse`, `parse_teacher_topk`)
+    checks   the tensors' checks, raised with the public names, flattened to `Rows`
+    plan     the chunk plan and the memory formulas it keeps within
+    backend  the backend choice and the row function of a plan, for the whole vocab or a slice
+    loop     the chunk loop and its autograd Function
+    mixture  a teacher form: several heads' distributions mixed per row (`flashkd.teachers`' arithmetic)
+    topk     teacher_topk's loop
+    entry    `run(call, vocab=None)`: the one entry, check -> agree (a slice's ranks) -> plan -> loop
+
+The layer below `flashkd.distributed`: it imports nothing of it, and runs a rank's slice of the vocab
+through the `flashkd.losses.VocabSlice` it is given.
+"""
+
+from . import backend, call, checks, loop, mixture, plan, topk
+from .entry import run
+
+__all__ = ["backend", "call", "checks", "loop", "mixture", "plan", "run", "topk"]

@@ -1,0 +1,289 @@
+"""A call of a public function, as one frozen value: its types and its one parse.
+
+Why a module of its own: every later step (the checks, the plan, the loop, the distributed layer's
+exchange) reads a `Call` and never the public keywords; the parse is the one place where they meet it,
+and where an error that needs no tensor is raised, before any work.
+
+    Call(spec, student, teacher, options)   the loss spec, the student's tensors (None for
+                                            teacher_topk), the teacher in one of its forms, the options
+    forms of the teacher: Heads (hidden states and LM head), Logits (dense logits), TopK (sparse top-k
+                          targets), TeacherTopK (teacher_topk's: a head whose top-k log-probs are wanted)
+    parse(Student, Heads | Logits | TopK, *, keywords) -> Call;  parse_teacher_topk(TeacherTopK, *, keywords)
+    tensors(call, part), trailing(call, name), with_tensors(call, named)   a call's tensors by part (HEAD,
+                          TEACHER_HEAD, ROWS), under their public names (the distributed layer's errors name them)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import ClassVar
+
+import torch
+
+from .. import fp8
+from ..losses import LABEL_LOSSES, LossSpec, check_finite_float, check_ignore_index, check_logit_transform, loss_parameters
+from .backend import check_backend
+from .checks import FLOATS, check_chunk_size, check_num_teachers
+
+# A call's tensors are marked by their part, so that the distributed layer can treat the forms alike
+# (their field names are the public keywords, which its errors name): HEAD, the student's head (V rows,
+# it gets a gradient); TEACHER_HEAD, the teacher's; ROWS, one per row of the batch (TRAILING: with a
+# trailing dim).
+HEAD, TEACHER_HEAD, ROWS = "head", "teacher head", "rows"
+
+
+def tensor_field(part: str, trailing: bool = False, default=dataclasses.MISSING):
+    """A call's tensor field, marked with its part."""
+    return dataclasses.field(default=default, metadata={"part": part, "trailing": trailing})
+
+
+@dataclasses.dataclass(frozen=True)
+class Student:
+    """The student's tensors, as passed."""
+
+    student_input: torch.Tensor = tensor_field(ROWS, trailing=True)  # (..., Hs): the first ROWS field
+    student_weight: torch.Tensor = tensor_field(HEAD)  # (V, Hs)
+    labels: torch.Tensor | None = tensor_field(ROWS, default=None)  # (...)
+    student_bias: torch.Tensor | None = tensor_field(HEAD, default=None)  # (V,)
+    row_weight: torch.Tensor | None = tensor_field(ROWS, default=None)  # (...)
+
+
+@dataclasses.dataclass(frozen=True)
+class Heads:
+    """The teacher as hidden states and an LM head: its logits made a chunk at a time."""
+
+    form: ClassVar[str] = "heads"
+    teacher_input: torch.Tensor = tensor_field(ROWS, trailing=True)  # (..., Ht)
+    teacher_weight: torch.Tensor = tensor_field(TEACHER_HEAD)  # (Vt, Ht)
+    teacher_bias: torch.Tensor | None = tensor_field(TEACHER_HEAD, default=None)  # (Vt,)
+
+
+@dataclasses.dataclass(frozen=True)
+class Logits:
+    """The teacher as precomputed dense logits, read in place."""
+
+    form: ClassVar[str] = "logits"
+    teacher_logits: torch.Tensor = tensor_field(ROWS, trailing=True)  # (..., Vt)
+
+
+@dataclasses.dataclass(frozen=True)
+class TopK:
+    """A sparse teacher: its top-k ids and log-probs per row."""
+
+    form: ClassVar[str] = "topk"
+    teacher_ids: torch.Tensor = tensor_field(ROWS, trailing=True)  # (..., K)
+    teacher_logprobs: torch.Tensor = tensor_field(ROWS, trailing=True)  # (..., K)
+    teacher_index: torch.Tensor | None = tensor_field(ROWS, default=None)  # (...) each row's teacher, for the stats
+    num_teachers: int | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class Mixture:
+    """Several teachers as hidden states and LM heads, their distributions at the temperature mixed per row,
+    p = Σ_m w_m softmax(z_m / τ) (`flashkd.teachers`, combine="arithmetic"; `flashkd.core.mixture`). Made
+    and checked by `flashkd.teachers` (weights ≥ 0 summing to 1 a row); not sharded."""
+
+    form: ClassVar[str] = "mixture"
+    teacher_inputs: tuple  # M of (..., Ht_m)
+    teacher_heads: tuple  # M of (Vt_m, Ht_m)
+    teacher_biases: tuple  # M of (Vt_m,) or None
+    teacher_weights: object  # M floats, or a float tensor (N, M)
+    scales: tuple  # M floats: each head's logit scale
+    softcaps: tuple  # M floats or None: each head's softcap
+
+    def checked(self, xs, student_input, ws, vocab_size) -> tuple:
+        """Its tensors checked as the heads form's and flattened to rows (`flashkd.core.mixture.check`)."""
+        from . import mixture
+
+        return mixture.check(xs, student_input, ws, self, vocab_size)
+
+
+@dataclasses.dataclass(frozen=True)
+class TeacherTopK(Heads):
+    """teacher_topk's teacher: hidden states and an LM head (Heads' fields) whose top-k log-probs (and ids)
+    are wanted, k a row."""
+
+    form: ClassVar[str] = "teacher_topk"
+    k: int = 1
+
+
+@dataclasses.dataclass(frozen=True)
+class Options:
+    """How a call runs and what it returns: chunking, backend, precision, checks (`parse` checks them)."""
+
+    chunk_size: int | None = None
+    backend: str = "auto"
+    grad_accum_dtype: torch.dtype | None = None
+    teacher_precision: str | None = None  # teacher heads only
+    vocab_size: int | None = None  # a dense teacher (heads, logits): its rows from V on declared padding
+    check_labels: bool | None = None
+    check_teacher: bool | None = None  # top-k teacher only
+    return_soft_hard_loss: bool = False
+    return_stats: bool = False
+
+
+@dataclasses.dataclass(frozen=True)
+class Call:
+    """One call of a public function, made by `parse` (or `parse_teacher_topk`; so its options are valid):
+    the loss spec, the student's tensors (None for teacher_topk, whose spec holds only the teacher's
+    temperature and logit transform), the teacher in one of its forms, and the options. How it is sharded
+    over ranks is not the core's: `flashkd.distributed` takes that beside the call."""
+
+    spec: LossSpec
+    student: Student | None
+    teacher: Heads | Logits | TopK | TeacherTopK | Mixture
+    options: Options = Options()
+
+    @property
+    def parts(self) -> tuple:
+        """The groups that hold the call's tensors."""
+        return (self.teacher,) if self.student is None else (self.student, self.teacher)
+
+    @property
+    def sharded_by(self) -> str:
+        """The head whose rows are a rank's vocab slice (FSDP)."""
+        return "teacher_weight" if self.student is None else "student_weight"
+
+
+def parse(
+    student: Student | None,
+    teacher: Heads | Logits | TopK | None,
+    *,
+    loss: str,
+    beta: float | None,  # the losses' parameters (losses.PARAMETERS): None, the loss's default
+    alpha: float | None,
+    head_mass: float | None,
+    gate_min: float | None = None,
+    gate_max: float | None = None,
+    gate_center: float | None = None,
+    gate_width: float | None = None,
+    temperature: float,
+    weight_hard_loss: float,
+    weight_soft_loss: float,
+    ignore_index: int,
+    reduction: str,
+    temperature_squared: bool,
+    student_logit_scale: float,
+    student_softcap: float | None,
+    teacher_logit_scale: float = 1.0,  # a top-k teacher has none: its log-probs are its distribution
+    teacher_softcap: float | None = None,
+    tail: str | None = None,  # only the top-k form has one
+    tail_clamp: float | None = None,
+    chunk_size: int | None,
+    backend: str,
+    grad_accum_dtype: torch.dtype | None,
+    teacher_precision: str | None = None,
+    vocab_size: int | None = None,
+    check_labels: bool | None,
+    check_teacher: bool | None = None,
+    return_soft_hard_loss: bool,
+    return_stats: bool,
+) -> Call:
+    """The Call of a public function's keywords: its LossSpec (the one place where the public weights'
+    names meet LossSpec's fields, checked under the public names first) and its Options, checked. The
+    tensors are checked by `check`, on the local or the distributed route. student and teacher None: a
+    module's options alone (labels counted as given, as the usual forward has them); the Call that comes
+    back holds no tensors."""
+    for flag, value, optional in (("return_soft_hard_loss", return_soft_hard_loss, False),
+                                  ("return_stats", return_stats, False),
+                                  ("temperature_squared", temperature_squared, False),
+                                  ("check_labels", check_labels, True), ("check_teacher", check_teacher, True)):
+        if not isinstance(value, bool) and not (optional and value is None):
+            raise TypeError(f"{flag}: expected a bool{' or None' if optional else ''}, got {value!r}")
+    for name, value in (("weight_hard_loss", weight_hard_loss), ("weight_soft_loss", weight_soft_loss)):
+        check_finite_float(name, value)
+    check_chunk_size(chunk_size)
+    check_backend(backend)
+    # the dtype alone (a module's options have no weight); `run` checks it against student_weight's
+    if grad_accum_dtype is not None and grad_accum_dtype not in FLOATS:
+        raise TypeError(f"grad_accum_dtype: expected None or a floating dtype (float16, bfloat16, float32, float64), "
+                        f"got {grad_accum_dtype!r}")
+    labels = None if student is None else student.labels
+    has_labels = student is None or labels is not None
+    w_hard, w_soft = weight_hard_loss, weight_soft_loss
+    logged = return_soft_hard_loss or return_stats
+    spec = LossSpec(
+        loss=loss,
+        **loss_parameters(loss, dict(beta=beta, alpha=alpha, head_mass=head_mass, gate_min=gate_min, gate_max=gate_max,
+                                     gate_center=gate_center, gate_width=gate_width)),
+        temperature=temperature,
+        weight_hard=w_hard,
+        weight_soft=w_soft,
+        temperature_squared=temperature_squared,
+        ignore_index=ignore_index,
+        reduction=reduction,
+        want_hard=has_labels and (w_hard != 0.0 or logged),
+        # With both weights 0 the soft term is still computed, so the loss and grads are true zeros.
+        want_soft=w_soft != 0.0 or logged or not has_labels or w_hard == 0.0,
+        tail=tail,
+        tail_clamp=tail_clamp,
+        student_logit_scale=student_logit_scale,
+        student_softcap=student_softcap,
+        teacher_logit_scale=teacher_logit_scale,
+        teacher_softcap=teacher_softcap,
+    )
+    if not has_labels and spec.loss in LABEL_LOSSES:
+        raise ValueError(f"labels: loss={spec.loss!r} reads each row's target class (labels), got labels=None")
+    if not has_labels and w_hard != 0.0:
+        raise ValueError(f"weight_hard_loss: expected 0 when labels is None (no hard labels to train on), got {w_hard!r}")
+    check_ignore_index(labels, spec.ignore_index)
+    fp8.check_precision(teacher_precision)
+    if vocab_size is not None and (isinstance(vocab_size, bool) or not isinstance(vocab_size, int) or vocab_size < 1):
+        raise TypeError(f"vocab_size: expected None or an int >= 1 (the student's vocab size), got {vocab_size!r}")
+    if teacher is not None and teacher.form == "topk":
+        check_num_teachers(teacher.teacher_index is not None, teacher.num_teachers, return_stats)
+    options = Options(chunk_size, backend, grad_accum_dtype, teacher_precision, vocab_size, check_labels, check_teacher,
+                      return_soft_hard_loss, return_stats)
+    return Call(spec, student, teacher, options)
+
+
+def parse_teacher_topk(teacher: TeacherTopK, *, temperature, vocab_size, teacher_logit_scale, teacher_softcap,
+                       chunk_size, backend, teacher_precision) -> Call:
+    """The Call of `flashkd.teacher_topk`'s keywords, checked where they need no tensor (k and
+    vocab_size are checked against the vocab by `flashkd.core.topk`)."""
+    spec = LossSpec(temperature=temperature)  # the losses' rule: a finite float > 0 (inf would give uniform log-probs)
+    check_logit_transform("teacher_logit_scale", teacher_logit_scale, "teacher_softcap", teacher_softcap)
+    spec = dataclasses.replace(spec, teacher_logit_scale=teacher_logit_scale, teacher_softcap=teacher_softcap)
+    check_backend(backend)
+    check_chunk_size(chunk_size)
+    fp8.check_precision(teacher_precision)
+    # their types here, before any work; their ranges against the vocab in `flashkd.core.topk`
+    if vocab_size is not None and (isinstance(vocab_size, bool) or not isinstance(vocab_size, int)):
+        raise ValueError(f"vocab_size: expected an int in [1, V] (V: teacher_weight's vocab), got {vocab_size!r}")
+    k = teacher.k
+    if isinstance(k, bool) or not isinstance(k, int):
+        raise ValueError(f"k: expected an int in [1, V] (V: the vocab size, teacher_weight's rows or vocab_size), "
+                         f"got {k!r}")
+    options = Options(chunk_size=chunk_size, backend=backend, teacher_precision=teacher_precision, vocab_size=vocab_size)
+    return Call(spec, None, teacher, options)
+
+
+def tensors(call, part: str) -> dict:
+    """The tensors of one part (HEAD, TEACHER_HEAD, ROWS) of a call, by their public names, None where
+    not given."""
+    return {f.name: getattr(group, f.name) for group in call.parts for f in dataclasses.fields(group)
+            if f.metadata.get("part") == part}
+
+
+def trailing(call, name: str) -> bool:
+    """Whether the call's ROWS tensor `name` has a trailing dim beyond the rows (hidden, vocab or K)."""
+    for group in call.parts:
+        for f in dataclasses.fields(group):
+            if f.name == name:
+                return f.metadata["trailing"]
+    raise KeyError(name)
+
+
+def with_tensors(call, named: dict):
+    """The call with some of its tensors replaced: named, {public name: tensor}."""
+    changes = {}
+    for role in ("student", "teacher"):
+        group = getattr(call, role)
+        if group is None:
+            continue
+        mine = {f.name: named[f.name] for f in dataclasses.fields(group) if f.name in named}
+        if mine:
+            changes[role] = dataclasses.replace(group, **mine)
+    return dataclasses.replace(call, **changes)
+
+

@@ -1,0 +1,64 @@
+"""Several teachers mixed per row, p = Σ_m w_m softmax(z_m / τ): the arithmetic mixture of `flashkd.teachers`
+(combine="arithmetic"), a teacher form of the chunk loop.
+
+Why in the core: log p needs each teacher's row statistics (its logsumexp at τ), which one head's logits do not
+carry, so it is made where the loop makes a teacher's block of logits, from the M heads in turn:
+
+    for each teacher m:  z = σ_m-and-softcap_m(Xt_m[b] Wt_m^T + bt_m) / τ  (fp32, `loop.linear`)
+                         z ← z − logsumexp(z) + log w_m                      (log of w_m · its softmax)
+                         acc ← logaddexp(acc, z)                             (log Σ so far)
+    the block's teacher logits: τ · acc   (the rows divide by τ again: log p, already normalised)
+
+A block costs M teacher GEMMs (as M calls of the heads form would) and holds acc and one teacher's z, fp32 (Rt, V)
+each, beside logsumexp's own temporary: the plan gives it blocks of a third of the heads form's rows (`plan.make`).
+The teachers are constants. Zero weights give log w = −inf: that teacher adds nothing to its row."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from ..losses import logit_transform
+from .checks import check_teacher_heads, renamed
+
+# fp32 (Rt, V) tensors a block holds: the running log-mixture, one teacher's logits, logsumexp's temporary
+TEMPORARIES = 3
+
+
+def check(xs, student_input, ws, t, vocab_size) -> tuple:
+    """Each teacher's (hidden states, head, bias) checked as the heads form's (errors naming teacher_inputs[m],
+    teacher_heads[m], teacher_biases[m]), flattened and cut to the student's V; the weights (N, M) or M floats."""
+    inputs, heads, biases = [], [], []
+    for m, (x, w, b) in enumerate(zip(t.teacher_inputs, t.teacher_heads, t.teacher_biases)):
+        names = {"teacher_input": f"teacher_inputs[{m}]", "teacher_weight": f"teacher_heads[{m}]",
+                 "teacher_bias": f"teacher_biases[{m}]"}
+        try:
+            x, w, b = check_teacher_heads(xs, student_input, ws, x, w, b, vocab_size)
+        except (TypeError, ValueError) as e:
+            raise renamed(e, names) from None
+        inputs.append(x)
+        heads.append(w)
+        biases.append(b)
+    weights = t.teacher_weights
+    if isinstance(weights, torch.Tensor):
+        weights = weights.reshape(xs.shape[0], len(heads))
+    return tuple(inputs), tuple(heads), tuple(biases), weights, tuple(t.scales), tuple(t.softcaps)
+
+
+def block(teacher: tuple, c: slice, tau: float, linear) -> torch.Tensor:
+    """The teacher logits of rows c: τ · log Σ_m w_m softmax(z_m / τ), (R, V) fp32 (fp64 for fp64 inputs)."""
+    inputs, heads, biases, weights, scales, softcaps = teacher
+    acc = None
+    for m in range(len(heads)):
+        z = linear(inputs[m][c], heads[m], biases[m])  # a new tensor: changed in place below
+        z = logit_transform(z, scales[m], softcaps[m])
+        if tau != 1.0:
+            z = z / tau
+        if isinstance(weights, torch.Tensor):
+            log_w = weights[c, m].to(z.dtype).log()[:, None]
+        else:
+            log_w = math.log(weights[m]) if weights[m] > 0 else -math.inf
+        z -= z.logsumexp(-1, keepdim=True) - log_w
+        acc = z if acc is None else torch.logaddexp(acc, z, out=acc)
+    return acc.mul_(tau)
