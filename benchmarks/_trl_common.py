@@ -75,34 +75,54 @@ def seconds(a, b):
     return a.elapsed_time(b) / 1e3 if isinstance(a, torch.cuda.Event) else b - a
 
 
-def timed_steps(step, x, w, args, device):
-    """`step(xs, ws)` -> (a loss, a tensor to keep) on fresh leaves of x and w, then the loss's backward,
-    args.warmup + args.reps times; the reps' seconds (median, p20, p80, each), the peak memory a run
-    allocates beyond what was allocated before it (CUDA), and the last run's kept tensor, in float64 on
-    the CPU. bench_verl.py and bench_axolotl.py time their variants with it."""
+def timed_steps(step, leaves, args, device, backward=True):
+    """`step(*leaves)` -> (a loss, a tensor to keep) on fresh copies of the leaves (requiring grad where
+    `backward`), then the loss's backward (else the step under no_grad), args.warmup + args.reps times; the
+    reps' seconds (median, p20, p80, each), the peak memory a run allocates beyond what was allocated before
+    it (CUDA), and the last run's kept tensor, in float64 on the CPU. The GPU benchmarks time their variants
+    with it."""
     cuda = device.type == "cuda"
     times, kept, peak = [], None, None
     for rep in range(args.warmup + args.reps):
-        xs, ws = x.detach().requires_grad_(), w.detach().requires_grad_()
+        fresh = [t.detach().requires_grad_(backward) for t in leaves]
         sync()
         if cuda:
             torch.cuda.reset_peak_memory_stats()
             before = torch.cuda.memory_allocated()
         a = stamp()
-        loss, keep = step(xs, ws)
-        loss.backward()
+        with torch.enable_grad() if backward else torch.no_grad():
+            loss, keep = step(*fresh)
+            if backward:
+                loss.backward()
         b = stamp()
         sync()
         if cuda:
             peak = torch.cuda.max_memory_allocated() - before
         if rep >= args.warmup:
             times.append(seconds(a, b))
-        kept = keep.detach().double().cpu()
-        del loss, keep, xs, ws
+        kept = keep.detach().double().cpu() if isinstance(keep, torch.Tensor) else keep
+        del loss, keep, fresh
     times.sort()
     q = lambda f: times[min(len(times) - 1, int(f * len(times)))]  # noqa: E731
     return {"median_s": statistics.median(times), "p20_s": q(0.2), "p80_s": q(0.8), "times_s": times,
             "peak_extra_bytes": peak}, kept
+
+
+def write_summary(out, title: str, table: str) -> int:
+    """summary.md (the title, then the table) into out, the table printed: a benchmark's last step."""
+    (out / "summary.md").write_text(f"{title}\n\n{table}\n")
+    print(table)
+    print(f"wrote {out}/results.json, {out}/summary.md")
+    return 0
+
+
+def out_dir(args, name: str) -> "Path":
+    """--out, or a new bench-<name>-<timestamp>/ folder; made."""
+    from pathlib import Path
+
+    out = args.out or Path(time.strftime(f"bench-{name}-%Y%m%d-%H%M%S"))
+    out.mkdir(parents=True, exist_ok=True)
+    return out
 
 
 @contextlib.contextmanager

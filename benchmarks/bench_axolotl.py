@@ -22,13 +22,12 @@ Needs axolotl==0.19.0, liger-kernel, peft and addict (pip install --no-deps axol
 import argparse
 import json
 import sys
-import time
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _trl_common import timed_steps  # noqa: E402
+from _trl_common import out_dir, timed_steps, write_summary  # noqa: E402
 
 from axolotl.integrations.kd.kernels.liger import LigerFusedLinearKLTopKLogprobLoss  # noqa: E402
 
@@ -74,7 +73,7 @@ def run_one(module, x, w, ids, lp, mask, labels, args, device):
         loss = module(ws, xs, ids, lp, mask, labels)
         return loss, loss
 
-    result, loss = timed_steps(step, x, w, args, device)
+    result, loss = timed_steps(step, (x, w), args, device)
     return {**result, "loss": loss.item()}
 
 
@@ -82,8 +81,7 @@ def main(argv=None):
     args = parse_args(argv)
     device = torch.device("cuda" if torch.cuda.is_available() and not args.smoke else "cpu")
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    out = args.out or Path(time.strftime("bench-axolotl-%Y%m%d-%H%M%S"))
-    out.mkdir(parents=True, exist_ok=True)
+    out = out_dir(args, "axolotl")
     g = torch.Generator(device=device).manual_seed(args.seed)
     data = inputs(args.tokens, args.vocab, args.hidden, args.k, dtype, device, g)
     w_hard, w_soft = (0.5, 0.5) if args.ce else (0.0, 1.0)
@@ -114,11 +112,8 @@ def main(argv=None):
         lines.append(f"| {r['variant']} | {r['median_s'] * 1e3:.1f} | {r['p20_s'] * 1e3:.1f}–{r['p80_s'] * 1e3:.1f} | "
                      f"{mem} | {r['loss']:.6g} |")
     table = "\n".join(lines)
-    (out / "summary.md").write_text(f"axolotl top-k KD loss, {summary['device']}, {dtype}, N {args.tokens}, "
-                                    f"V {args.vocab}, H {args.hidden}, K {args.k}, {settings}\n\n{table}\n")
-    print(table)
-    print(f"wrote {out}/results.json, {out}/summary.md")
-    return 0
+    return write_summary(out, f"axolotl top-k KD loss, {summary['device']}, {dtype}, N {args.tokens}, V {args.vocab}, "
+                              f"H {args.hidden}, K {args.k}, {settings}", table)
 
 
 if __name__ == "__main__":

@@ -57,9 +57,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import statistics
 import sys
-import time
 import types
 import warnings
 from pathlib import Path
@@ -68,10 +66,11 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _trl_common import seconds, stamp, sync  # noqa: E402
+from _trl_common import out_dir, timed_steps, write_summary  # noqa: E402
 
 import flashkd  # noqa: E402
 import flashkd.teachers  # noqa: E402
+from flashkd.bench.providers import Floor  # noqa: E402
 from flashkd.cross_vocab import TokenMap, fused_linear_uld, uld_alignment  # noqa: E402
 
 PARTS = ("teachers", "token-map", "gold")
@@ -113,35 +112,11 @@ def parse_args(argv=None):
 
 
 def timed(fn, leaves, args, device, backward=True):
-    """fn(*leaves, fresh, requiring grad) -> a scalar loss, then loss.backward(): the times over --reps
-    after --warmup, the peak memory beyond what was allocated before, and the last loss."""
-    cuda = device.type == "cuda"
-    times, peak, value = [], None, None
-    for rep in range(args.warmup + args.reps):
-        ls = [t.detach().requires_grad_(backward) for t in leaves]
-        sync()
-        if cuda:
-            torch.cuda.reset_peak_memory_stats()
-            before = torch.cuda.memory_allocated()
-        a = stamp()
-        if backward:
-            loss = fn(*ls)
-            loss.backward()
-        else:
-            with torch.no_grad():
-                loss = fn(*ls)
-        b = stamp()
-        sync()
-        if cuda:
-            peak = torch.cuda.max_memory_allocated() - before
-        if rep >= args.warmup:
-            times.append(seconds(a, b))
-        value = loss.detach().double().item() if isinstance(loss, torch.Tensor) and loss.dim() == 0 else None
-        del ls, loss
-    times.sort()
-    q = lambda f: times[min(len(times) - 1, int(f * len(times)))]  # noqa: E731
-    return {"median_s": statistics.median(times), "p20_s": q(0.2), "p80_s": q(0.8), "times_s": times,
-            "peak_extra_bytes": peak, "loss": value}
+    """fn(*leaves) -> a scalar loss, timed by `timed_steps` (with its backward where `backward`): its times, peak
+    memory and the last loss."""
+    result, value = timed_steps(lambda *ls: (fn(*ls),) * 2, leaves, args, device, backward)
+    loss = value.item() if isinstance(value, torch.Tensor) and value.dim() == 0 else None
+    return {**result, "loss": loss}
 
 
 def measure(rows, part, name, fn, leaves, args, device, backward=True, **extra):
@@ -160,24 +135,6 @@ def measure(rows, part, name, fn, leaves, args, device, backward=True, **extra):
 def skip(rows, part, name, why):
     rows.append({"part": part, "variant": name, "skipped": why})
     print(f"  {part} / {name}: skipped ({why})", flush=True)
-
-
-class _Floor(torch.autograd.Function):
-    """The GEMMs of a fused step and nothing else (as flashkd.bench.providers' floor): forward, the student's
-    logits and `teachers()` (each teacher's logits over its rows); backward, dX and dW from a stand-in dL/dS."""
-
-    @staticmethod
-    def forward(ctx, xs, ws, ds, teachers):
-        ctx.save_for_backward(xs, ws, ds)
-        s = torch.mm(xs, ws.t())  # (N, V)
-        t = teachers()  # made while s is alive, as a loss needs both: the peak counts both
-        del s, t
-        return xs.new_zeros(())
-
-    @staticmethod
-    def backward(ctx, _grad):
-        xs, ws, ds = ctx.saved_tensors
-        return torch.mm(ds, ws), torch.mm(ds.t(), xs), None, None  # dX (N, Hs), dW (V, Hs)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -206,11 +163,12 @@ def rel_err(got, want):
     return ((got - want).norm() / want.norm().clamp_min(1e-300)).item()
 
 
-def compare(name, fused, naive, leaves, checks, tol):
-    """The value and gradients of `fused` and `naive` (scalars over the same leaves): relative errors,
-    recorded in checks; above tol (when given) raises."""
+def compare(name, fused, leaves, naive, naive_leaves, checks, tol):
+    """The value and gradients of `fused` (a scalar over leaves) and `naive` (over naive_leaves, their float64
+    copies): relative errors, recorded in checks; above tol (when given) raises."""
     errs = {"value": rel_err(fused, naive)}
-    for label, a, b in zip(("dX", "dW"), torch.autograd.grad(fused, leaves), torch.autograd.grad(naive, leaves)):
+    grads = zip(("dX", "dW"), torch.autograd.grad(fused, leaves), torch.autograd.grad(naive, naive_leaves))
+    for label, a, b in grads:
         errs[label] = rel_err(a, b)
     errs["max"] = max(errs.values())
     checks[name] = errs
@@ -282,14 +240,7 @@ def check_teachers(args, device, dtype, checks, tol, shape):
         fused = fn(a, b)
         a64, b64 = xs.detach().double().requires_grad_(), ws.detach().double().requires_grad_()
         naive = naive_teachers(name, a64, b64, [x.double() for x in xts], [w.double() for w in wts], labels, index)
-        errs = {"value": rel_err(fused, naive)}
-        for label, ga, gb in zip(("dX", "dW"), torch.autograd.grad(fused, (a, b)), torch.autograd.grad(naive, (a64, b64))):
-            errs[label] = rel_err(ga, gb)
-        errs["max"] = max(errs.values())
-        checks[f"teachers / {name}"] = errs
-        print(f"  check teachers / {name}: max rel err {errs['max']:.2e}", flush=True)
-        if tol is not None and not errs["max"] <= tol:
-            raise AssertionError(f"teachers / {name}: fused and naive differ: {errs}")
+        compare(f"teachers / {name}", fused, (a, b), naive, (a64, b64), checks, tol)
 
 
 def run_teachers(args, device, dtype, rows):
@@ -310,7 +261,7 @@ def run_teachers(args, device, dtype, rows):
         "floor two teachers": lambda: [torch.mm(xts[t], wts[t].t()) for t in range(2)],
     }
     for name, teachers in floors.items():
-        measure(rows, "teachers", name, lambda a, b, teachers=teachers: _Floor.apply(a, b, ds, teachers),
+        measure(rows, "teachers", name, lambda a, b, teachers=teachers: Floor.apply(a, b, ds, teachers),
                 (xs, ws), args, device)
     del ds, xs, ws, xts, wts, routed_x
 
@@ -348,14 +299,7 @@ def check_token_map(args, device, dtype, checks, tol, shape):
     fused = flashkd.fused_linear_distill(a, b, xts[0], wt_s, labels, teacher_bias=bt_s, loss="jsd")
     a64, b64 = xs.detach().double().requires_grad_(), ws.detach().double().requires_grad_()
     naive = naive_token_map(a64, b64, xts[0].double(), wq.double(), tmap, labels)
-    errs = {"value": rel_err(fused, naive)}
-    for label, ga, gb in zip(("dX", "dW"), torch.autograd.grad(fused, (a, b)), torch.autograd.grad(naive, (a64, b64))):
-        errs[label] = rel_err(ga, gb)
-    errs["max"] = max(errs.values())
-    checks["token map"] = errs
-    print(f"  check token map: max rel err {errs['max']:.2e}", flush=True)
-    if tol is not None and not errs["max"] <= tol:
-        raise AssertionError(f"token map: fused and naive differ: {errs}")
+    compare("token map", fused, (a, b), naive, (a64, b64), checks, tol)
 
 
 def run_token_map(args, device, dtype, rows):
@@ -626,8 +570,7 @@ def main(argv=None):
     args = parse_args(argv)
     device = torch.device("cuda" if torch.cuda.is_available() and not args.smoke else "cpu")
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float64
-    out = args.out or Path(time.strftime("bench-teachers-%Y%m%d-%H%M%S"))
-    out.mkdir(parents=True, exist_ok=True)
+    out = out_dir(args, "teachers")
     rows, checks, notes = [], {}, []
     ULDLoss, why_not = load_uld() if "gold" in args.parts else (None, None)
     if why_not:
@@ -669,10 +612,7 @@ def main(argv=None):
     table = summary_md(summary)
     title = (f"Several teachers, token map, GOLD: {summary['device']}, {dtype}, N {args.tokens}, V {args.vocab}, "
              f"Hs {args.hidden}, Ht {args.teacher_hidden}, Vt {args.teacher_vocab}")
-    (out / "summary.md").write_text(f"{title}\n\n{table}\n")
-    print(table)
-    print(f"wrote {out}/results.json, {out}/summary.md")
-    return 0
+    return write_summary(out, title, table)
 
 
 if __name__ == "__main__":

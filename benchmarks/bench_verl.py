@@ -36,14 +36,13 @@ import argparse
 import json
 import statistics
 import sys
-import time
 import types
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _trl_common import seconds, stamp, sync, timed_steps  # noqa: E402
+from _trl_common import out_dir, seconds, stamp, sync, timed_steps, write_summary  # noqa: E402
 from _verl_losses import load_verl_losses  # noqa: E402
 
 import flashkd  # noqa: E402
@@ -119,7 +118,7 @@ def run_one(fn, x, w, args, device, token_weight=None):
         kept = per_token.clamp_min(0.0)
         return (kept if token_weight is None else kept * token_weight).sum() / x.shape[0], per_token
 
-    return timed_steps(step, x, w, args, device)
+    return timed_steps(step, (x, w), args, device)
 
 
 KINDS = (("GEMMs", ("gemm", "cutlass", "nvjet", "xmma", "sm90_", "sm80_", "cublas")),
@@ -166,8 +165,7 @@ def main(argv=None):
     device = torch.device("cuda" if torch.cuda.is_available() and not args.smoke else "cpu")
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     verl_losses = load_verl_losses()
-    out = args.out or Path(time.strftime("bench-verl-%Y%m%d-%H%M%S"))
-    out.mkdir(parents=True, exist_ok=True)
+    out = out_dir(args, "verl")
     rows, splits = [], []
     for k in args.k:
         for n in args.tokens:
@@ -216,10 +214,7 @@ def main(argv=None):
             lines.append(f"| {s['k']} | {s['tokens']} | " + " | ".join(cells) + " |")
     table = "\n".join(lines)
     title = f"verl top-k loss, {summary['device']}, {dtype}, V {args.vocab}, H {args.hidden}"
-    (out / "summary.md").write_text(f"{title}\n\n{table}\n")
-    print(table)
-    print(f"wrote {out}/results.json, {out}/summary.md")
-    return 0
+    return write_summary(out, title, table)
 
 
 if __name__ == "__main__":

@@ -232,7 +232,7 @@ def _orda(w: Workload, x: Inputs) -> LossFn:
     return lambda: orda_kernel.distillation_loss(x.xs, x.ws, x.y, teacher, **options).loss
 
 
-class _Floor(torch.autograd.Function):
+class Floor(torch.autograd.Function):
     """The GEMMs of a fused distillation step and nothing else: the time no loss can beat.
 
     Forward: the student's logits and `teacher()`, the teacher's share. Backward: dX and dW from a
@@ -269,7 +269,7 @@ def _floor(w: Workload, x: Inputs) -> LossFn:
     # A stand-in for dL/dS, allocated once outside the timed region (a fused loss writes dS over
     # its logits). Random rather than zero: GPU clocks under load depend on the data multiplied.
     ds = torch.randn(w.n, w.v, device=x.xs.device, dtype=x.xs.dtype) * 1e-3  # (N, V)
-    return lambda: _Floor.apply(x.xs, x.ws, ds, teacher)
+    return lambda: Floor.apply(x.xs, x.ws, ds, teacher)
 
 
 def _liger_missing() -> str | None:
