@@ -325,3 +325,31 @@ def test_ignored_rows_and_columns_at_minus_inf_in_both(loss, seed):
     want, want_ds = _rows_oracle(*kept, loss, params, 0.8, 1.0)
     torch.testing.assert_close(soft[::2].double(), want, rtol=RTOL, atol=0)
     assert ((ds[::2, 5:].double() - want_ds).abs() <= RTOL * want_ds.abs().max() + _grad_slack(*kept[:2], 0.8, 1.0, loss, params)).all()
+
+
+@pytest.mark.parametrize("loss", ["akl", "jeffreys", "reverse_kl", "entropy_adaptive", "skew_reverse_kl"])
+def test_topk_ignored_rows_whose_teacher_fills_the_ids(loss, seed):
+    """A top-k teacher whose K ids hold all its mass (p_rest = 0 under the bucket: reverse KL, Jeffreys', AKL's
+    +inf there), or a NaN, on rows whose label is ignored (a rest of 0.1 on the others): the loss and every
+    gradient finite, and equal to the torch backend's. The kernels' category math once took such a row's log-probs as 0 in every slot (a mass of K),
+    and its +inf reached the gradient as 0 · inf = NaN through the masked row (an H100 run: NaN rows of dXs
+    and dWs, AKL at τ 1.5)."""
+    g = torch.Generator().manual_seed(seed)
+    n, hs, v, k = 13, 7, 41, 5
+    xs = torch.randn(n, hs, generator=g).to(DEVICE).requires_grad_()
+    ws = torch.randn(v, hs, generator=g).to(DEVICE).requires_grad_()
+    ids = torch.stack([torch.randperm(v, generator=g)[:k] for _ in range(n)]).to(DEVICE)
+    lp = torch.log_softmax(torch.randn(n, k, generator=g), -1)  # sums to 1 over the ids: no rest
+    y = torch.randint(0, v, (n,), generator=g)
+    y[::3] = -100
+    lp = torch.where((y != -100)[:, None], lp + math.log(0.9), lp).to(DEVICE)  # the rows that count: a rest of 0.1
+    lp[3, 1] = torch.nan  # an ignored row's NaN stays there too
+    y = y.to(DEVICE)
+    out = {}
+    for backend in ("torch", "triton"):
+        loss_value = flashkd.fused_linear_distill_topk(xs, ws, ids, lp, y, loss=loss, tail="bucket", temperature=1.5,
+                                                       backend=backend, check_teacher=False)
+        out[backend] = (loss_value, *torch.autograd.grad(loss_value, (xs, ws)))
+    for got, want in zip(out["triton"], out["torch"]):
+        assert torch.isfinite(want).all() and torch.isfinite(got).all()
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-6)

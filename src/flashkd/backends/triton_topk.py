@@ -340,8 +340,11 @@ def _torch_categories(z_k, z_rest, logprobs, used, rest_empty, valid, spec: Loss
     skew and adaptive losses (`losses.TORCH_ONLY_LOSSES`): the torch definition on these R · C
     numbers, differentiated by autograd (a few small launches a block; no pass over the vocab).
     valid: (R,) or None."""
-    if valid is not None:  # an ignored row's NaN log-probs must not reach the gradient through 0 · NaN
-        logprobs = torch.where(valid[:, None], logprobs, 0.0)
+    if valid is not None:
+        # an ignored row's log-probs stand in as 1 / (2K) at each id: finite, and a rest of mass ½. Its own (a NaN,
+        # or a mass of 1 on the ids: p_rest = 0, where reverse KL, Jeffreys' and AKL's are +inf) would reach the
+        # gradient through the masked row as 0 · NaN (as would 0 in every slot: K times the mass)
+        logprobs = torch.where(valid[:, None], logprobs, -math.log(2 * logprobs.shape[1]))
     with torch.enable_grad():
         parts = [z_k.detach().requires_grad_(grad)] + ([] if z_rest is None else [z_rest.detach().requires_grad_(grad)])
         log_q, log_p = category_logprobs(*parts[:1], parts[1] if z_rest is not None else None, logprobs, used,
