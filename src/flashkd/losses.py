@@ -716,16 +716,13 @@ class VocabSlice(Protocol):
         checks raised, then rows and backend are None): raises on every rank where any rank's call fails or
         differs; sets start, total and plan_size; True where it checked `ranged`'s values against V."""
 
-    # --- the chunk loop (`flashkd.core.loop`, `flashkd.core.backend.row_function`) ---
-    def exchange(self, kind: str, x: torch.Tensor) -> torch.Tensor:
-        """A statistic the Triton rows ask for between their phases: "gather", every rank's (R, n) x as
-        (world, R, n) in rank order; "sum", x summed over the group."""
-
-    def record(self, out: tuple) -> tuple:
-        """A block's row function's result (soft, hard, ...), returned as it came (kept where asked)."""
-
-    def chunk_dx(self, dx: torch.Tensor) -> None:
-        """A chunk's dX over the slice's rows: summed over the group (it may be asynchronous)."""
+    # --- the chunk loop (`flashkd.core.loop`, `flashkd.core.backend.row_function`): its one hook per step ---
+    def exchange(self, kind: str, x):
+        """What the loop hands the group between its steps, and what comes back: "gather", a statistic the
+        Triton rows ask for between their phases, every rank's (R, n) x as (world, R, n) in rank order; "sum",
+        x summed over the group; "rows", a block's row function's result (soft, hard, ...), returned as it
+        came (kept where asked); "dx", a chunk's dX over the slice's rows, summed over the group (it may be
+        asynchronous: `finish` waits)."""
 
     def finish(self, dxs, dws, dbs) -> tuple:
         """(dxs, dws, dbs) once the last chunk is done: pending sums waited for, dW and db scaled."""

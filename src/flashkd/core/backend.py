@@ -22,7 +22,7 @@ def row_function(plan):
     """The row function of the plan's backend and teacher form (see `flashkd.backends`): for the whole
     vocab the backend's own; for a slice (`plan.vocab`) the Triton rows' steps with the statistics they
     yield exchanged over the slice's ranks (`VocabSlice.exchange`), or the torch rows on the slice's
-    reductions, each block's (soft, hard) then given to `VocabSlice.record`."""
+    reductions, each block's (soft, hard) then handed to the slice (`VocabSlice.exchange("rows", ...)`)."""
     form, vocab = plan.form, plan.vocab
     if plan.backend == "triton":
         from ..backends import triton_rows, triton_topk
@@ -36,14 +36,14 @@ def row_function(plan):
                                                      total=vocab.total)
             else:
                 steps = triton_rows.sliced_rows(s, t, labels, spec, scale, grad, stats, ds=ds, start=vocab.start)
-            return vocab.record(exchanged(steps, vocab))
+            return vocab.exchange("rows", exchanged(steps, vocab))
 
         return rows
     fn = torch_rows.topk_rows if form == "topk" else torch_rows.rows
     if vocab is None:
         return fn
-    return lambda s, t, labels, spec, scale, grad, stats=False: vocab.record(
-        fn(s, t, labels, spec, scale, grad, stats, vocab=vocab))
+    return lambda s, t, labels, spec, scale, grad, stats=False: vocab.exchange(
+        "rows", fn(s, t, labels, spec, scale, grad, stats, vocab=vocab))
 
 
 def exchanged(steps, vocab):

@@ -255,7 +255,7 @@ def _chunk_loop(xs, ws, bs, y, rw, teacher, plan: Plan, want_dx, want_dw, want_d
         if want_dx:
             torch.mm(s, ws, out=dxs[c])
             if plan.vocab is not None:
-                plan.vocab.chunk_dx(dxs[c])
+                plan.vocab.exchange("dx", dxs[c])
         if want_dw:
             if start == 0:
                 dws = torch.empty(ws.shape, device=device, dtype=accum)

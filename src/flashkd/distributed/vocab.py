@@ -121,23 +121,26 @@ class ShardedVocab(Vocab):
             at += f.shape[1]
         return out
 
-    # --- the chunk loop's hooks (flashkd.core.loop, flashkd.core.backend.row_function) ---
-    def record(self, out):
-        """A block's row function's result, as it came: its (soft, hard) kept where asked (the FSDP route)."""
-        if self.recorded is not None:
-            self.recorded.append(out[:2])
-        return out
-
-    # --- the Triton rows' exchanges between their phases (flashkd.backends.triton_rows.sliced_rows) ---
+    # --- the chunk loop's one hook between its steps (flashkd.core.loop, flashkd.core.backend.row_function;
+    # the Triton rows' statistics between their phases: flashkd.backends.triton_rows.sliced_rows) ---
     def exchange(self, kind, x):
-        """The statistic a sliced row function asks for: "gather", every rank's (R, n) x as (world, R, n),
-        in rank order (`gather_rows`); "sum", x summed over the group (`sum_rows`)."""
+        """`flashkd.losses.VocabSlice.exchange`: "gather", every rank's (R, n) x as (world, R, n), in rank
+        order (`gather_rows`); "sum", x summed over the group (`sum_rows`); "rows", a block's row function's
+        result, as it came, its (soft, hard) kept where asked (the FSDP route); "dx", a chunk's dX summed
+        over the group, asynchronously (`finish` waits)."""
         if kind == "gather":
             return self.gather_rows(x)
         if kind == "sum":
             self.sum_rows(x)
-            return x
-        raise ValueError(f"kind: expected 'gather' or 'sum', got {kind!r}")
+        elif kind == "rows":
+            if self.recorded is not None:
+                self.recorded.append(x[:2])
+        elif kind == "dx":
+            if self.reduce_dx:
+                self._pending.append(dist.all_reduce(x, group=self.group, async_op=True))
+        else:
+            raise ValueError(f"kind: expected 'gather', 'sum', 'rows' or 'dx', got {kind!r}")
+        return x
 
     def gather_rows(self, part):
         """(world, R, n): every rank's (R, n) part, in rank order (one all-gather)."""
@@ -148,11 +151,6 @@ class ShardedVocab(Vocab):
     def sum_rows(self, x):
         """x summed over the group, in place (one all-reduce)."""
         dist.all_reduce(x, group=self.group)
-
-    def chunk_dx(self, dx):
-        """dX of one chunk, Σ over this rank's vocab rows: summed over the group, asynchronously."""
-        if self.reduce_dx:
-            self._pending.append(dist.all_reduce(dx, group=self.group, async_op=True))
 
     def finish(self, dxs, dws, dbs):
         for work in self._pending:
