@@ -369,8 +369,9 @@ def _route(function: str, given: dict):
     student = None if form is calls.TeacherTopK else keywords.group(calls.Student, given)
     teacher = keywords.group(form, given)
     sharding = keywords.group(keywords.Sharding, given)
-    heads = [x for part in (calls.HEAD, calls.TEACHER_HEAD) for x in calls.group_tensors((student, teacher), part).values()]
-    rows = next(iter(calls.group_tensors((student, teacher), calls.ROWS).values()))  # the first rows tensor: the exchange's device
+    groups = (student, teacher)
+    heads = [x for part in (calls.HEAD, calls.TEACHER_HEAD) for x in calls.group_tensors(groups, part).values()]
+    rows = next(iter(calls.group_tensors(groups, calls.ROWS).values()))  # the first rows tensor: the exchange's device
     sharded = sharding.process_group is not None or any_dtensor(*heads)
     try:
         parsed = keywords.sort(given, keywords.PARSED)

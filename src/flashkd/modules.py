@@ -26,8 +26,9 @@ class FusedLinearDistillLoss(torch.nn.Module):
             if name not in _OPTIONS:
                 raise TypeError(f"{name}: expected a keyword option of flashkd.fused_linear_distill "
                                 f"({', '.join(sorted(_OPTIONS))}), got {name}={options[name]!r}")
-        check_options(dict(loss=loss, **options))
-        self.options = dict(loss=loss, **options)
+        options = dict(loss=loss, **options)
+        check_options(options)
+        self.options = options
 
     def forward(
         self,
@@ -154,6 +155,8 @@ class FusedLinearJSD(torch.nn.Module):
     without labels). `accum_dtype` is flashkd's `grad_accum_dtype` (None: fp32). Same forward
     `(student_input, student_weight, teacher_input, teacher_weight, shift_labels=None)`."""
 
+    _LIGER = {"beta": "jsd_beta", "grad_accum_dtype": "accum_dtype"}  # flashkd's keywords, as Liger names them
+
     def __init__(self, jsd_beta: float = 0.5, ignore_index: int = -100, temperature: float = 1.0,
                  accum_dtype: torch.dtype | None = None, *, vocab_size: int | None = None):
         super().__init__()
@@ -162,7 +165,7 @@ class FusedLinearJSD(torch.nn.Module):
         try:  # checked here, as the forward's call will check them
             check_options(self._keywords())
         except (TypeError, ValueError) as e:
-            raise renamed(e, {"beta": "jsd_beta", "grad_accum_dtype": "accum_dtype"}) from None
+            raise renamed(e, self._LIGER) from None
 
     def _keywords(self) -> dict:
         """fused_linear_distill's keywords of this module's Liger constructor (Liger's names mapped to flashkd's)."""
@@ -175,7 +178,7 @@ class FusedLinearJSD(torch.nn.Module):
             return fused_linear_distill(student_input, student_weight, teacher_input, teacher_weight, shift_labels,
                                         **self._keywords())
         except (TypeError, ValueError) as e:  # errors name the argument as Liger's signature calls it
-            raise renamed(e, {"beta": "jsd_beta", "labels": "shift_labels", "grad_accum_dtype": "accum_dtype"}) from None
+            raise renamed(e, {**self._LIGER, "labels": "shift_labels"}) from None
 
     def extra_repr(self) -> str:
         return (f"jsd_beta={self.jsd_beta!r}, ignore_index={self.ignore_index!r}, temperature={self.temperature!r}, "
