@@ -26,9 +26,8 @@ class FusedLinearDistillLoss(torch.nn.Module):
             if name not in _OPTIONS:
                 raise TypeError(f"{name}: expected a keyword option of flashkd.fused_linear_distill "
                                 f"({', '.join(sorted(_OPTIONS))}), got {name}={options[name]!r}")
-        options = dict(loss=loss, **options)
-        check_options(options)
-        self.options = options
+        self.options = dict(loss=loss, **options)  # kept only once checked: __init__ raises otherwise
+        check_options(self.options)
 
     def forward(
         self,
