@@ -349,8 +349,8 @@ def teacher_topk(
 
 FSDP_GATHER = ("auto", "rows", "heads")
 # each function's teacher form (`core.call`); teacher_topk's has no student
-_FORMS = {"fused_linear_distill": calls.Heads, "fused_linear_distill_logits": calls.Logits,
-          "fused_linear_distill_topk": calls.TopK, "teacher_topk": calls.TeacherTopK}
+_FORMS = {keywords.FUNCTION_OF_FORM[form.form]: form for form in (calls.Heads, calls.Logits, calls.TopK,
+                                                                  calls.TeacherTopK)}
 # The keyword options of the public functions, with their defaults: what the modules and the
 # integrations accept (the one table, `flashkd.core.keywords`; tests/test_layers.py holds it and the
 # signatures above alike).
