@@ -496,3 +496,116 @@ def test_no_isinstance_on_call_types_outside_the_parse():
             found += _isinstance_on_call_types(path.read_text("utf-8"), module)
     assert found == []
     assert _isinstance_on_call_types("if isinstance(t, calls.TopK):\n    pass\n", "m") == ["m: isinstance(t, calls.TopK)"]
+
+
+# The modules that carry a call's keywords from the public signatures to where their values are consumed.
+_CARRIERS = ("flashkd.distill", "flashkd.teachers", "flashkd.modules", "flashkd.core.call", "flashkd.core.entry",
+             "flashkd.distributed", "flashkd.distributed.agreement", "flashkd.distributed.sharding",
+             "flashkd.distributed.parallel")
+# Scopes (a function's qualified name, or a module-level name) whose keywords are public signatures
+# beyond flashkd.__all__: the Liger drop-ins' shared constructor.
+_PUBLIC_TOO = frozenset({"_LigerDropIn"})
+# The restatements left, each with why: {(module, scope): why}.
+_RESTATED = {
+    ("flashkd.modules", "FusedLinearDistillLoss.__init__"): "the constructor's positional loss, kept among the options",
+    ("flashkd.modules", "FusedLinearJSD._keywords"): "a Liger drop-in's constructor: Liger's names mapped to ours",
+    ("flashkd.modules", "FusedLinearJSD"): "the same mapping, for its errors: ours renamed to Liger's",
+    ("flashkd.distributed.agreement", "_agreed"): "the backend each rank picks (not as passed), under its keyword's name",
+    ("flashkd.teachers", "_PER_TEACHER"): "what the teachers' calls set per teacher (its head's transform)",
+    ("flashkd.teachers", "_PER_CALL"): "what the teachers' calls set per group of rows, or return here",
+    ("flashkd.teachers", "_summed"): "the CE's own pass: the student's head stands in, no teacher precision or padding",
+}
+
+
+def _restatements(source: str, module: str, keywords, public) -> list[tuple[str, str, str]]:
+    """(module, scope, keyword) of each restatement of a keyword in source (the rule: the test below)."""
+    tree = ast.parse(source)
+    skip = set()  # the public signatures' parameters, and the keywords of calls of a public function
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Call):
+            callee = node.func.id if isinstance(node.func, ast.Name) else getattr(node.func, "attr", None)
+            if callee in public:
+                skip |= {id(k) for k in node.keywords}
+    found = []
+
+    def visit(node, scope: str, public_scope: bool):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            scope = f"{scope}.{node.name}" if scope else node.name
+            public_scope = public_scope or node.name in public
+        elif isinstance(node, ast.Assign) and not scope and isinstance(node.targets[0], ast.Name):
+            scope = node.targets[0].id  # a module-level name
+        names = []
+        if isinstance(node, ast.arguments) and not public_scope:
+            names = [a.arg for a in node.kwonlyargs]
+        elif isinstance(node, ast.keyword) and id(node) not in skip:
+            names = [node.arg]
+        elif isinstance(node, ast.Dict):
+            names = [k.value for k in node.keys if isinstance(k, ast.Constant)]
+        elif isinstance(node, (ast.Tuple, ast.List, ast.Set)):
+            names = [e.value for e in node.elts if isinstance(e, ast.Constant)]
+        found.extend((module, scope, name) for name in names if name in keywords)
+        for child in ast.iter_child_nodes(node):
+            visit(child, scope, public_scope)
+
+    visit(tree, "", False)
+    return found
+
+
+def test_a_keyword_is_written_in_its_signatures_its_docstring_and_the_table():
+    """A public keyword (a name of the one keyword table, flashkd.core.keywords.TABLE) is *restated* where a
+    module that carries a call's keywords (_CARRIERS: the public functions, the modules, the teachers, the
+    parse, the entry, the distributed layer and the ranks' agreement) names it to carry or list it: as a
+    keyword argument (`f(head_mass=...)`), a keyword-only parameter (`def f(*, head_mass)`), a string key of
+    a dict display (`{"head_mass": ...}`) or a string in a tuple, list or set display (`("head_mass", ...)`).
+    Not restatements: the public functions' and classes' signatures (flashkd.__all__, _PUBLIC_TOO) and their
+    docstrings; the table itself (core/keywords.py, and losses.PARAMETERS for the losses' own parameters,
+    outside _CARRIERS); where a value is consumed under its name: an attribute read (`spec.head_mass`,
+    `call.options.chunk_size`: LossSpec's, Options' and Sharding's own fields), a subscript, a variable or a
+    positional parameter, an error message; and a call of a public function by its keywords (a use of the
+    API, as a user's). Every restatement left is in _RESTATED, with why; no entry there is stale."""
+    from flashkd.core.keywords import TABLE
+
+    public = set(flashkd.__all__) | _PUBLIC_TOO
+    found = []
+    for module, path in _modules().items():
+        if module in _CARRIERS:
+            found += _restatements(path.read_text("utf-8"), module, TABLE, public)
+    assert [f for f in found if f[:2] not in _RESTATED] == []
+    assert sorted(set(_RESTATED) - {f[:2] for f in found}) == [], "no longer restated: take it off _RESTATED"
+
+
+def test_the_keyword_count_can_fail():
+    """The rule sees a parse closure that restates the keywords, a hand-written list of names, a dict of
+    options and a keyword-only parameter; it passes a public signature and a call of a public function."""
+    source = ("NAMES = ('head_mass', 'beta')\n"
+              "def api(x, *, head_mass=None):\n"
+              "    def parse():\n"
+              "        return calls.parse(x, head_mass=head_mass)\n"
+              "    api(x, head_mass=0.5)\n"
+              "    return {'head_mass': head_mass}\n"
+              "def _inner(x, *, beta):\n"
+              "    return x.beta + beta\n")
+    found = _restatements(source, "m", {"head_mass", "beta"}, {"api"})
+    assert found == [("m", "NAMES", "head_mass"), ("m", "NAMES", "beta"), ("m", "api.parse", "head_mass"),
+                     ("m", "api", "head_mass"), ("m", "_inner", "beta")], found
+
+
+def test_the_keyword_table_is_where_the_call_keeps_each_keyword():
+    """Each keyword of the table goes to a field of that name (LossSpec's `field` where it differs) of the
+    group it names: the parse and the agreement read the fields by the table."""
+    import dataclasses
+
+    from flashkd.core import call as calls
+    from flashkd.core import keywords
+    from flashkd.losses import PARAMETERS, LossSpec
+
+    def names(*classes):
+        return {f.name for cls in classes for f in dataclasses.fields(cls)}
+
+    where = {keywords.PARAMETER: names(LossSpec), keywords.SPEC: names(LossSpec), keywords.OPTION: names(calls.Options),
+             keywords.TENSOR: names(calls.Student, calls.Heads, calls.TopK), keywords.SHARDING: names(keywords.Sharding)}
+    for name, kw in keywords.TABLE.items():
+        assert (kw.field or name) in where[kw.goes], name
+    assert {n for n, kw in keywords.TABLE.items() if kw.goes == keywords.PARAMETER} == set(PARAMETERS)
+    assert {n for n, kw in keywords.TABLE.items() if kw.goes == keywords.OPTION} == names(calls.Options)
+    assert {n for n, kw in keywords.TABLE.items() if kw.goes == keywords.SHARDING} == names(keywords.Sharding)

@@ -1,8 +1,9 @@
 """The public functions: each parses its keywords once into a frozen call (`core.call.parse`,
-`parse_teacher_topk`) and routes it, to the core's one entry (`flashkd.core.run`) on this
+`parse_teacher_topk`) and routes it (`_route`: its arguments as passed, sorted by the keyword table,
+`flashkd.core.keywords`), to the core's one entry (`flashkd.core.run`) on this
 process, or, with its sharding keywords (`flashkd.distributed.Sharding`), to `flashkd.distributed`
 when the call passes `process_group=` or a head that is a DTensor (imported by the first such call, so
-that a plain call pays nothing for it). Their keyword options and defaults: `KEYWORDS`.
+that a plain call pays nothing for it). Their keyword options and defaults: `KEYWORDS` (the table's).
 
     fused_linear_distill         teacher hidden states and LM head: T[c] = Xt[c] @ Wt[:V]^T (+ bt[:V])
     fused_linear_distill_logits  precomputed dense teacher logits:  T[c] = teacher_logits[c, :V]
@@ -18,6 +19,7 @@ import torch
 
 from . import core
 from .core import call as calls
+from .core import keywords
 from .core.checks import any_dtensor
 
 
@@ -143,22 +145,7 @@ def fused_linear_distill(
       for the call). Faster, and less exact: the teacher's probabilities move by
       what e4m3's 3-bit mantissa does to its logits (docs/api.md, "FP8 teacher"; BENCHMARKS.md). See `flashkd.fp8`.
     """
-    def parse():
-        return calls.parse(
-            calls.Student(student_input, student_weight, labels, student_bias, row_weight),
-            calls.Heads(teacher_input, teacher_weight, teacher_bias),
-            loss=loss, beta=beta, alpha=alpha, head_mass=head_mass, gate_min=gate_min, gate_max=gate_max,
-            gate_center=gate_center, gate_width=gate_width, temperature=temperature,
-            weight_hard_loss=weight_hard_loss, weight_soft_loss=weight_soft_loss, ignore_index=ignore_index,
-            reduction=reduction, temperature_squared=temperature_squared, student_logit_scale=student_logit_scale,
-            student_softcap=student_softcap, teacher_logit_scale=teacher_logit_scale, teacher_softcap=teacher_softcap,
-            chunk_size=chunk_size, backend=backend, grad_accum_dtype=grad_accum_dtype,
-            teacher_precision=teacher_precision, vocab_size=vocab_size, check_labels=check_labels,
-            return_soft_hard_loss=return_soft_hard_loss, return_stats=return_stats,
-        )
-
-    return _route(parse, student_input, (student_weight, student_bias, teacher_weight, teacher_bias),
-                  process_group, vocab_start, check_shards, check_replicas, fsdp_gather)
+    return _route("fused_linear_distill", locals())
 
 
 def fused_linear_distill_logits(
@@ -214,21 +201,7 @@ def fused_linear_distill_logits(
     its own scale and softcap, so leave them at their defaults for those. With `process_group`,
     `teacher_logits` are the columns of this rank's vocab slice.
     """
-    def parse():
-        return calls.parse(
-            calls.Student(student_input, student_weight, labels, student_bias, row_weight),
-            calls.Logits(teacher_logits),
-            loss=loss, beta=beta, alpha=alpha, head_mass=head_mass, gate_min=gate_min, gate_max=gate_max,
-            gate_center=gate_center, gate_width=gate_width, temperature=temperature,
-            weight_hard_loss=weight_hard_loss, weight_soft_loss=weight_soft_loss, ignore_index=ignore_index,
-            reduction=reduction, temperature_squared=temperature_squared, student_logit_scale=student_logit_scale,
-            student_softcap=student_softcap, teacher_logit_scale=teacher_logit_scale, teacher_softcap=teacher_softcap,
-            chunk_size=chunk_size, backend=backend, grad_accum_dtype=grad_accum_dtype, vocab_size=vocab_size,
-            check_labels=check_labels, return_soft_hard_loss=return_soft_hard_loss, return_stats=return_stats,
-        )
-
-    return _route(parse, student_input, (student_weight, student_bias),
-                  process_group, vocab_start, check_shards, check_replicas, fsdp_gather)
+    return _route("fused_linear_distill_logits", locals())
 
 
 def fused_linear_distill_topk(
@@ -318,21 +291,7 @@ def fused_linear_distill_topk(
       wrong values and a mass past 1 is renormalised (the bucket gets p_rest = 0).
     - With `process_group`, `teacher_ids` are ids of the whole vocab, the same on every rank.
     """
-    def parse():
-        return calls.parse(
-            calls.Student(student_input, student_weight, labels, student_bias, row_weight),
-            calls.TopK(teacher_ids, teacher_logprobs, teacher_index, num_teachers),
-            loss=loss, beta=beta, alpha=alpha, head_mass=head_mass, gate_min=gate_min, gate_max=gate_max,
-            gate_center=gate_center, gate_width=gate_width, temperature=temperature,
-            weight_hard_loss=weight_hard_loss, weight_soft_loss=weight_soft_loss, ignore_index=ignore_index,
-            reduction=reduction, temperature_squared=temperature_squared, student_logit_scale=student_logit_scale,
-            student_softcap=student_softcap, tail=tail, tail_clamp=tail_clamp,
-            chunk_size=chunk_size, backend=backend, grad_accum_dtype=grad_accum_dtype, check_labels=check_labels,
-            check_teacher=check_teacher, return_soft_hard_loss=return_soft_hard_loss, return_stats=return_stats,
-        )
-
-    return _route(parse, student_input, (student_weight, student_bias),
-                  process_group, vocab_start, check_shards, check_replicas, fsdp_gather)
+    return _route("fused_linear_distill_topk", locals())
 
 
 @torch.no_grad()
@@ -385,76 +344,58 @@ def teacher_topk(
     (as in `fused_linear_distill`; `flashkd.fp8`): the top-k targets are then those of the
     FP8 teacher.
     """
-    def parse():
-        return calls.parse_teacher_topk(
-            calls.TeacherTopK(teacher_input, teacher_weight, teacher_bias, k), temperature=temperature,
-            vocab_size=vocab_size, teacher_logit_scale=teacher_logit_scale, teacher_softcap=teacher_softcap,
-            chunk_size=chunk_size, backend=backend, teacher_precision=teacher_precision,
-        )
-
-    return _route(parse, teacher_input, (teacher_weight, teacher_bias), process_group, vocab_start, check_shards,
-                  False, fsdp_gather)
+    return _route("teacher_topk", locals())
 
 
 FSDP_GATHER = ("auto", "rows", "heads")
+# each function's teacher form (`core.call`); teacher_topk's has no student
+_FORMS = {keywords.FUNCTION_OF_FORM[form.form]: form for form in (calls.Heads, calls.Logits, calls.TopK,
+                                                                  calls.TeacherTopK)}
+# The keyword options of the public functions, with their defaults: what the modules and the
+# integrations accept (the one table, `flashkd.core.keywords`; tests/test_layers.py holds it and the
+# signatures above alike).
+KEYWORDS = keywords.KEYWORDS
 
 
-def _route(parse, rows, heads, process_group, vocab_start, check_shards, check_replicas, fsdp_gather):
-    """The call that parse() makes, run on this process, or on `flashkd.distributed` with the sharding
-    keywords when it passes process_group or a head (of `heads`) that is a DTensor. With a process
-    group an error of the parse is raised on every rank of it (`distributed.fail`): raised on one rank
-    only, it would leave the others waiting in the call's first collective. rows: the first rows
-    tensor, whose device the group's exchange uses."""
-    sharded = process_group is not None or any_dtensor(*heads)
+def _route(function: str, given: dict):
+    """The call of `function` with its arguments `given` ({name: value}, all of them, as passed), parsed
+    and run on this process, or on `flashkd.distributed` with the sharding keywords when it passes
+    process_group or a head that is a DTensor. The arguments go where the keyword table says: the
+    tensors to the call's Student and teacher form (their fields are the public names), the loss's and
+    the options' keywords to the parse, the sharding keywords to a `Sharding`. With a process group an
+    error of the parse is raised on every rank of it (`distributed.fail`): raised on one rank only, it
+    would leave the others waiting in the call's first collective."""
+    form = _FORMS[function]
+    student = None if form is calls.TeacherTopK else keywords.group(calls.Student, given)
+    teacher = keywords.group(form, given)
+    sharding = keywords.group(keywords.Sharding, given)
+    groups = (student, teacher)
+    heads = [x for part in (calls.HEAD, calls.TEACHER_HEAD) for x in calls.group_tensors(groups, part).values()]
+    rows = next(iter(calls.group_tensors(groups, calls.ROWS).values()))  # the first rows tensor: the exchange's device
+    sharded = sharding.process_group is not None or any_dtensor(*heads)
     try:
-        call = parse()
-        if fsdp_gather not in FSDP_GATHER:
-            raise ValueError(f"fsdp_gather: expected 'auto', 'rows' or 'heads', got {fsdp_gather!r}")
-        if not sharded and vocab_start is not None:
-            raise ValueError(f"vocab_start: expected None without process_group, got {vocab_start!r}")
+        parsed = keywords.sort(given, keywords.PARSED)
+        call = (calls.parse_teacher_topk(teacher, parsed) if student is None
+                else calls.parse(student, teacher, parsed))
+        if sharding.fsdp_gather not in FSDP_GATHER:
+            raise ValueError(f"fsdp_gather: expected 'auto', 'rows' or 'heads', got {sharding.fsdp_gather!r}")
+        if not sharded and sharding.vocab_start is not None:
+            raise ValueError(f"vocab_start: expected None without process_group, got {sharding.vocab_start!r}")
         if sharded:
             from .distributed.sharding import check_keywords
 
-            check_keywords(process_group, vocab_start, check_shards)
+            check_keywords(sharding)
     except (TypeError, ValueError) as e:
-        if process_group is None:
+        if sharding.process_group is None:
             raise
         from . import distributed
 
-        distributed.fail(e, process_group, vocab_start, rows)
+        distributed.fail(e, sharding.process_group, sharding.vocab_start, rows)
     if not sharded:
         return core.run(call)
     from . import distributed
 
-    return distributed.run(call, distributed.Sharding(process_group, vocab_start, check_shards, check_replicas,
-                                                      fsdp_gather))
-
-
-# The keyword options of the public functions, with their defaults: what the modules and the
-# integrations accept (the signatures above spell them; tests/test_layers.py holds the two alike).
-_SHARDING = dict(process_group=None, vocab_start=None, check_shards=None, check_replicas=False, fsdp_gather="auto")
-_LOSS = dict(loss="jsd", beta=None, alpha=None, head_mass=None, gate_min=None, gate_max=None, gate_center=None,
-             gate_width=None, temperature=1.0, weight_hard_loss=0.5,
-             weight_soft_loss=0.5, ignore_index=-100, student_bias=None, reduction="mean", chunk_size=None,
-             backend="auto", return_soft_hard_loss=False, temperature_squared=False, grad_accum_dtype=None,
-             check_labels=None, student_logit_scale=1.0, student_softcap=None, row_weight=None, return_stats=False)
-_TEACHER_HEAD = dict(teacher_logit_scale=1.0, teacher_softcap=None)
-KEYWORDS = {
-    "fused_linear_distill": {**_LOSS, **_TEACHER_HEAD, "teacher_bias": None, "teacher_precision": None, **_SHARDING,
-                             "vocab_size": None},
-    "fused_linear_distill_logits": {**_LOSS, **_TEACHER_HEAD, **_SHARDING, "vocab_size": None},
-    "fused_linear_distill_topk": {**_LOSS, "loss": "forward_kl", "weight_hard_loss": 0.0, "weight_soft_loss": 1.0,
-                                  "tail": "bucket", "tail_clamp": None, "check_teacher": None, "teacher_index": None,
-                                  "num_teachers": None, **_SHARDING},
-    # no check_replicas: teacher_topk's rows are checked by the exchange alone
-    "teacher_topk": {"temperature": 1.0, "teacher_bias": None, "vocab_size": None, "chunk_size": None,
-                     "backend": "auto", **_TEACHER_HEAD,
-                     **{k: v for k, v in _SHARDING.items() if k != "check_replicas"}, "teacher_precision": None},
-}
-
-
-# Keywords that are per-call tensors or sharding, not options the parse checks alone.
-_NOT_PARSED = frozenset({"student_bias", "teacher_bias", "row_weight", "teacher_index", "num_teachers", *_SHARDING})
+    return distributed.run(call, sharding)
 
 
 def check_options(options: dict, function: str = "fused_linear_distill") -> None:
@@ -462,5 +403,4 @@ def check_options(options: dict, function: str = "fused_linear_distill") -> None
     would check them, by the call's own parse: a module's or trainer's options fail where it is made, not
     at its first forward. What depends on the tensors (triton on a CPU tensor, grad_accum_dtype against
     the weight's, vocab_size against the heads) and the sharding keywords are checked by the call."""
-    o = {**KEYWORDS[function], **options}
-    calls.parse(None, None, **{name: value for name, value in o.items() if name not in _NOT_PARSED})
+    calls.parse(None, None, keywords.sort({**KEYWORDS[function], **options}, keywords.PARSED))

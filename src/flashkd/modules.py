@@ -9,14 +9,11 @@ from __future__ import annotations
 
 import torch
 
+import inspect
+
+from .core import keywords
 from .core.checks import renamed
 from .distill import KEYWORDS, check_options, fused_linear_distill
-
-# forward's arguments, and the keyword options of fused_linear_distill the constructor takes
-_PER_CALL = ("student_input", "student_weight", "teacher_input", "teacher_weight", "labels", "student_bias",
-             "teacher_bias", "row_weight")
-_OPTIONS = frozenset(name for name in KEYWORDS["fused_linear_distill"] if name not in _PER_CALL and name != "loss")
-
 
 class FusedLinearDistillLoss(torch.nn.Module):
     """`fused_linear_distill` with its keyword options fixed at construction."""
@@ -29,8 +26,8 @@ class FusedLinearDistillLoss(torch.nn.Module):
             if name not in _OPTIONS:
                 raise TypeError(f"{name}: expected a keyword option of flashkd.fused_linear_distill "
                                 f"({', '.join(sorted(_OPTIONS))}), got {name}={options[name]!r}")
-        check_options(dict(loss=loss, **options))
-        self.options = dict(loss=loss, **options)
+        self.options = dict(loss=loss, **options)  # kept only once checked: __init__ raises otherwise
+        check_options(self.options)
 
     def forward(
         self,
@@ -61,6 +58,13 @@ class FusedLinearDistillLoss(torch.nn.Module):
 
     def extra_repr(self) -> str:
         return ", ".join(f"{k}={v!r}" for k, v in self.options.items())
+
+
+# forward's arguments: per-call data; and the keyword options of fused_linear_distill (the keyword table's)
+# the constructor takes, its own parameters (the positional `loss`) aside
+_PER_CALL = tuple(inspect.signature(FusedLinearDistillLoss.forward).parameters)[1:]
+_OPTIONS = (frozenset(KEYWORDS["fused_linear_distill"]) - frozenset(_PER_CALL)
+            - frozenset(inspect.signature(FusedLinearDistillLoss.__init__).parameters))
 
 
 def _option(name: str) -> property:
@@ -106,17 +110,8 @@ class _LigerDropIn(FusedLinearDistillLoss):
         *,
         vocab_size: int | None = None,  # flashkd's: declares a teacher head past V rows padding (not Liger's)
     ):
-        super().__init__(
-            self._loss,
-            weight_hard_loss=weight_hard_loss,
-            weight_soft_loss=weight_soft_loss,
-            beta=beta,
-            ignore_index=ignore_index,
-            temperature=temperature,
-            chunk_size=chunk_size,
-            return_soft_hard_loss=return_soft_hard_loss,
-            vocab_size=vocab_size,
-        )
+        # Liger's keywords are fused_linear_distill's, by the same names: its options, in the signature's order
+        super().__init__(self._loss, **{name: value for name, value in locals().items() if name in _OPTIONS})
         self.compiled = compiled
 
     def forward(
@@ -159,27 +154,30 @@ class FusedLinearJSD(torch.nn.Module):
     without labels). `accum_dtype` is flashkd's `grad_accum_dtype` (None: fp32). Same forward
     `(student_input, student_weight, teacher_input, teacher_weight, shift_labels=None)`."""
 
+    _LIGER = {"beta": "jsd_beta", "grad_accum_dtype": "accum_dtype"}  # flashkd's keywords, as Liger names them
+
     def __init__(self, jsd_beta: float = 0.5, ignore_index: int = -100, temperature: float = 1.0,
                  accum_dtype: torch.dtype | None = None, *, vocab_size: int | None = None):
         super().__init__()
-        try:  # checked here, as the forward's call will check them
-            check_options(dict(loss="jsd", beta=jsd_beta, temperature=temperature, ignore_index=ignore_index,
-                                weight_hard_loss=0.0, weight_soft_loss=1.0, grad_accum_dtype=accum_dtype,
-                                vocab_size=vocab_size))
-        except (TypeError, ValueError) as e:
-            raise renamed(e, {"beta": "jsd_beta", "grad_accum_dtype": "accum_dtype"}) from None
         self.jsd_beta, self.ignore_index, self.temperature, self.accum_dtype = jsd_beta, ignore_index, temperature, accum_dtype
         self.vocab_size = vocab_size  # flashkd's (not Liger's): declares a teacher head past V rows padding
+        try:  # checked here, as the forward's call will check them
+            check_options(self._keywords())
+        except (TypeError, ValueError) as e:
+            raise renamed(e, self._LIGER) from None
+
+    def _keywords(self) -> dict:
+        """fused_linear_distill's keywords of this module's Liger constructor (Liger's names mapped to flashkd's)."""
+        return dict(loss="jsd", beta=self.jsd_beta, temperature=self.temperature, ignore_index=self.ignore_index,
+                    weight_hard_loss=0.0, weight_soft_loss=1.0, grad_accum_dtype=self.accum_dtype,
+                    vocab_size=self.vocab_size)
 
     def forward(self, student_input, student_weight, teacher_input, teacher_weight, shift_labels=None):
         try:
-            return fused_linear_distill(
-                student_input, student_weight, teacher_input, teacher_weight, shift_labels, loss="jsd",
-                beta=self.jsd_beta, temperature=self.temperature, ignore_index=self.ignore_index,
-                weight_hard_loss=0.0, weight_soft_loss=1.0, grad_accum_dtype=self.accum_dtype, vocab_size=self.vocab_size,
-            )
+            return fused_linear_distill(student_input, student_weight, teacher_input, teacher_weight, shift_labels,
+                                        **self._keywords())
         except (TypeError, ValueError) as e:  # errors name the argument as Liger's signature calls it
-            raise renamed(e, {"beta": "jsd_beta", "labels": "shift_labels", "grad_accum_dtype": "accum_dtype"}) from None
+            raise renamed(e, {**self._LIGER, "labels": "shift_labels"}) from None
 
     def extra_repr(self) -> str:
         return (f"jsd_beta={self.jsd_beta!r}, ignore_index={self.ignore_index!r}, temperature={self.temperature!r}, "

@@ -48,10 +48,17 @@ import torch
 
 from . import core
 from .core import call as calls
-from .distill import fused_linear_distill
+from .core import keywords
+from .distill import KEYWORDS, fused_linear_distill
 from .losses import LEARNING_LOSSES, REDUCTIONS, DistillStats
 
 COMBINES = ("routed", "geometric", "arithmetic", "sum")
+# What the calls here set themselves: per teacher (its head's transform), and per group of rows or returned
+# here (the weights, the reduction, what is returned; the arithmetic mixture's one call takes them as given).
+# fused_linear_distill's other loss and option keywords (the keyword table's) are passed through as given.
+_PER_TEACHER = frozenset(("teacher_logit_scale", "teacher_softcap"))
+_PER_CALL = frozenset(("weight_hard_loss", "weight_soft_loss", "reduction", "return_soft_hard_loss", "return_stats"))
+_PASSED = frozenset(keywords.sort(KEYWORDS["fused_linear_distill"], keywords.PARSED)) - _PER_TEACHER - _PER_CALL
 
 
 class _Teachers(NamedTuple):
@@ -115,6 +122,7 @@ def fused_linear_distill_teachers(
     constants: loss="mutual" and "co_jeffreys" are refused. No process_group: a sharded head takes
     `fused_linear_distill`'s own calls.
     """
+    given = dict(locals())  # the arguments as passed: those of _PASSED go through to each call
     if combine not in COMBINES:
         raise ValueError(f"combine: expected one of {COMBINES}, got {combine!r}")
     if loss in LEARNING_LOSSES:
@@ -131,13 +139,7 @@ def fused_linear_distill_teachers(
             raise ValueError("teacher_weights: expected None with combine='routed' (teacher_index routes the rows)")
     elif teacher_index is not None:
         raise ValueError(f"teacher_index: expected None with combine={combine!r} (teacher_weights weigh the teachers)")
-    options = dict(
-        loss=loss, beta=beta, alpha=alpha, head_mass=head_mass, gate_min=gate_min, gate_max=gate_max,
-        gate_center=gate_center, gate_width=gate_width, temperature=temperature, ignore_index=ignore_index,
-        chunk_size=chunk_size, backend=backend, temperature_squared=temperature_squared,
-        grad_accum_dtype=grad_accum_dtype, check_labels=check_labels, student_logit_scale=student_logit_scale,
-        student_softcap=student_softcap, teacher_precision=teacher_precision, vocab_size=vocab_size,
-    )
+    options = {name: value for name, value in given.items() if name in _PASSED}
     weights = (weight_hard_loss, weight_soft_loss)
     if combine == "routed":
         index = _check_index(teacher_index, labels, lead, m)
@@ -146,8 +148,8 @@ def fused_linear_distill_teachers(
     else:
         w = _check_weights(teacher_weights, lead, m, student_input.device)
         if combine == "arithmetic":
-            return _arithmetic(student_input, student_weight, student_bias, teachers, labels, row_weight, w, weights,
-                               reduction, return_soft_hard_loss, return_stats, options)
+            return _arithmetic(student_input, student_weight, student_bias, teachers, labels, row_weight, w,
+                               {**options, **{name: given[name] for name in _PER_CALL}})
         if combine == "geometric":
             if any(c is not None for c in teachers.softcaps):
                 raise ValueError("teacher_softcap: expected None with combine='geometric' (a softcap per teacher is "
@@ -376,12 +378,12 @@ def _geometric(xs, ws, bs, teachers, labels, row_weight, w, weights, reduction, 
                                 return_soft_hard_loss=return_soft_hard_loss, return_stats=return_stats, **options)
 
 
-def _arithmetic(xs, ws, bs, teachers, labels, row_weight, w, weights, reduction, return_soft_hard_loss, return_stats,
-                options):
+def _arithmetic(xs, ws, bs, teachers, labels, row_weight, w, parsed):
+    """One call of the mixture form; parsed: the call's loss and option keywords."""
     m = len(teachers.inputs)
-    if options["teacher_precision"] is not None:
+    if parsed["teacher_precision"] is not None:
         raise ValueError(f"teacher_precision: expected None with combine='arithmetic' (its teachers' logits are made "
-                         f"in their own dtype), got {options['teacher_precision']!r}")
+                         f"in their own dtype), got {parsed['teacher_precision']!r}")
     if isinstance(w, torch.Tensor):
         total = w.double().sum(-1)
         tol = m * torch.finfo(w.dtype).eps
@@ -399,8 +401,5 @@ def _arithmetic(xs, ws, bs, teachers, labels, row_weight, w, weights, reduction,
     lead = xs.shape[:-1]
     mixture = calls.Mixture(tuple(x.reshape(*lead, -1) for x in teachers.inputs), tuple(teachers.heads),
                             tuple(teachers.biases), w, tuple(teachers.scales), tuple(teachers.softcaps))
-    w_hard, w_soft = weights
-    call = calls.parse(calls.Student(xs, ws, labels, bs, row_weight), mixture, weight_hard_loss=w_hard,
-                       weight_soft_loss=w_soft, reduction=reduction, return_soft_hard_loss=return_soft_hard_loss,
-                       return_stats=return_stats, **options)
+    call = calls.parse(calls.Student(xs, ws, labels, bs, row_weight), mixture, parsed)
     return core.run(call)

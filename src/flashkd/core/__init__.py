@@ -1,5 +1,8 @@
 """The core of flashkd: a loss call's parse, checks, plan, backend choice and chunk loop, and teacher_topk's loop.
 
+    keywords the public functions' keywords: the one table (default, where each goes, which functions take
+             it, its check, whether a slice's ranks agree on it) that the parse, the options' check, the
+             modules and the agreement read; Sharding, the sharding keywords as passed
     call     the call as one frozen value (Call: LossSpec, Student, the teacher's form, Options) and its
              one parse (`parse`, `parse_teacher_topk`)
     checks   the tensors' checks, raised with the public names, flattened to `Rows`
@@ -14,7 +17,7 @@ The layer below `flashkd.distributed`: it imports nothing of it, and runs a rank
 through the `flashkd.losses.VocabSlice` it is given.
 """
 
-from . import backend, call, checks, loop, mixture, plan, topk
+from . import backend, call, checks, keywords, loop, mixture, plan, topk
 from .entry import run
 
-__all__ = ["backend", "call", "checks", "loop", "mixture", "plan", "run", "topk"]
+__all__ = ["backend", "call", "checks", "keywords", "loop", "mixture", "plan", "run", "topk"]

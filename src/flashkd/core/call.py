@@ -8,7 +8,8 @@ and where an error that needs no tensor is raised, before any work.
                                             teacher_topk), the teacher in one of its forms, the options
     forms of the teacher: Heads (hidden states and LM head), Logits (dense logits), TopK (sparse top-k
                           targets), TeacherTopK (teacher_topk's: a head whose top-k log-probs are wanted)
-    parse(Student, Heads | Logits | TopK, *, keywords) -> Call;  parse_teacher_topk(TeacherTopK, *, keywords)
+    parse(Student, Heads | Logits | TopK, keywords) -> Call;  parse_teacher_topk(TeacherTopK, keywords): the
+                          keywords ({keyword: value}) sorted by the one table, `flashkd.core.keywords`
     tensors(call, part), trailing(call, name), with_tensors(call, named)   a call's tensors by part (HEAD,
                           TEACHER_HEAD, ROWS), under their public names (the distributed layer's errors name them)
 """
@@ -21,9 +22,10 @@ from typing import ClassVar
 import torch
 
 from .. import fp8
-from ..losses import LABEL_LOSSES, LossSpec, check_finite_float, check_ignore_index, check_logit_transform, loss_parameters
+from ..losses import LABEL_LOSSES, LossSpec, check_ignore_index, loss_parameters
+from . import keywords as kw
 from .backend import check_backend
-from .checks import FLOATS, check_chunk_size, check_num_teachers
+from .checks import check_chunk_size, check_num_teachers
 
 # A call's tensors are marked by their part, so that the distributed layer can treat the forms alike
 # (their field names are the public keywords, which its errors name): HEAD, the student's head (V rows,
@@ -145,124 +147,74 @@ class Call:
         return "teacher_weight" if self.student is None else "student_weight"
 
 
-def parse(
-    student: Student | None,
-    teacher: Heads | Logits | TopK | None,
-    *,
-    loss: str,
-    beta: float | None,  # the losses' parameters (losses.PARAMETERS): None, the loss's default
-    alpha: float | None,
-    head_mass: float | None,
-    gate_min: float | None = None,
-    gate_max: float | None = None,
-    gate_center: float | None = None,
-    gate_width: float | None = None,
-    temperature: float,
-    weight_hard_loss: float,
-    weight_soft_loss: float,
-    ignore_index: int,
-    reduction: str,
-    temperature_squared: bool,
-    student_logit_scale: float,
-    student_softcap: float | None,
-    teacher_logit_scale: float = 1.0,  # a top-k teacher has none: its log-probs are its distribution
-    teacher_softcap: float | None = None,
-    tail: str | None = None,  # only the top-k form has one
-    tail_clamp: float | None = None,
-    chunk_size: int | None,
-    backend: str,
-    grad_accum_dtype: torch.dtype | None,
-    teacher_precision: str | None = None,
-    vocab_size: int | None = None,
-    check_labels: bool | None,
-    check_teacher: bool | None = None,
-    return_soft_hard_loss: bool,
-    return_stats: bool,
-) -> Call:
-    """The Call of a public function's keywords: its LossSpec (the one place where the public weights'
-    names meet LossSpec's fields, checked under the public names first) and its Options, checked. The
-    tensors are checked by `check`, on the local or the distributed route. student and teacher None: a
-    module's options alone (labels counted as given, as the usual forward has them); the Call that comes
-    back holds no tensors."""
-    for flag, value, optional in (("return_soft_hard_loss", return_soft_hard_loss, False),
-                                  ("return_stats", return_stats, False),
-                                  ("temperature_squared", temperature_squared, False),
-                                  ("check_labels", check_labels, True), ("check_teacher", check_teacher, True)):
-        if not isinstance(value, bool) and not (optional and value is None):
-            raise TypeError(f"{flag}: expected a bool{' or None' if optional else ''}, got {value!r}")
-    for name, value in (("weight_hard_loss", weight_hard_loss), ("weight_soft_loss", weight_soft_loss)):
-        check_finite_float(name, value)
-    check_chunk_size(chunk_size)
-    check_backend(backend)
-    # the dtype alone (a module's options have no weight); `run` checks it against student_weight's
-    if grad_accum_dtype is not None and grad_accum_dtype not in FLOATS:
-        raise TypeError(f"grad_accum_dtype: expected None or a floating dtype (float16, bfloat16, float32, float64), "
-                        f"got {grad_accum_dtype!r}")
+def parse(student: Student | None, teacher: Heads | Logits | TopK | Mixture | None, keywords: dict) -> Call:
+    """The Call of a public function's keywords ({keyword: value}, as passed; those of the table's
+    PARSED kinds, `flashkd.core.keywords`): its LossSpec (the one place where the public weights' names
+    meet LossSpec's fields, checked under the public names first) and its Options, checked, each keyword
+    going where the table says. A keyword not given takes LossSpec's or Options' default (a dense teacher:
+    no tail, no logit transform of its own to a top-k teacher). The tensors are checked by `check`, on the
+    local or the distributed route. student and teacher None: a module's options alone (labels counted as
+    given, as the usual forward has them); the Call that comes back holds no tensors."""
+    unknown = [name for name in keywords if name not in kw.TABLE or kw.TABLE[name].goes not in kw.PARSED]
+    if unknown:
+        raise TypeError(f"{unknown[0]}: expected a keyword option of a loss function, got {unknown[0]}="
+                        f"{keywords[unknown[0]]!r}")
+    kw.run_checks(keywords, late=False)
+    options = Options(**kw.sort(keywords, (kw.OPTION,)))
+    fields = kw.spec_fields(keywords)
     labels = None if student is None else student.labels
     has_labels = student is None or labels is not None
-    w_hard, w_soft = weight_hard_loss, weight_soft_loss
-    logged = return_soft_hard_loss or return_stats
+    w_hard, w_soft = fields["weight_hard"], fields["weight_soft"]
+    logged = options.return_soft_hard_loss or options.return_stats
+    fields.update(loss_parameters(fields["loss"], kw.sort(keywords, (kw.PARAMETER,))))
     spec = LossSpec(
-        loss=loss,
-        **loss_parameters(loss, dict(beta=beta, alpha=alpha, head_mass=head_mass, gate_min=gate_min, gate_max=gate_max,
-                                     gate_center=gate_center, gate_width=gate_width)),
-        temperature=temperature,
-        weight_hard=w_hard,
-        weight_soft=w_soft,
-        temperature_squared=temperature_squared,
-        ignore_index=ignore_index,
-        reduction=reduction,
+        **fields,
         want_hard=has_labels and (w_hard != 0.0 or logged),
         # With both weights 0 the soft term is still computed, so the loss and grads are true zeros.
         want_soft=w_soft != 0.0 or logged or not has_labels or w_hard == 0.0,
-        tail=tail,
-        tail_clamp=tail_clamp,
-        student_logit_scale=student_logit_scale,
-        student_softcap=student_softcap,
-        teacher_logit_scale=teacher_logit_scale,
-        teacher_softcap=teacher_softcap,
     )
     if not has_labels and spec.loss in LABEL_LOSSES:
         raise ValueError(f"labels: loss={spec.loss!r} reads each row's target class (labels), got labels=None")
     if not has_labels and w_hard != 0.0:
         raise ValueError(f"weight_hard_loss: expected 0 when labels is None (no hard labels to train on), got {w_hard!r}")
     check_ignore_index(labels, spec.ignore_index)
-    fp8.check_precision(teacher_precision)
-    if vocab_size is not None and (isinstance(vocab_size, bool) or not isinstance(vocab_size, int) or vocab_size < 1):
-        raise TypeError(f"vocab_size: expected None or an int >= 1 (the student's vocab size), got {vocab_size!r}")
+    kw.run_checks(keywords, late=True)
     if teacher is not None and teacher.form == "topk":
-        check_num_teachers(teacher.teacher_index is not None, teacher.num_teachers, return_stats)
-    options = Options(chunk_size, backend, grad_accum_dtype, teacher_precision, vocab_size, check_labels, check_teacher,
-                      return_soft_hard_loss, return_stats)
+        check_num_teachers(teacher.teacher_index is not None, teacher.num_teachers, options.return_stats)
     return Call(spec, student, teacher, options)
 
 
-def parse_teacher_topk(teacher: TeacherTopK, *, temperature, vocab_size, teacher_logit_scale, teacher_softcap,
-                       chunk_size, backend, teacher_precision) -> Call:
-    """The Call of `flashkd.teacher_topk`'s keywords, checked where they need no tensor (k and
-    vocab_size are checked against the vocab by `flashkd.core.topk`)."""
-    spec = LossSpec(temperature=temperature)  # the losses' rule: a finite float > 0 (inf would give uniform log-probs)
-    check_logit_transform("teacher_logit_scale", teacher_logit_scale, "teacher_softcap", teacher_softcap)
-    spec = dataclasses.replace(spec, teacher_logit_scale=teacher_logit_scale, teacher_softcap=teacher_softcap)
-    check_backend(backend)
-    check_chunk_size(chunk_size)
-    fp8.check_precision(teacher_precision)
+def parse_teacher_topk(teacher: TeacherTopK, keywords: dict) -> Call:
+    """The Call of `flashkd.teacher_topk`'s keywords ({keyword: value}, its PARSED ones), checked where
+    they need no tensor (k and vocab_size are checked against the vocab by `flashkd.core.topk`)."""
+    # the losses' rule for the temperature: a finite float > 0 (inf would give uniform log-probs); then the
+    # teacher's logit transform (LossSpec checks it last)
+    spec = LossSpec(**kw.spec_fields(keywords))
+    options = Options(**kw.sort(keywords, (kw.OPTION,)))
+    check_backend(options.backend)
+    check_chunk_size(options.chunk_size)
+    fp8.check_precision(options.teacher_precision)
     # their types here, before any work; their ranges against the vocab in `flashkd.core.topk`
+    vocab_size = options.vocab_size
     if vocab_size is not None and (isinstance(vocab_size, bool) or not isinstance(vocab_size, int)):
         raise ValueError(f"vocab_size: expected an int in [1, V] (V: teacher_weight's vocab), got {vocab_size!r}")
     k = teacher.k
     if isinstance(k, bool) or not isinstance(k, int):
         raise ValueError(f"k: expected an int in [1, V] (V: the vocab size, teacher_weight's rows or vocab_size), "
                          f"got {k!r}")
-    options = Options(chunk_size=chunk_size, backend=backend, teacher_precision=teacher_precision, vocab_size=vocab_size)
     return Call(spec, None, teacher, options)
 
 
 def tensors(call, part: str) -> dict:
     """The tensors of one part (HEAD, TEACHER_HEAD, ROWS) of a call, by their public names, None where
     not given."""
-    return {f.name: getattr(group, f.name) for group in call.parts for f in dataclasses.fields(group)
-            if f.metadata.get("part") == part}
+    return group_tensors(call.parts, part)
+
+
+def group_tensors(groups, part: str) -> dict:
+    """The tensors of one part of the groups (Student, a teacher form), by their public names."""
+    return {f.name: getattr(group, f.name) for group in groups if group is not None
+            for f in dataclasses.fields(group) if f.metadata.get("part") == part}
 
 
 def trailing(call, name: str) -> bool:

@@ -10,7 +10,6 @@ worded as an unsharded call words them, the others naming the rank.
 
 from __future__ import annotations
 
-import dataclasses
 import struct
 import zlib
 
@@ -18,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 from ..core import call as calls
+from ..core import keywords
 from ..losses import shown
 from .sharding import Sharding
 
@@ -90,44 +90,28 @@ def _extremes(x, counted) -> tuple[int, int]:
 
 
 
-_SPEC_NAMES = {"weight_hard": "weight_hard_loss", "weight_soft": "weight_soft_loss"}  # LossSpec's fields, as passed
-_FUNCTIONS = {"heads": "fused_linear_distill", "logits": "fused_linear_distill_logits", "topk": "fused_linear_distill_topk"}
-
-
 def _agreed(call, sharding: Sharding, rows, backend) -> dict:
     """{what: value} every rank of the call must agree on (encoded for `layout`'s one all-gather): the
-    function, the loss spec's fields under their public names, the call's options (what changes the
-    loss, which collectives run, or what a check after the exchange reads: grad_accum_dtype) and the
-    facts derived from the checked rows that can differ from rank to rank (the backend among them)."""
-    options, spec, form = call.options, call.spec, call.teacher.form
+    function, its keywords that the keyword table marks agreed (`flashkd.core.keywords.agreed`: what
+    changes the loss, which collectives run, or what a check after the exchange reads), under their public
+    names, and the facts derived from the checked rows that can differ from rank to rank (the backend
+    among them)."""
+    form = call.teacher.form
+    out = {"function": keywords.FUNCTION_OF_FORM[form], **keywords.agreed(call, sharding)}
     if form == "teacher_topk":
-        return {"function": "teacher_topk", "chunk_size": options.chunk_size, "check_shards": sharding.check_shards,
-                "teacher_precision": options.teacher_precision, "fsdp_gather": sharding.fsdp_gather,
-                "k": call.teacher.k, "temperature": spec.temperature, "vocab_size": options.vocab_size,
-                "teacher_logit_scale": spec.teacher_logit_scale, "teacher_softcap": spec.teacher_softcap,
-                "teacher_input's dtype": rows.xs.dtype, "teacher_input's hidden size": rows.xs.shape[-1]}
-    out = {"function": _FUNCTIONS[form]}
+        out.update({"k": call.teacher.k, "teacher_input's dtype": rows.xs.dtype,
+                    "teacher_input's hidden size": rows.xs.shape[-1]})
+        return out
     xs, ws, bs = rows.xs, rows.ws, rows.bs
-    topk = form == "topk"
     grad = torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in (xs, ws, bs))
     # the hidden sizes: dX's all-reduce is R·Hs a chunk (ranks that differ abort in it); the rows are replicated
     # the row backend's collectives differ: all ranks alike (dense rows of some losses: the torch rows)
-    derived = {"backend": backend, "student_input's dtype": xs.dtype, "student_input's hidden size": xs.shape[1],
-               "teacher_input's hidden size": rows.teacher[0].shape[1] if form == "heads" else None,
-               "labels given": rows.y is not None,
-               "row_weight given": call.student.row_weight is not None,
-               "gradients (grad mode, requires_grad; of student_input)": (grad, grad and xs.requires_grad),
-               "teacher_ids' k": rows.teacher[0].shape[-1] if topk else None,
-               "num_teachers": call.teacher.num_teachers if topk else None}
-    out.update({_SPEC_NAMES.get(f.name, f.name): getattr(spec, f.name) for f in dataclasses.fields(spec)
-                if f.name not in ("want_hard", "want_soft")})  # those two follow from the weights and labels
-    out.update({"chunk_size": options.chunk_size, "return_soft_hard_loss": options.return_soft_hard_loss,
-                "return_stats": options.return_stats, "check_labels": options.check_labels,
-                "check_teacher": options.check_teacher, "check_replicas": sharding.check_replicas,
-                "check_shards": sharding.check_shards, "teacher_precision": options.teacher_precision,
-                "fsdp_gather": sharding.fsdp_gather, "grad_accum_dtype": options.grad_accum_dtype,
-                "vocab_size": options.vocab_size})
-    out.update(derived)
+    out.update({"backend": backend, "student_input's dtype": xs.dtype, "student_input's hidden size": xs.shape[1],
+                "teacher_input's hidden size": rows.teacher[0].shape[1] if form == "heads" else None,
+                "labels given": rows.y is not None,
+                "row_weight given": call.student.row_weight is not None,
+                "gradients (grad mode, requires_grad; of student_input)": (grad, grad and xs.requires_grad),
+                "teacher_ids' k": rows.teacher[0].shape[-1] if form == "topk" else None})
     return out
 
 

@@ -2,27 +2,16 @@
 
 from __future__ import annotations
 
-import dataclasses
-
+from ..core.keywords import Sharding
 from ..losses import shown
 
-
-@dataclasses.dataclass(frozen=True)
-class Sharding:
-    """The sharding keywords of one call (`flashkd.distributed`'s docstring says what each does). Their
-    types are checked where the call is parsed (`flashkd.distill`, `check_keywords`); the values that
-    only the group knows (the layout, the same options on every rank) at its exchange (`agreement`)."""
-
-    process_group: object = None  # a torch.distributed.ProcessGroup: vocab-parallel heads
-    vocab_start: int | None = None  # the global id of this rank's first vocab row
-    check_shards: bool | None = None
-    check_replicas: bool = False
-    fsdp_gather: str = "auto"  # a DTensor head's route: "auto", "rows" or "heads"
+__all__ = ["Sharding", "check_keywords"]  # Sharding: the sharding keywords' values, made by the parse's table
 
 
-def check_keywords(process_group, vocab_start, check_shards) -> None:
+def check_keywords(sharding: Sharding) -> None:
     """The sharding keywords that need no tensor, checked with the call's parse, before any work (with a
     process group its error is raised on every rank of it there: `flashkd.distributed.fail`)."""
+    process_group, vocab_start, check_shards = sharding.process_group, sharding.vocab_start, sharding.check_shards
     if process_group is None:  # a DTensor head's: its mesh's exchange checks them, where it has one
         return
     if check_shards is not None and not isinstance(check_shards, bool):
