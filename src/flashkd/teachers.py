@@ -4,8 +4,9 @@ in full here either. M teachers, each its hidden states X_m (..., Ht_m) (student
 head W_m (Vt_m, Ht_m), logits z_m = σ_m (X_m W_m^T + b_m) (σ_m its `teacher_logit_scale`), and `combine`:
 
     routed     each row has one teacher (`teacher_index`, −1 for none): the rows are grouped per teacher
-               and each group is one call over its rows alone (each teacher's GEMM over its own rows, the
-               student's GEMMs split the same way: no extra FLOPs). The groups' sums are added; "mean"
+               and run as one call (`flashkd.core.mixture`: each block's teacher logits from its rows' teachers'
+               heads, each teacher's GEMM over its own rows, the student's GEMMs once over all of them, one dW
+               accumulation: no extra FLOPs); with an FP8 teacher head (teacher_precision), one call a group. The groups' sums are added; "mean"
                divides once by the number of rows that count (label not ignore_index, teacher_index ≥ 0).
                A row of teacher_index −1 contributes nothing (neither soft term nor CE) and is not counted.
                Grouping needs the groups' sizes on the host: one host sync per call.
@@ -143,6 +144,11 @@ def fused_linear_distill_teachers(
     weights = (weight_hard_loss, weight_soft_loss)
     if combine == "routed":
         index = _check_index(teacher_index, labels, lead, m)
+        call = None if teacher_precision is not None else _routed_call(
+            student_input, student_weight, student_bias, teachers, labels, row_weight, index,
+            {**options, **{name: given[name] for name in _PER_CALL}})
+        if call is not None:
+            return core.run(call)
         out = _routed(student_input, student_weight, student_bias, teachers, labels, row_weight, index, weights,
                       reduction, options)
     else:
@@ -264,16 +270,39 @@ def _call(xs, ws, bs, xt, wt, bt, labels, row_weight, scale, cap, w_hard, w_soft
                                 return_stats=True, **options)
 
 
+def _groups(index, m):
+    """(counts (M + 2 host ints: rows of teacher −1, of each teacher, out of range), the rows grouped by teacher,
+    −1 first): one host sync."""
+    keys = torch.where((index < -1) | (index >= m), m + 1, index.long() + 1)
+    counts = torch.bincount(keys, minlength=m + 2).tolist()  # the one host sync
+    if counts[m + 1]:
+        raise ValueError(f"teacher_index: expected values in [-1, {m}), got {counts[m + 1]} outside")
+    return counts, torch.argsort(keys, stable=True)
+
+
+def _routed_call(xs, ws, bs, teachers, labels, row_weight, index, parsed):
+    """The one call of the routed form: the rows with a teacher, grouped by it (`flashkd.core.mixture`); parsed:
+    the call's loss and option keywords. None where no row has a teacher (`_routed` then gives the zeros)."""
+    m = len(teachers.inputs)
+    counts, order = _groups(index, m)
+    if counts[0] == index.numel():
+        return None
+    sel, starts = order[counts[0]:], [counts[0]]
+    for count in counts[1:m + 1]:
+        starts.append(starts[-1] + count)
+    inputs = tuple(teachers.inputs[t].index_select(0, order[starts[t]:starts[t + 1]]) for t in range(m))
+    y, rw = (None if t is None else t.reshape(-1).index_select(0, sel) for t in (labels, row_weight))
+    student = calls.Student(xs.reshape(-1, xs.shape[-1]).index_select(0, sel), ws, y, bs, rw)
+    routed = calls.Routed(inputs, tuple(teachers.heads), tuple(teachers.biases), tuple(counts[1:m + 1]),
+                          index.reshape(-1).index_select(0, sel), tuple(teachers.scales), tuple(teachers.softcaps))
+    return calls.parse(student, routed, parsed)
+
+
 def _routed(xs, ws, bs, teachers, labels, row_weight, index, weights, reduction, options):
     m = len(teachers.inputs)
     hs = xs.shape[-1]
     flat_x = xs.reshape(-1, hs)
-    bad = (index < -1) | (index >= m)
-    keys = torch.where(bad, m + 1, index.long() + 1)
-    counts = torch.bincount(keys, minlength=m + 2).tolist()  # the one host sync
-    if counts[m + 1]:
-        raise ValueError(f"teacher_index: expected values in [-1, {m}), got {counts[m + 1]} outside")
-    order = torch.argsort(keys, stable=True)
+    counts, order = _groups(index, m)
     flat_labels = None if labels is None else labels.reshape(-1)
     flat_rw = None if row_weight is None else row_weight.reshape(-1)
     dtype = torch.float64 if xs.dtype == torch.float64 else torch.float32

@@ -9,7 +9,7 @@
     plan     the chunk plan and the memory formulas it keeps within
     backend  the backend choice and the row function of a plan, for the whole vocab or a slice
     loop     the chunk loop and its autograd Function
-    mixture  a teacher form: several heads' distributions mixed per row (`flashkd.teachers`' arithmetic)
+    mixture  several teachers' forms: each row's own head (routed), their distributions mixed per row (arithmetic)
     topk     teacher_topk's loop
     entry    `run(call, vocab=None)`: the one entry, check -> agree (a slice's ranks) -> plan -> loop
 

@@ -101,6 +101,28 @@ class Mixture:
 
 
 @dataclasses.dataclass(frozen=True)
+class Routed:
+    """Several teachers as hidden states and LM heads, each row distilled from its own (`flashkd.teachers`,
+    combine="routed"; `flashkd.core.mixture`): the rows come grouped by teacher, counts[m] of teacher m in
+    turn, and teacher m's hidden states are its own rows only. Made and checked by `flashkd.teachers`."""
+
+    form: ClassVar[str] = "routed"
+    teacher_inputs: tuple  # M of (counts[m], Ht_m): each teacher's own rows, in the call's order
+    teacher_heads: tuple  # M of (Vt_m, Ht_m)
+    teacher_biases: tuple  # M of (Vt_m,) or None
+    counts: tuple  # M ints: the rows of each teacher, in turn
+    index: torch.Tensor  # (N,) each row's teacher (sorted): DistillStats.per_teacher's split
+    scales: tuple  # M floats: each head's logit scale
+    softcaps: tuple  # M floats or None: each head's softcap
+
+    def checked(self, xs, student_input, ws, vocab_size) -> tuple:
+        """Its tensors checked as the heads form's (`flashkd.core.mixture.check_routed`)."""
+        from . import mixture
+
+        return mixture.check_routed(xs, ws, self, vocab_size)
+
+
+@dataclasses.dataclass(frozen=True)
 class TeacherTopK(Heads):
     """teacher_topk's teacher: hidden states and an LM head (Heads' fields) whose top-k log-probs (and ids)
     are wanted, k a row."""
@@ -133,7 +155,7 @@ class Call:
 
     spec: LossSpec
     student: Student | None
-    teacher: Heads | Logits | TopK | TeacherTopK | Mixture
+    teacher: Heads | Logits | TopK | TeacherTopK | Mixture | Routed
     options: Options = Options()
 
     @property

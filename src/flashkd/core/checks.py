@@ -53,13 +53,15 @@ def check(call, sliced: bool = False) -> Rows:
                                       vocab_size, **hint)
     elif t.form == "logits":
         teacher = (check_teacher_logits(xs, student.student_input, ws, t.teacher_logits, vocab_size, **hint),)
-    elif t.form == "mixture":
+    elif t.form in ("mixture", "routed"):
         teacher = t.checked(xs, student.student_input, ws, vocab_size)
     else:
         teacher = check_teacher_topk(xs, student.student_input, ws, t.teacher_ids, t.teacher_logprobs)
     rows = Rows(xs, ws, bs, y, teacher, check_row_weight(student.row_weight, xs, student.student_input))
     if t.form == "topk":
         rows = dataclasses.replace(rows, **dict(zip(("index", "teachers"), check_teacher_index(call, rows))))
+    elif t.form == "routed":
+        rows = dataclasses.replace(rows, index=t.index, teachers=len(t.counts))
     return rows
 
 

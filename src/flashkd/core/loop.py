@@ -51,7 +51,8 @@ def run(call, rows, plan: Plan):
     loss_, soft, hard, *sums = apply(rows.xs, rows.ws, rows.bs, rows.y, rows.rw, plan, *teacher)
     out = (loss_, soft, hard) if options.return_soft_hard_loss else (loss_,)
     if plan.stats:
-        topk = (sums[4], sums[5], sums[6] if plan.teacher_index is not None else None) if form == "topk" else (None,)
+        topk = ((sums[4], sums[5], sums[6] if plan.teacher_index is not None else None) if form == "topk" else
+                (None, None, sums[6]) if form == "routed" else (None,))
         out += (DistillStats(*sums[:4], *topk),)
     return out if len(out) > 1 else loss_
 
@@ -240,7 +241,8 @@ def _chunk_loop(xs, ws, bs, y, rw, teacher, plan: Plan, want_dx, want_dw, want_d
                     # (R, T) one-hot: an index outside [0, T) is in no teacher's sums (and no device assert);
                     # a select, not a product, so that one row's NaN stays in its own teacher's sums
                     of = plan.teacher_index[b, None] == teacher_ids
-                    per_teacher += torch.where(of[:, :, None], torch.stack([counted, soft, extra[2]], 1)[:, None], 0.0).sum(0)
+                    entropy_t = extra[2] if len(extra) > 2 else torch.zeros_like(soft)  # dense rows: none
+                    per_teacher += torch.where(of[:, :, None], torch.stack([counted, soft, entropy_t], 1)[:, None], 0.0).sum(0)
             del t, s_b, out  # a view left alive would keep this chunk's logits (or dL/ds) past `del s`
         if narrow:
             if ds is None:
@@ -315,6 +317,8 @@ def _teacher_head(teacher, precision):
 def _teacher_block(form, teacher, c, tau):
     if form == "mixture":
         return mixture.block(teacher, c, tau, linear)
+    if form == "routed":
+        return mixture.routed_block(teacher, c, linear)
     if form == "heads":
         xt, wt, bt = teacher
         if isinstance(wt, fp8.Head):

@@ -1,5 +1,11 @@
-"""Several teachers mixed per row, p = Σ_m w_m softmax(z_m / τ): the arithmetic mixture of `flashkd.teachers`
-(combine="arithmetic"), a teacher form of the chunk loop.
+"""Several teachers in one call, two teacher forms of the chunk loop (`flashkd.teachers`):
+
+routed (combine="routed"): each row's own teacher, the rows grouped by teacher: a block's logits are its rows'
+segments, each from its teacher's head (`routed_block`): the teachers' GEMMs over their own rows only, the
+student's over all rows once, one dW accumulation; a block spanning a group boundary holds its (Rt, V) logits
+and one segment's beside them (the plan halves its blocks).
+
+arithmetic (combine="arithmetic"): p = Σ_m w_m softmax(z_m / τ), the teachers' distributions mixed per row.
 
 Why in the core: log p needs each teacher's row statistics (its logsumexp at τ), which one head's logits do not
 carry, so it is made where the loop makes a teacher's block of logits, from the M heads in turn:
@@ -62,3 +68,39 @@ def block(teacher: tuple, c: slice, tau: float, linear) -> torch.Tensor:
         z -= z.logsumexp(-1, keepdim=True) - log_w
         acc = z if acc is None else torch.logaddexp(acc, z, out=acc)
     return acc.mul_(tau)
+
+
+def check_routed(xs, ws, t, vocab_size) -> tuple:
+    """Each teacher's (own rows' hidden states, head, bias) checked as the heads form's, cut to the student's V;
+    their row counts' starts (M + 1 ints)."""
+    heads, biases = [], []
+    for m, (x, w, b) in enumerate(zip(t.teacher_inputs, t.teacher_heads, t.teacher_biases)):
+        names = {"teacher_input": f"teacher_inputs[{m}]", "teacher_weight": f"teacher_heads[{m}]",
+                 "teacher_bias": f"teacher_biases[{m}]"}
+        try:
+            _, w, b = check_teacher_heads(xs, x, ws, x, w, b, vocab_size)  # (its leading dims: its own rows)
+        except (TypeError, ValueError) as e:
+            raise renamed(e, names) from None
+        heads.append(w)
+        biases.append(b)
+    starts = [0]
+    for count in t.counts:
+        starts.append(starts[-1] + count)
+    return tuple(t.teacher_inputs), tuple(heads), tuple(biases), tuple(starts), tuple(t.scales), tuple(t.softcaps)
+
+
+def routed_block(teacher: tuple, c: slice, linear) -> torch.Tensor:
+    """The teacher logits of rows c (grouped by teacher): each segment from its teacher's head and transform."""
+    inputs, heads, biases, starts, scales, softcaps = teacher
+    out = None
+    for m in range(len(heads)):
+        lo, hi = max(c.start, starts[m]), min(c.stop, starts[m + 1])
+        if lo >= hi:
+            continue
+        z = logit_transform(linear(inputs[m][lo - starts[m]:hi - starts[m]], heads[m], biases[m]), scales[m], softcaps[m])
+        if lo == c.start and hi == c.stop:
+            return z  # the block is one teacher's
+        if out is None:
+            out = z.new_empty(c.stop - c.start, z.shape[1])
+        out[lo - c.start:hi - c.start] = z
+    return out
