@@ -6,8 +6,9 @@ head W_m (Vt_m, Ht_m), logits z_m = σ_m (X_m W_m^T + b_m) (σ_m its `teacher_lo
     routed     each row has one teacher (`teacher_index`, −1 for none): the rows are grouped per teacher
                and run as one call (`flashkd.core.mixture`: each block's teacher logits from its rows' teachers'
                heads, each teacher's GEMM over its own rows, the student's GEMMs once over all of them, one dW
-               accumulation: no extra FLOPs); with an FP8 teacher head (teacher_precision), one call a group. The groups' sums are added; "mean"
-               divides once by the number of rows that count (label not ignore_index, teacher_index ≥ 0).
+               accumulation: no extra FLOPs); with an FP8 teacher head (teacher_precision), one call a group,
+               their sums added. "mean" divides once by the number of rows that count (label not
+               ignore_index, teacher_index ≥ 0).
                A row of teacher_index −1 contributes nothing (neither soft term nor CE) and is not counted.
                Grouping needs the groups' sizes on the host: one host sync per call.
     geometric  p = softmax(Σ_m w_m z_m / τ), the normalised weighted geometric mean of the teachers'
@@ -42,6 +43,7 @@ one call's stats, `per_teacher` None (the rows' teacher is the mixture, no one t
 
 from __future__ import annotations
 
+import itertools
 import math
 from typing import NamedTuple, Sequence
 
@@ -79,7 +81,7 @@ def fused_linear_distill_teachers(
     *,
     combine: str,
     teacher_index: torch.Tensor | None = None,  # routed: (...) int in [-1, M)
-    teacher_weights=None,  # geometric, sum: M floats or (..., M)
+    teacher_weights=None,  # geometric, arithmetic, sum: M floats or (..., M)
     teacher_biases: Sequence[torch.Tensor | None] | None = None,
     loss: str = "jsd",
     beta: float | None = None,
@@ -111,11 +113,12 @@ def fused_linear_distill_teachers(
     vocab_size: int | None = None,
 ):
     """The distillation loss of a student toward M teachers, combined as `combine` says ("routed",
-    "geometric", "sum": the module docstring, `flashkd.teachers`, and docs/forms.md), without the logits in
+    "geometric", "arithmetic", "sum": the module docstring, `flashkd.teachers`, and docs/forms.md), without the logits in
     full. teacher_inputs, teacher_heads (and teacher_biases, entries None for none): M each, M >= 1.
     routed takes `teacher_index` (labels' shape, int64 or int32, each row's teacher in [0, M) or −1 for
-    none; one host sync: the groups' sizes), geometric and sum `teacher_weights` (M floats or a float tensor
-    (..., M), >= 0, checked on CPU; a tensor (M,) is read on the host). teacher_logit_scale and
+    none; one host sync: the groups' sizes), geometric, arithmetic and sum `teacher_weights` (M floats or a
+    float tensor (..., M), >= 0, checked on CPU; arithmetic's summing to 1 a row, checked on any device; a tensor
+    (M,) is read on the host). teacher_logit_scale and
     teacher_softcap: one for all or M, per teacher; geometric refuses softcaps. The other keywords are
     `fused_linear_distill`'s, passed through; the returns too: loss, (soft, hard) with
     return_soft_hard_loss, a `DistillStats` with return_stats (per_teacher (M, 3) for routed and sum:
@@ -144,13 +147,12 @@ def fused_linear_distill_teachers(
     weights = (weight_hard_loss, weight_soft_loss)
     if combine == "routed":
         index = _check_index(teacher_index, labels, lead, m)
-        call = None if teacher_precision is not None else _routed_call(
-            student_input, student_weight, student_bias, teachers, labels, row_weight, index,
-            {**options, **{name: given[name] for name in _PER_CALL}})
-        if call is not None:
-            return core.run(call)
-        out = _routed(student_input, student_weight, student_bias, teachers, labels, row_weight, index, weights,
-                      reduction, options)
+        counts, order = _groups(index, m)
+        if teacher_precision is None and counts[0] < index.numel():
+            return core.run(_routed_call(student_input, student_weight, student_bias, teachers, labels, row_weight,
+                                         index, counts, order, {**options, **{name: given[name] for name in _PER_CALL}}))
+        out = _routed(student_input, student_weight, student_bias, teachers, labels, row_weight, counts, order,
+                      weights, reduction, options)
     else:
         w = _check_weights(teacher_weights, lead, m, student_input.device)
         if combine == "arithmetic":
@@ -280,29 +282,25 @@ def _groups(index, m):
     return counts, torch.argsort(keys, stable=True)
 
 
-def _routed_call(xs, ws, bs, teachers, labels, row_weight, index, parsed):
-    """The one call of the routed form: the rows with a teacher, grouped by it (`flashkd.core.mixture`); parsed:
-    the call's loss and option keywords. None where no row has a teacher (`_routed` then gives the zeros)."""
+def _routed_call(xs, ws, bs, teachers, labels, row_weight, index, counts, order, parsed):
+    """The one call of the routed form (`flashkd.core.mixture`): the rows with a teacher, grouped by it (`_groups`:
+    counts, order); parsed: the call's loss and option keywords."""
     m = len(teachers.inputs)
-    counts, order = _groups(index, m)
-    if counts[0] == index.numel():
-        return None
-    sel, starts = order[counts[0]:], [counts[0]]
-    for count in counts[1:m + 1]:
-        starts.append(starts[-1] + count)
+    starts = list(itertools.accumulate(counts[:m + 1]))  # where each teacher's rows start in order, and end
+    sel = order[starts[0]:]
     inputs = tuple(teachers.inputs[t].index_select(0, order[starts[t]:starts[t + 1]]) for t in range(m))
     y, rw = (None if t is None else t.reshape(-1).index_select(0, sel) for t in (labels, row_weight))
     student = calls.Student(xs.reshape(-1, xs.shape[-1]).index_select(0, sel), ws, y, bs, rw)
     routed = calls.Routed(inputs, tuple(teachers.heads), tuple(teachers.biases), tuple(counts[1:m + 1]),
-                          index.reshape(-1).index_select(0, sel), tuple(teachers.scales), tuple(teachers.softcaps))
+                          index.index_select(0, sel), tuple(teachers.scales), tuple(teachers.softcaps))
     return calls.parse(student, routed, parsed)
 
 
-def _routed(xs, ws, bs, teachers, labels, row_weight, index, weights, reduction, options):
+def _routed(xs, ws, bs, teachers, labels, row_weight, counts, order, weights, reduction, options):
+    """Routed as one fused_linear_distill call a group (an FP8 teacher head), or zeros where no row has a teacher."""
     m = len(teachers.inputs)
     hs = xs.shape[-1]
     flat_x = xs.reshape(-1, hs)
-    counts, order = _groups(index, m)
     flat_labels = None if labels is None else labels.reshape(-1)
     flat_rw = None if row_weight is None else row_weight.reshape(-1)
     dtype = torch.float64 if xs.dtype == torch.float64 else torch.float32

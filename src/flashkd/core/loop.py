@@ -51,9 +51,9 @@ def run(call, rows, plan: Plan):
     loss_, soft, hard, *sums = apply(rows.xs, rows.ws, rows.bs, rows.y, rows.rw, plan, *teacher)
     out = (loss_, soft, hard) if options.return_soft_hard_loss else (loss_,)
     if plan.stats:
-        topk = ((sums[4], sums[5], sums[6] if plan.teacher_index is not None else None) if form == "topk" else
-                (None, None, sums[6]) if form == "routed" else (None,))
-        out += (DistillStats(*sums[:4], *topk),)
+        topk = (sums[4], sums[5]) if form == "topk" else (None, None)
+        per_teacher = sums[6] if plan.teacher_index is not None else None  # top-k's teacher_index, or routed
+        out += (DistillStats(*sums[:4], *topk, per_teacher),)
     return out if len(out) > 1 else loss_
 
 

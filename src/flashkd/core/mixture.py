@@ -21,6 +21,7 @@ The teachers are constants. Zero weights give log w = −inf: that teacher adds 
 
 from __future__ import annotations
 
+import itertools
 import math
 
 import torch
@@ -32,24 +33,28 @@ from .checks import check_teacher_heads, renamed
 TEMPORARIES = 3
 
 
-def check(xs, student_input, ws, t, vocab_size) -> tuple:
+def _heads(xs, student_input, ws, t, vocab_size, own_rows=False) -> tuple:
     """Each teacher's (hidden states, head, bias) checked as the heads form's (errors naming teacher_inputs[m],
-    teacher_heads[m], teacher_biases[m]), flattened and cut to the student's V; the weights (N, M) or M floats."""
-    inputs, heads, biases = [], [], []
+    teacher_heads[m], teacher_biases[m]), flattened and cut to the student's V: three tuples. own_rows: each
+    teacher's hidden states are its own rows only (their leading dims are not student_input's)."""
+    out = []
     for m, (x, w, b) in enumerate(zip(t.teacher_inputs, t.teacher_heads, t.teacher_biases)):
         names = {"teacher_input": f"teacher_inputs[{m}]", "teacher_weight": f"teacher_heads[{m}]",
                  "teacher_bias": f"teacher_biases[{m}]"}
         try:
-            x, w, b = check_teacher_heads(xs, student_input, ws, x, w, b, vocab_size)
+            out.append(check_teacher_heads(xs, x if own_rows else student_input, ws, x, w, b, vocab_size))
         except (TypeError, ValueError) as e:
             raise renamed(e, names) from None
-        inputs.append(x)
-        heads.append(w)
-        biases.append(b)
+    return tuple(map(tuple, zip(*out)))
+
+
+def check(xs, student_input, ws, t, vocab_size) -> tuple:
+    """The mixture's heads (`_heads`) and its weights, (N, M) or M floats."""
+    inputs, heads, biases = _heads(xs, student_input, ws, t, vocab_size)
     weights = t.teacher_weights
     if isinstance(weights, torch.Tensor):
         weights = weights.reshape(xs.shape[0], len(heads))
-    return tuple(inputs), tuple(heads), tuple(biases), weights, tuple(t.scales), tuple(t.softcaps)
+    return inputs, heads, biases, weights, tuple(t.scales), tuple(t.softcaps)
 
 
 def block(teacher: tuple, c: slice, tau: float, linear) -> torch.Tensor:
@@ -58,9 +63,9 @@ def block(teacher: tuple, c: slice, tau: float, linear) -> torch.Tensor:
     acc = None
     for m in range(len(heads)):
         z = linear(inputs[m][c], heads[m], biases[m])  # a new tensor: changed in place below
-        z = logit_transform(z, scales[m], softcaps[m])
+        z = logit_transform(z, scales[m], softcaps[m])  # new too, where it changes z
         if tau != 1.0:
-            z = z / tau
+            z.div_(tau)
         if isinstance(weights, torch.Tensor):
             log_w = weights[c, m].to(z.dtype).log()[:, None]
         else:
@@ -71,22 +76,9 @@ def block(teacher: tuple, c: slice, tau: float, linear) -> torch.Tensor:
 
 
 def check_routed(xs, ws, t, vocab_size) -> tuple:
-    """Each teacher's (own rows' hidden states, head, bias) checked as the heads form's, cut to the student's V;
-    their row counts' starts (M + 1 ints)."""
-    heads, biases = [], []
-    for m, (x, w, b) in enumerate(zip(t.teacher_inputs, t.teacher_heads, t.teacher_biases)):
-        names = {"teacher_input": f"teacher_inputs[{m}]", "teacher_weight": f"teacher_heads[{m}]",
-                 "teacher_bias": f"teacher_biases[{m}]"}
-        try:
-            _, w, b = check_teacher_heads(xs, x, ws, x, w, b, vocab_size)  # (its leading dims: its own rows)
-        except (TypeError, ValueError) as e:
-            raise renamed(e, names) from None
-        heads.append(w)
-        biases.append(b)
-    starts = [0]
-    for count in t.counts:
-        starts.append(starts[-1] + count)
-    return tuple(t.teacher_inputs), tuple(heads), tuple(biases), tuple(starts), tuple(t.scales), tuple(t.softcaps)
+    """The routed teachers' heads (`_heads`, each its own rows) and their row counts' starts (M + 1 ints)."""
+    inputs, heads, biases = _heads(xs, None, ws, t, vocab_size, own_rows=True)
+    return inputs, heads, biases, (0, *itertools.accumulate(t.counts)), tuple(t.scales), tuple(t.softcaps)
 
 
 def routed_block(teacher: tuple, c: slice, linear) -> torch.Tensor:
