@@ -1,5 +1,5 @@
-"""The dense rows of Jeffreys, the triangular discrimination, Amari's α-, Rényi's (both directions) and the
-αβ-divergence in the Triton row kernel (`flashkd.backends.triton_rows`), against the float64 oracle
+"""The dense rows of Jeffreys, the triangular discrimination, Amari's α-, Rényi's (both directions), the
+αβ-divergence and the entropy-gated KL blend in the Triton row kernel (`flashkd.backends.triton_rows`), against the float64 oracle
 (tests/oracle.py, the papers' formulas) and the torch backend.
 
 fp32 inputs on irregular shapes (V = 37, H = 11, N = 19, chunk_size 5); without a GPU the kernel runs
@@ -30,16 +30,21 @@ if not INTERPRET and not torch.cuda.is_available():
 
 RTOL = 2e-5
 N, H, V = 19, 11, 37
-MOVED = ["jeffreys", "triangular", "alpha_divergence", "renyi", "renyi_reverse", "ab_divergence"]
+MOVED = ["jeffreys", "triangular", "alpha_divergence", "renyi", "renyi_reverse", "ab_divergence", "entropy_adaptive"]
+GATE = dict(gate_min=0.1, gate_max=0.8, gate_center=0.4, gate_width=0.2)
 # each at interior parameters, and at their ends (and Rényi where its forms change: r = 1, r > 1)
 CASES = [("jeffreys", {}), ("triangular", {}), ("alpha_divergence", dict(alpha=0.3)), ("renyi", dict(alpha=0.7)),
-         ("renyi_reverse", dict(alpha=1.4)), ("ab_divergence", dict(alpha=0.6, beta=1.3)),
+         ("renyi_reverse", dict(alpha=1.4)), ("ab_divergence", dict(alpha=0.6, beta=1.3)), ("entropy_adaptive", GATE),
          ("alpha_divergence", dict(alpha=1e-3)), ("alpha_divergence", dict(alpha=0.999)),
          ("renyi", dict(alpha=2.0)), ("renyi", dict(alpha=0.02)), ("renyi", dict(alpha=1.0)),
          ("renyi_reverse", dict(alpha=1.0)), ("renyi_reverse", dict(alpha=0.2)), ("renyi_reverse", dict(alpha=2.0)),
          ("renyi_reverse", dict(alpha=0.999)),
          ("ab_divergence", dict(alpha=0.05, beta=2.0)), ("ab_divergence", dict(alpha=2.0, beta=0.05)),
-         ("ab_divergence", dict(alpha=0.05, beta=0.05)), ("ab_divergence", dict(alpha=2.0, beta=2.0))]
+         ("ab_divergence", dict(alpha=0.05, beta=0.05)), ("ab_divergence", dict(alpha=2.0, beta=2.0)),
+         # the gate's ends: w = 1 (forward KL), w = 0 (reverse KL), a step at the center (w saturating to 0 or 1)
+         ("entropy_adaptive", dict(gate_min=1.0, gate_max=1.0)), ("entropy_adaptive", dict(gate_min=0.0, gate_max=0.0)),
+         ("entropy_adaptive", dict(gate_min=0.0, gate_max=1.0, gate_center=0.9, gate_width=1e-3))]
+FIRST = CASES[:7]  # one case of each loss
 ORACLE_DEFAULTS = dict(alpha=0.1, beta=0.5)
 
 
@@ -95,7 +100,7 @@ def test_heads_against_the_oracle(case, seed, kernel_calls):
     _against_oracle(*case, seed, dict(temperature=0.9), kernel_calls=kernel_calls)
 
 
-@pytest.mark.parametrize("case", CASES[:6], ids=_ids)
+@pytest.mark.parametrize("case", FIRST, ids=_ids)
 @pytest.mark.parametrize("option", ["transforms", "sum_tau2"])
 def test_dense_logits_with_options(case, option, seed, kernel_calls):
     """The dense-logits form, with both heads' transforms (a softcap and scales: the kernel's folded path) or
@@ -121,7 +126,8 @@ def _rows_oracle(s, t, labels, loss, params, temperature, scale):
     a = s.double().requires_grad_()
     lq, lp = torch.log_softmax(a / temperature, -1), torch.log_softmax(t.double() / temperature, -1)
     p = {**ORACLE_DEFAULTS, **params}
-    soft = _divergence(lq.exp(), lp.exp(), loss, p["beta"], p["alpha"], logs=(lq, lp))
+    gate = tuple(params.get(k, d) for k, d in (("gate_min", 0.0), ("gate_max", 1.0), ("gate_center", 0.5), ("gate_width", 0.1)))
+    soft = _divergence(lq.exp(), lp.exp(), loss, p["beta"], p["alpha"], logs=(lq, lp), gate=gate)
     soft = torch.where(labels != -100, soft, 0.0)
     (ds,) = torch.autograd.grad(soft.sum() * scale, a)
     return soft.detach(), ds
@@ -247,7 +253,7 @@ def test_infinite_where_the_formula_is(loss):
     second = s if loss in ("jeffreys", "renyi") else t
     second[0, 4] = -torch.inf
     params = dict(alpha=1.5) if loss.startswith("renyi") else dict(alpha=0.3) if loss == "alpha_divergence" else \
-        dict(alpha=0.6, beta=1.3) if loss == "ab_divergence" else {}
+        dict(alpha=0.6, beta=1.3) if loss == "ab_divergence" else GATE if loss == "entropy_adaptive" else {}
     spec = LossSpec(loss=loss, **params)
     soft, _ = triton_rows.rows(s.clone(), t, None, spec, torch.tensor(1.0), False)
     want = _rows_oracle(s, t, torch.zeros(3, dtype=torch.long), loss, params, 1.0, 1.0)[0] \
@@ -258,7 +264,7 @@ def test_infinite_where_the_formula_is(loss):
         torch.testing.assert_close(soft.double(), want, rtol=RTOL, atol=0)
 
 
-@pytest.mark.parametrize("case", CASES[:6], ids=_ids)
+@pytest.mark.parametrize("case", FIRST, ids=_ids)
 def test_return_stats(case, seed):
     xs, ws, xt, wt, bs, labels = _case(seed)
     opts = dict(loss=case[0], temperature=1.3, return_stats=True, chunk_size=5, **case[1])
@@ -271,7 +277,7 @@ def test_return_stats(case, seed):
 
 
 @pytest.mark.parametrize("grad", [True, False])
-@pytest.mark.parametrize("case", CASES[:6] + [("renyi", dict(alpha=2.0)), ("renyi_reverse", dict(alpha=1.0))], ids=_ids)
+@pytest.mark.parametrize("case", FIRST + [("renyi", dict(alpha=2.0)), ("renyi_reverse", dict(alpha=1.0))], ids=_ids)
 def test_rows_sharded_over_vocab_slices(case, grad, seed):
     """The vocab-parallel phases (each slice's pass 1, the statistics gathered, pass 2, its sums added over the
     ranks, pass 3; Jeffreys' online KL(q‖p) among the gathered statistics): the unsharded kernel's rows."""
@@ -296,8 +302,8 @@ def test_rows_sharded_over_vocab_slices(case, grad, seed):
 
 def test_routing():
     """The moved losses' dense rows run in the kernel on "triton" (and "auto" on a GPU), also under a process
-    group (the sharded phases above); the entropy blend, DKD and AKL stay on the torch rows; fp64 on the torch
-    rows; the CuTe path's per-tile statistics are not offered to them."""
+    group (the sharded phases above); DKD and AKL stay on the torch rows; fp64 on the torch rows; the CuTe
+    path's per-tile statistics are not offered to them."""
     x32, x64 = torch.zeros(2, 3), torch.zeros(2, 3, dtype=torch.float64)
     for loss in MOVED:
         assert loss in triton_rows.KERNEL_LOSSES and loss not in core.backend.TORCH_ROW_LOSSES
@@ -305,15 +311,15 @@ def test_routing():
         assert core.backend.pick_backend("triton", x64, loss) == "torch"
         assert loss not in core.backend.AUTO_CUTE_LOSSES
         assert not triton_rows.tiles_fit(LossSpec(loss=loss), True, False, True)
-    for loss in ("akl", "entropy_adaptive", "dkd"):
+    for loss in ("akl", "dkd"):
         assert core.backend.pick_backend("triton", x32, loss) == "torch"
 
 
 @pytest.mark.parametrize("loss", MOVED)
 def test_ignored_rows_and_columns_at_minus_inf_in_both(loss, seed):
     """Ignored rows get 0 and a zero gradient whatever they hold; columns at −inf in s and t both are absent."""
-    params = dict(alpha=0.6, beta=1.3) if loss == "ab_divergence" else dict(alpha=0.4) if loss != "jeffreys" and \
-        loss != "triangular" else {}
+    params = dict(alpha=0.6, beta=1.3) if loss == "ab_divergence" else GATE if loss == "entropy_adaptive" else \
+        dict(alpha=0.4) if loss not in ("jeffreys", "triangular") else {}
     g = torch.Generator().manual_seed(seed)
     s, t = torch.randn(4, V + 5, generator=g) * 3, torch.randn(4, V + 5, generator=g) * 3
     s[:, :5] = t[:, :5] = -torch.inf
@@ -353,3 +359,30 @@ def test_topk_ignored_rows_whose_teacher_fills_the_ids(loss, seed):
     for got, want in zip(out["triton"], out["torch"]):
         assert torch.isfinite(want).all() and torch.isfinite(got).all()
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.parametrize("loss,params,twin", [("entropy_adaptive", dict(gate_min=1.0, gate_max=1.0), "forward_kl"),
+                                              ("entropy_adaptive", dict(gate_min=0.0, gate_max=0.0), "reverse_kl")])
+def test_a_gate_at_its_end_is_the_kl_it_keeps(loss, params, twin, seed, kernel_calls):
+    """The entropy blend at w = 1 is forward KL, at w = 0 reverse KL, also where the KL it drops is infinite
+    (the teacher rules out ids the student keeps for w = 1; the student those the teacher keeps for w = 0):
+    value and gradients those of the kept KL's own kernel, finite, no 0 · inf."""
+    xs, ws, xt, wt, bs, labels = _case(seed)
+    tl = (xt @ wt.T).float()
+    bias = bs.float().clone()
+    if twin == "forward_kl":
+        tl[:, 3] = -torch.inf
+        tl[::2, 10:14] = -torch.inf
+    else:
+        bias[3] = bias[20] = -torch.inf
+        labels = torch.where((labels == 3) | (labels == 20), 0, labels)  # the CE of a ruled-out label is inf
+    outs = []
+    for name, opts in ((loss, params), (twin, {})):
+        x, w = xs.float().requires_grad_(), ws.float().requires_grad_()
+        out = flashkd.fused_linear_distill_logits(x, w, tl, labels, student_bias=bias, backend="triton", chunk_size=5,
+                                                  loss=name, temperature=0.8, weight_hard_loss=0.2, **opts)
+        outs.append((out, *torch.autograd.grad(out, (x, w))))
+    assert loss in kernel_calls and twin in kernel_calls
+    for got, want in zip(*outs):
+        assert torch.isfinite(got).all()
+        torch.testing.assert_close(got, want, rtol=RTOL, atol=1e-7)

@@ -46,6 +46,16 @@ def _mp_loss_and_dq(q, p, loss, params, y):
         c = alpha + beta
         value = -sum(pj ** alpha * qj ** beta - alpha / c * pj ** c - beta / c * qj ** c for qj, pj in zip(q, p))
         return value / (alpha * beta), [(qj ** (c - 1) - pj ** alpha * qj ** (beta - 1)) / alpha for qj, pj in zip(q, p)]
+    if loss == "entropy_adaptive":  # orda-kernel's blend: w KL(p‖q) + (1 − w) KL(q‖p), w the teacher's (a constant)
+        lo, hi = mpmath.mpf(params.get("gate_min", 0.0)), mpmath.mpf(params.get("gate_max", 1.0))
+        center, width = mpmath.mpf(params.get("gate_center", 0.5)), mpmath.mpf(params.get("gate_width", 0.1))
+        def kl(a, b):  # 0 log 0 = 0; +inf where b = 0 < a
+            return sum(0 if aj == 0 else mpmath.inf if bj == 0 else aj * log(aj / bj) for aj, bj in zip(a, b))
+
+        h = -sum(pj * log(pj) for pj in p if pj > 0) / log(len(p)) if len(p) > 1 else 0
+        w = lo + (hi - lo) / (1 + mpmath.exp(-(h - center) / width))
+        value = (w * kl(p, q) if w > 0 else 0) + ((1 - w) * kl(q, p) if w < 1 else 0)
+        return value, [-w * pj / qj + (1 - w) * (log(qj / pj) + 1 if pj > 0 else mpmath.inf) for qj, pj in zip(q, p)]
     if loss == "dkd":
         py, qy = p[y], q[y]
         tckd = py * log(py / qy) + (1 - py) * log((1 - py) / (1 - qy))

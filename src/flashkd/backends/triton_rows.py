@@ -48,7 +48,9 @@ power a constexpr, `_psi_mode`). Pass 2 sums, and pass 3 writes:
     alpha_divergence  A = Σ p ψ-terms (the loss)            c ((q − e) / (1 − α) − q α A),  e = p^(1−α) q^α
     ab_divergence     Σ terms,  H = Σ h                     c (h − q H) / α
     renyi(_reverse)   S = Σ p^r q^(1−r) (q^r p^(1−r)), A    c (q − e/S);  c r/(r − 1) (e/S − q)  (r = 1: c q ln 2 (δ − D))
-with c = scale · soft_scale / τ. Rényi's loss is r A log1p(z)/z, z = r (r − 1) A, on rows with |log S| ≤ ¼, else
+    entropy_adaptive  KL(p‖q), K = KL(q‖p), −Σ p log2 p, n  c (w (q − p) + (1 − w) q (δ ln 2 − K))
+with c = scale · soft_scale / τ; the entropy gate w = gate_min + (gate_max − gate_min) sigmoid((h − center) /
+width), h = −Σ p log2 p / log2 n over the n ids with mass on either side, is the row's, between passes 2 and 3. Rényi's loss is r A log1p(z)/z, z = r (r − 1) A, on rows with |log S| ≤ ¼, else
 log S / (r − 1) (`flashkd.losses.renyi`); its log S is the gradient's. r − 1 and 1 − γ are the host's 1 − r
 and γ' (`_powers`), not rounded from r in fp32. Their rows are exact to fp32 where p ≈ q, but for the αβ of
 α + β ≠ 1, which moves at first order with the normalisers' fp32 rounding; dL/ds carries that rounding times
@@ -149,7 +151,7 @@ _LABEL_DTYPES = (torch.int32, torch.int64)
 _SCALE_DTYPES = (torch.float32, torch.float64)  # read as fp32 either way
 # their gradient needs a row scalar that pass 2 computes
 _LATE_GRAD = ("jsd", "tvd", "skew_kl", "skew_reverse_kl", "jeffreys", "triangular", "alpha_divergence", "ab_divergence", "renyi",
-              "renyi_reverse")
+              "renyi_reverse", "entropy_adaptive")
 # the power family: their terms are the α-family's generator ψ (`_power_term`) of p and q at powers pow_p, pow_q
 _POWER_LOSSES = ("alpha_divergence", "ab_divergence", "renyi", "renyi_reverse")
 
@@ -166,6 +168,7 @@ _ALPHA_DIV: tl.constexpr = tl.constexpr(LOSS_ID["alpha_divergence"])
 _AB_DIV: tl.constexpr = tl.constexpr(LOSS_ID["ab_divergence"])
 _RENYI: tl.constexpr = tl.constexpr(LOSS_ID["renyi"])
 _RENYI_REVERSE: tl.constexpr = tl.constexpr(LOSS_ID["renyi_reverse"])
+_ENTROPY_ADAPTIVE: tl.constexpr = tl.constexpr(LOSS_ID["entropy_adaptive"])
 _NORM_EPS: tl.constexpr = tl.constexpr(COSINE_EPS)
 _LOG2_MIN: tl.constexpr = tl.constexpr(-(2.0**100))  # see _mixture
 # A sharded row's part (PHASE 1): m_s, l_s, l_c, m_t, l_t, r_kl, Σs², Σt², Σst, r_ent over this rank's
@@ -524,6 +527,13 @@ def _loss_pass(
                         acc += _power_term(lp, lq, d, pow_p, pow_q, PSI)
                         h = _gap(lq * (pow_p + pow_q), lp * pow_p + lq * pow_q, d * pow_p)
                         acc2 += tl.where(lq == -float("inf"), 0.0, h)
+                    elif LOSS == _ENTROPY_ADAPTIVE:  # KL(p‖q), KL(q‖p) in terms ≥ 0, −Σ p log2 p, n present
+                        p = tl.exp2(lp)
+                        d = _log2_ratio(a, b, lq, lp, row_gap, log2e_tau, SCALED)
+                        acc += _power_term(lp, lq, d, 1.0, 0.0, PSI)  # `flashkd.losses._kl_terms`
+                        acc2 += _power_term(lq, lp, -d, 1.0, 0.0, PSI)
+                        acc3 -= times(p, lp)
+                        acc4 += tl.where((lq > -float("inf")) | (lp > -float("inf")), 1.0, 0.0)
                     else:  # _TVD: acc2, acc3, acc4 = the mass of q where q < p, q > p, q = p
                         p = tl.exp2(lp)
                         acc += tl.abs(q - p)
@@ -576,6 +586,9 @@ def _grad_pass(
         elif LOSS == _JEFFREYS:  # c_st ((q − p) + q (log(q/p) − K)): f1 (q − p) + q (f_lo log2(q/p) + f0)
             present = (lq > -float("inf")) | (lp > -float("inf"))
             g = tl.where(present, f1 * _gap(lq, lp, d), 0.0) + times(q, f_lo * d + f0)
+        elif LOSS == _ENTROPY_ADAPTIVE:  # Jeffreys' form with the gate's weights; at w = 1 no reverse KL (d may be inf)
+            present = (lq > -float("inf")) | (lp > -float("inf"))
+            g = tl.where(present, f1 * _gap(lq, lp, d), 0.0) + times(q, tl.where(f_lo != 0.0, f_lo * d, 0.0) + f0)
         elif LOSS == _TRIANGULAR:  # c_st q (g − Σ q g), g = (q − p)(q + 3p) / (q + p)²
             p = tl.exp2(lp)
             both = q + p
@@ -884,6 +897,16 @@ def _divergence(acc, acc2, acc3, acc4, soft, beta, log2_beta, log2_1mbeta, pow_p
             far = log_s / tl.where(r_1 == 0.0, 1.0, r_1)
             soft = tl.where(near, r * acc2 * ratio, far)
             tvd_zero = tl.where(near, z * ratio, log_s) * LOG2E
+        elif LOSS == _ENTROPY_ADAPTIVE:  # the gate w in tvd_zero, K = KL(q‖p) in k_jsd
+            # w = gate_min + (gate_max − gate_min) sigmoid((h − center) / width), h = H(p) / log n (0 for n ≤ 1):
+            # gate_min, its span, center and width in pow_p, pow_q, log2_beta, log2_1mbeta (`_powers`)
+            many = acc4 > 1.0
+            h = tl.where(many, acc3 / (LOG2E * tl.log(tl.where(many, acc4, 2.0))), 0.0)
+            w = pow_p + pow_q * tl.sigmoid((h - log2_beta) / log2_1mbeta)
+            # a KL whose weight is 0 adds nothing, also where it is infinite
+            soft = tl.where(w > 0.0, w * acc, 0.0) + tl.where(w < 1.0, (1.0 - w) * acc2, 0.0)
+            k_jsd = acc2
+            tvd_zero = w
         elif LOSS == _TVD:
             soft = 0.5 * acc
             # σ − Σ q σ, for σ = +1, −1, 0, from the masses below / above / at p, which sum to 1:
@@ -922,6 +945,10 @@ def _pass3_factors(c_q, c_st, beta, log2_1mbeta, pow_p, pow_q, soft, k_jsd, tvd_
         f1 = c_st
         f_lo = c_st * LN2
         f0 = c_q - c_st * LN2 * k_jsd
+    elif LOSS == _ENTROPY_ADAPTIVE:  # c_st (w (q − p) + (1 − w) q ln 2 (log2(q/p) − K)), w in tvd_zero
+        f1 = c_st * tvd_zero
+        f_lo = c_st * (1.0 - tvd_zero) * LN2
+        f0 = c_q - tl.where(tvd_zero < 1.0, c_st * (1.0 - tvd_zero) * k_jsd, 0.0)
     elif LOSS == _TRIANGULAR:  # c_st q (g − Σ q g)
         f1 = c_st
         f0 = c_q - c_st * k_jsd
@@ -1258,6 +1285,8 @@ class _Launch:
             log2_mix = (math.log2(spec.alpha), _log2_1m(spec.alpha))
         elif use_soft and kind == "skew_reverse_kl":
             log2_mix = (_log2_1m(spec.alpha), math.log2(spec.alpha))
+        elif use_soft and kind == "entropy_adaptive":  # its gate's center and width ride in these two floats
+            log2_mix = (float(spec.gate_center), float(spec.gate_width))
         # pass 1 takes a KL online when that spares a pass: forward KL's gradient pass computes its loss anyway
         online_kl = use_soft and (kind == "reverse_kl" or (kind == "forward_kl" and grad_pass != 2))
         pow_p, pow_q = _powers(spec, kind) if use_soft else (1.0, 0.0)
@@ -1323,7 +1352,9 @@ class _Launch:
             STATS=stats,
             RTNE_BITS=rtne_bits(ds),
             IN_PLACE=in_place,
-            PSI=_psi_mode(pow_q / (pow_p + pow_q)) + 8 * _psi_mode(pow_p / (pow_p + pow_q)) if kind in _POWER_LOSSES else 0,
+            # the entropy blend's KL terms are the power family's at powers (1, 0): ψ's modes for γ = 0 and 1 − γ = 1
+            PSI=_psi_mode(pow_q / (pow_p + pow_q)) + 8 * _psi_mode(pow_p / (pow_p + pow_q)) if kind in _POWER_LOSSES
+            else _psi_mode(0.0) + 8 * _psi_mode(1.0) if kind == "entropy_adaptive" else 0,
             # only where a side has a softcap: other kernels keep one specialisation whatever the masks
             RCP_FMA=_cap_bits(SOFTCAP_RCP_FMA.get(kind, 0), s_head, t_head),
             BLOCK_V=block,
@@ -1360,12 +1391,12 @@ def _writing_pass(spec: LossSpec, grad: bool) -> int:
     return 3 if spec.want_soft and spec.soft_scale != 0.0 and kernel_kind(spec) in _LATE_GRAD else 2
 
 
-# The dense losses this kernel computes (AKL's head needs an order of the row's p, the entropy blend and DKD
-# have no kernel yet: the torch rows run them, `chunks.TORCH_ROW_LOSSES`).
+# The dense losses this kernel computes (AKL's head needs an order of the row's p, DKD has no kernel yet: the
+# torch rows run them, `flashkd.core.backend.TORCH_ROW_LOSSES`).
 KERNEL_LOSSES = ("jsd", "forward_kl", "reverse_kl", "tvd", "cosine", "skew_kl", "skew_reverse_kl", "jeffreys",
-                 "triangular", "alpha_divergence", "renyi", "renyi_reverse", "ab_divergence")
+                 "triangular", "alpha_divergence", "renyi", "renyi_reverse", "ab_divergence", "entropy_adaptive")
 # the kernel's losses whose statistics per vocab tile (`tiles_fit`) are not offered: those the CuTe path had
-_NO_TILES = ("jeffreys", "triangular", "alpha_divergence", "renyi", "renyi_reverse", "ab_divergence")
+_NO_TILES = ("jeffreys", "triangular", "alpha_divergence", "renyi", "renyi_reverse", "ab_divergence", "entropy_adaptive")
 
 
 def kernel_kind(spec: LossSpec) -> str:
@@ -1381,7 +1412,8 @@ def kernel_kind(spec: LossSpec) -> str:
 def _powers(spec: LossSpec, kind: str) -> tuple[float, float]:
     """(pow_p, pow_q) of the power family's cross term p^pow_p q^pow_q (`_power_term`): Amari's
     p^(1−α) q^α, the αβ-divergence's p^α q^β, Rényi's p^r q^(1−r) (renyi) and q^r p^(1−r) (renyi_reverse);
-    (1, 0), unused, for the other losses."""
+    the entropy gate's (gate_min, gate_max − gate_min) (its center and width ride in the mixture's two floats,
+    `_Launch`); (1, 0), unused, for the other losses."""
     if kind == "alpha_divergence":
         return 1.0 - float(spec.alpha), float(spec.alpha)
     if kind == "ab_divergence":
@@ -1390,6 +1422,8 @@ def _powers(spec: LossSpec, kind: str) -> tuple[float, float]:
         return float(spec.alpha), 1.0 - float(spec.alpha)
     if kind == "renyi_reverse":
         return 1.0 - float(spec.alpha), float(spec.alpha)
+    if kind == "entropy_adaptive":
+        return float(spec.gate_min), float(spec.gate_max) - float(spec.gate_min)
     return 1.0, 0.0
 
 
