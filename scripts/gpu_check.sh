@@ -50,7 +50,7 @@ for stage in $stages; do
     bench-losses) python3 -m flashkd bench --preset seed -n 8192 --loss forward_kl reverse_kl tvd --providers flashkd floor \
       --modes full no-grad-forward --out "$OUT/losses" 2>&1 | tee "$OUT/bench-losses.log" || status=1 ;;
     # every divergence beside JSD at the seed, orda-kernel 0.1.0 (from .whl/) beside flashkd where it has the loss
-    # (its fused Triton path on the GPU; tvd, akl and the cosine are not among its losses) (the dense rows of AKL and DKD run on the torch
+    # (its fused Triton path on the GPU; tvd, akl and the cosine are not among its losses) (the dense rows of AKL run on the torch
     # definition for now, the rest in the Triton kernel), and on a top-k teacher (the Triton backend's passes, the
     # categories' math in torch for all but JSD and the KLs)
     bench-divergences) { python3 -m flashkd bench --preset seed -n 8192 --loss jsd forward_kl skew_kl skew_reverse_kl \

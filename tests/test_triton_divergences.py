@@ -1,5 +1,5 @@
 """The dense rows of Jeffreys, the triangular discrimination, Amari's α-, Rényi's (both directions), the
-αβ-divergence and the entropy-gated KL blend in the Triton row kernel (`flashkd.backends.triton_rows`), against the float64 oracle
+αβ-divergence, the entropy-gated KL blend and DKD in the Triton row kernel (`flashkd.backends.triton_rows`), against the float64 oracle
 (tests/oracle.py, the papers' formulas) and the torch backend.
 
 fp32 inputs on irregular shapes (V = 37, H = 11, N = 19, chunk_size 5); without a GPU the kernel runs
@@ -30,12 +30,12 @@ if not INTERPRET and not torch.cuda.is_available():
 
 RTOL = 2e-5
 N, H, V = 19, 11, 37
-MOVED = ["jeffreys", "triangular", "alpha_divergence", "renyi", "renyi_reverse", "ab_divergence", "entropy_adaptive"]
+MOVED = ["jeffreys", "triangular", "alpha_divergence", "renyi", "renyi_reverse", "ab_divergence", "entropy_adaptive", "dkd"]
 GATE = dict(gate_min=0.1, gate_max=0.8, gate_center=0.4, gate_width=0.2)
 # each at interior parameters, and at their ends (and Rényi where its forms change: r = 1, r > 1)
 CASES = [("jeffreys", {}), ("triangular", {}), ("alpha_divergence", dict(alpha=0.3)), ("renyi", dict(alpha=0.7)),
          ("renyi_reverse", dict(alpha=1.4)), ("ab_divergence", dict(alpha=0.6, beta=1.3)), ("entropy_adaptive", GATE),
-         ("alpha_divergence", dict(alpha=1e-3)), ("alpha_divergence", dict(alpha=0.999)),
+         ("dkd", dict(alpha=1.0, beta=8.0)), ("alpha_divergence", dict(alpha=1e-3)), ("alpha_divergence", dict(alpha=0.999)),
          ("renyi", dict(alpha=2.0)), ("renyi", dict(alpha=0.02)), ("renyi", dict(alpha=1.0)),
          ("renyi_reverse", dict(alpha=1.0)), ("renyi_reverse", dict(alpha=0.2)), ("renyi_reverse", dict(alpha=2.0)),
          ("renyi_reverse", dict(alpha=0.999)),
@@ -43,8 +43,10 @@ CASES = [("jeffreys", {}), ("triangular", {}), ("alpha_divergence", dict(alpha=0
          ("ab_divergence", dict(alpha=0.05, beta=0.05)), ("ab_divergence", dict(alpha=2.0, beta=2.0)),
          # the gate's ends: w = 1 (forward KL), w = 0 (reverse KL), a step at the center (w saturating to 0 or 1)
          ("entropy_adaptive", dict(gate_min=1.0, gate_max=1.0)), ("entropy_adaptive", dict(gate_min=0.0, gate_max=0.0)),
-         ("entropy_adaptive", dict(gate_min=0.0, gate_max=1.0, gate_center=0.9, gate_width=1e-3))]
-FIRST = CASES[:7]  # one case of each loss
+         ("entropy_adaptive", dict(gate_min=0.0, gate_max=1.0, gate_center=0.9, gate_width=1e-3)),
+         # DKD with one of its two terms, and weights unlike the paper's
+         ("dkd", dict(alpha=0.0, beta=1.0)), ("dkd", dict(alpha=2.5, beta=0.0)), ("dkd", dict(alpha=0.3, beta=0.7))]
+FIRST = CASES[:8]  # one case of each loss
 ORACLE_DEFAULTS = dict(alpha=0.1, beta=0.5)
 
 
@@ -119,15 +121,14 @@ def _rows_oracle(s, t, labels, loss, params, temperature, scale):
     if not (loss.startswith("renyi") and params["alpha"] == 1.0):
         finite = torch.isfinite(s) | torch.isfinite(t)
         if finite.all():
-            value, dz = mp_rows(s.double() / temperature, t.double() / temperature, loss, params,
-                                 torch.zeros(s.shape[0], dtype=torch.long))
+            value, dz = mp_rows(s.double() / temperature, t.double() / temperature, loss, params, labels.clamp_min(0))
             valid = (labels != -100)
             return torch.where(valid, value, 0.0), torch.where(valid[:, None], dz * (scale / temperature), 0.0)
     a = s.double().requires_grad_()
     lq, lp = torch.log_softmax(a / temperature, -1), torch.log_softmax(t.double() / temperature, -1)
     p = {**ORACLE_DEFAULTS, **params}
     gate = tuple(params.get(k, d) for k, d in (("gate_min", 0.0), ("gate_max", 1.0), ("gate_center", 0.5), ("gate_width", 0.1)))
-    soft = _divergence(lq.exp(), lp.exp(), loss, p["beta"], p["alpha"], logs=(lq, lp), gate=gate)
+    soft = _divergence(lq.exp(), lp.exp(), loss, p["beta"], p["alpha"], logs=(lq, lp), gate=gate, labels=labels)
     soft = torch.where(labels != -100, soft, 0.0)
     (ds,) = torch.autograd.grad(soft.sum() * scale, a)
     return soft.detach(), ds
@@ -156,11 +157,20 @@ def _grad_slack(s, t, temperature, scale, loss=None, params=None):
     return 8 * torch.finfo(torch.float32).eps * scale / temperature * w
 
 
-def _normalisation_slack(s, t, loss, params, temperature):
+def _normalisation_slack(s, t, loss, params, temperature, labels=None):
     """Per row, how far the loss moves where q and p are each scaled by 1 + O(fp32 eps), as a softmax's
     normaliser summed in fp32 is: 0 to first order for the losses that are 0 at q = p on any scale, but the
     αβ-divergence of c = α + β ≠ 1, whose terms are homogeneous of degree c: there the first-order change
     ε Σ q^β (q^α − p^α)/α (and p's likewise) is not small beside a loss of (q − p)²."""
+    if loss == "dkd" and params["alpha"] != 0.0:
+        # TCKD's log(q_y / p_y) carries the difference of the two rows' fp32 logsumexps, whose rounding no sum
+        # over the vocab cancels (the binary's other log-ratio follows from it: P − Q = q_y − p_y); the loss
+        # moves by α |∂TCKD/∂log q_y| = α |q_y − p_y| / (1 − q_y) times that rounding
+        a, b = s.double() / temperature, t.double() / temperature
+        y = labels.clamp_min(0)[:, None]
+        lq, lp = torch.log_softmax(a, -1).gather(1, y)[:, 0], torch.log_softmax(b, -1).gather(1, y)[:, 0]
+        rounding = 8 * torch.finfo(torch.float32).eps * (a.logsumexp(-1).abs() + b.logsumexp(-1).abs() + 1.0)
+        return params["alpha"] * (lq.exp() - lp.exp()).abs() / -torch.expm1(lq) * rounding
     if loss != "ab_divergence" or params["alpha"] + params["beta"] == 1.0:
         return 0.0
     q = torch.softmax(s.double() / temperature, -1)
@@ -186,7 +196,7 @@ def test_rows_near_p_equals_q(case, gap, seed):
     soft, ds = _kernel_rows(s, t, labels, loss, params, 0.9, 0.5)
     want, want_ds = _rows_oracle(s, t, labels, loss, params, 0.9, 0.5)
     assert (soft[2] == 0).all() and (ds[2] == 0).all()
-    slack = _normalisation_slack(s, t, loss, params, 0.9)
+    slack = _normalisation_slack(s, t, loss, params, 0.9, labels)
     err = (soft.double() - want).abs()
     assert (err <= RTOL * want.abs() + slack).all(), (err / want.abs()).tolist()
     assert ((ds.double() - want_ds).abs() <= RTOL * want_ds.abs().max() + _grad_slack(s, t, 0.9, 0.5, loss, params)).all()
@@ -210,7 +220,7 @@ def test_rows_at_trained_magnitudes(case, seed):
     want, want_ds = _rows_oracle(s, t, labels, loss, params, 1.0, 1.0)
     assert torch.isfinite(soft).all() and torch.isfinite(ds).all()
     err = (soft.double() - want).abs()
-    assert (err <= RTOL * want.abs() + _normalisation_slack(s, t, loss, params, 1.0)).all(), (err / want).tolist()
+    assert (err <= RTOL * want.abs() + _normalisation_slack(s, t, loss, params, 1.0, labels)).all(), (err / want).tolist()
     assert ((ds.double() - want_ds).abs() <= RTOL * want_ds.abs().max() + _grad_slack(s, t, 1.0, 1.0, loss, params)).all()
 
 
@@ -253,9 +263,11 @@ def test_infinite_where_the_formula_is(loss):
     second = s if loss in ("jeffreys", "renyi") else t
     second[0, 4] = -torch.inf
     params = dict(alpha=1.5) if loss.startswith("renyi") else dict(alpha=0.3) if loss == "alpha_divergence" else \
-        dict(alpha=0.6, beta=1.3) if loss == "ab_divergence" else GATE if loss == "entropy_adaptive" else {}
+        dict(alpha=0.6, beta=1.3) if loss == "ab_divergence" else GATE if loss == "entropy_adaptive" else \
+        dict(alpha=1.0, beta=8.0) if loss == "dkd" else {}
     spec = LossSpec(loss=loss, **params)
-    soft, _ = triton_rows.rows(s.clone(), t, None, spec, torch.tensor(1.0), False)
+    labels = torch.zeros(3, dtype=torch.long) if loss == "dkd" else None  # DKD's target class
+    soft, _ = triton_rows.rows(s.clone(), t, labels, spec, torch.tensor(1.0), False)
     want = _rows_oracle(s, t, torch.zeros(3, dtype=torch.long), loss, params, 1.0, 1.0)[0] \
         if loss not in ("jeffreys", "renyi", "renyi_reverse") else None
     if want is None:
@@ -292,7 +304,7 @@ def test_rows_sharded_over_vocab_slices(case, grad, seed):
     x = s.clone()
     want_soft, want_hard = triton_rows.rows(x, t, labels, spec, scale, grad)
     # the slices' sums merge in another order: the αβ-divergence's row near p = q moves by its normalisation slack
-    slack = _normalisation_slack(s, t, loss, params, 0.7)
+    slack = _normalisation_slack(s, t, loss, params, 0.7, labels)
     assert ((soft.double() - want_soft.double()).abs() <= RTOL * want_soft.double().abs() + slack).all()
     torch.testing.assert_close(hard, want_hard, rtol=RTOL, atol=0)
     if grad:
@@ -302,8 +314,8 @@ def test_rows_sharded_over_vocab_slices(case, grad, seed):
 
 def test_routing():
     """The moved losses' dense rows run in the kernel on "triton" (and "auto" on a GPU), also under a process
-    group (the sharded phases above); DKD and AKL stay on the torch rows; fp64 on the torch rows; the CuTe
-    path's per-tile statistics are not offered to them."""
+    group (the sharded phases above); AKL stays on the torch rows; fp64 on the torch rows; the CuTe path's
+    per-tile statistics are not offered to them."""
     x32, x64 = torch.zeros(2, 3), torch.zeros(2, 3, dtype=torch.float64)
     for loss in MOVED:
         assert loss in triton_rows.KERNEL_LOSSES and loss not in core.backend.TORCH_ROW_LOSSES
@@ -311,7 +323,7 @@ def test_routing():
         assert core.backend.pick_backend("triton", x64, loss) == "torch"
         assert loss not in core.backend.AUTO_CUTE_LOSSES
         assert not triton_rows.tiles_fit(LossSpec(loss=loss), True, False, True)
-    for loss in ("akl", "dkd"):
+    for loss in ("akl",):
         assert core.backend.pick_backend("triton", x32, loss) == "torch"
 
 
@@ -319,7 +331,7 @@ def test_routing():
 def test_ignored_rows_and_columns_at_minus_inf_in_both(loss, seed):
     """Ignored rows get 0 and a zero gradient whatever they hold; columns at −inf in s and t both are absent."""
     params = dict(alpha=0.6, beta=1.3) if loss == "ab_divergence" else GATE if loss == "entropy_adaptive" else \
-        dict(alpha=0.4) if loss not in ("jeffreys", "triangular") else {}
+        dict(alpha=1.0, beta=8.0) if loss == "dkd" else dict(alpha=0.4) if loss not in ("jeffreys", "triangular") else {}
     g = torch.Generator().manual_seed(seed)
     s, t = torch.randn(4, V + 5, generator=g) * 3, torch.randn(4, V + 5, generator=g) * 3
     s[:, :5] = t[:, :5] = -torch.inf
@@ -327,7 +339,7 @@ def test_ignored_rows_and_columns_at_minus_inf_in_both(loss, seed):
     s[1, 8], t[3, 9] = torch.nan, torch.inf
     soft, ds = _kernel_rows(s, t, labels, loss, params, 0.8, 1.0)
     assert (soft[1::2] == 0).all() and (ds[1::2] == 0).all() and (ds[:, :5] == 0).all()
-    kept = s[::2, 5:].contiguous(), t[::2, 5:].contiguous(), labels[::2]
+    kept = s[::2, 5:].contiguous(), t[::2, 5:].contiguous(), labels[::2] - 5  # the labels' columns there
     want, want_ds = _rows_oracle(*kept, loss, params, 0.8, 1.0)
     torch.testing.assert_close(soft[::2].double(), want, rtol=RTOL, atol=0)
     assert ((ds[::2, 5:].double() - want_ds).abs() <= RTOL * want_ds.abs().max() + _grad_slack(*kept[:2], 0.8, 1.0, loss, params)).all()

@@ -58,8 +58,9 @@ def _mp_loss_and_dq(q, p, loss, params, y):
         return value, [-w * pj / qj + (1 - w) * (log(qj / pj) + 1 if pj > 0 else mpmath.inf) for qj, pj in zip(q, p)]
     if loss == "dkd":
         py, qy = p[y], q[y]
-        tckd = py * log(py / qy) + (1 - py) * log((1 - py) / (1 - qy))
-        nckd = sum(pj / (1 - py) * log((pj / (1 - py)) / (qj / (1 - qy))) for j, (qj, pj) in enumerate(zip(q, p)) if j != y)
+        tckd = (py * log(py / qy) if py > 0 else 0) + (1 - py) * log((1 - py) / (1 - qy))  # 0 log 0 = 0
+        nckd = sum(pj / (1 - py) * log((pj / (1 - py)) / (qj / (1 - qy))) for j, (qj, pj) in enumerate(zip(q, p))
+                   if j != y and pj > 0)
         # d/dq_j of α TCKD + β NCKD, as a function of q whose components are free (the softmax's chain adds the rest)
         dq = [alpha * (-py / qy + (1 - py) / (1 - qy)) if j == y else beta * (-pj / (1 - py) / qj)
               for j, (qj, pj) in enumerate(zip(q, p))]

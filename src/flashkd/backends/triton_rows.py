@@ -169,6 +169,7 @@ _AB_DIV: tl.constexpr = tl.constexpr(LOSS_ID["ab_divergence"])
 _RENYI: tl.constexpr = tl.constexpr(LOSS_ID["renyi"])
 _RENYI_REVERSE: tl.constexpr = tl.constexpr(LOSS_ID["renyi_reverse"])
 _ENTROPY_ADAPTIVE: tl.constexpr = tl.constexpr(LOSS_ID["entropy_adaptive"])
+_DKD: tl.constexpr = tl.constexpr(LOSS_ID["dkd"])
 _NORM_EPS: tl.constexpr = tl.constexpr(COSINE_EPS)
 _LOG2_MIN: tl.constexpr = tl.constexpr(-(2.0**100))  # see _mixture
 # A sharded row's part (PHASE 1): m_s, l_s, l_c, m_t, l_t, r_kl, Σs², Σt², Σst, r_ent over this rank's
@@ -377,14 +378,15 @@ def _fill_zeros(ptr, V, BLOCK_V: tl.constexpr):
 
 @triton.jit
 def _stats_pass(
-    s_row, t_row, V, cols,  # the row: its logits (t read when SOFT), its length, a tile's columns
+    s_row, t_row, V, cols, label,  # the row: its logits (t read when SOFT), its length, a tile's columns, its label
     log2e_tau, log2e_tau_t, log2e_ce, kl_ratio, s_mul, t_mul,  # the row's constants (`_rows_kernel`)
     LOSS: tl.constexpr, SOFT: tl.constexpr, CE: tl.constexpr, CE_IS_Q: tl.constexpr, ONLINE_KL: tl.constexpr,
     S_HEAD: tl.constexpr, T_HEAD: tl.constexpr, SCALED: tl.constexpr, STATS: tl.constexpr, RCP_FMA: tl.constexpr,
     BLOCK_V: tl.constexpr,
 ):
     """Pass 1: the row statistics, kept per lane (no cross-lane reduction, hence no barrier, inside the
-    loop: the warps stream the row independently) and merged once after it.
+    loop: the warps stream the row independently) and merged once after it. DKD leaves its label's column
+    out (the sums off y, `_dkd_label` adds it back after).
     Returns the row's (m_s, l_s, l_c, m_t, l_t, r_kl, ss, tt, st, r_ent)."""
     m_s = tl.full([BLOCK_V], M_START, tl.float32)  # running max of s, per lane
     l_s = tl.zeros([BLOCK_V], tl.float32)  # Σ 2^((s − m_s)·log2(e)/τ), per lane
@@ -401,6 +403,8 @@ def _stats_pass(
     for start in range(0, V, BLOCK_V):
         offs = start + cols
         mask = offs < V
+        if LOSS == _DKD:
+            mask = mask & (offs != label)
         a = head(tl.load(s_row + offs, mask=mask, other=-float("inf")).to(tl.float32), s_mul, S_HEAD,
                  RCP_FMA & 1)[0]
         if STATS:
@@ -441,7 +445,7 @@ def _loss_pass(
     m_s, m_t, log2_l_s, log2_l_t, log2_l_c,  # pass 1's statistics, merged
     log2e_tau, log2e_tau_t, log2e_ce, s_mul, t_mul, log2_beta, log2_1mbeta,  # the row's constants
     pow_p, pow_q,  # the power family's powers of p and q
-    f_q, f_p, f1, f0, f_a, f_b, c_ce,  # the gradient's factors (scale, weights, 1/τ and units folded in)
+    f_q, f_p, f1, f0, f_a, f_b, c_ce, c_q,  # the gradient's factors (scale, weights, 1/τ and units folded in)
     LOSS: tl.constexpr, SOFT: tl.constexpr, GRAD_SOFT: tl.constexpr, GRAD_CE: tl.constexpr,
     GRAD_PASS: tl.constexpr, CE_IS_Q: tl.constexpr, ONLINE_KL: tl.constexpr, S_HEAD: tl.constexpr,
     T_HEAD: tl.constexpr, RTNE_BITS: tl.constexpr, RCP_FMA: tl.constexpr, IN_PLACE: tl.constexpr,
@@ -534,6 +538,15 @@ def _loss_pass(
                         acc2 += _power_term(lq, lp, -d, 1.0, 0.0, PSI)
                         acc3 -= times(p, lp)
                         acc4 += tl.where((lq > -float("inf")) | (lp > -float("inf")), 1.0, 0.0)
+                    elif LOSS == _DKD:  # NCKD's terms ≥ 0 off y, of p̂ = p / P, q̂ = q / Q (log2 P and log2(P/Q) in
+                        # log2_beta, log2_1mbeta); dL/ds = q f_q + p f_p off y, q c_q + f0 at y (`_dkd_factors`)
+                        p = tl.exp2(lp)
+                        off = offs != label
+                        d = _log2_ratio(a, b, lq, lp, row_gap, log2e_tau, SCALED) + log2_1mbeta  # log2(q̂/p̂)
+                        acc += tl.where(off, _power_term(lp - log2_beta, lq - (log2_beta - log2_1mbeta), d, 1.0, 0.0,
+                                                         PSI), 0.0)
+                        if GRAD_SOFT:
+                            g = tl.where(off, times(q, f_q) + times(p, f_p), q * c_q + f0)
                     else:  # _TVD: acc2, acc3, acc4 = the mass of q where q < p, q > p, q = p
                         p = tl.exp2(lp)
                         acc += tl.abs(q - p)
@@ -653,8 +666,8 @@ def _row_label(labels_ptr, ignore_index, label_lo, LABELS: tl.constexpr):
 
 @triton.jit
 def _label_logit(s_row, label, V, s_mul, CE: tl.constexpr, S_HEAD: tl.constexpr, RCP_FMA: tl.constexpr):
-    """The CE's logit z_y, read before s is overwritten (0 where the label's column is not in s), and
-    whether the label is a column of s. Without CE: 0 and False, unused."""
+    """The CE's logit z_y (DKD's: CE is then True here), read before s is overwritten (0 where the label's
+    column is not in s), and whether the label is a column of s. Without CE: 0 and False, unused."""
     s_y = 0.0
     in_range = False
     if CE:
@@ -666,7 +679,8 @@ def _label_logit(s_row, label, V, s_mul, CE: tl.constexpr, S_HEAD: tl.constexpr,
 
 @triton.jit
 def _store_parts(part_row, m_s, l_s, l_c, m_t, l_t, r_kl, ss, tt, st, r_ent, s_y, in_range, CE: tl.constexpr):
-    """PHASE 1: this rank's part of the row, pass 1's statistics (`_PARTS`)."""
+    """PHASE 1: this rank's part of the row, pass 1's statistics (`_PARTS`) (DKD: its sums off y, and the
+    teacher's z_y in st)."""
     tl.store(part_row, m_s)
     tl.store(part_row + 1, l_s)
     tl.store(part_row + 2, l_c)
@@ -752,12 +766,14 @@ def _row_stats(
     parts merged (2, 3: `_merged_parts`). Returns (m_s, l_s, l_c, m_t, l_t, r_kl, ss, tt, st, r_ent, s_y,
     in_range)."""
     if PHASE <= 1:
-        s_y, in_range = _label_logit(s_row, label, V, s_mul, CE, S_HEAD, RCP_FMA)
+        s_y, in_range = _label_logit(s_row, label, V, s_mul, CE or LOSS == _DKD, S_HEAD, RCP_FMA)
         m_s, l_s, l_c, m_t, l_t, r_kl, ss, tt, st, r_ent = _stats_pass(
-            s_row, t_row, V, cols,
+            s_row, t_row, V, cols, label,
             log2e_tau, log2e_tau_t, log2e_ce, kl_ratio, s_mul, t_mul,
             LOSS, SOFT, CE, CE_IS_Q, ONLINE_KL, S_HEAD, T_HEAD, SCALED, STATS, RCP_FMA, BLOCK_V,
         )
+        if LOSS == _DKD:  # the teacher's z_y, in the slot cosine's Σ s·t has (unused here)
+            st = _label_logit(t_row, label, V, t_mul, True, T_HEAD, (RCP_FMA >> 1) & 1)[0]
     elif PHASE == 4:
         s_y, in_range = _label_logit(s_row, label, V, s_mul, CE, S_HEAD, RCP_FMA)
         m_s, l_s, l_c, m_t, l_t, r_kl, ss, tt, st, r_ent = _tile_stats(
@@ -766,7 +782,7 @@ def _row_stats(
     else:
         m_s, l_s, l_c, m_t, l_t, r_kl, ss, tt, st, r_ent, s_y, in_range = _merged_parts(
             part_row, world, stride_part, log2e_tau, log2e_tau_t, log2e_ce, kl_ratio,
-            LOSS, CE, ONLINE_KL, SCALED, STATS, WORLD_BLOCK)
+            LOSS, CE or LOSS == _DKD, ONLINE_KL, SCALED, STATS, WORLD_BLOCK)
     return m_s, l_s, l_c, m_t, l_t, r_kl, ss, tt, st, r_ent, s_y, in_range
 
 
@@ -977,6 +993,62 @@ def _pass3_factors(c_q, c_st, beta, log2_1mbeta, pow_p, pow_q, soft, k_jsd, tvd_
 
 
 @triton.jit
+def _with_label(m_s, l_s, l_c, m_t, l_t, r_ent, s_y, t_y, in_range, mix_a, mix_b, log2e_tau, log2e_tau_t, log2e_ce,
+                kl_ratio, LOSS: tl.constexpr, SCALED: tl.constexpr, STATS: tl.constexpr):
+    """DKD: pass 1's sums off y (merged) and the label's column merged as a part of its own (z_y, a sum of 1;
+    nothing where the label is not in the vocab), and the masses off y, log2 P = log2 Σ_(j ≠ y) p_j and log2 Q
+    likewise, each a sum of its own terms: exact where p_y ≈ 1. Returns (m_s, l_s, l_c, m_t, l_t, r_ent,
+    log2 P, log2 Q) of the whole row; the other losses' statistics and (mix_a, mix_b) as they came."""
+    if LOSS == _DKD:
+        first = tl.arange(0, 2) == 0
+        one = tl.where(in_range, 1.0, 0.0)
+        zero = tl.zeros([2], tl.float32)
+        m_s2, l_s2, l_c2, m_t2, l_t2, _, _, _, _, r_ent = _merge(
+            tl.where(first, m_s, tl.where(in_range, s_y, M_START)), tl.where(first, l_s, one),
+            tl.where(first, l_c, one), tl.where(first, m_t, tl.where(in_range, t_y, M_START)),
+            tl.where(first, l_t, one), zero, zero, zero, zero, tl.where(first, r_ent, 0.0),
+            log2e_tau, log2e_tau_t, log2e_ce, kl_ratio, LOSS, False, SCALED, STATS)
+        mix_b = tl.log2(l_s) + (m_s - m_s2) * log2e_tau - tl.log2(l_s2)  # log2 Q
+        mix_a = tl.log2(l_t) + (m_t - m_t2) * log2e_tau_t - tl.log2(l_t2)  # log2 P
+        m_s, l_s, l_c, m_t, l_t = m_s2, l_s2, l_c2, m_t2, l_t2
+    return m_s, l_s, l_c, m_t, l_t, r_ent, mix_a, mix_b
+
+
+@triton.jit
+def _dkd_factors(m_s, m_t, log2_l_s, log2_l_t, s_y, t_y, log2_p, log2_q, c_q, c_st, log2e_tau, log2e_tau_t,
+                 alpha, beta, SCALED: tl.constexpr, PSI: tl.constexpr):
+    """DKD's gradient factors and TCKD, from the row's statistics and the label's logits:
+        dL/dz_j = c (β (q̂_j − p̂_j) − α (q_y − p_y) q_j / Q)  (j ≠ y),   c α (q_y − p_y)  (j = y)
+    (q_y − p_y exact from the logits' difference), TCKD = KL((p_y, P) ‖ (q_y, Q)) in its terms ≥ 0; the β
+    part left out where P = 0 (NCKD is 0 there). log(P/Q) = log1p((q_y − p_y) / Q) where P ≈ Q (P − Q is
+    q_y − p_y), not the difference of the two rounded logs. Returns (f_q, f_p, f_y, TCKD, log2(P/Q)), f_q with
+    the CE's c_q."""
+    lq_y = (s_y - m_s) * log2e_tau - log2_l_s
+    lp_y = (t_y - m_t) * log2e_tau_t - log2_l_t
+    d_y = _log2_ratio(s_y, t_y, lq_y, lp_y, _row_gap(m_s, m_t, log2_l_s, log2_l_t, log2e_tau), log2e_tau, SCALED)
+    gap_y = tl.where((lq_y > -float("inf")) | (lp_y > -float("inf")), _gap(lq_y, lp_y, d_y), 0.0)
+    some = log2_p > -float("inf")
+    nc = tl.where(some, beta, 0.0)
+    f_q = c_st * (nc - alpha * gap_y) / tl.exp2(log2_q) + c_q
+    f_p = tl.where(some, -c_st * beta / tl.exp2(log2_p), 0.0)
+    f_y = c_st * alpha * gap_y
+    x = gap_y / tl.exp2(log2_q)
+    near = tl.abs(x) <= 0.5
+    shift = tl.where(near, _log1p(tl.where(near, x, 0.0)) * LOG2E, log2_p - log2_q)  # log2(P/Q)
+    tckd = _power_term(lp_y, lq_y, d_y, 1.0, 0.0, PSI) + _power_term(log2_p, log2_q, -shift, 1.0, 0.0, PSI)
+    return f_q, f_p, f_y, tckd, shift
+
+
+@triton.jit
+def _dkd_value(nckd, tckd, log2_p, in_range, alpha, beta):
+    """α TCKD + β NCKD (a term of weight 0 left out, also where it is infinite); NCKD 0 where P = 0 (p̂ is
+    undefined: KD weighs it by P); NaN for a label outside the vocab."""
+    nckd = tl.where(log2_p > -float("inf"), nckd, 0.0)
+    soft = tl.where(alpha != 0.0, alpha * tckd, 0.0) + tl.where(beta != 0.0, beta * nckd, 0.0)
+    return tl.where(in_range, soft, float("nan"))
+
+
+@triton.jit
 def _rows_kernel(
     # data
     s_ptr,  # (R, V) student logits
@@ -1064,9 +1136,7 @@ def _rows_kernel(
         log2e_ce = LOG2E
 
     valid, label = _row_label(labels_ptr, ignore_index, label_lo, LABELS)
-    soft = 0.0
-    hard = 0.0
-    entropy = 0.0
+    soft, hard, entropy = 0.0, 0.0, 0.0
     if valid:
         # -------- pass 1: row statistics per lane, merged once after it (or given: PHASE 2, 3, 4)
         m_s, l_s, l_c, m_t, l_t, r_kl, ss, tt, st, r_ent, s_y, in_range = _row_stats(
@@ -1074,24 +1144,28 @@ def _rows_kernel(
             log2e_tau, log2e_tau_t, log2e_ce, kl_ratio, s_mul, t_mul,
             LOSS, SOFT, CE, CE_IS_Q, ONLINE_KL, S_HEAD, T_HEAD, SCALED, STATS, RCP_FMA, PHASE, WORLD_BLOCK, BLOCK_V)
         if PHASE == 1:
-            _store_parts(part_row, m_s, l_s, l_c, m_t, l_t, r_kl, ss, tt, st, r_ent, s_y, in_range, CE)
+            _store_parts(part_row, m_s, l_s, l_c, m_t, l_t, r_kl, ss, tt, st, r_ent, s_y, in_range, CE or LOSS == _DKD)
         else:
+            m_s, l_s, l_c, m_t, l_t, r_ent, mix_a, mix_b = _with_label(  # the mixture's logs; DKD's log2 P and Q
+                m_s, l_s, l_c, m_t, l_t, r_ent, s_y, st, in_range, log2_beta, log2_1mbeta, log2e_tau, log2e_tau_t,
+                log2e_ce, kl_ratio, LOSS, SCALED, STATS)
             log2_l_s, log2_l_t, log2_l_c, hard, entropy = _row_logs(
                 m_s, l_s, l_c, l_t, r_ent, s_y, in_range, fold_s, inv_tau, CE, CE_IS_Q, STATS)
             soft, c_ce, c_q, c_st, f_q, f_p, f1, f0, f_a, f_b = _pass2_factors(
                 scale_ptr, w_soft, w_hard, in_range, l_s, l_t, log2_l_s, log2_l_t, r_kl, ss, tt, st,
                 fold_s, fold_t, inv_tau, beta, LOSS, SOFT, CE, GRAD_SOFT, GRAD_CE, CE_IS_Q, ONLINE_KL)
-
+            if LOSS == _DKD:
+                f_q, f_p, f0, tckd, mix_b = _dkd_factors(m_s, m_t, log2_l_s, log2_l_t, s_y, st, mix_a, mix_b, c_q,
+                                                         c_st, log2e_tau, log2e_tau_t, pow_p, pow_q, SCALED, PSI)
             # -------- pass 2: loss terms; dL/ds for forward_kl, reverse_kl, cosine, CE-only
             if PHASE == 3:  # the ranks' sums of pass 2's terms
-                acc, acc2 = tl.load(acc_row), tl.load(acc_row + 1)
-                acc3, acc4 = tl.load(acc_row + 2), tl.load(acc_row + 3)
+                acc, acc2, acc3, acc4 = tl.load(acc_row), tl.load(acc_row + 1), tl.load(acc_row + 2), tl.load(acc_row + 3)
             else:
                 acc, acc2, acc3, acc4 = _loss_pass(
                     s_row, g_row, t_row, V, n_tiles, cols, label,
                     m_s, m_t, log2_l_s, log2_l_t, log2_l_c,
-                    log2e_tau, log2e_tau_t, log2e_ce, s_mul, t_mul, log2_beta, log2_1mbeta, pow_p, pow_q,
-                    f_q, f_p, f1, f0, f_a, f_b, c_ce,
+                    log2e_tau, log2e_tau_t, log2e_ce, s_mul, t_mul, mix_a, mix_b, pow_p, pow_q,
+                    f_q, f_p, f1, f0, f_a, f_b, c_ce, c_q,
                     LOSS, SOFT, GRAD_SOFT, GRAD_CE, GRAD_PASS, CE_IS_Q, ONLINE_KL, S_HEAD, T_HEAD, RTNE_BITS,
                     RCP_FMA, IN_PLACE, PSI, SCALED, BLOCK_V,
                 )
@@ -1102,6 +1176,8 @@ def _rows_kernel(
                 tl.store(acc_row + 3, acc4)
             soft, k_jsd, tvd_pos, tvd_neg, tvd_zero = _divergence(
                 acc, acc2, acc3, acc4, soft, beta, log2_beta, log2_1mbeta, pow_p, pow_q, LOSS, SOFT, ONLINE_KL)
+            if LOSS == _DKD:
+                soft = _dkd_value(acc, tckd, mix_a, in_range, pow_p, pow_q)
 
             # -------- pass 3: dL/ds for jsd, tvd, as q · (f1 · x + f0) with x the element's log-ratio (or
             # TVD's sign)
@@ -1209,6 +1285,8 @@ def _check(s, t, labels, spec: LossSpec, scale, grad: bool, stats: bool, ds, sta
     if spec.want_soft and kernel_kind(spec) not in KERNEL_LOSSES:
         raise ValueError(f"spec: expected a loss of {', '.join(map(repr, KERNEL_LOSSES))} (the others run on the "
                          f"torch rows), got {spec.loss!r}")
+    if spec.want_soft and kernel_kind(spec) == "dkd" and labels is None:
+        raise ValueError("labels: loss='dkd' reads the target class of each row; got labels=None")
     if not isinstance(s, torch.Tensor) or s.dim() != 2:
         raise ValueError(f"s: expected a 2-D (R, V) tensor, got {_describe(s)}")
     if s.dtype not in _DTYPES:
@@ -1299,7 +1377,7 @@ class _Launch:
         sigma_s = float(spec.student_logit_scale)  # dz/ds, but for a softcap's 1 − (z/c)² (in the kernel)
         log2e = math.log2(math.e)
         self.R = R
-        self.needs_phase_3 = use_soft and (kind in _LATE_GRAD or (kind == "forward_kl" and not online_kl))
+        self.needs_phase_3 = use_soft and (kind in _LATE_GRAD or kind == "dkd" or (kind == "forward_kl" and not online_kl))
         self.tensors = (
             s,
             ds,
@@ -1354,7 +1432,7 @@ class _Launch:
             IN_PLACE=in_place,
             # the entropy blend's KL terms are the power family's at powers (1, 0): ψ's modes for γ = 0 and 1 − γ = 1
             PSI=_psi_mode(pow_q / (pow_p + pow_q)) + 8 * _psi_mode(pow_p / (pow_p + pow_q)) if kind in _POWER_LOSSES
-            else _psi_mode(0.0) + 8 * _psi_mode(1.0) if kind == "entropy_adaptive" else 0,
+            else _psi_mode(0.0) + 8 * _psi_mode(1.0) if kind in ("entropy_adaptive", "dkd") else 0,
             # only where a side has a softcap: other kernels keep one specialisation whatever the masks
             RCP_FMA=_cap_bits(SOFTCAP_RCP_FMA.get(kind, 0), s_head, t_head),
             BLOCK_V=block,
@@ -1391,12 +1469,13 @@ def _writing_pass(spec: LossSpec, grad: bool) -> int:
     return 3 if spec.want_soft and spec.soft_scale != 0.0 and kernel_kind(spec) in _LATE_GRAD else 2
 
 
-# The dense losses this kernel computes (AKL's head needs an order of the row's p, DKD has no kernel yet: the
-# torch rows run them, `flashkd.core.backend.TORCH_ROW_LOSSES`).
+# The dense losses this kernel computes (AKL's head needs an order of the row's p: the torch rows run it,
+# `flashkd.core.backend.TORCH_ROW_LOSSES`).
 KERNEL_LOSSES = ("jsd", "forward_kl", "reverse_kl", "tvd", "cosine", "skew_kl", "skew_reverse_kl", "jeffreys",
-                 "triangular", "alpha_divergence", "renyi", "renyi_reverse", "ab_divergence", "entropy_adaptive")
+                 "triangular", "alpha_divergence", "renyi", "renyi_reverse", "ab_divergence", "entropy_adaptive", "dkd")
 # the kernel's losses whose statistics per vocab tile (`tiles_fit`) are not offered: those the CuTe path had
-_NO_TILES = ("jeffreys", "triangular", "alpha_divergence", "renyi", "renyi_reverse", "ab_divergence", "entropy_adaptive")
+_NO_TILES = ("jeffreys", "triangular", "alpha_divergence", "renyi", "renyi_reverse", "ab_divergence", "entropy_adaptive",
+             "dkd")
 
 
 def kernel_kind(spec: LossSpec) -> str:
@@ -1424,6 +1503,8 @@ def _powers(spec: LossSpec, kind: str) -> tuple[float, float]:
         return 1.0 - float(spec.alpha), float(spec.alpha)
     if kind == "entropy_adaptive":
         return float(spec.gate_min), float(spec.gate_max) - float(spec.gate_min)
+    if kind == "dkd":  # its weights α (TCKD) and β (NCKD)
+        return float(spec.alpha), float(spec.beta)
     return 1.0, 0.0
 
 

@@ -112,10 +112,9 @@ def pick_backend(backend, x, loss=None):
 
 
 # The losses whose dense rows have no Triton kernel (`triton_rows.KERNEL_LOSSES` are the others): every
-# backend runs them on the torch rows. AKL's head needs an order of the row's p (`losses.akl_head`); DKD has
-# no kernel yet (docs/divergences.md); a learning teacher's (LEARNING_LOSSES)
-# dL/dt is autograd's on the torch rows, beside dL/ds.
-TORCH_ROW_LOSSES = ("akl", "dkd", *LEARNING_LOSSES)
+# backend runs them on the torch rows. AKL's head needs an order of the row's p (`losses.akl_head`); a learning
+# teacher's (LEARNING_LOSSES) dL/dt is autograd's on the torch rows, beside dL/ds.
+TORCH_ROW_LOSSES = ("akl", *LEARNING_LOSSES)
 
 
 # The losses "auto" runs with the CuTe DSL logits GEMMs where they fit (`_cute_fits`: of these, forward KL
