@@ -131,7 +131,9 @@ def run(
                         _free(settings.device)
                     advance(f"{w.tag} N={w.n} {name} {mode}", 1)
             advance(f"{w.tag} N={w.n} {name}", len(modes) - len(timed))
-        del x, ref, ready
+        # every name that holds the workload's tensors (the providers' closures too, and the loop's last fn)
+        # let go before the next workload's inputs and reference are made
+        x = ref = ready = gated = speeds = fn = None
         _free(settings.device)
     return results
 
