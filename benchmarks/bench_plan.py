@@ -6,7 +6,7 @@ ms, its ratio to the floor, its chunks, the dW accumulator's share of a chunk's 
 model gives (`core.plan.accum_share`), the ms the model predicts over the auto plan's from the accumulator's
 traffic alone (chunks × 2·V·Hs·4 bytes at --bandwidth), and its peak extra memory against `peak_bytes`.
 Usage: python benchmarks/bench_plan.py [--heads Gemma Phi-4] [-n 8192] [--chunks auto 512 1024] [--loss jsd cosine]
-       [--no-grad] [--reps 10]
+       [--no-grad] [--reps 10] [--accum bf16]
 """
 
 import argparse
@@ -39,6 +39,8 @@ def main():
     ap.add_argument("--no-grad", action="store_true", help="also each loss's no-grad forward against the floor's")
     ap.add_argument("--reps", type=int, default=10)
     ap.add_argument("--bandwidth", type=float, default=4.3e12, help="bytes/s for the accumulator's predicted ms")
+    ap.add_argument("--accum", choices=["fp32", "bf16"], default="fp32",
+                    help="grad_accum_dtype: bf16 halves the dW accumulator (V·Hs·2 bytes) and costs dW accuracy")
     args = ap.parse_args()
     heads = [h for h in MODEL_HEADS if any(h[0].startswith(p) for p in args.heads)]
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, flashkd {flashkd.__version__}; "
@@ -57,9 +59,10 @@ def main():
             torch.cuda.empty_cache()
             for loss, c in ((loss, c) for loss in args.loss for c in args.chunks):
                 size = None if c == "auto" else int(c)
-                rows, _ = core.plan.chunk_rows(size, x.xs, x.ws, "triton", "heads", 4, v, ht)
+                accum = 4 if args.accum == "fp32" else 2
+                rows, _ = core.plan.chunk_rows(size, x.xs, x.ws, "triton", "heads", accum, v, ht)
                 count = -(-n // rows)
-                options = dict(loss=loss, chunk_size=size)
+                options = dict(loss=loss, chunk_size=size, grad_accum_dtype=None if accum == 4 else torch.bfloat16)
 
                 def step():
                     x.xs.grad = x.ws.grad = None
@@ -73,9 +76,9 @@ def main():
                 step()
                 torch.cuda.synchronize()
                 peak = (torch.cuda.max_memory_allocated() - before) / 2**20
-                bound = core.plan.peak_bytes(n, v, hs, 2, rows, rows, form="heads", accum_bytes=4) / 2**20
-                acc_ms = count * 2 * v * hs * 4 / args.bandwidth * 1e3
-                share = core.plan.accum_share(rows, v, hs, ht, 4)
+                bound = core.plan.peak_bytes(n, v, hs, 2, rows, rows, form="heads", accum_bytes=accum) / 2**20
+                acc_ms = count * 2 * v * hs * accum / args.bandwidth * 1e3
+                share = core.plan.accum_share(rows, v, hs, ht, accum)
                 print(f"{label[:44]:44} {n:6} {loss:>10} {c:>6} {count:6} {share:6.3f} {ms:8.2f} {ms / floor:7.3f} {acc_ms:7.2f} "
                       f"{peak:9.0f} {bound:8.0f}", flush=True)
                 if args.no_grad:

@@ -214,7 +214,7 @@ def _chunk_loop(xs, ws, bs, y, rw, teacher, plan: Plan, want_dx, want_dw, want_d
             b = slice(sub, min(sub + plan.teacher_chunk, c.stop))
             in_c = slice(b.start - c.start, b.stop - c.start)
             if tiles is None:
-                t = _teacher_block(plan.form, teacher, b, spec.temperature) if spec.want_soft else None
+                t = _teacher_block(plan, teacher, b, spec.temperature) if spec.want_soft else None
             else:
                 t = cute_gemm.logits(teacher[0][b], teacher[1], tiles[3:, in_c], k_t)
             s_b = s[in_c]  # rows of s: contiguous
@@ -314,9 +314,15 @@ def _teacher_head(teacher, precision):
     return xt, fp8.head(wt, scaling), bt
 
 
-def _teacher_block(form, teacher, c, tau):
+def _teacher_block(plan, teacher, c, tau):
+    form = plan.form
     if form == "mixture":
-        return mixture.block(teacher, c, tau, linear)
+        mix = None
+        if plan.backend != "torch":  # "triton" (and "cute", whose rows are Triton's): the mixing kernel
+            from ..backends import triton_mixture
+
+            mix = triton_mixture.mix_
+        return mixture.block(teacher, c, tau, linear, mix)
     if form == "routed":
         return mixture.routed_block(teacher, c, linear)
     if form == "heads":

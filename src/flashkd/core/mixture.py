@@ -17,6 +17,8 @@ carry, so it is made where the loop makes a teacher's block of logits, from the 
 
 A block costs M teacher GEMMs (as M calls of the heads form would) and holds acc and one teacher's z, fp32 (Rt, V)
 each, beside logsumexp's own temporary: the plan gives it blocks of a third of the heads form's rows (`plan.make`).
+On the Triton backend the three lines under the GEMM are one kernel reading z twice and acc once
+(`flashkd.backends.triton_mixture`), where torch's ops make ~7 passes over the block.
 The teachers are constants. Zero weights give log w = −inf: that teacher adds nothing to its row."""
 
 from __future__ import annotations
@@ -57,13 +59,24 @@ def check(xs, student_input, ws, t, vocab_size) -> tuple:
     return inputs, heads, biases, weights, tuple(t.scales), tuple(t.softcaps)
 
 
-def block(teacher: tuple, c: slice, tau: float, linear) -> torch.Tensor:
-    """The teacher logits of rows c: τ · log Σ_m w_m softmax(z_m / τ), (R, V) fp32 (fp64 for fp64 inputs)."""
+def block(teacher: tuple, c: slice, tau: float, linear, mix=None) -> torch.Tensor:
+    """The teacher logits of rows c: τ · log Σ_m w_m softmax(z_m / τ), (R, V) fp32 (fp64 for fp64 inputs).
+    mix: None (torch), or a kernel that mixes one teacher's fp32 logits into the block in two reads of them
+    (`flashkd.backends.triton_mixture.mix_`, the Triton backend's)."""
     inputs, heads, biases, weights, scales, softcaps = teacher
     acc = None
     for m in range(len(heads)):
         z = linear(inputs[m][c], heads[m], biases[m])  # a new tensor: changed in place below
         z = logit_transform(z, scales[m], softcaps[m])  # new too, where it changes z
+        if mix is not None and z.dtype == torch.float32:
+            if isinstance(weights, torch.Tensor):
+                log_w = weights[c, m].to(torch.float32).log()
+            else:  # a 0-d tensor on z's device: an asynchronous copy, no host sync
+                log_w = torch.tensor(math.log(weights[m]) if weights[m] > 0 else -math.inf, device=z.device)
+            acc = mix(acc, z.contiguous(), log_w, tau, m == len(heads) - 1)  # the last one's times τ
+            if m == len(heads) - 1:
+                return acc
+            continue
         if tau != 1.0:
             z.div_(tau)
         if isinstance(weights, torch.Tensor):
