@@ -3,7 +3,8 @@
 (tests/oracle.py, the papers' formulas) and the torch backend.
 
 fp32 inputs on irregular shapes (V = 37, H = 11, N = 19, chunk_size 5); without a GPU the kernel runs
-under Triton's interpreter. The bar is the Triton backend's: 2e-5 relative of the float64 truth of the same
+under Triton's interpreter, on a GPU compiled (the inputs made on the CPU and sent there, `_on`; results compared
+on the CPU). The bar is the Triton backend's: 2e-5 relative of the float64 truth of the same
 inputs, for the loss and for dX, dW, db (norm-wise). Where the row functions' forms are exact and the papers'
 would cancel (p ≈ q) the rows are checked one by one, on the same fp32 logits the oracle reads in float64.
 """
@@ -50,6 +51,12 @@ FIRST = CASES[:8]  # one case of each loss
 ORACLE_DEFAULTS = dict(alpha=0.1, beta=0.5)
 
 
+def _on(*tensors):
+    """The tensors on the kernel's device (the CPU under the interpreter)."""
+    moved = tuple(None if x is None else x.to(DEVICE) for x in tensors)
+    return moved if len(moved) > 1 else moved[0]
+
+
 def _ids(case):
     loss, params = case
     return loss + "".join(f"-{k}{v:g}" for k, v in params.items())
@@ -80,9 +87,10 @@ def _against_oracle(loss, params, seed, options=None, form="heads", kernel_calls
     fn = flashkd.fused_linear_distill if form == "heads" else flashkd.fused_linear_distill_logits
     outs = {}
     for backend in ("triton", "torch"):
-        leaves = [xs.float().requires_grad_(), ws.float().requires_grad_(), bs.float().requires_grad_()]
-        out = fn(leaves[0], leaves[1], *teacher, labels, student_bias=leaves[2], backend=backend, chunk_size=5, **opts)
-        outs[backend] = (out, *torch.autograd.grad(out, leaves))
+        leaves = [_on(x.float()).requires_grad_() for x in (xs, ws, bs)]
+        out = fn(leaves[0], leaves[1], *_on(*teacher) if form == "heads" else (_on(*teacher),), _on(labels),
+                 student_bias=leaves[2], backend=backend, chunk_size=5, **opts)
+        outs[backend] = tuple(x.cpu() for x in (out, *torch.autograd.grad(out, leaves)))
         if backend == "triton" and kernel_calls is not None:
             assert kernel_calls and set(kernel_calls) == {loss}, kernel_calls  # the kernel ran, every chunk
     ref = [xs.clone().requires_grad_(), ws.clone().requires_grad_(), bs.clone().requires_grad_()]
@@ -136,9 +144,9 @@ def _rows_oracle(s, t, labels, loss, params, temperature, scale):
 
 def _kernel_rows(s, t, labels, loss, params, temperature, scale):
     spec = LossSpec(loss=loss, temperature=temperature, weight_hard=0.0, weight_soft=1.0, **params)
-    x = s.clone()
-    soft, _ = triton_rows.rows(x, t, labels, spec, torch.tensor(scale, device=DEVICE), True)
-    return soft, x
+    x = _on(s.clone())
+    soft, _ = triton_rows.rows(x, _on(t), _on(labels), spec, torch.tensor(scale, device=DEVICE), True)
+    return soft.cpu(), x.cpu()
 
 
 def _grad_slack(s, t, temperature, scale, loss=None, params=None):
@@ -241,11 +249,12 @@ def test_masked_ids(loss, params, seed, kernel_calls):
         tl[::2, 10:14] = -torch.inf
         bias[20] = -torch.inf
     opts = dict(loss=loss, weight_hard_loss=0.0, weight_soft_loss=1.0, temperature=0.8, **params)
-    x = xs.float().requires_grad_()
-    out = flashkd.fused_linear_distill_logits(x, ws.float(), tl, None, student_bias=bias, backend="triton",
+    x = _on(xs.float()).requires_grad_()
+    out = flashkd.fused_linear_distill_logits(x, *_on(ws.float(), tl), None, student_bias=_on(bias), backend="triton",
                                               chunk_size=5, **opts)
     assert kernel_calls and set(kernel_calls) == {loss}
     (dx,) = torch.autograd.grad(out, x)
+    out, dx = out.cpu(), dx.cpu()
     xr = xs.float().double().requires_grad_()
     want = distill_loss(None, None, None, None, None, teacher_logits=tl.double(),
                         student_logits=xr @ ws.float().double().T + bias.double(), **{**ORACLE_DEFAULTS, **opts})[0]
@@ -267,7 +276,8 @@ def test_infinite_where_the_formula_is(loss):
         dict(alpha=1.0, beta=8.0) if loss == "dkd" else {}
     spec = LossSpec(loss=loss, **params)
     labels = torch.zeros(3, dtype=torch.long) if loss == "dkd" else None  # DKD's target class
-    soft, _ = triton_rows.rows(s.clone(), t, labels, spec, torch.tensor(1.0), False)
+    soft, _ = triton_rows.rows(*_on(s.clone(), t, labels), spec, torch.tensor(1.0, device=DEVICE), False)
+    soft = soft.cpu()
     want = _rows_oracle(s, t, torch.zeros(3, dtype=torch.long), loss, params, 1.0, 1.0)[0] \
         if loss not in ("jeffreys", "renyi", "renyi_reverse") else None
     if want is None:
@@ -280,7 +290,9 @@ def test_infinite_where_the_formula_is(loss):
 def test_return_stats(case, seed):
     xs, ws, xt, wt, bs, labels = _case(seed)
     opts = dict(loss=case[0], temperature=1.3, return_stats=True, chunk_size=5, **case[1])
-    got = flashkd.fused_linear_distill(xs.float(), ws.float(), xt.float(), wt.float(), labels, backend="triton", **opts)
+    got = flashkd.fused_linear_distill(*_on(xs.float(), ws.float(), xt.float(), wt.float(), labels), backend="triton",
+                                       **opts)
+    got = (got[0].cpu(), type(got[1])(*(x.cpu() if isinstance(x, torch.Tensor) else x for x in got[1])))
     want = flashkd.fused_linear_distill(xs, ws, xt, wt, labels, backend="torch", **opts)  # fp64: the truth
     torch.testing.assert_close(got[0].double(), want[0], rtol=RTOL, atol=0)
     for name in ("soft_sum", "hard_sum", "entropy_sum"):
@@ -299,10 +311,11 @@ def test_rows_sharded_over_vocab_slices(case, grad, seed):
     s, t = torch.randn(5, V, generator=g) * 4, torch.randn(5, V, generator=g) * 4
     t[1] = s[1] + 1e-2 * torch.randn(V, generator=g)  # a row near p = q
     labels = torch.tensor([16, 3, -100, 36, 15])
-    scale = torch.tensor(0.37)
-    soft, hard, ds = sharded(s, t, labels, spec, scale, grad, [(16, V), (0, 15), (15, 16)])
-    x = s.clone()
-    want_soft, want_hard = triton_rows.rows(x, t, labels, spec, scale, grad)
+    scale = torch.tensor(0.37, device=DEVICE)
+    soft, hard, ds = (x.cpu() for x in sharded(*_on(s, t, labels), spec, scale, grad, [(16, V), (0, 15), (15, 16)]))
+    x = _on(s.clone())
+    want_soft, want_hard = (y.cpu() for y in triton_rows.rows(x, *_on(t, labels), spec, scale, grad))
+    x = x.cpu()
     # the slices' sums merge in another order: the αβ-divergence's row near p = q moves by its normalisation slack
     slack = _normalisation_slack(s, t, loss, params, 0.7, labels)
     assert ((soft.double() - want_soft.double()).abs() <= RTOL * want_soft.double().abs() + slack).all()
@@ -316,7 +329,7 @@ def test_routing():
     """The moved losses' dense rows run in the kernel on "triton" (and "auto" on a GPU), also under a process
     group (the sharded phases above); AKL stays on the torch rows; fp64 on the torch rows; the CuTe path's
     per-tile statistics are not offered to them."""
-    x32, x64 = torch.zeros(2, 3), torch.zeros(2, 3, dtype=torch.float64)
+    x32, x64 = torch.zeros(2, 3, device=DEVICE), torch.zeros(2, 3, dtype=torch.float64, device=DEVICE)
     for loss in MOVED:
         assert loss in triton_rows.KERNEL_LOSSES and loss not in core.backend.TORCH_ROW_LOSSES
         assert core.backend.pick_backend("triton", x32, loss) == "triton"
@@ -390,10 +403,10 @@ def test_a_gate_at_its_end_is_the_kl_it_keeps(loss, params, twin, seed, kernel_c
         labels = torch.where((labels == 3) | (labels == 20), 0, labels)  # the CE of a ruled-out label is inf
     outs = []
     for name, opts in ((loss, params), (twin, {})):
-        x, w = xs.float().requires_grad_(), ws.float().requires_grad_()
-        out = flashkd.fused_linear_distill_logits(x, w, tl, labels, student_bias=bias, backend="triton", chunk_size=5,
-                                                  loss=name, temperature=0.8, weight_hard_loss=0.2, **opts)
-        outs.append((out, *torch.autograd.grad(out, (x, w))))
+        x, w = _on(xs.float()).requires_grad_(), _on(ws.float()).requires_grad_()
+        out = flashkd.fused_linear_distill_logits(x, w, *_on(tl, labels), student_bias=_on(bias), backend="triton",
+                                                  chunk_size=5, loss=name, temperature=0.8, weight_hard_loss=0.2, **opts)
+        outs.append(tuple(y.cpu() for y in (out, *torch.autograd.grad(out, (x, w)))))
     assert loss in kernel_calls and twin in kernel_calls
     for got, want in zip(*outs):
         assert torch.isfinite(got).all()
