@@ -46,7 +46,9 @@ CASES = [("jeffreys", {}), ("triangular", {}), ("alpha_divergence", dict(alpha=0
          ("entropy_adaptive", dict(gate_min=1.0, gate_max=1.0)), ("entropy_adaptive", dict(gate_min=0.0, gate_max=0.0)),
          ("entropy_adaptive", dict(gate_min=0.0, gate_max=1.0, gate_center=0.9, gate_width=1e-3)),
          # DKD with one of its two terms, and weights unlike the paper's
-         ("dkd", dict(alpha=0.0, beta=1.0)), ("dkd", dict(alpha=2.5, beta=0.0)), ("dkd", dict(alpha=0.3, beta=0.7))]
+         ("dkd", dict(alpha=0.0, beta=1.0)), ("dkd", dict(alpha=2.5, beta=0.0)), ("dkd", dict(alpha=0.3, beta=0.7)),
+         # powers whose two sides take one form of ψ (`_power_term` evaluates it once there)
+         ("alpha_divergence", dict(alpha=0.5)), ("renyi", dict(alpha=0.5)), ("ab_divergence", dict(alpha=0.3, beta=0.3))]
 FIRST = CASES[:8]  # one case of each loss
 ORACLE_DEFAULTS = dict(alpha=0.1, beta=0.5)
 

@@ -333,10 +333,15 @@ def _power_term(lp, lq, u, pow_p, pow_q, PSI: tl.constexpr):
     ψ's MODE for γ + 8 × its MODE for 1 − γ), u = log2 q − log2 p (`_log2_ratio`). 0 where both sides are 0."""
     c = pow_p + pow_q
     y = tl.abs(u) * (-LN2 * c)
-    lo = _psi(lp * c, y, pow_q / c, PSI % 8)
-    hi = _psi(lq * c, y, pow_p / c, PSI // 8)  # 1 − γ, not rounded from γ (Rényi near r = 1: 1 − r is small)
+    if PSI % 8 == PSI // 8:  # γ and 1 − γ take the same form (Amari's α = ½, Rényi's r = ½): ψ once, its side's
+        lower = u <= 0.0
+        term = _psi(tl.where(lower, lp, lq) * c, y, tl.where(lower, pow_q, pow_p) / c, PSI % 8)
+    else:
+        lo = _psi(lp * c, y, pow_q / c, PSI % 8)
+        hi = _psi(lq * c, y, pow_p / c, PSI // 8)  # 1 − γ, not rounded from γ (Rényi near r = 1: 1 − r is small)
+        term = tl.where(u <= 0.0, lo, hi)
     present = (lp > -float("inf")) | (lq > -float("inf"))
-    return tl.where(present, tl.where(u <= 0.0, lo, hi), 0.0) / (c * c)
+    return tl.where(present, term, 0.0) / (c * c)
 
 
 @triton.jit
