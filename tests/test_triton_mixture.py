@@ -26,7 +26,7 @@ def _want(zs, log_ws, tau):
     return tau * acc
 
 
-@pytest.mark.parametrize("per_row", [False, True], ids=["scalar", "per_row"])
+@pytest.mark.parametrize("per_row", [False, "zero", True], ids=["scalar", "scalar_zero", "per_row"])
 @pytest.mark.parametrize("tau", [1.0, 0.7])
 def test_mix_against_torch(seed, per_row, tau):
     g = torch.Generator().manual_seed(seed)
@@ -35,17 +35,17 @@ def test_mix_against_torch(seed, per_row, tau):
     zs[0][:, 7] = -torch.inf  # one teacher rules out an id: the others keep it
     for z in zs:
         z[:, 11] = -torch.inf  # every teacher rules out another: −inf in the mixture
-    if per_row:
+    if per_row is True:
         w = torch.rand(r, m, generator=g) + 0.05
         w[1, 2] = 0.0  # this teacher adds nothing to row 1
         w = w / w.sum(-1, keepdim=True)
-        log_ws = [w[:, k].log() for k in range(m)]
-    else:
-        log_ws = [torch.tensor(math.log(x)) for x in (0.2, 0.5, 0.3)]
+        log_ws = [w[:, k].log().to(DEVICE) for k in range(m)]
+    else:  # one float a teacher, as the kernel takes M floats' logs; a zero weight's is −inf
+        log_ws = [math.log(x) if x > 0 else -math.inf for x in ((0.0, 0.6, 0.4) if per_row else (0.2, 0.5, 0.3))]
     acc = None
     for k, (z, lw) in enumerate(zip(zs, log_ws)):
-        acc = triton_mixture.mix_(acc, z.clone().to(DEVICE), lw.to(DEVICE), tau, k == m - 1)
-    want = _want(zs, log_ws, tau)
+        acc = triton_mixture.mix_(acc, z.clone().to(DEVICE), lw, tau, k == m - 1)
+    want = _want(zs, [torch.as_tensor(lw).cpu() for lw in log_ws], tau)
     got = acc.cpu().double()
     assert torch.equal(torch.isinf(got), torch.isinf(want))
     finite = torch.isfinite(want)
@@ -59,6 +59,6 @@ def test_mix_against_torch(seed, per_row, tau):
 def test_mix_refuses_what_it_cannot_read():
     z = torch.zeros(2, 3, dtype=torch.float64, device=DEVICE)
     with pytest.raises(ValueError, match="z: expected contiguous float32"):
-        triton_mixture.mix_(None, z, torch.tensor(0.0, device=DEVICE), 1.0, True)
+        triton_mixture.mix_(None, z, 0.0, 1.0, True)
     with pytest.raises(ValueError, match="acc: expected a contiguous float32 tensor of shape"):
-        triton_mixture.mix_(torch.zeros(2, 4, device=DEVICE), z.float(), torch.tensor(0.0, device=DEVICE), 1.0, True)
+        triton_mixture.mix_(torch.zeros(2, 4, device=DEVICE), z.float(), 0.0, 1.0, True)

@@ -94,6 +94,15 @@ def lane_gap(r_i, l_i, m_i, x, k):
 
 
 @triton.jit
+def log1p(x):
+    """log(1 + x) for x > −1, accurate for small x: log of u = 1 + x corrected by u's rounding error, which
+    (u − 1) − x gives exactly (libdevice's log, not lg2.approx, whose absolute error would be all of a
+    small result)."""
+    u = 1.0 + x
+    return tl.log(u) - ((u - 1.0) - x) / u
+
+
+@triton.jit
 def times(w, d):
     """w · d, taken as 0 where w is 0 (0·log 0 = 0; masked lanes, where d is NaN, add nothing)."""
     return tl.where(w > 0.0, w * d, 0.0)

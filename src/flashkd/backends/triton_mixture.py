@@ -16,22 +16,15 @@ import torch
 import triton
 import triton.language as tl
 
-from .triton_common import INTERPRET, LOG2E, M_START, lane_sum, launching
+from .triton_common import INTERPRET, LOG2E, M_START, lane_sum, launching, log1p
 
 BLOCK_V = 256 if INTERPRET else 1024
 NUM_WARPS = 8
 
 
 @triton.jit
-def _log1p(x):
-    """log(1 + x) for x ≥ 0, exact where x is small (the rounding of 1 + x corrected for)."""
-    u = 1.0 + x
-    return tl.log(u) - ((u - 1.0) - x) / u
-
-
-@triton.jit
-def _mix_kernel(z_ptr, acc_ptr, log_w_ptr, V, stride_w, inv_tau, tau,
-                FIRST: tl.constexpr, LAST: tl.constexpr, BLOCK_V: tl.constexpr):
+def _mix_kernel(z_ptr, acc_ptr, log_w_ptr, log_w, V, inv_tau, tau,
+                FIRST: tl.constexpr, LAST: tl.constexpr, PER_ROW: tl.constexpr, BLOCK_V: tl.constexpr):
     row = tl.program_id(0)
     z_row = z_ptr + row.to(tl.int64) * V
     acc_row = acc_ptr + row.to(tl.int64) * V
@@ -45,8 +38,10 @@ def _mix_kernel(z_ptr, acc_ptr, log_w_ptr, V, stride_w, inv_tau, tau,
         m = tl.maximum(m, x)
     m_row = tl.max(m, 0)
     l_row = tl.sum(s * tl.exp2((m - m_row) * k), 0)
+    if PER_ROW:  # the row's own log w, else the one float for all rows
+        log_w = tl.load(log_w_ptr + row)
     # log w − logsumexp(z / τ): −inf for a zero weight (the teacher adds nothing), or a row all −inf
-    shift = tl.load(log_w_ptr + row * stride_w) - (m_row * inv_tau + tl.log(l_row))
+    shift = log_w - (m_row * inv_tau + tl.log(l_row))
     for start in range(0, V, BLOCK_V):
         offs = start + cols
         mask = offs < V
@@ -55,16 +50,17 @@ def _mix_kernel(z_ptr, acc_ptr, log_w_ptr, V, stride_w, inv_tau, tau,
             a = tl.load(acc_row + offs, mask=mask, other=0.0)
             hi = tl.maximum(a, v)
             gap = tl.abs(a - v)
-            v = tl.where(hi == -float("inf"), hi, hi + _log1p(tl.exp(-tl.where(hi == -float("inf"), 0.0, gap))))
+            v = tl.where(hi == -float("inf"), hi, hi + log1p(tl.exp(-tl.where(hi == -float("inf"), 0.0, gap))))
         if LAST:
             v = v * tau
         tl.store(acc_row + offs, v, mask=mask)
 
 
-def mix_(acc: torch.Tensor | None, z: torch.Tensor, log_w: torch.Tensor, tau: float, last: bool) -> torch.Tensor:
+def mix_(acc: torch.Tensor | None, z: torch.Tensor, log_w: torch.Tensor | float, tau: float, last: bool) -> torch.Tensor:
     """acc ← logaddexp(acc, z / τ − logsumexp(z / τ) + log_w) row by row, in place (acc None: the first teacher,
     z itself becomes the mixture); `last`: the result times τ. z, acc: (R, V) fp32 contiguous on one CUDA device
-    (or CPU under the interpreter); log_w: (R,) or () fp32 on it. Returns the mixture (acc, or z the first time)."""
+    (or CPU under the interpreter); log_w: (R,) on it, or one float (−inf: a zero weight), passed by value.
+    Returns the mixture (acc, or z the first time)."""
     if z.dtype != torch.float32 or not z.is_contiguous():
         raise ValueError(f"z: expected contiguous float32 logits, got {z.dtype} with strides {tuple(z.stride())}")
     if acc is not None and (acc.shape != z.shape or acc.dtype != z.dtype or not acc.is_contiguous()):
@@ -74,8 +70,9 @@ def mix_(acc: torch.Tensor | None, z: torch.Tensor, log_w: torch.Tensor, tau: fl
     r, v = z.shape
     if r == 0 or v == 0:
         return out.mul_(tau) if last and tau != 1.0 else out
-    log_w = log_w.to(torch.float32).contiguous()
+    per_row = isinstance(log_w, torch.Tensor)
+    rows = log_w.to(torch.float32).contiguous() if per_row else z  # z: never read (PER_ROW off)
     with launching():
-        _mix_kernel[(r,)](z, out, log_w, v, 1 if log_w.dim() else 0, 1.0 / tau, float(tau),
-                          FIRST=acc is None, LAST=last, BLOCK_V=BLOCK_V, num_warps=NUM_WARPS)
+        _mix_kernel[(r,)](z, out, rows, 0.0 if per_row else float(log_w), v, 1.0 / tau, float(tau),
+                          FIRST=acc is None, LAST=last, PER_ROW=per_row, BLOCK_V=BLOCK_V, num_warps=NUM_WARPS)
     return out

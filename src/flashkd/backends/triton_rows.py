@@ -50,8 +50,8 @@ power a constexpr, `_psi_mode`). Pass 2 sums, and pass 3 writes:
     renyi(_reverse)   S = Σ p^r q^(1−r) (q^r p^(1−r)), A    c (q − e/S);  c r/(r − 1) (e/S − q)  (r = 1: c q ln 2 (δ − D))
     entropy_adaptive  KL(p‖q), K = KL(q‖p), −Σ p log2 p, n  c (w (q − p) + (1 − w) q (δ ln 2 − K))
 with c = scale · soft_scale / τ; the entropy gate w = gate_min + (gate_max − gate_min) sigmoid((h − center) /
-width), h = −Σ p log2 p / log2 n over the n ids with mass on either side, is the row's, between passes 2 and 3. Rényi's loss is r A log1p(z)/z, z = r (r − 1) A, on rows with |log S| ≤ ¼, else
-log S / (r − 1) (`flashkd.losses.renyi`); its log S is the gradient's. r − 1 and 1 − γ are the host's 1 − r
+width), h = −Σ p log2 p / log2 n over the n ids with mass on either side, is the row's, between passes 2 and 3.
+Rényi's loss is r A log1p(z)/z, z = r (r − 1) A, on rows with |log S| ≤ ¼, else log S / (r − 1) (`flashkd.losses.renyi`); its log S is the gradient's. r − 1 and 1 − γ are the host's 1 − r
 and γ' (`_powers`), not rounded from r in fp32. Their rows are exact to fp32 where p ≈ q, but for the αβ of
 α + β ≠ 1, which moves at first order with the normalisers' fp32 rounding; dL/ds carries that rounding times
 q (or q^c), as every fp32 softmax gradient does.
@@ -125,7 +125,7 @@ import triton.language as tl
 
 from ..losses import COSINE_EPS, LOSS_ID, LossSpec
 from .triton_common import (FAST_LOG2, INTERPRET, LN2, LOG2E, M_START, head, head_grad, head_mode, lane_gap, lane_kl,
-                            lane_sum, launching, rtne_bits, store_grad, times)
+                            lane_sum, launching, log1p, rtne_bits, store_grad, times)
 
 # Compiled tiles, measured on an H200 at V = 128256 bf16 (BENCHMARKS.md): 1024 columns over 8 warps
 # (4 elements per thread per tensor, 32 registers, 8 programs an SM). At the chunk loop's 1024–4096
@@ -244,15 +244,6 @@ def _expm1(x):
     poly = xs * (1.0 + xs * (0.5 + xs * (1.0 / 6.0 + xs * (1.0 / 24.0 + xs * (1.0 / 120.0 + xs * (
         1.0 / 720.0 + xs * (1.0 / 5040.0 + xs * (1.0 / 40320.0))))))))
     return tl.where(small, poly, tl.exp2(x * LOG2E) - 1.0)
-
-
-@triton.jit
-def _log1p(x):
-    """log(1 + x) for x > −1, accurate for small x: log of u = 1 + x corrected by u's rounding error, which
-    (u − 1) − x gives exactly (libdevice's log, not lg2.approx, whose absolute error would be all of a
-    small result)."""
-    u = 1.0 + x
-    return tl.log(u) - ((u - 1.0) - x) / u
 
 
 @triton.jit
@@ -914,7 +905,7 @@ def _divergence(acc, acc2, acc3, acc4, soft, beta, log2_beta, log2_1mbeta, pow_p
             z = r * r_1 * acc2  # S − 1 from the non-negative terms A = acc2
             small = tl.abs(z) < 1e-3
             zs = tl.where(small, 1.0, z)
-            ratio = tl.where(small, 1.0 - z * (0.5 - z * (1.0 / 3.0 - z * (0.25 - z * 0.2))), _log1p(zs) / zs)
+            ratio = tl.where(small, 1.0 - z * (0.5 - z * (1.0 / 3.0 - z * (0.25 - z * 0.2))), log1p(zs) / zs)
             far = log_s / tl.where(r_1 == 0.0, 1.0, r_1)
             soft = tl.where(near, r * acc2 * ratio, far)
             tvd_zero = tl.where(near, z * ratio, log_s) * LOG2E
@@ -1034,12 +1025,13 @@ def _dkd_factors(m_s, m_t, log2_l_s, log2_l_t, s_y, t_y, log2_p, log2_q, c_q, c_
     gap_y = tl.where((lq_y > -float("inf")) | (lp_y > -float("inf")), _gap(lq_y, lp_y, d_y), 0.0)
     some = log2_p > -float("inf")
     nc = tl.where(some, beta, 0.0)
-    f_q = c_st * (nc - alpha * gap_y) / tl.exp2(log2_q) + c_q
+    q_off = tl.exp2(log2_q)  # Q
+    f_q = c_st * (nc - alpha * gap_y) / q_off + c_q
     f_p = tl.where(some, -c_st * beta / tl.exp2(log2_p), 0.0)
     f_y = c_st * alpha * gap_y
-    x = gap_y / tl.exp2(log2_q)
+    x = gap_y / q_off
     near = tl.abs(x) <= 0.5
-    shift = tl.where(near, _log1p(tl.where(near, x, 0.0)) * LOG2E, log2_p - log2_q)  # log2(P/Q)
+    shift = tl.where(near, log1p(tl.where(near, x, 0.0)) * LOG2E, log2_p - log2_q)  # log2(P/Q)
     tckd = _power_term(lp_y, lq_y, d_y, 1.0, 0.0, PSI) + _power_term(log2_p, log2_q, -shift, 1.0, 0.0, PSI)
     return f_q, f_p, f_y, tckd, shift
 

@@ -68,24 +68,19 @@ def block(teacher: tuple, c: slice, tau: float, linear, mix=None) -> torch.Tenso
     for m in range(len(heads)):
         z = linear(inputs[m][c], heads[m], biases[m])  # a new tensor: changed in place below
         z = logit_transform(z, scales[m], softcaps[m])  # new too, where it changes z
-        if mix is not None and z.dtype == torch.float32:
-            if isinstance(weights, torch.Tensor):
-                log_w = weights[c, m].to(torch.float32).log()
-            else:  # a 0-d tensor on z's device: an asynchronous copy, no host sync
-                log_w = torch.tensor(math.log(weights[m]) if weights[m] > 0 else -math.inf, device=z.device)
-            acc = mix(acc, z.contiguous(), log_w, tau, m == len(heads) - 1)  # the last one's times τ
-            if m == len(heads) - 1:
-                return acc
+        # log w_m: the rows' own (R,), or one float (−inf for a zero weight: the teacher adds nothing)
+        log_w = weights[c, m].to(z.dtype).log() if isinstance(weights, torch.Tensor) else \
+            math.log(weights[m]) if weights[m] > 0 else -math.inf
+        if mix is not None:  # the last teacher's pass writes the mixture times τ
+            acc = mix(acc, z.contiguous(), log_w, tau, m == len(heads) - 1)
             continue
         if tau != 1.0:
             z.div_(tau)
-        if isinstance(weights, torch.Tensor):
-            log_w = weights[c, m].to(z.dtype).log()[:, None]
-        else:
-            log_w = math.log(weights[m]) if weights[m] > 0 else -math.inf
+        if isinstance(log_w, torch.Tensor):
+            log_w = log_w[:, None]
         z -= z.logsumexp(-1, keepdim=True) - log_w
         acc = z if acc is None else torch.logaddexp(acc, z, out=acc)
-    return acc.mul_(tau)
+    return acc if mix is not None else acc.mul_(tau)
 
 
 def check_routed(xs, ws, t, vocab_size) -> tuple:
