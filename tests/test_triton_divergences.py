@@ -151,15 +151,19 @@ def _kernel_rows(s, t, labels, loss, params, temperature, scale):
     return soft.cpu(), x.cpu()
 
 
-def _grad_slack(s, t, temperature, scale, loss=None, params=None):
+def _grad_slack(s, t, temperature, scale, loss=None, params=None, labels=None):
     """Per element, a few fp32 roundings of what dL/ds carries from the softmaxes' normalisers: scale / τ ·
     q (|log q| + |log p| + 1) (tests/test_triton_rows.py's `_log_terms`). log l_s and log l_t, summed and
     taken in fp32, shift every log q − log p of a row alike by ~1e-7; the losses cancel that shift to first
     order, their gradients (q − p, q − e / S, ...) do not, and no fp32 evaluation does better. The
-    αβ-divergence's (h − q Σ h)/α, h = q^c − p^α q^β, moves by q^c + q Σ q^c for such a shift, not q."""
+    αβ-divergence's (h − q Σ h)/α, h = q^c − p^α q^β, moves by q^c + q Σ q^c for such a shift, not q; DKD's
+    by (β + α) q / Q, Q = 1 − q_y the mass off the label (q̂ = q / Q carries the shift at weight β)."""
     lq = torch.log_softmax(s.double() / temperature, -1)
     lp = torch.log_softmax(t.double() / temperature, -1)
     size = lq.exp()
+    if loss == "dkd":  # β (q̂ − p̂) − α (q_y − p_y) q / Q: q's normaliser shift carried at weight (β + α) / Q
+        lq_y = lq.gather(1, labels.clamp_min(0)[:, None])
+        size = size * (params["beta"] + params["alpha"]) / -torch.expm1(lq_y)
     if loss == "ab_divergence":
         qc = (lq * (params["alpha"] + params["beta"])).exp()
         size = qc + size * qc.sum(-1, keepdim=True)
@@ -209,7 +213,7 @@ def test_rows_near_p_equals_q(case, gap, seed):
     slack = _normalisation_slack(s, t, loss, params, 0.9, labels)
     err = (soft.double() - want).abs()
     assert (err <= RTOL * want.abs() + slack).all(), (err / want.abs()).tolist()
-    assert ((ds.double() - want_ds).abs() <= RTOL * want_ds.abs().max() + _grad_slack(s, t, 0.9, 0.5, loss, params)).all()
+    assert ((ds.double() - want_ds).abs() <= RTOL * want_ds.abs().max() + _grad_slack(s, t, 0.9, 0.5, loss, params, labels)).all()
 
 
 @pytest.mark.parametrize("case", CASES, ids=_ids)
@@ -231,7 +235,7 @@ def test_rows_at_trained_magnitudes(case, seed):
     assert torch.isfinite(soft).all() and torch.isfinite(ds).all()
     err = (soft.double() - want).abs()
     assert (err <= RTOL * want.abs() + _normalisation_slack(s, t, loss, params, 1.0, labels)).all(), (err / want).tolist()
-    assert ((ds.double() - want_ds).abs() <= RTOL * want_ds.abs().max() + _grad_slack(s, t, 1.0, 1.0, loss, params)).all()
+    assert ((ds.double() - want_ds).abs() <= RTOL * want_ds.abs().max() + _grad_slack(s, t, 1.0, 1.0, loss, params, labels)).all()
 
 
 @pytest.mark.parametrize("loss,params", [("alpha_divergence", dict(alpha=0.3)), ("ab_divergence", dict(alpha=0.3, beta=1.9)),
@@ -323,7 +327,7 @@ def test_rows_sharded_over_vocab_slices(case, grad, seed):
     assert ((soft.double() - want_soft.double()).abs() <= RTOL * want_soft.double().abs() + slack).all()
     torch.testing.assert_close(hard, want_hard, rtol=RTOL, atol=0)
     if grad:
-        slack = _grad_slack(s, t, 0.7, 0.37 * spec.weight_soft, loss, params)
+        slack = _grad_slack(s, t, 0.7, 0.37 * spec.weight_soft, loss, params, labels)
         assert ((ds - x).double().abs() <= RTOL * x.abs().max() + slack).all()
 
 
@@ -357,7 +361,7 @@ def test_ignored_rows_and_columns_at_minus_inf_in_both(loss, seed):
     kept = s[::2, 5:].contiguous(), t[::2, 5:].contiguous(), labels[::2] - 5  # the labels' columns there
     want, want_ds = _rows_oracle(*kept, loss, params, 0.8, 1.0)
     torch.testing.assert_close(soft[::2].double(), want, rtol=RTOL, atol=0)
-    assert ((ds[::2, 5:].double() - want_ds).abs() <= RTOL * want_ds.abs().max() + _grad_slack(*kept[:2], 0.8, 1.0, loss, params)).all()
+    assert ((ds[::2, 5:].double() - want_ds).abs() <= RTOL * want_ds.abs().max() + _grad_slack(*kept[:2], 0.8, 1.0, loss, params, kept[2])).all()
 
 
 @pytest.mark.parametrize("loss", ["akl", "jeffreys", "reverse_kl", "entropy_adaptive", "skew_reverse_kl"])
