@@ -521,6 +521,41 @@ def test_top_k_membership_by_rank_orders_ties_by_id():
 
 
 @pytest.mark.skipif("triton" not in BACKENDS, reason="triton is not installed")
+@pytest.mark.parametrize("k", [1, 9, 40])
+def test_membership_counted_in_the_expand_read(k, seed):
+    """The expand kernel's membership (its OWN: elements at or over the stats kernel's θ kept as the row
+    streams by, each id's rank counted among them): the set of `_own_by_rank` on rows of many exact ties,
+    −0.0 beside +0.0, an id repeated in a row, −inf logits, and a row with fewer than K finite logits
+    (flagged for the redo); the gradient it writes is the one written without it."""
+    g = torch.Generator().manual_seed(seed)
+    v = 97
+    s = torch.randint(-3, 4, (12, v), generator=g).float()
+    s[3] = torch.where(torch.rand(v, generator=g) < 0.5, -0.0, 0.0)  # signed zeros, equal to torch
+    s[4, ::2] = -torch.inf
+    s[5, 2:] = -torch.inf  # two finite logits
+    ids = torch.stack([torch.randperm(v, generator=g)[:k] for _ in range(12)])
+    s[0, ids[0, 0]] = 9.0  # an id on top
+    if k > 1:
+        ids[6, 1] = ids[6, 0]  # a repeated id
+    want = fk_verl._own_by_rank(s, ids, s.gather(1, ids))
+    runs = []
+    for later in (False, True):
+        x = s.clone()
+        rel_k, rel_rest, shift, log2_rest, own, _ = fk_verl._stats(x, ids, 1.0, "triton", True, later)
+        id_grad = torch.randn(12, k, generator=g, dtype=torch.float64) if not runs else runs[0][1]
+        rest_grad = torch.randn(12, generator=g, dtype=torch.float64) if not runs else runs[0][2]
+        ds = torch.empty_like(x)
+        got = fk_verl._expand(x, ds, ids, id_grad, rest_grad, shift, log2_rest, rel_rest, 1.0, "triton",
+                              own if later else None)
+        runs.append((got, id_grad, rest_grad))
+    ds, members, redo = runs[1][0]
+    assert torch.equal(ds, runs[0][0])
+    assert redo[5] == (k > 1) and redo.sum() <= 2  # the short row, where θ finds fewer than K lanes; the −inf row may be
+    assert torch.equal(members[~redo], want[~redo])
+    assert want[0, 0] and (~want[~redo]).any()  # neither all in nor all out
+
+
+@pytest.mark.skipif("triton" not in BACKENDS, reason="triton is not installed")
 @pytest.mark.parametrize("k", [8, 80])
 def test_triton_path_equals_torch_path(k, seed):
     """fp32 inputs (the Triton rows; fp64 ones take the torch rows on every backend): the five outputs

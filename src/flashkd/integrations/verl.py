@@ -152,21 +152,25 @@ def _own_by_rank(s: torch.Tensor, ids: torch.Tensor, s_k: torch.Tensor) -> torch
     return rank < k
 
 
-def _stats(s: torch.Tensor, ids: torch.Tensor, tau: float, backend: str, own: bool):
+def _stats(s: torch.Tensor, ids: torch.Tensor, tau: float, backend: str, own: bool, later: bool = False):
     """One chunk's row statistics from its logits s (R, V) (fp32, or the inputs' fp32 / fp64), read
     once before anything is written over them: (rel_k, rel_rest, shift, log2_rest, own, redo).
     rel_k (R, K) and rel_rest (R,) are z = s/τ at the ids and the logsumexp of z off the ids, both
     minus shift/τ (shift: the largest logit off the ids), float64; log2_rest = rel_rest / ln 2 in
     the kernels' fp32 (the expand step's). own (R, K) bool: each id in the student's top-K (None
     unless asked); redo (R,) bool: rows whose top-K the kernel could not settle (None on the torch
-    path). s is left with −inf at the ids, as the expand step reads it."""
+    path). With `later` (Triton, the expand step to follow) own is (θ, s at the ids) instead, for the
+    expand kernel to count the ranks in its read (`triton_topk.expand_kernel`'s OWN). s is left with
+    −inf at the ids, as the expand step reads it."""
     r, v = s.shape
     k = ids.shape[1]
     if backend == "triton":
         from ..backends import triton_common, triton_topk
 
-        members = redo = None
-        if own and k <= triton_topk.TOPK_MAX_K:  # the student's top-K, two reads of s; ties to the larger id
+        members = redo = theta = None
+        if later:
+            theta = torch.empty(r, device=s.device, dtype=torch.float32)
+        elif own and k <= triton_topk.TOPK_MAX_K:  # the student's top-K, two reads of s; ties to the larger id
             top, _, redo, _ = triton_topk.kernel_topk(s, k, 1.0)
             members, redo = (ids[:, :, None] == top[:, None, :]).any(-1), redo.bool()
         elif own:
@@ -179,8 +183,10 @@ def _stats(s: torch.Tensor, ids: torch.Tensor, tau: float, backend: str, own: bo
             triton_topk.stats_kernel[(r,)](
                 s, ids, s_k, m, log2_rest, log2_rest, m, v, k, _LOG2E * fold / tau, _LOG2E * fold, mul,
                 STREAM=True, ONE=False, HEAD=head, STATS=False, BLOCK_V=triton_topk.BLOCK_V,
-                BLOCK_K=triton.next_power_of_2(k), num_warps=triton_topk.NUM_WARPS,
+                BLOCK_K=triton.next_power_of_2(k), num_warps=triton_topk.NUM_WARPS, theta_ptr=theta, OWN=later,
             )
+        if later:
+            members = (theta, s_k)
         rel_rest = _LN2 * log2_rest.double()
     else:
         s_k = s.gather(1, ids)
@@ -224,10 +230,11 @@ def _categories(rel_k, rel_rest, lp, spec: LossSpec, clamp, grad: bool):
             None if dr is None else dr[:, 0])
 
 
-def _expand(s, ds, ids, id_grad, rest_grad, shift, log2_rest, rel_rest, tau, backend):
+def _expand(s, ds, ids, id_grad, rest_grad, shift, log2_rest, rel_rest, tau, backend, own=None):
     """dL/ds (R, V) into ds (rounded to its dtype; ds may be s): rest_grad · softmax of z over the
     row's off-ids columns (s holds −inf at the ids) and id_grad at the ids; both already / τ and
-    times the row's weight."""
+    times the row's weight. With own = (θ, s at the ids) (`_stats`' later), the Triton kernel also
+    counts each id's rank in the same read: returns (ds, members (R, K) bool, redo (R,) bool)."""
     r, v = s.shape
     k = ids.shape[1]
     if backend == "triton":
@@ -235,14 +242,21 @@ def _expand(s, ds, ids, id_grad, rest_grad, shift, log2_rest, rel_rest, tau, bac
 
         head, fold, mul = triton_common.head_mode(1.0, None)
         f32 = torch.float32
+        members = redo = scratch = None
+        if own is not None:
+            members = torch.empty(r, k, dtype=torch.int8, device=s.device)
+            redo = torch.empty(r, dtype=torch.int8, device=s.device)
+            scratch = torch.empty(r, triton_topk.OWN_CAP, dtype=torch.int64, device=s.device)
         with triton_common.launching():
             triton_topk.expand_kernel[(r,)](
                 s, ds, ids, id_grad.to(f32).contiguous(), rest_grad.to(f32).contiguous(), shift, log2_rest, shift,
                 shift, ids, v, k, _LOG2E * fold / tau, _LOG2E * fold, mul, REST=True, CE=False, HEAD=head,
                 RTNE_BITS=triton_common.rtne_bits(ds), BLOCK_V=triton_topk.BLOCK_V,
                 BLOCK_K=triton.next_power_of_2(k), num_warps=triton_topk.NUM_WARPS,
+                **({} if own is None else dict(theta_ptr=own[0], s_k_ptr=own[1], own_ptr=members, redo_ptr=redo,
+                                               scratch_ptr=scratch, OWN=True, CAP=triton_topk.OWN_CAP)),
             )
-        return ds
+        return ds if own is None else (ds, members.bool(), redo.bool())
     off = s > -torch.inf
     g = (s - shift[:, None]) / tau - rel_rest.to(s.dtype)[:, None]
     g = torch.where(off, rest_grad.to(s.dtype)[:, None] * torch.exp(torch.where(off, g, 0.0)), 0.0)
@@ -290,14 +304,16 @@ def _sweep(x, w, b, ids, lp, spec: LossSpec, clamp, *, rows: int, backend: str, 
         xc = x[c]
         s = core_loop.linear(xc, w, b)
         i = ids[c]
-        rel_k, rel_rest, shift, log2_rest, own, redo = _stats(s, i, spec.temperature, backend, values)
+        later = values and grad and backend == "triton" and k <= _fold_k()  # the membership in the expand's read
+        rel_k, rel_rest, shift, log2_rest, own, redo = _stats(s, i, spec.temperature, backend, values, later)
         loss, q_mass, p_mass, token_kl, da, dr = _categories(rel_k, rel_rest, lp[c], spec, clamp, grad)
         if values:
             out["distillation_losses"][c] = loss
             out["student_mass"][c] = q_mass
             out["teacher_mass"][c] = p_mass
             out["token_kl"][c] = token_kl
-            out["own"][c] = own
+            if not later:
+                out["own"][c] = own
             if redo is not None:
                 out["redo"][c] = redo
         if not grad:
@@ -323,7 +339,10 @@ def _sweep(x, w, b, ids, lp, spec: LossSpec, clamp, *, rows: int, backend: str, 
         id_grad = da * (u / spec.temperature)[:, None]
         rest_grad = dr * (u / spec.temperature)
         ds = torch.empty(s.shape, dtype=x.dtype, device=dev) if narrow or backend != "triton" else s
-        ds = _expand(s, ds, i, id_grad, rest_grad, shift, log2_rest, rel_rest, spec.temperature, backend)
+        ds = _expand(s, ds, i, id_grad, rest_grad, shift, log2_rest, rel_rest, spec.temperature, backend,
+                     own if later else None)
+        if later:
+            ds, out["own"][c], out["redo"][c] = ds
         del s
         if want_dx:
             core_loop.accumulate_mm(out["dx_u"][c], ds, w, beta=0.0)
@@ -342,6 +361,13 @@ def _sweep(x, w, b, ids, lp, spec: LossSpec, clamp, *, rows: int, backend: str, 
         dw = torch.zeros(w.shape, dtype=accum, device=dev)  # no rows
     out["dw"], out["db"] = dw, db
     return out
+
+
+def _fold_k() -> int:
+    """The largest K whose membership the expand kernel counts in its read (K lanes under θ)."""
+    from ..backends import triton_topk
+
+    return triton_topk.BLOCK_V
 
 
 def _diagnostics(out, x, w, b, ids):
