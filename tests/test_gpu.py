@@ -428,3 +428,35 @@ def family_at_trained_magnitudes(loss, params, dtype, seed, n=999, hs=512, v=151
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_divergence_family_at_trained_magnitudes(case, dtype, seed):
     family_at_trained_magnitudes(*case, dtype, seed)
+
+
+@pytest.mark.parametrize("k", [32, 128])
+def test_verl_membership_in_the_expand_read(k, seed):
+    """verl's overlap diagnostics on the GPU: the student's top-K membership the expand kernel counts in
+    its read (`triton_topk.expand_kernel`'s OWN) against each id's rank over the same fp32 logits, at
+    Qwen's vocabulary with a trained head's magnitudes (std 4, peaks 30) and a block of tied bf16-valued
+    rows; the gradient it writes is the one written without it."""
+    from flashkd.integrations import verl as fk_verl
+
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    r, v = 96, 151936
+    s = torch.randn(r, v, generator=g, device="cuda") * 4
+    s[::7, :40] += 26.0  # peaks
+    s[-16:] = s[-16:].bfloat16().float().round()  # many exact ties
+    t = torch.randn(r, v, generator=g, device="cuda") * 4 + s * 0.5
+    ids = t.topk(k, -1).indices  # the teacher's top ids: most, not all, high for the student too
+    want = fk_verl._own_by_rank(s, ids, s.gather(1, ids))
+    id_grad = torch.randn(r, k, generator=g, device="cuda", dtype=torch.float64)
+    rest_grad = torch.randn(r, generator=g, device="cuda", dtype=torch.float64)
+    runs = []
+    for later in (False, True):
+        x = s.clone()
+        rel_k, rel_rest, shift, log2_rest, own, _ = fk_verl._stats(x, ids, 1.0, "triton", not later, later)
+        ds = torch.empty(r, v, device="cuda", dtype=torch.bfloat16)
+        runs.append(fk_verl._expand(x, ds, ids, id_grad, rest_grad, shift, log2_rest, rel_rest, 1.0, "triton",
+                                    own if later else None))
+    ds, members, redo = runs[1]
+    assert torch.equal(ds, runs[0])
+    assert redo.sum() <= 2
+    assert torch.equal(members[~redo], want[~redo])
+    assert want.any() and not want.all()
