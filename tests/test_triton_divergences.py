@@ -19,7 +19,7 @@ triton = pytest.importorskip("triton")
 import flashkd  # noqa: E402
 from flashkd import core  # noqa: E402
 from flashkd.backends import torch_rows, triton_rows  # noqa: E402
-from flashkd.losses import LossSpec  # noqa: E402
+from flashkd.losses import WHOLE_VOCAB, LossSpec, akl_head, divergence  # noqa: E402
 from oracle import _divergence, distill_loss  # noqa: E402
 from helpers.mp import mp_rows  # noqa: E402
 from helpers.rows import sharded  # noqa: E402
@@ -333,7 +333,7 @@ def test_rows_sharded_over_vocab_slices(case, grad, seed):
 
 def test_routing():
     """The moved losses' dense rows run in the kernel on "triton" (and "auto" on a GPU), also under a process
-    group (the sharded phases above); AKL stays on the torch rows; fp64 on the torch rows; the CuTe path's
+    group (the sharded phases above); AKL's whole rows too (its slices: the torch rows); fp64 on the torch rows; the CuTe path's
     per-tile statistics are not offered to them."""
     x32, x64 = torch.zeros(2, 3, device=DEVICE), torch.zeros(2, 3, dtype=torch.float64, device=DEVICE)
     for loss in MOVED:
@@ -342,8 +342,8 @@ def test_routing():
         assert core.backend.pick_backend("triton", x64, loss) == "torch"
         assert loss not in core.backend.AUTO_CUTE_LOSSES
         assert not triton_rows.tiles_fit(LossSpec(loss=loss), True, False, True)
-    for loss in ("akl",):
-        assert core.backend.pick_backend("triton", x32, loss) == "torch"
+    assert "akl" in triton_rows.KERNEL_LOSSES and core.backend.pick_backend("triton", x32, "akl") == "triton"
+    assert not triton_rows.tiles_fit(LossSpec(loss="akl"), True, False, True)
 
 
 @pytest.mark.parametrize("loss", MOVED)
@@ -417,3 +417,120 @@ def test_a_gate_at_its_end_is_the_kl_it_keeps(loss, params, twin, seed, kernel_c
     for got, want in zip(*outs):
         assert torch.isfinite(got).all()
         torch.testing.assert_close(got, want, rtol=RTOL, atol=1e-7)
+
+
+# --- AKL on whole rows: its head found by the kernel (`triton_rows.akl_head_keys`), then Jeffreys' passes ------
+
+
+def _akl_head_of_keys(t, spec):
+    """The head mask of `akl_head_keys`' (κ, κ_v, cut), made with the kernel's order keys in torch."""
+    keys = triton_rows.akl_head_keys(_on(t).contiguous(), spec).cpu()
+    x = torch.where(t == -torch.inf, t, -t) if spec.teacher_logit_scale < 0 else t
+    i = (x + 0.0).view(torch.int32)
+    key = (i ^ ((i >> 31) & 0x7FFFFFFF)).long()
+    ids = torch.arange(t.shape[1])
+    return (key >= keys[:, :1]) | ((key == keys[:, 1:2]) & (ids <= keys[:, 2:3]))
+
+
+@pytest.mark.parametrize("mu", [0.5, 0.05, 0.9, 1.0])
+@pytest.mark.parametrize("scale", [1.0, -0.6])
+def test_akl_head_keys_give_the_sorted_prefix(mu, scale, seed):
+    """The kernel's head: the ids of p sorted descending (ties by id, a stable sort), cumsum ≤ μ, the first
+    always (`losses.akl_head`, against the sort in float64): peaked, flat and masked rows, logits on an integer
+    grid (ties everywhere, the prefix ending inside a tied group), a negative teacher scale (the order reversed,
+    −inf columns absent still)."""
+    g = torch.Generator().manual_seed(seed)
+    t = torch.randn(12, 300, generator=g) * 4
+    t[1, 5] = 40.0  # one id holds nearly all the mass
+    t[2] = 0.0  # flat: the first ids by id
+    t[3, 10] = t[3, 20] = t[3].max() + 1.0  # a tie for the top
+    t[4, ::7] = -torch.inf
+    t[6:] = t[6:].round()  # ties
+    spec = LossSpec(loss="akl", head_mass=mu, temperature=0.8, teacher_logit_scale=scale)
+    head = _akl_head_of_keys(t, spec)
+    p = torch.softmax(spec.teacher(t.double()) / 0.8, -1)
+    sorted_p, order = p.sort(dim=-1, descending=True, stable=True)
+    tail = sorted_p.cumsum(-1) > mu
+    tail[:, 0] = False
+    want = torch.zeros_like(head).scatter(-1, order, ~tail)
+    # an id whose cumulative sum is within fp32 rounding of μ may fall either side: compare the others
+    tie = (sorted_p.cumsum(-1) - mu).abs() <= 64 * torch.finfo(torch.float32).eps
+    sure = ~torch.zeros_like(head).scatter(-1, order, tie)
+    assert (head == want)[sure].all()
+    assert head.any(-1).all()
+    if mu == 1.0:
+        assert head.all()
+    else:  # the flat row: a tied group cut short, its first ids by id
+        n = int(head[2].sum())
+        assert 0 < n < 300 and head[2].equal(torch.arange(300) < n)
+
+
+@pytest.mark.parametrize("mu", [0.5, 0.2, 1.0])
+@pytest.mark.parametrize("case", ["trained", "ties", "near", "softcap", "negative", "masked"])
+def test_akl_rows_against_float64(case, mu, seed):
+    """AKL's rows on the kernel (value and dL/ds) against autograd of the torch definition in float64 on the
+    same fp32 logits: trained magnitudes (std 4, peaks 30), tied teacher logits, a student near the teacher,
+    a teacher softcap, a negative teacher scale, −inf columns on both sides."""
+    g = torch.Generator().manual_seed(seed)
+    s, t = torch.randn(6, V + 40, generator=g) * 4, torch.randn(6, V + 40, generator=g) * 4
+    s[0, 3], t[0, 3], t[1, 7], s[2, 9] = 30.0, 30.0, 30.0, 30.0
+    kw = {}
+    if case == "ties":
+        t = t.round()
+    if case == "near":
+        s = t + 1e-2 * torch.randn(t.shape, generator=g)
+    if case == "softcap":
+        kw = dict(teacher_softcap=6.0)
+    if case == "negative":
+        kw = dict(teacher_logit_scale=-0.8)
+    if case == "masked":
+        s[:, :5] = t[:, :5] = -torch.inf
+    labels = torch.tensor([0, 1, -100, 3, 4, 5])
+    spec = LossSpec(loss="akl", head_mass=mu, temperature=0.9, weight_hard=0.0, weight_soft=1.0, **kw)
+    x = _on(s.clone())
+    soft, _ = triton_rows.rows(x, _on(t), _on(labels), spec, torch.tensor(0.5, device=DEVICE), True)
+    soft, ds = soft.cpu().double(), x.cpu().double()
+    a = s.double().requires_grad_()
+    lq = torch.log_softmax(a / 0.9, -1)
+    lp = torch.log_softmax(spec.teacher(t.double()) / 0.9, -1)
+    valid = labels != -100
+    want = torch.where(valid, losses_divergence(lq, lp, spec), 0.0)
+    (want_ds,) = torch.autograd.grad(want.sum() * 0.5, a)
+    want_ds = torch.where(torch.isfinite(s), want_ds, 0.0)
+    assert (soft[~valid] == 0).all() and (ds[~valid] == 0).all()
+    # The weights w = g_h / (g_h + g_t) are ratios of sums of |p − q|, each |p − q| known in fp32 only to the
+    # rounding of the row's normalisers (~eps of max(p, q)): where g_h + g_t is that small (a student and
+    # teacher sharing a peak of 30), fp32 does not fix w, and the loss may sit anywhere between the two KLs
+    # (|KL(p‖q) − KL(q‖p)|, both of the order of the gaps squared); elsewhere this slack is ~eps of it.
+    lq, lp = lq.detach(), lp.detach()
+    head = akl_head(lp.exp(), mu, WHOLE_VOCAB)
+    gap = torch.where(torch.isfinite(lq) | torch.isfinite(lp), (lp.exp() - lq.exp()).abs(), 0.0)
+    g_all = gap.sum(-1)
+    loose = (16 * torch.finfo(torch.float32).eps / g_all.clamp_min(1e-300)).clamp_max(1.0)
+    kl = (spec_kl(lq, lp, "forward_kl") - spec_kl(lq, lp, "reverse_kl")).abs()
+    value_slack = torch.where(valid, loose * kl.nan_to_num(posinf=0.0), 0.0)
+    assert ((soft - want).abs() <= RTOL * want.abs() + value_slack + 1e-15).all(), (soft - want).abs().max()
+    q, pp = lq.exp(), lp.exp()
+    d_f, d_r = q - pp, q * ((lq - lp).nan_to_num(posinf=0.0, neginf=0.0) - spec_kl(lq, lp, "reverse_kl")[:, None])
+    grad_slack = 0.5 / 0.9 * loose[:, None] * (d_f - d_r).abs().nan_to_num(posinf=0.0)
+    slack = _grad_slack(s, spec.teacher(t), 0.9, 0.5) * 2 + torch.where(valid[:, None], grad_slack, 0.0)
+    assert ((ds - want_ds).abs() <= RTOL * want_ds.abs().max() + slack).all()
+    assert head.any(-1).all() and (mu == 1.0 or not head[valid].all())
+
+
+def losses_divergence(lq, lp, spec):
+    return divergence(lq, lp, spec)
+
+
+def spec_kl(lq, lp, loss):
+    """KL(p‖q) (forward_kl) or KL(q‖p) per row, float64, by the torch definition."""
+    return divergence(lq, lp, LossSpec(loss=loss))
+
+
+def test_akl_on_a_vocab_slice_takes_the_torch_rows():
+    """The kernel's AKL needs whole rows: a slice (start=) is refused by name, and the row function of a
+    sliced plan is the torch rows'."""
+    spec = LossSpec(loss="akl")
+    s = _on(torch.zeros(2, 8))
+    with pytest.raises(ValueError, match="loss='akl' runs here on whole rows"):
+        next(triton_rows.sliced_rows(s, s.clone(), None, spec, torch.tensor(1.0, device=DEVICE), False, start=8))

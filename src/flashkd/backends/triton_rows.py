@@ -151,7 +151,7 @@ _LABEL_DTYPES = (torch.int32, torch.int64)
 _SCALE_DTYPES = (torch.float32, torch.float64)  # read as fp32 either way
 # their gradient needs a row scalar that pass 2 computes
 _LATE_GRAD = ("jsd", "tvd", "skew_kl", "skew_reverse_kl", "jeffreys", "triangular", "alpha_divergence", "ab_divergence", "renyi",
-              "renyi_reverse", "entropy_adaptive")
+              "renyi_reverse", "entropy_adaptive", "akl")
 # the power family: their terms are the α-family's generator ψ (`_power_term`) of p and q at powers pow_p, pow_q
 _POWER_LOSSES = ("alpha_divergence", "ab_divergence", "renyi", "renyi_reverse")
 
@@ -170,6 +170,7 @@ _RENYI: tl.constexpr = tl.constexpr(LOSS_ID["renyi"])
 _RENYI_REVERSE: tl.constexpr = tl.constexpr(LOSS_ID["renyi_reverse"])
 _ENTROPY_ADAPTIVE: tl.constexpr = tl.constexpr(LOSS_ID["entropy_adaptive"])
 _DKD: tl.constexpr = tl.constexpr(LOSS_ID["dkd"])
+_AKL: tl.constexpr = tl.constexpr(LOSS_ID["akl"])
 _NORM_EPS: tl.constexpr = tl.constexpr(COSINE_EPS)
 _LOG2_MIN: tl.constexpr = tl.constexpr(-(2.0**100))  # see _mixture
 # A sharded row's part (PHASE 1): m_s, l_s, l_c, m_t, l_t, r_kl, Σs², Σt², Σst, r_ent over this rank's
@@ -534,6 +535,17 @@ def _loss_pass(
                         acc2 += _power_term(lq, lp, -d, 1.0, 0.0, PSI)
                         acc3 -= times(p, lp)
                         acc4 += tl.where((lq > -float("inf")) | (lp > -float("inf")), 1.0, 0.0)
+                    elif LOSS == _AKL:  # KL(p‖q), KL(q‖p) in terms ≥ 0; Σ |p − q| on the head, on the tail
+                        # (the head: order keys at or over log2_beta's, or log2_1mbeta's up to the id pow_p)
+                        d = _log2_ratio(a, b, lq, lp, row_gap, log2e_tau, SCALED)
+                        acc += _power_term(lp, lq, d, 1.0, 0.0, PSI)
+                        acc2 += _power_term(lq, lp, -d, 1.0, 0.0, PSI)
+                        present = (lq > -float("inf")) | (lp > -float("inf"))
+                        gap = tl.where(present, tl.abs(_gap(lq, lp, d)), 0.0)
+                        key = _akl_key(tl.load(t_row + offs, mask=mask, other=-float("inf")).to(tl.float32), T_HEAD)
+                        in_head = (key >= log2_beta) | ((key == log2_1mbeta) & (offs <= pow_p))
+                        acc3 += tl.where(in_head, gap, 0.0)
+                        acc4 += tl.where(in_head, 0.0, gap)
                     elif LOSS == _DKD:  # NCKD's terms ≥ 0 off y, of p̂ = p / P, q̂ = q / Q (log2 P and log2(P/Q) in
                         # log2_beta, log2_1mbeta); dL/ds = q f_q + p f_p off y, q c_q + f0 at y (`_dkd_factors`)
                         p = tl.exp2(lp)
@@ -580,7 +592,7 @@ def _grad_pass(
         lp = (b - m_t) * log2e_tau_t - log2_l_t
         q = tl.exp2(lq)
         d = lq  # log2 q − log2 p for the losses from Jeffreys on (ids above the older losses')
-        if LOSS >= _JEFFREYS:
+        if LOSS >= _JEFFREYS or LOSS == _AKL:
             d = _log2_ratio(a, b, lq, lp, row_gap, log2e_tau, SCALED)
         if LOSS == _JSD:
             z, w = _mixture(lq, lp, log2_beta, log2_1mbeta)
@@ -595,7 +607,7 @@ def _grad_pass(
         elif LOSS == _JEFFREYS:  # c_st ((q − p) + q (log(q/p) − K)): f1 (q − p) + q (f_lo log2(q/p) + f0)
             present = (lq > -float("inf")) | (lp > -float("inf"))
             g = tl.where(present, f1 * _gap(lq, lp, d), 0.0) + times(q, f_lo * d + f0)
-        elif LOSS == _ENTROPY_ADAPTIVE:  # Jeffreys' form with the gate's weights; at w = 1 no reverse KL (d may be inf)
+        elif LOSS == _ENTROPY_ADAPTIVE or LOSS == _AKL:  # Jeffreys' form with the weights; at w = 1 no reverse KL (d may be inf)
             present = (lq > -float("inf")) | (lp > -float("inf"))
             g = tl.where(present, f1 * _gap(lq, lp, d), 0.0) + times(q, tl.where(f_lo != 0.0, f_lo * d, 0.0) + f0)
         elif LOSS == _TRIANGULAR:  # c_st q (g − Σ q g), g = (q − p)(q + 3p) / (q + p)²
@@ -919,6 +931,13 @@ def _divergence(acc, acc2, acc3, acc4, soft, beta, log2_beta, log2_1mbeta, pow_p
             soft = tl.where(w > 0.0, w * acc, 0.0) + tl.where(w < 1.0, (1.0 - w) * acc2, 0.0)
             k_jsd = acc2
             tvd_zero = w
+        elif LOSS == _AKL:  # w = g_head / (g_head + g_tail) (½ where both are 0), in tvd_zero; K = KL(q‖p)
+            g_all = acc3 + acc4
+            some = g_all > 0.0
+            w = tl.where(some, acc3 / tl.where(some, g_all, 1.0), 0.5)
+            soft = tl.where(w > 0.0, w * acc, 0.0) + tl.where(w < 1.0, (1.0 - w) * acc2, 0.0)
+            k_jsd = acc2
+            tvd_zero = w
         elif LOSS == _TVD:
             soft = 0.5 * acc
             # σ − Σ q σ, for σ = +1, −1, 0, from the masses below / above / at p, which sum to 1:
@@ -957,7 +976,7 @@ def _pass3_factors(c_q, c_st, beta, log2_1mbeta, pow_p, pow_q, soft, k_jsd, tvd_
         f1 = c_st
         f_lo = c_st * LN2
         f0 = c_q - c_st * LN2 * k_jsd
-    elif LOSS == _ENTROPY_ADAPTIVE:  # c_st (w (q − p) + (1 − w) q ln 2 (log2(q/p) − K)), w in tvd_zero
+    elif LOSS == _ENTROPY_ADAPTIVE or LOSS == _AKL:  # c_st (w (q − p) + (1 − w) q ln 2 (log2(q/p) − K)), w in tvd_zero
         f1 = c_st * tvd_zero
         f_lo = c_st * (1.0 - tvd_zero) * LN2
         f0 = c_q - tl.where(tvd_zero < 1.0, c_st * (1.0 - tvd_zero) * k_jsd, 0.0)
@@ -1151,6 +1170,9 @@ def _rows_kernel(
             soft, c_ce, c_q, c_st, f_q, f_p, f1, f0, f_a, f_b = _pass2_factors(
                 scale_ptr, w_soft, w_hard, in_range, l_s, l_t, log2_l_s, log2_l_t, r_kl, ss, tt, st,
                 fold_s, fold_t, inv_tau, beta, LOSS, SOFT, CE, GRAD_SOFT, GRAD_CE, CE_IS_Q, ONLINE_KL)
+            if LOSS == _AKL:  # the head's order keys, from `_akl_head_kernel` in part_ptr (PHASE 0)
+                akl_row = part_ptr + row * 3
+                mix_a, mix_b, pow_p = tl.load(akl_row), tl.load(akl_row + 1), tl.load(akl_row + 2)
             if LOSS == _DKD:
                 f_q, f_p, f0, tckd, mix_b = _dkd_factors(m_s, m_t, log2_l_s, log2_l_t, s_y, st, mix_a, mix_b, c_q,
                                                          c_st, log2e_tau, log2e_tau_t, pow_p, pow_q, SCALED, PSI)
@@ -1201,6 +1223,117 @@ def _rows_kernel(
 # --------------------------------------------------------------------------------------------- launcher
 
 
+# AKL's head (`flashkd.losses.akl_head`): the teacher's ids in the order of p descending, ties by id ascending;
+# the longest prefix whose p sums to at most μ, and the first id always. The kernel below finds it without a
+# sort, in the order of the teacher's logits (p's own order, before p is rounded: where two logits round to
+# one p, the larger logit comes first), as three numbers a row that pass 2 compares each column with:
+#   κ       the least order key whose columns at or above it hold p summing to at most μ (F(κ) <= μ)
+#   κ_v     the largest key below κ: the group of ids, one logit, that the prefix ends in
+#   cut     the largest id of that group in the head: its first c ids by id, c = ⌊(μ − F(κ)) / p_v⌋ (at
+#           least one where no column is at or above κ), as the torch definition counts them
+# κ by a search over the keys' 2^32 values, 16 parts a pass (15 masses of p summed against 15 thresholds):
+# about 9 passes; then one for κ_v and p_v, one for cut: about 12 reads of the teacher's row.
+_AKL_PARTS = 16
+
+
+@triton.jit
+def _akl_key(t, T_HEAD: tl.constexpr):
+    """int64 keys that order the loaded teacher logits t as their probabilities (z = σ t, so −t for σ < 0:
+    T_HEAD 1 and 3), −0.0 as +0.0, a −inf (absent) column below every other."""
+    x = t
+    if T_HEAD == 1 or T_HEAD == 3:
+        x = tl.where(t == -float("inf"), t, -t)
+    i = (x + 0.0).to(tl.int32, bitcast=True)
+    return (i ^ ((i >> 31) & 0x7FFFFFFF)).to(tl.int64)
+
+
+@triton.jit
+def _akl_head_kernel(t_ptr, out_ptr, V, stride_t, mu, log2e_tau_t, t_mul, T_HEAD: tl.constexpr,
+                     PARTS: tl.constexpr, BLOCK_V: tl.constexpr):
+    """One row's (κ, κ_v, cut) of AKL's head (above), int64, into out_ptr (R, 3); p as the row kernel's pass 2
+    makes it (the teacher's max and sum at τ, lanes merged once)."""
+    row = tl.program_id(0)
+    t_row = t_ptr + row.to(tl.int64) * stride_t
+    cols = tl.arange(0, BLOCK_V)
+    m = tl.full([BLOCK_V], M_START, tl.float32)
+    l = tl.zeros([BLOCK_V], tl.float32)
+    for start in range(0, V, BLOCK_V):
+        offs = start + cols
+        b = head(tl.load(t_row + offs, mask=offs < V, other=-float("inf")).to(tl.float32), t_mul, T_HEAD)[0]
+        l = lane_sum(l, m, b, log2e_tau_t)
+        m = tl.maximum(m, b)
+    m_t = tl.max(m, 0)
+    log2_l = tl.log2(tl.sum(l * tl.exp2((m - m_t) * log2e_tau_t), 0))
+    parts = tl.arange(0, PARTS)
+    # κ in (lo, hi]: F(hi) <= μ holds at 2^31 (no key reaches it), F(lo) > μ is taken at −2^31 − 1
+    lo = tl.full([PARTS], -(2**31) - 1, tl.int64)
+    hi = tl.full([PARTS], 2**31, tl.int64)
+    f_hi = tl.zeros([PARTS], tl.float32)
+    while tl.max(hi - lo, 0) > 1:
+        th = lo + ((hi - lo) * (parts + 1)) // PARTS  # th[PARTS − 1] = hi
+        mass = tl.zeros([PARTS], tl.float32)
+        for start in range(0, V, BLOCK_V):
+            offs = start + cols
+            raw = tl.load(t_row + offs, mask=offs < V, other=-float("inf")).to(tl.float32)
+            p = tl.exp2((head(raw, t_mul, T_HEAD)[0] - m_t) * log2e_tau_t - log2_l)
+            key = _akl_key(raw, T_HEAD)
+            mass += tl.sum(tl.where(key[None, :] >= th[:, None], p[None, :], 0.0), 1)
+        fits = (mass <= mu) | (parts == PARTS - 1)
+        new_hi = tl.min(tl.where(fits, th, 2**31), 0)
+        f_hi = tl.zeros([PARTS], tl.float32) + tl.max(tl.where(fits & (th == new_hi), mass, -1.0), 0)
+        lo = tl.zeros([PARTS], tl.int64) + tl.max(tl.where(fits, lo, th), 0)
+        hi = tl.zeros([PARTS], tl.int64) + new_hi
+    kappa = tl.max(hi, 0)
+    f_k = tl.max(f_hi, 0)
+    # κ_v: the largest key below κ, and its p
+    k_lane = tl.full([BLOCK_V], -(2**31) - 1, tl.int64)
+    p_lane = tl.zeros([BLOCK_V], tl.float32)
+    for start in range(0, V, BLOCK_V):
+        offs = start + cols
+        raw = tl.load(t_row + offs, mask=offs < V, other=-float("inf")).to(tl.float32)
+        p = tl.exp2((head(raw, t_mul, T_HEAD)[0] - m_t) * log2e_tau_t - log2_l)
+        key = tl.where(offs < V, _akl_key(raw, T_HEAD), -(2**31) - 1)
+        up = (key < kappa) & (key > k_lane)
+        p_lane = tl.where(up, p, p_lane)
+        k_lane = tl.where(up, key, k_lane)
+    k_v = tl.max(k_lane, 0)
+    p_v = tl.max(tl.where(k_lane == k_v, p_lane, 0.0), 0)
+    fit = tl.floor((mu - f_k) / tl.where(p_v > 0.0, p_v, 1.0))
+    fit = tl.maximum(fit, tl.where(f_k == 0.0, 1.0, 0.0))
+    need = tl.minimum(fit, V + 1.0).to(tl.int64)  # the group's first `need` ids by id
+    cut = tl.where(need > 0, V, -1).to(tl.int64)  # V: the group's ids all (fewer than need)
+    seen = (need * 0).to(tl.int64)
+    for start in range(0, V, BLOCK_V):
+        offs = start + cols
+        raw = tl.load(t_row + offs, mask=offs < V, other=-float("inf")).to(tl.float32)
+        group = (offs < V) & (_akl_key(raw, T_HEAD) == k_v)
+        rank = seen + tl.cumsum(group.to(tl.int64), 0)
+        cut = tl.minimum(cut, tl.min(tl.where(group & (rank == need), offs.to(tl.int64), V), 0))
+        seen += tl.sum(group.to(tl.int64), 0)
+    out = out_ptr + row.to(tl.int64) * 3
+    tl.store(out, kappa)
+    tl.store(out + 1, k_v)
+    tl.store(out + 2, cut)
+
+
+def akl_head_keys(t: torch.Tensor, spec: LossSpec) -> torch.Tensor:
+    """(R, 3) int64 (κ, κ_v, cut) of each row of the teacher logits t (R, V), unit vocab stride (above);
+    μ >= 1: every column (κ below every key)."""
+    R, V = t.shape
+    out = torch.empty(R, 3, dtype=torch.int64, device=t.device)
+    if spec.head_mass >= 1.0:
+        out[:, 0], out[:, 1], out[:, 2] = -(2**31) - 1, -(2**31) - 1, -1
+        return out
+    t_head, fold_t, t_mul = head_mode(spec.teacher_logit_scale, spec.teacher_softcap)
+    if R:
+        with launching():
+            _akl_head_kernel[(R,)](t, out, V, t.stride(0), float(spec.head_mass),
+                                   math.log2(math.e) * fold_t / spec.temperature, t_mul, T_HEAD=t_head,
+                                   PARTS=_AKL_PARTS, BLOCK_V=min(256, max(16, triton.next_power_of_2(V))),
+                                   num_warps=4)
+    return out
+
+
 def rows(s, t, labels, spec: LossSpec, scale: torch.Tensor, grad: bool, stats: bool = False, *, ds=None, tiles=None):
     """`sliced_rows` of whole rows: per-row (soft, hard) losses of one block, with nothing to exchange."""
     return unexchanged(sliced_rows(s, t, labels, spec, scale, grad, stats, ds=ds, tiles=tiles))
@@ -1248,7 +1381,7 @@ def sliced_rows(s, t, labels, spec: LossSpec, scale: torch.Tensor, grad: bool, s
         launch(4, parts=tiles, world=tiles.shape[2], stride_part=tiles.stride(0), stride_tile=tiles.stride(1))
         return out
     if start is None:
-        launch(0)
+        launch(0, parts=akl_head_keys(t, spec) if spec.want_soft and kernel_kind(spec) == "akl" else None)
         return out
     # A row sharded over the ranks' vocab slices: pass 1 on each slice; its statistics (R · _PARTS fp32 a
     # rank) gathered from every rank, merged in phase 2 as a program's lanes are; pass 2; where the loss (or
@@ -1282,6 +1415,9 @@ def _check(s, t, labels, spec: LossSpec, scale, grad: bool, stats: bool, ds, sta
     if spec.want_soft and kernel_kind(spec) not in KERNEL_LOSSES:
         raise ValueError(f"spec: expected a loss of {', '.join(map(repr, KERNEL_LOSSES))} (the others run on the "
                          f"torch rows), got {spec.loss!r}")
+    if spec.want_soft and kernel_kind(spec) == "akl" and (start is not None or tiles is not None):
+        raise ValueError("spec: loss='akl' runs here on whole rows (its head is found over the row); a vocab slice "
+                         "takes the torch rows")
     if spec.want_soft and kernel_kind(spec) == "dkd" and labels is None:
         raise ValueError("labels: loss='dkd' reads the target class of each row; got labels=None")
     if not isinstance(s, torch.Tensor) or s.dim() != 2:
@@ -1429,7 +1565,7 @@ class _Launch:
             IN_PLACE=in_place,
             # the entropy blend's KL terms are the power family's at powers (1, 0): ψ's modes for γ = 0 and 1 − γ = 1
             PSI=_psi_mode(pow_q / (pow_p + pow_q)) + 8 * _psi_mode(pow_p / (pow_p + pow_q)) if kind in _POWER_LOSSES
-            else _psi_mode(0.0) + 8 * _psi_mode(1.0) if kind in ("entropy_adaptive", "dkd") else 0,
+            else _psi_mode(0.0) + 8 * _psi_mode(1.0) if kind in ("entropy_adaptive", "dkd", "akl") else 0,
             # only where a side has a softcap: other kernels keep one specialisation whatever the masks
             RCP_FMA=_cap_bits(SOFTCAP_RCP_FMA.get(kind, 0), s_head, t_head),
             BLOCK_V=block,
@@ -1466,13 +1602,14 @@ def _writing_pass(spec: LossSpec, grad: bool) -> int:
     return 3 if spec.want_soft and spec.soft_scale != 0.0 and kernel_kind(spec) in _LATE_GRAD else 2
 
 
-# The dense losses this kernel computes (AKL's head needs an order of the row's p: the torch rows run it,
-# `flashkd.core.backend.TORCH_ROW_LOSSES`).
+# The dense losses this kernel computes (AKL on whole rows: its head is found over the row, `_akl_head_kernel`;
+# a vocab slice's AKL runs on the torch rows, `flashkd.core.backend.row_function`).
 KERNEL_LOSSES = ("jsd", "forward_kl", "reverse_kl", "tvd", "cosine", "skew_kl", "skew_reverse_kl", "jeffreys",
-                 "triangular", "alpha_divergence", "renyi", "renyi_reverse", "ab_divergence", "entropy_adaptive", "dkd")
+                 "triangular", "alpha_divergence", "renyi", "renyi_reverse", "ab_divergence", "entropy_adaptive", "dkd",
+                 "akl")
 # the kernel's losses whose statistics per vocab tile (`tiles_fit`) are not offered: those the CuTe path had
 _NO_TILES = ("jeffreys", "triangular", "alpha_divergence", "renyi", "renyi_reverse", "ab_divergence", "entropy_adaptive",
-             "dkd")
+             "dkd", "akl")
 
 
 def kernel_kind(spec: LossSpec) -> str:

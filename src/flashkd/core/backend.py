@@ -24,7 +24,8 @@ def row_function(plan):
     yield exchanged over the slice's ranks (`VocabSlice.exchange`), or the torch rows on the slice's
     reductions, each block's (soft, hard) then handed to the slice (`VocabSlice.exchange("rows", ...)`)."""
     form, vocab = plan.form, plan.vocab
-    if plan.backend == "triton":
+    # AKL's head is found over a whole row (`triton_rows.akl_head_keys`): a vocab slice's takes the torch rows
+    if plan.backend == "triton" and not (vocab is not None and form != "topk" and plan.spec.kind == "akl"):
         from ..backends import triton_rows, triton_topk
 
         if vocab is None:
@@ -112,9 +113,9 @@ def pick_backend(backend, x, loss=None):
 
 
 # The losses whose dense rows have no Triton kernel (`triton_rows.KERNEL_LOSSES` are the others): every
-# backend runs them on the torch rows. AKL's head needs an order of the row's p (`losses.akl_head`); a learning
-# teacher's (LEARNING_LOSSES) dL/dt is autograd's on the torch rows, beside dL/ds.
-TORCH_ROW_LOSSES = ("akl", *LEARNING_LOSSES)
+# backend runs them on the torch rows. A learning teacher's (LEARNING_LOSSES) dL/dt is autograd's on the torch
+# rows, beside dL/ds.
+TORCH_ROW_LOSSES = LEARNING_LOSSES
 
 
 # The losses "auto" runs with the CuTe DSL logits GEMMs where they fit (`_cute_fits`: of these, forward KL
