@@ -23,11 +23,11 @@ from helpers.ties import near
 
 NEW = ["skew_kl", "skew_reverse_kl", "akl"]
 PARAMS = {"skew_kl": dict(alpha=0.1), "skew_reverse_kl": dict(alpha=0.1), "akl": dict(head_mass=0.5)}
-IN_KERNEL = ("skew_kl", "skew_reverse_kl")  # the dense Triton row kernel's; AKL's dense rows are the torch rows'
+IN_KERNEL = ("skew_kl", "skew_reverse_kl", "akl")  # the dense Triton row kernel's
 
 
 def assert_ran(calls, backend, loss):
-    """On the Triton backend the skew losses' dense rows run in the kernel, AKL's never; on torch, none do."""
+    """On the Triton backend the dense rows of the skew losses and AKL run in the kernel; on torch, none do."""
     runs = backend == "triton" and loss in IN_KERNEL
     assert (loss in calls) == runs and set(calls) <= {loss}, (backend, loss, calls)
 
@@ -253,24 +253,22 @@ def test_a_parameter_the_loss_does_not_read_is_refused(name, loss):
 
 
 @pytest.mark.parametrize("loss", NEW)
-def test_triton_backend_runs_the_skew_losses_in_its_kernel_and_akl_on_the_torch_rows(loss, kernel_calls):
-    """"triton" and "auto" (on a GPU) run skew KL and skew reverse KL in the dense row kernel, at every α,
-    whose results agree with the torch rows' in fp32; AKL's dense rows have no kernel: the torch rows' result,
-    bit for bit. fp64 inputs go to the torch rows whatever the loss."""
+def test_triton_backend_runs_the_new_losses_in_its_kernel(loss, kernel_calls):
+    """"triton" and "auto" (on a GPU) run skew KL and skew reverse KL (at every α) and AKL (at μ inside
+    (0, 1) and at 1) in the dense row kernel, whose results agree with the torch rows' in fp32. fp64 inputs
+    go to the torch rows whatever the loss."""
     pytest.importorskip("triton")
     device = "cuda" if torch.cuda.is_available() else "cpu"  # on a CPU, the interpreter (tests/conftest.py)
     xs, ws, xt, wt = (t.float().to(device) for t in small(3)[:4])
     labels = small(3)[4].to(device)
-    for params in ([dict(alpha=a) for a in (0.0, 0.1, 1.0)] if loss in IN_KERNEL else [dict(head_mass=0.5)]):
+    grid = [dict(alpha=a) for a in (0.0, 0.1, 1.0)] if loss != "akl" else [dict(head_mass=m) for m in (0.3, 1.0)]
+    for params in grid:
         for backend in ("triton", "auto") if device == "cuda" else ("triton",):
             del kernel_calls[:]
             a = flashkd.fused_linear_distill(xs, ws, xt, wt, labels, loss=loss, backend=backend, **params)
             b = flashkd.fused_linear_distill(xs, ws, xt, wt, labels, loss=loss, backend="torch", **params)
             assert_ran(kernel_calls, "triton", loss)
-            if loss in IN_KERNEL:
-                torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
-            else:
-                assert torch.equal(a, b)
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
     del kernel_calls[:]
     flashkd.fused_linear_distill(*(t.double() for t in (xs, ws, xt, wt)), labels, loss=loss, backend="triton")
     assert kernel_calls == []

@@ -577,5 +577,5 @@ def test_every_dense_loss_runs_in_the_kernel_or_on_the_torch_rows():
     for loss in LOSSES:
         want = "torch" if loss in core.backend.TORCH_ROW_LOSSES else "triton"
         assert core.backend.pick_backend("triton", s, loss) == want, loss
-    with pytest.raises(ValueError, match="^spec: expected a loss of 'jsd', .* got 'akl'"):
-        triton_rows.rows(s.clone(), t, None, LossSpec(loss="akl"), torch.tensor(1.0, device=DEVICE), True)
+    with pytest.raises(ValueError, match="^spec: expected a loss of 'jsd', .* got 'mutual'"):
+        triton_rows.rows(s.clone(), t, None, LossSpec(loss="mutual"), torch.tensor(1.0, device=DEVICE), True)
