@@ -47,7 +47,7 @@ from collections.abc import Mapping
 
 import torch
 
-from .losses import check_logit_transform, logit_transform
+from .losses import check_finite_float, check_logit_transform, logit_transform
 
 EPS = 1e-8  # GOLD's clamp of a merged position's probability and of the hybrid JSD's probabilities
 NORMALIZE = ("exact", "bytes")
@@ -128,8 +128,9 @@ class TokenMap:
         if not isinstance(teacher_weight, torch.Tensor) or not teacher_weight.is_floating_point():
             got = teacher_weight.dtype if isinstance(teacher_weight, torch.Tensor) else type(teacher_weight).__name__
             raise TypeError(f"teacher_weight: expected a float tensor (Vt, Ht), got {got}")
-        if teacher_weight.dim() != 2:
-            raise ValueError(f"teacher_weight: expected a 2-D tensor (Vt, Ht), got shape {tuple(teacher_weight.shape)}")
+        if teacher_weight.dim() != 2 or 0 in teacher_weight.shape:  # no rows to gather, or no hidden size
+            raise ValueError(f"teacher_weight: expected a 2-D tensor (Vt, Ht), both >= 1, got shape "
+                             f"{tuple(teacher_weight.shape)}")
         rows = teacher_weight.shape[0]
         top = int(tmap.index.max())
         if top >= rows:
@@ -206,11 +207,16 @@ def token_map(student_tokenizer, teacher_tokenizer, *, normalize: str = "exact",
         if not isinstance(pairs, Mapping):
             raise TypeError(f"pairs: expected None or a {{student id: teacher id}} mapping, got {type(pairs).__name__}")
         owner = {t: s for s, t in enumerate(index) if t >= 0}
+        paired: dict = {}
         for sid, tid in pairs.items():
             if isinstance(sid, bool) or isinstance(tid, bool) or not isinstance(sid, int) or not isinstance(tid, int):
                 raise TypeError(f"pairs: expected int ids, got {sid!r}: {tid!r}")
             if not (0 <= sid < vs and 0 <= tid < vt):
                 raise ValueError(f"pairs: expected student ids in [0, {vs}) and teacher ids in [0, {vt}), got {sid}: {tid}")
+            if tid in paired:  # the later pair would take it from the earlier one: one of them silently lost
+                raise ValueError(f"pairs: expected each teacher id at most once (the map is one-to-one), got teacher "
+                                 f"id {tid} for student ids {paired[tid]} and {sid}")
+            paired[tid] = sid
             if tid in owner:
                 index[owner[tid]] = -1
             if index[sid] >= 0:
@@ -371,10 +377,13 @@ def uld_alignment(student_labels: torch.Tensor, teacher_labels: torch.Tensor, st
     the first min(n_s, n_t) positions paired. weight: GOLD's `uld_distillation_weight`."""
     if merge not in MERGES:
         raise ValueError(f"merge: expected one of {', '.join(map(repr, MERGES))}, got {merge!r}")
+    check_finite_float("weight", weight)
+    if isinstance(ignore_index, bool) or not isinstance(ignore_index, int):
+        raise TypeError(f"ignore_index: expected an int, got {ignore_index!r}")
     for name, t in (("student_labels", student_labels), ("teacher_labels", teacher_labels),
                     ("student_input_ids", student_input_ids), ("teacher_input_ids", teacher_input_ids)):
-        if not isinstance(t, torch.Tensor) or t.dim() != 2 or t.is_floating_point():
-            got = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
+        if not isinstance(t, torch.Tensor) or t.dim() != 2 or not _integer(t):
+            got = (t.dtype if t.dim() == 2 else tuple(t.shape)) if isinstance(t, torch.Tensor) else type(t).__name__
             raise ValueError(f"{name}: expected an integer tensor (batch, length), got {got}")
     if student_input_ids.shape != student_labels.shape:
         raise ValueError(f"student_input_ids: expected shape {tuple(student_labels.shape)} (student_labels'), "
@@ -392,6 +401,8 @@ def uld_alignment(student_labels: torch.Tensor, teacher_labels: torch.Tensor, st
             if not isinstance(off, torch.Tensor) or off.shape != (b, t, 2):
                 got = tuple(off.shape) if isinstance(off, torch.Tensor) else type(off).__name__
                 raise ValueError(f"{name}: expected shape ({b}, {t}, 2) with extended=True, got {got}")
+            if not _integer(off):
+                raise TypeError(f"{name}: expected an integer tensor of byte offsets, got {off.dtype}")
     s_start, s_size = _answers(student_labels, ignore_index)
     t_start, t_size = _answers(teacher_labels, ignore_index)
     s_size = [n - 1 for n in s_size] if skip_student_eos else s_size
@@ -437,6 +448,11 @@ def uld_alignment(student_labels: torch.Tensor, teacher_labels: torch.Tensor, st
     return UldAlignment(long(out["sr"]), long(out["tr"]), torch.tensor(out["w"], dtype=torch.float64), long(out["item"]),
                         long(out["sfr"]), long(out["sfi"]), long(out["sfg"]),
                         long(out["tfr"]), long(out["tfi"]), long(out["tfg"]))
+
+
+def _integer(t: torch.Tensor) -> bool:
+    """An integer dtype: not floating, complex or bool (a bool tensor's True reads as id 1)."""
+    return not (t.is_floating_point() or t.is_complex() or t.dtype == torch.bool)
 
 
 def _answers(labels, ignore_index):
@@ -522,8 +538,8 @@ def fused_linear_uld(
     a `UldAlignment` (rows of the flattened `student_input` and `teacher_input`).
 
     matched: None (ULD: the sorted L1 over the whole vocabs), or the shared tokens for the hybrid loss:
-    a TokenMap, or (student ids, teacher ids) (K,) int64; matched_weight / unmatched_weight (a, b):
-    floats, both or neither (then a = K / Vt, b = 1 − a, as GOLD); beta: the hybrid JSD's β.
+    a TokenMap, or (student ids, teacher ids) (K,) int64, each teacher id once; matched_weight /
+    unmatched_weight (a, b): floats, both or neither (then a = K / Vt, b = 1 − a, as GOLD); beta: the hybrid JSD's β.
     labels (...) like student_input's leading dims, ignore_index where none, and ce_weight: GOLD's
     cross-entropy term, ce_weight · the mean CE of the student's rows with a label (labels already
     shifted: the row's next token). The logit transform (scale, then softcap) applies before the
@@ -557,9 +573,12 @@ def _plan(xs, ws, xt, wt, al, bs, bt, s_tau, t_tau, matched, a, b, beta, labels,
         if not isinstance(t, torch.Tensor) or not t.is_floating_point():
             got = t.dtype if isinstance(t, torch.Tensor) else type(t).__name__
             raise TypeError(f"{name}: expected a float tensor, got {got}")
-    if ws.dim() != 2 or wt.dim() != 2:
-        name, t = ("student_weight", ws) if ws.dim() != 2 else ("teacher_weight", wt)
-        raise ValueError(f"{name}: expected a 2-D tensor (V, H), got shape {tuple(t.shape)}")
+    if ws.dim() != 2 or wt.dim() != 2 or 0 in ws.shape or 0 in wt.shape:  # an empty vocab has no distribution
+        name, t = ("student_weight", ws) if ws.dim() != 2 or 0 in ws.shape else ("teacher_weight", wt)
+        raise ValueError(f"{name}: expected a 2-D tensor (V, H), both >= 1, got shape {tuple(t.shape)}")
+    for name, x in (("student_input", xs), ("teacher_input", xt)):
+        if x.dim() < 1:
+            raise ValueError(f"{name}: expected a tensor of shape (..., H), got a 0-d tensor")
     if xs.shape[-1] != ws.shape[1] or xt.shape[-1] != wt.shape[1]:
         name, x, w = ("student_input", xs, ws) if xs.shape[-1] != ws.shape[1] else ("teacher_input", xt, wt)
         raise ValueError(f"{name}: expected a last dim of {w.shape[1]} (the head's hidden size), got {x.shape[-1]}")
@@ -570,6 +589,8 @@ def _plan(xs, ws, xt, wt, al, bs, bt, s_tau, t_tau, matched, a, b, beta, labels,
         if bias is not None and (not isinstance(bias, torch.Tensor) or bias.shape != (w.shape[0],)):
             got = tuple(bias.shape) if isinstance(bias, torch.Tensor) else type(bias).__name__
             raise ValueError(f"{name}: expected None or shape ({w.shape[0]},), got {got}")
+        if bias is not None and bias.dtype != w.dtype:  # added to the logits, it would promote or cast them
+            raise TypeError(f"{name}: expected None or a tensor of its weight's dtype {w.dtype}, got {bias.dtype}")
     if not isinstance(al, UldAlignment):
         raise TypeError(f"alignment: expected a flashkd.UldAlignment (flashkd.uld_alignment), got {type(al).__name__}")
     for name, tau in (("student_temperature", s_tau), ("teacher_temperature", t_tau)):
@@ -577,6 +598,15 @@ def _plan(xs, ws, xt, wt, al, bs, bt, s_tau, t_tau, matched, a, b, beta, labels,
             raise ValueError(f"{name}: expected a finite float > 0, got {tau!r}")
     check_logit_transform("student_logit_scale", s_scale, "student_softcap", s_cap)
     check_logit_transform("teacher_logit_scale", t_scale, "teacher_softcap", t_cap)
+    check_finite_float("ce_weight", ce_weight)
+    if isinstance(ignore_index, bool) or not isinstance(ignore_index, int):
+        raise TypeError(f"ignore_index: expected an int, got {ignore_index!r}")
+    check_finite_float("beta", beta)
+    if not 0.0 <= beta <= 1.0:
+        raise ValueError(f"beta: expected a float in [0, 1], got {beta!r}")
+    for name, w in (("matched_weight", a), ("unmatched_weight", b)):
+        if w is not None:
+            check_finite_float(name, w)
     ns, nt = xs.numel() // xs.shape[-1], xt.numel() // xt.shape[-1]
     vs, vt = ws.shape[0], wt.shape[0]
     device = ws.device
@@ -589,13 +619,22 @@ def _plan(xs, ws, xt, wt, al, bs, bt, s_tau, t_tau, matched, a, b, beta, labels,
                           ("student_factor_groups", al.student_factor_groups, g),
                           ("teacher_factor_groups", al.teacher_factor_groups, g)):
         _check_index(f"alignment.{name}", rows, n)
-    for name, t, like in (("teacher_rows", al.teacher_rows, g), ("weight", al.weight, g), ("item", al.item, g),
+    for name, t, like in (("student_rows", al.student_rows, g), ("teacher_rows", al.teacher_rows, g),
+                          ("weight", al.weight, g), ("item", al.item, g),
                           ("student_factor_ids", al.student_factor_ids, al.student_factor_rows.numel()),
                           ("student_factor_groups", al.student_factor_groups, al.student_factor_rows.numel()),
                           ("teacher_factor_ids", al.teacher_factor_ids, al.teacher_factor_rows.numel()),
                           ("teacher_factor_groups", al.teacher_factor_groups, al.teacher_factor_rows.numel())):
         if t.dim() != 1 or t.numel() != like:
             raise ValueError(f"alignment.{name}: expected shape ({like},), got {tuple(t.shape)}")
+    if not isinstance(al.weight, torch.Tensor) or not al.weight.is_floating_point():
+        got = al.weight.dtype if isinstance(al.weight, torch.Tensor) else type(al.weight).__name__
+        raise TypeError(f"alignment.weight: expected a float tensor, got {got}")
+    if al.weight.device.type == "cpu" and not bool(al.weight.isfinite().all()):
+        raise ValueError("alignment.weight: expected finite values")
+    if not isinstance(al.item, torch.Tensor) or al.item.dtype not in (torch.int64, torch.int32):
+        got = al.item.dtype if isinstance(al.item, torch.Tensor) else type(al.item).__name__
+        raise TypeError(f"alignment.item: expected an int64 or int32 tensor, got {got}")
     p = _Plan()
     p.acc = torch.float64 if xs.dtype == torch.float64 else torch.float32
     p.student = _Side(xs.reshape(ns, -1), ws, bs, float(s_scale), s_cap, float(s_tau))
@@ -617,6 +656,9 @@ def _plan(xs, ws, xt, wt, al, bs, bt, s_tau, t_tau, matched, a, b, beta, labels,
         _check_index("matched teacher ids", tid, vt)
         if sid.dim() != 1 or sid.shape != tid.shape:
             raise ValueError(f"matched: expected two 1-D id tensors of one length, got {tuple(sid.shape)} and {tuple(tid.shape)}")
+        if tid.unique().numel() != tid.numel():  # GOLD's pairs are keyed by teacher id: each at most once
+            raise ValueError("matched teacher ids: expected each teacher id at most once (one student id each), got "
+                             "a teacher id more than once")
         order = tid.argsort()  # GOLD's order: by teacher id
         sid, tid = sid[order].to(device), tid[order].to(device)
         if (a is None) != (b is None):
@@ -628,17 +670,19 @@ def _plan(xs, ws, xt, wt, al, bs, bt, s_tau, t_tau, matched, a, b, beta, labels,
         s_un[sid] = False
         t_un = torch.ones(vt, dtype=torch.bool, device=device)
         t_un[tid] = False
-        if not 0.0 <= beta <= 1.0:
-            raise ValueError(f"beta: expected a float in [0, 1], got {beta!r}")
         p.hybrid = (sid, tid, s_un.nonzero().flatten(), t_un.nonzero().flatten(), float(a), float(b), float(beta))
     elif a is not None or b is not None:
         raise ValueError("matched_weight, unmatched_weight: only with matched= (the hybrid loss)")
     p.labels = None
     p.ce_weight = float(ce_weight)
     if labels is not None and p.ce_weight != 0.0:
-        if not isinstance(labels, torch.Tensor) or labels.is_floating_point() or labels.numel() != ns:
+        if not isinstance(labels, torch.Tensor) or labels.shape != xs.shape[:-1]:
             got = tuple(labels.shape) if isinstance(labels, torch.Tensor) else type(labels).__name__
-            raise ValueError(f"labels: expected an integer tensor of student_input's leading dims ({ns} rows), got {got}")
+            raise ValueError(f"labels: expected a tensor of student_input's leading dims {tuple(xs.shape[:-1])}, "
+                             f"got {got}")
+        # narrower ones would wrap ignore_index (-100 is 156 in uint8)
+        if labels.dtype not in (torch.int64, torch.int32):
+            raise TypeError(f"labels: expected an integer dtype (torch.int64 or torch.int32), got {labels.dtype}")
         y = labels.reshape(-1).to(device)
         rows = (y != ignore_index).nonzero().flatten()
         _check_index("labels", y[rows], vs)
@@ -655,8 +699,10 @@ def _plan(xs, ws, xt, wt, al, bs, bt, s_tau, t_tau, matched, a, b, beta, labels,
 
 
 def _check_index(name, t, n):
-    if not isinstance(t, torch.Tensor) or t.is_floating_point() or t.is_complex() or t.dtype == torch.bool:
-        raise TypeError(f"{name}: expected an integer tensor, got {t.dtype if isinstance(t, torch.Tensor) else type(t).__name__}")
+    # int64 or int32 only: a uint8 tensor indexes as a mask, int16 is refused deep inside index_add_
+    if not isinstance(t, torch.Tensor) or t.dtype not in (torch.int64, torch.int32):
+        raise TypeError(f"{name}: expected an int64 or int32 tensor, got "
+                        f"{t.dtype if isinstance(t, torch.Tensor) else type(t).__name__}")
     if t.numel() and (int(t.min()) < 0 or int(t.max()) >= n):
         raise ValueError(f"{name}: expected values in [0, {n}), got values in [{int(t.min())}, {int(t.max())}]")
 

@@ -51,6 +51,7 @@ import torch
 
 from . import core
 from .core import call as calls
+from .core import checks
 from .core import keywords
 from .distill import KEYWORDS, fused_linear_distill
 from .losses import LEARNING_LOSSES, REDUCTIONS, DistillStats
@@ -118,7 +119,7 @@ def fused_linear_distill_teachers(
     routed takes `teacher_index` (labels' shape, int64 or int32, each row's teacher in [0, M) or −1 for
     none; one host sync: the groups' sizes), geometric, arithmetic and sum `teacher_weights` (M floats or a
     float tensor (..., M), >= 0, checked on CPU; arithmetic's summing to 1 a row, checked on any device; a tensor
-    (M,) is read on the host). teacher_logit_scale and
+    (M,) is read on the host; a constant: a tensor that requires grad is refused). teacher_logit_scale and
     teacher_softcap: one for all or M, per teacher; geometric refuses softcaps. The other keywords are
     `fused_linear_distill`'s, passed through; the returns too: loss, (soft, hard) with
     return_soft_hard_loss, a `DistillStats` with return_stats (per_teacher (M, 3) for routed and sum:
@@ -133,9 +134,13 @@ def fused_linear_distill_teachers(
         raise ValueError(f"loss: {loss!r} trains the teacher; with several teachers the teachers are constants")
     if reduction not in REDUCTIONS:
         raise ValueError(f"reduction: expected one of {REDUCTIONS}, got {reduction!r}")
-    if not isinstance(student_input, torch.Tensor) or student_input.dim() < 1:
+    if not isinstance(student_input, torch.Tensor):
         raise TypeError(f"student_input: expected a tensor (..., Hs), got {type(student_input).__name__}")
+    if student_input.dim() < 1:
+        raise ValueError("student_input: expected a tensor of shape (..., Hs), got a 0-d tensor")
     lead = tuple(student_input.shape[:-1])
+    # checked here as given: the calls below see it multiplied by per-row weights, or as the rows of a group
+    checks.check_row_weight(row_weight, student_input, student_input)
     teachers = _teachers(teacher_inputs, teacher_heads, teacher_biases, teacher_logit_scale, teacher_softcap, lead)
     m = len(teachers.inputs)
     if combine == "routed":
@@ -146,17 +151,25 @@ def fused_linear_distill_teachers(
     options = {name: value for name, value in given.items() if name in _PASSED}
     weights = (weight_hard_loss, weight_soft_loss)
     if combine == "routed":
+        # labels' shape as given: the calls below see only the rows that have a teacher, flattened
+        checks.check_student(student_input, student_weight, student_bias, labels)
         index = _check_index(teacher_index, labels, lead, m)
         counts, order = _groups(index, m)
+        parsed = {**options, **{name: given[name] for name in _PER_CALL}}
         if teacher_precision is None and counts[0] < index.numel():
             return core.run(_routed_call(student_input, student_weight, student_bias, teachers, labels, row_weight,
-                                         index, counts, order, {**options, **{name: given[name] for name in _PER_CALL}}))
+                                         index, counts, order, parsed))
+        # no one call runs (no row has a teacher, or one call a group, a teacher without rows having none):
+        # every teacher's tensors checked as the one call checks them, on no rows (nothing copied)
+        none = [index.numel()] + [0] * (m + 1)
+        checks.check(_routed_call(student_input, student_weight, student_bias, teachers, labels, row_weight, index,
+                                  none, order, {**parsed, "teacher_precision": None}))
         out = _routed(student_input, student_weight, student_bias, teachers, labels, row_weight, counts, order,
                       weights, reduction, options)
     else:
-        w = _check_weights(teacher_weights, lead, m, student_input.device)
+        w, eps = _check_weights(teacher_weights, lead, m, student_input.device)
         if combine == "arithmetic":
-            return _arithmetic(student_input, student_weight, student_bias, teachers, labels, row_weight, w,
+            return _arithmetic(student_input, student_weight, student_bias, teachers, labels, row_weight, w, eps,
                                {**options, **{name: given[name] for name in _PER_CALL}})
         if combine == "geometric":
             if any(c is not None for c in teachers.softcaps):
@@ -239,12 +252,18 @@ def _check_index(index, labels, lead, m):
 
 
 def _check_weights(weights, lead, m, device):
-    """A list of M floats, or a float tensor (N, M) of per-row weights."""
+    """A list of M floats, or a float tensor (N, M) of per-row weights; and the epsilon of their dtype (the
+    tolerance of arithmetic's sum, per weight: a tensor's dtype, fp64 for Python floats)."""
+    eps = 2.0**-52
     if weights is None:
         raise ValueError(f"teacher_weights: expected {m} floats or a tensor (..., {m}), got None")
     if isinstance(weights, torch.Tensor):
         if not weights.is_floating_point():
             raise TypeError(f"teacher_weights: expected a float tensor, got {weights.dtype}")
+        if weights.requires_grad:  # detached below: a gradient to it would be silently dropped
+            raise TypeError("teacher_weights: expected a constant tensor (requires_grad=False): no gradient flows to "
+                            "it; got one that requires grad (pass teacher_weights.detach())")
+        eps = torch.finfo(weights.dtype).eps
         if tuple(weights.shape) == (m,):  # one weight per teacher, read on the host
             weights = weights.tolist()
         else:
@@ -254,22 +273,30 @@ def _check_weights(weights, lead, m, device):
                 raise ValueError(f"teacher_weights: expected device {device}, got {weights.device}")
             if weights.device.type == "cpu" and not bool(((weights >= 0) & weights.isfinite()).all()):
                 raise ValueError("teacher_weights: expected finite values >= 0")
-            return weights.detach().reshape(-1, m)
+            return weights.detach().reshape(-1, m), eps
     if not isinstance(weights, (list, tuple)) or len(weights) != m:
         raise ValueError(f"teacher_weights: expected {m} floats (one per teacher) or a tensor (..., {m}), "
                          f"got {weights!r}")
     for w in weights:
         if isinstance(w, bool) or not isinstance(w, (int, float)) or not math.isfinite(w) or w < 0:
             raise ValueError(f"teacher_weights: expected finite floats >= 0, got {w!r}")
-    return [float(w) for w in weights]
+    return [float(w) for w in weights], eps
 
 
-def _call(xs, ws, bs, xt, wt, bt, labels, row_weight, scale, cap, w_hard, w_soft, reduction, options):
-    """One fused_linear_distill call, with its soft and hard terms and its stats."""
-    return fused_linear_distill(xs, ws, xt, wt, labels, student_bias=bs, teacher_bias=bt, row_weight=row_weight,
-                                teacher_logit_scale=scale, teacher_softcap=cap, weight_hard_loss=w_hard,
-                                weight_soft_loss=w_soft, reduction=reduction, return_soft_hard_loss=True,
-                                return_stats=True, **options)
+def _call(xs, ws, bs, xt, wt, bt, labels, row_weight, scale, cap, w_hard, w_soft, reduction, options, teacher=None):
+    """One fused_linear_distill call, with its soft and hard terms and its stats; teacher: its index, that an
+    error about its tensors names them as passed here."""
+    try:
+        return fused_linear_distill(xs, ws, xt, wt, labels, student_bias=bs, teacher_bias=bt, row_weight=row_weight,
+                                    teacher_logit_scale=scale, teacher_softcap=cap, weight_hard_loss=w_hard,
+                                    weight_soft_loss=w_soft, reduction=reduction, return_soft_hard_loss=True,
+                                    return_stats=True, **options)
+    except (TypeError, ValueError) as e:
+        if teacher is None:
+            raise
+        names = {"teacher_input": f"teacher_inputs[{teacher}]", "teacher_weight": f"teacher_heads[{teacher}]",
+                 "teacher_bias": f"teacher_biases[{teacher}]"}
+        raise checks.renamed(e, names) from None
 
 
 def _groups(index, m):
@@ -320,7 +347,7 @@ def _routed(xs, ws, bs, teachers, labels, row_weight, counts, order, weights, re
             flat_x.index_select(0, sel), ws, bs, teachers.inputs[t].index_select(0, sel), teachers.heads[t],
             teachers.biases[t], None if flat_labels is None else flat_labels.index_select(0, sel),
             None if flat_rw is None else flat_rw.index_select(0, sel), teachers.scales[t], teachers.softcaps[t],
-            weights[0], weights[1], "sum", options)
+            weights[0], weights[1], "sum", options, t)
         total, soft, hard = total + loss, soft + s, hard + h
         rows, entropy, hard_sum = rows + st.rows, entropy + st.entropy_sum, hard_sum + st.hard_sum
         per[t, 0], per[t, 1] = st.rows.to(dtype), st.soft_sum
@@ -347,10 +374,10 @@ def _summed(xs, ws, bs, teachers, labels, row_weight, w, weights, reduction, opt
             call_w_soft, carries_ce = w_soft, False
         else:
             rw, call_w_soft, carries_ce = row_weight, w_soft * w[t], t == 0
-        xt = teachers.inputs[t].reshape(*lead, -1)
+        xt = teachers.inputs[t].reshape(*lead, teachers.inputs[t].shape[-1])  # -1 is ambiguous with no rows
         loss, s, h, st = _call(xs, ws, bs, xt, teachers.heads[t], teachers.biases[t], labels, rw,
                                teachers.scales[t], teachers.softcaps[t], w_hard if carries_ce else 0.0,
-                               call_w_soft, reduction, options)
+                               call_w_soft, reduction, options, t)
         factor = 1.0 if per_row else w[t]
         total = loss if total is None else total + loss
         soft = s * factor if soft is None else soft + s * factor
@@ -379,6 +406,13 @@ def _geometric(xs, ws, bs, teachers, labels, row_weight, w, weights, reduction, 
     m = len(teachers.inputs)
     lead = xs.shape[:-1]
     vocab_size = options["vocab_size"]
+    if vocab_size is not None and (isinstance(vocab_size, bool) or not isinstance(vocab_size, int) or vocab_size < 1):
+        raise TypeError(f"vocab_size: expected None or an int >= 1 (the student's vocab size), got {vocab_size!r}")
+    for t in range(m):  # concatenated below, where torch.cat would promote a mixed dtype silently
+        checks.check_tensors({f"teacher_inputs[{t}]": teachers.inputs[t], f"teacher_heads[{t}]": teachers.heads[t]},
+                             xs.dtype, xs.device)
+        if teachers.biases[t] is not None:
+            checks.check_tensors({f"teacher_biases[{t}]": teachers.biases[t]}, xs.dtype, xs.device)
     rows = {t.shape[0] for t in teachers.heads}
     if vocab_size is None and len(rows) > 1:
         raise ValueError(f"teacher_heads: expected the same number of rows for combine='geometric' (or vocab_size=V "
@@ -397,7 +431,8 @@ def _geometric(xs, ws, bs, teachers, labels, row_weight, w, weights, reduction, 
         if bias is not None:
             xcols.append(coef.expand(x.shape[0], 1) if per_row else x.new_full((x.shape[0], 1), coef))
             wcols.append(bias[:cut, None].to(head.dtype))
-    xt = torch.cat(xcols, dim=1).reshape(*lead, -1)
+    xt = torch.cat(xcols, dim=1)
+    xt = xt.reshape(*lead, xt.shape[-1])  # -1 is ambiguous with no rows
     wt = torch.cat(wcols, dim=1)
     w_hard, w_soft = weights
     return fused_linear_distill(xs, ws, xt, wt, labels, student_bias=bs, row_weight=row_weight,
@@ -405,8 +440,8 @@ def _geometric(xs, ws, bs, teachers, labels, row_weight, w, weights, reduction, 
                                 return_soft_hard_loss=return_soft_hard_loss, return_stats=return_stats, **options)
 
 
-def _arithmetic(xs, ws, bs, teachers, labels, row_weight, w, parsed):
-    """One call of the mixture form; parsed: the call's loss and option keywords."""
+def _arithmetic(xs, ws, bs, teachers, labels, row_weight, w, eps, parsed):
+    """One call of the mixture form; parsed: the call's loss and option keywords; eps: the weights' dtype's."""
     m = len(teachers.inputs)
     if parsed["teacher_precision"] is not None:
         raise ValueError(f"teacher_precision: expected None with combine='arithmetic' (its teachers' logits are made "
@@ -422,11 +457,11 @@ def _arithmetic(xs, ws, bs, teachers, labels, row_weight, w, parsed):
                              f"{row}")
         if not bool(((w >= 0) & w.isfinite()).all()):
             raise ValueError("teacher_weights: expected finite values >= 0")
-    elif abs(math.fsum(w) - 1.0) > m * 2.0**-52:
+    elif abs(math.fsum(w) - 1.0) > m * eps:
         raise ValueError(f"teacher_weights: expected weights summing to 1 with combine='arithmetic' (a mixture of "
                          f"distributions; they are not renormalised), got {list(w)} (sum {math.fsum(w)!r})")
     lead = xs.shape[:-1]
-    mixture = calls.Mixture(tuple(x.reshape(*lead, -1) for x in teachers.inputs), tuple(teachers.heads),
+    mixture = calls.Mixture(tuple(x.reshape(*lead, x.shape[-1]) for x in teachers.inputs), tuple(teachers.heads),
                             tuple(teachers.biases), w, tuple(teachers.scales), tuple(teachers.softcaps))
     call = calls.parse(calls.Student(xs, ws, labels, bs, row_weight), mixture, parsed)
     return core.run(call)
