@@ -19,28 +19,32 @@ over the teacher's K ids. verl then clamps the losses at 0 (`compute_forward_kl_
 in one sweep over chunks of R rows, never N·V logits. Per chunk:
 
     S = X[c] Wᵀ (+ b)              GEMM 1, fp32 (the GEMM's accumulator for bf16 / fp16 inputs)
-    top-K of S                     the Triton top-k kernel (`triton_topk.kernel_topk`, two reads of S;
-                                   on the torch path each id's rank, over vocab blocks): each teacher
-                                   id's membership of the student's top-K, for the overlap
     row statistics                 the top-k stats kernel (one read): S at the ids, the logsumexp of
-                                   S/τ off them; the ids' columns set to −inf
+                                   S/τ off them; the ids' columns set to −inf; and θ, the K-th largest
+                                   of its lanes' maxima (at most the row's K-th largest logit)
     (R, K + 1) row math            float64, in torch: log q at the ids, the loss (verl's formula with
                                    its clamps, or the top-k form), student_mass, teacher_mass, token_kl,
                                    and by autograd of that same code the loss's gradient in the ids'
                                    logits and in the rest's logsumexp
     dL/dS (R, V)                   the top-k expand kernel (one read, one write in the inputs' dtype),
-                                   each row times its weight u
+                                   each row times its weight u; in the same read each teacher id's
+                                   membership of the student's top-K, for the overlap: the elements
+                                   at or over θ kept per lane, each id's rank counted among them
+                                   (`triton_topk.expand_kernel`'s OWN). Without a gradient (no expand
+                                   step) the Triton top-k kernel gives it (`triton_topk.kernel_topk`,
+                                   two reads of S); on the torch path each id's rank, over vocab blocks
     dX[c] = dS W                   GEMM 2 (fp32 out for narrow inputs)
     dW += dSᵀ X'[c]                GEMM 3 (fp32 accumulator), X' = X with the rows of predicted weight 0
                                    zeroed (a select)
 
 overlap_count and overlap_token_advantage follow from the membership and token_kl at the end.
 Ties: an id is in the student's top-K when fewer than K logits (fp32, the GEMM's) outrank it, a tie
-going to the larger id, on both paths (the Triton kernel orders (logit, id) pairs; `_own_by_rank`
-counts so). verl's torch.topk leaves the order among equal logits unspecified: the sets differ only
-where the K-th and (K+1)-th largest logits of a row are exactly equal. Rows the Triton kernel flags
-(its candidates overflowed, about never) are settled with torch.topk on their logits made again, after
-the sweep: one host read in the forward.
+going to the larger id, on both paths (the Triton kernels order (logit, id) pairs, −0.0 as +0.0 in the
+expand kernel's count; `_own_by_rank` counts so). verl's torch.topk leaves the order among equal logits unspecified: the sets differ only
+where the K-th and (K+1)-th largest logits of a row are exactly equal. Rows the Triton kernels flag
+(more than 4 kept elements in a lane or 256 in the row, or fewer than K finite logits off the ids: about
+never) are settled with torch.topk on their logits made again, after the sweep: one host read in the
+forward.
 
 The gradient. Verl's use of the per-token losses is linear per token with weights fixed before the
 loss is known (the response mask, `loss_agg_mode`'s normalisers, dp size, the coefficient) except for
