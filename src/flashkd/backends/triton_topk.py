@@ -140,6 +140,7 @@ def expand_kernel(
     scratch_ptr=None,  # (R, CAP) int64: the row's candidates, packed (OWN)
     OWN: tl.constexpr = False,  # the membership, on the loads of the REST pass (HEAD 0: s itself)
     CAP: tl.constexpr = 256,
+    CH: tl.constexpr = 32,  # the membership's comparisons, this many columns at a time (<= BLOCK_K, CAP)
 ):
     """dL/ds over the row (module doc). With OWN, also each id's membership of the row's top K (K the ids'
     number; ties to the larger id, as `_topk_kernel`), in the same read: every element >= θ, the K-th
@@ -212,14 +213,23 @@ def expand_kernel(
         n = _compact(buf, tl.where(c > 2, _signed_key(val2, col2), _EMPTY), n, CAP)
         n = _compact(buf, tl.where(c > 3, _signed_key(val3, col3), _EMPTY), n, CAP)
         tl.debug_barrier()  # the counts below read what other threads stored
-        slots = tl.arange(0, CAP)
-        kept = tl.load(buf + slots, mask=slots < n, other=_EMPTY)
         s_k = tl.load(s_k_ptr + row.to(tl.int64) * K + kk, mask=used, other=-float("inf"))
         key = _signed_key(s_k, ids)
-        # an id repeated in the row counts once among the keys above another
-        first = used & (tl.sum(((ids[:, None] == ids[None, :]) & (kk[None, :] < kk[:, None])).to(tl.int32), 1) == 0)
-        rank = tl.sum((kept[None, :] > key[:, None]).to(tl.int32), 1)
-        rank += tl.sum(((key[None, :] > key[:, None]) & first[None, :]).to(tl.int32), 1)
+        # id i's rank: the kept keys above its own, and the other ids' (an id repeated in the row counted once),
+        # CH at a time: a (BLOCK_K, CH) comparison stays in registers where (BLOCK_K, CAP) would spill
+        rank = tl.zeros([BLOCK_K], tl.int32)
+        ch = tl.arange(0, CH)
+        for j in tl.static_range(0, CAP, CH):
+            kept = tl.load(buf + j + ch, mask=j + ch < n, other=_EMPTY)
+            rank += tl.sum((kept[None, :] > key[:, None]).to(tl.int32), 1)
+        for j in tl.static_range(0, BLOCK_K, CH):
+            jj = j + ch
+            ids_j = tl.load(ids_ptr + row.to(tl.int64) * K + jj, mask=jj < K, other=-1).to(tl.int64)
+            used_j = (ids_j >= 0) & (ids_j < V)
+            key_j = _signed_key(tl.load(s_k_ptr + row.to(tl.int64) * K + jj, mask=used_j, other=-float("inf")), ids_j)
+            repeat = tl.sum(((ids_j[:, None] == ids[None, :]) & (kk[None, :] < jj[:, None])).to(tl.int32), 1) > 0
+            first_j = used_j & ~repeat
+            rank += tl.sum(((key_j[None, :] > key[:, None]) & first_j[None, :]).to(tl.int32), 1)
         tl.store(own_ptr + row.to(tl.int64) * K + kk, (used & (s_k >= theta) & (rank < K)).to(tl.int8), mask=kk < K)
         bad = (tl.max(c, 0) > 4) | (n > CAP) | (theta <= triton_common.M_START) | (theta != theta)
         tl.store(redo_ptr + row, bad.to(tl.int8))

@@ -258,7 +258,8 @@ def _expand(s, ds, ids, id_grad, rest_grad, shift, log2_rest, rel_rest, tau, bac
                 RTNE_BITS=triton_common.rtne_bits(ds), BLOCK_V=triton_topk.BLOCK_V,
                 BLOCK_K=triton.next_power_of_2(k), num_warps=triton_topk.NUM_WARPS,
                 **({} if own is None else dict(theta_ptr=own[0], s_k_ptr=own[1], own_ptr=members, redo_ptr=redo,
-                                               scratch_ptr=scratch, OWN=True, CAP=triton_topk.OWN_CAP)),
+                                               scratch_ptr=scratch, OWN=True, CAP=triton_topk.OWN_CAP,
+                                               CH=min(32, triton.next_power_of_2(k)))),
             )
         return ds if own is None else (ds, members.bool(), redo.bool())
     off = s > -torch.inf
