@@ -442,7 +442,7 @@ def test_verl_membership_in_the_expand_read(k, seed):
     r, v = 96, 151936
     s = torch.randn(r, v, generator=g, device="cuda") * 4
     s[::7, :40] += 26.0  # peaks
-    s[-16:] = s[-16:].bfloat16().float().round()  # many exact ties
+    s[-16:] = s[-16:].bfloat16().float()  # bf16's grid: exact ties among the top logits
     t = torch.randn(r, v, generator=g, device="cuda") * 4 + s * 0.5
     ids = t.topk(k, -1).indices  # the teacher's top ids: most, not all, high for the student too
     want = fk_verl._own_by_rank(s, ids, s.gather(1, ids))
@@ -457,6 +457,6 @@ def test_verl_membership_in_the_expand_read(k, seed):
                                     own if later else None))
     ds, members, redo = runs[1]
     assert torch.equal(ds, runs[0])
-    assert redo.sum() <= 2
+    assert not redo[:-16].any() and redo[-16:].sum() <= 8  # a redone row is settled by torch.topk (`_diagnostics`)
     assert torch.equal(members[~redo], want[~redo])
     assert want.any() and not want.all()

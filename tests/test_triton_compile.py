@@ -25,7 +25,10 @@ _INTS = ("V", "stride_scale", "stride_t", "stride_g", "ignore_index", "label_lo"
 _LOSSES = (("jsd", 3, False, 0), ("tvd", 3, False, 0), ("forward_kl", 2, False, 0), ("forward_kl", 0, True, 0),
            ("reverse_kl", 2, True, 0), ("reverse_kl", 0, True, 0), ("cosine", 2, False, 0), ("cosine", 0, False, 0),
            ("jeffreys", 3, False, 0), ("triangular", 3, False, 0), ("alpha_divergence", 3, False, 2 + 8 * 3),
-           ("renyi", 3, False, 3 + 8 * 2), ("renyi_reverse", 3, False, 5 + 8 * 1), ("ab_divergence", 0, False, 2 + 8 * 3))
+           ("renyi", 3, False, 3 + 8 * 2), ("renyi_reverse", 3, False, 5 + 8 * 1), ("ab_divergence", 0, False, 2 + 8 * 3),
+           ("entropy_adaptive", 3, False, 8 * 4), ("dkd", 2, False, 8 * 4), ("akl", 3, False, 8 * 4))
+# AKL runs on whole rows only (phase 0), its head's keys in part_ptr (int64)
+_WHOLE_ONLY = ("akl",)
 
 
 def _compile_phase(phase: int) -> int:
@@ -42,6 +45,9 @@ def _compile_phase(phase: int) -> int:
     count = 0
     for (loss, grad_pass, online, psi), (labels, stats, softcap) in itertools.product(
             _LOSSES, [(True, False, False), (False, True, True)]):
+        if loss in _WHOLE_ONLY and phase != 0:
+            continue
+        labels = labels or loss == "dkd"  # DKD reads the label
         grad = grad_pass != 0
         constexprs = dict(
             LOSS=LOSS_ID[loss], SOFT=True, CE=labels, LABELS=labels, GRAD_SOFT=grad, GRAD_CE=grad and labels,
@@ -51,7 +57,8 @@ def _compile_phase(phase: int) -> int:
         signature = {}
         for name in names:
             if name.endswith("_ptr"):
-                signature[name] = {"s_ptr": "*bf16", "g_ptr": "*bf16", "t_ptr": "*bf16", "labels_ptr": "*i64"}.get(name, "*fp32")
+                signature[name] = {"s_ptr": "*bf16", "g_ptr": "*bf16", "t_ptr": "*bf16", "labels_ptr": "*i64",
+                                   "part_ptr": "*i64" if loss == "akl" else "*fp32"}.get(name, "*fp32")
             else:
                 signature[name] = "i32" if name in _INTS else "constexpr" if name in constexprs else "fp32"
         compiled = triton.compile(ASTSource(fn=kernel, signature=signature, constexprs=constexprs),
@@ -69,19 +76,34 @@ def _compile_topk() -> int:
 
     from flashkd.backends import triton_topk
 
-    ints = ("V", "K", "k")
+    from flashkd.backends import triton_rows
+
+    ints = ("V", "K", "k", "stride_t")
     pointers = {"s_ptr": "*fp32", "g_ptr": "*bf16", "x_ptr": "*bf16", "ids_ptr": "*i64", "labels_ptr": "*i64", "redo_ptr": "*i8",
-                "scratch_ptr": "*i64"}
+                "scratch_ptr": "*i64", "own_ptr": "*i8", "out_ptr": "*i64", "count_ptr": "*i32"}
     variants = [(triton_topk.stats_kernel, dict(STREAM=stream, ONE=one, HEAD=head, STATS=stats, BLOCK_V=1024, BLOCK_K=64))
                 for stream, one, head, stats in ((True, True, 0, True), (True, False, 2, False), (False, False, 0, False))]
     variants += [(triton_topk.expand_kernel, dict(REST=rest, CE=ce, HEAD=head, RTNE_BITS=False, BLOCK_V=1024, BLOCK_K=64))
                  for rest, ce, head in ((True, True, 0), (True, False, 2), (False, True, 1), (False, False, 0))]
     variants += [(triton_topk._topk_kernel, dict(HEAD=head, SLOTS=4, CAP=256, BLOCK_V=256)) for head in (0, 2)]
+    # verl's membership: θ from the stats kernel, the rank count in the expand kernel's read (K 32 and 128)
+    variants += [(triton_topk.stats_kernel, dict(STREAM=True, ONE=False, HEAD=0, STATS=False, BLOCK_V=1024, BLOCK_K=128,
+                                                 OWN=True))]
+    variants += [(triton_topk.expand_kernel, dict(REST=True, CE=False, HEAD=0, RTNE_BITS=False, BLOCK_V=1024,
+                                                  BLOCK_K=block_k, OWN=True, CAP=512, CH=32)) for block_k in (32, 128)]
+    # AKL's head, the teacher bf16 and fp32, with and without a transform at load
+    variants += [(triton_rows._akl_head_kernel, dict(T_HEAD=head, PARTS=16, BLOCK_V=256, t_dtype=t_dtype))
+                 for head, t_dtype in ((0, "*bf16"), (3, "*fp32"))]
     for kernel, constexprs in variants:
+        constexprs = dict(constexprs)
+        t_dtype = constexprs.pop("t_dtype", "*bf16")
+        for name, param in inspect.signature(kernel.fn).parameters.items():  # constexprs left at their defaults
+            if name not in constexprs and param.default is not inspect.Parameter.empty and not name.endswith("_ptr"):
+                constexprs[name] = param.default
         signature = {}
         for name in inspect.signature(kernel.fn).parameters:
             if name.endswith("_ptr"):
-                signature[name] = pointers.get(name, "*fp32")
+                signature[name] = t_dtype if name == "t_ptr" else pointers.get(name, "*fp32")
             else:
                 signature[name] = "i32" if name in ints else "constexpr" if name in constexprs else "fp32"
         compiled = triton.compile(ASTSource(fn=kernel, signature=signature, constexprs=constexprs),
@@ -97,7 +119,8 @@ def test_the_row_kernel_compiles_for_sm90_in_every_phase(phase, tmp_path):
     env["TRITON_CACHE_DIR"] = str(tmp_path / "cache")  # compiled afresh, not served from an earlier run
     done = subprocess.run([sys.executable, __file__, str(phase)], env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-4000:]
-    assert done.stdout.strip() == f"compiled {9 if phase == 'topk' else 2 * len(_LOSSES)}", done.stdout
+    every = 2 * (len(_LOSSES) - (len(_WHOLE_ONLY) if phase != 0 else 0))
+    assert done.stdout.strip() == f"compiled {14 if phase == 'topk' else every}", done.stdout
 
 
 if __name__ == "__main__":

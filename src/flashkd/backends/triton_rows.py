@@ -443,6 +443,7 @@ def _loss_pass(
     log2e_tau, log2e_tau_t, log2e_ce, s_mul, t_mul, log2_beta, log2_1mbeta,  # the row's constants
     pow_p, pow_q,  # the power family's powers of p and q
     f_q, f_p, f1, f0, f_a, f_b, c_ce, c_q,  # the gradient's factors (scale, weights, 1/τ and units folded in)
+    akl_k, akl_v, akl_cut,  # AKL's head: κ, κ_v, cut (`_akl_head_kernel`), int64; 0 for the other losses
     LOSS: tl.constexpr, SOFT: tl.constexpr, GRAD_SOFT: tl.constexpr, GRAD_CE: tl.constexpr,
     GRAD_PASS: tl.constexpr, CE_IS_Q: tl.constexpr, ONLINE_KL: tl.constexpr, S_HEAD: tl.constexpr,
     T_HEAD: tl.constexpr, RTNE_BITS: tl.constexpr, RCP_FMA: tl.constexpr, IN_PLACE: tl.constexpr,
@@ -536,14 +537,14 @@ def _loss_pass(
                         acc3 -= times(p, lp)
                         acc4 += tl.where((lq > -float("inf")) | (lp > -float("inf")), 1.0, 0.0)
                     elif LOSS == _AKL:  # KL(p‖q), KL(q‖p) in terms ≥ 0; Σ |p − q| on the head, on the tail
-                        # (the head: order keys at or over log2_beta's, or log2_1mbeta's up to the id pow_p)
+                        # (the head: order keys at or over κ, or κ_v's up to the id cut)
                         d = _log2_ratio(a, b, lq, lp, row_gap, log2e_tau, SCALED)
                         acc += _power_term(lp, lq, d, 1.0, 0.0, PSI)
                         acc2 += _power_term(lq, lp, -d, 1.0, 0.0, PSI)
                         present = (lq > -float("inf")) | (lp > -float("inf"))
                         gap = tl.where(present, tl.abs(_gap(lq, lp, d)), 0.0)
                         key = _akl_key(tl.load(t_row + offs, mask=mask, other=-float("inf")).to(tl.float32), T_HEAD)
-                        in_head = (key >= log2_beta) | ((key == log2_1mbeta) & (offs <= pow_p))
+                        in_head = (key >= akl_k) | ((key == akl_v) & (offs <= akl_cut))
                         acc3 += tl.where(in_head, gap, 0.0)
                         acc4 += tl.where(in_head, 0.0, gap)
                     elif LOSS == _DKD:  # NCKD's terms ≥ 0 off y, of p̂ = p / P, q̂ = q / Q (log2 P and log2(P/Q) in
@@ -1170,9 +1171,12 @@ def _rows_kernel(
             soft, c_ce, c_q, c_st, f_q, f_p, f1, f0, f_a, f_b = _pass2_factors(
                 scale_ptr, w_soft, w_hard, in_range, l_s, l_t, log2_l_s, log2_l_t, r_kl, ss, tt, st,
                 fold_s, fold_t, inv_tau, beta, LOSS, SOFT, CE, GRAD_SOFT, GRAD_CE, CE_IS_Q, ONLINE_KL)
+            akl_k = row.to(tl.int64) * 0
+            akl_v = akl_k
+            akl_cut = akl_k
             if LOSS == _AKL:  # the head's order keys, from `_akl_head_kernel` in part_ptr (PHASE 0)
                 akl_row = part_ptr + row * 3
-                mix_a, mix_b, pow_p = tl.load(akl_row), tl.load(akl_row + 1), tl.load(akl_row + 2)
+                akl_k, akl_v, akl_cut = tl.load(akl_row), tl.load(akl_row + 1), tl.load(akl_row + 2)
             if LOSS == _DKD:
                 f_q, f_p, f0, tckd, mix_b = _dkd_factors(m_s, m_t, log2_l_s, log2_l_t, s_y, st, mix_a, mix_b, c_q,
                                                          c_st, log2e_tau, log2e_tau_t, pow_p, pow_q, SCALED, PSI)
@@ -1184,7 +1188,7 @@ def _rows_kernel(
                     s_row, g_row, t_row, V, n_tiles, cols, label,
                     m_s, m_t, log2_l_s, log2_l_t, log2_l_c,
                     log2e_tau, log2e_tau_t, log2e_ce, s_mul, t_mul, mix_a, mix_b, pow_p, pow_q,
-                    f_q, f_p, f1, f0, f_a, f_b, c_ce, c_q,
+                    f_q, f_p, f1, f0, f_a, f_b, c_ce, c_q, akl_k, akl_v, akl_cut,
                     LOSS, SOFT, GRAD_SOFT, GRAD_CE, GRAD_PASS, CE_IS_Q, ONLINE_KL, S_HEAD, T_HEAD, RTNE_BITS,
                     RCP_FMA, IN_PLACE, PSI, SCALED, BLOCK_V,
                 )

@@ -45,7 +45,7 @@ from . import triton_common, triton_rows
 # 8192 × 128256 bf16 take 1.85 ms with 1024 columns over 4 warps, 1.97 with 512, 1.92 with 2048 over 8).
 BLOCK_V = 256 if triton_common.INTERPRET else 1024
 NUM_WARPS = 4
-OWN_CAP = 256  # the expand kernel's kept elements a row (OWN): θ leaves about K of them
+OWN_CAP = 512  # the expand kernel's kept elements a row (OWN): θ leaves about K of them
 _LN2 = math.log(2.0)
 
 
@@ -137,34 +137,28 @@ def expand_kernel(
     s_k_ptr=None,  # (R, K) fp32: s at the ids (OWN)
     own_ptr=None,  # (R, K) int8 out: each id in the row's K largest logits (OWN)
     redo_ptr=None,  # (R,) int8 out: 1 where the candidates did not fit (OWN; the row is settled elsewhere)
-    scratch_ptr=None,  # (R, CAP) int64: the row's candidates, packed (OWN)
+    scratch_ptr=None,  # (R, CAP) int64: the row's kept elements, packed (OWN)
+    count_ptr=None,  # (R,) int32, zeros: the row's kept elements so far (OWN)
     OWN: tl.constexpr = False,  # the membership, on the loads of the REST pass (HEAD 0: s itself)
     CAP: tl.constexpr = 256,
     CH: tl.constexpr = 32,  # the membership's comparisons, this many columns at a time (<= BLOCK_K, CAP)
 ):
     """dL/ds over the row (module doc). With OWN, also each id's membership of the row's top K (K the ids'
     number; ties to the larger id, as `_topk_kernel`), in the same read: every element >= θ, the K-th
-    largest lane max off the ids (a lower bound of the row's K-th largest value), is kept in its lane's
-    slots as it streams by; after the row, id i's rank is the number of kept elements and other ids whose
-    (value, id) key exceeds its own. An id below θ has K elements above it, and every element above an id
+    largest lane max off the ids (a lower bound of the row's K-th largest value), is kept as it streams by
+    (its (value, id) key in the row's next scratch slot); after the row, id i's rank is the number of kept
+    elements and other ids whose key exceeds its own. An id below θ has K elements above it, and every element above an id
     at or over θ is kept or an id: the rank is exact where it matters."""
     row = tl.program_id(0)
     s_row = s_ptr + row.to(tl.int64) * V
     g_row = g_ptr + row.to(tl.int64) * V
     cols = tl.arange(0, BLOCK_V)
     theta = 0.0
+    buf = scratch_ptr
     if OWN:
         tl.static_assert(HEAD == 0 and REST)
         theta = tl.load(theta_ptr + row)
-        c = tl.zeros([BLOCK_V], tl.int32)  # kept elements per lane, and the first four's columns and values
-        col0 = tl.zeros([BLOCK_V], tl.int32)
-        col1 = tl.zeros([BLOCK_V], tl.int32)
-        col2 = tl.zeros([BLOCK_V], tl.int32)
-        col3 = tl.zeros([BLOCK_V], tl.int32)
-        val0 = tl.zeros([BLOCK_V], tl.float32)
-        val1 = tl.zeros([BLOCK_V], tl.float32)
-        val2 = tl.zeros([BLOCK_V], tl.float32)
-        val3 = tl.zeros([BLOCK_V], tl.float32)
+        buf = scratch_ptr + row.to(tl.int64) * CAP
     coef = 0.0
     m = 0.0
     l_tau = 0.0
@@ -189,13 +183,10 @@ def expand_kernel(
             if REST:
                 # the ids' columns hold −inf: 0 there (and no −inf + inf when the rest is empty)
                 g += tl.where(a > -float("inf"), coef * tl.exp2((a - m) * log2e_tau - l_tau), 0.0)
-            if OWN:
+            if OWN:  # a kept element takes the row's next slot (an atomic a kept element: about K a row)
                 keep = (a >= theta) & (a > -float("inf"))
-                col0, val0 = tl.where(keep & (c == 0), offs, col0), tl.where(keep & (c == 0), a, val0)
-                col1, val1 = tl.where(keep & (c == 1), offs, col1), tl.where(keep & (c == 1), a, val1)
-                col2, val2 = tl.where(keep & (c == 2), offs, col2), tl.where(keep & (c == 2), a, val2)
-                col3, val3 = tl.where(keep & (c == 3), offs, col3), tl.where(keep & (c == 3), a, val3)
-                c += keep.to(tl.int32)
+                slot = tl.atomic_add(count_ptr + row + cols * 0, 1, mask=keep)
+                tl.store(buf + slot, _signed_key(a, offs), mask=keep & (slot < CAP))
             if CE:
                 g += c_ce * (tl.exp2((a - m) * log2e_one - l_one) - tl.where(offs == label, 1.0, 0.0))
             g = triton_common.head_grad(g, da, HEAD)
@@ -207,12 +198,8 @@ def expand_kernel(
     id_grad = tl.load(id_grad_ptr + row.to(tl.int64) * K + kk, mask=used, other=0.0)
     triton_common.store_grad(g_row + ids, id_grad, used, RTNE_BITS)
     if OWN:
-        buf = scratch_ptr + row.to(tl.int64) * CAP
-        n = _compact(buf, tl.where(c > 0, _signed_key(val0, col0), _EMPTY), 0, CAP)
-        n = _compact(buf, tl.where(c > 1, _signed_key(val1, col1), _EMPTY), n, CAP)
-        n = _compact(buf, tl.where(c > 2, _signed_key(val2, col2), _EMPTY), n, CAP)
-        n = _compact(buf, tl.where(c > 3, _signed_key(val3, col3), _EMPTY), n, CAP)
         tl.debug_barrier()  # the counts below read what other threads stored
+        n = tl.atomic_add(count_ptr + row, 0)  # the kept elements (more than CAP: the row is redone)
         s_k = tl.load(s_k_ptr + row.to(tl.int64) * K + kk, mask=used, other=-float("inf"))
         key = _signed_key(s_k, ids)
         # id i's rank: the kept keys above its own, and the other ids' (an id repeated in the row counted once),
@@ -231,7 +218,7 @@ def expand_kernel(
             first_j = used_j & ~repeat
             rank += tl.sum(((key_j[None, :] > key[:, None]) & first_j[None, :]).to(tl.int32), 1)
         tl.store(own_ptr + row.to(tl.int64) * K + kk, (used & (s_k >= theta) & (rank < K)).to(tl.int8), mask=kk < K)
-        bad = (tl.max(c, 0) > 4) | (n > CAP) | (theta <= triton_common.M_START) | (theta != theta)
+        bad = (n > CAP) | (theta <= triton_common.M_START) | (theta != theta)
         tl.store(redo_ptr + row, bad.to(tl.int8))
 
 

@@ -42,7 +42,7 @@ Ties: an id is in the student's top-K when fewer than K logits (fp32, the GEMM's
 going to the larger id, on both paths (the Triton kernels order (logit, id) pairs, −0.0 as +0.0 in the
 expand kernel's count; `_own_by_rank` counts so). verl's torch.topk leaves the order among equal logits unspecified: the sets differ only
 where the K-th and (K+1)-th largest logits of a row are exactly equal. Rows the Triton kernels flag
-(more than 4 kept elements in a lane or 256 in the row, or fewer than K finite logits off the ids: about
+(more than 512 elements at or over θ in the row, or fewer than K finite logits off the ids: about
 never) are settled with torch.topk on their logits made again, after the sweep: one host read in the
 forward.
 
@@ -251,6 +251,7 @@ def _expand(s, ds, ids, id_grad, rest_grad, shift, log2_rest, rel_rest, tau, bac
             members = torch.empty(r, k, dtype=torch.int8, device=s.device)
             redo = torch.empty(r, dtype=torch.int8, device=s.device)
             scratch = torch.empty(r, triton_topk.OWN_CAP, dtype=torch.int64, device=s.device)
+            count = torch.zeros(r, dtype=torch.int32, device=s.device)
         with triton_common.launching():
             triton_topk.expand_kernel[(r,)](
                 s, ds, ids, id_grad.to(f32).contiguous(), rest_grad.to(f32).contiguous(), shift, log2_rest, shift,
@@ -258,7 +259,8 @@ def _expand(s, ds, ids, id_grad, rest_grad, shift, log2_rest, rel_rest, tau, bac
                 RTNE_BITS=triton_common.rtne_bits(ds), BLOCK_V=triton_topk.BLOCK_V,
                 BLOCK_K=triton.next_power_of_2(k), num_warps=triton_topk.NUM_WARPS,
                 **({} if own is None else dict(theta_ptr=own[0], s_k_ptr=own[1], own_ptr=members, redo_ptr=redo,
-                                               scratch_ptr=scratch, OWN=True, CAP=triton_topk.OWN_CAP,
+                                               scratch_ptr=scratch, count_ptr=count, OWN=True,
+                                               CAP=triton_topk.OWN_CAP,
                                                CH=min(32, triton.next_power_of_2(k)))),
             )
         return ds if own is None else (ds, members.bool(), redo.bool())
