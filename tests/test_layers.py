@@ -514,6 +514,8 @@ _RESTATED = {
     ("flashkd.teachers", "_PER_TEACHER"): "what the teachers' calls set per teacher (its head's transform)",
     ("flashkd.teachers", "_PER_CALL"): "what the teachers' calls set per group of rows, or return here",
     ("flashkd.teachers", "_summed"): "the CE's own pass: the student's head stands in, no teacher precision or padding",
+    ("flashkd.teachers", "fused_linear_distill_teachers"): "a routed call that runs no group: its tensors checked as "
+                                                           "one call's, at no teacher precision (nothing runs)",
 }
 
 

@@ -51,7 +51,7 @@ import torch
 
 from . import core
 from .core import call as calls
-from .core import checks
+from .core import checks, mixture
 from .core import keywords
 from .distill import KEYWORDS, fused_linear_distill
 from .losses import LEARNING_LOSSES, REDUCTIONS, DistillStats
@@ -294,9 +294,7 @@ def _call(xs, ws, bs, xt, wt, bt, labels, row_weight, scale, cap, w_hard, w_soft
     except (TypeError, ValueError) as e:
         if teacher is None:
             raise
-        names = {"teacher_input": f"teacher_inputs[{teacher}]", "teacher_weight": f"teacher_heads[{teacher}]",
-                 "teacher_bias": f"teacher_biases[{teacher}]"}
-        raise checks.renamed(e, names) from None
+        raise checks.renamed(e, mixture.teacher_names(teacher)) from None
 
 
 def _groups(index, m):

@@ -443,7 +443,7 @@ def _loss_pass(
     log2e_tau, log2e_tau_t, log2e_ce, s_mul, t_mul, log2_beta, log2_1mbeta,  # the row's constants
     pow_p, pow_q,  # the power family's powers of p and q
     f_q, f_p, f1, f0, f_a, f_b, c_ce, c_q,  # the gradient's factors (scale, weights, 1/τ and units folded in)
-    akl_k, akl_v, akl_cut,  # AKL's head: κ, κ_v, cut (`_akl_head_kernel`), int64; 0 for the other losses
+    part_ptr, row,  # PHASE 0 of AKL: its head's keys (`_akl_keys`)
     LOSS: tl.constexpr, SOFT: tl.constexpr, GRAD_SOFT: tl.constexpr, GRAD_CE: tl.constexpr,
     GRAD_PASS: tl.constexpr, CE_IS_Q: tl.constexpr, ONLINE_KL: tl.constexpr, S_HEAD: tl.constexpr,
     T_HEAD: tl.constexpr, RTNE_BITS: tl.constexpr, RCP_FMA: tl.constexpr, IN_PLACE: tl.constexpr,
@@ -451,6 +451,7 @@ def _loss_pass(
 ):
     """Pass 2, backwards over the row: the per-element loss terms, summed per lane and then over the row
     (acc, acc2, acc3, acc4: see `_divergence`), and dL/ds written over s when GRAD_PASS is 2."""
+    akl_k, akl_v, akl_cut = _akl_keys(part_ptr, row, LOSS)
     row_gap = _row_gap(m_s, m_t, log2_l_s, log2_l_t, log2e_tau)
     acc = tl.zeros([BLOCK_V], tl.float32)
     acc2 = tl.zeros([BLOCK_V], tl.float32)
@@ -1057,6 +1058,17 @@ def _dkd_factors(m_s, m_t, log2_l_s, log2_l_t, s_y, t_y, log2_p, log2_q, c_q, c_
 
 
 @triton.jit
+def _akl_keys(part_ptr, row, LOSS: tl.constexpr):
+    """AKL's head for pass 2, (κ, κ_v, cut) of `_akl_head_kernel` in part_ptr (PHASE 0); int64 zeros for the
+    other losses (pass 2 takes them as arguments: the GPU compiler keeps a name's type across a branch)."""
+    zero = row.to(tl.int64) * 0
+    if LOSS == _AKL:
+        akl_row = part_ptr + row * 3
+        return tl.load(akl_row), tl.load(akl_row + 1), tl.load(akl_row + 2)
+    return zero, zero, zero
+
+
+@triton.jit
 def _dkd_value(nckd, tckd, log2_p, in_range, alpha, beta):
     """α TCKD + β NCKD (a term of weight 0 left out, also where it is infinite); NCKD 0 where P = 0 (p̂ is
     undefined: KD weighs it by P); NaN for a label outside the vocab."""
@@ -1171,12 +1183,6 @@ def _rows_kernel(
             soft, c_ce, c_q, c_st, f_q, f_p, f1, f0, f_a, f_b = _pass2_factors(
                 scale_ptr, w_soft, w_hard, in_range, l_s, l_t, log2_l_s, log2_l_t, r_kl, ss, tt, st,
                 fold_s, fold_t, inv_tau, beta, LOSS, SOFT, CE, GRAD_SOFT, GRAD_CE, CE_IS_Q, ONLINE_KL)
-            akl_k = row.to(tl.int64) * 0
-            akl_v = akl_k
-            akl_cut = akl_k
-            if LOSS == _AKL:  # the head's order keys, from `_akl_head_kernel` in part_ptr (PHASE 0)
-                akl_row = part_ptr + row * 3
-                akl_k, akl_v, akl_cut = tl.load(akl_row), tl.load(akl_row + 1), tl.load(akl_row + 2)
             if LOSS == _DKD:
                 f_q, f_p, f0, tckd, mix_b = _dkd_factors(m_s, m_t, log2_l_s, log2_l_t, s_y, st, mix_a, mix_b, c_q,
                                                          c_st, log2e_tau, log2e_tau_t, pow_p, pow_q, SCALED, PSI)
@@ -1188,7 +1194,7 @@ def _rows_kernel(
                     s_row, g_row, t_row, V, n_tiles, cols, label,
                     m_s, m_t, log2_l_s, log2_l_t, log2_l_c,
                     log2e_tau, log2e_tau_t, log2e_ce, s_mul, t_mul, mix_a, mix_b, pow_p, pow_q,
-                    f_q, f_p, f1, f0, f_a, f_b, c_ce, c_q, akl_k, akl_v, akl_cut,
+                    f_q, f_p, f1, f0, f_a, f_b, c_ce, c_q, part_ptr, row,
                     LOSS, SOFT, GRAD_SOFT, GRAD_CE, GRAD_PASS, CE_IS_Q, ONLINE_KL, S_HEAD, T_HEAD, RTNE_BITS,
                     RCP_FMA, IN_PLACE, PSI, SCALED, BLOCK_V,
                 )

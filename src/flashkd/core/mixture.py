@@ -41,13 +41,18 @@ def _heads(xs, student_input, ws, t, vocab_size, own_rows=False) -> tuple:
     teacher's hidden states are its own rows only (their leading dims are not student_input's)."""
     out = []
     for m, (x, w, b) in enumerate(zip(t.teacher_inputs, t.teacher_heads, t.teacher_biases)):
-        names = {"teacher_input": f"teacher_inputs[{m}]", "teacher_weight": f"teacher_heads[{m}]",
-                 "teacher_bias": f"teacher_biases[{m}]"}
+        names = teacher_names(m)
         try:
             out.append(check_teacher_heads(xs, x if own_rows else student_input, ws, x, w, b, vocab_size))
         except (TypeError, ValueError) as e:
             raise renamed(e, names) from None
     return tuple(map(tuple, zip(*out)))
+
+
+def teacher_names(m: int) -> dict:
+    """One call's teacher arguments as the several teachers' call names its m-th (for `checks.renamed`)."""
+    return {"teacher_input": f"teacher_inputs[{m}]", "teacher_weight": f"teacher_heads[{m}]",
+            "teacher_bias": f"teacher_biases[{m}]"}
 
 
 def check(xs, student_input, ws, t, vocab_size) -> tuple:
