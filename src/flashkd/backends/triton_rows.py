@@ -1059,12 +1059,12 @@ def _dkd_factors(m_s, m_t, log2_l_s, log2_l_t, s_y, t_y, log2_p, log2_q, c_q, c_
 
 @triton.jit
 def _akl_keys(part_ptr, row, LOSS: tl.constexpr):
-    """AKL's head for pass 2, (κ, κ_v, cut) of `_akl_head_kernel` in part_ptr (PHASE 0); int64 zeros for the
+    """AKL's head for pass 2, (κ, κ_v, cut) of `_akl_head_kernel` in part_ptr (PHASE 0), int32; zeros for the
     other losses (pass 2 takes them as arguments: the GPU compiler keeps a name's type across a branch)."""
-    zero = row.to(tl.int64) * 0
-    if LOSS == _AKL:
+    zero = row * 0
+    if LOSS == _AKL:  # each within int32: the keys between the floor and the ceiling, cut in [−1, V]
         akl_row = part_ptr + row * 3
-        return tl.load(akl_row), tl.load(akl_row + 1), tl.load(akl_row + 2)
+        return tl.load(akl_row).to(tl.int32), tl.load(akl_row + 1).to(tl.int32), tl.load(akl_row + 2).to(tl.int32)
     return zero, zero, zero
 
 
@@ -1242,19 +1242,34 @@ def _rows_kernel(
 #   cut     the largest id of that group in the head: its first c ids by id, c = ⌊(μ − F(κ)) / p_v⌋ (at
 #           least one where no column is at or above κ), as the torch definition counts them
 # κ by a search over the keys' 2^32 values, 16 parts a pass (15 masses of p summed against 15 thresholds):
-# about 9 passes; then one for κ_v and p_v, one for cut: about 12 reads of the teacher's row.
+# at most about 9 passes, none where the teacher's top id holds more than μ (the first pass's lane maxima
+# bracket κ); then one for κ_v and p_v, one for cut: 3 to 12 reads of the teacher's row.
 _AKL_PARTS = 16
+
+
+_KEY_FLOOR: tl.constexpr = tl.constexpr(-2139095042)  # below every order key: the key of −inf, less one
+_KEY_CEIL: tl.constexpr = tl.constexpr(2139095041)  # above every order key: the key of +inf, plus one
 
 
 @triton.jit
 def _akl_key(t, T_HEAD: tl.constexpr):
-    """int64 keys that order the loaded teacher logits t as their probabilities (z = σ t, so −t for σ < 0:
-    T_HEAD 1 and 3), −0.0 as +0.0, a −inf (absent) column below every other."""
+    """int32 keys that order the loaded teacher logits t as their probabilities (z = σ t, so −t for σ < 0:
+    T_HEAD 1 and 3), −0.0 as +0.0, a −inf (absent) column below every other (a NaN outside the floor and
+    ceiling)."""
     x = t
     if T_HEAD == 1 or T_HEAD == 3:
         x = tl.where(t == -float("inf"), t, -t)
     i = (x + 0.0).to(tl.int32, bitcast=True)
-    return (i ^ ((i >> 31) & 0x7FFFFFFF)).to(tl.int64)
+    return i ^ ((i >> 31) & 0x7FFFFFFF)
+
+
+@triton.jit
+def _akl_logit(key, T_HEAD: tl.constexpr):
+    """The loaded teacher logit of an order key (`_akl_key` undone)."""
+    x = (key ^ ((key >> 31) & 0x7FFFFFFF)).to(tl.float32, bitcast=True)
+    if T_HEAD == 1 or T_HEAD == 3:
+        x = tl.where(x == -float("inf"), x, -x)
+    return x
 
 
 @triton.jit
@@ -1267,20 +1282,28 @@ def _akl_head_kernel(t_ptr, out_ptr, V, stride_t, mu, log2e_tau_t, t_mul, T_HEAD
     cols = tl.arange(0, BLOCK_V)
     m = tl.full([BLOCK_V], M_START, tl.float32)
     l = tl.zeros([BLOCK_V], tl.float32)
+    k_lane = tl.full([BLOCK_V], _KEY_FLOOR, tl.int32)  # each lane's largest key
     for start in range(0, V, BLOCK_V):
         offs = start + cols
-        b = head(tl.load(t_row + offs, mask=offs < V, other=-float("inf")).to(tl.float32), t_mul, T_HEAD)[0]
+        raw = tl.load(t_row + offs, mask=offs < V, other=-float("inf")).to(tl.float32)
+        b = head(raw, t_mul, T_HEAD)[0]
         l = lane_sum(l, m, b, log2e_tau_t)
         m = tl.maximum(m, b)
+        k_lane = tl.maximum(k_lane, tl.where(offs < V, _akl_key(raw, T_HEAD), _KEY_FLOOR))
     m_t = tl.max(m, 0)
     log2_l = tl.log2(tl.sum(l * tl.exp2((m - m_t) * log2e_tau_t), 0))
+    # κ in (lo, hi]: above the largest key nothing is left (F = 0); the lanes' largest keys, distinct columns,
+    # bound F from below: F(key) >= the p of the lanes' maxima at or over it, so where those pass μ, κ is
+    # above (a teacher whose top id holds more than μ: κ found with no search pass)
+    k_top = tl.sort(k_lane, descending=True)
+    p_top = tl.where(k_top > _KEY_FLOOR, tl.exp2((head(_akl_logit(k_top, T_HEAD), t_mul, T_HEAD)[0] - m_t) *
+                                                  log2e_tau_t - log2_l), 0.0)
     parts = tl.arange(0, PARTS)
-    # κ in (lo, hi]: F(hi) <= μ holds at 2^31 (no key reaches it), F(lo) > μ is taken at −2^31 − 1
-    lo = tl.full([PARTS], -(2**31) - 1, tl.int64)
-    hi = tl.full([PARTS], 2**31, tl.int64)
+    lo = tl.zeros([PARTS], tl.int64) + tl.max(tl.where(tl.cumsum(p_top, 0) > mu, k_top, _KEY_FLOOR), 0)
+    hi = tl.zeros([PARTS], tl.int64) + tl.max(k_top, 0) + 1
     f_hi = tl.zeros([PARTS], tl.float32)
     while tl.max(hi - lo, 0) > 1:
-        th = lo + ((hi - lo) * (parts + 1)) // PARTS  # th[PARTS − 1] = hi
+        th = (lo + ((hi - lo) * (parts + 1)) // PARTS).to(tl.int32)  # th[PARTS − 1] = hi; keys are int32
         mass = tl.zeros([PARTS], tl.float32)
         for start in range(0, V, BLOCK_V):
             offs = start + cols
@@ -1289,20 +1312,20 @@ def _akl_head_kernel(t_ptr, out_ptr, V, stride_t, mu, log2e_tau_t, t_mul, T_HEAD
             key = _akl_key(raw, T_HEAD)
             mass += tl.sum(tl.where(key[None, :] >= th[:, None], p[None, :], 0.0), 1)
         fits = (mass <= mu) | (parts == PARTS - 1)
-        new_hi = tl.min(tl.where(fits, th, 2**31), 0)
+        new_hi = tl.min(tl.where(fits, th, _KEY_CEIL), 0).to(tl.int64)
         f_hi = tl.zeros([PARTS], tl.float32) + tl.max(tl.where(fits & (th == new_hi), mass, -1.0), 0)
-        lo = tl.zeros([PARTS], tl.int64) + tl.max(tl.where(fits, lo, th), 0)
+        lo = tl.zeros([PARTS], tl.int64) + tl.max(tl.where(fits, lo, th.to(tl.int64)), 0)
         hi = tl.zeros([PARTS], tl.int64) + new_hi
-    kappa = tl.max(hi, 0)
+    kappa = tl.max(hi, 0).to(tl.int32)
     f_k = tl.max(f_hi, 0)
     # κ_v: the largest key below κ, and its p
-    k_lane = tl.full([BLOCK_V], -(2**31) - 1, tl.int64)
+    k_lane = tl.full([BLOCK_V], _KEY_FLOOR, tl.int32)
     p_lane = tl.zeros([BLOCK_V], tl.float32)
     for start in range(0, V, BLOCK_V):
         offs = start + cols
         raw = tl.load(t_row + offs, mask=offs < V, other=-float("inf")).to(tl.float32)
         p = tl.exp2((head(raw, t_mul, T_HEAD)[0] - m_t) * log2e_tau_t - log2_l)
-        key = tl.where(offs < V, _akl_key(raw, T_HEAD), -(2**31) - 1)
+        key = tl.where(offs < V, _akl_key(raw, T_HEAD), _KEY_FLOOR)
         up = (key < kappa) & (key > k_lane)
         p_lane = tl.where(up, p, p_lane)
         k_lane = tl.where(up, key, k_lane)
@@ -1310,20 +1333,20 @@ def _akl_head_kernel(t_ptr, out_ptr, V, stride_t, mu, log2e_tau_t, t_mul, T_HEAD
     p_v = tl.max(tl.where(k_lane == k_v, p_lane, 0.0), 0)
     fit = tl.floor((mu - f_k) / tl.where(p_v > 0.0, p_v, 1.0))
     fit = tl.maximum(fit, tl.where(f_k == 0.0, 1.0, 0.0))
-    need = tl.minimum(fit, V + 1.0).to(tl.int64)  # the group's first `need` ids by id
-    cut = tl.where(need > 0, V, -1).to(tl.int64)  # V: the group's ids all (fewer than need)
-    seen = (need * 0).to(tl.int64)
+    need = tl.minimum(fit, V + 1.0).to(tl.int32)  # the group's first `need` ids by id
+    cut = tl.where(need > 0, V, -1)  # V: the group's ids all (fewer than need)
+    seen = need * 0
     for start in range(0, V, BLOCK_V):
         offs = start + cols
         raw = tl.load(t_row + offs, mask=offs < V, other=-float("inf")).to(tl.float32)
         group = (offs < V) & (_akl_key(raw, T_HEAD) == k_v)
-        rank = seen + tl.cumsum(group.to(tl.int64), 0)
-        cut = tl.minimum(cut, tl.min(tl.where(group & (rank == need), offs.to(tl.int64), V), 0))
-        seen += tl.sum(group.to(tl.int64), 0)
+        rank = seen + tl.cumsum(group.to(tl.int32), 0)
+        cut = tl.minimum(cut, tl.min(tl.where(group & (rank == need), offs, V), 0))
+        seen += tl.sum(group.to(tl.int32), 0)
     out = out_ptr + row.to(tl.int64) * 3
-    tl.store(out, kappa)
-    tl.store(out + 1, k_v)
-    tl.store(out + 2, cut)
+    tl.store(out, kappa.to(tl.int64))
+    tl.store(out + 1, k_v.to(tl.int64))
+    tl.store(out + 2, cut.to(tl.int64))
 
 
 def akl_head_keys(t: torch.Tensor, spec: LossSpec) -> torch.Tensor:
@@ -1332,7 +1355,7 @@ def akl_head_keys(t: torch.Tensor, spec: LossSpec) -> torch.Tensor:
     R, V = t.shape
     out = torch.empty(R, 3, dtype=torch.int64, device=t.device)
     if spec.head_mass >= 1.0:
-        out[:, 0], out[:, 1], out[:, 2] = -(2**31) - 1, -(2**31) - 1, -1
+        out[:, 0], out[:, 1], out[:, 2] = _KEY_FLOOR.value, _KEY_FLOOR.value, -1
         return out
     t_head, fold_t, t_mul = head_mode(spec.teacher_logit_scale, spec.teacher_softcap)
     if R:
