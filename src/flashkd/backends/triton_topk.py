@@ -206,7 +206,7 @@ def expand_kernel(
         # CH at a time: a (BLOCK_K, CH) comparison stays in registers where (BLOCK_K, CAP) would spill
         rank = tl.zeros([BLOCK_K], tl.int32)
         ch = tl.arange(0, CH)
-        for j in tl.static_range(0, CAP, CH):
+        for j in range(0, tl.minimum(n, CAP), CH):  # the kept ones only (about K)
             kept = tl.load(buf + j + ch, mask=j + ch < n, other=_EMPTY)
             rank += tl.sum((kept[None, :] > key[:, None]).to(tl.int32), 1)
         for j in tl.static_range(0, BLOCK_K, CH):
