@@ -103,6 +103,14 @@ def log1p(x):
 
 
 @triton.jit
+def order_key(x):
+    """An int32 that orders like the fp32 x (−0.0 as +0.0, so that equal values tie): the float's bits as a
+    signed int with the magnitude bits flipped for negative x."""
+    i = (x + 0.0).to(tl.int32, bitcast=True)
+    return i ^ ((i >> 31) & 0x7FFFFFFF)
+
+
+@triton.jit
 def times(w, d):
     """w · d, taken as 0 where w is 0 (0·log 0 = 0; masked lanes, where d is NaN, add nothing)."""
     return tl.where(w > 0.0, w * d, 0.0)

@@ -125,7 +125,7 @@ import triton.language as tl
 
 from ..losses import COSINE_EPS, LOSS_ID, LossSpec
 from .triton_common import (FAST_LOG2, INTERPRET, LN2, LOG2E, M_START, head, head_grad, head_mode, lane_gap, lane_kl,
-                            lane_sum, launching, log1p, rtne_bits, store_grad, times)
+                            lane_sum, launching, log1p, order_key, rtne_bits, store_grad, times)
 
 # Compiled tiles, measured on an H200 at V = 128256 bf16 (BENCHMARKS.md): 1024 columns over 8 warps
 # (4 elements per thread per tensor, 32 registers, 8 programs an SM). At the chunk loop's 1024–4096
@@ -530,24 +530,23 @@ def _loss_pass(
                         acc += _power_term(lp, lq, d, pow_p, pow_q, PSI)
                         h = _gap(lq * (pow_p + pow_q), lp * pow_p + lq * pow_q, d * pow_p)
                         acc2 += tl.where(lq == -float("inf"), 0.0, h)
-                    elif LOSS == _ENTROPY_ADAPTIVE:  # KL(p‖q), KL(q‖p) in terms ≥ 0, −Σ p log2 p, n present
-                        p = tl.exp2(lp)
+                    elif LOSS == _ENTROPY_ADAPTIVE or LOSS == _AKL:  # KL(p‖q), KL(q‖p) in terms ≥ 0; then
+                        # the blend: −Σ p log2 p, n present; AKL: Σ |p − q| on the head (order keys at or over κ,
+                        # or κ_v's up to the id cut), on the tail
                         d = _log2_ratio(a, b, lq, lp, row_gap, log2e_tau, SCALED)
                         acc += _power_term(lp, lq, d, 1.0, 0.0, PSI)  # `flashkd.losses._kl_terms`
                         acc2 += _power_term(lq, lp, -d, 1.0, 0.0, PSI)
-                        acc3 -= times(p, lp)
-                        acc4 += tl.where((lq > -float("inf")) | (lp > -float("inf")), 1.0, 0.0)
-                    elif LOSS == _AKL:  # KL(p‖q), KL(q‖p) in terms ≥ 0; Σ |p − q| on the head, on the tail
-                        # (the head: order keys at or over κ, or κ_v's up to the id cut)
-                        d = _log2_ratio(a, b, lq, lp, row_gap, log2e_tau, SCALED)
-                        acc += _power_term(lp, lq, d, 1.0, 0.0, PSI)
-                        acc2 += _power_term(lq, lp, -d, 1.0, 0.0, PSI)
                         present = (lq > -float("inf")) | (lp > -float("inf"))
-                        gap = tl.where(present, tl.abs(_gap(lq, lp, d)), 0.0)
-                        key = _akl_key(tl.load(t_row + offs, mask=mask, other=-float("inf")).to(tl.float32), T_HEAD)
-                        in_head = (key >= akl_k) | ((key == akl_v) & (offs <= akl_cut))
-                        acc3 += tl.where(in_head, gap, 0.0)
-                        acc4 += tl.where(in_head, 0.0, gap)
+                        if LOSS == _AKL:
+                            gap = tl.where(present, tl.abs(_gap(lq, lp, d)), 0.0)
+                            key = _akl_key(tl.load(t_row + offs, mask=mask, other=-float("inf")).to(tl.float32),
+                                           T_HEAD)
+                            in_head = (key >= akl_k) | ((key == akl_v) & (offs <= akl_cut))
+                            acc3 += tl.where(in_head, gap, 0.0)
+                            acc4 += tl.where(in_head, 0.0, gap)
+                        else:
+                            acc3 -= times(tl.exp2(lp), lp)
+                            acc4 += tl.where(present, 1.0, 0.0)
                     elif LOSS == _DKD:  # NCKD's terms ≥ 0 off y, of p̂ = p / P, q̂ = q / Q (log2 P and log2(P/Q) in
                         # log2_beta, log2_1mbeta); dL/ds = q f_q + p f_p off y, q c_q + f0 at y (`_dkd_factors`)
                         p = tl.exp2(lp)
@@ -923,20 +922,17 @@ def _divergence(acc, acc2, acc3, acc4, soft, beta, log2_beta, log2_1mbeta, pow_p
             far = log_s / tl.where(r_1 == 0.0, 1.0, r_1)
             soft = tl.where(near, r * acc2 * ratio, far)
             tvd_zero = tl.where(near, z * ratio, log_s) * LOG2E
-        elif LOSS == _ENTROPY_ADAPTIVE:  # the gate w in tvd_zero, K = KL(q‖p) in k_jsd
-            # w = gate_min + (gate_max − gate_min) sigmoid((h − center) / width), h = H(p) / log n (0 for n ≤ 1):
-            # gate_min, its span, center and width in pow_p, pow_q, log2_beta, log2_1mbeta (`_powers`)
-            many = acc4 > 1.0
-            h = tl.where(many, acc3 / (LOG2E * tl.log(tl.where(many, acc4, 2.0))), 0.0)
-            w = pow_p + pow_q * tl.sigmoid((h - log2_beta) / log2_1mbeta)
+        elif LOSS == _ENTROPY_ADAPTIVE or LOSS == _AKL:  # w KL(p‖q) + (1 − w) KL(q‖p): w in tvd_zero, K = KL(q‖p)
+            if LOSS == _AKL:  # w = g_head / (g_head + g_tail), ½ where both are 0
+                g_all = acc3 + acc4
+                some = g_all > 0.0
+                w = tl.where(some, acc3 / tl.where(some, g_all, 1.0), 0.5)
+            else:  # w = gate_min + (gate_max − gate_min) sigmoid((h − center) / width), h = H(p) / log n (0 for
+                # n ≤ 1): gate_min, its span, center and width in pow_p, pow_q, log2_beta, log2_1mbeta (`_powers`)
+                many = acc4 > 1.0
+                h = tl.where(many, acc3 / (LOG2E * tl.log(tl.where(many, acc4, 2.0))), 0.0)
+                w = pow_p + pow_q * tl.sigmoid((h - log2_beta) / log2_1mbeta)
             # a KL whose weight is 0 adds nothing, also where it is infinite
-            soft = tl.where(w > 0.0, w * acc, 0.0) + tl.where(w < 1.0, (1.0 - w) * acc2, 0.0)
-            k_jsd = acc2
-            tvd_zero = w
-        elif LOSS == _AKL:  # w = g_head / (g_head + g_tail) (½ where both are 0), in tvd_zero; K = KL(q‖p)
-            g_all = acc3 + acc4
-            some = g_all > 0.0
-            w = tl.where(some, acc3 / tl.where(some, g_all, 1.0), 0.5)
             soft = tl.where(w > 0.0, w * acc, 0.0) + tl.where(w < 1.0, (1.0 - w) * acc2, 0.0)
             k_jsd = acc2
             tvd_zero = w
@@ -1259,17 +1255,24 @@ def _akl_key(t, T_HEAD: tl.constexpr):
     x = t
     if T_HEAD == 1 or T_HEAD == 3:
         x = tl.where(t == -float("inf"), t, -t)
-    i = (x + 0.0).to(tl.int32, bitcast=True)
-    return i ^ ((i >> 31) & 0x7FFFFFFF)
+    return order_key(x)
 
 
 @triton.jit
 def _akl_logit(key, T_HEAD: tl.constexpr):
-    """The loaded teacher logit of an order key (`_akl_key` undone)."""
+    """The loaded teacher logit of an order key (`_akl_key` undone: `order_key` is its own inverse)."""
     x = (key ^ ((key >> 31) & 0x7FFFFFFF)).to(tl.float32, bitcast=True)
     if T_HEAD == 1 or T_HEAD == 3:
         x = tl.where(x == -float("inf"), x, -x)
     return x
+
+
+@triton.jit
+def _akl_tile(t_row, offs, V, m_t, log2_l, log2e_tau_t, t_mul, T_HEAD: tl.constexpr):
+    """A tile's p (as pass 2 makes it) and order keys (the floor past V)."""
+    raw = tl.load(t_row + offs, mask=offs < V, other=-float("inf")).to(tl.float32)
+    p = tl.exp2((head(raw, t_mul, T_HEAD)[0] - m_t) * log2e_tau_t - log2_l)
+    return p, tl.where(offs < V, _akl_key(raw, T_HEAD), _KEY_FLOOR)
 
 
 @triton.jit
@@ -1306,10 +1309,7 @@ def _akl_head_kernel(t_ptr, out_ptr, V, stride_t, mu, log2e_tau_t, t_mul, T_HEAD
         th = (lo + ((hi - lo) * (parts + 1)) // PARTS).to(tl.int32)  # th[PARTS − 1] = hi; keys are int32
         mass = tl.zeros([PARTS], tl.float32)
         for start in range(0, V, BLOCK_V):
-            offs = start + cols
-            raw = tl.load(t_row + offs, mask=offs < V, other=-float("inf")).to(tl.float32)
-            p = tl.exp2((head(raw, t_mul, T_HEAD)[0] - m_t) * log2e_tau_t - log2_l)
-            key = _akl_key(raw, T_HEAD)
+            p, key = _akl_tile(t_row, start + cols, V, m_t, log2_l, log2e_tau_t, t_mul, T_HEAD)
             mass += tl.sum(tl.where(key[None, :] >= th[:, None], p[None, :], 0.0), 1)
         fits = (mass <= mu) | (parts == PARTS - 1)
         new_hi = tl.min(tl.where(fits, th, _KEY_CEIL), 0).to(tl.int64)
@@ -1322,10 +1322,7 @@ def _akl_head_kernel(t_ptr, out_ptr, V, stride_t, mu, log2e_tau_t, t_mul, T_HEAD
     k_lane = tl.full([BLOCK_V], _KEY_FLOOR, tl.int32)
     p_lane = tl.zeros([BLOCK_V], tl.float32)
     for start in range(0, V, BLOCK_V):
-        offs = start + cols
-        raw = tl.load(t_row + offs, mask=offs < V, other=-float("inf")).to(tl.float32)
-        p = tl.exp2((head(raw, t_mul, T_HEAD)[0] - m_t) * log2e_tau_t - log2_l)
-        key = tl.where(offs < V, _akl_key(raw, T_HEAD), _KEY_FLOOR)
+        p, key = _akl_tile(t_row, start + cols, V, m_t, log2_l, log2e_tau_t, t_mul, T_HEAD)
         up = (key < kappa) & (key > k_lane)
         p_lane = tl.where(up, p, p_lane)
         k_lane = tl.where(up, key, k_lane)
@@ -1338,8 +1335,7 @@ def _akl_head_kernel(t_ptr, out_ptr, V, stride_t, mu, log2e_tau_t, t_mul, T_HEAD
     seen = need * 0
     for start in range(0, V, BLOCK_V):
         offs = start + cols
-        raw = tl.load(t_row + offs, mask=offs < V, other=-float("inf")).to(tl.float32)
-        group = (offs < V) & (_akl_key(raw, T_HEAD) == k_v)
+        group = (offs < V) & (_akl_tile(t_row, offs, V, m_t, log2_l, log2e_tau_t, t_mul, T_HEAD)[1] == k_v)
         rank = seen + tl.cumsum(group.to(tl.int32), 0)
         cut = tl.minimum(cut, tl.min(tl.where(group & (rank == need), offs, V), 0))
         seen += tl.sum(group.to(tl.int32), 0)

@@ -147,8 +147,8 @@ def expand_kernel(
     number; ties to the larger id, as `_topk_kernel`), in the same read: every element >= θ, the K-th
     largest lane max off the ids (a lower bound of the row's K-th largest value), is kept as it streams by
     (its (value, id) key in the row's next scratch slot); after the row, id i's rank is the number of kept
-    elements and other ids whose key exceeds its own. An id below θ has K elements above it, and every element above an id
-    at or over θ is kept or an id: the rank is exact where it matters."""
+    elements and other ids whose key exceeds its own. An id below θ has K elements above it, and every
+    element above an id at or over θ is kept or an id: the rank is exact where it matters."""
     row = tl.program_id(0)
     s_row = s_ptr + row.to(tl.int64) * V
     g_row = g_ptr + row.to(tl.int64) * V
@@ -471,7 +471,7 @@ _EMPTY: tl.constexpr = tl.constexpr(-(2**63))  # below every packed key: an unus
 @triton.jit
 def _signed_key(x, ids):
     """`_packed_key` with −0.0 taken as +0.0 (equal logits tie by id, as torch compares them)."""
-    return _packed_key(x + 0.0, ids)
+    return (triton_common.order_key(x).to(tl.int64) << 32) | ids.to(tl.int64)
 
 
 @triton.jit

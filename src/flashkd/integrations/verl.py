@@ -29,7 +29,8 @@ in one sweep over chunks of R rows, never N·V logits. Per chunk:
     dL/dS (R, V)                   the top-k expand kernel (one read, one write in the inputs' dtype),
                                    each row times its weight u; in the same read each teacher id's
                                    membership of the student's top-K, for the overlap: the elements
-                                   at or over θ kept per lane, each id's rank counted among them
+                                   at or over θ kept in the row's scratch, each id's rank counted
+                                   among them
                                    (`triton_topk.expand_kernel`'s OWN). Without a gradient (no expand
                                    step) the Triton top-k kernel gives it (`triton_topk.kernel_topk`,
                                    two reads of S); on the torch path each id's rank, over vocab blocks
@@ -40,8 +41,8 @@ in one sweep over chunks of R rows, never N·V logits. Per chunk:
 overlap_count and overlap_token_advantage follow from the membership and token_kl at the end.
 Ties: an id is in the student's top-K when fewer than K logits (fp32, the GEMM's) outrank it, a tie
 going to the larger id, on both paths (the Triton kernels order (logit, id) pairs, −0.0 as +0.0 in the
-expand kernel's count; `_own_by_rank` counts so). verl's torch.topk leaves the order among equal logits unspecified: the sets differ only
-where the K-th and (K+1)-th largest logits of a row are exactly equal. Rows the Triton kernels flag
+expand kernel's count; `_own_by_rank` counts so). verl's torch.topk leaves the order among equal logits
+unspecified: the sets differ only where the K-th and (K+1)-th largest logits of a row are exactly equal. Rows the Triton kernels flag
 (more than 512 elements at or over θ in the row, or fewer than K finite logits off the ids: about
 never) are settled with torch.topk on their logits made again, after the sweep: one host read in the
 forward.
@@ -306,12 +307,12 @@ def _sweep(x, w, b, ids, lp, spec: LossSpec, clamp, *, rows: int, backend: str, 
     if want_db:
         db = torch.zeros(v, dtype=torch.float64 if x.dtype == torch.float64 else torch.float32, device=dev)
     lo, hi = bounds
+    later = values and grad and backend == "triton" and k <= _fold_k()  # the membership in the expand's read
     for start in range(0, n, rows):
         c = slice(start, min(start + rows, n))
         xc = x[c]
         s = core_loop.linear(xc, w, b)
         i = ids[c]
-        later = values and grad and backend == "triton" and k <= _fold_k()  # the membership in the expand's read
         rel_k, rel_rest, shift, log2_rest, own, redo = _stats(s, i, spec.temperature, backend, values, later)
         loss, q_mass, p_mass, token_kl, da, dr = _categories(rel_k, rel_rest, lp[c], spec, clamp, grad)
         if values:
