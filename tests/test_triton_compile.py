@@ -80,7 +80,8 @@ def _compile_topk() -> int:
 
     ints = ("V", "K", "k", "stride_t")
     pointers = {"s_ptr": "*fp32", "g_ptr": "*bf16", "x_ptr": "*bf16", "ids_ptr": "*i64", "labels_ptr": "*i64", "redo_ptr": "*i8",
-                "scratch_ptr": "*i64", "own_ptr": "*i8", "out_ptr": "*i64", "count_ptr": "*i32"}
+                "scratch_ptr": "*i64", "own_ptr": "*i8", "out_ptr": "*i64", "count_ptr": "*i32",
+                "keep_ptr": "*i32"}
     variants = [(triton_topk.stats_kernel, dict(STREAM=stream, ONE=one, HEAD=head, STATS=stats, BLOCK_V=1024, BLOCK_K=64))
                 for stream, one, head, stats in ((True, True, 0, True), (True, False, 2, False), (False, False, 0, False))]
     variants += [(triton_topk.expand_kernel, dict(REST=rest, CE=ce, HEAD=head, RTNE_BITS=False, BLOCK_V=1024, BLOCK_K=64))

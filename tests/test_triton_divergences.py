@@ -422,9 +422,9 @@ def test_a_gate_at_its_end_is_the_kl_it_keeps(loss, params, twin, seed, kernel_c
 # --- AKL on whole rows: its head found by the kernel (`triton_rows.akl_head_keys`), then Jeffreys' passes ------
 
 
-def _akl_head_of_keys(t, spec):
+def _akl_head_of_keys(t, spec, search=False):
     """The head mask of `akl_head_keys`' (κ, κ_v, cut), made with the kernel's order keys in torch."""
-    keys = triton_rows.akl_head_keys(_on(t).contiguous(), spec).cpu()
+    keys = triton_rows.akl_head_keys(_on(t).contiguous(), spec, search).cpu()
     x = torch.where(t == -torch.inf, t, -t) if spec.teacher_logit_scale < 0 else t
     i = (x + 0.0).view(torch.int32)
     key = (i ^ ((i >> 31) & 0x7FFFFFFF)).long()
@@ -432,13 +432,14 @@ def _akl_head_of_keys(t, spec):
     return (key >= keys[:, :1]) | ((key == keys[:, 1:2]) & (ids <= keys[:, 2:3]))
 
 
+@pytest.mark.parametrize("search", [False, True])
 @pytest.mark.parametrize("mu", [0.5, 0.05, 0.9, 1.0])
 @pytest.mark.parametrize("scale", [1.0, -0.6])
-def test_akl_head_keys_give_the_sorted_prefix(mu, scale, seed):
+def test_akl_head_keys_give_the_sorted_prefix(mu, scale, search, seed):
     """The kernel's head: the ids of p sorted descending (ties by id, a stable sort), cumsum ≤ μ, the first
     always (`losses.akl_head`, against the sort in float64): peaked, flat and masked rows, logits on an integer
     grid (ties everywhere, the prefix ending inside a tied group), a negative teacher scale (the order reversed,
-    −inf columns absent still)."""
+    −inf columns absent still); by the kernel's bins and by its search alone."""
     g = torch.Generator().manual_seed(seed)
     t = torch.randn(12, 300, generator=g) * 4
     t[1, 5] = 40.0  # one id holds nearly all the mass
@@ -447,7 +448,7 @@ def test_akl_head_keys_give_the_sorted_prefix(mu, scale, seed):
     t[4, ::7] = -torch.inf
     t[6:] = t[6:].round()  # ties
     spec = LossSpec(loss="akl", head_mass=mu, temperature=0.8, teacher_logit_scale=scale)
-    head = _akl_head_of_keys(t, spec)
+    head = _akl_head_of_keys(t, spec, search)
     p = torch.softmax(spec.teacher(t.double()) / 0.8, -1)
     sorted_p, order = p.sort(dim=-1, descending=True, stable=True)
     tail = sorted_p.cumsum(-1) > mu
@@ -463,6 +464,35 @@ def test_akl_head_keys_give_the_sorted_prefix(mu, scale, seed):
     else:  # the flat row: a tied group cut short, its first ids by id
         n = int(head[2].sum())
         assert 0 < n < 300 and head[2].equal(torch.arange(300) < n)
+
+
+@pytest.mark.parametrize("mu", [0.5, 0.1])
+def test_akl_head_bins_settle_the_rows_a_search_is_kept_for(mu, seed):
+    """Which of the kernel's paths settles a row, and that both give the sorted prefix: rows of a few tenths
+    (a head of thousands of ids), trained magnitudes, a peak and a tie for the top are settled by the bins (no
+    search); a flat row of 5000 tied ids (one tied group longer than the kernel's scratch) by the search."""
+    g = torch.Generator().manual_seed(seed)
+    V = 5000
+    t = torch.randn(8, V, generator=g) * 0.3
+    t[2:4] *= 4 / 0.3  # trained magnitudes
+    t[4, 7] = 30.0
+    t[5, 11] = t[5, 4000] = t[5].max() + 2.0
+    t[6] = 1.5  # flat
+    t[7] = torch.randn(V, generator=g).round() * 0.25  # on a grid: ties of hundreds of ids
+    spec = LossSpec(loss="akl", head_mass=mu, temperature=0.8)
+    searched = triton_rows.akl_head_keys(_on(t), spec).cpu()[:, 3]
+    assert searched[:6].tolist() == [0] * 6 and searched[6] == 1
+    p = torch.softmax(t.double() / 0.8, -1)
+    sorted_p, order = p.sort(dim=-1, descending=True, stable=True)
+    tail = sorted_p.cumsum(-1) > mu
+    tail[:, 0] = False
+    want = torch.zeros_like(tail).scatter(-1, order, ~tail)
+    tie = (sorted_p.cumsum(-1) - mu).abs() <= 64 * torch.finfo(torch.float32).eps
+    sure = ~torch.zeros_like(tail).scatter(-1, order, tie)
+    for search in (False, True):
+        head = _akl_head_of_keys(t, spec, search)
+        assert (head == want)[sure].all(), search
+        assert 0 < int(head[6].sum()) < V and head[6].equal(torch.arange(V) < int(head[6].sum()))
 
 
 @pytest.mark.parametrize("mu", [0.5, 0.2, 1.0])

@@ -1059,7 +1059,7 @@ def _akl_keys(part_ptr, row, LOSS: tl.constexpr):
     other losses (pass 2 takes them as arguments: the GPU compiler keeps a name's type across a branch)."""
     zero = row * 0
     if LOSS == _AKL:  # each within int32: the keys between the floor and the ceiling, cut in [−1, V]
-        akl_row = part_ptr + row * 3
+        akl_row = part_ptr + row * 4
         return tl.load(akl_row).to(tl.int32), tl.load(akl_row + 1).to(tl.int32), tl.load(akl_row + 2).to(tl.int32)
     return zero, zero, zero
 
@@ -1231,16 +1231,27 @@ def _rows_kernel(
 
 # AKL's head (`flashkd.losses.akl_head`): the teacher's ids in the order of p descending, ties by id ascending;
 # the longest prefix whose p sums to at most μ, and the first id always. The kernel below finds it without a
-# sort, in the order of the teacher's logits (p's own order, before p is rounded: where two logits round to
-# one p, the larger logit comes first), as three numbers a row that pass 2 compares each column with:
-#   κ       the least order key whose columns at or above it hold p summing to at most μ (F(κ) <= μ)
-#   κ_v     the largest key below κ: the group of ids, one logit, that the prefix ends in
-#   cut     the largest id of that group in the head: its first c ids by id, c = ⌊(μ − F(κ)) / p_v⌋ (at
-#           least one where no column is at or above κ), as the torch definition counts them
-# κ by a search over the keys' 2^32 values, 16 parts a pass (15 masses of p summed against 15 thresholds):
-# at most about 9 passes, none where the teacher's top id holds more than μ (the first pass's lane maxima
-# bracket κ); then one for κ_v and p_v, one for cut: 3 to 12 reads of the teacher's row.
+# sort of the row, in the order of the teacher's logits (p's own order, before p is rounded: where two logits
+# round to one p, the larger logit comes first), as three numbers a row that pass 2 compares each column with:
+#   κ       an order key: every column at or above it is in the head
+#   κ_v     the key of the group of ids, one logit, that the head ends in
+#   cut     the largest id of that group in the head (−1: none)
+# First a pass for the teacher's max and sum and each lane's largest key. Then the fast path: the exponent
+# z = log2 of p's numerator (≤ 0, the same for equal keys, never decreasing as the key grows) is binned, BINS
+# bins a pass over a range of z, starting below the lanes' maxima whose p passes μ (none of the head lies
+# lower); each bin's mass lies between its count times p at its ends, which brackets where the prefix's mass
+# crosses μ to a few bins, and the next pass bins those (about CAP columns are left after two). One more pass
+# keeps the ids in the bracket (a row's scratch of CAP) and sums p above it exactly; those ids sorted by
+# (key, id) and their p summed on top give the prefix exactly. 3 to 4 reads of the row, a few operations an
+# element (a bin index, a histogram). Where the bracket holds more than CAP ids after LEVELS passes (a tied
+# group of thousands: a flat row) or rounding put the crossing outside it, a search settles κ: over the keys'
+# 2^32 values, 16 parts a pass (15 masses of p summed against 15 thresholds), at most about 9 passes, bracketed
+# by the lanes' maxima; then one pass for κ_v and p_v and one for the cut (the group's first
+# ⌊(μ − F(κ)) / p_v⌋ ids by id, at least one where no column is at or above κ, as the torch definition counts).
 _AKL_PARTS = 16
+_AKL_BINS = 256
+_AKL_CAP = 256
+_AKL_LEVELS = 3
 
 
 _KEY_FLOOR: tl.constexpr = tl.constexpr(-2139095042)  # below every order key: the key of −inf, less one
@@ -1276,10 +1287,20 @@ def _akl_tile(t_row, offs, V, m_t, log2_l, log2e_tau_t, t_mul, T_HEAD: tl.conste
 
 
 @triton.jit
-def _akl_head_kernel(t_ptr, out_ptr, V, stride_t, mu, log2e_tau_t, t_mul, T_HEAD: tl.constexpr,
-                     PARTS: tl.constexpr, BLOCK_V: tl.constexpr):
-    """One row's (κ, κ_v, cut) of AKL's head (above), int64, into out_ptr (R, 3); p as the row kernel's pass 2
-    makes it (the teacher's max and sum at τ, lanes merged once)."""
+def _akl_z(t_row, offs, V, m_t, log2_l, log2e_tau_t, t_mul, T_HEAD: tl.constexpr):
+    """A tile's exponent z (p = 2^(z − log2 l), −inf past V) and p, as `_akl_tile` makes p."""
+    raw = tl.load(t_row + offs, mask=offs < V, other=-float("inf")).to(tl.float32)
+    z = (head(raw, t_mul, T_HEAD)[0] - m_t) * log2e_tau_t
+    return z, tl.exp2(z - log2_l)
+
+
+@triton.jit
+def _akl_head_kernel(t_ptr, out_ptr, keep_ptr, V, stride_t, mu, log2e_tau_t, t_mul, T_HEAD: tl.constexpr,
+                     PARTS: tl.constexpr, BLOCK_V: tl.constexpr, BINS: tl.constexpr = 256, CAP: tl.constexpr = 256,
+                     LEVELS: tl.constexpr = 3, SEARCH: tl.constexpr = False):
+    """One row's (κ, κ_v, cut, searched) of AKL's head (above), int64, into out_ptr (R, 4): searched 1 where
+    the search settled it (always with SEARCH: the fast path's passes skipped); p as the row kernel's pass 2
+    makes it (the teacher's max and sum at τ, lanes merged once); keep_ptr: the row's CAP int32 of scratch."""
     row = tl.program_id(0)
     t_row = t_ptr + row.to(tl.int64) * stride_t
     cols = tl.arange(0, BLOCK_V)
@@ -1295,71 +1316,138 @@ def _akl_head_kernel(t_ptr, out_ptr, V, stride_t, mu, log2e_tau_t, t_mul, T_HEAD
         k_lane = tl.maximum(k_lane, tl.where(offs < V, _akl_key(raw, T_HEAD), _KEY_FLOOR))
     m_t = tl.max(m, 0)
     log2_l = tl.log2(tl.sum(l * tl.exp2((m - m_t) * log2e_tau_t), 0))
-    # κ in (lo, hi]: above the largest key nothing is left (F = 0); the lanes' largest keys, distinct columns,
-    # bound F from below: F(key) >= the p of the lanes' maxima at or over it, so where those pass μ, κ is
-    # above (a teacher whose top id holds more than μ: κ found with no search pass)
+    # the lanes' largest keys, distinct columns, bound F(key) = Σ_{keys >= key} p from below: where those at or
+    # over a key pass μ, the head ends above it (a teacher whose top id holds more than μ: at the top)
     k_top = tl.sort(k_lane, descending=True)
-    p_top = tl.where(k_top > _KEY_FLOOR, tl.exp2((head(_akl_logit(k_top, T_HEAD), t_mul, T_HEAD)[0] - m_t) *
-                                                  log2e_tau_t - log2_l), 0.0)
-    parts = tl.arange(0, PARTS)
-    lo = tl.zeros([PARTS], tl.int64) + tl.max(tl.where(tl.cumsum(p_top, 0) > mu, k_top, _KEY_FLOOR), 0)
-    hi = tl.zeros([PARTS], tl.int64) + tl.max(k_top, 0) + 1
-    f_hi = tl.zeros([PARTS], tl.float32)
-    while tl.max(hi - lo, 0) > 1:
-        th = (lo + ((hi - lo) * (parts + 1)) // PARTS).to(tl.int32)  # th[PARTS − 1] = hi; keys are int32
-        mass = tl.zeros([PARTS], tl.float32)
+    z_top = tl.where(k_top > _KEY_FLOOR, (head(_akl_logit(k_top, T_HEAD), t_mul, T_HEAD)[0] - m_t) * log2e_tau_t,
+                     -float("inf"))
+    over = tl.cumsum(tl.exp2(z_top - log2_l), 0) > mu
+    k_lo = tl.max(tl.where(over, k_top, _KEY_FLOOR), 0)
+    # the fast path: [zl, zh) narrowed by histograms until about CAP columns are in it
+    zl = tl.maximum(tl.max(tl.where(over & (k_top == k_lo), z_top, -float("inf")), 0), -64.0)  # p below 2^-64 l
+    zh = zl * 0.0 + 1.0  # above every z (z <= 0)
+    bins = tl.arange(0, BINS)
+    n_in = V + 1
+    level = V * 0
+    while (n_in > CAP) & (level < LEVELS) & (not SEARCH):
+        inv = BINS / (zh - zl)
+        count = tl.zeros([BINS], tl.int32)
+        up = zl * 0.0
         for start in range(0, V, BLOCK_V):
-            p, key = _akl_tile(t_row, start + cols, V, m_t, log2_l, log2e_tau_t, t_mul, T_HEAD)
-            mass += tl.sum(tl.where(key[None, :] >= th[:, None], p[None, :], 0.0), 1)
-        fits = (mass <= mu) | (parts == PARTS - 1)
-        new_hi = tl.min(tl.where(fits, th, _KEY_CEIL), 0).to(tl.int64)
-        f_hi = tl.zeros([PARTS], tl.float32) + tl.max(tl.where(fits & (th == new_hi), mass, -1.0), 0)
-        lo = tl.zeros([PARTS], tl.int64) + tl.max(tl.where(fits, lo, th.to(tl.int64)), 0)
-        hi = tl.zeros([PARTS], tl.int64) + new_hi
-    kappa = tl.max(hi, 0).to(tl.int32)
-    f_k = tl.max(f_hi, 0)
-    # κ_v: the largest key below κ, and its p
-    k_lane = tl.full([BLOCK_V], _KEY_FLOOR, tl.int32)
-    p_lane = tl.zeros([BLOCK_V], tl.float32)
-    for start in range(0, V, BLOCK_V):
-        p, key = _akl_tile(t_row, start + cols, V, m_t, log2_l, log2e_tau_t, t_mul, T_HEAD)
-        up = (key < kappa) & (key > k_lane)
-        p_lane = tl.where(up, p, p_lane)
-        k_lane = tl.where(up, key, k_lane)
-    k_v = tl.max(k_lane, 0)
-    p_v = tl.max(tl.where(k_lane == k_v, p_lane, 0.0), 0)
-    fit = tl.floor((mu - f_k) / tl.where(p_v > 0.0, p_v, 1.0))
-    fit = tl.maximum(fit, tl.where(f_k == 0.0, 1.0, 0.0))
-    need = tl.minimum(fit, V + 1.0).to(tl.int32)  # the group's first `need` ids by id
-    cut = tl.where(need > 0, V, -1)  # V: the group's ids all (fewer than need)
-    seen = need * 0
+            z, p = _akl_z(t_row, start + cols, V, m_t, log2_l, log2e_tau_t, t_mul, T_HEAD)
+            at = tl.minimum(tl.maximum((z - zl) * inv, 0.0), BINS - 1.0).to(tl.int32)
+            count += tl.histogram(at, BINS, mask=(z >= zl) & (z < zh))
+            up += tl.sum(tl.where(z >= zh, p, 0.0), 0)
+        # each bin's mass between its count times p at its lower and upper edges: the mass at or over a bin
+        # bounded both ways; the head ends in a bin whose bound from below (at or over it) passes μ while the
+        # bound from above (over it) does not
+        edge = zl + bins.to(tl.float32) / inv
+        low = count.to(tl.float32) * tl.exp2(edge - log2_l)
+        high = count.to(tl.float32) * tl.exp2(edge + 1.0 / inv - log2_l)
+        at_or_over_low = up + tl.sum(low, 0) - tl.cumsum(low, 0) + low
+        over_high = up + tl.sum(high, 0) - tl.cumsum(high, 0)
+        b_hi = tl.min(tl.where(over_high <= mu, bins, BINS - 1), 0)
+        b_lo = tl.max(tl.where(at_or_over_low > mu, bins, 0), 0)
+        n_in = tl.sum(tl.where((bins >= b_lo) & (bins <= b_hi), count, 0), 0)
+        zh_new = tl.where(b_hi == BINS - 1, zh, zl + (b_hi + 1).to(tl.float32) / inv)
+        zl = tl.where(b_lo == 0, zl, zl + b_lo.to(tl.float32) / inv)
+        zh = zh_new
+        level += 1
+    # keep the ids in [zl, zh) (their first CAP), sum p over zh exactly
+    keep = keep_ptr + row.to(tl.int64) * CAP
+    n = V * 0
+    n_up = V * 0
+    up = zl * 0.0
     for start in range(0, V, BLOCK_V):
         offs = start + cols
-        group = (offs < V) & (_akl_tile(t_row, offs, V, m_t, log2_l, log2e_tau_t, t_mul, T_HEAD)[1] == k_v)
-        rank = seen + tl.cumsum(group.to(tl.int32), 0)
-        cut = tl.minimum(cut, tl.min(tl.where(group & (rank == need), offs, V), 0))
-        seen += tl.sum(group.to(tl.int32), 0)
-    out = out_ptr + row.to(tl.int64) * 3
+        z, p = _akl_z(t_row, offs, V, m_t, log2_l, log2e_tau_t, t_mul, T_HEAD)
+        inside = (z >= zl) & (z < zh)
+        slot = n + tl.cumsum(inside.to(tl.int32), 0) - 1
+        tl.store(keep + slot, offs, mask=inside & (slot < CAP))
+        n += tl.sum(inside.to(tl.int32), 0)
+        n_up += tl.sum((z >= zh).to(tl.int32), 0)
+        up += tl.sum(tl.where(z >= zh, p, 0.0), 0)
+    tl.debug_barrier()  # the row's threads read the ids that other threads stored
+    slots = tl.arange(0, CAP)
+    kept = slots < n
+    ids = tl.load(keep + slots, mask=kept, other=0)
+    key = tl.where(kept, _akl_tile(t_row, ids, V, m_t, log2_l, log2e_tau_t, t_mul, T_HEAD)[1], _KEY_FLOOR)
+    # (key, id) in one int64, sorted descending: keys descending, ids ascending within a key
+    order = tl.sort((key.to(tl.int64) << 32) | (4294967295 - ids.to(tl.int64)), descending=True)
+    key_s = (order >> 32).to(tl.int32)
+    id_s = (4294967295 - (order & 4294967295)).to(tl.int32)
+    p_s = tl.where(kept, _akl_tile(t_row, id_s, V, m_t, log2_l, log2e_tau_t, t_mul, T_HEAD)[0], 0.0)
+    fits = tl.sum(((up + tl.cumsum(p_s, 0) <= mu) & kept).to(tl.int32), 0)  # the prefix's kept ids
+    last = tl.where((fits == 0) & (n_up == 0), 0, fits - 1)  # the row's first id always; −1: none kept
+    kappa = tl.max(tl.where(slots == tl.maximum(last, 0), key_s, _KEY_FLOOR), 0) + 1
+    k_v = kappa - 1
+    cut = tl.where(last >= 0, tl.max(tl.where(slots == last, id_s, -1), 0), -1)
+    searched = SEARCH | (n > CAP) | (up > mu) | (fits >= n)
+    if searched:  # the bracket missed the prefix's end: the search
+        hi = k_lo * 0 + tl.max(k_top, 0) + 1
+        lo = k_lo.to(tl.int64)
+        hi = hi.to(tl.int64)
+        parts = tl.arange(0, PARTS)
+        lo = tl.zeros([PARTS], tl.int64) + lo
+        hi = tl.zeros([PARTS], tl.int64) + hi
+        f_hi = tl.zeros([PARTS], tl.float32)
+        while tl.max(hi - lo, 0) > 1:
+            th = (lo + ((hi - lo) * (parts + 1)) // PARTS).to(tl.int32)  # th[PARTS − 1] = hi; keys are int32
+            mass = tl.zeros([PARTS], tl.float32)
+            for start in range(0, V, BLOCK_V):
+                p2, key2 = _akl_tile(t_row, start + cols, V, m_t, log2_l, log2e_tau_t, t_mul, T_HEAD)
+                mass += tl.sum(tl.where(key2[None, :] >= th[:, None], p2[None, :], 0.0), 1)
+            fit = (mass <= mu) | (parts == PARTS - 1)
+            new_hi = tl.min(tl.where(fit, th, _KEY_CEIL), 0).to(tl.int64)
+            f_hi = tl.zeros([PARTS], tl.float32) + tl.max(tl.where(fit & (th == new_hi), mass, -1.0), 0)
+            lo = tl.zeros([PARTS], tl.int64) + tl.max(tl.where(fit, lo, th.to(tl.int64)), 0)
+            hi = tl.zeros([PARTS], tl.int64) + new_hi
+        kappa = tl.max(hi, 0).to(tl.int32)
+        f_k = tl.max(f_hi, 0)
+        # κ_v: the largest key below κ, and its p
+        k_lane = tl.full([BLOCK_V], _KEY_FLOOR, tl.int32)
+        p_lane = tl.zeros([BLOCK_V], tl.float32)
+        for start in range(0, V, BLOCK_V):
+            p2, key2 = _akl_tile(t_row, start + cols, V, m_t, log2_l, log2e_tau_t, t_mul, T_HEAD)
+            up_lane = (key2 < kappa) & (key2 > k_lane)
+            p_lane = tl.where(up_lane, p2, p_lane)
+            k_lane = tl.where(up_lane, key2, k_lane)
+        k_v = tl.max(k_lane, 0)
+        p_v = tl.max(tl.where(k_lane == k_v, p_lane, 0.0), 0)
+        need = tl.floor((mu - f_k) / tl.where(p_v > 0.0, p_v, 1.0))
+        need = tl.maximum(need, tl.where(f_k == 0.0, 1.0, 0.0))
+        need = tl.minimum(need, V + 1.0).to(tl.int32)  # the group's first `need` ids by id
+        cut = tl.where(need > 0, V, -1)  # V: the group's ids all (fewer than need)
+        seen = need * 0
+        for start in range(0, V, BLOCK_V):
+            offs2 = start + cols
+            group = (offs2 < V) & (_akl_tile(t_row, offs2, V, m_t, log2_l, log2e_tau_t, t_mul, T_HEAD)[1] == k_v)
+            rank = seen + tl.cumsum(group.to(tl.int32), 0)
+            cut = tl.minimum(cut, tl.min(tl.where(group & (rank == need), offs2, V), 0))
+            seen += tl.sum(group.to(tl.int32), 0)
+    out = out_ptr + row.to(tl.int64) * 4
     tl.store(out, kappa.to(tl.int64))
     tl.store(out + 1, k_v.to(tl.int64))
     tl.store(out + 2, cut.to(tl.int64))
+    tl.store(out + 3, searched.to(tl.int64))
 
 
-def akl_head_keys(t: torch.Tensor, spec: LossSpec) -> torch.Tensor:
-    """(R, 3) int64 (κ, κ_v, cut) of each row of the teacher logits t (R, V), unit vocab stride (above);
-    μ >= 1: every column (κ below every key)."""
+def akl_head_keys(t: torch.Tensor, spec: LossSpec, search: bool = False) -> torch.Tensor:
+    """(R, 4) int64 (κ, κ_v, cut, searched) of each row of the teacher logits t (R, V), unit vocab stride
+    (above); μ >= 1: every column (κ below every key). search: the search alone (the fast path skipped)."""
     R, V = t.shape
-    out = torch.empty(R, 3, dtype=torch.int64, device=t.device)
+    out = torch.empty(R, 4, dtype=torch.int64, device=t.device)
     if spec.head_mass >= 1.0:
-        out[:, 0], out[:, 1], out[:, 2] = _KEY_FLOOR.value, _KEY_FLOOR.value, -1
+        out[:, 0], out[:, 1], out[:, 2], out[:, 3] = _KEY_FLOOR.value, _KEY_FLOOR.value, -1, 0
         return out
     t_head, fold_t, t_mul = head_mode(spec.teacher_logit_scale, spec.teacher_softcap)
     if R:
         with launching():
-            _akl_head_kernel[(R,)](t, out, V, t.stride(0), float(spec.head_mass),
+            keep = torch.empty(R, _AKL_CAP, dtype=torch.int32, device=t.device)
+            _akl_head_kernel[(R,)](t, out, keep, V, t.stride(0), float(spec.head_mass),
                                    math.log2(math.e) * fold_t / spec.temperature, t_mul, T_HEAD=t_head,
                                    PARTS=_AKL_PARTS, BLOCK_V=min(256, max(16, triton.next_power_of_2(V))),
-                                   num_warps=4)
+                                   BINS=_AKL_BINS, CAP=_AKL_CAP, LEVELS=_AKL_LEVELS, SEARCH=search, num_warps=4)
     return out
 
 
