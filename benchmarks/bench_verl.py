@@ -16,7 +16,7 @@ states and the head.
 
 The integration's time split ("split" in results.json, the summary's second table): one forward +
 backward of "flashkd" under torch.profiler, its GPU kernels summed by what they do: the GEMMs (cuBLAS),
-the row pass (flashkd's stats and expand kernels), the diagnostics (the top-k kernel), the rest (the
+the row pass (flashkd's stats kernel, its expand kernel), the diagnostics (the top-k kernel), the rest (the
 (R, K + 1) row math in torch, copies, the backward's scaling); and the backward's check
 (`_proportional` and its host read), timed alone with CUDA events.
 
@@ -122,7 +122,8 @@ def run_one(fn, x, w, args, device, token_weight=None):
 
 
 KINDS = (("GEMMs", ("gemm", "cutlass", "nvjet", "xmma", "sm90_", "sm80_", "cublas")),
-         ("row pass", ("stats_kernel", "expand_kernel")), ("diagnostics", ("_topk_kernel",)))
+         ("row pass: stats", ("stats_kernel",)), ("row pass: expand", ("expand_kernel",)),
+         ("diagnostics", ("_topk_kernel",)))
 
 
 def split(x, w, ids, lp, n, args, device):
@@ -139,6 +140,7 @@ def split(x, w, ids, lp, n, args, device):
         sync()
     times = {name: 0.0 for name, _ in KINDS}
     times["other"] = 0.0
+    other = {}
     for event in prof.key_averages():
         if "CUDA" not in str(getattr(event, "device_type", "CUDA")):  # kernels only: no op counted twice
             continue
@@ -147,6 +149,10 @@ def split(x, w, ids, lp, n, args, device):
             continue
         kind = next((k for k, keys in KINDS if any(key in event.key.lower() for key in keys)), "other")
         times[kind] += total / 1e3
+        if kind == "other":
+            other[event.key[:60]] = (other.get(event.key[:60], (0.0, 0))[0] + total / 1e3, event.count)
+    for key, (ms, count) in sorted(other.items(), key=lambda kv: -kv[1][0])[:8]:  # where "other" goes
+        print(f"  other: {ms:8.3f} ms  {count:4d} calls  {key}")
     g = torch.full((n,), 1.0 / n, device=device)
     pred = torch.ones(n, device=device)
     checks = []
