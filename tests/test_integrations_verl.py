@@ -596,3 +596,39 @@ def test_k_128_matches_verl(seed):
     # verl's kl_divergence rounds through fp32: the loss against the float64 formula
     torch.testing.assert_close(ours["distillation_losses"], _oracle(x, w, ids, lp, 1.0, None), rtol=1e-10, atol=1e-12)
     torch.testing.assert_close(ours["distillation_losses"], ref["distillation_losses"].double(), rtol=2e-6, atol=2e-6)
+
+
+@pytest.mark.parametrize("clamp", [None, -3.0])
+def test_clamped_kl_kernel_is_the_row_math(clamp, seed):
+    """verl's forward KL in one Triton kernel (`triton_topk.clamped_kl`) against the torch row math it replaces
+    (`_categories`: float64 autograd), value, diagnostics and gradient, at float64 rounding: trained magnitudes,
+    a teacher log-prob of −inf (NaN terms without a clamp, as torch gives them), a student log-prob exactly at
+    the clamp (its gradient kept, as clamp_min keeps it), ids that cover the row (no rest), repeated ids."""
+    pytest.importorskip("triton")
+    from flashkd.backends import triton_topk
+
+    g = torch.Generator().manual_seed(seed)
+    r, k, v, tau = 9, 5, 40, 0.7
+    s = torch.randn(r, v, generator=g) * 4
+    ids = torch.stack([torch.randperm(v, generator=g)[:k] for _ in range(r)])
+    ids[3, 1] = ids[3, 0]  # repeated
+    lp = torch.log_softmax(torch.randn(r, k, generator=g) * 2, -1)
+    lp[1, 2] = -torch.inf
+    s_small = torch.randn(2, k, generator=g)  # rows whose ids are the whole vocab
+    spec = LossSpec(loss="forward_kl", temperature=tau)
+    for rows, ids_, lp_ in ((s, ids, lp), (s_small, torch.arange(k).repeat(2, 1), lp[:2])):
+        if clamp is not None and rows is s:  # one student log-prob exactly at the clamp
+            z = rows[4] / tau
+            rows[4, ids_[4, 0]] = (clamp + torch.logsumexp(torch.cat([z[:ids_[4, 0]], z[ids_[4, 0] + 1:]]), 0)
+                                   - math.log1p(-math.exp(clamp))) * tau
+        s_t = rows.clone()
+        rel_k, rel_rest, shift, log2_rest, _, _ = fk_verl._stats(s_t.clone(), ids_, tau, "triton", False)
+        want = fk_verl._categories(rel_k, rel_rest, lp_, spec, clamp, True)
+        s_k, m, log2_rest2, _, _ = fk_verl._stats(s_t.clone(), ids_, tau, "triton", False, raw=True)
+        got = triton_topk.clamped_kl(s_k, m, log2_rest2, lp_, triton_topk.clamped_kl_constants(tau, clamp, "cpu"),
+                                     clamp, True)
+        assert torch.equal(got[0], shift)
+        for a, b in zip(got[1:], want[:4] + want[4:]):
+            torch.testing.assert_close(a, b, rtol=1e-13, atol=1e-13, equal_nan=True)
+        if clamp is None and rows is s:
+            assert got[1][1].isnan() and not got[1][0].isnan()

@@ -78,10 +78,10 @@ def _compile_topk() -> int:
 
     from flashkd.backends import triton_rows
 
-    ints = ("V", "K", "k", "stride_t")
+    ints = ("V", "K", "k", "R", "stride_t")
     pointers = {"s_ptr": "*fp32", "g_ptr": "*bf16", "x_ptr": "*bf16", "ids_ptr": "*i64", "labels_ptr": "*i64", "redo_ptr": "*i8",
                 "scratch_ptr": "*i64", "own_ptr": "*i8", "out_ptr": "*i64", "count_ptr": "*i32",
-                "keep_ptr": "*i32"}
+                "keep_ptr": "*i32", "const_ptr": "*fp64", "da_ptr": "*fp64", "dr_ptr": "*fp64"}
     variants = [(triton_topk.stats_kernel, dict(STREAM=stream, ONE=one, HEAD=head, STATS=stats, BLOCK_V=1024, BLOCK_K=64))
                 for stream, one, head, stats in ((True, True, 0, True), (True, False, 2, False), (False, False, 0, False))]
     variants += [(triton_topk.expand_kernel, dict(REST=rest, CE=ce, HEAD=head, RTNE_BITS=False, BLOCK_V=1024, BLOCK_K=64))
@@ -95,6 +95,9 @@ def _compile_topk() -> int:
     # AKL's head, the teacher bf16 and fp32, with and without a transform at load
     variants += [(triton_rows._akl_head_kernel, dict(T_HEAD=head, PARTS=16, BLOCK_V=256, t_dtype=t_dtype))
                  for head, t_dtype in ((0, "*bf16"), (3, "*fp32"))]
+    # verl's forward KL row math (float64), with and without the clamp and the gradient
+    variants += [(triton_topk._clamped_kl_kernel, dict(CLAMP=clamp, GRAD=grad, BLOCK_R=16, BLOCK_K=32))
+                 for clamp, grad in ((True, True), (False, False))]
     for kernel, constexprs in variants:
         constexprs = dict(constexprs)
         t_dtype = constexprs.pop("t_dtype", "*bf16")
@@ -121,7 +124,7 @@ def test_the_row_kernel_compiles_for_sm90_in_every_phase(phase, tmp_path):
     done = subprocess.run([sys.executable, __file__, str(phase)], env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-4000:]
     every = 2 * (len(_LOSSES) - (len(_WHOLE_ONLY) if phase != 0 else 0))
-    assert done.stdout.strip() == f"compiled {14 if phase == 'topk' else every}", done.stdout
+    assert done.stdout.strip() == f"compiled {16 if phase == 'topk' else every}", done.stdout
 
 
 if __name__ == "__main__":

@@ -222,6 +222,105 @@ def expand_kernel(
         tl.store(redo_ptr + row, bad.to(tl.int8))
 
 
+@triton.jit
+def _clamped_kl_kernel(
+    s_k_ptr,  # (R, K) fp32: s at the ids (`stats_kernel`'s)
+    m_ptr,  # (R,) fp32: max of s off the ids
+    log2_rest_ptr,  # (R,) fp32: log2 of the off-ids sum at τ, relative to m
+    lp_ptr,  # (R, K) the teacher's log-probs at the ids, any float dtype
+    const_ptr,  # (3,) fp64: τ, ln 2, the clamp (read where CLAMP)
+    shift_ptr,  # (R,) fp32 out: m, or the largest s at the ids where no logit is off them
+    loss_ptr, q_mass_ptr, p_mass_ptr,  # (R,) out, the caller's dtype
+    kl_ptr,  # (R, K) out: the token KL terms
+    da_ptr,  # (R, K) fp64 out: d loss / d rel_k (GRAD)
+    dr_ptr,  # (R,) fp64 out: d loss / d rel_rest (GRAD)
+    R, K,
+    CLAMP: tl.constexpr, GRAD: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    """verl's top-k forward KL (`flashkd.integrations.verl`'s per-row math) on BLOCK_R rows, float64: with
+    rel_k = (s_k − shift)/τ and rel_rest = ln 2 · log2_rest, log q = rel_k − logaddexp(rel_rest, logsumexp
+    rel_k); lq, lp clamped from below where CLAMP; the terms e^lp (lp − lq), their sum, Σ q, Σ e^lp (lp
+    unclamped); with GRAD the gradient in rel_k and rel_rest as torch's autograd of those formulas gives it
+    (clamp_min passes it where its input is at or over the clamp): g = −e^lp [log q >= clamp], G = Σ g,
+    d rel_k = g − q G, d rel_rest = −q_rest G."""
+    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    kk = tl.arange(0, BLOCK_K)
+    in_row = rows < R
+    at = in_row[:, None] & (kk[None, :] < K)
+    idx = rows.to(tl.int64)[:, None] * K + kk[None, :]
+    tau = tl.load(const_ptr)
+    ln2 = tl.load(const_ptr + 1)
+    s_k = tl.load(s_k_ptr + idx, mask=at, other=-float("inf"))
+    m = tl.load(m_ptr + rows, mask=in_row, other=0.0)
+    rel_rest = ln2 * tl.load(log2_rest_ptr + rows, mask=in_row, other=0.0).to(tl.float64)
+    shift = tl.where(rel_rest == -float("inf"), tl.max(s_k, 1), m)
+    tl.store(shift_ptr + rows, shift, mask=in_row)
+    a = (s_k.to(tl.float64) - shift.to(tl.float64)[:, None]) / tau
+    a_max = tl.max(a, 1)
+    a_max = tl.where(a_max == -float("inf"), 0.0, a_max)
+    lse = a_max + tl.log(tl.sum(tl.where(at, tl.exp(a - a_max[:, None]), 0.0), 1))
+    top = tl.maximum(rel_rest, lse)
+    low = tl.minimum(rel_rest, lse)
+    total = tl.where(low == -float("inf"), top, top + tl.log(1.0 + tl.exp(low - top)))
+    log_q = a - total[:, None]
+    lp = tl.load(lp_ptr + idx, mask=at, other=0.0).to(tl.float64)
+    lq = log_q
+    lpc = lp
+    if CLAMP:
+        clamp = tl.load(const_ptr + 2)
+        lq = tl.maximum(log_q, clamp)  # torch's clamp_min: NaN stays NaN (maximum propagates it)
+        lq = tl.where(log_q != log_q, log_q, lq)
+        lpc = tl.where(lp != lp, lp, tl.maximum(lp, clamp))
+    w = tl.exp(lpc)
+    kl = tl.where(at, w * (lpc - lq), 0.0)
+    q = tl.exp(log_q)
+    tl.store(kl_ptr + idx, kl, mask=at)
+    tl.store(loss_ptr + rows, tl.sum(kl, 1), mask=in_row)
+    tl.store(q_mass_ptr + rows, tl.sum(tl.where(at, q, 0.0), 1), mask=in_row)
+    tl.store(p_mass_ptr + rows, tl.sum(tl.where(at, tl.exp(lp), 0.0), 1), mask=in_row)
+    if GRAD:
+        g = -w
+        if CLAMP:
+            g = tl.where(log_q >= tl.load(const_ptr + 2), g, 0.0)
+        g = tl.where(at, g, 0.0)
+        big_g = tl.sum(g, 1)
+        tl.store(da_ptr + idx, g - q * big_g[:, None], mask=at)
+        tl.store(dr_ptr + rows, -tl.exp(rel_rest - total) * big_g, mask=in_row)
+
+
+def clamped_kl_constants(tau: float, clamp, device) -> torch.Tensor:
+    """`clamped_kl`'s constants (τ, ln 2, the clamp) in float64 on the device, made there (no copy from the
+    host): once a call."""
+    const = torch.full((3,), float(tau), dtype=torch.float64, device=device)
+    const[1] = _LN2
+    const[2] = 0.0 if clamp is None else float(clamp)
+    return const
+
+
+def clamped_kl(s_k, m, log2_rest, lp, const: torch.Tensor, clamp, grad: bool, out=None):
+    """verl's per-row forward KL (`_clamped_kl_kernel`) of a chunk: (shift, loss, q_mass, p_mass, token_kl,
+    d rel_k, d rel_rest), the gradients None without grad; const: `clamped_kl_constants`; out: (loss, q_mass,
+    p_mass, token_kl) to write, contiguous (else float64 ones)."""
+    r, k = s_k.shape
+    dev = s_k.device
+    f64 = torch.float64
+    if out is None:
+        out = (torch.empty(r, dtype=f64, device=dev), torch.empty(r, dtype=f64, device=dev),
+               torch.empty(r, dtype=f64, device=dev), torch.empty(r, k, dtype=f64, device=dev))
+    shift = torch.empty(r, dtype=torch.float32, device=dev)
+    da = torch.empty(r, k, dtype=f64, device=dev) if grad else None
+    dr = torch.empty(r, dtype=f64, device=dev) if grad else None
+    block_k = triton.next_power_of_2(max(k, 1))
+    block_r = max(1, min(16, 2048 // block_k))
+    if r:
+        with triton_common.launching():
+            _clamped_kl_kernel[(triton.cdiv(r, block_r),)](
+                s_k, m, log2_rest, lp.contiguous(), const, shift, *out, da if grad else out[3],
+                dr if grad else out[0], r, k, CLAMP=clamp is not None, GRAD=grad, BLOCK_R=block_r, BLOCK_K=block_k,
+                num_warps=4)
+    return (shift, *out, da, dr)
+
+
 def topk_rows(s, t, labels, spec: LossSpec, scale: torch.Tensor, grad: bool, stats: bool = False, *, ds=None):
     """`sliced_topk_rows` of whole rows, with nothing to exchange."""
     return triton_rows.unexchanged(sliced_topk_rows(s, t, labels, spec, scale, grad, stats, ds=ds))

@@ -22,10 +22,13 @@ in one sweep over chunks of R rows, never N·V logits. Per chunk:
     row statistics                 the top-k stats kernel (one read): S at the ids, the logsumexp of
                                    S/τ off them; the ids' columns set to −inf; and θ, the K-th largest
                                    of its lanes' maxima (at most the row's K-th largest logit)
-    (R, K + 1) row math            float64, in torch: log q at the ids, the loss (verl's formula with
-                                   its clamps, or the top-k form), student_mass, teacher_mass, token_kl,
-                                   and by autograd of that same code the loss's gradient in the ids'
-                                   logits and in the rest's logsumexp
+    (R, K + 1) row math            float64: log q at the ids, the loss (verl's formula with its
+                                   clamps, or the top-k form), student_mass, teacher_mass, token_kl,
+                                   and the loss's gradient in the ids' logits and in the rest's
+                                   logsumexp: verl's forward KL in one Triton kernel
+                                   (`triton_topk.clamped_kl`, the gradient as torch's autograd of the
+                                   formula gives it); the other losses and the torch path in torch,
+                                   the gradient by autograd of the same code
     dL/dS (R, V)                   the top-k expand kernel (one read, one write in the inputs' dtype),
                                    each row times its weight u; in the same read each teacher id's
                                    membership of the student's top-K, for the overlap: the elements
@@ -157,7 +160,8 @@ def _own_by_rank(s: torch.Tensor, ids: torch.Tensor, s_k: torch.Tensor) -> torch
     return rank < k
 
 
-def _stats(s: torch.Tensor, ids: torch.Tensor, tau: float, backend: str, own: bool, later: bool = False):
+def _stats(s: torch.Tensor, ids: torch.Tensor, tau: float, backend: str, own: bool, later: bool = False,
+           raw: bool = False):
     """One chunk's row statistics from its logits s (R, V) (fp32, or the inputs' fp32 / fp64), read
     once before anything is written over them: (rel_k, rel_rest, shift, log2_rest, own, redo).
     rel_k (R, K) and rel_rest (R,) are z = s/τ at the ids and the logsumexp of z off the ids, both
@@ -165,7 +169,8 @@ def _stats(s: torch.Tensor, ids: torch.Tensor, tau: float, backend: str, own: bo
     the kernels' fp32 (the expand step's). own (R, K) bool: each id in the student's top-K (None
     unless asked); redo (R,) bool: rows whose top-K the kernel could not settle (None on the torch
     path). With `later` (Triton, the expand step to follow) own is (θ, s at the ids) instead, for the
-    expand kernel to count the ranks in its read (`triton_topk.expand_kernel`'s OWN). s is left with
+    expand kernel to count the ranks in its read (`triton_topk.expand_kernel`'s OWN). With `raw` (Triton)
+    the kernel's own (s_k, m, log2_rest, own, redo) instead, for `triton_topk.clamped_kl`. s is left with
     −inf at the ids, as the expand step reads it."""
     r, v = s.shape
     k = ids.shape[1]
@@ -192,6 +197,8 @@ def _stats(s: torch.Tensor, ids: torch.Tensor, tau: float, backend: str, own: bo
             )
         if later:
             members = (theta, s_k)
+        if raw:
+            return s_k, m, log2_rest, members, redo
         rel_rest = _LN2 * log2_rest.double()
     else:
         s_k = s.gather(1, ids)
@@ -308,18 +315,32 @@ def _sweep(x, w, b, ids, lp, spec: LossSpec, clamp, *, rows: int, backend: str, 
         db = torch.zeros(v, dtype=torch.float64 if x.dtype == torch.float64 else torch.float32, device=dev)
     lo, hi = bounds
     later = values and grad and backend == "triton" and k <= _fold_k()  # the membership in the expand's read
+    const = None
+    if backend == "triton" and spec.loss == "forward_kl":
+        from ..backends import triton_topk
+
+        const = triton_topk.clamped_kl_constants(spec.temperature, clamp, dev)
     for start in range(0, n, rows):
         c = slice(start, min(start + rows, n))
         xc = x[c]
         s = core_loop.linear(xc, w, b)
         i = ids[c]
-        rel_k, rel_rest, shift, log2_rest, own, redo = _stats(s, i, spec.temperature, backend, values, later)
-        loss, q_mass, p_mass, token_kl, da, dr = _categories(rel_k, rel_rest, lp[c], spec, clamp, grad)
+        if const is not None:  # verl's forward KL in one kernel, written into the outputs
+            s_k, m, log2_rest, own, redo = _stats(s, i, spec.temperature, backend, values, later, raw=True)
+            shift, loss, _, _, _, da, dr = triton_topk.clamped_kl(
+                s_k, m, log2_rest, lp[c], const, clamp, grad,
+                out=tuple(out[f][c] for f in ("distillation_losses", "student_mass", "teacher_mass", "token_kl"))
+                if values else None)
+            rel_rest = None
+        else:
+            rel_k, rel_rest, shift, log2_rest, own, redo = _stats(s, i, spec.temperature, backend, values, later)
+            loss, q_mass, p_mass, token_kl, da, dr = _categories(rel_k, rel_rest, lp[c], spec, clamp, grad)
+            if values:
+                out["distillation_losses"][c] = loss
+                out["student_mass"][c] = q_mass
+                out["teacher_mass"][c] = p_mass
+                out["token_kl"][c] = token_kl
         if values:
-            out["distillation_losses"][c] = loss
-            out["student_mass"][c] = q_mass
-            out["teacher_mass"][c] = p_mass
-            out["token_kl"][c] = token_kl
             if not later:
                 out["own"][c] = own
             if redo is not None:
