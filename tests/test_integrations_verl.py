@@ -625,10 +625,27 @@ def test_clamped_kl_kernel_is_the_row_math(clamp, seed):
         rel_k, rel_rest, shift, log2_rest, _, _ = fk_verl._stats(s_t.clone(), ids_, tau, "triton", False)
         want = fk_verl._categories(rel_k, rel_rest, lp_, spec, clamp, True)
         s_k, m, log2_rest2, _, _ = fk_verl._stats(s_t.clone(), ids_, tau, "triton", False, raw=True)
-        got = triton_topk.clamped_kl(s_k, m, log2_rest2, lp_, triton_topk.clamped_kl_constants(tau, clamp, "cpu"),
-                                     clamp, True)
+        const = triton_topk.clamped_kl_constants(tau, clamp, "cpu")
+        got = triton_topk.clamped_kl(s_k, m, log2_rest2, lp_, const, clamp, True, torch.float64)
         assert torch.equal(got[0], shift)
-        for a, b in zip(got[1:], want[:4] + want[4:]):
+        for a, b in zip(got[1:5], want[:4]):
             torch.testing.assert_close(a, b, rtol=1e-13, atol=1e-13, equal_nan=True)
+        # the gradients times u / τ, in fp32: u = 1; given weights; weights predicted where the loss is in bounds
+        n = rows.shape[0]
+        weight = torch.rand(n, generator=g, dtype=torch.float64) - 0.3
+        for kind, u in (("none", torch.ones(n, dtype=torch.float64)), ("weight", weight), ("base", None)):
+            pred_u = (torch.empty(n, dtype=torch.float32), torch.empty(n, dtype=torch.float32))
+            got = triton_topk.clamped_kl(
+                s_k, m, log2_rest2, lp_, const, clamp, True, torch.float32, weight=weight if kind == "weight" else None,
+                base=weight.float() if kind == "base" else None, bounds=(0.0, 0.5), pred_u=pred_u)
+            if kind == "base":
+                loss32 = want[0].float()
+                pred = torch.where((loss32 >= 0.0) & (loss32 <= 0.5), weight.float(), 0.0)
+                assert torch.equal(pred_u[0], pred) and torch.equal(got[7], pred != 0)
+                u = torch.where(pred != 0, pred, 1.0)
+                assert torch.equal(pred_u[1], u)
+                u = u.double()
+            torch.testing.assert_close(got[5], (want[4] * (u / tau)[:, None]).float(), rtol=1.2e-7, atol=1e-37)  # 1 ulp
+            torch.testing.assert_close(got[6], (want[5] * (u / tau)).float(), rtol=1.2e-7, atol=1e-37)
         if clamp is None and rows is s:
             assert got[1][1].isnan() and not got[1][0].isnan()

@@ -81,7 +81,8 @@ def _compile_topk() -> int:
     ints = ("V", "K", "k", "R", "stride_t")
     pointers = {"s_ptr": "*fp32", "g_ptr": "*bf16", "x_ptr": "*bf16", "ids_ptr": "*i64", "labels_ptr": "*i64", "redo_ptr": "*i8",
                 "scratch_ptr": "*i64", "own_ptr": "*i8", "out_ptr": "*i64", "count_ptr": "*i32",
-                "keep_ptr": "*i32", "const_ptr": "*fp64", "da_ptr": "*fp64", "dr_ptr": "*fp64"}
+                "keep_ptr": "*i32", "const_ptr": "*fp64", "weight_ptr": "*fp64", "bounds_ptr": "*fp32",
+                "pred_ptr": "*fp32", "u_ptr": "*fp32", "kept_ptr": "*i8"}
     variants = [(triton_topk.stats_kernel, dict(STREAM=stream, ONE=one, HEAD=head, STATS=stats, BLOCK_V=1024, BLOCK_K=64))
                 for stream, one, head, stats in ((True, True, 0, True), (True, False, 2, False), (False, False, 0, False))]
     variants += [(triton_topk.expand_kernel, dict(REST=rest, CE=ce, HEAD=head, RTNE_BITS=False, BLOCK_V=1024, BLOCK_K=64))
@@ -96,8 +97,9 @@ def _compile_topk() -> int:
     variants += [(triton_rows._akl_head_kernel, dict(T_HEAD=head, PARTS=16, BLOCK_V=256, t_dtype=t_dtype))
                  for head, t_dtype in ((0, "*bf16"), (3, "*fp32"))]
     # verl's forward KL row math (float64), with and without the clamp and the gradient
-    variants += [(triton_topk._clamped_kl_kernel, dict(CLAMP=clamp, GRAD=grad, BLOCK_R=16, BLOCK_K=32))
-                 for clamp, grad in ((True, True), (False, False))]
+    variants += [(triton_topk._clamped_kl_kernel, dict(CLAMP=clamp, GRAD=grad, WEIGHTS=weights, LO=True, HI=False,
+                                                       BLOCK_R=16, BLOCK_K=32))
+                 for clamp, grad, weights in ((True, True, 2), (False, False, 0))]
     for kernel, constexprs in variants:
         constexprs = dict(constexprs)
         t_dtype = constexprs.pop("t_dtype", "*bf16")

@@ -230,19 +230,25 @@ def _clamped_kl_kernel(
     lp_ptr,  # (R, K) the teacher's log-probs at the ids, any float dtype
     const_ptr,  # (3,) fp64: τ, ln 2, the clamp (read where CLAMP)
     shift_ptr,  # (R,) fp32 out: m, or the largest s at the ids where no logit is off them
-    loss_ptr, q_mass_ptr, p_mass_ptr,  # (R,) out, the caller's dtype
+    loss_ptr, q_mass_ptr, p_mass_ptr,  # (R,) out, the caller's dtype ("wide": the verl outputs')
     kl_ptr,  # (R, K) out: the token KL terms
-    da_ptr,  # (R, K) fp64 out: d loss / d rel_k (GRAD)
-    dr_ptr,  # (R,) fp64 out: d loss / d rel_rest (GRAD)
+    weight_ptr,  # (R,): the rows' weights (WEIGHTS 1), or the predicted weights before the bounds (2)
+    bounds_ptr,  # (2,) wide: the bounds the loss must lie in for a predicted weight (LO, HI)
+    pred_ptr, u_ptr, kept_ptr,  # (R,) wide, wide, int8 out (WEIGHTS 2): the prediction, u, pred ≠ 0
+    id_grad_ptr,  # (R, K) fp32 out (GRAD): d loss / d s at the ids, times u / τ
+    rest_grad_ptr,  # (R,) fp32 out (GRAD): d loss / d logsumexp of the rest, times u / τ
     R, K,
-    CLAMP: tl.constexpr, GRAD: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
+    CLAMP: tl.constexpr, GRAD: tl.constexpr, WEIGHTS: tl.constexpr, LO: tl.constexpr, HI: tl.constexpr,
+    BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     """verl's top-k forward KL (`flashkd.integrations.verl`'s per-row math) on BLOCK_R rows, float64: with
     rel_k = (s_k − shift)/τ and rel_rest = ln 2 · log2_rest, log q = rel_k − logaddexp(rel_rest, logsumexp
     rel_k); lq, lp clamped from below where CLAMP; the terms e^lp (lp − lq), their sum, Σ q, Σ e^lp (lp
-    unclamped); with GRAD the gradient in rel_k and rel_rest as torch's autograd of those formulas gives it
+    unclamped). With GRAD the gradient in rel_k and rel_rest as torch's autograd of those formulas gives it
     (clamp_min passes it where its input is at or over the clamp): g = −e^lp [log q >= clamp], G = Σ g,
-    d rel_k = g − q G, d rel_rest = −q_rest G."""
+    d rel_k = g − q G, d rel_rest = −q_rest G; each row's times u / τ, u: 1 (WEIGHTS 0), the given weight
+    (1), or (2) pred = the weight where the loss (rounded to wide) lies in the bounds else 0, u = pred where
+    pred ≠ 0 else 1 (`integrations.verl._sweep`'s prediction)."""
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     kk = tl.arange(0, BLOCK_K)
     in_row = rows < R
@@ -268,14 +274,14 @@ def _clamped_kl_kernel(
     lpc = lp
     if CLAMP:
         clamp = tl.load(const_ptr + 2)
-        lq = tl.maximum(log_q, clamp)  # torch's clamp_min: NaN stays NaN (maximum propagates it)
-        lq = tl.where(log_q != log_q, log_q, lq)
+        lq = tl.where(log_q != log_q, log_q, tl.maximum(log_q, clamp))  # torch's clamp_min: NaN stays NaN
         lpc = tl.where(lp != lp, lp, tl.maximum(lp, clamp))
     w = tl.exp(lpc)
     kl = tl.where(at, w * (lpc - lq), 0.0)
     q = tl.exp(log_q)
+    loss = tl.sum(kl, 1)
     tl.store(kl_ptr + idx, kl, mask=at)
-    tl.store(loss_ptr + rows, tl.sum(kl, 1), mask=in_row)
+    tl.store(loss_ptr + rows, loss, mask=in_row)
     tl.store(q_mass_ptr + rows, tl.sum(tl.where(at, q, 0.0), 1), mask=in_row)
     tl.store(p_mass_ptr + rows, tl.sum(tl.where(at, tl.exp(lp), 0.0), 1), mask=in_row)
     if GRAD:
@@ -284,8 +290,27 @@ def _clamped_kl_kernel(
             g = tl.where(log_q >= tl.load(const_ptr + 2), g, 0.0)
         g = tl.where(at, g, 0.0)
         big_g = tl.sum(g, 1)
-        tl.store(da_ptr + idx, g - q * big_g[:, None], mask=at)
-        tl.store(dr_ptr + rows, -tl.exp(rel_rest - total) * big_g, mask=in_row)
+        u = tl.full([BLOCK_R], 1.0, tl.float64)
+        if WEIGHTS == 1:
+            u = tl.load(weight_ptr + rows, mask=in_row, other=1.0).to(tl.float64)
+        elif WEIGHTS == 2:
+            wide = loss_ptr.dtype.element_ty
+            loss_w = loss.to(wide)  # the value verl's clamps compare, as returned
+            inside = in_row
+            if LO:
+                inside = inside & (loss_w >= tl.load(bounds_ptr))
+            if HI:
+                inside = inside & (loss_w <= tl.load(bounds_ptr + 1))
+            pred = tl.where(inside, tl.load(weight_ptr + rows, mask=in_row, other=0.0).to(wide), 0.0)
+            keep = pred != 0.0
+            u_w = tl.where(keep, pred, 1.0)
+            tl.store(pred_ptr + rows, pred, mask=in_row)
+            tl.store(u_ptr + rows, u_w, mask=in_row)
+            tl.store(kept_ptr + rows, keep.to(tl.int8), mask=in_row)
+            u = u_w.to(tl.float64)
+        scale = u / tau
+        tl.store(id_grad_ptr + idx, ((g - q * big_g[:, None]) * scale[:, None]).to(tl.float32), mask=at)
+        tl.store(rest_grad_ptr + rows, (-tl.exp(rel_rest - total) * big_g * scale).to(tl.float32), mask=in_row)
 
 
 def clamped_kl_constants(tau: float, clamp, device) -> torch.Tensor:
@@ -297,28 +322,39 @@ def clamped_kl_constants(tau: float, clamp, device) -> torch.Tensor:
     return const
 
 
-def clamped_kl(s_k, m, log2_rest, lp, const: torch.Tensor, clamp, grad: bool, out=None):
+def clamped_kl(s_k, m, log2_rest, lp, const: torch.Tensor, clamp, grad: bool, wide: torch.dtype, out=None,
+               weight=None, base=None, bounds=(None, None), pred_u=None):
     """verl's per-row forward KL (`_clamped_kl_kernel`) of a chunk: (shift, loss, q_mass, p_mass, token_kl,
-    d rel_k, d rel_rest), the gradients None without grad; const: `clamped_kl_constants`; out: (loss, q_mass,
-    p_mass, token_kl) to write, contiguous (else float64 ones)."""
+    id_grad, rest_grad, keep); const: `clamped_kl_constants`; out: (loss, q_mass, p_mass, token_kl) to write,
+    contiguous, of dtype wide (else new ones). With grad, id_grad (R, K) and rest_grad (R,) fp32 carry the
+    rows' u / τ: u = weight (R,) where given, else predicted from base (R,) and bounds (lo, hi, None for
+    none) into pred_u = (pred, u) (R,) wide, with keep (R,) bool = pred ≠ 0 (else None), else 1."""
     r, k = s_k.shape
     dev = s_k.device
-    f64 = torch.float64
     if out is None:
-        out = (torch.empty(r, dtype=f64, device=dev), torch.empty(r, dtype=f64, device=dev),
-               torch.empty(r, dtype=f64, device=dev), torch.empty(r, k, dtype=f64, device=dev))
+        out = (torch.empty(r, dtype=wide, device=dev), torch.empty(r, dtype=wide, device=dev),
+               torch.empty(r, dtype=wide, device=dev), torch.empty(r, k, dtype=wide, device=dev))
     shift = torch.empty(r, dtype=torch.float32, device=dev)
-    da = torch.empty(r, k, dtype=f64, device=dev) if grad else None
-    dr = torch.empty(r, dtype=f64, device=dev) if grad else None
+    id_grad = torch.empty(r, k, dtype=torch.float32, device=dev) if grad else None
+    rest_grad = torch.empty(r, dtype=torch.float32, device=dev) if grad else None
+    mode = 1 if weight is not None else 2 if base is not None else 0
+    keep = torch.empty(r, dtype=torch.int8, device=dev) if grad and mode == 2 else None
+    lo, hi = bounds
+    bound = torch.full((2,), 0.0 if lo is None else float(lo), dtype=wide, device=dev) if mode == 2 else shift
+    if mode == 2 and hi is not None:
+        bound[1] = float(hi)
+    pred, u = pred_u if mode == 2 else (shift, shift)
     block_k = triton.next_power_of_2(max(k, 1))
     block_r = max(1, min(16, 2048 // block_k))
     if r:
         with triton_common.launching():
             _clamped_kl_kernel[(triton.cdiv(r, block_r),)](
-                s_k, m, log2_rest, lp.contiguous(), const, shift, *out, da if grad else out[3],
-                dr if grad else out[0], r, k, CLAMP=clamp is not None, GRAD=grad, BLOCK_R=block_r, BLOCK_K=block_k,
-                num_warps=4)
-    return (shift, *out, da, dr)
+                s_k, m, log2_rest, lp.contiguous(), const, shift, *out,
+                shift if mode == 0 else (weight if mode == 1 else base).contiguous(), bound, pred, u,
+                shift if keep is None else keep, id_grad if grad else s_k, rest_grad if grad else shift, r, k,
+                CLAMP=clamp is not None, GRAD=grad, WEIGHTS=mode, LO=lo is not None, HI=hi is not None,
+                BLOCK_R=block_r, BLOCK_K=block_k, num_warps=4)
+    return (shift, *out, id_grad, rest_grad, None if keep is None else keep.view(torch.bool))
 
 
 def topk_rows(s, t, labels, spec: LossSpec, scale: torch.Tensor, grad: bool, stats: bool = False, *, ds=None):

@@ -325,12 +325,16 @@ def _sweep(x, w, b, ids, lp, spec: LossSpec, clamp, *, rows: int, backend: str, 
         xc = x[c]
         s = core_loop.linear(xc, w, b)
         i = ids[c]
-        if const is not None:  # verl's forward KL in one kernel, written into the outputs
+        fused = const is not None
+        if fused:  # verl's forward KL, its gradient and the rows' weights in one kernel, into the outputs
             s_k, m, log2_rest, own, redo = _stats(s, i, spec.temperature, backend, values, later, raw=True)
-            shift, loss, _, _, _, da, dr = triton_topk.clamped_kl(
-                s_k, m, log2_rest, lp[c], const, clamp, grad,
+            predicted = grad and weight is None and base is not None
+            shift, loss, _, _, _, id_grad, rest_grad, keep = triton_topk.clamped_kl(
+                s_k, m, log2_rest, lp[c], const, clamp, grad, wide,
                 out=tuple(out[f][c] for f in ("distillation_losses", "student_mass", "teacher_mass", "token_kl"))
-                if values else None)
+                if values else None, weight=None if weight is None else weight[c],
+                base=base[c] if predicted else None, bounds=bounds,
+                pred_u=(out["pred"][c], out["u"][c]) if predicted else None)
             rel_rest = None
         else:
             rel_k, rel_rest, shift, log2_rest, own, redo = _stats(s, i, spec.temperature, backend, values, later)
@@ -348,25 +352,26 @@ def _sweep(x, w, b, ids, lp, spec: LossSpec, clamp, *, rows: int, backend: str, 
         if not grad:
             del s
             continue
-        keep = None
-        if weight is not None:
-            u = weight[c].to(torch.float64)
-        elif base is not None:
-            loss_out = loss.to(wide)  # the value verl's clamps compare, as returned
-            inside = torch.ones_like(loss_out, dtype=torch.bool)
-            if lo is not None:
-                inside &= loss_out >= torch.tensor(lo, dtype=wide)
-            if hi is not None:
-                inside &= loss_out <= torch.tensor(hi, dtype=wide)
-            pred = torch.where(inside, base[c].to(wide), 0.0)
-            keep = pred != 0
-            u = torch.where(keep, pred, 1.0)
-            out["pred"][c], out["u"][c] = pred, u
-            u = u.to(torch.float64)
-        else:
-            u = torch.ones(c.stop - c.start, dtype=torch.float64, device=dev)
-        id_grad = da * (u / spec.temperature)[:, None]
-        rest_grad = dr * (u / spec.temperature)
+        if not fused:  # (the kernel gave id_grad, rest_grad and keep)
+            keep = None
+            if weight is not None:
+                u = weight[c].to(torch.float64)
+            elif base is not None:
+                loss_out = loss.to(wide)  # the value verl's clamps compare, as returned
+                inside = torch.ones_like(loss_out, dtype=torch.bool)
+                if lo is not None:
+                    inside &= loss_out >= torch.tensor(lo, dtype=wide)
+                if hi is not None:
+                    inside &= loss_out <= torch.tensor(hi, dtype=wide)
+                pred = torch.where(inside, base[c].to(wide), 0.0)
+                keep = pred != 0
+                u = torch.where(keep, pred, 1.0)
+                out["pred"][c], out["u"][c] = pred, u
+                u = u.to(torch.float64)
+            else:
+                u = torch.ones(c.stop - c.start, dtype=torch.float64, device=dev)
+            id_grad = da * (u / spec.temperature)[:, None]
+            rest_grad = dr * (u / spec.temperature)
         ds = torch.empty(s.shape, dtype=x.dtype, device=dev) if narrow or backend != "triton" else s
         ds = _expand(s, ds, i, id_grad, rest_grad, shift, log2_rest, rel_rest, spec.temperature, backend,
                      own if later else None)
