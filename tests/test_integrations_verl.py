@@ -649,3 +649,26 @@ def test_clamped_kl_kernel_is_the_row_math(clamp, seed):
             torch.testing.assert_close(got[6], (want[5] * (u / tau)).float(), rtol=1.2e-7, atol=1e-37)
         if clamp is None and rows is s:
             assert got[1][1].isnan() and not got[1][0].isnan()
+
+
+def test_clamped_kl_gradient_where_one_id_holds_the_row():
+    """The fused row math's gradient at an id holding nearly all of q (a trained head's peak of 30 over the
+    rest): d rel_k = g (1 − q) with 1 − q = σ(rel_rest − a) for K = 1, taken from the rest's q, not from q
+    (whose log rounds to ulp(30)): relative error at float64 rounding, where 1 − q ≈ 1e-11 and 1e-16."""
+    pytest.importorskip("triton")
+    from flashkd.backends import triton_topk
+
+    v = 50
+    for peak in (30.0, 40.0):
+        s = torch.zeros(3, v)
+        s[:, 7] = peak
+        s[1, 3] = -torch.inf
+        ids = torch.full((3, 1), 7)
+        lp = torch.tensor([[-0.1], [-2.0], [0.0]])
+        s_k, m, log2_rest, _, _ = fk_verl._stats(s.clone(), ids, 1.0, "triton", False, raw=True)
+        const = triton_topk.clamped_kl_constants(1.0, None, "cpu")
+        got = triton_topk.clamped_kl(s_k, m, log2_rest, lp, const, None, True, torch.float64)[5].double()[:, 0]
+        rest = math.log(v - 1.0) + 0.0 - peak  # logsumexp of the rest (zeros) minus the peak
+        rest = torch.tensor([rest, math.log(v - 2.0) - peak, rest], dtype=torch.float64)
+        want = -lp[:, 0].double().exp() * torch.sigmoid(rest)
+        torch.testing.assert_close(got, want.float().double(), rtol=2e-7, atol=0)

@@ -246,7 +246,8 @@ def _clamped_kl_kernel(
     rel_k); lq, lp clamped from below where CLAMP; the terms e^lp (lp − lq), their sum, Σ q, Σ e^lp (lp
     unclamped). With GRAD the gradient in rel_k and rel_rest as torch's autograd of those formulas gives it
     (clamp_min passes it where its input is at or over the clamp): g = −e^lp [log q >= clamp], G = Σ g,
-    d rel_k = g − q G, d rel_rest = −q_rest G; each row's times u / τ, u: 1 (WEIGHTS 0), the given weight
+    d rel_k = g − q G (at the row's largest q, g (1 − q) − q (G − g) with 1 − q summed from the other q's),
+    d rel_rest = −q_rest G; each row's times u / τ, u: 1 (WEIGHTS 0), the given weight
     (1), or (2) pred = the weight where the loss (rounded to wide) lies in the bounds else 0, u = pred where
     pred ≠ 0 else 1 (`integrations.verl._sweep`'s prediction)."""
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
@@ -290,6 +291,14 @@ def _clamped_kl_kernel(
             g = tl.where(log_q >= tl.load(const_ptr + 2), g, 0.0)
         g = tl.where(at, g, 0.0)
         big_g = tl.sum(g, 1)
+        # g − q G at the row's largest q as g (1 − q) − q (G − g), 1 − q summed from the rest's and the other
+        # ids' q: where one id holds nearly all of q, 1 − q from q itself keeps a few digits (log q = a − total
+        # rounds to ulp(a))
+        top = kk[None, :] == tl.argmax(tl.where(at, a, -float("inf")), 1)[:, None]
+        rest_q = tl.exp(rel_rest - total)
+        not_top = rest_q + tl.sum(tl.where(at & ~top, q, 0.0), 1)
+        g_not_top = tl.sum(tl.where(~top, g, 0.0), 1)
+        d_a = tl.where(top, g * not_top[:, None] - q * g_not_top[:, None], g - q * big_g[:, None])
         u = tl.full([BLOCK_R], 1.0, tl.float64)
         if WEIGHTS == 1:
             u = tl.load(weight_ptr + rows, mask=in_row, other=1.0).to(tl.float64)
@@ -309,8 +318,8 @@ def _clamped_kl_kernel(
             tl.store(kept_ptr + rows, keep.to(tl.int8), mask=in_row)
             u = u_w.to(tl.float64)
         scale = u / tau
-        tl.store(id_grad_ptr + idx, ((g - q * big_g[:, None]) * scale[:, None]).to(tl.float32), mask=at)
-        tl.store(rest_grad_ptr + rows, (-tl.exp(rel_rest - total) * big_g * scale).to(tl.float32), mask=in_row)
+        tl.store(id_grad_ptr + idx, (d_a * scale[:, None]).to(tl.float32), mask=at)
+        tl.store(rest_grad_ptr + rows, (-rest_q * big_g * scale).to(tl.float32), mask=in_row)
 
 
 def clamped_kl_constants(tau: float, clamp, device) -> torch.Tensor:
