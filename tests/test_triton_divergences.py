@@ -482,6 +482,9 @@ def test_akl_head_bins_settle_the_rows_a_search_is_kept_for(mu, seed):
     spec = LossSpec(loss="akl", head_mass=mu, temperature=0.8)
     searched = triton_rows.akl_head_keys(_on(t), spec).cpu()[:, 3]
     assert searched[:6].tolist() == [0] * 6 and searched[6] == 1
+    # a near-flat row (std 0.01) and a large μ: a bin's mass bounded from below by 1 less what lies under it
+    flat = torch.randn(2, 1000, generator=g) * 0.01
+    assert triton_rows.akl_head_keys(_on(flat), LossSpec(loss="akl", head_mass=0.9)).cpu()[:, 3].tolist() == [0, 0]
     p = torch.softmax(t.double() / 0.8, -1)
     sorted_p, order = p.sort(dim=-1, descending=True, stable=True)
     tail = sorted_p.cumsum(-1) > mu

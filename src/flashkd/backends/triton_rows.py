@@ -1333,18 +1333,22 @@ def _akl_head_kernel(t_ptr, out_ptr, keep_ptr, V, stride_t, mu, log2e_tau_t, t_m
         inv = BINS / (zh - zl)
         count = tl.zeros([BINS], tl.int32)
         up = zl * 0.0
+        below = V * 0
         for start in range(0, V, BLOCK_V):
             z, p = _akl_z(t_row, start + cols, V, m_t, log2_l, log2e_tau_t, t_mul, T_HEAD)
             at = tl.minimum(tl.maximum((z - zl) * inv, 0.0), BINS - 1.0).to(tl.int32)
             count += tl.histogram(at, BINS, mask=(z >= zl) & (z < zh))
             up += tl.sum(tl.where(z >= zh, p, 0.0), 0)
+            below += tl.sum(((z < zl) & (z > -float("inf"))).to(tl.int32), 0)
         # each bin's mass between its count times p at its lower and upper edges: the mass at or over a bin
-        # bounded both ways; the head ends in a bin whose bound from below (at or over it) passes μ while the
-        # bound from above (over it) does not
+        # bounded both ways, from below also as 1 less the bound from above of all under it (a flat row's
+        # bins each undercount by up to the factor across a bin); the head ends in a bin whose bound from
+        # below (at or over it) passes μ while the bound from above (over it) does not
         edge = zl + bins.to(tl.float32) / inv
         low = count.to(tl.float32) * tl.exp2(edge - log2_l)
         high = count.to(tl.float32) * tl.exp2(edge + 1.0 / inv - log2_l)
-        at_or_over_low = up + tl.sum(low, 0) - tl.cumsum(low, 0) + low
+        under_high = below.to(tl.float32) * tl.exp2(zl - log2_l) + tl.cumsum(high, 0) - high
+        at_or_over_low = tl.maximum(up + tl.sum(low, 0) - tl.cumsum(low, 0) + low, 1.0 - under_high)
         over_high = up + tl.sum(high, 0) - tl.cumsum(high, 0)
         b_hi = tl.min(tl.where(over_high <= mu, bins, BINS - 1), 0)
         b_lo = tl.max(tl.where(at_or_over_low > mu, bins, 0), 0)
