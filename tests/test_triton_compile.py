@@ -78,7 +78,7 @@ def _compile_topk() -> int:
 
     from flashkd.backends import triton_rows
 
-    ints = ("V", "K", "k", "R", "stride_t")
+    ints = ("V", "K", "k", "R", "stride_t", "search")
     pointers = {"s_ptr": "*fp32", "g_ptr": "*bf16", "x_ptr": "*bf16", "ids_ptr": "*i64", "labels_ptr": "*i64", "redo_ptr": "*i8",
                 "scratch_ptr": "*i64", "own_ptr": "*i8", "out_ptr": "*i64", "count_ptr": "*i32",
                 "keep_ptr": "*i32", "const_ptr": "*fp64", "weight_ptr": "*fp64", "bounds_ptr": "*fp32",

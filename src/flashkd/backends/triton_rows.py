@@ -1294,12 +1294,13 @@ def _akl_z(t_row, offs, V, m_t, log2_l, log2e_tau_t, t_mul, T_HEAD: tl.constexpr
     return z, tl.exp2(z - log2_l)
 
 
-@triton.jit
-def _akl_head_kernel(t_ptr, out_ptr, keep_ptr, V, stride_t, mu, log2e_tau_t, t_mul, T_HEAD: tl.constexpr,
+@triton.jit(do_not_specialize=["search"])  # one compiled kernel for both (a search of 1 made a constant fails to build)
+def _akl_head_kernel(t_ptr, out_ptr, keep_ptr, V, stride_t, mu, log2e_tau_t, t_mul, search, T_HEAD: tl.constexpr,
                      PARTS: tl.constexpr, BLOCK_V: tl.constexpr, BINS: tl.constexpr = 256, CAP: tl.constexpr = 256,
-                     LEVELS: tl.constexpr = 3, SEARCH: tl.constexpr = False):
+                     LEVELS: tl.constexpr = 3):
     """One row's (κ, κ_v, cut, searched) of AKL's head (above), int64, into out_ptr (R, 4): searched 1 where
-    the search settled it (always with SEARCH: the fast path's passes skipped); p as the row kernel's pass 2
+    the search settled it (always where search is 1, the bins' passes skipped: a runtime flag, so that both
+    run the one compiled kernel); p as the row kernel's pass 2
     makes it (the teacher's max and sum at τ, lanes merged once); keep_ptr: the row's CAP int32 of scratch."""
     row = tl.program_id(0)
     t_row = t_ptr + row.to(tl.int64) * stride_t
@@ -1329,7 +1330,7 @@ def _akl_head_kernel(t_ptr, out_ptr, keep_ptr, V, stride_t, mu, log2e_tau_t, t_m
     bins = tl.arange(0, BINS)
     n_in = V + 1
     level = V * 0
-    while (n_in > CAP) & (level < LEVELS) & (not SEARCH):
+    while (n_in > CAP) & (level < LEVELS) & (search == 0):
         inv = BINS / (zh - zl)
         count = tl.zeros([BINS], tl.int32)
         up = zl * 0.0
@@ -1386,7 +1387,7 @@ def _akl_head_kernel(t_ptr, out_ptr, keep_ptr, V, stride_t, mu, log2e_tau_t, t_m
     kappa = tl.max(tl.where(slots == tl.maximum(last, 0), key_s, _KEY_FLOOR), 0) + 1
     k_v = kappa - 1
     cut = tl.where(last >= 0, tl.max(tl.where(slots == last, id_s, -1), 0), -1)
-    searched = SEARCH | (n > CAP) | (up > mu) | (fits >= n)
+    searched = (search != 0) | (n > CAP) | (up > mu) | (fits >= n)
     if searched:  # the bracket missed the prefix's end: the search
         hi = k_lo * 0 + tl.max(k_top, 0) + 1
         lo = k_lo.to(tl.int64)
@@ -1449,9 +1450,9 @@ def akl_head_keys(t: torch.Tensor, spec: LossSpec, search: bool = False) -> torc
         with launching():
             keep = torch.empty(R, _AKL_CAP, dtype=torch.int32, device=t.device)
             _akl_head_kernel[(R,)](t, out, keep, V, t.stride(0), float(spec.head_mass),
-                                   math.log2(math.e) * fold_t / spec.temperature, t_mul, T_HEAD=t_head,
+                                   math.log2(math.e) * fold_t / spec.temperature, t_mul, int(search), T_HEAD=t_head,
                                    PARTS=_AKL_PARTS, BLOCK_V=min(256, max(16, triton.next_power_of_2(V))),
-                                   BINS=_AKL_BINS, CAP=_AKL_CAP, LEVELS=_AKL_LEVELS, SEARCH=search, num_warps=4)
+                                   BINS=_AKL_BINS, CAP=_AKL_CAP, LEVELS=_AKL_LEVELS, num_warps=4)
     return out
 
 
