@@ -134,21 +134,17 @@ def expand_kernel(
     BLOCK_V: tl.constexpr,
     BLOCK_K: tl.constexpr,
     theta_ptr=None,  # (R,) fp32: `stats_kernel`'s threshold (OWN)
-    s_k_ptr=None,  # (R, K) fp32: s at the ids (OWN)
-    own_ptr=None,  # (R, K) int8 out: each id in the row's K largest logits (OWN)
-    redo_ptr=None,  # (R,) int8 out: 1 where the candidates did not fit (OWN; the row is settled elsewhere)
-    scratch_ptr=None,  # (R, CAP) int64: the row's kept elements, packed (OWN)
+    scratch_ptr=None,  # (R, CAP) int64 out: the row's kept elements, packed (OWN)
     count_ptr=None,  # (R,) int32, zeros: the row's kept elements so far (OWN)
-    OWN: tl.constexpr = False,  # the membership, on the loads of the REST pass (HEAD 0: s itself)
+    OWN: tl.constexpr = False,  # the membership's candidates, on the loads of the REST pass (HEAD 0: s itself)
     CAP: tl.constexpr = 256,
-    CH: tl.constexpr = 32,  # the membership's comparisons, this many columns at a time (<= BLOCK_K, CAP)
 ):
-    """dL/ds over the row (module doc). With OWN, also each id's membership of the row's top K (K the ids'
-    number; ties to the larger id, as `_topk_kernel`), in the same read: every element >= θ, the K-th
-    largest lane max off the ids (a lower bound of the row's K-th largest value), is kept as it streams by
-    (its (value, id) key in the row's next scratch slot); after the row, id i's rank is the number of kept
-    elements and other ids whose key exceeds its own. An id below θ has K elements above it, and every
-    element above an id at or over θ is kept or an id: the rank is exact where it matters."""
+    """dL/ds over the row (module doc). With OWN, also the candidates for each id's membership of the row's
+    top K (K the ids' number; ties to the larger id, as `_topk_kernel`), in the same read: every element >=
+    θ, the K-th largest lane max off the ids (a lower bound of the row's K-th largest value), is kept as it
+    streams by (its (value, id) key in the row's next scratch slot); `rank_kernel` then counts id i's rank
+    as the kept elements and other ids whose key exceeds its own. An id below θ has K elements above it,
+    and every element above an id at or over θ is kept or an id: the rank is exact where it matters."""
     row = tl.program_id(0)
     s_row = s_ptr + row.to(tl.int64) * V
     g_row = g_ptr + row.to(tl.int64) * V
@@ -197,29 +193,54 @@ def expand_kernel(
     used = (ids >= 0) & (ids < V)
     id_grad = tl.load(id_grad_ptr + row.to(tl.int64) * K + kk, mask=used, other=0.0)
     triton_common.store_grad(g_row + ids, id_grad, used, RTNE_BITS)
-    if OWN:
-        tl.debug_barrier()  # the counts below read what other threads stored
-        n = tl.atomic_add(count_ptr + row, 0)  # the kept elements (more than CAP: the row is redone)
-        s_k = tl.load(s_k_ptr + row.to(tl.int64) * K + kk, mask=used, other=-float("inf"))
-        key = _signed_key(s_k, ids)
-        # id i's rank: the kept keys above its own, and the other ids' (an id repeated in the row counted once),
-        # CH at a time: a (BLOCK_K, CH) comparison stays in registers where (BLOCK_K, CAP) would spill
-        rank = tl.zeros([BLOCK_K], tl.int32)
-        ch = tl.arange(0, CH)
-        for j in range(0, tl.minimum(n, CAP), CH):  # the kept ones only (about K)
-            kept = tl.load(buf + j + ch, mask=j + ch < n, other=_EMPTY)
-            rank += tl.sum((kept[None, :] > key[:, None]).to(tl.int32), 1)
-        for j in tl.static_range(0, BLOCK_K, CH):
-            jj = j + ch
-            ids_j = tl.load(ids_ptr + row.to(tl.int64) * K + jj, mask=jj < K, other=-1).to(tl.int64)
-            used_j = (ids_j >= 0) & (ids_j < V)
-            key_j = _signed_key(tl.load(s_k_ptr + row.to(tl.int64) * K + jj, mask=used_j, other=-float("inf")), ids_j)
-            repeat = tl.sum(((ids_j[:, None] == ids[None, :]) & (kk[None, :] < jj[:, None])).to(tl.int32), 1) > 0
-            first_j = used_j & ~repeat
-            rank += tl.sum(((key_j[None, :] > key[:, None]) & first_j[None, :]).to(tl.int32), 1)
-        tl.store(own_ptr + row.to(tl.int64) * K + kk, (used & (s_k >= theta) & (rank < K)).to(tl.int8), mask=kk < K)
-        bad = (n > CAP) | (theta <= triton_common.M_START) | (theta != theta)
-        tl.store(redo_ptr + row, bad.to(tl.int8))
+
+
+@triton.jit
+def rank_kernel(
+    ids_ptr,  # (R, K) ids, −1 unused
+    s_k_ptr,  # (R, K) fp32: s at the ids
+    theta_ptr,  # (R,) fp32: `stats_kernel`'s threshold
+    own_ptr,  # (R, K) int8 out: each id in the row's K largest logits
+    redo_ptr,  # (R,) int8 out: 1 where the candidates did not fit (the row is settled elsewhere)
+    scratch_ptr,  # (R, CAP) int64: the row's kept elements, packed (`expand_kernel`'s OWN)
+    count_ptr,  # (R,) int32: the row's kept elements
+    V,
+    K,
+    CAP: tl.constexpr,
+    CH: tl.constexpr,  # the comparisons, this many columns at a time (<= BLOCK_K, CAP)
+    BLOCK_K: tl.constexpr,
+):
+    """Each id's membership of its row's top K from what `expand_kernel` kept (OWN): id i's rank is the
+    number of kept elements and other ids whose (value, id) key exceeds its own (ties to the larger id, an
+    id repeated in the row counted once). A kernel of its own, after the expand kernel's: its (BLOCK_K, CH)
+    comparisons' registers would otherwise be the streaming loop's too (120 a thread at K 128 against 31
+    without: a quarter of the warps an SM to hide the loads' latency)."""
+    row = tl.program_id(0)
+    kk = tl.arange(0, BLOCK_K)
+    ids = tl.load(ids_ptr + row.to(tl.int64) * K + kk, mask=kk < K, other=-1).to(tl.int64)
+    used = (ids >= 0) & (ids < V)
+    theta = tl.load(theta_ptr + row)
+    buf = scratch_ptr + row.to(tl.int64) * CAP
+    n = tl.load(count_ptr + row)  # the kept elements (more than CAP: the row is redone)
+    s_k = tl.load(s_k_ptr + row.to(tl.int64) * K + kk, mask=used, other=-float("inf"))
+    key = _signed_key(s_k, ids)
+    # CH at a time: a (BLOCK_K, CH) comparison stays in registers where (BLOCK_K, CAP) would spill
+    rank = tl.zeros([BLOCK_K], tl.int32)
+    ch = tl.arange(0, CH)
+    for j in range(0, tl.minimum(n, CAP), CH):  # the kept ones only (about K)
+        kept = tl.load(buf + j + ch, mask=j + ch < n, other=_EMPTY)
+        rank += tl.sum((kept[None, :] > key[:, None]).to(tl.int32), 1)
+    for j in tl.static_range(0, BLOCK_K, CH):
+        jj = j + ch
+        ids_j = tl.load(ids_ptr + row.to(tl.int64) * K + jj, mask=jj < K, other=-1).to(tl.int64)
+        used_j = (ids_j >= 0) & (ids_j < V)
+        key_j = _signed_key(tl.load(s_k_ptr + row.to(tl.int64) * K + jj, mask=used_j, other=-float("inf")), ids_j)
+        repeat = tl.sum(((ids_j[:, None] == ids[None, :]) & (kk[None, :] < jj[:, None])).to(tl.int32), 1) > 0
+        first_j = used_j & ~repeat
+        rank += tl.sum(((key_j[None, :] > key[:, None]) & first_j[None, :]).to(tl.int32), 1)
+    tl.store(own_ptr + row.to(tl.int64) * K + kk, (used & (s_k >= theta) & (rank < K)).to(tl.int8), mask=kk < K)
+    bad = (n > CAP) | (theta <= triton_common.M_START) | (theta != theta)
+    tl.store(redo_ptr + row, bad.to(tl.int8))
 
 
 @triton.jit

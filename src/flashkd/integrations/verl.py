@@ -30,11 +30,11 @@ in one sweep over chunks of R rows, never N·V logits. Per chunk:
                                    formula gives it); the other losses and the torch path in torch,
                                    the gradient by autograd of the same code
     dL/dS (R, V)                   the top-k expand kernel (one read, one write in the inputs' dtype),
-                                   each row times its weight u; in the same read each teacher id's
-                                   membership of the student's top-K, for the overlap: the elements
-                                   at or over θ kept in the row's scratch, each id's rank counted
-                                   among them
-                                   (`triton_topk.expand_kernel`'s OWN). Without a gradient (no expand
+                                   each row times its weight u; in the same read the candidates for
+                                   each teacher id's membership of the student's top-K, for the
+                                   overlap: the elements at or over θ kept in the row's scratch
+                                   (`triton_topk.expand_kernel`'s OWN), each id's rank then counted
+                                   among them (`triton_topk.rank_kernel`: K · ~K comparisons a row). Without a gradient (no expand
                                    step) the Triton top-k kernel gives it (`triton_topk.kernel_topk`,
                                    two reads of S); on the torch path each id's rank, over vocab blocks
     dX[c] = dS W                   GEMM 2 (fp32 out for narrow inputs)
@@ -266,11 +266,14 @@ def _expand(s, ds, ids, id_grad, rest_grad, shift, log2_rest, rel_rest, tau, bac
                 shift, ids, v, k, _LOG2E * fold / tau, _LOG2E * fold, mul, REST=True, CE=False, HEAD=head,
                 RTNE_BITS=triton_common.rtne_bits(ds), BLOCK_V=triton_topk.BLOCK_V,
                 BLOCK_K=triton.next_power_of_2(k), num_warps=triton_topk.NUM_WARPS,
-                **({} if own is None else dict(theta_ptr=own[0], s_k_ptr=own[1], own_ptr=members, redo_ptr=redo,
-                                               scratch_ptr=scratch, count_ptr=count, OWN=True,
-                                               CAP=triton_topk.OWN_CAP,
-                                               CH=min(32, triton.next_power_of_2(k)))),
+                **({} if own is None else dict(theta_ptr=own[0], scratch_ptr=scratch, count_ptr=count, OWN=True,
+                                               CAP=triton_topk.OWN_CAP)),
             )
+            if own is not None:  # each id's rank among what the expand kernel kept
+                triton_topk.rank_kernel[(r,)](
+                    ids, own[1], own[0], members, redo, scratch, count, v, k, CAP=triton_topk.OWN_CAP,
+                    CH=min(32, triton.next_power_of_2(k)), BLOCK_K=triton.next_power_of_2(k),
+                    num_warps=triton_topk.NUM_WARPS)
         return ds if own is None else (ds, members.bool(), redo.bool())
     off = s > -torch.inf
     g = (s - shift[:, None]) / tau - rel_rest.to(s.dtype)[:, None]
