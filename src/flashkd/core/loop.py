@@ -343,10 +343,9 @@ def linear(x, w, b):
     if x.dtype not in NARROW:
         return x @ w.t() if b is None else torch.addmm(b, x, w.t())
     if x.is_cuda:  # cuBLAS writes its fp32 accumulator: 1.05-1.1x the narrow output's time (BENCHMARKS.md)
-        if b is not None:  # the bias added as the GEMM writes (7.55 ms against 7.86 for mm then add_ at 4096 rows
-            return torch.addmm(b, x, w.t(), out_dtype=torch.float32)  # of a 128256 × 4096 head, H200)
-        return torch.mm(x, w.t(), out_dtype=torch.float32)
-    z = x.float() @ w.float().t()  # the CPU GEMM has no fp32 output for narrow operands: exact products, fp32 sums
+        z = torch.mm(x, w.t(), out_dtype=torch.float32)
+    else:  # the CPU GEMM has no fp32 output for narrow operands: exact products, fp32 sums
+        z = x.float() @ w.float().t()
     return z if b is None else z.add_(b)
 
 
