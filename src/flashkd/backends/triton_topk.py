@@ -28,6 +28,9 @@ With a tail clamp (TRL's bucket, `losses.category_logprobs`) the categories are 
 so the dense kernel gives way to autograd of the torch definition on the (R, K + 1) categories
 (`_torch_categories`); the passes over the vocab are the same. So do skew KL, skew reverse KL and AKL
 (`losses.TORCH_ONLY_LOSSES`): on a top-k teacher they run on this backend, their category math in torch.
+For verl's integration (`flashkd.integrations.verl`) three kernels more: the expand kernel's OWN keeps the
+candidates for each id's membership of the student's top K as it streams, `rank_kernel` counts the ids'
+ranks among them, and `_clamped_kl_kernel` is verl's per-row forward KL with its clamps and weights.
 """
 
 from __future__ import annotations
