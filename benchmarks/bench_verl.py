@@ -16,8 +16,9 @@ states and the head.
 
 The integration's time split ("split" in results.json, the summary's second table): one forward +
 backward of "flashkd" under torch.profiler, its GPU kernels summed by what they do: the GEMMs (cuBLAS),
-the row pass (flashkd's stats kernel, its expand kernel), the diagnostics (the top-k kernel), the rest (the
-(R, K + 1) row math in torch, copies, the backward's scaling); and the backward's check
+the row pass (flashkd's stats kernel, its expand kernel), the diagnostics (the top-k kernel, or the
+membership's rank kernel), the rest (the (R, K + 1) row math: one kernel for verl's forward KL, torch for the
+other losses; copies, the backward's scaling); and the backward's check
 (`_proportional` and its host read), timed alone with CUDA events.
 
 Shapes (default): N tokens 32768 and 65536, K 32 and 128, V 151936, H 2048 (Qwen's vocab), bf16, τ 1,
@@ -128,7 +129,7 @@ def run_one(fn, x, w, args, device, token_weight=None):
 
 KINDS = (("GEMMs", ("gemm", "cutlass", "nvjet", "xmma", "sm90_", "sm80_", "cublas")),
          ("row pass: stats", ("stats_kernel",)), ("row pass: expand", ("expand_kernel",)),
-         ("diagnostics", ("_topk_kernel",)))
+         ("diagnostics", ("_topk_kernel", "rank_kernel")))
 
 
 def split(x, w, ids, lp, n, args, device):

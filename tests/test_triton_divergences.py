@@ -432,6 +432,19 @@ def _akl_head_of_keys(t, spec, search=False):
     return (key >= keys[:, :1]) | ((key == keys[:, 1:2]) & (ids <= keys[:, 2:3]))
 
 
+def _sorted_prefix(t, spec):
+    """(want, sure) of the head in float64: the ids of p sorted descending (ties by id, a stable sort) whose
+    cumulative sum is ≤ μ, the first always; sure: the ids whose cumulative sum is not within fp32 rounding of
+    μ (those may fall either side)."""
+    p = torch.softmax(spec.teacher(t.double()) / spec.temperature, -1)
+    sorted_p, order = p.sort(dim=-1, descending=True, stable=True)
+    tail = sorted_p.cumsum(-1) > spec.head_mass
+    tail[:, 0] = False
+    want = torch.zeros_like(tail).scatter(-1, order, ~tail)
+    tie = (sorted_p.cumsum(-1) - spec.head_mass).abs() <= 64 * torch.finfo(torch.float32).eps
+    return want, ~torch.zeros_like(tail).scatter(-1, order, tie)
+
+
 @pytest.mark.parametrize("search", [False, True])
 @pytest.mark.parametrize("mu", [0.5, 0.05, 0.9, 1.0])
 @pytest.mark.parametrize("scale", [1.0, -0.6])
@@ -449,14 +462,7 @@ def test_akl_head_keys_give_the_sorted_prefix(mu, scale, search, seed):
     t[6:] = t[6:].round()  # ties
     spec = LossSpec(loss="akl", head_mass=mu, temperature=0.8, teacher_logit_scale=scale)
     head = _akl_head_of_keys(t, spec, search)
-    p = torch.softmax(spec.teacher(t.double()) / 0.8, -1)
-    sorted_p, order = p.sort(dim=-1, descending=True, stable=True)
-    tail = sorted_p.cumsum(-1) > mu
-    tail[:, 0] = False
-    want = torch.zeros_like(head).scatter(-1, order, ~tail)
-    # an id whose cumulative sum is within fp32 rounding of μ may fall either side: compare the others
-    tie = (sorted_p.cumsum(-1) - mu).abs() <= 64 * torch.finfo(torch.float32).eps
-    sure = ~torch.zeros_like(head).scatter(-1, order, tie)
+    want, sure = _sorted_prefix(t, spec)
     assert (head == want)[sure].all()
     assert head.any(-1).all()
     if mu == 1.0:
@@ -485,13 +491,7 @@ def test_akl_head_bins_settle_the_rows_a_search_is_kept_for(mu, seed):
     # a near-flat row (std 0.01) and a large μ: a bin's mass bounded from below by 1 less what lies under it
     flat = torch.randn(2, 1000, generator=g) * 0.01
     assert triton_rows.akl_head_keys(_on(flat), LossSpec(loss="akl", head_mass=0.9)).cpu()[:, 3].tolist() == [0, 0]
-    p = torch.softmax(t.double() / 0.8, -1)
-    sorted_p, order = p.sort(dim=-1, descending=True, stable=True)
-    tail = sorted_p.cumsum(-1) > mu
-    tail[:, 0] = False
-    want = torch.zeros_like(tail).scatter(-1, order, ~tail)
-    tie = (sorted_p.cumsum(-1) - mu).abs() <= 64 * torch.finfo(torch.float32).eps
-    sure = ~torch.zeros_like(tail).scatter(-1, order, tie)
+    want, sure = _sorted_prefix(t, spec)
     for search in (False, True):
         head = _akl_head_of_keys(t, spec, search)
         assert (head == want)[sure].all(), search

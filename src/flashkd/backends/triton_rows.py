@@ -1280,18 +1280,11 @@ def _akl_logit(key, T_HEAD: tl.constexpr):
 
 @triton.jit
 def _akl_tile(t_row, offs, V, m_t, log2_l, log2e_tau_t, t_mul, T_HEAD: tl.constexpr):
-    """A tile's p (as pass 2 makes it) and order keys (the floor past V)."""
-    raw = tl.load(t_row + offs, mask=offs < V, other=-float("inf")).to(tl.float32)
-    p = tl.exp2((head(raw, t_mul, T_HEAD)[0] - m_t) * log2e_tau_t - log2_l)
-    return p, tl.where(offs < V, _akl_key(raw, T_HEAD), _KEY_FLOOR)
-
-
-@triton.jit
-def _akl_z(t_row, offs, V, m_t, log2_l, log2e_tau_t, t_mul, T_HEAD: tl.constexpr):
-    """A tile's exponent z (p = 2^(z − log2 l), −inf past V) and p, as `_akl_tile` makes p."""
+    """A tile's p (as pass 2 makes it), order keys (the floor past V) and exponents z (p = 2^(z − log2 l), −inf
+    past V); a caller's unused ones cost nothing (the compiler drops them)."""
     raw = tl.load(t_row + offs, mask=offs < V, other=-float("inf")).to(tl.float32)
     z = (head(raw, t_mul, T_HEAD)[0] - m_t) * log2e_tau_t
-    return z, tl.exp2(z - log2_l)
+    return tl.exp2(z - log2_l), tl.where(offs < V, _akl_key(raw, T_HEAD), _KEY_FLOOR), z
 
 
 @triton.jit(do_not_specialize=["search"])  # one compiled kernel for both (a search of 1 made a constant fails to build)
@@ -1336,7 +1329,7 @@ def _akl_head_kernel(t_ptr, out_ptr, keep_ptr, V, stride_t, mu, log2e_tau_t, t_m
         up = zl * 0.0
         below = V * 0
         for start in range(0, V, BLOCK_V):
-            z, p = _akl_z(t_row, start + cols, V, m_t, log2_l, log2e_tau_t, t_mul, T_HEAD)
+            p, _k, z = _akl_tile(t_row, start + cols, V, m_t, log2_l, log2e_tau_t, t_mul, T_HEAD)
             at = tl.minimum(tl.maximum((z - zl) * inv, 0.0), BINS - 1.0).to(tl.int32)
             count += tl.histogram(at, BINS, mask=(z >= zl) & (z < zh))
             up += tl.sum(tl.where(z >= zh, p, 0.0), 0)
@@ -1365,7 +1358,7 @@ def _akl_head_kernel(t_ptr, out_ptr, keep_ptr, V, stride_t, mu, log2e_tau_t, t_m
     up = zl * 0.0
     for start in range(0, V, BLOCK_V):
         offs = start + cols
-        z, p = _akl_z(t_row, offs, V, m_t, log2_l, log2e_tau_t, t_mul, T_HEAD)
+        p, _k, z = _akl_tile(t_row, offs, V, m_t, log2_l, log2e_tau_t, t_mul, T_HEAD)
         inside = (z >= zl) & (z < zh)
         slot = n + tl.cumsum(inside.to(tl.int32), 0) - 1
         tl.store(keep + slot, offs, mask=inside & (slot < CAP))
@@ -1389,18 +1382,15 @@ def _akl_head_kernel(t_ptr, out_ptr, keep_ptr, V, stride_t, mu, log2e_tau_t, t_m
     cut = tl.where(last >= 0, tl.max(tl.where(slots == last, id_s, -1), 0), -1)
     searched = (search != 0) | (n > CAP) | (up > mu) | (fits >= n)
     if searched:  # the bracket missed the prefix's end: the search
-        hi = k_lo * 0 + tl.max(k_top, 0) + 1
-        lo = k_lo.to(tl.int64)
-        hi = hi.to(tl.int64)
         parts = tl.arange(0, PARTS)
-        lo = tl.zeros([PARTS], tl.int64) + lo
-        hi = tl.zeros([PARTS], tl.int64) + hi
+        lo = tl.zeros([PARTS], tl.int64) + k_lo
+        hi = tl.zeros([PARTS], tl.int64) + tl.max(k_top, 0) + 1
         f_hi = tl.zeros([PARTS], tl.float32)
         while tl.max(hi - lo, 0) > 1:
             th = (lo + ((hi - lo) * (parts + 1)) // PARTS).to(tl.int32)  # th[PARTS − 1] = hi; keys are int32
             mass = tl.zeros([PARTS], tl.float32)
             for start in range(0, V, BLOCK_V):
-                p2, key2 = _akl_tile(t_row, start + cols, V, m_t, log2_l, log2e_tau_t, t_mul, T_HEAD)
+                p2, key2, _z2 = _akl_tile(t_row, start + cols, V, m_t, log2_l, log2e_tau_t, t_mul, T_HEAD)
                 mass += tl.sum(tl.where(key2[None, :] >= th[:, None], p2[None, :], 0.0), 1)
             fit = (mass <= mu) | (parts == PARTS - 1)
             new_hi = tl.min(tl.where(fit, th, _KEY_CEIL), 0).to(tl.int64)
@@ -1413,7 +1403,7 @@ def _akl_head_kernel(t_ptr, out_ptr, keep_ptr, V, stride_t, mu, log2e_tau_t, t_m
         k_lane = tl.full([BLOCK_V], _KEY_FLOOR, tl.int32)
         p_lane = tl.zeros([BLOCK_V], tl.float32)
         for start in range(0, V, BLOCK_V):
-            p2, key2 = _akl_tile(t_row, start + cols, V, m_t, log2_l, log2e_tau_t, t_mul, T_HEAD)
+            p2, key2, _z2 = _akl_tile(t_row, start + cols, V, m_t, log2_l, log2e_tau_t, t_mul, T_HEAD)
             up_lane = (key2 < kappa) & (key2 > k_lane)
             p_lane = tl.where(up_lane, p2, p_lane)
             k_lane = tl.where(up_lane, key2, k_lane)

@@ -169,7 +169,8 @@ def _stats(s: torch.Tensor, ids: torch.Tensor, tau: float, backend: str, own: bo
     the kernels' fp32 (the expand step's). own (R, K) bool: each id in the student's top-K (None
     unless asked); redo (R,) bool: rows whose top-K the kernel could not settle (None on the torch
     path). With `later` (Triton, the expand step to follow) own is (θ, s at the ids) instead, for the
-    expand kernel to count the ranks in its read (`triton_topk.expand_kernel`'s OWN). With `raw` (Triton)
+    expand kernel to keep the candidates in its read (`triton_topk.expand_kernel`'s OWN) and
+    `triton_topk.rank_kernel` to count the ranks among them. With `raw` (Triton)
     the kernel's own (s_k, m, log2_rest, own, redo) instead, for `triton_topk.clamped_kl`. s is left with
     −inf at the ids, as the expand step reads it."""
     r, v = s.shape
@@ -318,8 +319,8 @@ def _sweep(x, w, b, ids, lp, spec: LossSpec, clamp, *, rows: int, backend: str, 
         db = torch.zeros(v, dtype=torch.float64 if x.dtype == torch.float64 else torch.float32, device=dev)
     lo, hi = bounds
     later = values and grad and backend == "triton" and k <= _fold_k()  # the membership in the expand's read
-    const = None
-    if backend == "triton" and spec.loss == "forward_kl":
+    fused = backend == "triton" and spec.loss == "forward_kl"  # verl's forward KL: its row math in one kernel
+    if fused:
         from ..backends import triton_topk
 
         const = triton_topk.clamped_kl_constants(spec.temperature, clamp, dev)
@@ -328,7 +329,6 @@ def _sweep(x, w, b, ids, lp, spec: LossSpec, clamp, *, rows: int, backend: str, 
         xc = x[c]
         s = core_loop.linear(xc, w, b)
         i = ids[c]
-        fused = const is not None
         if fused:  # verl's forward KL, its gradient and the rows' weights in one kernel, into the outputs
             s_k, m, log2_rest, own, redo = _stats(s, i, spec.temperature, backend, values, later, raw=True)
             predicted = grad and weight is None and base is not None
