@@ -3,11 +3,13 @@ diagnostics, from the student's logits) against `topk_outputs` (from hidden stat
 values and diagnostics; the gradients against a float64 autograd of verl's formula; the reverse-KL and
 JSD options against flashkd's top-k definition on the dense logits; bf16 at a trained head's
 magnitudes; `patch()`'s version refusal. On CPU, with verl installed without its dependencies
-(tests/requirements-frameworks.txt)."""
+(tests/requirements-frameworks.txt); the Triton backend and kernels on DEVICE (the GPU, or the CPU under
+Triton's interpreter), their references on the CPU unless a test compares them bit for bit."""
 
 import importlib
 import importlib.util
 import math
+import os
 import sys
 import types
 from pathlib import Path
@@ -24,6 +26,18 @@ from conftest import BACKENDS  # noqa: E402
 from helpers.cases import read  # noqa: E402
 from helpers.integrations import check_refuses_version  # noqa: E402
 from helpers.ties import near, tied_rows  # noqa: E402
+
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"  # set by conftest when there is no GPU
+DEVICE = "cpu" if INTERPRET else "cuda"  # where the Triton backend and kernels run
+TRITON_RUNS = "triton" in BACKENDS and (INTERPRET or torch.cuda.is_available())
+needs_triton = pytest.mark.skipif(not TRITON_RUNS, reason="triton is not installed, or TRITON_INTERPRET is off "
+                                  "and there is no CUDA device")
+BACKEND_PARAMS = [pytest.param(b, marks=needs_triton) if b == "triton" else b for b in BACKENDS]
+
+
+def _device(backend):
+    """Where a test runs `backend`: the Triton one on DEVICE, the torch one on the CPU."""
+    return DEVICE if backend == "triton" else "cpu"
 
 
 def _load_reference():
@@ -94,15 +108,17 @@ CASES = [  # temperature, log_prob_min_clamp, verl's use_chunked_topk
 ]
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend", BACKEND_PARAMS)
 @pytest.mark.parametrize("tau, clamp, chunked", CASES)
 def test_outputs_match_verl(tau, clamp, chunked, backend, seed):
     x, w, ids, lp = _problem()
     lengths = [5, 1, 20, 11]
     ref = _verl((x @ w.t()) / tau, ids, lp, lengths, clamp, chunked)
-    xs, ws = x.clone().requires_grad_(), w.clone().requires_grad_()
-    ours = fk_verl.topk_outputs(xs, ws, ids, lp, temperature=tau, log_prob_min_clamp=clamp, chunk_size=7,
-                                backend=backend)
+    dev = _device(backend)
+    xs, ws = x.to(dev, copy=True).requires_grad_(), w.to(dev, copy=True).requires_grad_()
+    ours = fk_verl.topk_outputs(xs, ws, ids.to(dev), lp.to(dev), temperature=tau, log_prob_min_clamp=clamp,
+                                chunk_size=7, backend=backend)
+    ours = {name: t.cpu() for name, t in ours.items()}  # the losses' graph goes on through the copy
     assert set(ours) == set(ref)
     assert torch.equal(ours["overlap_count"], ref["overlap_count"])
     assert 0 < ref["overlap_count"].sum() < ids.numel()  # the overlap is neither empty nor total
@@ -124,8 +140,8 @@ def test_outputs_match_verl(tau, clamp, chunked, backend, seed):
     (ours["distillation_losses"].clamp_min(0.0) * g).sum().backward()
     xo, wo = x.clone().requires_grad_(), w.clone().requires_grad_()
     (_oracle(xo, wo, ids, lp, tau, clamp).clamp_min(0.0) * g).sum().backward()
-    torch.testing.assert_close(xs.grad, xo.grad, rtol=1e-9, atol=1e-11)
-    torch.testing.assert_close(ws.grad, wo.grad, rtol=1e-9, atol=1e-11)
+    torch.testing.assert_close(xs.grad.cpu(), xo.grad, rtol=1e-9, atol=1e-11)
+    torch.testing.assert_close(ws.grad.cpu(), wo.grad, rtol=1e-9, atol=1e-11)
 
 
 def test_negative_losses_get_no_gradient(seed):
@@ -164,7 +180,7 @@ def _topk_oracle(x, w, ids, lp, tau, loss, beta):
     return beta * kl(p, m) + (1 - beta) * kl(q, m)
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend", BACKEND_PARAMS)
 @pytest.mark.parametrize("loss, beta, tau", [("reverse_kl", None, 1.0), ("jsd", 0.5, 1.0), ("jsd", 0.2, 0.8)])
 def test_reverse_kl_and_jsd_options(loss, beta, tau, backend, seed):
     x, w, ids, lp = _problem(n=23)
@@ -172,17 +188,19 @@ def test_reverse_kl_and_jsd_options(loss, beta, tau, backend, seed):
     # teacher's, ~1e-14) is known to ~1e-2 of itself, and a reverse KL weighs it by q_rest / p_rest
     rest = 10 ** (torch.rand(x.shape[0], 1, dtype=torch.float64) * 2.5 - 3)
     lp = lp - lp.logsumexp(-1, keepdim=True) + torch.log1p(-rest)
-    xs, ws = x.clone().requires_grad_(), w.clone().requires_grad_()
-    out = fk_verl.topk_outputs(xs, ws, ids, lp, temperature=tau, backend=backend,
+    dev = _device(backend)
+    xs, ws = x.to(dev, copy=True).requires_grad_(), w.to(dev, copy=True).requires_grad_()
+    out = fk_verl.topk_outputs(xs, ws, ids.to(dev), lp.to(dev), temperature=tau, backend=backend,
                                **read(dict(loss=loss, beta=beta), "forward_kl"))  # beta where the loss reads it
+    out = {name: t.cpu() for name, t in out.items()}  # the losses' graph goes on through the copy
     truth_x, truth_w = x.clone().requires_grad_(), w.clone().requires_grad_()
     truth = _topk_oracle(truth_x, truth_w, ids, lp, tau, loss, beta)
     torch.testing.assert_close(out["distillation_losses"], truth.detach(), rtol=1e-10, atol=1e-12)
     g = torch.rand(x.shape[0], dtype=torch.float64)
     (out["distillation_losses"] * g).sum().backward()
     (truth * g).sum().backward()
-    torch.testing.assert_close(xs.grad, truth_x.grad, rtol=1e-9, atol=1e-11)
-    torch.testing.assert_close(ws.grad, truth_w.grad, rtol=1e-9, atol=1e-11)
+    torch.testing.assert_close(xs.grad.cpu(), truth_x.grad, rtol=1e-9, atol=1e-11)
+    torch.testing.assert_close(ws.grad.cpu(), truth_w.grad, rtol=1e-9, atol=1e-11)
     # the diagnostics are verl's whatever the loss
     ref = _verl(x @ w.t() / tau, ids, lp, [x.shape[0]])
     assert torch.equal(out["overlap_count"], ref["overlap_count"])
@@ -512,15 +530,16 @@ def test_top_k_membership_by_rank_orders_ties_by_id():
     order = torch.stack([torch.tensor(sorted(range(97), key=lambda j: (-s[r, j].item(), -j))[:k]) for r in range(40)])
     want = (ids[:, :, None] == order[:, None, :]).any(-1)
     assert torch.equal(fk_verl._own_by_rank(s, ids, s.gather(1, ids)), want)
-    if "triton" in BACKENDS:
+    if TRITON_RUNS:
         from flashkd.backends import triton_topk
 
-        top, _, redo, _ = triton_topk.kernel_topk(s.contiguous(), k, 1.0)
+        top, _, redo, _ = triton_topk.kernel_topk(s.to(DEVICE).contiguous(), k, 1.0)
+        top, redo = top.cpu(), redo.cpu()
         got = (ids[:, :, None] == top[:, None, :]).any(-1)
         assert torch.equal(got[~redo.bool()], want[~redo.bool()])
 
 
-@pytest.mark.skipif("triton" not in BACKENDS, reason="triton is not installed")
+@needs_triton
 @pytest.mark.parametrize("k", [1, 9, 40])
 def test_membership_counted_in_the_expand_read(k, seed):
     """The expand kernel's membership (its OWN: elements at or over the stats kernel's θ kept as the row
@@ -538,32 +557,63 @@ def test_membership_counted_in_the_expand_read(k, seed):
     if k > 1:
         ids[6, 1] = ids[6, 0]  # a repeated id
     want = fk_verl._own_by_rank(s, ids, s.gather(1, ids))
+    ids_d = ids.to(DEVICE)
     runs = []
     for later in (False, True):
-        x = s.clone()
-        rel_k, rel_rest, shift, log2_rest, own, _ = fk_verl._stats(x, ids, 1.0, "triton", True, later)
-        id_grad = torch.randn(12, k, generator=g, dtype=torch.float64) if not runs else runs[0][1]
-        rest_grad = torch.randn(12, generator=g, dtype=torch.float64) if not runs else runs[0][2]
+        x = s.to(DEVICE, copy=True)
+        rel_k, rel_rest, shift, log2_rest, own, _ = fk_verl._stats(x, ids_d, 1.0, "triton", True, later)
+        id_grad = torch.randn(12, k, generator=g, dtype=torch.float64).to(DEVICE) if not runs else runs[0][1]
+        rest_grad = torch.randn(12, generator=g, dtype=torch.float64).to(DEVICE) if not runs else runs[0][2]
         ds = torch.empty_like(x)
-        got = fk_verl._expand(x, ds, ids, id_grad, rest_grad, shift, log2_rest, rel_rest, 1.0, "triton",
+        got = fk_verl._expand(x, ds, ids_d, id_grad, rest_grad, shift, log2_rest, rel_rest, 1.0, "triton",
                               own if later else None)
         runs.append((got, id_grad, rest_grad))
-    ds, members, redo = runs[1][0]
-    assert torch.equal(ds, runs[0][0])
+    ds, members, redo = (t.cpu() for t in runs[1][0])
+    assert torch.equal(ds, runs[0][0].cpu())
     assert redo[5] == (k > 1) and redo.sum() <= 2  # the short row, where θ finds fewer than K lanes; the −inf row may be
     assert torch.equal(members[~redo], want[~redo])
     assert want[0, 0] and (~want[~redo]).any()  # neither all in nor all out
 
 
-@pytest.mark.skipif("triton" not in BACKENDS, reason="triton is not installed")
+@needs_triton
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("own", [False, True])
+def test_narrow_gradient_written_over_the_logits_it_reads(dtype, own, seed):
+    """dL/ds of narrow inputs lies over the first half of each fp32 row of S (the sweep's one buffer a
+    chunk): the expand kernel's tiles, stored over columns it has read, give the bits a separate buffer
+    gets, with and without the membership, at V not a multiple of the kernel's tile."""
+    g = torch.Generator().manual_seed(seed)
+    r, v, k = 9, 3 * 1024 + 517, 7
+    s = (torch.randn(r, v, generator=g) * 4.0).to(DEVICE)
+    s[2, :40] = 30.0  # a trained head's peak
+    ids = torch.stack([torch.randperm(v, generator=g)[:k] for _ in range(r)]).to(DEVICE)
+    id_grad = torch.randn(r, k, generator=g, dtype=torch.float64).to(DEVICE)
+    rest_grad = torch.randn(r, generator=g, dtype=torch.float64).to(DEVICE)
+    runs = []
+    for aliased in (False, True):
+        x = s.clone()
+        rel_k, rel_rest, shift, log2_rest, mine, _ = fk_verl._stats(x, ids, 1.0, "triton", own, own)
+        ds = x.view(dtype)[:, :v] if aliased else torch.empty(r, v, dtype=dtype, device=DEVICE)
+        got = fk_verl._expand(x, ds, ids, id_grad, rest_grad, shift, log2_rest, rel_rest, 1.0, "triton",
+                              mine if own else None)
+        runs.append(tuple(t.cpu() for t in (got if own else (got,))))
+    assert runs[1][0].stride() == (2 * v, 1)
+    for a, b in zip(*runs):
+        assert torch.equal(a, b)
+    assert runs[0][0].float().abs().max() > 0
+
+
+@needs_triton
 @pytest.mark.parametrize("k", [8, 80])
 def test_triton_path_equals_torch_path(k, seed):
     """fp32 inputs (the Triton rows; fp64 ones take the torch rows on every backend): the five outputs
     and both gradients, predicted and fallback, against the torch path. K 80 passes the interpreter's
-    top-k kernel's limit (64): membership by rank there."""
+    top-k kernel's limit (64): membership by rank there. Both paths on DEVICE: the overlap counts and
+    the row weights are compared bit for bit, from the same logits."""
     x, w, ids, lp = _problem(n=29, h=24, v=211, k=k, dtype=torch.float32)
     base = torch.rand(29) * (torch.rand(29) > 0.2)
     g_other = torch.rand(29)
+    x, w, ids, lp, base, g_other = (t.to(DEVICE) for t in (x, w, ids, lp, base, g_other))
     results = {}
     for backend in BACKENDS:
         for matched in (True, False):
@@ -598,12 +648,14 @@ def test_k_128_matches_verl(seed):
     torch.testing.assert_close(ours["distillation_losses"], ref["distillation_losses"].double(), rtol=2e-6, atol=2e-6)
 
 
+@needs_triton
 @pytest.mark.parametrize("clamp", [None, -3.0])
 def test_clamped_kl_kernel_is_the_row_math(clamp, seed):
     """verl's forward KL in one Triton kernel (`triton_topk.clamped_kl`) against the torch row math it replaces
     (`_categories`: float64 autograd), value, diagnostics and gradient, at float64 rounding: trained magnitudes,
     a teacher log-prob of −inf (NaN terms without a clamp, as torch gives them), a student log-prob exactly at
-    the clamp (its gradient kept, as clamp_min keeps it), ids that cover the row (no rest), repeated ids."""
+    the clamp (its gradient kept, as clamp_min keeps it), ids that cover the row (no rest), repeated ids. The row
+    math on DEVICE, from the kernel's statistics, as the sweep runs it (the predicted weights compared bit for bit)."""
     pytest.importorskip("triton")
     from flashkd.backends import triton_topk
 
@@ -621,20 +673,22 @@ def test_clamped_kl_kernel_is_the_row_math(clamp, seed):
             z = rows[4] / tau
             rows[4, ids_[4, 0]] = (clamp + torch.logsumexp(torch.cat([z[:ids_[4, 0]], z[ids_[4, 0] + 1:]]), 0)
                                    - math.log1p(-math.exp(clamp))) * tau
-        s_t = rows.clone()
+        s_t, ids_, lp_ = rows.to(DEVICE, copy=True), ids_.to(DEVICE), lp_.to(DEVICE)
         rel_k, rel_rest, shift, log2_rest, _, _ = fk_verl._stats(s_t.clone(), ids_, tau, "triton", False)
         want = fk_verl._categories(rel_k, rel_rest, lp_, spec, clamp, True)
         s_k, m, log2_rest2, _, _ = fk_verl._stats(s_t.clone(), ids_, tau, "triton", False, raw=True)
-        const = triton_topk.clamped_kl_constants(tau, clamp, "cpu")
+        const = triton_topk.clamped_kl_constants(tau, clamp, DEVICE)
         got = triton_topk.clamped_kl(s_k, m, log2_rest2, lp_, const, clamp, True, torch.float64)
         assert torch.equal(got[0], shift)
         for a, b in zip(got[1:5], want[:4]):
             torch.testing.assert_close(a, b, rtol=1e-13, atol=1e-13, equal_nan=True)
         # the gradients times u / τ, in fp32: u = 1; given weights; weights predicted where the loss is in bounds
         n = rows.shape[0]
-        weight = torch.rand(n, generator=g, dtype=torch.float64) - 0.3
-        for kind, u in (("none", torch.ones(n, dtype=torch.float64)), ("weight", weight), ("base", None)):
-            pred_u = (torch.empty(n, dtype=torch.float32), torch.empty(n, dtype=torch.float32))
+        weight = (torch.rand(n, generator=g, dtype=torch.float64) - 0.3).to(DEVICE)
+        for kind, u in (("none", torch.ones(n, dtype=torch.float64, device=DEVICE)), ("weight", weight),
+                        ("base", None)):
+            pred_u = (torch.empty(n, dtype=torch.float32, device=DEVICE),
+                      torch.empty(n, dtype=torch.float32, device=DEVICE))
             got = triton_topk.clamped_kl(
                 s_k, m, log2_rest2, lp_, const, clamp, True, torch.float32, weight=weight if kind == "weight" else None,
                 base=weight.float() if kind == "base" else None, bounds=(0.0, 0.5), pred_u=pred_u)
@@ -651,6 +705,7 @@ def test_clamped_kl_kernel_is_the_row_math(clamp, seed):
             assert got[1][1].isnan() and not got[1][0].isnan()
 
 
+@needs_triton
 def test_clamped_kl_gradient_where_one_id_holds_the_row():
     """The fused row math's gradient at an id holding nearly all of q (a trained head's peak of 30 over the
     rest): d rel_k = g (1 − q) with 1 − q = σ(rel_rest − a) for K = 1, taken from the rest's q, not from q
@@ -665,9 +720,11 @@ def test_clamped_kl_gradient_where_one_id_holds_the_row():
         s[1, 3] = -torch.inf
         ids = torch.full((3, 1), 7)
         lp = torch.tensor([[-0.1], [-2.0], [0.0]])
-        s_k, m, log2_rest, _, _ = fk_verl._stats(s.clone(), ids, 1.0, "triton", False, raw=True)
-        const = triton_topk.clamped_kl_constants(1.0, None, "cpu")
-        got = triton_topk.clamped_kl(s_k, m, log2_rest, lp, const, None, True, torch.float64)[5].double()[:, 0]
+        s_k, m, log2_rest, _, _ = fk_verl._stats(s.to(DEVICE, copy=True), ids.to(DEVICE), 1.0, "triton", False,
+                                                 raw=True)
+        const = triton_topk.clamped_kl_constants(1.0, None, DEVICE)
+        got = triton_topk.clamped_kl(s_k, m, log2_rest, lp.to(DEVICE), const, None, True, torch.float64)[5]
+        got = got.double()[:, 0].cpu()
         rest = math.log(v - 1.0) + 0.0 - peak  # logsumexp of the rest (zeros) minus the peak
         rest = torch.tensor([rest, math.log(v - 2.0) - peak, rest], dtype=torch.float64)
         want = -lp[:, 0].double().exp() * torch.sigmoid(rest)

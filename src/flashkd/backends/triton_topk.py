@@ -116,7 +116,8 @@ def stats_kernel(
 @triton.jit
 def expand_kernel(
     s_ptr,  # (R, V) student logits, −inf at the ids
-    g_ptr,  # (R, V) dL/ds out, rows V apart: s itself, or a narrower buffer (bf16 dL/ds of fp32 logits)
+    g_ptr,  # (R, V) dL/ds out, rows G_STRIDE apart: s itself, a narrower buffer (bf16 dL/ds of fp32 logits),
+    # or (ALIASED) the first half of each row of s, read as the narrower dtype
     ids_ptr,  # (R, K) ids, −1 unused
     id_grad_ptr,  # (R, K) fp32: dL/ds at the ids
     coef_ptr,  # (R,) fp32: g_rest / τ (REST)
@@ -127,6 +128,7 @@ def expand_kernel(
     labels_ptr,  # (R,) int labels (CE)
     V,
     K,
+    G_STRIDE,  # g's row stride, elements
     log2e_tau,  # log2(e)·fold / τ
     log2e_one,  # log2(e)·fold
     mul,
@@ -136,6 +138,7 @@ def expand_kernel(
     RTNE_BITS: tl.constexpr,  # triton_common.store_grad's
     BLOCK_V: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    ALIASED: tl.constexpr = False,  # g lies over s's row: a tile is stored once every thread has read it
     theta_ptr=None,  # (R,) fp32: `stats_kernel`'s threshold (OWN)
     scratch_ptr=None,  # (R, CAP) int64 out: the row's kept elements, packed (OWN)
     count_ptr=None,  # (R,) int32, zeros: the row's kept elements so far (OWN)
@@ -150,7 +153,7 @@ def expand_kernel(
     and every element above an id at or over θ is kept or an id: the rank is exact where it matters."""
     row = tl.program_id(0)
     s_row = s_ptr + row.to(tl.int64) * V
-    g_row = g_ptr + row.to(tl.int64) * V
+    g_row = g_ptr + row.to(tl.int64) * G_STRIDE
     cols = tl.arange(0, BLOCK_V)
     theta = 0.0
     buf = scratch_ptr
@@ -189,6 +192,10 @@ def expand_kernel(
             if CE:
                 g += c_ce * (tl.exp2((a - m) * log2e_one - l_one) - tl.where(offs == label, 1.0, 0.0))
             g = triton_common.head_grad(g, da, HEAD)
+        if ALIASED:
+            # a narrow tile at column c lies over s's columns c/2 … (c + BLOCK_V)/2, read at this tile or
+            # an earlier one, perhaps by another warp: every warp's reads so far come before any store
+            tl.debug_barrier()
         triton_common.store_grad(g_row + offs, g, mask, RTNE_BITS)
     tl.debug_barrier()  # the ids' values go over what the row's threads stored above
     kk = tl.arange(0, BLOCK_K)
@@ -519,7 +526,7 @@ def sliced_topk_rows(s, t, labels, spec: LossSpec, scale: torch.Tensor, grad: bo
         expand_kernel[(R,)](
             s, ds, here_ids, (id_grad * dz).contiguous(), coef if bucket else m, m, l_tau,
             c_ce * sigma if grad_ce else m, l_one_rel if grad_ce else m,
-            here_labels if grad_ce else ids, V, K, log2e * fold / tau, log2e * fold, mul,
+            here_labels if grad_ce else ids, V, K, ds.stride(0), log2e * fold / tau, log2e * fold, mul,
             REST=bucket, CE=grad_ce, HEAD=head, RTNE_BITS=triton_common.rtne_bits(ds), BLOCK_V=block_v,
             BLOCK_K=block_k, num_warps=num_warps,
         )

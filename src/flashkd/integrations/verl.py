@@ -244,7 +244,8 @@ def _categories(rel_k, rel_rest, lp, spec: LossSpec, clamp, grad: bool):
 
 
 def _expand(s, ds, ids, id_grad, rest_grad, shift, log2_rest, rel_rest, tau, backend, own=None):
-    """dL/ds (R, V) into ds (rounded to its dtype; ds may be s): rest_grad · softmax of z over the
+    """dL/ds (R, V) into ds (rounded to its dtype; ds may be s, or lie over the first half of each of s's
+    fp32 rows as the narrow dtype: the kernel stores a tile once it is read): rest_grad · softmax of z over the
     row's off-ids columns (s holds −inf at the ids) and id_grad at the ids; both already / τ and
     times the row's weight. With own = (θ, s at the ids) (`_stats`' later), the Triton kernel also
     counts each id's rank in the same read: returns (ds, members (R, K) bool, redo (R,) bool)."""
@@ -264,8 +265,9 @@ def _expand(s, ds, ids, id_grad, rest_grad, shift, log2_rest, rel_rest, tau, bac
         with triton_common.launching():
             triton_topk.expand_kernel[(r,)](
                 s, ds, ids, id_grad.to(f32).contiguous(), rest_grad.to(f32).contiguous(), shift, log2_rest, shift,
-                shift, ids, v, k, _LOG2E * fold / tau, _LOG2E * fold, mul, REST=True, CE=False, HEAD=head,
-                RTNE_BITS=triton_common.rtne_bits(ds), BLOCK_V=triton_topk.BLOCK_V,
+                shift, ids, v, k, ds.stride(0), _LOG2E * fold / tau, _LOG2E * fold, mul, REST=True, CE=False,
+                HEAD=head, RTNE_BITS=triton_common.rtne_bits(ds), BLOCK_V=triton_topk.BLOCK_V,
+                ALIASED=ds.dtype != s.dtype and ds.untyped_storage().data_ptr() == s.untyped_storage().data_ptr(),
                 BLOCK_K=triton.next_power_of_2(k), num_warps=triton_topk.NUM_WARPS,
                 **({} if own is None else dict(theta_ptr=own[0], scratch_ptr=scratch, count_ptr=count, OWN=True,
                                                CAP=triton_topk.OWN_CAP)),
@@ -375,7 +377,12 @@ def _sweep(x, w, b, ids, lp, spec: LossSpec, clamp, *, rows: int, backend: str, 
                 u = torch.ones(c.stop - c.start, dtype=torch.float64, device=dev)
             id_grad = da * (u / spec.temperature)[:, None]
             rest_grad = dr * (u / spec.temperature)
-        ds = torch.empty(s.shape, dtype=x.dtype, device=dev) if narrow or backend != "triton" else s
+        if backend != "triton":
+            ds = torch.empty(s.shape, dtype=x.dtype, device=dev)
+        elif narrow:  # dL/dS in the first half of each fp32 row of S, as the expand kernel reads it: no second buffer
+            ds = s.view(x.dtype)[:, :v]
+        else:
+            ds = s
         ds = _expand(s, ds, i, id_grad, rest_grad, shift, log2_rest, rel_rest, spec.temperature, backend,
                      own if later else None)
         if later:
@@ -459,14 +466,15 @@ class _TopK(torch.autograd.Function):
         dx = dw = db = None
         if want_dx:  # exact for any g: each row of dx_u carries the weight u, re-weighted to g here
             factor = g.to(dx_u.dtype) if u is None else (g.to(torch.float64) / u).to(dx_u.dtype)
-            dx = (dx_u * factor[:, None]).to(x.dtype)
+            dx = torch.mul(dx_u, factor[:, None], out=torch.empty(dx_u.shape, dtype=x.dtype, device=x.device))
         if want_dw or want_db:
             ok = False
             if pred is not None:
                 c, ok = _proportional(g, pred)
                 ok = bool(ok)  # the backward's one host read: which branch
-            if ok:
-                dw = None if dw_pred is None else (dw_pred * c.to(dw_pred.dtype)).to(w.dtype)
+            if ok:  # scaled and rounded to the head's dtype in one elementwise pass: no second fp32 copy of dW
+                dw = None if dw_pred is None else torch.mul(dw_pred, c.to(dw_pred.dtype),
+                                                            out=torch.empty(w.shape, dtype=w.dtype, device=w.device))
                 db = None if db_pred is None else (db_pred * c.to(db_pred.dtype)).to(b.dtype)
             else:  # g is no multiple of the prediction (or there was none): dW from g, one more sweep
                 out = _sweep(x, w, b, ids, lp, ctx.spec, ctx.clamp, rows=ctx.rows, backend=ctx.backend,
