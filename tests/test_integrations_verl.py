@@ -605,6 +605,25 @@ def test_narrow_gradient_written_over_the_logits_it_reads(dtype, own, seed):
 
 
 @needs_triton
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_scaled_dw_is_torchs_product_rounded(dtype, seed):
+    """The backward's dW: the forward's fp32 dW times the 0-d scale, rounded to the head's dtype in one
+    pass (`triton_common.scaled`): the bits of torch's `(a * c).to(dtype)`, ties to even, NaN and ±inf
+    kept, at an odd length."""
+    from flashkd.backends import triton_common
+
+    g = torch.Generator().manual_seed(seed)
+    a = torch.randn(5, 2053, generator=g) * 10.0 ** torch.randint(-6, 4, (5, 1), generator=g).float()
+    a[0, :64] = (torch.arange(64, dtype=torch.int32) * 0x8000 + 0x3F808000).view(torch.float32)  # bf16 ties
+    a[1, :3] = torch.tensor([float("nan"), float("inf"), -float("inf")])
+    for c in (torch.tensor(1.0, dtype=torch.float64), torch.rand((), generator=g, dtype=torch.float64) / 3):
+        want = (a * c.float()).to(dtype)
+        got = triton_common.scaled(a.to(DEVICE), c.to(DEVICE), dtype).cpu()
+        assert torch.equal(got.isnan(), want.isnan())  # a NaN's bits are the platform's
+        assert torch.equal(got[~want.isnan()].view(torch.int16), want[~want.isnan()].view(torch.int16))
+
+
+@needs_triton
 @pytest.mark.parametrize("k", [8, 80])
 def test_triton_path_equals_torch_path(k, seed):
     """fp32 inputs (the Triton rows; fp64 ones take the torch rows on every backend): the five outputs

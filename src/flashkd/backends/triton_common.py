@@ -232,3 +232,27 @@ def store_grad(ptr, g, mask, RTNE_BITS: tl.constexpr):
 def rtne_bits(ds) -> bool:
     """`store_grad`'s RTNE_BITS for a gradient buffer: bf16 under the interpreter."""
     return INTERPRET and ds.dtype == torch.bfloat16
+
+
+# ------------------------------------------------------------------------------ scaled, rounded copies
+
+@triton.jit
+def _scaled_kernel(src_ptr, dst_ptr, c_ptr, n, RTNE_BITS: tl.constexpr, BLOCK: tl.constexpr):
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < n
+    c = tl.load(c_ptr).to(tl.float32)
+    store_grad(dst_ptr + offs, tl.load(src_ptr + offs, mask=mask) * c, mask, RTNE_BITS)
+
+
+def scaled(src: torch.Tensor, c: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """(src · c) rounded to `dtype`, src fp32 contiguous and c a 0-d device tensor (read by the kernel:
+    no host sync), the product in fp32 as torch's `src * c.float()`: the bits of `(src * c).to(dtype)`
+    in one pass. torch's own mixed-dtype `mul(out=)` takes its unvectorised path (a 1.24 GB fp32
+    dW in 2.5 ms on an H100, against ~0.6 for this)."""
+    out = torch.empty(src.shape, dtype=dtype, device=src.device)
+    n = src.numel()
+    block = 1024 if INTERPRET else 4096
+    with launching():
+        _scaled_kernel[(triton.cdiv(n, block),)](src, out, c.reshape(1), n, RTNE_BITS=INTERPRET and dtype == torch.bfloat16,
+                                                 BLOCK=block, num_warps=8)
+    return out

@@ -430,6 +430,16 @@ def _diagnostics(out, x, w, b, ids):
     return count, torch.where(count > 0, adv, 0.0)
 
 
+def _scaled(a: torch.Tensor, c: torch.Tensor, dtype: torch.dtype, backend: str) -> torch.Tensor:
+    """(a · c) rounded to dtype, a (fp32 / fp64) and c 0-d: one pass, no second copy of a."""
+    c = c.to(a.dtype)
+    if backend == "triton" and a.dtype == torch.float32 and dtype != a.dtype and a.is_contiguous():
+        from ..backends import triton_common
+
+        return triton_common.scaled(a, c, dtype)
+    return torch.mul(a, c, out=torch.empty(a.shape, dtype=dtype, device=a.device))
+
+
 def _proportional(g: torch.Tensor, pred: torch.Tensor):
     """(c, ok): c = g_j / pred_j at the row of largest |pred| (0 where pred is all 0), a 0-d float64
     device tensor, and ok, a 0-d bool device tensor: |g_i − c·pred_i| <= 8·eps·|g_i| on every row, in
@@ -466,15 +476,14 @@ class _TopK(torch.autograd.Function):
         dx = dw = db = None
         if want_dx:  # exact for any g: each row of dx_u carries the weight u, re-weighted to g here
             factor = g.to(dx_u.dtype) if u is None else (g.to(torch.float64) / u).to(dx_u.dtype)
-            dx = torch.mul(dx_u, factor[:, None], out=torch.empty(dx_u.shape, dtype=x.dtype, device=x.device))
+            dx = (dx_u * factor[:, None]).to(x.dtype)
         if want_dw or want_db:
             ok = False
             if pred is not None:
                 c, ok = _proportional(g, pred)
                 ok = bool(ok)  # the backward's one host read: which branch
-            if ok:  # scaled and rounded to the head's dtype in one elementwise pass: no second fp32 copy of dW
-                dw = None if dw_pred is None else torch.mul(dw_pred, c.to(dw_pred.dtype),
-                                                            out=torch.empty(w.shape, dtype=w.dtype, device=w.device))
+            if ok:  # scaled and rounded to the head's dtype in one pass: no second fp32 copy of dW
+                dw = None if dw_pred is None else _scaled(dw_pred, c, w.dtype, ctx.backend)
                 db = None if db_pred is None else (db_pred * c.to(db_pred.dtype)).to(b.dtype)
             else:  # g is no multiple of the prediction (or there was none): dW from g, one more sweep
                 out = _sweep(x, w, b, ids, lp, ctx.spec, ctx.clamp, rows=ctx.rows, backend=ctx.backend,
