@@ -50,8 +50,8 @@ import flashkd  # noqa: E402
 import flashkd.integrations.verl as fk_verl  # noqa: E402
 
 
-VARIANTS = ["verl", "verl chunked", "flashkd", "flashkd half chunk", "flashkd fallback", "flashkd unpredicted",
-            "flashkd top-k form"]
+VARIANTS = ["verl", "verl chunked", "flashkd", "flashkd chunk x0.5", "flashkd fallback", "flashkd unpredicted",
+            "flashkd top-k form"]  # and "flashkd chunk xF" for any factor F
 
 
 def parse_args(argv=None):
@@ -102,10 +102,11 @@ def variant(name, verl_losses, ids, lp, n):
     if name == "flashkd":
         return lambda x, w: fk_verl.topk_outputs(x, w, ids, lp, predicted_grad=ones,
                                                  predicted_clamp=(0.0, None))["distillation_losses"]
-    if name == "flashkd half chunk":  # chunks of half the default rows: less memory, twice the chunks
-        return lambda x, w: fk_verl.topk_outputs(x, w, ids, lp, predicted_grad=ones, predicted_clamp=(0.0, None),
-                                                 chunk_size=max(1, fk_verl._chunk_rows(n, w.shape[0], None, "triton",
-                                                                                       4) // 2))["distillation_losses"]
+    if name.startswith("flashkd chunk x"):  # chunks of F times the default rows ("flashkd chunk x0.5"): the
+        factor = float(name.removeprefix("flashkd chunk x"))  # chunk's memory against the chunks' number
+        return lambda x, w: fk_verl.topk_outputs(
+            x, w, ids, lp, predicted_grad=ones, predicted_clamp=(0.0, None),
+            chunk_size=max(1, int(fk_verl._chunk_rows(n, w.shape[0], None, "triton", 4) * factor)))["distillation_losses"]
     if name == "flashkd fallback":  # the same call; run_one weighs its tokens by 1 + 1e-3 · a random number
         return lambda x, w: fk_verl.topk_outputs(x, w, ids, lp, predicted_grad=ones,
                                                  predicted_clamp=(0.0, None))["distillation_losses"]

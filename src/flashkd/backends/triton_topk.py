@@ -178,38 +178,27 @@ def expand_kernel(
         c_ce = tl.load(c_ce_ptr + row)
         l_one = tl.load(l_one_ptr + row)
         label = tl.load(labels_ptr + row).to(tl.int64)
-    for start in range(0, V, 2 * BLOCK_V):  # two tiles' loads in flight before either is worked on
+    for start in range(0, V, BLOCK_V):
         offs = start + cols
+        mask = offs < V
+        g = tl.zeros([BLOCK_V], tl.float32)
         if REST or CE:
-            x0 = tl.load(s_row + offs, mask=offs < V, other=-float("inf"))
-            x1 = tl.load(s_row + offs + BLOCK_V, mask=offs + BLOCK_V < V, other=-float("inf"))
-        g0 = tl.zeros([BLOCK_V], tl.float32)
-        g1 = tl.zeros([BLOCK_V], tl.float32)
-        for u in tl.static_range(2):
-            o = offs + u * BLOCK_V
-            g = tl.zeros([BLOCK_V], tl.float32)
-            if REST or CE:
-                a, da = triton_common.head((x0 if u == 0 else x1).to(tl.float32), mul, HEAD)
-                if REST:
-                    # the ids' columns hold −inf: 0 there (and no −inf + inf when the rest is empty)
-                    g += tl.where(a > -float("inf"), coef * tl.exp2((a - m) * log2e_tau - l_tau), 0.0)
-                if OWN:  # a kept element takes the row's next slot (an atomic a kept element: about K a row)
-                    keep = (a >= theta) & (a > -float("inf"))
-                    slot = tl.atomic_add(count_ptr + row + cols * 0, 1, mask=keep)
-                    tl.store(buf + slot, _signed_key(a, o), mask=keep & (slot < CAP))
-                if CE:
-                    g += c_ce * (tl.exp2((a - m) * log2e_one - l_one) - tl.where(o == label, 1.0, 0.0))
-                g = triton_common.head_grad(g, da, HEAD)
-            if u == 0:
-                g0 = g
-            else:
-                g1 = g
+            a, da = triton_common.head(tl.load(s_row + offs, mask=mask, other=-float("inf")).to(tl.float32), mul, HEAD)
+            if REST:
+                # the ids' columns hold −inf: 0 there (and no −inf + inf when the rest is empty)
+                g += tl.where(a > -float("inf"), coef * tl.exp2((a - m) * log2e_tau - l_tau), 0.0)
+            if OWN:  # a kept element takes the row's next slot (an atomic a kept element: about K a row)
+                keep = (a >= theta) & (a > -float("inf"))
+                slot = tl.atomic_add(count_ptr + row + cols * 0, 1, mask=keep)
+                tl.store(buf + slot, _signed_key(a, offs), mask=keep & (slot < CAP))
+            if CE:
+                g += c_ce * (tl.exp2((a - m) * log2e_one - l_one) - tl.where(offs == label, 1.0, 0.0))
+            g = triton_common.head_grad(g, da, HEAD)
         if ALIASED:
-            # a narrow tile at column c lies over s's columns c/2 … (c + BLOCK_V)/2, read at this step or
+            # a narrow tile at column c lies over s's columns c/2 … (c + BLOCK_V)/2, read at this tile or
             # an earlier one, perhaps by another warp: every warp's reads so far come before any store
             tl.debug_barrier()
-        triton_common.store_grad(g_row + offs, g0, offs < V, RTNE_BITS)
-        triton_common.store_grad(g_row + offs + BLOCK_V, g1, offs + BLOCK_V < V, RTNE_BITS)
+        triton_common.store_grad(g_row + offs, g, mask, RTNE_BITS)
     tl.debug_barrier()  # the ids' values go over what the row's threads stored above
     kk = tl.arange(0, BLOCK_K)
     ids = tl.load(ids_ptr + row.to(tl.int64) * K + kk, mask=kk < K, other=-1).to(tl.int64)
