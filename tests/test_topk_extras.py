@@ -1,7 +1,9 @@
 """The top-k form's tail clamp (TRL's bucket), the teacher's entropy and the per-teacher statistics,
-against the float64 oracle, on both backends (the Triton kernels under the interpreter here)."""
+against the float64 oracle, on both backends: the Triton backend on DEVICE (the GPU, or the CPU under
+Triton's interpreter), the torch backend and the float64 oracle on the CPU."""
 
 import math
+import os
 
 import pytest
 import torch
@@ -14,6 +16,18 @@ from oracle import student_stats, topk_loss
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tiny tensors (conftest.py)
+
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"  # set by conftest when there is no GPU
+DEVICE = "cpu" if INTERPRET else "cuda"  # where the Triton backend runs
+TRITON_RUNS = "triton" in BACKENDS and (INTERPRET or torch.cuda.is_available())
+needs_triton = pytest.mark.skipif(not TRITON_RUNS, reason="triton is not installed, or TRITON_INTERPRET is off "
+                                  "and there is no CUDA device")
+BACKEND_PARAMS = [pytest.param(b, marks=needs_triton) if b == "triton" else b for b in BACKENDS]
+
+
+def _device(backend):
+    """Where a test runs `backend`: the Triton one on DEVICE, the torch one on the CPU."""
+    return DEVICE if backend == "triton" else "cpu"
 
 
 def _peaked_topk(lead, dtype, *, past_one=False):
@@ -30,23 +44,29 @@ def _peaked_topk(lead, dtype, *, past_one=False):
 
 def _run(backend, dtype, lead, ids, logprobs, *, bias=False, ignore="some", teacher_index=None, num_teachers=None,
          scale=1.0, **options):
+    """The call on `backend`'s device (`_device`), its inputs made on the CPU and copied there; the oracle's on
+    the CPU. Returns the call's outputs (on its device), its gradients (on the CPU), the oracle's, the
+    leaves differentiated, and the CPU inputs."""
     xs, ws, bs, labels = make_student(lead, dtype, bias=bias, ignore=ignore)
     with torch.no_grad():  # student logits that put most of q on the teacher's ids in some rows
         ws.mul_(scale)
     labels = drop_tied_rows(labels, logits64(xs, ws, bs), ids=ids, logprobs=logprobs, **options)
+    dev = _device(backend)
+    on = lambda t: t.to(dev) if torch.is_tensor(t) else t  # noqa: E731
+    leaves = [t if dev == "cpu" else t.detach().to(dev).requires_grad_() for t in [xs, ws] + ([bs] if bias else [])]
     out = flashkd.fused_linear_distill_topk(
-        xs, ws, ids, logprobs, labels, student_bias=bs, backend=backend, return_soft_hard_loss=True,
-        return_stats=True, teacher_index=teacher_index, num_teachers=num_teachers, **read(options, "forward_kl"))
-    leaves = [xs, ws] + ([bs] if bias else [])
-    grads = torch.autograd.grad(out[0], leaves)
-    ref_leaves = [x.detach().double().requires_grad_() for x in leaves]
+        leaves[0], leaves[1], on(ids), on(logprobs), on(labels), student_bias=leaves[2] if bias else None,
+        backend=backend, return_soft_hard_loss=True, return_stats=True, teacher_index=on(teacher_index),
+        num_teachers=num_teachers, **{k: on(v) for k, v in read(options, "forward_kl").items()})
+    grads = [g.cpu() for g in torch.autograd.grad(out[0], leaves)]
+    ref_leaves = [x.detach().double().requires_grad_() for x in [xs, ws] + ([bs] if bias else [])]
     ref, entropy = topk_loss(ref_leaves[0], ref_leaves[1], ids, logprobs, labels,
                              student_bias=ref_leaves[2] if bias else None, teacher_entropy=True, **options)
     ref_grads = torch.autograd.grad(ref[0], ref_leaves, allow_unused=True)
     return out, grads, ref, ref_grads, leaves, labels, entropy, xs, ws, bs
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend", BACKEND_PARAMS)
 @pytest.mark.parametrize("loss, beta, clamp", [  # clamp 0.3: a rest of at least 0.26, active on most rows
     ("forward_kl", 0.5, 1e-7), ("reverse_kl", 0.5, 1e-7), ("reverse_kl", 0.5, 0.3), ("jsd", 0.35, 1e-7),
     ("jsd", 0.35, 0.3), ("tvd", 0.5, 0.3),
@@ -81,7 +101,7 @@ def test_tail_clamp_matches_oracle(backend, loss, beta, clamp, seed):
     assert grads[0][ignored].abs().max() == 0
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend", BACKEND_PARAMS)
 @pytest.mark.parametrize("beta", [0.0, 0.3, 1.0])
 def test_tail_clamp_in_fp32_at_large_logits(backend, beta, seed):
     """Both sides clamped in fp32: the four ids' head rows are zero and their bias 25 (logits exact at 25 on
@@ -102,10 +122,12 @@ def test_tail_clamp_in_fp32_at_large_logits(backend, beta, seed):
         logprobs = torch.log_softmax(torch.randn(n, k, generator=g), -1)
         logprobs[: n // 2] += math.log1p(-1e-9)
         options = dict(loss="jsd", beta=beta, tail="bucket", tail_clamp=1e-7, reduction="sum")
-        leaves = [t.requires_grad_() for t in (x, w, b)]
-        loss = flashkd.fused_linear_distill_topk(x, w, ids, logprobs, None, student_bias=b, backend=backend, **options)
-        grads = torch.autograd.grad(loss, leaves)
-        ref_leaves = [t.detach().double().requires_grad_() for t in leaves]
+        dev = _device(backend)
+        leaves = [t.to(dev).requires_grad_() for t in (x, w, b)]
+        loss = flashkd.fused_linear_distill_topk(leaves[0], leaves[1], ids.to(dev), logprobs.to(dev), None,
+                                                 student_bias=leaves[2], backend=backend, **options)
+        grads = [g.cpu() for g in torch.autograd.grad(loss, leaves)]
+        ref_leaves = [t.detach().double().requires_grad_() for t in (x, w, b)]
         ref = topk_loss(ref_leaves[0], ref_leaves[1], ids, logprobs, student_bias=ref_leaves[2], **options)[0]
         ref_grads = torch.autograd.grad(ref, ref_leaves)
         assert abs(loss.item() - ref.item()) <= 1e-5 * abs(ref.item()), (draw, loss.item(), ref.item())
@@ -113,7 +135,7 @@ def test_tail_clamp_in_fp32_at_large_logits(backend, beta, seed):
             assert rel_err(a, r) <= 1e-5, (draw, name, rel_err(a, r))
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend", BACKEND_PARAMS)
 @pytest.mark.parametrize("beta", [0.0, 0.3, 1.0])
 def test_tail_clamp_in_fp32_where_one_category_holds_the_mass(backend, beta, seed):
     """dL/dz per row in fp32 against float64 truth, the logits exact (an identity head): rows of an open
@@ -133,9 +155,11 @@ def test_tail_clamp_in_fp32_where_one_category_holds_the_mass(backend, beta, see
     others = torch.where(peaked[:, None], 0.1, 1e-10) * (0.5 + torch.rand(n, k - 1, generator=g, dtype=torch.float64))
     logprobs = torch.cat([1 - rest - others.sum(-1, keepdim=True), others], -1).log().float()
     options = dict(loss="jsd", beta=beta, tail="bucket", tail_clamp=1e-7, reduction="sum")
-    x, eye = z.clone().requires_grad_(), torch.eye(v)
-    (dz,) = torch.autograd.grad(flashkd.fused_linear_distill_topk(x, eye, ids, logprobs, None, backend=backend,
-                                                                  **options), [x])
+    dev = _device(backend)
+    x, eye = z.clone().to(dev).requires_grad_(), torch.eye(v)
+    (dz,) = torch.autograd.grad(flashkd.fused_linear_distill_topk(x, eye.to(dev), ids.to(dev), logprobs.to(dev), None,
+                                                                  backend=backend, **options), [x])
+    dz = dz.cpu()
     xd = z.double().requires_grad_()
     (want,) = torch.autograd.grad(topk_loss(xd, eye.double(), ids, logprobs, **options)[0], [xd])
     row = (dz.double() - want).norm(dim=1) / want.norm(dim=1)
@@ -145,7 +169,7 @@ def test_tail_clamp_in_fp32_where_one_category_holds_the_mass(backend, beta, see
     assert rel_err(dz, want) <= 1e-5, rel_err(dz, want)
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend", BACKEND_PARAMS)
 @pytest.mark.parametrize("tail, clamp", [("bucket", None), ("renormalize", None), ("bucket", 1e-7)])
 def test_teacher_entropy_and_per_teacher_stats(backend, tail, clamp, seed):
     """Each teacher's (rows, soft sum, teacher entropy sum) over the rows that count, the −1 rows in no
@@ -175,12 +199,12 @@ def test_teacher_entropy_and_per_teacher_stats(backend, tail, clamp, seed):
     for t in range(3):
         mine = (index == t) & valid
         want = torch.stack([mine.sum().double(), per_row[mine].sum(), entropy[mine].sum()])
-        got = stats.per_teacher[t].double()
+        got = stats.per_teacher[t].double().cpu()
         assert got[0].item() == want[0].item(), (t, got, want)
         assert ((got - want).abs() <= tol * want.abs().clamp_min(1.0)).all(), (t, got, want)
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend", BACKEND_PARAMS)
 def test_rows_without_signal_and_ignored_rows(backend, seed):
     """A row with no used slot: loss 0, gradient 0 (TRL's `has_teacher_signal` rows), under the clamped
     bucket and renormalisation alike; an ignored row's NaN log-probs reach nothing."""
@@ -191,14 +215,18 @@ def test_rows_without_signal_and_ignored_rows(backend, seed):
     labels[3] = -100
     logprobs = logprobs.to(dtype).clone()
     logprobs[3] = math.nan
+    dev = _device(backend)  # the call's inputs there; the oracle's (student_stats) on the CPU
+    xd = xs if dev == "cpu" else xs.detach().to(dev).requires_grad_()
+    wd, idsd, lpd, yd = (t.to(dev) for t in (ws, ids, logprobs, labels))
     for tail, clamp in (("bucket", 1e-7), ("renormalize", None)):
         run = lambda x, i, lp, y: flashkd.fused_linear_distill_topk(  # noqa: E731
-            x, ws, i, lp, y, loss="jsd", beta=0.3, tail=tail, tail_clamp=clamp, reduction="sum", backend=backend,
+            x, wd, i, lp, y, loss="jsd", beta=0.3, tail=tail, tail_clamp=clamp, reduction="sum", backend=backend,
             return_stats=True)
-        loss, stats = run(xs, ids, logprobs, labels)
-        (g,) = torch.autograd.grad(loss, [xs])
+        loss, stats = run(xd, idsd, lpd, yd)
+        (g,) = torch.autograd.grad(loss, [xd])
+        g = g.cpu()
         assert torch.isfinite(g).all() and g[:4].abs().max() == 0
-        rest, rest_stats = run(xs[4:], ids[4:], logprobs[4:], labels[4:])
+        rest, rest_stats = run(xd[4:], idsd[4:], lpd[4:], yd[4:])
         assert abs(loss.item() - rest.item()) <= tol * max(rest.item(), 1.0)
         assert stats.teacher_entropy_sum.item() == pytest.approx(rest_stats.teacher_entropy_sum.item(), rel=tol)
         # the rows without signal count (TRL counts them too), with the student's entropy over the vocab

@@ -30,8 +30,9 @@ chunks of rows, so the [tokens × vocab] logits never exist in full:
                                 and placed into padded batches (TopKCollator); needs safetensors
 
 `loss=` is one of LOSSES ("jsd", "forward_kl", "reverse_kl", "tvd", "cosine", "skew_kl", "skew_reverse_kl",
-"akl"); the total is
-weight_hard_loss · CE + weight_soft_loss · soft. The formulas, the one pure-torch definition of every
+"akl", "jeffreys", "alpha_divergence", "renyi", "renyi_reverse", "ab_divergence", "triangular",
+"entropy_adaptive", "dkd", and, with a teacher that learns, "mutual" and "co_jeffreys"; their keywords and
+formulas: docs/divergences.md); the total is weight_hard_loss · CE + weight_soft_loss · soft. The formulas, the one pure-torch definition of every
 loss and of its top-k variant, are in flashkd.losses (LossSpec); the public functions in flashkd.distill;
 the call's parse, checks, plan, backend choice and chunk loop (one entry, flashkd.core.run) in
 flashkd.core; the row kernels in
