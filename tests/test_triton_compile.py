@@ -95,7 +95,7 @@ def _compile_topk() -> int:
                                                   BLOCK_K=32, OWN=own, CAP=512, ALIASED=True)) for own in (True, False)]
     variants += [(triton_topk.rank_kernel, dict(CAP=512, CH=32, BLOCK_K=block_k)) for block_k in (32, 128)]
     # AKL's head, the teacher bf16 and fp32, with and without a transform at load
-    variants += [(triton_rows._akl_head_kernel, dict(T_HEAD=head, PARTS=16, BLOCK_V=256, t_dtype=t_dtype))
+    variants += [(triton_rows._akl_head_kernel, dict(T_HEAD=head, PARTS=16, BLOCK_V=256, SCAN=1024, t_dtype=t_dtype))
                  for head, t_dtype in ((0, "*bf16"), (3, "*fp32"))]
     # verl's forward KL row math (float64), with and without the clamp and the gradient
     variants += [(triton_topk._clamped_kl_kernel, dict(CLAMP=clamp, GRAD=grad, WEIGHTS=weights, LO=True, HI=False,

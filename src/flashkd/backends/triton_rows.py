@@ -1289,19 +1289,21 @@ def _akl_tile(t_row, offs, V, m_t, log2_l, log2e_tau_t, t_mul, T_HEAD: tl.conste
 
 @triton.jit(do_not_specialize=["search"])  # one compiled kernel for both (a search of 1 made a constant fails to build)
 def _akl_head_kernel(t_ptr, out_ptr, keep_ptr, V, stride_t, mu, log2e_tau_t, t_mul, search, T_HEAD: tl.constexpr,
-                     PARTS: tl.constexpr, BLOCK_V: tl.constexpr, BINS: tl.constexpr = 256, CAP: tl.constexpr = 256,
-                     LEVELS: tl.constexpr = 3):
+                     PARTS: tl.constexpr, BLOCK_V: tl.constexpr, SCAN: tl.constexpr, BINS: tl.constexpr = 256,
+                     CAP: tl.constexpr = 256, LEVELS: tl.constexpr = 3):
     """One row's (κ, κ_v, cut, searched) of AKL's head (above), int64, into out_ptr (R, 4): searched 1 where
     the search settled it (always where search is 1, the bins' passes skipped: a runtime flag, so that both
     run the one compiled kernel); p as the row kernel's pass 2
-    makes it (the teacher's max and sum at τ, lanes merged once); keep_ptr: the row's CAP int32 of scratch."""
+    makes it (the teacher's max and sum at τ, lanes merged once); keep_ptr: the row's CAP int32 of scratch.
+    The scans walk the row SCAN columns a step, their sums kept per lane and reduced once after the walk (a
+    reduction a step is a barrier a step); the search's (PARTS, BLOCK_V) tiles are narrower."""
     row = tl.program_id(0)
     t_row = t_ptr + row.to(tl.int64) * stride_t
-    cols = tl.arange(0, BLOCK_V)
-    m = tl.full([BLOCK_V], M_START, tl.float32)
-    l = tl.zeros([BLOCK_V], tl.float32)
-    k_lane = tl.full([BLOCK_V], _KEY_FLOOR, tl.int32)  # each lane's largest key
-    for start in range(0, V, BLOCK_V):
+    cols = tl.arange(0, SCAN)
+    m = tl.full([SCAN], M_START, tl.float32)
+    l = tl.zeros([SCAN], tl.float32)
+    k_lane = tl.full([SCAN], _KEY_FLOOR, tl.int32)  # each lane's largest key
+    for start in range(0, V, SCAN):
         offs = start + cols
         raw = tl.load(t_row + offs, mask=offs < V, other=-float("inf")).to(tl.float32)
         b = head(raw, t_mul, T_HEAD)[0]
@@ -1326,14 +1328,16 @@ def _akl_head_kernel(t_ptr, out_ptr, keep_ptr, V, stride_t, mu, log2e_tau_t, t_m
     while (n_in > CAP) & (level < LEVELS) & (search == 0):
         inv = BINS / (zh - zl)
         count = tl.zeros([BINS], tl.int32)
-        up = zl * 0.0
-        below = V * 0
-        for start in range(0, V, BLOCK_V):
+        up_lane = tl.zeros([SCAN], tl.float32)
+        below_lane = tl.zeros([SCAN], tl.int32)
+        for start in range(0, V, SCAN):
             p, _k, z = _akl_tile(t_row, start + cols, V, m_t, log2_l, log2e_tau_t, t_mul, T_HEAD)
             at = tl.minimum(tl.maximum((z - zl) * inv, 0.0), BINS - 1.0).to(tl.int32)
             count += tl.histogram(at, BINS, mask=(z >= zl) & (z < zh))
-            up += tl.sum(tl.where(z >= zh, p, 0.0), 0)
-            below += tl.sum(((z < zl) & (z > -float("inf"))).to(tl.int32), 0)
+            up_lane += tl.where(z >= zh, p, 0.0)
+            below_lane += ((z < zl) & (z > -float("inf"))).to(tl.int32)
+        up = tl.sum(up_lane, 0)
+        below = tl.sum(below_lane, 0)
         # each bin's mass between its count times p at its lower and upper edges: the mass at or over a bin
         # bounded both ways, from below also as 1 less the bound from above of all under it (a flat row's
         # bins each undercount by up to the factor across a bin); the head ends in a bin whose bound from
@@ -1354,17 +1358,19 @@ def _akl_head_kernel(t_ptr, out_ptr, keep_ptr, V, stride_t, mu, log2e_tau_t, t_m
     # keep the ids in [zl, zh) (their first CAP), sum p over zh exactly
     keep = keep_ptr + row.to(tl.int64) * CAP
     n = V * 0
-    n_up = V * 0
-    up = zl * 0.0
-    for start in range(0, V, BLOCK_V):
+    n_up_lane = tl.zeros([SCAN], tl.int32)
+    up_lane = tl.zeros([SCAN], tl.float32)
+    for start in range(0, V, SCAN):
         offs = start + cols
         p, _k, z = _akl_tile(t_row, offs, V, m_t, log2_l, log2e_tau_t, t_mul, T_HEAD)
         inside = (z >= zl) & (z < zh)
         slot = n + tl.cumsum(inside.to(tl.int32), 0) - 1
         tl.store(keep + slot, offs, mask=inside & (slot < CAP))
         n += tl.sum(inside.to(tl.int32), 0)
-        n_up += tl.sum((z >= zh).to(tl.int32), 0)
-        up += tl.sum(tl.where(z >= zh, p, 0.0), 0)
+        n_up_lane += (z >= zh).to(tl.int32)
+        up_lane += tl.where(z >= zh, p, 0.0)
+    n_up = tl.sum(n_up_lane, 0)
+    up = tl.sum(up_lane, 0)
     tl.debug_barrier()  # the row's threads read the ids that other threads stored
     slots = tl.arange(0, CAP)
     kept = slots < n
@@ -1383,6 +1389,7 @@ def _akl_head_kernel(t_ptr, out_ptr, keep_ptr, V, stride_t, mu, log2e_tau_t, t_m
     searched = (search != 0) | (n > CAP) | (up > mu) | (fits >= n)
     if searched:  # the bracket missed the prefix's end: the search
         parts = tl.arange(0, PARTS)
+        lanes = tl.arange(0, BLOCK_V)
         lo = tl.zeros([PARTS], tl.int64) + k_lo
         hi = tl.zeros([PARTS], tl.int64) + tl.max(k_top, 0) + 1
         f_hi = tl.zeros([PARTS], tl.float32)
@@ -1390,7 +1397,7 @@ def _akl_head_kernel(t_ptr, out_ptr, keep_ptr, V, stride_t, mu, log2e_tau_t, t_m
             th = (lo + ((hi - lo) * (parts + 1)) // PARTS).to(tl.int32)  # th[PARTS − 1] = hi; keys are int32
             mass = tl.zeros([PARTS], tl.float32)
             for start in range(0, V, BLOCK_V):
-                p2, key2, _z2 = _akl_tile(t_row, start + cols, V, m_t, log2_l, log2e_tau_t, t_mul, T_HEAD)
+                p2, key2, _z2 = _akl_tile(t_row, start + lanes, V, m_t, log2_l, log2e_tau_t, t_mul, T_HEAD)
                 mass += tl.sum(tl.where(key2[None, :] >= th[:, None], p2[None, :], 0.0), 1)
             fit = (mass <= mu) | (parts == PARTS - 1)
             new_hi = tl.min(tl.where(fit, th, _KEY_CEIL), 0).to(tl.int64)
@@ -1400,22 +1407,22 @@ def _akl_head_kernel(t_ptr, out_ptr, keep_ptr, V, stride_t, mu, log2e_tau_t, t_m
         kappa = tl.max(hi, 0).to(tl.int32)
         f_k = tl.max(f_hi, 0)
         # κ_v: the largest key below κ, and its p
-        k_lane = tl.full([BLOCK_V], _KEY_FLOOR, tl.int32)
-        p_lane = tl.zeros([BLOCK_V], tl.float32)
+        k_below = tl.full([BLOCK_V], _KEY_FLOOR, tl.int32)
+        p_below = tl.zeros([BLOCK_V], tl.float32)
         for start in range(0, V, BLOCK_V):
-            p2, key2, _z2 = _akl_tile(t_row, start + cols, V, m_t, log2_l, log2e_tau_t, t_mul, T_HEAD)
-            up_lane = (key2 < kappa) & (key2 > k_lane)
-            p_lane = tl.where(up_lane, p2, p_lane)
-            k_lane = tl.where(up_lane, key2, k_lane)
-        k_v = tl.max(k_lane, 0)
-        p_v = tl.max(tl.where(k_lane == k_v, p_lane, 0.0), 0)
+            p2, key2, _z2 = _akl_tile(t_row, start + lanes, V, m_t, log2_l, log2e_tau_t, t_mul, T_HEAD)
+            higher = (key2 < kappa) & (key2 > k_below)
+            p_below = tl.where(higher, p2, p_below)
+            k_below = tl.where(higher, key2, k_below)
+        k_v = tl.max(k_below, 0)
+        p_v = tl.max(tl.where(k_below == k_v, p_below, 0.0), 0)
         need = tl.floor((mu - f_k) / tl.where(p_v > 0.0, p_v, 1.0))
         need = tl.maximum(need, tl.where(f_k == 0.0, 1.0, 0.0))
         need = tl.minimum(need, V + 1.0).to(tl.int32)  # the group's first `need` ids by id
         cut = tl.where(need > 0, V, -1)  # V: the group's ids all (fewer than need)
         seen = need * 0
         for start in range(0, V, BLOCK_V):
-            offs2 = start + cols
+            offs2 = start + lanes
             group = (offs2 < V) & (_akl_tile(t_row, offs2, V, m_t, log2_l, log2e_tau_t, t_mul, T_HEAD)[1] == k_v)
             rank = seen + tl.cumsum(group.to(tl.int32), 0)
             cut = tl.minimum(cut, tl.min(tl.where(group & (rank == need), offs2, V), 0))
@@ -1439,10 +1446,11 @@ def akl_head_keys(t: torch.Tensor, spec: LossSpec, search: bool = False) -> torc
     if R:
         with launching():
             keep = torch.empty(R, _AKL_CAP, dtype=torch.int32, device=t.device)
+            scan = min(BLOCK_V, max(16, triton.next_power_of_2(V)))
             _akl_head_kernel[(R,)](t, out, keep, V, t.stride(0), float(spec.head_mass),
                                    math.log2(math.e) * fold_t / spec.temperature, t_mul, int(search), T_HEAD=t_head,
-                                   PARTS=_AKL_PARTS, BLOCK_V=min(256, max(16, triton.next_power_of_2(V))),
-                                   BINS=_AKL_BINS, CAP=_AKL_CAP, LEVELS=_AKL_LEVELS, num_warps=4)
+                                   PARTS=_AKL_PARTS, BLOCK_V=min(256, max(16, triton.next_power_of_2(V))), SCAN=scan,
+                                   BINS=_AKL_BINS, CAP=_AKL_CAP, LEVELS=_AKL_LEVELS, num_warps=8 if scan >= 1024 else 4)
     return out
 
 
