@@ -1450,7 +1450,7 @@ def akl_head_keys(t: torch.Tensor, spec: LossSpec, search: bool = False) -> torc
             _akl_head_kernel[(R,)](t, out, keep, V, t.stride(0), float(spec.head_mass),
                                    math.log2(math.e) * fold_t / spec.temperature, t_mul, int(search), T_HEAD=t_head,
                                    PARTS=_AKL_PARTS, BLOCK_V=min(256, max(16, triton.next_power_of_2(V))), SCAN=scan,
-                                   BINS=_AKL_BINS, CAP=_AKL_CAP, LEVELS=_AKL_LEVELS, num_warps=8 if scan >= 1024 else 4)
+                                   BINS=_AKL_BINS, CAP=_AKL_CAP, LEVELS=_AKL_LEVELS, num_warps=4)
     return out
 
 
