@@ -76,6 +76,9 @@ class TokenMap:
         tv = self.teacher_vocab_size
         if tv is not None and (isinstance(tv, bool) or not isinstance(tv, int) or tv < 1):
             raise TypeError(f"teacher_vocab_size: expected None or an int >= 1, got {tv!r}")
+        if index.device.type == "meta":  # its ids are read below (range, one-to-one): a meta tensor has none
+            raise ValueError("index: expected a tensor with values (a teacher id or -1 per student id), got one on "
+                             "the meta device")
         index = index.detach().to(torch.int64)
         lo, hi = int(index.min()), int(index.max())
         if lo < -1 or (tv is not None and hi >= tv):
@@ -128,11 +131,22 @@ class TokenMap:
         if not isinstance(teacher_weight, torch.Tensor) or not teacher_weight.is_floating_point():
             got = teacher_weight.dtype if isinstance(teacher_weight, torch.Tensor) else type(teacher_weight).__name__
             raise TypeError(f"teacher_weight: expected a float tensor (Vt, Ht), got {got}")
+        if teacher_weight.layout != torch.strided:  # gathered by rows below: a sparse head fails there, unnamed
+            raise TypeError(f"teacher_weight: expected a dense (strided) tensor, got layout {teacher_weight.layout}")
         if teacher_weight.dim() != 2 or 0 in teacher_weight.shape:  # no rows to gather, or no hidden size
             raise ValueError(f"teacher_weight: expected a 2-D tensor (Vt, Ht), both >= 1, got shape "
                              f"{tuple(teacher_weight.shape)}")
         rows = teacher_weight.shape[0]
         top = int(tmap.index.max())
+        if top < 0:
+            # every teacher logit −inf: the teacher's distribution over the student's ids is 0/0, a NaN loss
+            raise ValueError(f"index: expected at least one student id matched to a teacher id (the teacher's "
+                             f"distribution over the shared tokens), got none of {len(tmap)}: the tokenizers share "
+                             "no token (pass pairs= to token_map, or use fused_linear_uld)")
+        tv = tmap.teacher_vocab_size
+        if tv is not None and rows < tv:
+            # the map's teacher has tv ids: a head with fewer rows is another model's (a padded head has more)
+            raise ValueError(f"teacher_weight: expected at least {tv} rows (the map's teacher_vocab_size), got {rows}")
         if top >= rows:
             raise ValueError(f"teacher_weight: expected at least {top + 1} rows (the map's teacher ids reach {top}), "
                              f"got {rows}")
@@ -141,6 +155,11 @@ class TokenMap:
                 got = teacher_bias.dtype if isinstance(teacher_bias, torch.Tensor) else type(teacher_bias).__name__
                 raise TypeError(f"teacher_bias: expected None or a tensor of teacher_weight's dtype "
                                 f"{teacher_weight.dtype}, got {got}")
+            if teacher_bias.layout != torch.strided:
+                raise TypeError(f"teacher_bias: expected a dense (strided) tensor, got layout {teacher_bias.layout}")
+            if teacher_bias.device != teacher_weight.device:  # not copied across devices unasked
+                raise ValueError(f"teacher_bias: expected a tensor on {teacher_weight.device} (teacher_weight's "
+                                 f"device), got {teacher_bias.device}")
             if teacher_bias.shape != (rows,):
                 raise ValueError(f"teacher_bias: expected shape ({rows},) (teacher_weight's rows), got {tuple(teacher_bias.shape)}")
         with torch.no_grad():
@@ -151,7 +170,7 @@ class TokenMap:
             if teacher_bias is None:
                 bias = torch.zeros(len(tmap), dtype=teacher_weight.dtype, device=teacher_weight.device)
             else:
-                bias = teacher_bias.detach().to(teacher_weight.device)[safe]
+                bias = teacher_bias.detach()[safe]
             bias = bias.masked_fill(~hit, float("-inf"))
         return weight, bias
 
@@ -380,11 +399,21 @@ def uld_alignment(student_labels: torch.Tensor, teacher_labels: torch.Tensor, st
     check_finite_float("weight", weight)
     if isinstance(ignore_index, bool) or not isinstance(ignore_index, int):
         raise TypeError(f"ignore_index: expected an int, got {ignore_index!r}")
+    for name, flag in (("extended", extended), ("skip_student_eos", skip_student_eos),
+                       ("skip_teacher_eos", skip_teacher_eos)):
+        if not isinstance(flag, bool):  # a string or a tensor would be read as its truth value
+            raise TypeError(f"{name}: expected a bool, got {flag!r}")
     for name, t in (("student_labels", student_labels), ("teacher_labels", teacher_labels),
                     ("student_input_ids", student_input_ids), ("teacher_input_ids", teacher_input_ids)):
         if not isinstance(t, torch.Tensor) or t.dim() != 2 or not _integer(t):
             got = (t.dtype if t.dim() == 2 else tuple(t.shape)) if isinstance(t, torch.Tensor) else type(t).__name__
             raise ValueError(f"{name}: expected an integer tensor (batch, length), got {got}")
+        if t.device.type == "meta":  # read on the host below
+            raise ValueError(f"{name}: expected a tensor with values, got one on the meta device")
+    for name, t in (("student_labels", student_labels), ("teacher_labels", teacher_labels)):
+        # narrower ones would wrap ignore_index: -100 is 156 in uint8, so that label 156 would read as ignored
+        if t.dtype not in (torch.int64, torch.int32):
+            raise TypeError(f"{name}: expected an integer dtype (torch.int64 or torch.int32), got {t.dtype}")
     if student_input_ids.shape != student_labels.shape:
         raise ValueError(f"student_input_ids: expected shape {tuple(student_labels.shape)} (student_labels'), "
                          f"got {tuple(student_input_ids.shape)}")
@@ -403,6 +432,8 @@ def uld_alignment(student_labels: torch.Tensor, teacher_labels: torch.Tensor, st
                 raise ValueError(f"{name}: expected shape ({b}, {t}, 2) with extended=True, got {got}")
             if not _integer(off):
                 raise TypeError(f"{name}: expected an integer tensor of byte offsets, got {off.dtype}")
+            if off.device.type == "meta":  # read on the host below
+                raise ValueError(f"{name}: expected a tensor with values, got one on the meta device")
     s_start, s_size = _answers(student_labels, ignore_index)
     t_start, t_size = _answers(teacher_labels, ignore_index)
     s_size = [n - 1 for n in s_size] if skip_student_eos else s_size
@@ -591,8 +622,22 @@ def _plan(xs, ws, xt, wt, al, bs, bt, s_tau, t_tau, matched, a, b, beta, labels,
             raise ValueError(f"{name}: expected None or shape ({w.shape[0]},), got {got}")
         if bias is not None and bias.dtype != w.dtype:  # added to the logits, it would promote or cast them
             raise TypeError(f"{name}: expected None or a tensor of its weight's dtype {w.dtype}, got {bias.dtype}")
+    # one device, dense: the two sides' probabilities meet in each chunk's loss (a teacher elsewhere fails there,
+    # or on the meta device gives a loss of no logits), and the gradients are gathered by rows
+    for name, t in (("student_input", xs), ("student_weight", ws), ("student_bias", bs), ("teacher_input", xt),
+                    ("teacher_weight", wt), ("teacher_bias", bt)):
+        if t is not None and t.layout != torch.strided:
+            raise TypeError(f"{name}: expected a dense (strided) tensor, got layout {t.layout}")
+        if t is not None and t.device != xs.device:
+            raise ValueError(f"{name}: expected a tensor on {xs.device} (the device of student_input), got {t.device}")
     if not isinstance(al, UldAlignment):
         raise TypeError(f"alignment: expected a flashkd.UldAlignment (flashkd.uld_alignment), got {type(al).__name__}")
+    for f in dataclasses.fields(al):  # a public dataclass, built by hand too: its fields are read below
+        t = getattr(al, f.name)
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"alignment.{f.name}: expected a tensor, got {type(t).__name__}")
+        if t.device.type == "meta":  # moved to student_input's device below, and its indices checked on the host
+            raise ValueError(f"alignment.{f.name}: expected a tensor with values, got one on the meta device")
     for name, tau in (("student_temperature", s_tau), ("teacher_temperature", t_tau)):
         if isinstance(tau, bool) or not isinstance(tau, (int, float)) or not tau > 0 or tau == float("inf"):
             raise ValueError(f"{name}: expected a finite float > 0, got {tau!r}")
@@ -647,6 +692,10 @@ def _plan(xs, ws, xt, wt, al, bs, bt, s_tau, t_tau, matched, a, b, beta, labels,
             if len(matched) > vs:
                 raise ValueError(f"matched: expected a TokenMap of at most {vs} student ids (student_weight's rows), "
                                  f"got {len(matched)}")
+            tv = matched.teacher_vocab_size
+            if tv is not None and tv > vt:  # a map of another teacher's vocab: its ids may fall in range by chance
+                raise ValueError(f"matched: expected a TokenMap of at most {vt} teacher ids (teacher_weight's rows), "
+                                 f"got teacher_vocab_size={tv}")
             sid, tid = matched.matched
         elif isinstance(matched, (tuple, list)) and len(matched) == 2:
             sid, tid = matched
@@ -683,6 +732,9 @@ def _plan(xs, ws, xt, wt, al, bs, bt, s_tau, t_tau, matched, a, b, beta, labels,
         # narrower ones would wrap ignore_index (-100 is 156 in uint8)
         if labels.dtype not in (torch.int64, torch.int32):
             raise TypeError(f"labels: expected an integer dtype (torch.int64 or torch.int32), got {labels.dtype}")
+        if labels.device != xs.device:  # not copied across devices unasked, as the other tensors
+            raise ValueError(f"labels: expected a tensor on {xs.device} (the device of student_input), got "
+                             f"{labels.device}")
         y = labels.reshape(-1).to(device)
         rows = (y != ignore_index).nonzero().flatten()
         _check_index("labels", y[rows], vs)

@@ -139,6 +139,9 @@ def fused_linear_distill_teachers(
     if student_input.dim() < 1:
         raise ValueError("student_input: expected a tensor of shape (..., Hs), got a 0-d tensor")
     lead = tuple(student_input.shape[:-1])
+    # the student's tensors first, for every combine: geometric checks each teacher against student_input's dtype
+    # before its one call, where an integer student_input would be blamed on teacher_inputs[0]
+    checks.check_student(student_input, student_weight, student_bias, labels)
     # checked here as given: the calls below see it multiplied by per-row weights, or as the rows of a group
     checks.check_row_weight(row_weight, student_input, student_input)
     teachers = _teachers(teacher_inputs, teacher_heads, teacher_biases, teacher_logit_scale, teacher_softcap, lead)
@@ -151,9 +154,8 @@ def fused_linear_distill_teachers(
     options = {name: value for name, value in given.items() if name in _PASSED}
     weights = (weight_hard_loss, weight_soft_loss)
     if combine == "routed":
-        # labels' shape as given: the calls below see only the rows that have a teacher, flattened
-        checks.check_student(student_input, student_weight, student_bias, labels)
-        index = _check_index(teacher_index, labels, lead, m)
+        # labels' shape checked above, as given: the calls below see only the rows that have a teacher, flattened
+        index = _check_index(teacher_index, labels, lead, m, student_input.device)
         counts, order = _groups(index, m)
         parsed = {**options, **{name: given[name] for name in _PER_CALL}}
         if teacher_precision is None and counts[0] < index.numel():
@@ -211,18 +213,25 @@ def _teachers(inputs, heads, biases, scales, softcaps, lead) -> _Teachers:
     if biases is None:
         biases = [None] * m
     elif isinstance(biases, torch.Tensor) or not isinstance(biases, (list, tuple)) or len(biases) != m:
-        raise ValueError(f"teacher_biases: expected None or a list of {m} (a tensor or None each)")
+        got = f"{len(biases)} entries" if isinstance(biases, (list, tuple)) else type(biases).__name__
+        raise ValueError(f"teacher_biases: expected None or a list of {m} (a tensor or None each), got {got}")
     flat = []
     for i, (x, w, b) in enumerate(zip(inputs, heads, biases)):
-        if not isinstance(x, torch.Tensor) or not isinstance(w, torch.Tensor):
-            raise TypeError(f"teacher_inputs[{i}], teacher_heads[{i}]: expected tensors")
+        # a tensor each, dense: a sparse one would fail in the reshape below, not by its name
+        checks.check_tensors({f"teacher_inputs[{i}]": x, f"teacher_heads[{i}]": w})
+        if b is not None:
+            checks.check_tensors({f"teacher_biases[{i}]": b})
         if tuple(x.shape[:-1]) != lead or x.dim() != len(lead) + 1:
             raise ValueError(f"teacher_inputs[{i}]: expected shape {(*lead, 'Ht')} (student_input's leading dims), "
                              f"got {tuple(x.shape)}")
-        if w.dim() != 2 or w.shape[1] != x.shape[-1]:
+        if w.dim() != 2 or 0 in w.shape:  # an empty vocab or hidden size has no distribution
+            raise ValueError(f"teacher_heads[{i}]: expected a 2-D (vocab, hidden) tensor, both >= 1, got shape "
+                             f"{tuple(w.shape)}")
+        if w.shape[1] != x.shape[-1]:
             raise ValueError(f"teacher_heads[{i}]: expected shape (Vt, {x.shape[-1]}), got {tuple(w.shape)}")
-        if b is not None and (not isinstance(b, torch.Tensor) or tuple(b.shape) != (w.shape[0],)):
-            raise ValueError(f"teacher_biases[{i}]: expected None or a tensor of shape ({w.shape[0]},)")
+        if b is not None and tuple(b.shape) != (w.shape[0],):
+            raise ValueError(f"teacher_biases[{i}]: expected None or a tensor of shape ({w.shape[0]},), got "
+                             f"{tuple(b.shape)}")
         flat.append(x.reshape(-1, x.shape[-1]))
 
     def scale(v):
@@ -237,11 +246,16 @@ def _teachers(inputs, heads, biases, scales, softcaps, lead) -> _Teachers:
                      _per_teacher(softcaps, "teacher_softcap", m, cap))
 
 
-def _check_index(index, labels, lead, m):
+def _check_index(index, labels, lead, m, device):
     if index is None:
         raise ValueError("teacher_index: expected a tensor with combine='routed' (each row's teacher), got None")
     if not isinstance(index, torch.Tensor) or index.dtype not in (torch.int64, torch.int32):
         raise TypeError(f"teacher_index: expected an int64 or int32 tensor, got {getattr(index, 'dtype', type(index))}")
+    # the rows are grouped by it on its device (bincount, argsort), then it indexes the student's rows
+    if index.layout != torch.strided:
+        raise TypeError(f"teacher_index: expected a dense (strided) tensor, got layout {index.layout}")
+    if index.device != device:
+        raise ValueError(f"teacher_index: expected a tensor on {device} (the device of student_input), got {index.device}")
     shape = lead if labels is None else tuple(labels.shape)
     if tuple(index.shape) != shape:
         raise ValueError(f"teacher_index: expected labels' shape {shape}, got {tuple(index.shape)}")
@@ -263,8 +277,12 @@ def _check_weights(weights, lead, m, device):
         if weights.requires_grad:  # detached below: a gradient to it would be silently dropped
             raise TypeError("teacher_weights: expected a constant tensor (requires_grad=False): no gradient flows to "
                             "it; got one that requires grad (pass teacher_weights.detach())")
+        checks.check_tensors({"teacher_weights": weights})  # dense: a sparse one has no values to compare
         eps = torch.finfo(weights.dtype).eps
         if tuple(weights.shape) == (m,):  # one weight per teacher, read on the host
+            if weights.device.type == "meta":
+                raise ValueError("teacher_weights: expected a tensor (M,) with values (read on the host), got one on "
+                                 "the meta device")
             weights = weights.tolist()
         else:
             if tuple(weights.shape) != (*lead, m):
@@ -278,7 +296,9 @@ def _check_weights(weights, lead, m, device):
         raise ValueError(f"teacher_weights: expected {m} floats (one per teacher) or a tensor (..., {m}), "
                          f"got {weights!r}")
     for w in weights:
-        if isinstance(w, bool) or not isinstance(w, (int, float)) or not math.isfinite(w) or w < 0:
+        if isinstance(w, bool) or not isinstance(w, (int, float)):
+            raise TypeError(f"teacher_weights: expected Python floats (or a tensor), got {w!r}")
+        if not math.isfinite(w) or w < 0:
             raise ValueError(f"teacher_weights: expected finite floats >= 0, got {w!r}")
     return [float(w) for w in weights], eps
 
@@ -411,13 +431,12 @@ def _geometric(xs, ws, bs, teachers, labels, row_weight, w, weights, reduction, 
                              xs.dtype, xs.device)
         if teachers.biases[t] is not None:
             checks.check_tensors({f"teacher_biases[{t}]": teachers.biases[t]}, xs.dtype, xs.device)
-    rows = {t.shape[0] for t in teachers.heads}
-    if vocab_size is None and len(rows) > 1:
-        raise ValueError(f"teacher_heads: expected the same number of rows for combine='geometric' (or vocab_size=V "
-                         f"to take each head's first V), got {sorted(rows)}")
-    cut = vocab_size if vocab_size is not None else teachers.heads[0].shape[0]
-    if any(r < cut for r in rows):
-        raise ValueError(f"teacher_heads: expected at least {cut} rows each, got {sorted(rows)}")
+    # each head against the student's vocab, as one call checks its teacher_weight: the one call below sees only
+    # their concatenation, whose errors would name a teacher_weight the caller did not pass
+    cut = ws.shape[0]
+    checks.check_vocab_size(vocab_size, cut)
+    for t in range(m):
+        checks.check_teacher_vocab(f"teacher_heads[{t}]", teachers.heads[t].shape[0], cut, vocab_size)
     per_row = isinstance(w, torch.Tensor)
     dtype = teachers.inputs[0].dtype
     xcols, wcols = [], []

@@ -386,7 +386,7 @@ def _gold_loss(trainer, unwrapped, inputs, t_ids, t_mask, alignment):
     with zero3_gathered(ws, bs, wt, bt):
         loss, matched_parts, unmatched_parts = fused_linear_uld(
             cast(hs), cast(ws), cast(ht).to(hs.device), cast(wt).to(ws.device), alignment.to(ws.device),
-            student_bias=cast(bs), teacher_bias=cast(bt), student_temperature=float(uld.student_temperature),
+            student_bias=cast(bs), teacher_bias=None if bt is None else cast(bt).to(ws.device), student_temperature=float(uld.student_temperature),
             teacher_temperature=float(uld.teacher_temperature), matched=matched,
             matched_weight=uld.hybrid_matched_weight if matched is not None else None,
             unmatched_weight=uld.hybrid_unmatched_weight if matched is not None else None,
