@@ -21,6 +21,7 @@ from . import core
 from .core import call as calls
 from .core import keywords
 from .core.checks import any_dtensor
+from .losses import shown
 
 
 def fused_linear_distill(
@@ -374,6 +375,9 @@ def _route(function: str, given: dict):
     rows = next(iter(calls.group_tensors(groups, calls.ROWS).values()))  # the first rows tensor: the exchange's device
     sharded = sharding.process_group is not None or any_dtensor(*heads)
     try:
+        # the sharding flags' types first, on every call: a str would pass for True where they are read (a
+        # DTensor head's exchange, or check_keywords' process group) and for nothing where they are not
+        keywords.run_checks(keywords.sort(given, (keywords.SHARDING,)), late=False)
         parsed = keywords.sort(given, keywords.PARSED)
         call = (calls.parse_teacher_topk(teacher, parsed) if student is None
                 else calls.parse(student, teacher, parsed))
@@ -403,4 +407,9 @@ def check_options(options: dict, function: str = "fused_linear_distill") -> None
     would check them, by the call's own parse: a module's or trainer's options fail where it is made, not
     at its first forward. What depends on the tensors (triton on a CPU tensor, grad_accum_dtype against
     the weight's, vocab_size against the heads) and the sharding keywords are checked by the call."""
+    # a name the parse does not take (misspelt, or another function's) is refused, not sorted out unread
+    unknown = [name for name in options if name not in KEYWORDS[function]]
+    if unknown:
+        raise TypeError(f"{unknown[0]}: expected a keyword option of flashkd.{function}, got "
+                        f"{unknown[0]}={shown(options[unknown[0]])}")
     calls.parse(None, None, keywords.sort({**KEYWORDS[function], **options}, keywords.PARSED))

@@ -15,7 +15,8 @@ in the defaults from it, and the ranks of a vocab slice agree on the keywords it
                    (Sharding's field, beside the call)
         functions  the public functions that take it
         check      its check that needs no other value, run by the parse in the table's order (`late`:
-                   after the loss spec's and the labels' checks); None: LossSpec's, or the call's
+                   after the loss spec's and the labels' checks; a SHARDING keyword's: before the parse,
+                   `flashkd.distill._route`); None: LossSpec's, or the call's
         agreed     whether the ranks of a vocab slice compare it (`agreed(call, sharding)`; a tensor's
                    presence and shape are compared as facts of the checked rows, `distributed.agreement`)
     KEYWORDS[function] = {keyword: default}: a public function's keyword options (its signature's)
@@ -28,7 +29,7 @@ import dataclasses
 from typing import Callable
 
 from .. import fp8
-from ..losses import PARAMETERS, check_finite_float
+from ..losses import PARAMETERS, TAILS, check_finite_float
 from .backend import check_backend
 from .checks import FLOATS, check_chunk_size
 
@@ -57,6 +58,13 @@ def _accum_dtype(name, value):
     if value is not None and value not in FLOATS:
         raise TypeError(f"{name}: expected None or a floating dtype (float16, bfloat16, float32, float64), "
                         f"got {value!r}")
+
+
+def _tail(name, value):
+    # LossSpec takes None for a dense teacher: given to the top-k form it ran as "renormalize" and let through
+    # the losses a top-k teacher refuses (cosine, dkd, mutual, co_jeffreys)
+    if value not in TAILS:
+        raise ValueError(f"{name}: expected 'bucket' or 'renormalize', got {value!r}")
 
 
 def _vocab_size(name, value):
@@ -100,7 +108,7 @@ TABLE = {
     "temperature": Keyword(1.0, SPEC, (*LOSS_FUNCTIONS, TEACHER_TOPK)),
     "ignore_index": Keyword(-100, SPEC, LOSS_FUNCTIONS),
     "reduction": Keyword("mean", SPEC, LOSS_FUNCTIONS),
-    "tail": Keyword("bucket", SPEC, (TOPK,)),
+    "tail": Keyword("bucket", SPEC, (TOPK,), _tail),
     "tail_clamp": Keyword(None, SPEC, (TOPK,)),
     "student_logit_scale": Keyword(1.0, SPEC, LOSS_FUNCTIONS),
     "student_softcap": Keyword(None, SPEC, LOSS_FUNCTIONS),
@@ -116,9 +124,10 @@ TABLE = {
     "num_teachers": Keyword(None, TENSOR, (TOPK,)),  # it sizes the per-teacher sums: agreed
     "process_group": Keyword(None, SHARDING, (*LOSS_FUNCTIONS, TEACHER_TOPK), agreed=False),
     "vocab_start": Keyword(None, SHARDING, (*LOSS_FUNCTIONS, TEACHER_TOPK), agreed=False),  # the layout's
-    "check_shards": Keyword(None, SHARDING, (*LOSS_FUNCTIONS, TEACHER_TOPK)),
+    # the sharding flags' checks run on every call (`flashkd.distill._route`), with a process group or not
+    "check_shards": Keyword(None, SHARDING, (*LOSS_FUNCTIONS, TEACHER_TOPK), _optional_flag),
     # teacher_topk has none: its rows are checked by the exchange alone
-    "check_replicas": Keyword(False, SHARDING, LOSS_FUNCTIONS),
+    "check_replicas": Keyword(False, SHARDING, LOSS_FUNCTIONS, _flag),
     "fsdp_gather": Keyword("auto", SHARDING, (*LOSS_FUNCTIONS, TEACHER_TOPK)),
 }
 
