@@ -58,6 +58,7 @@ import sys
 import torch
 import torch.nn.functional as F
 
+from ..core import checks as core_checks
 from ..distill import KEYWORDS, check_options, fused_linear_distill_topk
 from . import announce, is_replaced, replace, restore
 
@@ -72,6 +73,18 @@ _ABOVE_ONE = 2.0**-12
 # the keywords of fused_linear_distill_topk that forward sets itself
 _SET_HERE = frozenset({"loss", "tail", "beta", "temperature", "temperature_squared", "ignore_index", "student_bias",
                        "reduction", "weight_soft_loss", "weight_hard_loss", "row_weight"})
+# flashkd's argument names in its errors, as this loss's forward names them (row_weight: P, from the log-probs)
+_NAMES = {"student_input": "student_hidden_states", "student_weight": "lm_head_weight",
+          "teacher_ids": "target_token_ids", "teacher_logprobs": "target_logprobs", "labels": "true_labels",
+          "row_weight": "target_logprobs"}
+
+
+def _flag(name, value):
+    # axolotl reads these with `if`: None (kd_normalize_topk unset) is False; a string or a tensor would be
+    # taken by its truth value unseen
+    if value is not None and not isinstance(value, bool):
+        raise TypeError(f"{name}: expected a bool (or None: False), got {value!r}")
+    return bool(value)
 
 
 def _weight(name, value):
@@ -109,10 +122,18 @@ class FusedLinearKLTopKLogprobLoss(torch.nn.Module):
         if isinstance(beta, bool) or not isinstance(beta, (int, float)) or not 0.0 <= beta <= 1.0:
             raise ValueError(f"beta: expected a float in [0, 1] (0 forward KL, 1 reverse KL), got {beta!r}")
         self.beta = float(beta)
-        if not normalize_topk and self.beta > 0.0:
+        self.compute_ce_loss = _flag("compute_ce_loss", compute_ce_loss)
+        self.normalize_topk = _flag("normalize_topk", normalize_topk)
+        if not self.normalize_topk and self.beta > 0.0:
             raise ValueError(f"normalize_topk: expected True with beta={beta!r} (without it axolotl's reverse KL and "
                              f"JSD take the student's unnormalised probabilities at the K ids, which is no "
-                             f"divergence flashkd computes); got False. Use kd_normalize_topk: true, or kd_beta: 0")
+                             f"divergence flashkd computes); got {normalize_topk!r}. Use kd_normalize_topk: true, or "
+                             f"kd_beta: 0")
+        # unused here (flashkd plans its own chunks), checked all the same: a wrong one is a wrong config
+        if not isinstance(compiled, bool):
+            raise TypeError(f"compiled: expected a bool, got {compiled!r}")
+        if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
+            raise ValueError(f"chunk_size: expected an int >= 1, got {chunk_size!r}")
         # flashkd's own options, checked here by the call's parse (not at the first training step)
         wrong = sorted(set(flashkd_options) & _SET_HERE | set(flashkd_options) - set(KEYWORDS["fused_linear_distill_topk"]))
         if wrong:
@@ -122,8 +143,6 @@ class FusedLinearKLTopKLogprobLoss(torch.nn.Module):
         check_options({**flashkd_options, "ignore_index": ignore_index}, "fused_linear_distill_topk")
         self.ignore_index = ignore_index
         self.compiled, self.chunk_size = compiled, chunk_size
-        self.compute_ce_loss = bool(compute_ce_loss)
-        self.normalize_topk = bool(normalize_topk)
         self.flashkd_options = flashkd_options
 
     def forward(
@@ -136,20 +155,65 @@ class FusedLinearKLTopKLogprobLoss(torch.nn.Module):
         true_labels: torch.Tensor,  # (B, T)
         student_bias: torch.Tensor | None = None,
     ) -> torch.Tensor:
+        try:
+            return self._forward(lm_head_weight, student_hidden_states, target_token_ids, target_logprobs,
+                                 target_mask, true_labels, student_bias)
+        except (TypeError, ValueError) as e:  # errors name the argument as axolotl's signature calls it
+            raise core_checks.renamed(e, _NAMES) from None
+
+    def _forward(self, lm_head_weight, student_hidden_states, target_token_ids, target_logprobs, target_mask,
+                 true_labels, student_bias):
+        # what flashkd's call does not see as it is given here (it gets the ids masked, the log-probs cast
+        # and shifted, the labels shifted): the type, dtype, device and shape of each, checked first
+        core_checks.check_tensors({"student_hidden_states": student_hidden_states})
+        if student_hidden_states.dtype not in core_checks.FLOATS:
+            raise TypeError(f"student_hidden_states: expected a floating dtype (float16, bfloat16, float32, float64), "
+                            f"got {student_hidden_states.dtype}")
+        core_checks.check_tensors({"lm_head_weight": lm_head_weight, "student_bias": student_bias},
+                                  student_hidden_states.dtype, student_hidden_states.device, like="student_hidden_states")
+        core_checks.check_tensors({"target_token_ids": target_token_ids, "target_logprobs": target_logprobs,
+                                   "target_mask": target_mask, "true_labels": true_labels},
+                                  device=student_hidden_states.device, like="student_hidden_states")
         if student_hidden_states.dim() != 3:
             raise ValueError(f"student_hidden_states: expected shape (B, T, H), got "
                              f"{tuple(student_hidden_states.shape)}")
         b, t, h = student_hidden_states.shape
-        for name, x in (("target_token_ids", target_token_ids), ("target_logprobs", target_logprobs),
-                        ("target_mask", target_mask)):
-            if x.dim() != 3 or x.shape[:2] != (b, t):
-                raise ValueError(f"{name}: expected shape ({b}, {t}, K) (student_hidden_states' B, T), got "
-                                 f"{tuple(x.shape)}")
+        if lm_head_weight.dim() != 2 or lm_head_weight.shape[1] != h:
+            raise ValueError(f"lm_head_weight: expected shape (V, {h}) (student_hidden_states' H), got "
+                             f"{tuple(lm_head_weight.shape)}")
+        if target_token_ids.dim() != 3 or target_token_ids.shape[:2] != (b, t) or target_token_ids.shape[-1] < 1:
+            raise ValueError(f"target_token_ids: expected shape ({b}, {t}, K) with K >= 1 (student_hidden_states' "
+                             f"B, T), got {tuple(target_token_ids.shape)}")
+        for name, x in (("target_logprobs", target_logprobs), ("target_mask", target_mask)):
+            if x.shape != target_token_ids.shape:  # not broadcast: a (B, T, 1) mask is no per-slot mask
+                raise ValueError(f"{name}: expected shape {tuple(target_token_ids.shape)} (that of target_token_ids), "
+                                 f"got {tuple(x.shape)}")
         if true_labels.shape != (b, t):
             raise ValueError(f"true_labels: expected shape ({b}, {t}), got {tuple(true_labels.shape)}")
+        # the ids are masked and widened below (.long() would truncate a float id unseen); the log-probs
+        # cast to the compute dtype (an int or bool tensor would be taken as numbers unseen)
+        if target_token_ids.dtype.is_floating_point or target_token_ids.dtype.is_complex \
+                or target_token_ids.dtype == torch.bool:
+            raise TypeError(f"target_token_ids: expected an integer dtype, got {target_token_ids.dtype}")
+        if target_logprobs.dtype not in core_checks.FLOATS:
+            raise TypeError(f"target_logprobs: expected a floating dtype (float16, bfloat16, float32, float64), got "
+                            f"{target_logprobs.dtype}")
         k = target_token_ids.shape[-1]
         x = student_hidden_states.reshape(-1, h)
         mask = target_mask.reshape(-1, k) != 0
+        check = self.flashkd_options.get("check_teacher")
+        if check if check is not None else x.device.type == "cpu":  # as flashkd checks values: on CPU by default
+            # at the slots the mask keeps: a negative id would read as flashkd's unused slot (-1), and the
+            # log-probs are renormalised below (tail "bucket") before flashkd's own check sees them
+            raw, raw_lp = target_token_ids.reshape(-1, k), target_logprobs.reshape(-1, k)
+            bad = mask & (raw < 0)
+            if bad.any():
+                raise ValueError(f"target_token_ids: expected ids >= 0 where target_mask is set, got "
+                                 f"{raw[bad][0].item()} in row {int(bad.any(-1).nonzero()[0, 0])}")
+            bad = mask & ~(raw_lp <= 0)
+            if bad.any():
+                raise ValueError(f"target_logprobs: expected log-probabilities <= 0 (not NaN) where target_mask is "
+                                 f"set, got {raw_lp[bad][0].item()} in row {int(bad.any(-1).nonzero()[0, 0])}")
         ids = torch.where(mask, target_token_ids.reshape(-1, k).long(), -1)
         wide = torch.float64 if x.dtype == torch.float64 else torch.float32
         lp = torch.where(mask, target_logprobs.reshape(-1, k).to(wide), -torch.inf)

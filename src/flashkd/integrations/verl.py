@@ -518,7 +518,10 @@ def topk_outputs(
     loss="forward_kl" is verl's (the module docstring), with `log_prob_min_clamp` as verl applies it;
     "reverse_kl" and "jsd" (β in flashkd's convention: 0 forward, 1 reverse) are flashkd's top-k form
     over the teacher's ids and a tail bucket (`flashkd.losses.topk_row_losses`), without a clamp; β is
-    read by "jsd" only (None: 0.5). The teacher's ids in a row are distinct (a top-k's are).
+    read by "jsd" only (None: 0.5). The teacher's ids in a row are distinct (a top-k's are) and in
+    [0, V), its log-probs <= 0 (at most 1 in all for "reverse_kl" / "jsd"'s tail bucket; finite for
+    verl's forward KL without log_prob_min_clamp, whose p·(log p − log q) is NaN at p = 0): checked on
+    CPU tensors only, as flashkd's top-k calls check them by default (elsewhere a host sync).
 
     predicted_grad, predicted_clamp: what the gradient that will reach `distillation_losses` is
     expected to be, up to one scalar: predicted_grad (a float tensor, constant) where
@@ -532,34 +535,55 @@ def topk_outputs(
     """
     spec = check_options(loss=loss, beta=beta, temperature=temperature, log_prob_min_clamp=log_prob_min_clamp,
                          chunk_size=chunk_size, predicted_clamp=predicted_clamp, **keywords)
-    for name, t in (("hidden_states", hidden_states), ("lm_head_weight", lm_head_weight),
-                    ("teacher_ids", teacher_ids), ("teacher_logprobs", teacher_logprobs)):
-        if not isinstance(t, torch.Tensor):
-            raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
-    if teacher_ids.shape != teacher_logprobs.shape or teacher_ids.shape[:-1] != hidden_states.shape[:-1]:
-        raise ValueError(f"teacher_ids, teacher_logprobs: expected shape (..., K) with leading dims "
-                         f"{tuple(hidden_states.shape[:-1])} (hidden_states'), got {tuple(teacher_ids.shape)} and "
-                         f"{tuple(teacher_logprobs.shape)}")
-    if teacher_ids.dtype.is_floating_point or teacher_ids.dtype == torch.bool:
+    # types, layouts, dtypes and devices first (no tensor is read): a head on another device or in another
+    # dtype would otherwise fail deep in a GEMM, or (a meta head) give values from nothing
+    core_checks.check_tensors({"hidden_states": hidden_states})
+    if hidden_states.dtype not in core_checks.FLOATS:
+        raise TypeError(f"hidden_states: expected a floating dtype (float16, bfloat16, float32, float64), got "
+                        f"{hidden_states.dtype}")
+    if hidden_states.dim() < 1 or hidden_states.shape[-1] == 0:
+        raise ValueError(f"hidden_states: expected a tensor of shape (..., H) with H >= 1, got shape "
+                         f"{tuple(hidden_states.shape)}")
+    core_checks.check_tensors({"lm_head_weight": lm_head_weight, **({} if lm_head_bias is None else
+                                                                     {"lm_head_bias": lm_head_bias})},
+                              hidden_states.dtype, hidden_states.device, like="hidden_states")
+    core_checks.check_tensors({"teacher_ids": teacher_ids, "teacher_logprobs": teacher_logprobs},
+                              device=hidden_states.device, like="hidden_states")
+    if teacher_ids.dtype.is_floating_point or teacher_ids.dtype.is_complex or teacher_ids.dtype == torch.bool:
         raise TypeError(f"teacher_ids: expected an integer dtype, got {teacher_ids.dtype}")
-    if lm_head_weight.dim() != 2 or lm_head_weight.shape[1] != hidden_states.shape[-1]:
-        raise ValueError(f"lm_head_weight: expected shape (V, {hidden_states.shape[-1]}), got "
+    if teacher_logprobs.dtype not in core_checks.FLOATS:  # an int or bool one would be cast to float64 unseen
+        raise TypeError(f"teacher_logprobs: expected a floating dtype (float16, bfloat16, float32, float64), got "
+                        f"{teacher_logprobs.dtype}")
+    if (teacher_ids.dim() < 1 or teacher_ids.shape != teacher_logprobs.shape
+            or teacher_ids.shape[:-1] != hidden_states.shape[:-1]):
+        want = ", ".join([*map(str, hidden_states.shape[:-1]), "K"])
+        raise ValueError(f"teacher_ids, teacher_logprobs: expected shape ({want}) (hidden_states' leading dims, then "
+                         f"K), got {tuple(teacher_ids.shape)} and {tuple(teacher_logprobs.shape)}")
+    if lm_head_weight.dim() != 2 or 0 in lm_head_weight.shape or lm_head_weight.shape[1] != hidden_states.shape[-1]:
+        raise ValueError(f"lm_head_weight: expected shape (V, {hidden_states.shape[-1]}) with V >= 1, got "
                          f"{tuple(lm_head_weight.shape)}")
-    if hidden_states.dtype not in core_checks.FLOATS or lm_head_weight.dtype != hidden_states.dtype:
-        raise TypeError(f"lm_head_weight: expected hidden_states' float dtype {hidden_states.dtype}, got "
-                        f"{lm_head_weight.dtype}")
-    if lm_head_bias is not None and (not isinstance(lm_head_bias, torch.Tensor)
-                                     or lm_head_bias.shape != (lm_head_weight.shape[0],)):
-        raise ValueError(f"lm_head_bias: expected None or a tensor of shape ({lm_head_weight.shape[0]},)")
+    if lm_head_bias is not None and lm_head_bias.shape != (lm_head_weight.shape[0],):
+        raise ValueError(f"lm_head_bias: expected None or a tensor of shape ({lm_head_weight.shape[0]},), got shape "
+                         f"{tuple(lm_head_bias.shape)}")
     lead = teacher_ids.shape[:-1]
     k = teacher_ids.shape[-1]
-    x = hidden_states.reshape(-1, hidden_states.shape[-1])
-    ids = teacher_ids.reshape(-1, k).long().contiguous()
-    if x.device.type == "cpu" and ids.numel() and (ids.min() < 0 or ids.max() >= lm_head_weight.shape[0]):
-        raise ValueError(f"teacher_ids: expected ids in [0, {lm_head_weight.shape[0]}) (the LM head's rows), got "
-                         f"values in [{int(ids.min())}, {int(ids.max())}]")
     if not 1 <= k <= lm_head_weight.shape[0]:
         raise ValueError(f"teacher_ids: expected 1 <= K <= V = {lm_head_weight.shape[0]}, got K = {k}")
+    x = hidden_states.reshape(-1, hidden_states.shape[-1])
+    ids = teacher_ids.reshape(-1, k).long().contiguous()
+    lp = teacher_logprobs.reshape(-1, k)
+    if x.device.type == "cpu" and ids.numel():  # the values, where reading them is no host sync
+        if ids.min() < 0 or ids.max() >= lm_head_weight.shape[0]:
+            raise ValueError(f"teacher_ids: expected ids in [0, {lm_head_weight.shape[0]}) (the LM head's rows), got "
+                             f"values in [{int(ids.min())}, {int(ids.max())}]")
+        # as flashkd's top-k calls check them on CPU: log-probs <= 0 (not NaN), at most 1 in all for the
+        # tail bucket, ids distinct within a row (a repeated id counts twice in q's normaliser)
+        core_checks.check_topk_values(ids, lp, None, spec, None)
+        if spec.loss == "forward_kl" and log_prob_min_clamp is None and (lp == -torch.inf).any():
+            row = int((lp == -torch.inf).any(-1).nonzero()[0, 0])
+            raise ValueError(f"teacher_logprobs: expected finite log-probabilities with loss='forward_kl' and "
+                             f"log_prob_min_clamp=None (verl's p·(log p − log q) is NaN at p = 0), got -inf in row "
+                             f"{row}; set log_prob_min_clamp (verl's distillation_loss.log_prob_min_clamp)")
     if predicted_grad is not None:
         if not isinstance(predicted_grad, torch.Tensor) or not predicted_grad.dtype.is_floating_point \
                 or predicted_grad.shape != lead or predicted_grad.device != x.device:
@@ -571,8 +595,12 @@ def topk_outputs(
     backend = core_backend.pick_backend(keywords.get("backend", "auto"), x)
     narrow = x.dtype in core_checks.NARROW
     accum = keywords.get("grad_accum_dtype") or (torch.float32 if narrow else x.dtype)
+    # as flashkd's calls take it: another dtype would round dW to a format it does not have (fp16 for
+    # fp32 / fp64 / bf16 heads), or ask cuBLAS for an output dtype it does not offer
+    if accum not in (torch.promote_types(x.dtype, torch.float32), x.dtype):
+        raise TypeError(f"grad_accum_dtype: expected {torch.promote_types(x.dtype, torch.float32)} or lm_head_weight's "
+                        f"dtype {x.dtype}, got {accum!r}")
     rows = _chunk_rows(x.shape[0], lm_head_weight.shape[0], chunk_size, backend, 4 if narrow else x.element_size())
-    lp = teacher_logprobs.reshape(-1, k)
     args = (x, lm_head_weight, lm_head_bias, ids, lp, spec, log_prob_min_clamp, rows, backend, accum)
     graded = torch.is_grad_enabled() and any(
         t is not None and t.requires_grad for t in (hidden_states, lm_head_weight, lm_head_bias))
@@ -606,6 +634,9 @@ def check_options(*, loss="forward_kl", beta=None, temperature=1.0, log_prob_min
             or any(v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)) or math.isnan(v))
                    for v in predicted_clamp)):
         raise ValueError(f"predicted_clamp: expected a pair (lo, hi) of floats or None, got {predicted_clamp!r}")
+    lo, hi = predicted_clamp
+    if lo is not None and hi is not None and lo > hi:  # no loss lies in it: every row predicted 0
+        raise ValueError(f"predicted_clamp: expected lo <= hi, got {predicted_clamp!r}")
     wrong = sorted(set(keywords) - set(KEYWORDS))
     if wrong:
         raise TypeError(f"{wrong[0]}: expected a keyword option of topk_outputs (or one of {', '.join(KEYWORDS)}), "
@@ -649,6 +680,14 @@ def response_weights(prompt_lens: torch.Tensor, response_lens: torch.Tensor, res
 
 
 _ENGINE = "verl.workers.engine.fsdp.transformer_impl"
+# topk_outputs' arguments that patch() sets for each micro-batch: {name: where they come from}
+_SET_BY_PATCH = {
+    "temperature": "verl's own config (the micro-batch, distillation_loss)",
+    "log_prob_min_clamp": "verl's own config (the micro-batch, distillation_loss)",
+    "predicted_grad": "the micro-batch (its response mask and the actor's loss_agg_mode)",
+    "predicted_clamp": "verl's config (0 and distillation_loss.loss_max_clamp)",
+    "lm_head_bias": "the model's LM head",
+}
 
 
 def _check_version():
@@ -711,18 +750,21 @@ def patch(**options) -> None:
     own config. Idempotent (a second call sets the options); `unpatch()` restores verl's methods, which
     are kept on the engine class while patched."""
     _check_version()
+    # the options first, before verl's modules are imported: a wrong one fails here, not in verl's first
+    # training step. What the patch passes itself is no option: given here it would be overridden (or,
+    # lm_head_bias, be a second value of the same keyword at the first step)
+    for name, source in _SET_BY_PATCH.items():
+        if name in options:
+            raise TypeError(f"{name}: expected from {source}, not as an option of patch(), got "
+                            f"{name}={options[name]!r}")
+    check_options(**options)
+    options = dict(options)
     from verl.utils import tensordict_utils as tu
     from verl.utils.ulysses import get_ulysses_sequence_parallel_world_size, slice_input_tensor
     import importlib
 
     engine = importlib.import_module(_ENGINE).FSDPEngineWithLMHead
     inputs_fn, outputs_fn = (original(engine, name) for name in _METHODS)
-    for name in ("temperature", "log_prob_min_clamp"):
-        if name in options:
-            raise TypeError(f"{name}: expected from verl's own config (the micro-batch, distillation_loss), not as "
-                            f"an option of patch(), got {name}={options[name]!r}")
-    check_options(**options)  # a wrong option fails here, not in verl's first training step
-    options = dict(options)
 
     def ours(micro_batch):
         return (tu.get_non_tensor_data(data=micro_batch, key="distillation_use_topk", default=False)
