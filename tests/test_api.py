@@ -1,4 +1,7 @@
-"""Bad input, edge cases and autograd behaviour of the public API."""
+"""Bad input, edge cases and autograd behaviour of the public API. The Triton backend on DEVICE (the GPU, or
+the CPU under Triton's interpreter), the torch backend and the references on the CPU."""
+
+import os
 
 import pytest
 import torch
@@ -9,6 +12,25 @@ from conftest import BACKENDS
 from helpers.integrations import error_without
 from helpers.ties import drop_tied_rows, logits64
 from oracle import distill_loss
+
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"  # set by conftest when there is no GPU
+DEVICE = "cpu" if INTERPRET else "cuda"  # where the Triton backend runs
+TRITON_RUNS = "triton" in BACKENDS and (INTERPRET or torch.cuda.is_available())
+needs_triton = pytest.mark.skipif(not TRITON_RUNS, reason="triton is not installed, or TRITON_INTERPRET is off "
+                                  "and there is no CUDA device")
+BACKEND_PARAMS = [pytest.param(b, marks=needs_triton) if b == "triton" else b for b in BACKENDS]
+
+
+def _device(backend):
+    """Where a test runs `backend`: the Triton one on DEVICE, the torch one on the CPU."""
+    return DEVICE if backend == "triton" else "cpu"
+
+
+def _on(device, *tensors):
+    """tensors on `device`: themselves on the CPU, else copies there (one that requires grad a leaf there)."""
+    if device == "cpu":
+        return tensors
+    return tuple(t.detach().to(device).requires_grad_(t.requires_grad) for t in tensors)
 
 
 def inputs(n=6, v=9, hs=4, ht=5, vt=None, dtype=torch.float32):
@@ -131,9 +153,9 @@ def test_unchecked_bad_label_gives_nan_not_garbage():
     assert torch.isnan(loss)
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend", BACKEND_PARAMS)
 def test_all_rows_ignored(backend):
-    xs, ws, xt, wt, y = inputs()
+    xs, ws, xt, wt, y = _on(_device(backend), *inputs())
     y.fill_(-100)
     loss = flashkd.fused_linear_distill(xs, ws, xt, wt, y, backend=backend)
     loss.backward()
@@ -141,65 +163,71 @@ def test_all_rows_ignored(backend):
     assert xs.grad.abs().max() == 0 and ws.grad.abs().max() == 0
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend", BACKEND_PARAMS)
 def test_empty_batch(backend):
-    xs, ws, xt, wt, y = inputs(n=0)
+    xs, ws, xt, wt, y = _on(_device(backend), *inputs(n=0))
     loss = flashkd.fused_linear_distill(xs, ws, xt, wt, y, backend=backend)
     loss.backward()
     assert loss.item() == 0.0 and xs.grad.shape == (0, 4) and ws.grad.abs().max() == 0
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend", BACKEND_PARAMS)
 @pytest.mark.parametrize("loss", flashkd.LOSSES)
 def test_single_row(backend, loss):
     xs, ws, xt, wt, y = inputs(n=1)
     y = drop_tied_rows(y, logits64(xs, ws), logits64(xt, wt), loss=loss)  # AKL's loss jumps with its head set
-    got = flashkd.fused_linear_distill(xs, ws, xt, wt, y, loss=loss, backend=backend)
+    xs_, ws_, xt_, wt_, y_ = _on(_device(backend), xs, ws, xt, wt, y)
+    got = flashkd.fused_linear_distill(xs_, ws_, xt_, wt_, y_, loss=loss, backend=backend)
     want, _, _ = distill_loss(xs.detach(), ws.detach(), xt, wt, y, loss=loss)
     got.backward()
-    assert torch.isfinite(xs.grad).all() and torch.isfinite(ws.grad).all()
+    assert torch.isfinite(xs_.grad).all() and torch.isfinite(ws_.grad).all()
     assert abs(got.item() - want.item()) <= 2e-5 * max(1.0, abs(want.item()))
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend", BACKEND_PARAMS)
 def test_non_contiguous_inputs(backend):
     xs, ws, xt, wt, y = inputs(n=8, hs=6)
-    xs_t = torch.randn(6, 8).t().requires_grad_()  # (8, 6), column-major
-    ws_t = torch.randn(6, 9).t().requires_grad_()  # (9, 6)
-    xt_nc = torch.randn(8, 10)[:, ::2]  # (8, 5), strided
-    loss = flashkd.fused_linear_distill(xs_t, ws_t, xt_nc, wt, y, backend=backend, chunk_size=3)
+    dev = _device(backend)  # the same layouts there: each view taken of its base moved whole
+    xs_base, ws_base, xt_base = torch.randn(6, 8), torch.randn(6, 9), torch.randn(8, 10)
+    xs_t = xs_base.to(dev).t().requires_grad_()  # (8, 6), column-major
+    ws_t = ws_base.to(dev).t().requires_grad_()  # (9, 6)
+    xt_nc = xt_base.to(dev)[:, ::2]  # (8, 5), strided
+    loss = flashkd.fused_linear_distill(xs_t, ws_t, xt_nc, *_on(dev, wt, y), backend=backend, chunk_size=3)
     loss.backward()
-    ref_x, ref_w = xs_t.detach().clone().requires_grad_(), ws_t.detach().clone().requires_grad_()
-    ref, _, _ = distill_loss(ref_x, ref_w, xt_nc, wt, y)
+    ref_x, ref_w = xs_base.t().clone().requires_grad_(), ws_base.t().clone().requires_grad_()
+    ref, _, _ = distill_loss(ref_x, ref_w, xt_base[:, ::2], wt, y)
     ref.backward()
     ref_x, ref_w = ref_x.grad.double(), ref_w.grad.double()
-    assert torch.allclose(loss.double(), ref, rtol=2e-5)
-    assert torch.allclose(xs_t.grad.double(), ref_x, rtol=1e-4, atol=1e-6)
-    assert torch.allclose(ws_t.grad.double(), ref_w, rtol=1e-4, atol=1e-6)
+    assert torch.allclose(loss.double().cpu(), ref, rtol=2e-5)
+    assert torch.allclose(xs_t.grad.double().cpu(), ref_x, rtol=1e-4, atol=1e-6)
+    assert torch.allclose(ws_t.grad.double().cpu(), ref_w, rtol=1e-4, atol=1e-6)
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend", BACKEND_PARAMS)
 @pytest.mark.parametrize("grad_output", [0.0, -2.5, 3.0, 1.0])
 def test_grad_output_scales(grad_output, backend):
-    xs, ws, xt, wt, y = inputs()
+    dev = _device(backend)
+    xs, ws, xt, wt, y = _on(dev, *inputs())
     loss = flashkd.fused_linear_distill(xs, ws, xt, wt, y, backend=backend)
     dx, dw = torch.autograd.grad(loss, (xs, ws))
     xs.grad = ws.grad = None
-    (loss2 := flashkd.fused_linear_distill(xs, ws, xt, wt, y, backend=backend)).backward(torch.tensor(grad_output))
+    (loss2 := flashkd.fused_linear_distill(xs, ws, xt, wt, y, backend=backend)).backward(
+        torch.tensor(grad_output, device=dev))
     assert torch.equal(xs.grad, dx * grad_output) and torch.equal(ws.grad, dw * grad_output)
     assert torch.isfinite(loss2)
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend", BACKEND_PARAMS)
 @pytest.mark.parametrize("retain", [False, True])
 def test_grad_output_scales_bf16_gradients_in_fp32(backend, retain):
     """A loss divided by a token count before backward (TRL's trainers): bf16 gradients scaled by the fp32
     grad_output and rounded once. grad_output rounded to bf16 first (1/3 → 0.333984) would scale every
     gradient 0.2 % off."""
-    xs, ws, xt, wt, y = inputs(dtype=torch.bfloat16)
+    dev = _device(backend)
+    xs, ws, xt, wt, y = _on(dev, *inputs(dtype=torch.bfloat16))
     loss = flashkd.fused_linear_distill(xs, ws, xt, wt, y, backend=backend)
     dx, dw = torch.autograd.grad(loss, (xs, ws))
-    scale = torch.tensor(1.0 / 3.0)
+    scale = torch.tensor(1.0 / 3.0, device=dev)
     loss = flashkd.fused_linear_distill(xs, ws, xt, wt, y, backend=backend)
     (loss / 3.0).backward(retain_graph=retain)
     for got, once in ((xs.grad, dx), (ws.grad, dw)):

@@ -1,6 +1,8 @@
-"""fused_linear_distill against the float64 oracle: every loss and option, both backends."""
+"""fused_linear_distill against the float64 oracle: every loss and option, both backends (the Triton backend on
+DEVICE: the GPU, or the CPU under Triton's interpreter; the torch backend and the oracle on the CPU)."""
 
 import itertools
+import os
 
 import pytest
 import torch
@@ -11,18 +13,39 @@ from helpers.cases import HS, V, make_inputs, read, rel_err
 from helpers.ties import drop_tied_rows, logits64
 from oracle import distill_loss
 
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"  # set by conftest when there is no GPU
+DEVICE = "cpu" if INTERPRET else "cuda"  # where the Triton backend runs
+TRITON_RUNS = "triton" in BACKENDS and (INTERPRET or torch.cuda.is_available())
+needs_triton = pytest.mark.skipif(not TRITON_RUNS, reason="triton is not installed, or TRITON_INTERPRET is off "
+                                  "and there is no CUDA device")
+BACKEND_PARAMS = [pytest.param(b, marks=needs_triton) if b == "triton" else b for b in BACKENDS]
+
+
+def _device(backend):
+    """Where a test runs `backend`: the Triton one on DEVICE, the torch one on the CPU."""
+    return DEVICE if backend == "triton" else "cpu"
+
+
+def _on(device, *tensors):
+    """tensors on `device` (None kept): themselves on the CPU, else copies there (one that requires grad a
+    leaf there)."""
+    if device == "cpu":
+        return tensors
+    return tuple(None if t is None else t.detach().to(device).requires_grad_(t.requires_grad) for t in tensors)
+
 
 def check_against_oracle(backend, dtype, lead, *, ignore, bias, padded, tol, chunk_size, **options):
     ignore_index = options.get("ignore_index", -100)
     xs, ws, xt, wt, labels, bs, bt = make_inputs(lead, dtype, ignore=ignore, bias=bias, padded=padded,
                                                  ignore_index=ignore_index)
     labels = drop_tied_rows(labels, logits64(xs, ws, bs), logits64(xt, wt, bt), **options)
+    xs_, ws_, bs_, xt_, wt_, labels_, bt_ = _on(_device(backend), xs, ws, bs, xt, wt, labels, bt)
     loss, soft, hard = flashkd.fused_linear_distill(
-        xs, ws, xt, wt, labels, student_bias=bs, teacher_bias=bt, chunk_size=chunk_size, backend=backend,
+        xs_, ws_, xt_, wt_, labels_, student_bias=bs_, teacher_bias=bt_, chunk_size=chunk_size, backend=backend,
         return_soft_hard_loss=True, vocab_size=V if padded else None, **read(options),
     )
     leaves = [xs, ws] + ([bs] if bias else [])
-    grads = torch.autograd.grad(loss, leaves)
+    grads = [g.cpu() for g in torch.autograd.grad(loss, [xs_, ws_] + ([bs_] if bias else []))]
 
     ref_leaves = [x.detach().double().requires_grad_() for x in leaves]
     ref_loss, ref_soft, ref_hard = distill_loss(
@@ -81,7 +104,7 @@ TRITON_GRID = [
 ]
 
 
-@pytest.mark.skipif("triton" not in BACKENDS, reason="triton is not installed")
+@needs_triton
 @pytest.mark.parametrize("loss,beta,temperature,ignore,bias,lead", TRITON_GRID)
 @pytest.mark.parametrize("reduction", ["mean", "sum"])
 def test_triton_backend_float32(seed, loss, beta, temperature, ignore, bias, lead, reduction):
@@ -91,7 +114,7 @@ def test_triton_backend_float32(seed, loss, beta, temperature, ignore, bias, lea
     )
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend", BACKEND_PARAMS)
 @pytest.mark.parametrize(
     "options",
     [
@@ -107,16 +130,17 @@ def test_options_float32(seed, backend, options):
                          chunk_size=4, **options)
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend", BACKEND_PARAMS)
 @pytest.mark.parametrize("loss", LOSS_NAMES)
 def test_no_labels(seed, backend, loss):
     xs, ws, xt, wt, _, _, _ = make_inputs((6,), torch.float32)
-    got = flashkd.fused_linear_distill(xs, ws, xt, wt, loss=loss, weight_hard_loss=0.0, backend=backend)
+    got = flashkd.fused_linear_distill(*_on(_device(backend), xs, ws, xt, wt), loss=loss, weight_hard_loss=0.0,
+                                       backend=backend)
     want, _, _ = distill_loss(xs.detach(), ws.detach(), xt, wt, loss=loss, weight_hard_loss=0.0)
     assert abs(got.item() - want.item()) <= 2e-5 * max(abs(want.item()), 1.0)
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend", BACKEND_PARAMS)
 @pytest.mark.parametrize("chunk_size", [None, 1, 2, 7, 1000])
 def test_chunk_size_does_not_change_result(seed, backend, chunk_size):
     check_against_oracle(backend, torch.float32, (2, 5), ignore="some", bias=True, padded=False, tol=2e-5,
@@ -143,7 +167,7 @@ def test_default_chunks_fit_the_budget_and_are_even(seed):
     assert _even_chunks(8192, 2092) == 2048 and _even_chunks(8192, 4186) == 4096
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend", BACKEND_PARAMS)
 @pytest.mark.parametrize("loss", ["jsd", "cosine"])
 def test_teacher_blocks_inside_a_chunk(seed, backend, loss, monkeypatch):
     """A chunk's teacher logits computed a few rows at a time (blocks not dividing the chunk) give the
@@ -153,7 +177,7 @@ def test_teacher_blocks_inside_a_chunk(seed, backend, loss, monkeypatch):
                          chunk_size=None, loss=loss, temperature=1.3)
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend", BACKEND_PARAMS)
 def test_logits_freed_before_the_next_are_made(seed, backend, monkeypatch):
     """The memory formula's premise: when a chunk's student logits are made, no earlier logits are alive,
     and when a teacher block's are, only the chunk's own student logits."""
@@ -172,6 +196,7 @@ def test_logits_freed_before_the_next_are_made(seed, backend, monkeypatch):
     monkeypatch.setattr(flashkd.core.loop, "linear", tracked)
     xs, ws = torch.randn(11, 4, requires_grad=True), torch.randn(13, 4, requires_grad=True)
     xt, wt, y = torch.randn(11, 6), torch.randn(13, 6), torch.randint(0, 13, (11,))
+    xs, ws, xt, wt, y = _on(_device(backend), xs, ws, xt, wt, y)
     for chunk, teacher in ((4, 4), (4, 3), (11, 6)):
         monkeypatch.setattr(flashkd.core.plan, "chunk_rows", lambda *args: (chunk, teacher))
         flashkd.fused_linear_distill(xs, ws, xt, wt, y, backend=backend).backward()

@@ -17,7 +17,7 @@ from conftest import BACKENDS, HAS_TRITON
 from flashkd.losses import PARAMETERS, WHOLE_VOCAB, LossSpec, akl_head, divergence, parameter
 from helpers.distributed import LAYOUTS, rank_device, sharded_inputs, spawn
 from helpers.divergences import (check_dense_exact, check_every_option_in_float64, check_masked_ids, check_topk_exact,
-                                 compare_forms_sharded, small)
+                                 compare_forms_sharded, device, small)
 from helpers.exact import N, OPTIONS, make_case
 from helpers.ties import near
 
@@ -279,7 +279,8 @@ def test_alpha_ends_in_the_kernel(skew, plain, seed, kernel_calls):
     """The Triton rows at α = 0 are the KL's (the same kernel: `triton_rows.kernel_kind`), at α = 1 zero: the
     loss and dX exactly 0 (no CE: weight_hard_loss 0), from fp32 inputs at trained magnitudes."""
     pytest.importorskip("triton")
-    xs, ws, xt, wt, labels = (t.float() if t.is_floating_point() else t for t in make_case(seed))
+    dev = device("triton")  # the GPU, or the CPU under the interpreter
+    xs, ws, xt, wt, labels = ((t.float() if t.is_floating_point() else t).to(dev) for t in make_case(seed))
     kw = dict(temperature=1.3, weight_hard_loss=0.0, weight_soft_loss=1.0, backend="triton", chunk_size=16)
 
     def run(**opts):

@@ -5,7 +5,12 @@ accuracy, the loss and dL/dz in fp32, dL/dz rounded to bf16 for the bf16 gradien
 come back in bf16. flashkd's dX and dW must be within 1.3x that pipeline's error against the float64
 truth of the same inputs, and its loss within 1e-5 relative of the truth. Logits stored in bf16 fail
 this by 3x or more: bf16's ulp is 1/8 on [16, 32), so a top token's probability moves by up to ~6 %.
+
+The Triton backend runs on DEVICE (the GPU, or the CPU under Triton's interpreter), the torch backend, the
+truth and the fp32-logit pipeline on the CPU.
 """
+
+import os
 
 import pytest
 import torch
@@ -18,17 +23,31 @@ from oracle import distill_loss, head, topk_loss
 
 LOSSES = ["jsd", "forward_kl", "reverse_kl", "tvd", "cosine"]
 
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"  # set by conftest when there is no GPU
+DEVICE = "cpu" if INTERPRET else "cuda"  # where the Triton backend runs
+TRITON_RUNS = "triton" in BACKENDS and (INTERPRET or torch.cuda.is_available())
+needs_triton = pytest.mark.skipif(not TRITON_RUNS, reason="triton is not installed, or TRITON_INTERPRET is off "
+                                  "and there is no CUDA device")
+BACKEND_PARAMS = [pytest.param(b, marks=needs_triton) if b == "triton" else b for b in BACKENDS]
 
-@pytest.mark.parametrize("backend", BACKENDS)
+
+def _device(backend):
+    """Where a test runs `backend`: the Triton one on DEVICE, the torch one on the CPU."""
+    return DEVICE if backend == "triton" else "cpu"
+
+
+@pytest.mark.parametrize("backend", BACKEND_PARAMS)
 @pytest.mark.parametrize("loss", LOSSES)
 @pytest.mark.parametrize("option", list(OPTIONS))
 def test_heads_exact_at_trained_magnitudes(backend, loss, option, seed):
     xs, ws, xt, wt, labels = make_case(seed)
     opts = dict(OPTIONS[option], loss=loss)
     labels = drop_tied_rows(labels, logits64(xs, ws), logits64(xt, wt), **opts)
-    xs_, ws_ = xs.clone().requires_grad_(), ws.clone().requires_grad_()
-    out = flashkd.fused_linear_distill(xs_, ws_, xt, wt, labels, backend=backend, chunk_size=16, **opts)
-    grads = torch.autograd.grad(out, (xs_, ws_))
+    dev = _device(backend)
+    xs_, ws_ = xs.to(dev).clone().requires_grad_(), ws.to(dev).clone().requires_grad_()
+    out = flashkd.fused_linear_distill(xs_, ws_, xt.to(dev), wt.to(dev), labels.to(dev), backend=backend, chunk_size=16,
+                                       **opts)
+    grads = [g.cpu() for g in torch.autograd.grad(out, (xs_, ws_))]
     zt = (xt.double() @ wt.double().T).float()
 
     def of_logits(zs):  # the fp32 pipeline: fp32 logits, the formula in fp32
@@ -38,7 +57,7 @@ def test_heads_exact_at_trained_magnitudes(backend, loss, option, seed):
     check(out, grads, truth, pipeline_grads(of_logits, xs, ws))
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend", BACKEND_PARAMS)
 @pytest.mark.parametrize("loss", ["jsd", "reverse_kl", "tvd"])
 def test_dense_logits_exact_at_trained_magnitudes(backend, loss, seed):
     """The teacher's logits are read as passed: bf16 ones carry their own rounding, which the truth here
@@ -46,10 +65,11 @@ def test_dense_logits_exact_at_trained_magnitudes(backend, loss, seed):
     xs, ws, xt, wt, labels = make_case(seed)
     tl = (xt.double() @ wt.double().T).to(xs.dtype)
     labels = drop_tied_rows(labels, logits64(xs, ws), tl, loss=loss, temperature=0.9)
-    xs_, ws_ = xs.clone().requires_grad_(), ws.clone().requires_grad_()
-    out = flashkd.fused_linear_distill_logits(xs_, ws_, tl, labels, loss=loss, backend=backend, chunk_size=16,
-                                              temperature=0.9)
-    grads = torch.autograd.grad(out, (xs_, ws_))
+    dev = _device(backend)
+    xs_, ws_ = xs.to(dev).clone().requires_grad_(), ws.to(dev).clone().requires_grad_()
+    out = flashkd.fused_linear_distill_logits(xs_, ws_, tl.to(dev), labels.to(dev), loss=loss, backend=backend,
+                                              chunk_size=16, temperature=0.9)
+    grads = [g.cpu() for g in torch.autograd.grad(out, (xs_, ws_))]
     opts = dict(loss=loss, temperature=0.9)
 
     def of_logits(zs):
@@ -60,18 +80,20 @@ def test_dense_logits_exact_at_trained_magnitudes(backend, loss, seed):
     check(out, grads, truth, pipeline_grads(of_logits, xs, ws))
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend", BACKEND_PARAMS)
 @pytest.mark.parametrize("loss,tail", [("forward_kl", "bucket"), ("reverse_kl", "renormalize"), ("jsd", "bucket"),
                                        ("tvd", "renormalize")])
 def test_topk_exact_at_trained_magnitudes(backend, loss, tail, seed):
     xs, ws, xt, wt, labels = make_case(seed)
     ids, lp = flashkd.teacher_topk(xt.double(), wt.double(), 9, temperature=0.8)
     lp = lp.float()
-    xs_, ws_ = xs.clone().requires_grad_(), ws.clone().requires_grad_()
+    dev = _device(backend)
+    xs_, ws_ = xs.to(dev).clone().requires_grad_(), ws.to(dev).clone().requires_grad_()
     opts = dict(loss=loss, tail=tail, temperature=0.8, weight_hard_loss=0.5, weight_soft_loss=0.5)
     labels = drop_tied_rows(labels, logits64(xs, ws), ids=ids, logprobs=lp, **opts)
-    out = flashkd.fused_linear_distill_topk(xs_, ws_, ids, lp, labels, backend=backend, chunk_size=16, **opts)
-    grads = torch.autograd.grad(out, (xs_, ws_))
+    out = flashkd.fused_linear_distill_topk(xs_, ws_, ids.to(dev), lp.to(dev), labels.to(dev), backend=backend,
+                                            chunk_size=16, **opts)
+    grads = [g.cpu() for g in torch.autograd.grad(out, (xs_, ws_))]
 
     def of_logits(zs):
         return topk_loss(None, None, ids, lp, labels, student_logits=zs, **opts)[0]
@@ -80,14 +102,16 @@ def test_topk_exact_at_trained_magnitudes(backend, loss, tail, seed):
     check(out, grads, truth, pipeline_grads(of_logits, xs, ws))
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend", BACKEND_PARAMS)
 @pytest.mark.parametrize("cap", [None, 30.0])
 def test_teacher_topk_exact_at_trained_magnitudes(backend, cap, seed):
     """bf16 hidden states and head: the ids and log-probs of the float64 truth of the same inputs, to
     fp32 accuracy (bf16 logits would move a log-prob near 30 by up to 1/16)."""
     gen = torch.Generator().manual_seed(seed)
     xt, wt = trained_head(N, HT, V, gen)
-    ids, lp = flashkd.teacher_topk(xt, wt, 5, backend=backend, teacher_softcap=cap, chunk_size=16)
+    dev = _device(backend)
+    ids, lp = (t.cpu() for t in flashkd.teacher_topk(xt.to(dev), wt.to(dev), 5, backend=backend, teacher_softcap=cap,
+                                                     chunk_size=16))
     z = head(xt.double() @ wt.double().T, 1.0, cap)
     want = torch.log_softmax(z, -1)
     got_lp = want.gather(-1, ids)  # the truth's log-probs of the ids flashkd chose

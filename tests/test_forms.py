@@ -1,7 +1,10 @@
-"""The teacher's other input forms against the float64 oracle: top-k (sparse), dense logits, teacher_topk."""
+"""The teacher's other input forms against the float64 oracle: top-k (sparse), dense logits, teacher_topk. The
+Triton backend on DEVICE (the GPU, or the CPU under Triton's interpreter), the torch backend and the oracle on
+the CPU."""
 
 import itertools
 import math
+import os
 
 import pytest
 import torch
@@ -12,6 +15,26 @@ from helpers.cases import HS, HT, K, V, check_against_oracle, make_student, make
 from helpers.ties import drop_tied_rows, logits64
 from oracle import distill_loss, topk_loss
 
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"  # set by conftest when there is no GPU
+DEVICE = "cpu" if INTERPRET else "cuda"  # where the Triton backend runs
+TRITON_RUNS = "triton" in BACKENDS and (INTERPRET or torch.cuda.is_available())
+needs_triton = pytest.mark.skipif(not TRITON_RUNS, reason="triton is not installed, or TRITON_INTERPRET is off "
+                                  "and there is no CUDA device")
+BACKEND_PARAMS = [pytest.param(b, marks=needs_triton) if b == "triton" else b for b in BACKENDS]
+
+
+def _device(backend):
+    """Where a test runs `backend`: the Triton one on DEVICE, the torch one on the CPU."""
+    return DEVICE if backend == "triton" else "cpu"
+
+
+def _on(device, *tensors):
+    """tensors on `device` (None kept): themselves on the CPU, else copies there (one that requires grad a
+    leaf there)."""
+    if device == "cpu":
+        return tensors
+    return tuple(None if t is None else t.detach().to(device).requires_grad_(t.requires_grad) for t in tensors)
+
 
 def check_topk(backend, dtype, lead, *, tol, bias=False, ignore="some", chunk_size=None, k=K, unused=True,
                **options):
@@ -20,12 +43,13 @@ def check_topk(backend, dtype, lead, *, tol, bias=False, ignore="some", chunk_si
     ids, logprobs = make_topk(lead, k, temperature=options.get("temperature", 1.0), unused=unused)
     logprobs = logprobs.to(dtype)
     labels = drop_tied_rows(labels, logits64(xs, ws, bs), ids=ids, logprobs=logprobs, **options)
+    xs_, ws_, bs_, ids_, logprobs_, labels_ = _on(_device(backend), xs, ws, bs, ids, logprobs, labels)
     loss, soft, hard = flashkd.fused_linear_distill_topk(
-        xs, ws, ids, logprobs, labels, student_bias=bs, chunk_size=chunk_size, backend=backend,
+        xs_, ws_, ids_, logprobs_, labels_, student_bias=bs_, chunk_size=chunk_size, backend=backend,
         return_soft_hard_loss=True, **read(options, "forward_kl"),
     )
     leaves = [xs, ws] + ([bs] if bias else [])
-    grads = torch.autograd.grad(loss, leaves)
+    grads = [g.cpu() for g in torch.autograd.grad(loss, [xs_, ws_] + ([bs_] if bias else []))]
     ref_leaves = [x.detach().double().requires_grad_() for x in leaves]
     ref = topk_loss(ref_leaves[0], ref_leaves[1], ids, logprobs, labels, student_bias=ref_leaves[2] if bias else None,
                     **options)
@@ -49,7 +73,7 @@ TOPK_GRID = [
 ]
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend", BACKEND_PARAMS)
 @pytest.mark.parametrize("loss,tail,tau,weights,i", TOPK_GRID)
 def test_topk_matches_oracle(backend, loss, tail, tau, weights, i, seed):
     dtype, tol = tolerance(backend)
@@ -60,7 +84,7 @@ def test_topk_matches_oracle(backend, loss, tail, tau, weights, i, seed):
     )
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend", BACKEND_PARAMS)
 @pytest.mark.parametrize("tail", ["bucket", "renormalize"])
 @pytest.mark.parametrize(
     "options",
@@ -78,7 +102,7 @@ def test_topk_options(backend, tail, options, seed):
     check_topk(backend, dtype, (19,), tol=tol, tail=tail, **options)
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend", BACKEND_PARAMS)
 @pytest.mark.parametrize("loss", ["forward_kl", "jsd", "reverse_kl", "tvd"])
 def test_topk_covering_the_vocab_is_the_dense_loss(backend, loss, seed):
     """K = V, every slot used: the bucket is empty and the loss is the dense one on the teacher's logits."""
@@ -87,19 +111,21 @@ def test_topk_covering_the_vocab_is_the_dense_loss(backend, loss, seed):
     xs, ws, _, labels = make_student((9,), dtype)
     logits_t = torch.randn(9, V, dtype=dtype)
     ids, logprobs = flashkd.teacher_topk(logits_t, torch.eye(V, dtype=dtype), V)
+    xs, ws, labels, logits_t, ids, logprobs = _on(_device(backend), xs, ws, labels, logits_t, ids, logprobs)
     options = dict(loss=loss, weight_hard_loss=0.3, weight_soft_loss=0.7, backend=backend)
     sparse = flashkd.fused_linear_distill_topk(xs, ws, ids, logprobs, labels, **options)
     dense = flashkd.fused_linear_distill_logits(xs, ws, logits_t, labels, **options)
     assert abs(sparse.item() - dense.item()) <= tol * max(abs(dense.item()), 1.0)
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend", BACKEND_PARAMS)
 def test_topk_without_labels_and_edge_rows(backend, seed):
     dtype, tol = tolerance(backend)
-    xs, ws, _, _ = make_student((1,), dtype)  # N = 1
-    ids, logprobs = make_topk((1,), unused=False)
+    xs_cpu, ws_cpu, _, _ = make_student((1,), dtype)  # N = 1
+    ids_cpu, logprobs_cpu = make_topk((1,), unused=False)
+    xs, ws, ids, logprobs = _on(_device(backend), xs_cpu, ws_cpu, ids_cpu, logprobs_cpu)
     loss = flashkd.fused_linear_distill_topk(xs, ws, ids, logprobs, backend=backend)
-    ref = topk_loss(xs.detach(), ws.detach(), ids, logprobs)[0]
+    ref = topk_loss(xs_cpu.detach(), ws_cpu.detach(), ids_cpu, logprobs_cpu)[0]
     assert abs(loss.item() - ref.item()) <= tol * max(ref.item(), 1.0)
     # grad_output 0 and negative: finite, scaled
     (g1,) = torch.autograd.grad(flashkd.fused_linear_distill_topk(xs, ws, ids, logprobs, backend=backend), [xs])
@@ -121,12 +147,13 @@ def test_topk_reverse_kl_is_infinite_when_the_teacher_has_no_tail(seed):
     assert torch.isfinite(flashkd.fused_linear_distill_topk(xs, ws, ids, logprobs, loss="jsd"))
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend", BACKEND_PARAMS)
 @pytest.mark.parametrize("ids_dtype", [torch.int32, torch.int64])
 def test_topk_dtypes(backend, ids_dtype, seed):
     """int32 ids and log-probs of another float dtype than the student's are read as they are."""
     xs, ws, _, labels = make_student((11,), torch.float32)
     ids, logprobs = make_topk((11,))
+    xs, ws, labels, ids, logprobs = _on(_device(backend), xs, ws, labels, ids, logprobs)
     a = flashkd.fused_linear_distill_topk(xs, ws, ids.to(ids_dtype), logprobs.to(torch.bfloat16), labels,
                                           backend=backend)
     b = flashkd.fused_linear_distill_topk(xs, ws, ids, logprobs.to(torch.bfloat16).float(), labels, backend=backend)
@@ -166,27 +193,32 @@ def test_topk_bad_input():
 # ------------------------------------------------------------------------------------------ dense logits
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend", BACKEND_PARAMS)
 @pytest.mark.parametrize("loss", ["jsd", "forward_kl", "reverse_kl", "tvd", "cosine"])
 @pytest.mark.parametrize("layout", ["contiguous", "padded", "row-strided", "3-d"])
 def test_logits_matches_oracle(backend, loss, layout, seed):
     dtype, tol = tolerance(backend)
     lead = (3, 5) if layout == "3-d" else (17,)
+    dev = _device(backend)
     xs, ws, bs, labels = make_student(lead, dtype, bias=layout == "padded")
     if layout == "padded":  # a padded teacher head: columns >= V are dropped
         logits_t = torch.randn(*lead, V + 4, dtype=dtype)
+        call_t = logits_t.to(dev)
     elif layout == "row-strided":  # rows of a bigger buffer: read in place
-        logits_t = torch.randn(*lead, V + 9, dtype=dtype)[:, 3 : 3 + V]
+        rows = torch.randn(*lead, V + 9, dtype=dtype)
+        logits_t, call_t = rows[:, 3 : 3 + V], rows.to(dev)[:, 3 : 3 + V]  # the same layout on dev
     else:
         logits_t = torch.randn(*lead, V, dtype=dtype)
+        call_t = logits_t.to(dev)
     options = dict(loss=loss, beta=0.35, temperature=0.8, weight_hard_loss=0.3, weight_soft_loss=0.9)
     labels = drop_tied_rows(labels, logits64(xs, ws, bs), logits_t, **options)
+    xs_, ws_, bs_, labels_ = _on(dev, xs, ws, bs, labels)
     loss_, soft, hard = flashkd.fused_linear_distill_logits(
-        xs, ws, logits_t, labels, student_bias=bs, backend=backend, chunk_size=4, return_soft_hard_loss=True,
+        xs_, ws_, call_t, labels_, student_bias=bs_, backend=backend, chunk_size=4, return_soft_hard_loss=True,
         vocab_size=V if layout == "padded" else None, **read(options),
     )
     leaves = [xs, ws] + ([bs] if bs is not None else [])
-    grads = torch.autograd.grad(loss_, leaves)
+    grads = [g.cpu() for g in torch.autograd.grad(loss_, [xs_, ws_] + ([bs_] if bs is not None else []))]
     ref_leaves = [x.detach().double().requires_grad_() for x in leaves]
     ref = distill_loss(ref_leaves[0], ref_leaves[1], None, None, labels, teacher_logits=logits_t,
                        student_bias=ref_leaves[2] if bs is not None else None, **options)
@@ -229,14 +261,15 @@ def test_logits_bad_input():
 # ----------------------------------------------------------------------------------------- teacher_topk
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend", BACKEND_PARAMS)
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
 def test_teacher_topk(backend, temperature, seed):
     x = torch.randn(3, 9, HT)
     w = torch.randn(V + 3, HT)
     b = torch.randn(V + 3)
-    ids, logprobs = flashkd.teacher_topk(x, w, 5, temperature=temperature, teacher_bias=b, vocab_size=V,
-                                         chunk_size=4, backend=backend)
+    ids, logprobs = (t.cpu() for t in flashkd.teacher_topk(*_on(_device(backend), x, w), 5, temperature=temperature,
+                                                           teacher_bias=b.to(_device(backend)), vocab_size=V,
+                                                           chunk_size=4, backend=backend))
     assert ids.shape == (3, 9, 5) and ids.dtype == torch.int64 and logprobs.dtype == torch.float32
     ref = torch.log_softmax((x.double() @ w[:V].double().T + b[:V].double()) / temperature, -1)
     top = ref.topk(5, -1)
@@ -245,7 +278,7 @@ def test_teacher_topk(backend, temperature, seed):
     assert (logprobs[..., :-1] >= logprobs[..., 1:]).all()
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend", BACKEND_PARAMS)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 def test_teacher_topk_with_ties(backend, dtype, seed):
     """Low-precision logits tie often: any of the tied ids may be chosen, but every chosen logit is at
@@ -256,7 +289,8 @@ def test_teacher_topk_with_ties(backend, dtype, seed):
     x[1, ::2] = x[1].max()  # the max many times over
     x[2, 5:] = -1e4  # masked after 5 ids (not −inf: the GEMM with the identity would make 0 · −inf)
     x = x.to(dtype)
-    ids, logprobs = flashkd.teacher_topk(x, torch.eye(V, dtype=dtype), k, temperature=0.9, backend=backend)
+    ids, logprobs = (t.cpu() for t in flashkd.teacher_topk(*_on(_device(backend), x, torch.eye(V, dtype=dtype)), k,
+                                                           temperature=0.9, backend=backend))
     chosen = x.gather(1, ids).double()
     others = x.double().scatter(1, ids, -math.inf)
     assert (chosen.min(1).values >= others.max(1).values).all()
@@ -265,7 +299,7 @@ def test_teacher_topk_with_ties(backend, dtype, seed):
     assert ((logprobs.double() - truth).abs() <= 1e-5 * truth.abs().clamp_min(1.0)).all()
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend", BACKEND_PARAMS)
 @pytest.mark.parametrize("k", [12, 100])  # 100: more than the kernel's lanes, torch.topk's case
 def test_teacher_topk_hard_rows(backend, k, seed):
     """Rows the Triton kernel cannot finish alone (its top values crowded into one lane of a tile, or a
@@ -275,7 +309,7 @@ def test_teacher_topk_hard_rows(backend, k, seed):
     x[0, 3::64] += 8.0  # the largest values all in lane 3 of every 64-column tile (and of 256 too)
     x[1] = 1.5  # every value tied
     x[2, :40] = 9.0  # 40 ties at the top, k of them to pick
-    ids, logprobs = flashkd.teacher_topk(x, torch.eye(v), k, backend=backend)
+    ids, logprobs = (t.cpu() for t in flashkd.teacher_topk(*_on(_device(backend), x, torch.eye(v)), k, backend=backend))
     chosen, others = x.gather(1, ids), x.scatter(1, ids, -math.inf)
     assert (chosen.min(1).values >= others.max(1).values).all()
     assert all(len(set(row.tolist())) == k for row in ids)
@@ -305,12 +339,13 @@ def test_teacher_topk_bad_input():
 # ------------------------------------------------------------------------------------------------- backward
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend", BACKEND_PARAMS)
 def test_backward_twice_with_retained_graph(backend, seed):
     """Backward scales the saved grads in place unless the graph is kept: a second backward through a
     retained graph must still see them unscaled."""
     xs, ws, _, labels = make_student((13,), torch.float32)
     ids, logprobs = make_topk((13,))
+    xs, ws, ids, logprobs, labels = _on(_device(backend), xs, ws, ids, logprobs, labels)
     loss = flashkd.fused_linear_distill_topk(xs, ws, ids, logprobs, labels, backend=backend)
     (once,) = torch.autograd.grad(loss, [xs], retain_graph=True)
     (scaled,) = torch.autograd.grad(3.0 * loss, [xs], retain_graph=True)

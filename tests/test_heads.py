@@ -1,9 +1,11 @@
 """Each head's own logit transform (scale, softcap), per-row weights and the logged statistics, on every
-loss and input form, both backends, against the float64 oracle."""
+loss and input form, both backends, against the float64 oracle. The Triton backend on DEVICE (the GPU, or the
+CPU under Triton's interpreter), the torch backend and the oracle on the CPU."""
 
 import dataclasses
 import itertools
 import math
+import os
 
 import pytest
 import torch
@@ -26,6 +28,26 @@ TRANSFORMS = [
 LOSSES = ["jsd", "forward_kl", "reverse_kl", "tvd", "cosine"]
 
 TOPK_LOSSES = LOSSES[:4]
+
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"  # set by conftest when there is no GPU
+DEVICE = "cpu" if INTERPRET else "cuda"  # where the Triton backend runs
+TRITON_RUNS = "triton" in BACKENDS and (INTERPRET or torch.cuda.is_available())
+needs_triton = pytest.mark.skipif(not TRITON_RUNS, reason="triton is not installed, or TRITON_INTERPRET is off "
+                                  "and there is no CUDA device")
+BACKEND_PARAMS = [pytest.param(b, marks=needs_triton) if b == "triton" else b for b in BACKENDS]
+
+
+def _device(backend):
+    """Where a test runs `backend`: the Triton one on DEVICE, the torch one on the CPU."""
+    return DEVICE if backend == "triton" else "cpu"
+
+
+def _on(device, *tensors):
+    """tensors on `device` (None kept): themselves on the CPU, else copies there (one that requires grad a
+    leaf there)."""
+    if device == "cpu":
+        return tensors
+    return tuple(None if t is None else t.detach().to(device).requires_grad_(t.requires_grad) for t in tensors)
 
 
 def _tolerance(backend):
@@ -55,17 +77,19 @@ def _run_dense(backend, form, loss, transform, weighted, lead, *, ignore="some",
                    teacher_softcap=t_cap, **extra)
     labels = drop_tied_rows(labels, logits64(xs, ws, bs), logits64(xt, wt), **options)
     rw = _weights(lead, dtype) if weighted else None
-    common = dict(student_bias=bs, backend=backend, chunk_size=5, return_soft_hard_loss=True, row_weight=rw,
+    dev = _device(backend)
+    xs_, ws_, bs_, xt_, wt_, labels_, rw_ = _on(dev, xs, ws, bs, xt, wt, labels, rw)
+    common = dict(student_bias=bs_, backend=backend, chunk_size=5, return_soft_hard_loss=True, row_weight=rw_,
                   return_stats=stats, **read(options))
     if form == "heads":
-        out = flashkd.fused_linear_distill(xs, ws, xt, wt, labels, **common)
+        out = flashkd.fused_linear_distill(xs_, ws_, xt_, wt_, labels_, **common)
         teacher = dict(xt=xt, wt=wt)
     else:
         logits_t = (xt @ wt.T).detach()
-        out = flashkd.fused_linear_distill_logits(xs, ws, logits_t, labels, **common)
+        out = flashkd.fused_linear_distill_logits(xs_, ws_, logits_t.to(dev), labels_, **common)
         teacher = dict(xt=None, wt=None, teacher_logits=logits_t)
     leaves = [xs, ws, bs]
-    grads = torch.autograd.grad(out[0], leaves)
+    grads = [g.cpu() for g in torch.autograd.grad(out[0], [xs_, ws_, bs_])]
     ref_leaves = [x.detach().double().requires_grad_() for x in leaves]
     ref = distill_loss(ref_leaves[0], ref_leaves[1], teacher.pop("xt"), teacher.pop("wt"), labels,
                        student_bias=ref_leaves[2], row_weight=rw, **teacher, **options)
@@ -84,13 +108,13 @@ DENSE_GRID = [
 ]
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend", BACKEND_PARAMS)
 @pytest.mark.parametrize("loss,i,form,weighted,lead", DENSE_GRID)
 def test_dense_transforms_match_oracle(backend, loss, i, form, weighted, lead, seed):
     _run_dense(backend, form, loss, TRANSFORMS[i], weighted, lead)
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend", BACKEND_PARAMS)
 @pytest.mark.parametrize("loss", LOSSES)
 @pytest.mark.parametrize("temperature", [1.0, 2.3])
 def test_dense_row_weight_alone(backend, loss, temperature, seed):
@@ -99,7 +123,7 @@ def test_dense_row_weight_alone(backend, loss, temperature, seed):
                reduction=["mean", "sum"][loss == "tvd"])
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend", BACKEND_PARAMS)
 @pytest.mark.parametrize("loss", LOSSES)
 def test_saturated_softcap(backend, loss, seed):
     """Logits far past the caps (|x| ~ 1000 against c = 2 and 5): the tanh saturates, its derivative
@@ -108,7 +132,7 @@ def test_saturated_softcap(backend, loss, seed):
     assert math.isfinite(ref[0].item())
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend", BACKEND_PARAMS)
 @pytest.mark.parametrize("loss", ["forward_kl", "jsd", "tvd"])
 @pytest.mark.parametrize("t_scale,t_cap", [(1.0, 4.0), (-2.0, None), (-0.5, 3.0)])
 def test_masked_teacher_ids_stay_masked_under_every_transform(backend, loss, t_scale, t_cap, seed):
@@ -121,9 +145,10 @@ def test_masked_teacher_ids_stay_masked_under_every_transform(backend, loss, t_s
     options = dict(loss=loss, beta=0.4, temperature=0.9, teacher_logit_scale=t_scale, teacher_softcap=t_cap,
                    student_softcap=6.0)
     labels = drop_tied_rows(labels, logits64(xs, ws, bs), logits_t, **options)
-    out = flashkd.fused_linear_distill_logits(xs, ws, logits_t, labels, student_bias=bs, backend=backend,
+    xs_, ws_, bs_, logits_t_, labels_ = _on(_device(backend), xs, ws, bs, logits_t, labels)
+    out = flashkd.fused_linear_distill_logits(xs_, ws_, logits_t_, labels_, student_bias=bs_, backend=backend,
                                               chunk_size=4, return_soft_hard_loss=True, **read(options))
-    grads = torch.autograd.grad(out[0], [xs, ws, bs])
+    grads = [g.cpu() for g in torch.autograd.grad(out[0], [xs_, ws_, bs_])]
     leaves = [x.detach().double().requires_grad_() for x in (xs, ws, bs)]
     ref = distill_loss(leaves[0], leaves[1], None, None, labels, student_bias=leaves[2], teacher_logits=logits_t,
                        **options)
@@ -143,11 +168,13 @@ def _topk_case(backend, loss, tail, transform, weighted, lead, *, temperature=0.
     options = dict(loss=loss, tail=tail, beta=0.35, temperature=temperature, weight_hard_loss=0.4,
                    weight_soft_loss=0.7, student_logit_scale=transform[0], student_softcap=transform[1], **extra)
     labels = drop_tied_rows(labels, logits64(xs, ws, bs), ids=ids, logprobs=logprobs.to(dtype), **options)
-    out = flashkd.fused_linear_distill_topk(xs, ws, ids, logprobs.to(dtype), labels, student_bias=bs, chunk_size=5,
-                                            backend=backend, return_soft_hard_loss=True, row_weight=rw,
+    xs_, ws_, bs_, ids_, logprobs_, labels_, rw_ = _on(_device(backend), xs, ws, bs, ids, logprobs.to(dtype), labels,
+                                                       rw)
+    out = flashkd.fused_linear_distill_topk(xs_, ws_, ids_, logprobs_, labels_, student_bias=bs_, chunk_size=5,
+                                            backend=backend, return_soft_hard_loss=True, row_weight=rw_,
                                             return_stats=stats, **read(options, "forward_kl"))
     leaves = [xs, ws, bs]
-    grads = torch.autograd.grad(out[0], leaves)
+    grads = [g.cpu() for g in torch.autograd.grad(out[0], [xs_, ws_, bs_])]
     ref_leaves = [x.detach().double().requires_grad_() for x in leaves]
     ref = topk_loss(ref_leaves[0], ref_leaves[1], ids, logprobs.to(dtype), labels, student_bias=ref_leaves[2],
                     row_weight=rw, **options)
@@ -171,13 +198,13 @@ TOPK_GRID = [
 ]
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend", BACKEND_PARAMS)
 @pytest.mark.parametrize("loss,tail,i,weighted", TOPK_GRID)
 def test_topk_transforms_match_oracle(backend, loss, tail, i, weighted, seed):
     _run_topk(backend, loss, tail, TRANSFORMS[i], weighted, [(23,), (3, 7)][i % 2])
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend", BACKEND_PARAMS)
 @pytest.mark.parametrize("tail", ["bucket", "renormalize"])
 def test_topk_saturated_softcap_and_row_weight(backend, tail, seed):
     case = ("jsd", tail, (1.5, 2.0), True, (19,))
@@ -197,13 +224,15 @@ def test_topk_saturated_softcap_and_row_weight(backend, tail, seed):
     _run_topk(backend, *case, tol=tol, **kw)
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend", BACKEND_PARAMS)
 @pytest.mark.parametrize("form", ["heads", "logits", "topk"])
 def test_unit_weights_and_default_transforms_change_nothing(backend, form, seed):
     """Weights of 1 everywhere, σ = 1 and no caps give the plain call's results exactly."""
+    dev = _device(backend)
     xs, ws, xt, wt, labels, _, _ = make_inputs((13,), torch.float32)
+    xs, ws, xt, wt, labels = _on(dev, xs, ws, xt, wt, labels)
     if form == "topk":
-        ids, logprobs = make_topk((13,))
+        ids, logprobs = _on(dev, *make_topk((13,)))
         call = lambda **o: flashkd.fused_linear_distill_topk(xs, ws, ids, logprobs, labels, backend=backend,
                                                              weight_hard_loss=0.5, **o)
         transform = dict(student_logit_scale=1.0, student_softcap=None)
@@ -213,7 +242,7 @@ def test_unit_weights_and_default_transforms_change_nothing(backend, form, seed)
         call = lambda **o: run(xs, ws, *teacher, labels, backend=backend, **o)
         transform = dict(student_logit_scale=1.0, teacher_logit_scale=1.0, student_softcap=None, teacher_softcap=None)
     plain = call()
-    weighted = call(row_weight=torch.ones(13, dtype=torch.float16), **transform)
+    weighted = call(row_weight=torch.ones(13, dtype=torch.float16, device=dev), **transform)
     assert torch.equal(plain, weighted)
     (g1,) = torch.autograd.grad(plain, [xs])
     (g2,) = torch.autograd.grad(weighted, [xs])
@@ -244,7 +273,7 @@ def _check_stats(out, xs, ws, bs, labels, rw, options, tol, ids=None):
         assert abs(got.item() - want.item()) <= tol * max(abs(want.item()), 1.0)
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend", BACKEND_PARAMS)
 @pytest.mark.parametrize("loss", LOSSES)
 def test_stats_dense(backend, loss, seed):
     i = LOSSES.index(loss)
@@ -256,7 +285,7 @@ def test_stats_dense(backend, loss, seed):
     _check_stats(out, xs.detach(), ws.detach(), bs.detach(), labels, rw, options, tol)
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend", BACKEND_PARAMS)
 @pytest.mark.parametrize("tail", ["bucket", "renormalize"])
 @pytest.mark.parametrize("loss", ["forward_kl", "tvd"])
 def test_stats_topk(backend, tail, loss, seed):
@@ -267,11 +296,12 @@ def test_stats_topk(backend, tail, loss, seed):
     _check_stats(out, xs.detach(), ws.detach(), bs.detach(), labels, rw, options, tol, ids=ids)
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend", BACKEND_PARAMS)
 def test_stats_without_labels_and_return_orders(backend, seed):
     """Without labels every row counts and hard_sum is 0; stats come last, after (soft, hard) if asked;
     under no_grad too; and with a zero soft weight the soft sum is still computed."""
-    xs, ws, xt, wt, _, _, _ = make_inputs((6,), torch.float32)
+    xs_cpu, ws_cpu, xt, wt, _, _, _ = make_inputs((6,), torch.float32)
+    xs, ws, xt, wt = _on(_device(backend), xs_cpu, ws_cpu, xt, wt)
     run = lambda **o: flashkd.fused_linear_distill(xs, ws, xt, wt, weight_hard_loss=0.0, backend=backend, **o)
     loss, stats = run(return_stats=True)
     assert stats.rows.item() == 6 and stats.hard_sum.item() == 0.0
@@ -281,23 +311,25 @@ def test_stats_without_labels_and_return_orders(backend, seed):
     with torch.no_grad():
         loss3, stats3 = run(return_stats=True, weight_soft_loss=0.0)
     assert loss3.item() == 0.0 and torch.allclose(stats3.soft_sum, stats.soft_sum)
-    entropy, _, _ = student_stats(xs.detach(), ws.detach())
+    entropy, _, _ = student_stats(xs_cpu.detach(), ws_cpu.detach())
     assert abs(stats.entropy_sum.item() - entropy.item()) <= 3e-5 * entropy.item()
 
 
 # ----------------------------------------------------------------------------------------- teacher_topk
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend", BACKEND_PARAMS)
 @pytest.mark.parametrize("scale,cap", [(1.8, None), (-1.0, None), (0.9, 1.5), (-2.0, 3.0)])
 def test_teacher_topk_transforms(backend, scale, cap, seed):
     """The ids of the k largest transformed logits (a negative scale reverses the order) and their
     log-probs under the transform; with a saturating cap, ties are broken either way."""
     x = 3.0 * torch.randn(5, 7, 6)
     w = torch.randn(V, 6)
-    ids, logprobs = flashkd.teacher_topk(x, w, 5, temperature=0.8, teacher_logit_scale=scale, teacher_softcap=cap,
-                                         chunk_size=8, backend=backend)
-    z = (x @ w.T).double() * scale  # the fp32 GEMM's logits: the error judged is the loss math's
+    x_, w_ = _on(_device(backend), x, w)
+    ids, logprobs = (t.cpu() for t in flashkd.teacher_topk(x_, w_, 5, temperature=0.8, teacher_logit_scale=scale,
+                                                           teacher_softcap=cap, chunk_size=8, backend=backend))
+    # the fp32 GEMM's logits (on the call's device): the error judged is the loss math's
+    z = (x_ @ w_.T).double().cpu() * scale
     if cap is not None:
         z = cap * torch.tanh(z / cap)
     ref = torch.log_softmax(z / 0.8, -1)

@@ -7,7 +7,12 @@ the definitions (orda-kernel's "mutual" and "cojeffreys"), sharing no code with 
     mutual         KL(p̄‖q) + KL(q̄‖p), a bar detached: each side learns toward the other's distribution
     co_jeffreys    J, both sides differentiated
 with q = softmax(student logits / τ), p = softmax(teacher logits / τ).
+
+The Triton backend runs on DEVICE (the GPU, or the CPU under Triton's interpreter), the torch backend and the
+oracle on the CPU, unless a test compares the two backends bit for bit (then both on DEVICE).
 """
+
+import os
 
 import pytest
 import torch
@@ -19,6 +24,28 @@ from flashkd.losses import LEARNING_LOSSES, LOSSES
 
 N, V, HS, HT, CHUNK = 19, 37, 11, 6, 5
 IGNORED = (2, 11, 12)  # rows whose label is ignore_index; they hold NaN in the inputs
+
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"  # set by conftest when there is no GPU
+DEVICE = "cpu" if INTERPRET else "cuda"  # where the Triton backend runs
+TRITON_RUNS = "triton" in BACKENDS and (INTERPRET or torch.cuda.is_available())
+needs_triton = pytest.mark.skipif(not TRITON_RUNS, reason="triton is not installed, or TRITON_INTERPRET is off "
+                                  "and there is no CUDA device")
+BACKEND_PARAMS = [pytest.param(b, marks=needs_triton) if b == "triton" else b for b in BACKENDS]
+
+
+def _device(backend):
+    """Where a test runs `backend`: the Triton one on DEVICE, the torch one on the CPU."""
+    return DEVICE if backend == "triton" else "cpu"
+
+
+def _to(x, device):
+    """x (a tensor, or None) on device."""
+    return None if x is None else x.to(device)
+
+
+def _cpu(grads):
+    """grads_of's gradients on the CPU."""
+    return {k: None if g is None else g.cpu() for k, g in grads.items()}
 
 
 def _kl(a, log_a, log_b):
@@ -74,8 +101,8 @@ def make(seed, dtype=torch.float64, vt=V, bias=False):
 LEAVES = ("xs", "ws", "bs", "xt", "wt", "bt")
 
 
-def leaves(tensors):
-    return {k: None if x is None else x.clone().requires_grad_() for k, x in tensors.items()}
+def leaves(tensors, device="cpu"):
+    return {k: None if x is None else x.to(device).clone().requires_grad_() for k, x in tensors.items()}
 
 
 def run_flashkd(t, labels, **opts):
@@ -117,16 +144,18 @@ def case(seed, option, dtype=torch.float64):
     return tensors, labels, opts
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend", BACKEND_PARAMS)
 @pytest.mark.parametrize("loss", LEARNING_LOSSES)
 @pytest.mark.parametrize("option", list(OPTIONS))
 def test_value_and_all_six_gradients(loss, option, backend, seed):
     tensors, labels, opts = case(seed, option)
-    mine, ref = leaves(tensors), leaves(tensors)
-    out = run_flashkd(mine, labels, loss=loss, backend=backend, **opts)
+    dev = _device(backend)
+    mine, ref = leaves(tensors, dev), leaves(tensors)
+    out = run_flashkd(mine, _to(labels, dev), loss=loss, backend=backend,
+                      **{k: v.to(dev) if torch.is_tensor(v) else v for k, v in opts.items()})
     want = run_oracle(ref, labels, loss=loss, **opts)
-    torch.testing.assert_close(out, want)
-    got, truth = grads_of(out, mine), grads_of(want, ref)
+    torch.testing.assert_close(out.cpu(), want)
+    got, truth = _cpu(grads_of(out, mine)), grads_of(want, ref)
     assert set(got) == set(truth) and {"xt", "wt"} <= set(got)
     for name in got:
         assert got[name] is not None, name
@@ -158,7 +187,7 @@ def test_mutual_and_co_jeffreys_differ_in_gradients_only(loss, seed):
 
 
 @pytest.mark.parametrize("loss", LEARNING_LOSSES)
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend", BACKEND_PARAMS)
 def test_float32_on_the_torch_rows(loss, backend, seed, monkeypatch):
     """fp32 inputs: the triton backend routes these losses to the torch rows (no kernel call), and gives the
     torch backend's results bit for bit; both within fp32 rounding of the float64 oracle."""
@@ -170,10 +199,11 @@ def test_float32_on_the_torch_rows(loss, backend, seed, monkeypatch):
 
         monkeypatch.setattr(triton_rows, "rows", refuse)
     tensors, labels, _ = case(seed, "bias", torch.float32)
+    dev = _device(backend)  # both backends there: their results compared bit for bit
     outs = {}
     for b in ("torch", backend):
-        t = leaves(tensors)
-        out = run_flashkd(t, labels, loss=loss, backend=b, temperature=0.8)
+        t = leaves(tensors, dev)
+        out = run_flashkd(t, labels.to(dev), loss=loss, backend=b, temperature=0.8)
         outs[b] = out, grads_of(out, t)
     out, got = outs[backend]
     assert out.dtype == torch.float32
@@ -181,11 +211,11 @@ def test_float32_on_the_torch_rows(loss, backend, seed, monkeypatch):
     ref = leaves({k: None if x is None else x.double() for k, x in tensors.items()})
     want = run_oracle(ref, labels, loss=loss, temperature=0.8)
     truth = grads_of(want, ref)
-    torch.testing.assert_close(out.double(), want, rtol=5e-7, atol=0)
+    torch.testing.assert_close(out.double().cpu(), want, rtol=5e-7, atol=0)
     for name in got:
         torch.testing.assert_close(got[name], outs["torch"][1][name], rtol=0, atol=0)
         scale = truth[name].abs().max().item()
-        torch.testing.assert_close(got[name].double(), truth[name], rtol=0, atol=2e-6 * scale,
+        torch.testing.assert_close(got[name].double().cpu(), truth[name], rtol=0, atol=2e-6 * scale,
                                    msg=lambda m: f"d{name}: {m}")
 
 

@@ -1,5 +1,8 @@
 """The chunk plan's cost model (core.plan.chunk_rows with a teacher head's width, core.plan.accum_share): which plans
-it picks at the model heads, the bounds it keeps at any shape, and a call on a grown plan against the oracle."""
+it picks at the model heads, the bounds it keeps at any shape, and a call on a grown plan against the oracle (the
+Triton backend on DEVICE: the GPU, or the CPU under Triton's interpreter; the oracle on the CPU)."""
+
+import os
 
 import pytest
 import torch
@@ -7,6 +10,9 @@ import torch
 import flashkd
 from flashkd import core
 from oracle import distill_loss
+
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"  # set by conftest when there is no GPU
+DEVICE = "cpu" if INTERPRET else "cuda"  # where the Triton backend runs
 
 
 def _plan(n, v, hs, ht=0, form="heads", accum=4, dtype=torch.bfloat16):
@@ -59,6 +65,8 @@ def test_grown_plans_keep_their_bounds(seed):
             assert grow - was <= (rows - base) * v * 4 * 2, (n, v, hs, ht, base, rows)
 
 
+@pytest.mark.skipif(not (INTERPRET or torch.cuda.is_available()), reason="TRITON_INTERPRET is off and there is no "
+                    "CUDA device")
 @pytest.mark.parametrize("loss", ["jsd", "forward_kl", "cosine"])
 def test_a_grown_plan_gives_the_oracles_results(seed, monkeypatch, loss):
     """A small budget (base plan 150-row chunks, accumulator share ≈ 0.5) grows to 256-row chunks, the last
@@ -74,8 +82,9 @@ def test_a_grown_plan_gives_the_oracles_results(seed, monkeypatch, loss):
     xt[::4] *= 2.5  # peaked rows
     y = torch.randint(0, v, (n,))
     y[::7] = -100
-    out = flashkd.fused_linear_distill(xs, ws, xt, wt, y, loss=loss, backend="triton")
-    dxs, dws = torch.autograd.grad(out, (xs, ws))
+    leaves = [t.detach().to(DEVICE).requires_grad_() for t in (xs, ws)]
+    out = flashkd.fused_linear_distill(*leaves, xt.to(DEVICE), wt.to(DEVICE), y.to(DEVICE), loss=loss, backend="triton")
+    dxs, dws = (g.cpu() for g in torch.autograd.grad(out, leaves))
     assert planned == [(256, 256)]
     ref_x, ref_w = xs.detach().double().requires_grad_(), ws.detach().double().requires_grad_()
     ref = distill_loss(ref_x, ref_w, xt.double(), wt.double(), y, loss=loss)[0]

@@ -1,6 +1,9 @@
 """`flashkd.fused_linear_distill_teachers`: several teacher heads, routed per row, mixed geometrically, or
 summed, against float64 oracles over the full logits (tests/oracle.py's `distill_loss` with the mixed or
-routed teacher logits, or summed per teacher), value and student gradients, both backends."""
+routed teacher logits, or summed per teacher), value and student gradients, both backends: the Triton backend
+on DEVICE (the GPU, or the CPU under Triton's interpreter), the torch backend and the oracles on the CPU."""
+
+import os
 
 import pytest
 import torch
@@ -11,6 +14,29 @@ from oracle import distill_loss
 
 N, V, HS = 19, 37, 11
 HTS = (6, 9, 6)
+
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"  # set by conftest when there is no GPU
+DEVICE = "cpu" if INTERPRET else "cuda"  # where the Triton backend runs
+TRITON_RUNS = "triton" in BACKENDS and (INTERPRET or torch.cuda.is_available())
+needs_triton = pytest.mark.skipif(not TRITON_RUNS, reason="triton is not installed, or TRITON_INTERPRET is off "
+                                  "and there is no CUDA device")
+BACKEND_PARAMS = [pytest.param(b, marks=needs_triton) if b == "triton" else b for b in BACKENDS]
+
+
+def _device(backend):
+    """Where a test runs `backend`: the Triton one on DEVICE, the torch one on the CPU."""
+    return DEVICE if backend == "triton" else "cpu"
+
+
+def _on(device, *args):
+    """args on `device` (tensors, lists of them; anything else as is): themselves on the CPU, else copies
+    there (a tensor that requires grad a leaf there)."""
+    def move(t):
+        if isinstance(t, list):
+            return [move(u) for u in t]
+        return t.detach().to(device).requires_grad_(t.requires_grad) if torch.is_tensor(t) else t
+
+    return args if device == "cpu" else tuple(move(a) for a in args)
 
 
 def _tolerance(backend):
@@ -48,7 +74,7 @@ def check(out, ref, student, oracle_student, tol):
     """(loss, soft, hard) and the student's gradients against the oracle's (w.r.t. its float64 copies)."""
     for name, got, want in zip(("loss", "soft", "hard"), out, ref):
         assert abs(got.item() - want.item()) <= tol * max(abs(want.item()), 1.0), (name, got.item(), want.item())
-    grads = torch.autograd.grad(out[0], student)
+    grads = [g.cpu() for g in torch.autograd.grad(out[0], student)]
     want = torch.autograd.grad(ref[0], oracle_student)
     for name, g, w in zip(("dX", "dW", "db"), grads, want):
         assert g.shape == w.shape and torch.isfinite(g).all(), name
@@ -60,7 +86,7 @@ def _double(student):
     return [t.detach().double().requires_grad_() for t in student]
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend", BACKEND_PARAMS)
 @pytest.mark.parametrize("reduction", ["mean", "sum"])
 def test_routed(seed, backend, reduction):
     """Each row distils from its own teacher; −1 rows drop out, teacher 1 gets no rows (an empty group)."""
@@ -71,17 +97,19 @@ def test_routed(seed, backend, reduction):
     index[3] = index[7] = -1
     index[1] = 0
     scales = [1.0, 1.0, 0.8]
+    student = _on(_device(backend), xs, ws, bs)
+    call_xts, call_wts, call_labels, call_index, call_bts = _on(_device(backend), xts, wts, labels, index, bts)
     out = flashkd.fused_linear_distill_teachers(
-        xs, ws, xts, wts, labels, combine="routed", teacher_index=index, teacher_biases=bts, student_bias=bs,
-        teacher_logit_scale=scales, reduction=reduction, backend=backend, chunk_size=5, return_soft_hard_loss=True,
-        return_stats=True)
+        student[0], student[1], call_xts, call_wts, call_labels, combine="routed", teacher_index=call_index,
+        teacher_biases=call_bts, student_bias=student[2], teacher_logit_scale=scales, reduction=reduction,
+        backend=backend, chunk_size=5, return_soft_hard_loss=True, return_stats=True)
     rows = torch.arange(N)
     z = torch.stack([logits(xts[t], wts[t], bts[t], scales[t]) for t in range(3)])  # (M, N, V)
     mixed = z[index.clamp_min(0), rows]
     counted = torch.where(index >= 0, labels, -100)
     xd, wd, bd = _double([xs, ws, bs])
     ref = distill_loss(xd, wd, None, None, counted, teacher_logits=mixed, student_bias=bd, reduction=reduction)
-    check(out[:3], ref, [xs, ws, bs], [xd, wd, bd], tol)
+    check(out[:3], ref, list(student), [xd, wd, bd], tol)
     stats = out[3]
     assert stats.per_teacher.shape == (3, 3) and stats.teacher_entropy_sum is None
     for t in range(3):
@@ -105,7 +133,7 @@ def test_routed_without_any_row(seed):
     assert loss.item() == 0 and loss.dtype == torch.float64 and dx.abs().max() == 0 and dw.abs().max() == 0
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend", BACKEND_PARAMS)
 @pytest.mark.parametrize("per_row", [False, True], ids=["scalar", "per_row"])
 @pytest.mark.parametrize("m", [2, 3])
 def test_geometric(seed, backend, per_row, m):
@@ -121,14 +149,16 @@ def test_geometric(seed, backend, per_row, m):
         w = [0.7, 1.3, 0.4][:m]
         wd = torch.tensor(w, dtype=torch.float64).expand(N, m)
     scales = [1.0, 0.5, 2.0][:m]
+    student = _on(_device(backend), xs, ws, bs)
+    call_xts, call_wts, call_labels, call_w, call_bts = _on(_device(backend), xts, wts, labels, w, bts)
     out = flashkd.fused_linear_distill_teachers(
-        xs, ws, xts, wts, labels, combine="geometric", teacher_weights=w, teacher_biases=bts, student_bias=bs,
-        teacher_logit_scale=scales, backend=backend, chunk_size=7, return_soft_hard_loss=True, return_stats=True,
-        loss="reverse_kl")
+        student[0], student[1], call_xts, call_wts, call_labels, combine="geometric", teacher_weights=call_w,
+        teacher_biases=call_bts, student_bias=student[2], teacher_logit_scale=scales, backend=backend, chunk_size=7,
+        return_soft_hard_loss=True, return_stats=True, loss="reverse_kl")
     mixed = sum(wd[:, t:t + 1] * logits(xts[t], wts[t], bts[t], scales[t]) for t in range(m))
     xd, wsd, bd = _double([xs, ws, bs])
     ref = distill_loss(xd, wsd, None, None, labels, teacher_logits=mixed, student_bias=bd, loss="reverse_kl")
-    check(out[:3], ref, [xs, ws, bs], [xd, wsd, bd], tol)
+    check(out[:3], ref, list(student), [xd, wsd, bd], tol)
     assert out[3].per_teacher is None
 
 
@@ -152,7 +182,7 @@ def _mixture(zs, wd, tau):
     return tau * torch.stack([torch.log_softmax(z / tau, -1) + wd[:, t:t + 1].log() for t, z in enumerate(zs)]).logsumexp(0)
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend", BACKEND_PARAMS)
 @pytest.mark.parametrize("per_row", [False, True], ids=["scalar", "per_row"])
 @pytest.mark.parametrize("m", [2, 3])
 def test_arithmetic(seed, backend, per_row, m):
@@ -172,16 +202,19 @@ def test_arithmetic(seed, backend, per_row, m):
         w = [0.25, 0.75] if m == 2 else [0.2, 0.5, 0.3]
         wd = torch.tensor(w, dtype=torch.float64).expand(N, m)
     scales, caps, tau = [1.0, 0.5, 2.0][:m], [None, 20.0, None][:m], 1.7
+    student = _on(_device(backend), xs, ws, bs)
+    call_xts, call_wts, call_labels, call_w, call_bts = _on(_device(backend), xts, wts, labels, w, bts)
     out = flashkd.fused_linear_distill_teachers(
-        xs, ws, xts, wts, labels, combine="arithmetic", teacher_weights=w, teacher_biases=bts, student_bias=bs,
-        teacher_logit_scale=scales, teacher_softcap=caps, temperature=tau, backend=backend, chunk_size=7,
-        return_soft_hard_loss=True, return_stats=True, loss="jsd", beta=0.3)
+        student[0], student[1], call_xts, call_wts, call_labels, combine="arithmetic", teacher_weights=call_w,
+        teacher_biases=call_bts, student_bias=student[2], teacher_logit_scale=scales, teacher_softcap=caps,
+        temperature=tau, backend=backend, chunk_size=7, return_soft_hard_loss=True, return_stats=True, loss="jsd",
+        beta=0.3)
     zs = [logits(xts[t], wts[t], bts[t], scales[t]) for t in range(m)]
     zs = [z if c is None else c * torch.tanh(z / c) for z, c in zip(zs, caps)]
     xd, wsd, bd = _double([xs, ws, bs])
     ref = distill_loss(xd, wsd, None, None, labels, teacher_logits=_mixture(zs, wd, tau), student_bias=bd,
                        temperature=tau, loss="jsd", beta=0.3)
-    check(out[:3], ref, [xs, ws, bs], [xd, wsd, bd], tol)
+    check(out[:3], ref, list(student), [xd, wsd, bd], tol)
     assert out[3].per_teacher is None
     # the mixture is no teacher's alone, nor the geometric mean's
     alone = distill_loss(xd, wsd, None, None, labels, teacher_logits=zs[0], student_bias=bd, temperature=tau,
@@ -202,7 +235,7 @@ def test_arithmetic_of_one_weight_is_that_teacher(seed):
         assert torch.allclose(a, b, rtol=1e-10, atol=1e-14)
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend", BACKEND_PARAMS)
 @pytest.mark.parametrize("per_row", [False, True], ids=["scalar", "per_row"])
 @pytest.mark.parametrize("reduction", ["mean", "sum"])
 def test_sum(seed, backend, per_row, reduction):
@@ -218,10 +251,13 @@ def test_sum(seed, backend, per_row, reduction):
         w = [0.25, 1.0, 0.5]
         wd = torch.tensor(w, dtype=torch.float64).expand(N, m)
     row_weight = (0.5 + torch.rand(N, generator=g, dtype=torch.float64)).to(dtype)
+    student = _on(_device(backend), xs, ws, bs)
+    call_xts, call_wts, call_labels, call_w, call_bts, call_rw = _on(_device(backend), xts, wts, labels, w, bts,
+                                                                     row_weight)
     out = flashkd.fused_linear_distill_teachers(
-        xs, ws, xts, wts, labels, combine="sum", teacher_weights=w, teacher_biases=bts, student_bias=bs,
-        row_weight=row_weight, reduction=reduction, backend=backend, chunk_size=6, return_soft_hard_loss=True,
-        return_stats=True, weight_hard_loss=0.3, weight_soft_loss=0.8)
+        student[0], student[1], call_xts, call_wts, call_labels, combine="sum", teacher_weights=call_w,
+        teacher_biases=call_bts, student_bias=student[2], row_weight=call_rw, reduction=reduction, backend=backend,
+        chunk_size=6, return_soft_hard_loss=True, return_stats=True, weight_hard_loss=0.3, weight_soft_loss=0.8)
     xd, wsd, bd = _double([xs, ws, bs])
     per = []
     total = soft = 0
@@ -235,7 +271,7 @@ def test_sum(seed, backend, per_row, reduction):
         per.append(s_sum.item())
     ce, _, hard = distill_loss(xd, wsd, None, None, labels, teacher_logits=z, student_bias=bd, reduction=reduction,
                                weight_hard_loss=0.3, weight_soft_loss=0.0, row_weight=row_weight.double())
-    check(out[:3], (total + ce, soft, hard), [xs, ws, bs], [xd, wsd, bd], tol)
+    check(out[:3], (total + ce, soft, hard), list(student), [xd, wsd, bd], tol)
     stats = out[3]
     counted = int((labels != -100).sum())
     assert stats.rows.item() == counted and stats.per_teacher.shape == (m, 3)

@@ -1,7 +1,10 @@
 """What the divergences' tests (test_divergences.py: skew KL, skew reverse KL, AKL; test_divergence_family.py:
 Jeffreys to DKD) share: one loss's call in each form at trained magnitudes against the float64 truth and the
 fp32-logit pipeline (tests/helpers/exact.py), every option in float64 against the oracle, masked ids, and
-the forms on a vocab split across ranks against the unsharded call."""
+the forms on a vocab split across ranks against the unsharded call. A call on backend "triton" runs on the
+GPU, or on the CPU under Triton's interpreter (`device`); every other call, and every reference, on the CPU."""
+
+import os
 
 import torch
 
@@ -11,6 +14,17 @@ from helpers.distributed import compare_sharded, leaf
 from helpers.exact import check, make_case, pipeline_grads, truth_grads
 from helpers.ties import drop_tied_rows, logits64
 from oracle import distill_loss, topk_loss
+
+
+def device(backend):
+    """Where a call on `backend` runs: "triton" on the GPU, or on the CPU where TRITON_INTERPRET=1 (conftest.py sets
+    it where there is no GPU); the others on the CPU."""
+    return ("cpu" if os.environ.get("TRITON_INTERPRET") == "1" else "cuda") if backend == "triton" else "cpu"
+
+
+def _on(dev, options):
+    """options with their tensors (a row_weight) on dev."""
+    return {k: v.to(dev) if torch.is_tensor(v) else v for k, v in options.items()}
 
 
 def small(seed, n=13, h=8, v=29, scale=1.5):
@@ -34,9 +48,10 @@ def check_dense_exact(backend, seed, opts, *, logits=False):
     else:
         labels = drop_tied_rows(labels, logits64(xs, ws), logits64(xt, wt), **opts)
         fn, teacher, zt = flashkd.fused_linear_distill, (xt, wt), (xt.double() @ wt.double().T).float()
-    xs_, ws_ = xs.clone().requires_grad_(), ws.clone().requires_grad_()
-    out = fn(xs_, ws_, *teacher, labels, backend=backend, chunk_size=16, **opts)
-    grads = torch.autograd.grad(out, (xs_, ws_))
+    dev = device(backend)
+    xs_, ws_ = xs.to(dev).clone().requires_grad_(), ws.to(dev).clone().requires_grad_()
+    out = fn(xs_, ws_, *(t.to(dev) for t in teacher), labels.to(dev), backend=backend, chunk_size=16, **_on(dev, opts))
+    grads = [g.cpu() for g in torch.autograd.grad(out, (xs_, ws_))]
 
     def of_logits(zs):
         return distill_loss(None, None, None, None, labels, teacher_logits=zt, plain=True, student_logits=zs, **opts)[0]
@@ -62,9 +77,11 @@ def check_topk_exact(backend, seed, loss, tail, clamp, params, *, drop_ties):
                 **params)
     if drop_ties:
         labels = drop_tied_rows(labels, logits64(xs, ws), ids=ids, logprobs=lp, **opts)
-    xs_, ws_ = xs.clone().requires_grad_(), ws.clone().requires_grad_()
-    out = flashkd.fused_linear_distill_topk(xs_, ws_, ids, lp, labels, chunk_size=16, backend=backend, **opts)
-    grads = torch.autograd.grad(out, (xs_, ws_))
+    dev = device(backend)
+    xs_, ws_ = xs.to(dev).clone().requires_grad_(), ws.to(dev).clone().requires_grad_()
+    out = flashkd.fused_linear_distill_topk(xs_, ws_, ids.to(dev), lp.to(dev), labels.to(dev), chunk_size=16,
+                                            backend=backend, **opts)
+    grads = [g.cpu() for g in torch.autograd.grad(out, (xs_, ws_))]
 
     def of_logits(zs):
         return topk_loss(None, None, ids, lp, labels, student_logits=zs, **opts)[0]
@@ -83,28 +100,32 @@ def check_every_option_in_float64(backend, seed, loss, params):
     opts = dict(loss=loss, temperature=1.7, temperature_squared=True, student_logit_scale=0.8, teacher_logit_scale=1.2,
                 student_softcap=3.0, teacher_softcap=4.0, reduction="sum", weight_hard_loss=0.3, weight_soft_loss=0.7,
                 **params)
-    leaves = [xs.clone().requires_grad_(), ws.clone().requires_grad_(), bs.clone().requires_grad_()]
-    out = flashkd.fused_linear_distill(leaves[0], leaves[1], xt, wt, labels, student_bias=leaves[2], row_weight=rw,
-                                       backend=backend, chunk_size=5, **read(opts))
+    dev = device(backend)
+    leaves = [t.to(dev).clone().requires_grad_() for t in (xs, ws, bs)]
+    out = flashkd.fused_linear_distill(leaves[0], leaves[1], xt.to(dev), wt.to(dev), labels.to(dev),
+                                       student_bias=leaves[2], row_weight=rw.to(dev), backend=backend, chunk_size=5,
+                                       **read(opts))
     ref_leaves = [xs.clone().requires_grad_(), ws.clone().requires_grad_(), bs.clone().requires_grad_()]
     want = distill_loss(ref_leaves[0], ref_leaves[1], xt, wt, labels, student_bias=ref_leaves[2], row_weight=rw,
                         **opts)[0]
-    torch.testing.assert_close(out, want, rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(out.cpu(), want, rtol=1e-10, atol=1e-12)
     for got, ref in zip(torch.autograd.grad(out, leaves), torch.autograd.grad(want, ref_leaves)):
-        torch.testing.assert_close(got, ref, rtol=1e-9, atol=1e-11)
+        torch.testing.assert_close(got.cpu(), ref, rtol=1e-9, atol=1e-11)
 
 
 def check_masked_ids(xs, ws, tl, labels, bias, opts, *, oracle=None, **call):
     """`fused_linear_distill_logits` with −inf teacher logits `tl` and a −inf student `bias`: a finite loss
     and a finite dX, both against the oracle's (given `oracle`, the options it takes whole)."""
-    x = xs.clone().requires_grad_()
-    out = flashkd.fused_linear_distill_logits(x, ws, tl, labels, student_bias=bias, **call, **read(opts))
+    dev = device(call.get("backend"))
+    x = xs.to(dev).clone().requires_grad_()
+    out = flashkd.fused_linear_distill_logits(x, ws.to(dev), tl.to(dev), None if labels is None else labels.to(dev),
+                                              student_bias=bias.to(dev), **call, **read(opts))
     xr = xs.clone().requires_grad_()
     want = distill_loss(None, None, None, None, labels, teacher_logits=tl, student_logits=xr @ ws.T + bias,
                         **(oracle or opts))[0]
     assert torch.isfinite(out)
-    torch.testing.assert_close(out, want, rtol=1e-10, atol=1e-12)
-    got_dx = torch.autograd.grad(out, x)[0]
+    torch.testing.assert_close(out.cpu(), want, rtol=1e-10, atol=1e-12)
+    got_dx = torch.autograd.grad(out, x)[0].cpu()
     assert torch.isfinite(got_dx).all()
     torch.testing.assert_close(got_dx, torch.autograd.grad(want, xr)[0], rtol=1e-9, atol=1e-12)
 
