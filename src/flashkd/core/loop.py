@@ -129,14 +129,18 @@ class _FusedDistill(torch.autograd.Function):
         # (fp32) enters the product as it is, multiplied in fp32 and rounded once: cast to bf16 first, a
         # loss divided by a token count (1/3 → 0.333984) would scale every bf16 gradient up to 0.4 % off.
         keep = getattr(torch._C._autograd, "_get_current_graph_task_keep_graph", lambda: True)()
+        # (torch's `g * t` of a bf16 g and a 0-d fp32 CUDA tensor t rounds t to bf16 first: narrow grads go
+        # through fp32 here, explicitly.)
         if keep:
-            grads = tuple(None if g is None else g * grad_loss for g in ctx.saved_tensors)
+            grads = tuple(None if g is None else g * grad_loss if g.dtype not in NARROW else
+                          (g.float() * grad_loss).to(g.dtype) for g in ctx.saved_tensors)
         elif ctx.backend == "triton":
             from ..backends import triton_rows
 
             grads = tuple(None if g is None else triton_rows.scale_(g, grad_loss) for g in ctx.saved_tensors)
         else:
-            grads = tuple(None if g is None else g.mul_(grad_loss) for g in ctx.saved_tensors)
+            grads = tuple(None if g is None else g.mul_(grad_loss) if g.dtype not in NARROW else
+                          g.copy_(g.float() * grad_loss) for g in ctx.saved_tensors)
         return (*grads[:3], None, None, None, *grads[3:], *(None,) * (ctx.num_teacher - len(grads[3:])))
 
 
