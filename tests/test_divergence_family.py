@@ -214,8 +214,8 @@ def test_a_parameter_the_loss_does_not_read_is_refused(loss, name, value):
     ("alpha_divergence", "alpha", 0.0, r"\(0, 1\)"), ("alpha_divergence", "alpha", 1.0, r"\(0, 1\)"),
     ("renyi", "alpha", 0.0, r"\(0, 2\]"), ("renyi_reverse", "alpha", 2.5, r"\(0, 2\]"),
     ("ab_divergence", "alpha", 0.04, r"\[0.05, 2\]"), ("ab_divergence", "beta", 2.01, r"\[0.05, 2\]"),
-    ("dkd", "beta", -1.0, r"\[0, inf\]"), ("dkd", "alpha", -1e-9, r"\[0, inf\]"),
-    ("entropy_adaptive", "gate_width", 0.0, r"\(0, inf\]"), ("entropy_adaptive", "gate_min", -0.1, r"\[0, 1\]"),
+    ("dkd", "beta", -1.0, r"\[0, inf\)"), ("dkd", "alpha", -1e-9, r"\[0, inf\)"),
+    ("entropy_adaptive", "gate_width", 0.0, r"\(0, inf\)"), ("entropy_adaptive", "gate_min", -0.1, r"\[0, 1\]"),
     ("entropy_adaptive", "gate_max", 1.5, r"\[0, 1\]"), ("entropy_adaptive", "gate_center", 2.0, r"\[0, 1\]"),
     ("skew_kl", "alpha", 1.5, r"\[0, 1\]"), ("akl", "head_mass", -1e-9, r"\[0, 1\]")])
 def test_out_of_range_parameters_are_named(loss, name, value, interval):

@@ -162,18 +162,18 @@ class Parameter:
 PARAMETERS = {
     "beta": (Parameter(0.5, ("jsd", "cosine")),
              Parameter(0.5, ("ab_divergence",), 0.05, 2.0),  # the student's power
-             Parameter(8.0, ("dkd",), 0.0, math.inf)),  # the non-target term's weight
+             Parameter(8.0, ("dkd",), 0.0, math.inf, high_open=True)),  # the non-target term's weight
     "alpha": (Parameter(0.1, ("skew_kl", "skew_reverse_kl")),
               Parameter(0.5, ("alpha_divergence",), low_open=True, high_open=True),
               Parameter(0.5, ("renyi", "renyi_reverse"), 0.0, 2.0, low_open=True),  # the order
               Parameter(0.5, ("ab_divergence",), 0.05, 2.0),  # the teacher's power
-              Parameter(1.0, ("dkd",), 0.0, math.inf)),  # the target term's weight
+              Parameter(1.0, ("dkd",), 0.0, math.inf, high_open=True)),  # the target term's weight
     "head_mass": (Parameter(0.5, ("akl",)),),
     # entropy_adaptive's gate: w = gate_min + (gate_max − gate_min) · sigmoid((H/log n − gate_center) / gate_width)
     "gate_min": (Parameter(0.0, ("entropy_adaptive",)),),
     "gate_max": (Parameter(1.0, ("entropy_adaptive",)),),
     "gate_center": (Parameter(0.5, ("entropy_adaptive",)),),
-    "gate_width": (Parameter(0.1, ("entropy_adaptive",), 0.0, math.inf, low_open=True),),
+    "gate_width": (Parameter(0.1, ("entropy_adaptive",), 0.0, math.inf, low_open=True, high_open=True),),
 }
 
 
