@@ -456,6 +456,8 @@ def _loss_pass(
     acc = tl.zeros([BLOCK_V], tl.float32)
     acc2 = tl.zeros([BLOCK_V], tl.float32)
     acc3 = tl.zeros([BLOCK_V], tl.float32)
+    if LOSS == _RENYI or LOSS == _RENYI_REVERSE:
+        acc3 = tl.full([BLOCK_V], M_START, tl.float32)  # the lanes' running max of S's log2 terms
     acc4 = tl.zeros([BLOCK_V], tl.float32)
     if (SOFT and LOSS != _COSINE and not ONLINE_KL) or GRAD_PASS == 2:
         for i in range(0, n_tiles):
@@ -516,10 +518,17 @@ def _loss_pass(
                         acc += gap * r
                         acc2 += q * r * tl.where(both > 0.0, (q + 3.0 * p) / both, 0.0)
                     elif LOSS == _RENYI or LOSS == _RENYI_REVERSE:  # S = Σ p^pow_p q^pow_q, and A
+                        # S's terms reach 2^((r − 1)·|log2 q|): past fp32 at r > 1 where q ≪ p (a sharp row),
+                        # so each lane sums them under its running max (acc3), as pass 1 sums exp; an
+                        # infinite term (q = 0 < p at r > 1) is counted apart (acc4): S is then inf
                         first = lq  # the side at the order r > 0: its term is 0 where that side is
                         if LOSS == _RENYI:
                             first = lp
-                        acc += tl.where(first == -float("inf"), 0.0, tl.exp2(lp * pow_p + lq * pow_q))
+                        x = tl.where(first == -float("inf"), -float("inf"), lp * pow_p + lq * pow_q)
+                        acc4 += tl.where(x == float("inf"), 1.0, 0.0)
+                        x = tl.where(x == float("inf"), -float("inf"), x)
+                        acc = lane_sum(acc, acc3, x, 1.0)
+                        acc3 = tl.maximum(acc3, x)
                         acc2 += _power_term(lp, lq, _log2_ratio(a, b, lq, lp, row_gap, log2e_tau, SCALED), pow_p,
                                             pow_q, PSI)
                     elif LOSS == _ALPHA_DIV:
@@ -565,6 +574,9 @@ def _loss_pass(
             if GRAD_PASS == 2:
                 _store_dlds(g_row, offs, mask, g, a, da, q, label, m_s, log2_l_c, log2e_ce, c_ce,
                             GRAD_SOFT, GRAD_CE, CE_IS_Q, S_HEAD, RTNE_BITS, IN_PLACE)
+    if LOSS == _RENYI or LOSS == _RENYI_REVERSE:  # S as (Σ 2^(x − m), m): the lanes' sums moved to the row's max
+        m = tl.max(acc3, 0)
+        return tl.sum(acc * tl.exp2(acc3 - m), 0), tl.sum(acc2, 0), m, tl.sum(acc4, 0)
     return tl.sum(acc, 0), tl.sum(acc2, 0), tl.sum(acc3, 0), tl.sum(acc4, 0)
 
 
@@ -913,7 +925,9 @@ def _divergence(acc, acc2, acc3, acc4, soft, beta, log2_beta, log2_1mbeta, pow_p
             if LOSS == _RENYI_REVERSE:
                 r = pow_q
                 r_1 = -pow_p
-            log_s = tl.log(acc)  # S = Σ p^r q^(1−r) summed as it is: the rows far from p = q
+            # S = Σ p^r q^(1−r) = 2^acc3 · acc (acc4 > 0: a term is infinite): the rows far from p = q
+            log2_s = tl.where(acc4 > 0.0, float("inf"), acc3 + tl.log2(acc))
+            log_s = log2_s * LN2
             near = tl.abs(log_s) <= 0.25
             z = r * r_1 * acc2  # S − 1 from the non-negative terms A = acc2
             small = tl.abs(z) < 1e-3
@@ -921,7 +935,7 @@ def _divergence(acc, acc2, acc3, acc4, soft, beta, log2_beta, log2_1mbeta, pow_p
             ratio = tl.where(small, 1.0 - z * (0.5 - z * (1.0 / 3.0 - z * (0.25 - z * 0.2))), log1p(zs) / zs)
             far = log_s / tl.where(r_1 == 0.0, 1.0, r_1)
             soft = tl.where(near, r * acc2 * ratio, far)
-            tvd_zero = tl.where(near, z * ratio, log_s) * LOG2E
+            tvd_zero = tl.where(near, z * ratio * LOG2E, log2_s)
         elif LOSS == _ENTROPY_ADAPTIVE or LOSS == _AKL:  # w KL(p‖q) + (1 − w) KL(q‖p): w in tvd_zero, K = KL(q‖p)
             if LOSS == _AKL:  # w = g_head / (g_head + g_tail), ½ where both are 0
                 g_all = acc3 + acc4
@@ -1513,9 +1527,20 @@ def sliced_rows(s, t, labels, spec: LossSpec, scale: torch.Tensor, grad: bool, s
     accs = torch.empty(R, 4, dtype=torch.float32, device=s.device)
     launch(2, parts=parts, accs=accs, world=parts.shape[0])
     if launch.needs_phase_3:
-        accs = yield "sum", accs
+        if kernel_kind(spec) in ("renyi", "renyi_reverse"):  # S as (sum, max): merged, not added
+            accs = _merge_power_sums((yield "gather", accs))
+        else:
+            accs = yield "sum", accs
         launch(3, parts=parts, accs=accs, world=parts.shape[0])
     return out
+
+
+def _merge_power_sums(every):
+    """Rényi's pass-2 sums of every rank (world, R, 4): its S as (Σ 2^(x − m), m) moved to the ranks' largest m
+    and added, A and the count of infinite terms added (each rank the same order: the same bits)."""
+    m = every[..., 2].amax(0)
+    s = (every[..., 0] * torch.exp2(every[..., 2] - m)).sum(0)
+    return torch.stack([s, every[..., 1].sum(0), m, every[..., 3].sum(0)], -1).contiguous()
 
 
 def unexchanged(steps):
