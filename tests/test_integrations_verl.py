@@ -749,3 +749,20 @@ def test_clamped_kl_gradient_where_one_id_holds_the_row():
         rest = torch.tensor([rest, math.log(v - 2.0) - peak, rest], dtype=torch.float64)
         want = -lp[:, 0].double().exp() * torch.sigmoid(rest)
         torch.testing.assert_close(got, want.float().double(), rtol=2e-7, atol=0)
+
+
+def test_default_chunk_cuts_a_long_micro_batch_into_sixteen():
+    """The Triton sweep's default rows a chunk: the core's logits budget (1 GiB), or N / 16 where that is more
+    (each chunk reads and writes dW's fp32 accumulator once, whatever its rows), at most four budgets; the
+    torch path keeps the budget; a given chunk_size is taken as it is."""
+    v = 151936
+    budget = fk_verl.core_plan.LOGITS_BUDGET["triton"] // (v * 4)
+    rows = lambda n, backend="triton", size=None: fk_verl._chunk_rows(n, v, size, backend, 4)  # noqa: E731
+    assert rows(1000) == 1000 and rows(budget) == budget  # one chunk
+    assert rows(16 * budget) == budget  # the budget's rows: 16 chunks
+    assert rows(32768) == 2048 > budget  # N / 16
+    assert rows(32768 + 1) == 2049  # rounded up: never a 17th chunk
+    assert rows(10**6) == fk_verl.SWEEP_GROWTH * budget  # at most four budgets
+    torch_rows = fk_verl.core_plan.LOGITS_BUDGET["torch"] // (v * 16)
+    assert rows(32768, "torch") == torch_rows
+    assert rows(32768, size=100) == 100

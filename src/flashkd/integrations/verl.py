@@ -76,7 +76,9 @@ accumulator's, 4 for narrow inputs unless grad_accum_dtype says otherwise):
                  top-k kernel's scratch, the row math); R·V·4 more on the torch path's temporaries
     kept         N·H·max(E, 4 if narrow) (dX_u) + V·H·A (dW, with a prediction) + N·K·(4 + 1)
                  (token_kl, membership): alive from the forward to the backward
-    peak         kept + a chunk;  R from `flashkd.core.plan.LOGITS_BUDGET` (R·V·L <= 1 GiB on Triton)
+    peak         kept + a chunk;  R from `flashkd.core.plan.LOGITS_BUDGET` (R·V·L <= 1 GiB), on Triton
+                 R = max(that, N/16) up to 4 GiB of logits (`SWEEP_CHUNKS`: each chunk reads and writes
+                 the dW accumulator once, 2·V·H·4 bytes, so a long micro-batch is cut into 16 chunks)
 At N 32768, V 151936, H 2048, bf16: 0.27 GB + 1.24 GB kept and about 1.6 GB a chunk, where verl's
 own path holds its (N, V) logits, their log-softmax and its gradient (29.9 GB measured at that size,
 benchmarks/bench_verl.py).
@@ -133,13 +135,23 @@ _LOG2E = math.log2(math.e)
 _METHODS = ("prepare_model_inputs", "prepare_model_outputs")
 
 
+SWEEP_CHUNKS = 16  # the most chunks a micro-batch is cut into by default (Triton), while ...
+SWEEP_GROWTH = 4  # ... a chunk's logits stay within this many times the core's budget
+
+
 def _chunk_rows(n: int, v: int, chunk_size: int | None, backend: str, logit_bytes: int) -> int:
     if chunk_size is not None:
         return chunk_size
     # the chunk loop's budget for one chunk's logits (`flashkd.core.plan.LOGITS_BUDGET`); the torch rows
     # hold a few more (R, V) temporaries
     per_row = v * (logit_bytes if backend == "triton" else 4 * logit_bytes)
-    return max(1, min(max(n, 1), core_plan.LOGITS_BUDGET[backend] // max(per_row, 1)))
+    rows = core_plan.LOGITS_BUDGET[backend] // max(per_row, 1)
+    if backend == "triton":
+        # Each chunk reads and writes dW's fp32 accumulator once (2·V·H·4 bytes, ~0.65 ms at V 151936, H 2048
+        # on an H100) whatever its rows: a long micro-batch takes at most SWEEP_CHUNKS chunks, up to
+        # SWEEP_GROWTH times the budget's rows (its logits N·V·L / 16 then, still a sixteenth of verl's own)
+        rows = min(max(rows, -(-n // SWEEP_CHUNKS)), SWEEP_GROWTH * rows)
+    return max(1, min(max(n, 1), rows))
 
 
 def _own_by_rank(s: torch.Tensor, ids: torch.Tensor, s_k: torch.Tensor) -> torch.Tensor:
