@@ -36,6 +36,12 @@ real vocabs and hidden sizes): TRL in float64 as the truth, flashkd in float64 a
 float32: relative errors (‖Δ‖ / ‖truth‖) of the value and of dX and dW, and their max. Without trl the
 TRL rows and the check are skipped with a note.
 
+Part "learning": a teacher trained by the same loss (`loss="mutual"` and `"co_jeffreys"`, the teacher's hidden
+states and head requiring grad; the seed shape, one teacher), against the constant teacher's JSD call and the
+six-GEMM floor ("floor six GEMMs": both logits, then dX, dW, dXt, dWt from a stand-in dL/dS). Target: ≤ 1.05× the
+floor. Checked first against the definition in float64 (docs/divergences.md: mutual's value J with the gradient of
+each side's KL toward the other held constant; co_jeffreys J's own) on all four tensors.
+
 Timed: CUDA events around one forward + backward (loss.backward(): gradients to the student's hidden states
 and head), median and 20th / 80th percentiles over --reps after --warmup, each variant in turn. Memory:
 peak allocated during it minus what was allocated before (inputs and parameters; their gradients freed). A
@@ -46,7 +52,7 @@ a naive float64 computation over the full logits with autograd (teachers: the ex
 token map: the teacher's softmax gathered at the shared ids and renormalised; GOLD: TRL's ULDLoss on the same
 inputs, skipped without trl); a mismatch raises.
 
-Usage: python benchmarks/bench_teachers.py [--out DIR] [--parts teachers token-map gold]   (one GPU)
+Usage: python benchmarks/bench_teachers.py [--out DIR] [--parts teachers token-map gold learning]   (one GPU)
        python benchmarks/bench_teachers.py --smoke [--out DIR]                           (CPU: checks only)
 results.json and summary.md go into --out (default: a new bench-teachers-YYYYmmdd-HHMMSS/).
 The GOLD part needs trl==1.16.0 (and `datasets`, or the stand-in in benchmarks/_datasets_stub).
@@ -73,7 +79,7 @@ import flashkd.teachers  # noqa: E402
 from flashkd.bench.providers import Floor  # noqa: E402
 from flashkd.cross_vocab import TokenMap, fused_linear_uld, uld_alignment  # noqa: E402
 
-PARTS = ("teachers", "token-map", "gold")
+PARTS = ("teachers", "token-map", "gold", "learning")
 BETA = 0.5  # JSD's β (flashkd's default), and GOLD's hybrid β
 W_HARD = W_SOFT = 0.5
 
@@ -167,7 +173,7 @@ def compare(name, fused, leaves, naive, naive_leaves, checks, tol):
     """The value and gradients of `fused` (a scalar over leaves) and `naive` (over naive_leaves, their float64
     copies): relative errors, recorded in checks; above tol (when given) raises."""
     errs = {"value": rel_err(fused, naive)}
-    grads = zip(("dX", "dW"), torch.autograd.grad(fused, leaves), torch.autograd.grad(naive, naive_leaves))
+    grads = zip(("dX", "dW", "dXt", "dWt"), torch.autograd.grad(fused, leaves), torch.autograd.grad(naive, naive_leaves))
     for label, a, b in grads:
         errs[label] = rel_err(a, b)
     errs["max"] = max(errs.values())
@@ -264,6 +270,74 @@ def run_teachers(args, device, dtype, rows):
         measure(rows, "teachers", name, lambda a, b, teachers=teachers: Floor.apply(a, b, ds, teachers),
                 (xs, ws), args, device)
     del ds, xs, ws, xts, wts, routed_x
+
+
+# ---------------------------------------------------------------------------------------------------
+# part "learning": a teacher trained by the same loss (mutual, co_jeffreys)
+
+LEARNING = ("mutual", "co_jeffreys")
+
+
+class SixGemms(torch.autograd.Function):
+    """The GEMMs of a step whose teacher learns too, and nothing else: both logits forward, then dX, dW and the
+    teacher's dXt, dWt from one stand-in dL/dS (the floor of `mutual` / `co_jeffreys` with a learning teacher)."""
+
+    @staticmethod
+    def forward(ctx, xs, ws, xt, wt, ds):
+        ctx.save_for_backward(xs, ws, xt, wt, ds)
+        s = xs @ ws.t()
+        t = xt @ wt.t()  # made while s is alive, as the loss needs both
+        del s, t
+        return xs.new_zeros(())
+
+    @staticmethod
+    def backward(ctx, _grad):
+        xs, ws, xt, wt, ds = ctx.saved_tensors
+        return ds @ ws, ds.t() @ xs, ds @ wt, ds.t() @ xt, None
+
+
+def naive_learning(loss, xs, ws, xt, wt, labels):
+    """The learning teacher's loss from the definition (docs/divergences.md): w_hard · the student's CE +
+    w_soft · J, J = KL(p‖q) + KL(q‖p), over the rows with a label; co_jeffreys differentiates J on both sides,
+    mutual each side's KL toward the other taken as a constant (value J, gradient of KL(p̄‖q) + KL(q̄‖p))."""
+    zs, zt = xs @ ws.T, xt @ wt.T
+    lq, lp = torch.log_softmax(zs, -1), torch.log_softmax(zt, -1)
+    q, p = lq.exp(), lp.exp()
+    j = ((q - p) * (lq - lp)).sum(-1)
+    if loss == "mutual":
+        pull = (p.detach() * (lp.detach() - lq)).sum(-1) + (q.detach() * (lq.detach() - lp)).sum(-1)
+        j = pull + (j - pull).detach()
+    valid = labels != -100
+    n = max(int(valid.sum()), 1)
+    hard = F.cross_entropy(zs, labels, ignore_index=-100, reduction="none")
+    return W_HARD * hard[valid].sum() / n + W_SOFT * j[valid].sum() / n
+
+
+def check_learning(args, device, dtype, checks, tol, shape):
+    n, hs, ht, v = shape
+    g = torch.Generator(device=device).manual_seed(args.seed + 3)
+    xs, ws, xts, wts, labels, _ = teacher_inputs(n, hs, ht, v, dtype, device, g, m=1)
+    labels[::5] = -100
+    for loss in LEARNING:
+        leaves = [t.detach().requires_grad_() for t in (xs, ws, xts[0], wts[0])]
+        fused = flashkd.fused_linear_distill(*leaves, labels, loss=loss)
+        wide = [t.detach().double().requires_grad_() for t in (xs, ws, xts[0], wts[0])]
+        compare(f"learning / {loss}", fused, leaves, naive_learning(loss, *wide, labels), wide, checks, tol)
+
+
+def run_learning(args, device, dtype, rows):
+    n, v = args.tokens, args.vocab
+    g = torch.Generator(device=device).manual_seed(args.seed)
+    xs, ws, xts, wts, labels, _ = teacher_inputs(n, args.hidden, args.teacher_hidden, v, dtype, device, g, m=1)
+    measure(rows, "learning", "jsd, constant teacher",
+            lambda a, b: flashkd.fused_linear_distill(a, b, xts[0], wts[0], labels, loss="jsd"), (xs, ws), args, device)
+    for loss in LEARNING:
+        measure(rows, "learning", loss, lambda a, b, c, d, loss=loss: flashkd.fused_linear_distill(
+            a, b, c, d, labels, loss=loss), (xs, ws, xts[0], wts[0]), args, device)
+    ds = torch.randn(n, v, generator=g, device=device).to(dtype) * 1e-3  # a stand-in dL/dS, as the other floors'
+    measure(rows, "learning", "floor six GEMMs", lambda a, b, c, d: SixGemms.apply(a, b, c, d, ds),
+            (xs, ws, xts[0], wts[0]), args, device)
+    del ds, xs, ws, xts, wts
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -517,6 +591,10 @@ def ratios(rows):
     add("sum / the two teachers' floor", (t, "sum"), (t, "floor two teachers"), None)
     add("arithmetic / its floor", (t, "arithmetic"), (t, "floor two teachers"), 1.10)
     add("token map / same vocabulary", ("token map", "token map"), ("token map", "same vocabulary"), 1.05)
+    for loss in LEARNING:
+        add(f"{loss}, learning teacher / six GEMMs", ("learning", loss), ("learning", "floor six GEMMs"), 1.05)
+        add(f"{loss}, learning teacher / jsd, constant teacher", ("learning", loss),
+            ("learning", "jsd, constant teacher"), None)
     fk = by.get(("gold", "flashkd uld"))
     for r in rows:
         if r["part"] == "gold" and r["variant"].startswith("trl uld") and "median_s" in r and fk is not None:
@@ -558,9 +636,10 @@ def summary_md(summary):
             lines.append(f"- {r['variant']} (R {r['chunk_rows']}, width {r['width']}): {r['median_s'] * 1e3:.3f} ms a "
                          f"chunk, {total * 1e3:.1f} ms over {r['chunks']} chunks{share}")
     if summary["checks"]:
-        lines += ["", "| check | value | dX | dW | max rel err |", "|---|---:|---:|---:|---:|"]
+        lines += ["", "| check | value | dX | dW | dXt | dWt | max rel err |", "|---|---:|---:|---:|---:|---:|---:|"]
+        cell = lambda e, k: f"{e[k]:.2e}" if k in e else ""  # noqa: E731  (the teacher's only where it learns)
         for name, e in summary["checks"].items():
-            lines.append(f"| {name} | {e['value']:.2e} | {e['dX']:.2e} | {e['dW']:.2e} | {e['max']:.2e} |")
+            lines.append(f"| {name} | " + " | ".join(cell(e, k) for k in ("value", "dX", "dW", "dXt", "dWt", "max")) + " |")
     for note in summary["notes"]:
         lines += ["", f"Note: {note}"]
     return "\n".join(lines)
@@ -588,6 +667,9 @@ def main(argv=None):
         shape = ((args.tokens, args.hidden, args.teacher_hidden, args.vocab, args.teacher_vocab) if args.smoke
                  else (256, 256, 384, 4099, 5003))
         check_token_map(args, device, cdt, checks, tol, shape)
+    if "learning" in args.parts:
+        shape = (args.tokens, args.hidden, args.teacher_hidden, args.vocab) if args.smoke else (256, 256, 384, 4099)
+        check_learning(args, device, cdt, checks, tol, shape)
     if "gold" in args.parts and ULDLoss is not None:
         groups = args.tokens if args.smoke else args.gold_check_groups
         check_gold(args, device, ULDLoss, checks, tol, groups,
@@ -597,6 +679,8 @@ def main(argv=None):
         run_teachers(args, device, dtype, rows)
     if "token-map" in args.parts:
         run_token_map(args, device, dtype, rows)
+    if "learning" in args.parts:
+        run_learning(args, device, dtype, rows)
     if "gold" in args.parts:
         run_gold(args, device, dtype, rows, ULDLoss, why_not)
         if device.type == "cuda":

@@ -33,7 +33,9 @@ def test_smoke_checks_and_writes_every_variant(tmp_path):
     expected = [("teachers", v) for v in timed] + [
         ("token map", "same vocabulary"), ("token map", "token map"), ("token map", "token map gather"),
         ("gold", "flashkd uld"), ("gold", "flashkd uld alignment"), ("gold", "trl uld (float64 logits)"),
-        ("gold", "sort full vocab"), ("gold", "sort hybrid chunk")]
+        ("gold", "sort full vocab"), ("gold", "sort hybrid chunk"),
+        ("learning", "jsd, constant teacher"), ("learning", "mutual"), ("learning", "co_jeffreys"),
+        ("learning", "floor six GEMMs")]
     for key in expected:
         assert key in rows, key
     assert ("teachers", "arithmetic") in rows
@@ -49,6 +51,7 @@ def test_smoke_checks_and_writes_every_variant(tmp_path):
     # the checks ran (each would have raised on a mismatch) and agree to float64 rounding
     checks = results["checks"]
     names = ["teachers / " + v for v in ("one teacher", "routed", "geometric", "sum")] + ["token map"]
+    names += ["learning / mutual", "learning / co_jeffreys"]
     names += ["gold / flashkd float64 vs trl float64"] if trl else []
     names += ["teachers / arithmetic"] if "arithmetic" in flashkd.teachers.COMBINES else []
     for name in names:
