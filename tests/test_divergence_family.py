@@ -47,8 +47,7 @@ ORACLE_DEFAULTS = dict(alpha=0.1, beta=0.5, gate_min=0.0, gate_max=1.0, gate_cen
 @pytest.mark.parametrize("option", list(OPTIONS))
 def test_heads_exact_at_trained_magnitudes(backend, loss, option, seed, kernel_calls):
     check_dense_exact(backend, seed, dict(OPTIONS[option], loss=loss, **PARAMS[loss]))
-    # the torch rows on every backend for those of core.backend.TORCH_ROW_LOSSES, else the kernel on "triton"
-    assert kernel_calls == ([] if backend == "torch" or loss in flashkd.core.backend.TORCH_ROW_LOSSES else [loss] * 2)
+    assert kernel_calls == ([] if backend == "torch" else [loss] * 2)  # the kernel on "triton"
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -253,21 +252,6 @@ def test_dkd_needs_labels_and_a_dense_teacher():
         flashkd.fused_linear_distill_topk(xs, ws, ids, lp, labels, loss="dkd")
     # the module's options are checked where it is made; labels come with each forward
     flashkd.FusedLinearDistillLoss("dkd", alpha=0.5, beta=2.0)
-
-
-@pytest.mark.parametrize("loss", [loss for loss in FAMILY if loss in flashkd.core.backend.TORCH_ROW_LOSSES])
-def test_triton_backend_runs_them_on_the_torch_rows(loss, kernel_calls):
-    """"triton" (and "auto" on a GPU) have no dense kernel for the entropy blend and DKD: the torch rows'
-    result, bit for bit (the others' kernel: tests/test_triton_divergences.py)."""
-    pytest.importorskip("triton")
-    device = "cuda" if torch.cuda.is_available() else "cpu"  # on a CPU, the interpreter (tests/conftest.py)
-    xs, ws, xt, wt = (t.float().to(device) for t in small(3)[:4])
-    labels = small(3)[4].to(device)
-    for backend in ("triton", "auto") if device == "cuda" else ("triton",):
-        a = flashkd.fused_linear_distill(xs, ws, xt, wt, labels, loss=loss, backend=backend, **PARAMS[loss])
-        b = flashkd.fused_linear_distill(xs, ws, xt, wt, labels, loss=loss, backend="torch", **PARAMS[loss])
-        assert torch.equal(a, b)
-    assert kernel_calls == []
 
 
 def _vocab_parallel_worker(rank, world, seed):

@@ -187,35 +187,60 @@ def test_mutual_and_co_jeffreys_differ_in_gradients_only(loss, seed):
 
 
 @pytest.mark.parametrize("loss", LEARNING_LOSSES)
-@pytest.mark.parametrize("backend", BACKEND_PARAMS)
-def test_float32_on_the_torch_rows(loss, backend, seed, monkeypatch):
-    """fp32 inputs: the triton backend routes these losses to the torch rows (no kernel call), and gives the
-    torch backend's results bit for bit; both within fp32 rounding of the float64 oracle."""
-    if HAS_TRITON:
-        from flashkd.backends import triton_rows
+@pytest.mark.parametrize("option", list(OPTIONS))
+@needs_triton
+def test_float32_in_the_row_kernel(loss, option, seed, monkeypatch):
+    """fp32 inputs on the triton backend: the row kernel writes the learning teacher's dL/dt beside dL/ds
+    (each block's call asks it for the teacher's gradient); the value and all six gradients within fp32
+    rounding of the float64 oracle (2e-6 of each gradient's largest element), ignored rows' zero."""
+    from flashkd.backends import triton_rows
 
-        def refuse(*args, **kwargs):
-            raise AssertionError("the Triton row kernel was called")
+    calls = []
+    kernel = triton_rows.rows
 
-        monkeypatch.setattr(triton_rows, "rows", refuse)
-    tensors, labels, _ = case(seed, "bias", torch.float32)
-    dev = _device(backend)  # both backends there: their results compared bit for bit
-    outs = {}
-    for b in ("torch", backend):
-        t = leaves(tensors, dev)
-        out = run_flashkd(t, labels.to(dev), loss=loss, backend=b, temperature=0.8)
-        outs[b] = out, grads_of(out, t)
-    out, got = outs[backend]
-    assert out.dtype == torch.float32
-    torch.testing.assert_close(out, outs["torch"][0], rtol=0, atol=0)
+    def spy(*args, **kwargs):
+        calls.append(kwargs.get("teacher_grad", False))
+        return kernel(*args, **kwargs)
+
+    monkeypatch.setattr(triton_rows, "rows", spy)
+    tensors, labels, opts = case(seed, option, torch.float32)
+    mine = leaves(tensors, DEVICE)
+    out = run_flashkd(mine, _to(labels, DEVICE), loss=loss, backend="triton",
+                      **{k: v.to(DEVICE) if torch.is_tensor(v) else v for k, v in opts.items()})
+    learns = OPTIONS[option].get("weight_soft_loss", 0.5) != 0.0
+    assert calls and set(calls) == {learns}
     ref = leaves({k: None if x is None else x.double() for k, x in tensors.items()})
-    want = run_oracle(ref, labels, loss=loss, temperature=0.8)
-    truth = grads_of(want, ref)
-    torch.testing.assert_close(out.double().cpu(), want, rtol=5e-7, atol=0)
+    want = run_oracle(ref, labels, loss=loss, **{k: v.double() if torch.is_tensor(v) else v for k, v in opts.items()})
+    torch.testing.assert_close(out.double().cpu(), want, rtol=2e-6, atol=1e-7)
+    got, truth = _cpu(grads_of(out, mine)), grads_of(want, ref)
+    assert {"xt", "wt"} <= set(got)
     for name in got:
-        torch.testing.assert_close(got[name], outs["torch"][1][name], rtol=0, atol=0)
         scale = truth[name].abs().max().item()
-        torch.testing.assert_close(got[name].double().cpu(), truth[name], rtol=0, atol=2e-6 * scale,
+        torch.testing.assert_close(got[name].double(), truth[name], rtol=0, atol=2e-6 * scale + 1e-12,
+                                   msg=lambda m: f"d{name}: {m}")
+    if labels is not None:
+        assert not got["xt"][list(IGNORED)].any()  # ignored rows: zero, their NaN kept out
+
+
+@pytest.mark.parametrize("loss", LEARNING_LOSSES)
+@needs_triton
+def test_float32_kernel_with_head_transforms(loss, seed):
+    """Both heads' logit scales and softcaps (the teacher's own scale, a cap on each side): the kernel's dL/dt
+    through the teacher's transform (σ_t in its factor, 1 − tanh² where it is written) equals the torch
+    backend's float64 autograd of the definition to fp32 rounding, on all six tensors."""
+    tensors, labels, _ = case(seed, "bias", torch.float32)
+    opts = dict(temperature=0.9, student_logit_scale=1.2, teacher_logit_scale=0.7, student_softcap=8.0,
+                teacher_softcap=6.0)
+    mine = leaves(tensors, DEVICE)
+    out = run_flashkd(mine, _to(labels, DEVICE), loss=loss, backend="triton", **opts)
+    ref = leaves({k: None if x is None else x.double() for k, x in tensors.items()})
+    want = run_flashkd(ref, labels, loss=loss, backend="torch", **opts)
+    torch.testing.assert_close(out.double().cpu(), want, rtol=2e-6, atol=1e-7)
+    got, truth = _cpu(grads_of(out, mine)), grads_of(want, ref)
+    for name in got:
+        scale = truth[name].abs().max().item()
+        assert scale > 0, name
+        torch.testing.assert_close(got[name].double(), truth[name], rtol=0, atol=2e-6 * scale,
                                    msg=lambda m: f"d{name}: {m}")
 
 

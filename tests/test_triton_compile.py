@@ -26,9 +26,12 @@ _LOSSES = (("jsd", 3, False, 0), ("tvd", 3, False, 0), ("forward_kl", 2, False, 
            ("reverse_kl", 2, True, 0), ("reverse_kl", 0, True, 0), ("cosine", 2, False, 0), ("cosine", 0, False, 0),
            ("jeffreys", 3, False, 0), ("triangular", 3, False, 0), ("alpha_divergence", 3, False, 2 + 8 * 3),
            ("renyi", 3, False, 3 + 8 * 2), ("renyi_reverse", 3, False, 5 + 8 * 1), ("ab_divergence", 0, False, 2 + 8 * 3),
-           ("entropy_adaptive", 3, False, 8 * 4), ("dkd", 2, False, 8 * 4), ("akl", 3, False, 8 * 4))
-# AKL runs on whole rows only (phase 0), its head's keys in part_ptr (int64)
+           ("entropy_adaptive", 3, False, 8 * 4), ("dkd", 2, False, 8 * 4), ("akl", 3, False, 8 * 4),
+           ("mutual", 3, False, 0), ("co_jeffreys", 3, False, 0))
+# AKL runs on whole rows only (phase 0), its head's keys in part_ptr (int64); a learning teacher's dL/dt is
+# written on whole rows only (phase 0: T_GRAD where there is a gradient, over fp32 teacher logits)
 _WHOLE_ONLY = ("akl",)
+_LEARNING = ("mutual", "co_jeffreys")
 
 
 def _compile_phase(phase: int) -> int:
@@ -49,15 +52,17 @@ def _compile_phase(phase: int) -> int:
             continue
         labels = labels or loss == "dkd"  # DKD reads the label
         grad = grad_pass != 0
+        learns = loss in _LEARNING and phase == 0 and grad
         constexprs = dict(
-            LOSS=LOSS_ID[loss], SOFT=True, CE=labels, LABELS=labels, GRAD_SOFT=grad, GRAD_CE=grad and labels,
+            LOSS=LOSS_ID["jeffreys" if loss in _LEARNING else loss], PULL=loss == "mutual", T_GRAD=learns, SOFT=True, CE=labels, LABELS=labels, GRAD_SOFT=grad, GRAD_CE=grad and labels,
             GRAD_PASS=grad_pass, CE_IS_Q=labels and loss != "cosine", ONLINE_KL=online, S_HEAD=2 if softcap else 0,
             T_HEAD=0, SCALED=softcap, STATS=stats, RTNE_BITS=False, RCP_FMA=0, IN_PLACE=grad, PSI=psi, PHASE=phase, WORLD_BLOCK=4,
             BLOCK_V=1024)
         signature = {}
         for name in names:
             if name.endswith("_ptr"):
-                signature[name] = {"s_ptr": "*bf16", "g_ptr": "*bf16", "t_ptr": "*bf16", "labels_ptr": "*i64",
+                signature[name] = {"s_ptr": "*bf16", "g_ptr": "*bf16", "t_ptr": "*fp32" if learns else "*bf16",
+                                   "labels_ptr": "*i64",
                                    "part_ptr": "*i64" if loss == "akl" else "*fp32"}.get(name, "*fp32")
             else:
                 signature[name] = "i32" if name in _INTS else "constexpr" if name in constexprs else "fp32"

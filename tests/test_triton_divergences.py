@@ -369,12 +369,12 @@ def test_routing():
     per-tile statistics are not offered to them."""
     x32, x64 = torch.zeros(2, 3, device=DEVICE), torch.zeros(2, 3, dtype=torch.float64, device=DEVICE)
     for loss in MOVED:
-        assert loss in triton_rows.KERNEL_LOSSES and loss not in core.backend.TORCH_ROW_LOSSES
-        assert core.backend.pick_backend("triton", x32, loss) == "triton"
-        assert core.backend.pick_backend("triton", x64, loss) == "torch"
+        assert loss in triton_rows.KERNEL_LOSSES
+        assert core.backend.pick_backend("triton", x32) == "triton"
+        assert core.backend.pick_backend("triton", x64) == "torch"
         assert loss not in core.backend.AUTO_CUTE_LOSSES
         assert not triton_rows.tiles_fit(LossSpec(loss=loss), True, False, True)
-    assert "akl" in triton_rows.KERNEL_LOSSES and core.backend.pick_backend("triton", x32, "akl") == "triton"
+    assert "akl" in triton_rows.KERNEL_LOSSES
     assert not triton_rows.tiles_fit(LossSpec(loss="akl"), True, False, True)
 
 

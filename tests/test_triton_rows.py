@@ -566,16 +566,17 @@ def test_rows_sharded_over_vocab_slices(seed, loss, param, grad):
     _assert_matches(got, _torch(s, t, labels, spec, scale, grad), torch.float32, 0.0, _log_terms(s, t, spec, scale))
 
 
-def test_every_dense_loss_runs_in_the_kernel_or_on_the_torch_rows():
-    """Each loss's dense rows have one home: the kernel's (`KERNEL_LOSSES`) or the torch rows'
-    (`core.backend.TORCH_ROW_LOSSES`, which `pick_backend` sends there); the kernel refuses the others by name."""
-    from flashkd import core
+def test_every_dense_loss_runs_in_the_kernel():
+    """Every loss's dense rows run in the kernel (`KERNEL_LOSSES`); a learning teacher's dL/dt is asked of it for
+    mutual and co_jeffreys alone, and written only over an fp32 / fp64 t of its own."""
     from flashkd.losses import LOSSES
 
-    assert sorted(triton_rows.KERNEL_LOSSES + core.backend.TORCH_ROW_LOSSES) == sorted(LOSSES)
+    assert sorted(triton_rows.KERNEL_LOSSES) == sorted(LOSSES)
     s, t = _logits(2, 9, torch.float32, 0)
-    for loss in LOSSES:
-        want = "torch" if loss in core.backend.TORCH_ROW_LOSSES else "triton"
-        assert core.backend.pick_backend("triton", s, loss) == want, loss
-    with pytest.raises(ValueError, match="^spec: expected a loss of 'jsd', .* got 'mutual'"):
-        triton_rows.rows(s.clone(), t, None, LossSpec(loss="mutual"), torch.tensor(1.0, device=DEVICE), True)
+    one = torch.tensor(1.0, device=DEVICE)
+    with pytest.raises(ValueError, match="^teacher_grad: the teacher learns from 'mutual', 'co_jeffreys' only, got loss 'jsd'"):
+        triton_rows.rows(s.clone(), t.clone(), None, LossSpec(loss="jsd"), one, True, teacher_grad=True)
+    with pytest.raises(ValueError, match="^t: expected an fp32 / fp64 contiguous tensor of its own"):
+        triton_rows.rows(s.clone(), t.t().contiguous().t(), None, LossSpec(loss="mutual"), one, True, teacher_grad=True)
+    with pytest.raises(TypeError, match="^teacher_grad: expected a bool"):
+        triton_rows.rows(s.clone(), t.clone(), None, LossSpec(loss="mutual"), one, True, teacher_grad=1)

@@ -120,8 +120,7 @@ LEARNING_LOSSES = ("mutual", "co_jeffreys")
 # the losses a top-k teacher allows: over its categories (a learning teacher needs its head)
 TOPK_LOSSES = tuple(name for name in DIVERGENCES if name not in LABEL_LOSSES + LEARNING_LOSSES)
 # The losses whose top-k category math the Triton backend takes from the torch definition
-# (`flashkd.backends.triton_topk`); the dense rows of akl are the torch rows' too
-# (`flashkd.core.backend.TORCH_ROW_LOSSES`), the others' the Triton kernel's
+# (`flashkd.backends.triton_topk`); their dense rows are the Triton kernel's (`triton_rows.KERNEL_LOSSES`)
 TORCH_ONLY_LOSSES = ("skew_kl", "skew_reverse_kl", "akl", "jeffreys", "alpha_divergence", "renyi", "renyi_reverse",
                      "ab_divergence", "triangular", "entropy_adaptive")
 # The losses whose row is whole: their value merges its sums over the vocab inside `divergence` (a vocab

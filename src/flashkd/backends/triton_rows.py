@@ -123,7 +123,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..losses import COSINE_EPS, LOSS_ID, LossSpec
+from ..losses import COSINE_EPS, LEARNING_LOSSES, LOSS_ID, LossSpec
 from .triton_common import (FAST_LOG2, INTERPRET, LN2, LOG2E, M_START, head, head_grad, head_mode, lane_gap, lane_kl,
                             lane_sum, launching, log1p, order_key, rtne_bits, store_grad, times)
 
@@ -587,9 +587,11 @@ def _grad_pass(
     log2e_tau, log2e_tau_t, log2e_ce, s_mul, t_mul, log2_beta, log2_1mbeta,  # the row's constants
     pow_p, pow_q,  # the power family's powers of p and q
     f1, f0, f_lo, f_hi, f_eq, c_ce,  # the gradient's factors (JSD, skew: f1, f0; TVD: f_lo, f_hi, f_eq)
+    ft1, ft_lo, ft0,  # T_GRAD: the teacher's (`_teacher_factors`)
     LOSS: tl.constexpr, GRAD_SOFT: tl.constexpr, GRAD_CE: tl.constexpr, CE_IS_Q: tl.constexpr,
     S_HEAD: tl.constexpr, T_HEAD: tl.constexpr, RTNE_BITS: tl.constexpr, RCP_FMA: tl.constexpr,
-    IN_PLACE: tl.constexpr, PSI: tl.constexpr, SCALED: tl.constexpr, BLOCK_V: tl.constexpr,
+    IN_PLACE: tl.constexpr, PSI: tl.constexpr, SCALED: tl.constexpr, PULL: tl.constexpr, T_GRAD: tl.constexpr,
+    BLOCK_V: tl.constexpr,
 ):
     """Pass 3, for jsd, tvd and the skew losses: dL/ds = q · (f1 · x + f0) written over s, x the element's
     log-ratio (or TVD's sign; skew KL: q · f0 + f1 · p u; skew reverse KL: q · (f1 · x + f0 + f_lo (1 − u)); module doc)."""
@@ -599,8 +601,8 @@ def _grad_pass(
         mask = offs < V
         a, da = head(tl.load(s_row + offs, mask=mask, other=-float("inf")).to(tl.float32), s_mul, S_HEAD,
                      (RCP_FMA >> 4) & 1)
-        b = head(tl.load(t_row + offs, mask=mask, other=-float("inf")).to(tl.float32), t_mul, T_HEAD,
-                 (RCP_FMA >> 5) & 1)[0]
+        b, db = head(tl.load(t_row + offs, mask=mask, other=-float("inf")).to(tl.float32), t_mul, T_HEAD,
+                     (RCP_FMA >> 5) & 1)
         lq = (a - m_s) * log2e_tau - log2_l_s
         lp = (b - m_t) * log2e_tau_t - log2_l_t
         q = tl.exp2(lq)
@@ -619,7 +621,16 @@ def _grad_pass(
             g = q * (f1 * x + f0 + f_lo * (1.0 - tl.exp2(-x)))
         elif LOSS == _JEFFREYS:  # c_st ((q − p) + q (log(q/p) − K)): f1 (q − p) + q (f_lo log2(q/p) + f0)
             present = (lq > -float("inf")) | (lp > -float("inf"))
-            g = tl.where(present, f1 * _gap(lq, lp, d), 0.0) + times(q, f_lo * d + f0)
+            if PULL:  # mutual: forward KL's c (q − p), and the CE's q part; no log-ratio (infinite where p = 0 < q)
+                g = tl.where(present, f1 * _gap(lq, lp, d), 0.0) + q * f0
+            else:
+                g = tl.where(present, f1 * _gap(lq, lp, d), 0.0) + times(q, f_lo * d + f0)
+            if T_GRAD:  # the learning teacher's dL/dt over t's own bytes (this tile's, loaded above by these lanes)
+                # mutual: c_t (p − q); co_jeffreys: c_t ((p − q) + p (log(p/q) − KL(p‖q))), the student's mirror
+                gt = tl.where(present, -ft1 * _gap(lq, lp, d), 0.0)
+                if not PULL:
+                    gt += times(tl.exp2(lp), ft0 - ft_lo * d)
+                tl.store(t_row + offs, head_grad(gt, db, T_HEAD).to(t_row.dtype.element_ty), mask=mask)
         elif LOSS == _ENTROPY_ADAPTIVE or LOSS == _AKL:  # Jeffreys' form with the weights; at w = 1 no reverse KL (d may be inf)
             present = (lq > -float("inf")) | (lp > -float("inf"))
             g = tl.where(present, f1 * _gap(lq, lp, d), 0.0) + times(q, tl.where(f_lo != 0.0, f_lo * d, 0.0) + f0)
@@ -1130,6 +1141,7 @@ def _rows_kernel(
     pow_q,
     w_hard,  # weight of dCE/ds in dL/ds, times σ_s (dz/ds, but for a softcap's 1 − (z/c)²)
     w_soft,  # weight of dsoft/ds in dL/ds (spec.soft_scale), times σ_s
+    t_ratio,  # T_GRAD: σ_t / σ_s, the teacher's dz/dt in its dL/dt where w_soft carries σ_s
     # compile-time switches
     LOSS: tl.constexpr,  # losses.LOSS_ID of spec.kind (JSD endpoints resolved)
     SOFT: tl.constexpr,  # compute the divergence (t is read)
@@ -1148,6 +1160,8 @@ def _rows_kernel(
     RCP_FMA: tl.constexpr,  # softcap loads whose reciprocal is on the FMA pipe, bit 2·(pass − 1) + side
     # (0: s, 1: t); see SOFTCAP_RCP_FMA
     IN_PLACE: tl.constexpr,  # dL/ds goes into s's own bytes (`grad_view`)
+    PULL: tl.constexpr,  # mutual (LOSS jeffreys, its value): the student's dL/ds forward KL's, c (q − p)
+    T_GRAD: tl.constexpr,  # a learning teacher (mutual, co_jeffreys; PHASE 0): dL/dt written over t, fp32
     PSI: tl.constexpr,  # the power family: ψ's forms for its two powers (`_power_term`, `_psi_mode`)
     PHASE: tl.constexpr,  # 0: the whole row; a row sharded over ranks' vocab slices: 1, 2, 3 (`rows`);
     # 4: the whole row, pass 1's statistics given per vocab tile
@@ -1223,16 +1237,26 @@ def _rows_kernel(
             if GRAD_PASS == 3 and PHASE != 2:
                 f1, f0, f_lo, f_hi, f_eq = _pass3_factors(c_q, c_st, beta, log2_1mbeta, pow_p, pow_q, soft, k_jsd,
                                                           tvd_pos, tvd_neg, tvd_zero, LOSS, PSI)
+                # the teacher's factors: c_t = c_st σ_t / σ_s; co_jeffreys' KL(p‖q) = J − KL(q‖p), K in log2 units
+                ft1 = c_st * t_ratio
+                ft_lo = ft1 * LN2
+                ft0 = -ft1 * (soft - LN2 * k_jsd)
+                if PULL:  # mutual: the student pulled toward p̄ alone, forward KL's c (q − p) (and the CE's q part)
+                    f0 = c_q
                 _grad_pass(
                     s_row, g_row, t_row, V, cols, label,
                     m_s, m_t, log2_l_s, log2_l_t, log2_l_c,
                     log2e_tau, log2e_tau_t, log2e_ce, s_mul, t_mul, log2_beta, log2_1mbeta, pow_p, pow_q,
-                    f1, f0, f_lo, f_hi, f_eq, c_ce,
+                    f1, f0, f_lo, f_hi, f_eq, c_ce, ft1, ft_lo, ft0,
                     LOSS, GRAD_SOFT, GRAD_CE, CE_IS_Q, S_HEAD, T_HEAD, RTNE_BITS, RCP_FMA, IN_PLACE, PSI, SCALED,
-                    BLOCK_V,
+                    PULL, T_GRAD, BLOCK_V,
                 )
+            elif T_GRAD:  # no soft gradient written (a soft weight of 0): the teacher's is 0
+                _fill_zeros(t_row, V, BLOCK_V)
     elif GRAD_PASS != 0 and (PHASE == 0 or PHASE == 2 or PHASE == 4):
         _fill_zeros(g_row, V, BLOCK_V)
+        if T_GRAD:
+            _fill_zeros(t_row, V, BLOCK_V)
     if PHASE != 1:
         tl.store(soft_ptr, soft)
         tl.store(hard_ptr, hard)
@@ -1468,13 +1492,17 @@ def akl_head_keys(t: torch.Tensor, spec: LossSpec, search: bool = False) -> torc
     return out
 
 
-def rows(s, t, labels, spec: LossSpec, scale: torch.Tensor, grad: bool, stats: bool = False, *, ds=None, tiles=None):
-    """`sliced_rows` of whole rows: per-row (soft, hard) losses of one block, with nothing to exchange."""
-    return unexchanged(sliced_rows(s, t, labels, spec, scale, grad, stats, ds=ds, tiles=tiles))
+def rows(s, t, labels, spec: LossSpec, scale: torch.Tensor, grad: bool, stats: bool = False, *, ds=None, tiles=None,
+         teacher_grad: bool = False):
+    """`sliced_rows` of whole rows: per-row (soft, hard) losses of one block, with nothing to exchange.
+    teacher_grad (a learning teacher, `losses.LEARNING_LOSSES`): dL/dt too, written over t (fp32 or fp64, its
+    rows contiguous) as `flashkd.backends.torch_rows.rows` writes it; whole rows only."""
+    return unexchanged(sliced_rows(s, t, labels, spec, scale, grad, stats, ds=ds, tiles=tiles,
+                                   teacher_grad=teacher_grad))
 
 
 def sliced_rows(s, t, labels, spec: LossSpec, scale: torch.Tensor, grad: bool, stats: bool = False, *, ds=None,
-                tiles=None, start=None):
+                tiles=None, start=None, teacher_grad: bool = False):
     """Per-row (soft, hard) losses of one block, (R,) fp32 each; with `grad`, ds (default: s, overwritten)
     gets dL/ds = scale · (w_hard · dCE/ds + soft_scale · dsoft/ds). See `flashkd.backends` for the contract.
 
@@ -1499,7 +1527,9 @@ def sliced_rows(s, t, labels, spec: LossSpec, scale: torch.Tensor, grad: bool, s
             softmax(s) is not q). The kernel then reads the row twice, not three times. Only where pass 1
             takes nothing else (`tiles_fit`); the whole vocab (start None)
     """
-    t, ds, in_place = _check(s, t, labels, spec, scale, grad, stats, ds, start, tiles)
+    t, ds, in_place = _check(s, _check_teacher_grad(teacher_grad, s, t, spec, grad, start, tiles), labels, spec, scale,
+                             grad, stats, ds, start, tiles)
+    teacher_grad = teacher_grad and grad and spec.want_soft
     # allocate: every program writes its row's soft and hard (and entropy)
     R = s.shape[0]
     soft = torch.empty(R, dtype=torch.float32, device=s.device)
@@ -1510,7 +1540,7 @@ def sliced_rows(s, t, labels, spec: LossSpec, scale: torch.Tensor, grad: bool, s
         return out
     if labels is not None:
         labels = labels.contiguous()  # R integers: a strided view costs a negligible copy
-    launch = _Launch(s, t, ds, labels, spec, scale, grad, stats, in_place, soft, hard, entropy, start)
+    launch = _Launch(s, t, ds, labels, spec, scale, grad, stats, in_place, soft, hard, entropy, start, teacher_grad)
     if tiles is not None:
         launch(4, parts=tiles, world=tiles.shape[2], stride_part=tiles.stride(0), stride_tile=tiles.stride(1))
         return out
@@ -1550,6 +1580,27 @@ def unexchanged(steps):
     except StopIteration as done:
         return done.value
     raise AssertionError("a row function of whole rows asked for an exchange over ranks")
+
+
+def _check_teacher_grad(teacher_grad, s, t, spec: LossSpec, grad: bool, start, tiles):
+    """t, checked for teacher_grad (the kernel then writes a learning teacher's dL/dt over it): the loss one of
+    LEARNING_LOSSES, whole rows, t an fp32 / fp64 contiguous tensor of its own (never a copy made here)."""
+    if not isinstance(teacher_grad, bool):
+        raise TypeError(f"teacher_grad: expected a bool, got {teacher_grad!r}")
+    if not teacher_grad:
+        return t
+    if spec.kind not in LEARNING_LOSSES:
+        raise ValueError(f"teacher_grad: the teacher learns from {', '.join(map(repr, LEARNING_LOSSES))} only, got "
+                         f"loss {spec.loss!r}")
+    if start is not None or tiles is not None:
+        raise ValueError("teacher_grad: a learning teacher's rows run whole here (no vocab slice, no tile statistics)")
+    if not (grad and spec.want_soft):
+        return t
+    if (not isinstance(t, torch.Tensor) or t.dtype not in (torch.float32, torch.float64) or not t.is_contiguous()
+            or t.data_ptr() == s.data_ptr()):
+        raise ValueError(f"t: expected an fp32 / fp64 contiguous tensor of its own for the teacher's gradient, got "
+                         f"{_describe(t)}")
+    return t
 
 
 def _check(s, t, labels, spec: LossSpec, scale, grad: bool, stats: bool, ds, start, tiles):
@@ -1626,7 +1677,7 @@ class _Launch:
     switches and the row's runtime floats), and a launch of a phase with its parts and sums."""
 
     def __init__(self, s, t, ds, labels, spec: LossSpec, scale, grad: bool, stats: bool, in_place: bool, soft, hard,
-                 entropy, start):
+                 entropy, start, teacher_grad: bool = False):
         R, V = s.shape
         kind = kernel_kind(spec)
         use_soft = spec.want_soft
@@ -1691,6 +1742,7 @@ class _Launch:
             pow_q,
             float(spec.weight_hard) * sigma_s,
             float(spec.soft_scale) * sigma_s,
+            float(spec.teacher_logit_scale) / sigma_s,
         )
         self.constexprs = dict(
             LOSS=LOSS_ID[kind],
@@ -1708,6 +1760,8 @@ class _Launch:
             STATS=stats,
             RTNE_BITS=rtne_bits(ds),
             IN_PLACE=in_place,
+            PULL=use_soft and spec.kind == "mutual",
+            T_GRAD=teacher_grad,
             # the entropy blend's KL terms are the power family's at powers (1, 0): ψ's modes for γ = 0 and 1 − γ = 1
             PSI=_psi_mode(pow_q / (pow_p + pow_q)) + 8 * _psi_mode(pow_p / (pow_p + pow_q)) if kind in _POWER_LOSSES
             else _psi_mode(0.0) + 8 * _psi_mode(1.0) if kind in ("entropy_adaptive", "dkd", "akl") else 0,
@@ -1751,7 +1805,7 @@ def _writing_pass(spec: LossSpec, grad: bool) -> int:
 # a vocab slice's AKL runs on the torch rows, `flashkd.core.backend.row_function`).
 KERNEL_LOSSES = ("jsd", "forward_kl", "reverse_kl", "tvd", "cosine", "skew_kl", "skew_reverse_kl", "jeffreys",
                  "triangular", "alpha_divergence", "renyi", "renyi_reverse", "ab_divergence", "entropy_adaptive", "dkd",
-                 "akl")
+                 "akl", "mutual", "co_jeffreys")
 # the kernel's losses whose statistics per vocab tile (`tiles_fit`) are not offered: those the CuTe path had
 _NO_TILES = ("jeffreys", "triangular", "alpha_divergence", "renyi", "renyi_reverse", "ab_divergence", "entropy_adaptive",
              "dkd", "akl")
@@ -1760,8 +1814,11 @@ _NO_TILES = ("jeffreys", "triangular", "alpha_divergence", "renyi", "renyi_rever
 def kernel_kind(spec: LossSpec) -> str:
     """The loss the kernel computes for spec: spec.kind (JSD's endpoints resolved), and the skew losses at
     α = 0 as the KL each is there (M = q: forward KL; M′ = p: reverse KL), the same formula, whose
-    log2 α the mixture cannot take (`_mixture`). At α = 1 the mixture's formula gives 0 and dL/ds 0 as it is."""
+    log2 α the mixture cannot take (`_mixture`). At α = 1 the mixture's formula gives 0 and dL/ds 0 as it is.
+    mutual and co_jeffreys are Jeffreys' value (mutual's gradient by PULL, a learning teacher's by T_GRAD)."""
     kind = spec.kind
+    if kind in LEARNING_LOSSES:
+        return "jeffreys"
     if kind in ("skew_kl", "skew_reverse_kl") and spec.alpha == 0.0:
         return "forward_kl" if kind == "skew_kl" else "reverse_kl"
     return kind

@@ -16,7 +16,6 @@ import torch
 
 from .. import fp8
 from ..backends import torch_rows
-from ..losses import LEARNING_LOSSES
 
 def row_function(plan):
     """The row function of the plan's backend and teacher form (see `flashkd.backends`): for the whole
@@ -79,11 +78,11 @@ def check_backend(backend) -> None:
         raise ValueError(f"backend: expected 'auto', 'torch', 'triton' or 'cute', got {backend!r}")
 
 
-def pick_backend(backend, x, loss=None):
+def pick_backend(backend, x):
     check_backend(backend)
     interpret = os.environ.get("TRITON_INTERPRET") == "1"
     if backend == "auto":
-        return "triton" if x.is_cuda and _has_triton() and loss not in TORCH_ROW_LOSSES else "torch"
+        return "triton" if x.is_cuda and _has_triton() else "torch"
     if backend == "cute":  # the Triton rows, with CuTe DSL logits GEMMs where they fit (`Plan.gemm`)
         from ..backends import cute_gemm
 
@@ -95,7 +94,7 @@ def pick_backend(backend, x, loss=None):
         if not x.is_cuda or torch.cuda.get_device_capability(x.device) != (9, 0):
             where = x.device if not x.is_cuda else f"{x.device} (sm_{''.join(map(str, torch.cuda.get_device_capability(x.device)))})"
             raise ValueError(f"backend: 'cute' needs CUDA tensors on an sm_90 (Hopper) GPU, got tensors on {where}")
-        return "torch" if x.dtype == torch.float64 or loss in TORCH_ROW_LOSSES else "triton"
+        return "torch" if x.dtype == torch.float64 else "triton"
     if backend == "triton":
         if not _has_triton():
             raise ValueError(
@@ -107,15 +106,9 @@ def pick_backend(backend, x, loss=None):
         if interpret and not x.is_cuda and x.dtype != torch.float64 and (why := _interpreter_problem()):
             raise RuntimeError(why)
     # The Triton kernels compute in fp32: fp64 inputs (float64 gradcheck, references) get the torch rows'
-    # fp64 math on every backend; so do the losses without a dense Triton kernel (TORCH_ROW_LOSSES, given as
-    # `loss` where the rows are dense).
-    return "torch" if x.dtype == torch.float64 or loss in TORCH_ROW_LOSSES else backend
-
-
-# The losses whose dense rows have no Triton kernel (`triton_rows.KERNEL_LOSSES` are the others): every
-# backend runs them on the torch rows. A learning teacher's (LEARNING_LOSSES) dL/dt is autograd's on the torch
-# rows, beside dL/ds.
-TORCH_ROW_LOSSES = LEARNING_LOSSES
+    # fp64 math on every backend. Every loss has its dense rows in the kernel (`triton_rows.KERNEL_LOSSES`), a
+    # learning teacher's dL/dt too (`triton_rows.rows(..., teacher_grad=True)`).
+    return "torch" if x.dtype == torch.float64 else backend
 
 
 # The losses "auto" runs with the CuTe DSL logits GEMMs where they fit (`_cute_fits`: of these, forward KL
@@ -136,9 +129,8 @@ def gemm_of(call, backend: str, x) -> str:
 
 
 def pick(call, x) -> str:
-    """The row backend of a call: `pick_backend` of its backend option on x's device and dtype (a top-k
-    teacher's dense losses all run on Triton)."""
-    return pick_backend(call.options.backend, x, None if call.teacher.form in ("topk", "teacher_topk") else call.spec.kind)
+    """The row backend of a call: `pick_backend` of its backend option on x's device and dtype."""
+    return pick_backend(call.options.backend, x)
 
 
 def _cute_here(x) -> bool:
