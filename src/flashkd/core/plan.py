@@ -21,11 +21,12 @@ else E: the logits' element size):
                          is moved out of them, freeing S before dW is made, where V·Hs·E > R·V·E)
              chunks      N·Hs·E + max(logits + V·Hs·A,  V·Hs·(A + E))    (second term only when A ≠ E)
              (`peak_bytes`; without dW wanted, V·Hs terms are 0)
-    a learning teacher (losses.LEARNING_LOSSES, teacher tensors requiring grad; always the torch rows), on top:
+    a learning teacher (losses.LEARNING_LOSSES, teacher tensors requiring grad; dL/dT written over its logits), on top:
              N·Ht·E (dXt) + V·Ht·A (dWt accumulator; A = E when all rows fit one block) + V·4 (dbt), held for
              the loop, + Rt·V·E for a block's dL/dT rounded to the inputs' dtype when L ≠ E (an upper bound:
-             made once the rows' temporaries are freed); no autograd temporaries beyond the loss's own with a
-             constant teacher (co_jeffreys: jeffreys' peak; mutual: less). `peak_bytes(..., learning=(Ht, A))`
+             made once the rows' temporaries are freed); the torch rows' autograd temporaries no more than the
+             loss's own with a constant teacher (co_jeffreys: jeffreys' peak; mutual: less), the Triton rows none.
+             `peak_bytes(..., learning=(Ht, A))`
     a mixture of M teacher heads (`flashkd.core.mixture`): its blocks hold 3·Rt·V·L (the running log-mixture, one
              teacher's logits, logsumexp's temporary) with Rt a third of the heads form's, planned as one head of
              hidden size ΣHt_m
@@ -136,7 +137,7 @@ def make(call, rows, backend: str, learning: bool, vocab: VocabSlice | None = No
         teacher_chunk = -(-teacher_chunk // 2)
     else:
         chunk, teacher_chunk = chunk_rows(options.chunk_size, xs, ws, backend, form, accum_bytes, v,
-                                          rows.teacher[0].shape[-1] if form == "heads" else 0)
+                                          rows.teacher[0].shape[-1] if form == "heads" else 0, learning)
     return Plan(spec, chunk, backend, grad_accum_dtype, form, teacher_chunk, options.return_stats, vocab, rows.index,
                 rows.teachers, backends.gemm_of(call, backend, xs), learning)
 
@@ -146,11 +147,13 @@ def logit_size(dtype: torch.dtype) -> int:
     return max(dtype.itemsize, 4)
 
 
-def chunk_rows(chunk_size, xs, ws, backend, form, accum_bytes, v=None, teacher_hidden=0) -> tuple[int, int]:
+def chunk_rows(chunk_size, xs, ws, backend, form, accum_bytes, v=None, teacher_hidden=0,
+               learning=False) -> tuple[int, int]:
     """(rows per chunk, teacher rows at a time): chunk_size for both, or the plan in the module's doc.
     accum_bytes: element size of the dW accumulator; 0 when dW is not wanted. v: the vocab rows to
     plan for (the weight's, or the largest slice of a vocab-parallel group). teacher_hidden: Ht of a
-    teacher head, for the cost model (0: not weighed, the budget's plan)."""
+    teacher head, for the cost model (0: not weighed, the budget's plan). learning: the teacher learns
+    (`learns`): its dWt accumulator and two GEMMs weighed too."""
     n, hs = xs.shape[0], ws.shape[1]
     v = ws.shape[0] if v is None else v
     if chunk_size is not None:  # checked by parse
@@ -171,7 +174,7 @@ def chunk_rows(chunk_size, xs, ws, backend, form, accum_bytes, v=None, teacher_h
         if peak(n, teacher) <= peak(rows, rows):
             return n, teacher
     if rows < n and accum_bytes and form == "heads" and teacher_hidden:
-        share = accum_share(rows, v, hs, teacher_hidden, accum_bytes)
+        share = accum_share(rows, v, hs, teacher_hidden, accum_bytes, learning)
         # fewer, larger chunks: the rows that bring the share to ACCUM_SHARE, and in whole row tiles either
         # way (on an H200, Gemma-3 4B <- 12B: 9 chunks of 911 rows ran no faster than 16 of 512, 8 of 1024
         # took 13% less; Qwen3 chunks of 820 rows 1.42x the floor, of 1024 1.20x), within ACCUM_GROWTH × the budget
@@ -181,10 +184,12 @@ def chunk_rows(chunk_size, xs, ws, backend, form, accum_bytes, v=None, teacher_h
     return rows, rows
 
 
-def accum_share(rows, v, hs, ht, accum_bytes) -> float:
+def accum_share(rows, v, hs, ht, accum_bytes, learning=False) -> float:
     """A chunk's dW accumulator traffic (2·V·Hs·A bytes: read and written) over its four GEMMs' FLOPs
-    (2·R·V·(3·Hs + Ht)), in time at ACCUM_BALANCE FLOPs a byte: the share of the chunk's GEMM time it adds."""
-    return 2 * v * hs * accum_bytes * ACCUM_BALANCE / (2 * rows * v * (3 * hs + ht))
+    (2·R·V·(3·Hs + Ht)), in time at ACCUM_BALANCE FLOPs a byte: the share of the chunk's GEMM time it adds.
+    A learning teacher adds its dWt accumulator's 2·V·Ht·A bytes and its dXt, dWt GEMMs' 4·R·V·Ht FLOPs."""
+    hidden = hs + ht if learning else hs
+    return 2 * v * hidden * accum_bytes * ACCUM_BALANCE / (2 * rows * v * (3 * hs + (3 if learning else 1) * ht))
 
 
 def peak_bytes(n, v, hs, e, rows, teacher_rows, *, form, accum_bytes, learning=None) -> int:
