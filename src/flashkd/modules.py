@@ -16,7 +16,8 @@ from .core.checks import renamed
 from .distill import KEYWORDS, check_options, fused_linear_distill
 
 class FusedLinearDistillLoss(torch.nn.Module):
-    """`fused_linear_distill` with its keyword options fixed at construction."""
+    """`fused_linear_distill` with its keyword options fixed at construction; each option (and `loss`) is
+    also an attribute, read by every forward (`module.temperature = 1.5`: checked, then kept in `.options`)."""
 
     def __init__(self, loss: str = "jsd", **options):
         super().__init__()
@@ -59,43 +60,40 @@ class FusedLinearDistillLoss(torch.nn.Module):
     def extra_repr(self) -> str:
         return ", ".join(f"{k}={v!r}" for k, v in self.options.items())
 
+    # An option is an attribute too, as a torch loss module's are (`module.temperature = 1.5` changes the next
+    # forward, as for Liger's modules): one not given reads as fused_linear_distill's default; a value set is
+    # checked at once. Without this, setting one made a plain attribute that no forward reads.
+    def __getattr__(self, name):
+        options = self.__dict__.get("options")
+        if options is not None and name in _ATTRIBUTES:
+            return options.get(name, _DEFAULTS[name])
+        return super().__getattr__(name)
+
+    def __setattr__(self, name, value):
+        if name in _ATTRIBUTES and "options" in self.__dict__:
+            check_options({**self.options, name: value})
+            self.options[name] = value
+        else:
+            super().__setattr__(name, value)
+
 
 # forward's arguments: per-call data; and the keyword options of fused_linear_distill (the keyword table's)
 # the constructor takes, its own parameters (the positional `loss`) aside
 _PER_CALL = tuple(inspect.signature(FusedLinearDistillLoss.forward).parameters)[1:]
-_OPTIONS = (frozenset(KEYWORDS["fused_linear_distill"]) - frozenset(_PER_CALL)
-            - frozenset(inspect.signature(FusedLinearDistillLoss.__init__).parameters))
-
-
-def _option(name: str) -> property:
-    """A Liger-style attribute that reads and writes `self.options[name]`: setting it changes the
-    next forward, as setting the attribute of Liger's module does; a bad value is refused at once."""
-
-    def get(self):
-        return self.options[name]
-
-    def set(self, value):
-        check_options({**self.options, name: value})
-        self.options[name] = value
-
-    return property(get, set, doc=f"The `{name}` option of every forward call (`self.options[{name!r}]`).")
+# the names readable and settable as attributes: those keywords with `loss`; their defaults, the function's
+_ATTRIBUTES = frozenset(KEYWORDS["fused_linear_distill"]) - frozenset(_PER_CALL)
+_OPTIONS = _ATTRIBUTES - frozenset(inspect.signature(FusedLinearDistillLoss.__init__).parameters)
+_DEFAULTS = {name: p.default for name, p in inspect.signature(fused_linear_distill).parameters.items()}
 
 
 class _LigerDropIn(FusedLinearDistillLoss):
     """Liger-Kernel's constructor keywords, and its attributes: `.beta`, `.temperature`,
     `.weight_hard_loss`, `.weight_soft_loss`, `.ignore_index`, `.chunk_size` and
     `.return_soft_hard_loss` are views of `.options` (reading one reads the option, setting one
-    sets it for the next forward); `.compiled` is kept as given and changes nothing (nothing here
+    sets it for the next forward), as every option is (`.vocab_size` too); `.compiled` is kept as given and changes nothing (nothing here
     is compiled)."""
 
     _loss = ""
-    beta = _option("beta")
-    temperature = _option("temperature")
-    weight_hard_loss = _option("weight_hard_loss")
-    weight_soft_loss = _option("weight_soft_loss")
-    ignore_index = _option("ignore_index")
-    chunk_size = _option("chunk_size")
-    return_soft_hard_loss = _option("return_soft_hard_loss")
 
     def __init__(
         self,

@@ -47,6 +47,7 @@ flashkd's remaining keywords (`chunk_size`, `backend`, `tail`, `temperature_squa
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Mapping
 
 import torch
 
@@ -107,6 +108,9 @@ class DistillationLossMixin:
         super().__init__(*args, **kwargs)
         if teacher_model is not None and not isinstance(teacher_model, torch.nn.Module):
             raise TypeError(f"teacher_model: expected a torch.nn.Module (a causal LM) or None, got {type(teacher_model).__name__}")
+        if distill_options is not None and not isinstance(distill_options, Mapping):
+            raise TypeError(f"distill_options: expected a dict of keyword options or None, got "
+                            f"{type(distill_options).__name__}")
         options = dict(distill_options or {})
         own = sorted(_OWN.intersection(options))
         if own:
@@ -117,6 +121,11 @@ class DistillationLossMixin:
                             f"fused_linear_distill_topk, got {', '.join(map(repr, unknown))} in {options!r}")
         given = dict(loss=loss, beta=beta, temperature=temperature, weight_hard_loss=weight_hard_loss,
                      weight_soft_loss=weight_soft_loss)
+        twice = [k for k, v in given.items() if v is not None and k in options]  # one would be dropped unseen
+        if twice:
+            k = twice[0]
+            raise TypeError(f"{k}: expected once, as a keyword or in distill_options, got {k}={given[k]!r} and "
+                            f"distill_options[{k!r}]={options[k]!r}")
         self.distill_options = {**options, **{k: v for k, v in given.items() if v is not None}}
         # What the first step would refuse, refused here: the options by the call's own parse, the heads' vocabs
         function = "fused_linear_distill" if teacher_model is not None else "fused_linear_distill_topk"
@@ -147,7 +156,7 @@ class DistillationLossMixin:
         if ids is None and self.teacher_model is None:
             raise ValueError("teacher_model: expected a model, or top-k targets (teacher_ids, teacher_logprobs) in "
                              "every batch (flashkd.TopKCollator), got neither")
-        y = _shifted_labels(inputs, labels, ids)
+        y = _shifted_labels(inputs, labels, ids, logprobs)
         student = self.accelerator.unwrap_model(model)
         loss, count = in_forward(model, student, lambda: self._loss(student, inputs, y, ids, logprobs))
         loss = per_item(loss, count, num_items_in_batch)
@@ -215,22 +224,33 @@ def _check_heads(model, teacher_model, vocab_size):
     check_vocab_size(vocab_size, v)
 
 
-def _shifted_labels(inputs, labels, ids):
+def _shifted_labels(inputs, labels, ids, logprobs=None):
     """labels[:, 1:], -100 where the next token is padding or, with top-k targets, the row has none."""
     input_ids = inputs.get("input_ids")
     if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2:
         got = tuple(input_ids.shape) if isinstance(input_ids, torch.Tensor) else type(input_ids).__name__
         raise ValueError(f"inputs: expected input_ids of shape (batch, length), got {got}")
+    mask = inputs.get("attention_mask")
+    # the batch's other tensors, as the batch holds them: a mask of another shape was broadcast (or failed in
+    # masked_fill), top-k log-probs of another shape were reported at the shapes shifted by one
+    for name, x in (("labels", labels), ("attention_mask", mask), ("teacher_ids", ids), ("teacher_logprobs", logprobs)):
+        if x is not None and not isinstance(x, torch.Tensor):
+            raise TypeError(f"{name}: expected a torch.Tensor, got {type(x).__name__}")
     labels = input_ids if labels is None else labels
     if labels.shape != input_ids.shape:
         raise ValueError(f"labels: expected shape {tuple(input_ids.shape)} (that of input_ids), got {tuple(labels.shape)}")
+    if mask is not None and mask.shape != input_ids.shape:
+        raise ValueError(f"attention_mask: expected shape {tuple(input_ids.shape)} (that of input_ids), "
+                         f"got {tuple(mask.shape)}")
     y = labels[:, 1:]
-    mask = inputs.get("attention_mask")
     if mask is not None:
         y = y.masked_fill(mask[:, 1:] == 0, IGNORE_INDEX)
     if ids is not None:
         if ids.dim() != 3 or ids.shape[:2] != input_ids.shape:
             raise ValueError(f"teacher_ids: expected shape ({', '.join(map(str, input_ids.shape))}, K), got {tuple(ids.shape)}")
+        if logprobs is not None and logprobs.shape != ids.shape:
+            raise ValueError(f"teacher_logprobs: expected shape {tuple(ids.shape)} (that of teacher_ids), "
+                             f"got {tuple(logprobs.shape)}")
         y = y.masked_fill(~(ids[:, :-1] >= 0).any(-1).to(y.device), IGNORE_INDEX)
     return y
 

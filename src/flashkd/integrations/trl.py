@@ -61,6 +61,7 @@ import sys
 import torch
 
 from .. import fp8
+from ..core.checks import renamed
 from ..cross_vocab import fused_linear_uld, uld_alignment
 from ..distill import fused_linear_distill, fused_linear_distill_topk
 from . import announce, compute_dtype, full_head, is_replaced, original, per_item, replace, restore
@@ -120,6 +121,20 @@ def chunked_divergence_loss(
     """TRL's `_chunked_divergence_loss`, computed by flashkd: (loss, entropy sum, token count)."""
     from trl.trainer.utils import maybe_gather_lm_head_ctx
 
+    # the rows' shapes before the mask picks them (indexing failed with an IndexError that named nothing)
+    for name, x in (("student_hidden_states", student_hidden_states), ("teacher_hidden_states", teacher_hidden_states),
+                    ("completion_mask", completion_mask)):
+        if not isinstance(x, torch.Tensor):
+            raise TypeError(f"{name}: expected a torch.Tensor, got {type(x).__name__}")
+    if student_hidden_states.dim() < 2:
+        raise ValueError(f"student_hidden_states: expected shape (B, K, H), got {tuple(student_hidden_states.shape)}")
+    lead = tuple(student_hidden_states.shape[:-1])
+    if tuple(teacher_hidden_states.shape[:-1]) != lead:
+        raise ValueError(f"teacher_hidden_states: expected leading dims {lead} (those of student_hidden_states), "
+                         f"got shape {tuple(teacher_hidden_states.shape)}")
+    if tuple(completion_mask.shape) != lead:
+        raise ValueError(f"completion_mask: expected shape {lead} (student_hidden_states' leading dims), "
+                         f"got {tuple(completion_mask.shape)}")
     ws, bs = full_head(student_lm_head_weight, student_lm_head_bias, student_hidden_states.dtype)
     with torch.no_grad():  # the teacher is a constant (TRL's kernel gives it no gradient either)
         wt, bt = full_head(teacher_lm_head_weight, teacher_lm_head_bias, teacher_hidden_states.dtype)
@@ -130,7 +145,7 @@ def chunked_divergence_loss(
     # would cost their GEMMs for nothing.
     xs = student_hidden_states.reshape(-1, student_hidden_states.shape[-1])[valid]
     xt = teacher_hidden_states.reshape(-1, teacher_hidden_states.shape[-1])[valid]
-    with maybe_gather_lm_head_ctx(ws, bs), maybe_gather_lm_head_ctx(wt, bt):
+    with maybe_gather_lm_head_ctx(ws, bs), maybe_gather_lm_head_ctx(wt, bt), _named(_DIVERGENCE_NAMES):
         loss, stats = fused_linear_distill(
             xs.to(dtype), ws.to(dtype), xt.to(dtype), wt.to(dtype), None,
             student_bias=None if bs is None else bs.to(dtype),
@@ -183,18 +198,28 @@ def chunked_jsd_loss(
     logits off the candidates rather than TRL's 1 − Σ in fp32, which cancels where the candidates hold
     nearly all the mass (fp32 log-probs of a peaked row near 30 carry ~2e-6 of absolute error).
     """
+    for name, x in (("target_ids", target_ids), ("valid_candidate_mask", valid_candidate_mask)):
+        if not isinstance(x, torch.Tensor):
+            raise TypeError(f"{name}: expected a torch.Tensor, got {type(x).__name__}")
+    # the mask picks the slots: one of another shape was broadcast over them (a loss TRL does not compute)
+    if valid_candidate_mask.dtype != torch.bool:
+        raise TypeError(f"valid_candidate_mask: expected dtype torch.bool, got {valid_candidate_mask.dtype}")
+    if valid_candidate_mask.shape != target_ids.shape:
+        raise ValueError(f"valid_candidate_mask: expected shape {tuple(target_ids.shape)} (that of target_ids), "
+                         f"got {tuple(valid_candidate_mask.shape)}")
     dtype = compute_dtype(hidden_valid)
     ws, bs = full_head(lm_head_weight, lm_head_bias, dtype)
     ids = torch.where(valid_candidate_mask, target_ids, -1)  # flashkd's unused slot
     tail = dict(tail="bucket", tail_clamp=TRL_TAIL_CLAMP) if add_tail_bucket else dict(tail="renormalize")
-    loss, stats = fused_linear_distill_topk(
-        hidden_valid.to(dtype), ws.to(dtype), ids, teacher_target_logps, None,
-        student_bias=None if bs is None else bs.to(dtype),
-        loss="jsd", beta=float(beta), temperature=float(temperature), reduction="sum",
-        student_logit_scale=float(logit_scale), student_softcap=_cap(final_logit_softcapping),
-        return_stats=True, teacher_index=teacher_id_idx, num_teachers=None if teacher_id_idx is None else num_teachers,
-        **tail,
-    )
+    with _named(_JSD_NAMES):
+        loss, stats = fused_linear_distill_topk(
+            hidden_valid.to(dtype), ws.to(dtype), ids, teacher_target_logps, None,
+            student_bias=None if bs is None else bs.to(dtype),
+            loss="jsd", beta=float(beta), temperature=float(temperature), reduction="sum",
+            student_logit_scale=float(logit_scale), student_softcap=_cap(final_logit_softcapping),
+            return_stats=True, teacher_index=teacher_id_idx,
+            num_teachers=None if teacher_id_idx is None else num_teachers, **tail,
+        )
     if teacher_id_idx is None:
         per_teacher = loss.new_zeros(3 * num_teachers)
     else:
@@ -568,6 +593,29 @@ def _check_gold():
             f"{', '.join(_ULD_ATTRIBUTES)}; got {found}, missing {missing}"
         )
     return trainer
+
+
+# flashkd's arguments, as TRL's helpers name them: an error of the call names what TRL passed
+_DIVERGENCE_NAMES = {
+    "student_input": "student_hidden_states", "teacher_input": "teacher_hidden_states",
+    "student_weight": "student_lm_head_weight", "teacher_weight": "teacher_lm_head_weight",
+    "student_bias": "student_lm_head_bias", "teacher_bias": "teacher_lm_head_bias",
+    "student_softcap": "student_final_logit_softcapping", "teacher_softcap": "teacher_final_logit_softcapping",
+}
+_JSD_NAMES = {
+    "student_input": "hidden_valid", "student_weight": "lm_head_weight", "student_bias": "lm_head_bias",
+    "student_logit_scale": "logit_scale", "student_softcap": "final_logit_softcapping", "teacher_ids": "target_ids",
+    "teacher_logprobs": "teacher_target_logps", "teacher_index": "teacher_id_idx",
+}
+
+
+@contextlib.contextmanager
+def _named(names: dict):
+    """A TypeError / ValueError of the call inside, with its argument renamed by `names`."""
+    try:
+        yield
+    except (TypeError, ValueError) as e:
+        raise renamed(e, names) from None
 
 
 def _cap(softcap):
