@@ -580,3 +580,69 @@ def test_every_dense_loss_runs_in_the_kernel():
         triton_rows.rows(s.clone(), t.t().contiguous().t(), None, LossSpec(loss="mutual"), one, True, teacher_grad=True)
     with pytest.raises(TypeError, match="^teacher_grad: expected a bool"):
         triton_rows.rows(s.clone(), t.clone(), None, LossSpec(loss="mutual"), one, True, teacher_grad=1)
+
+
+@pytest.mark.parametrize("loss,params", [("jsd", {}), ("forward_kl", {}), ("reverse_kl", {}), ("tvd", {}),
+                                         ("cosine", {}), ("skew_kl", dict(alpha=0.3)), ("jeffreys", {}),
+                                         ("renyi", dict(alpha=2.0)), ("entropy_adaptive", dict(gate_min=0.2)),
+                                         ("mutual", {})])
+@pytest.mark.parametrize("softcap", [None, 5.0])
+def test_teacher_bias_added_at_load_is_t_plus_b(loss, params, softcap, seed):
+    """t_bias (a teacher head's bias, −inf at ids it rules out, as a token map's gathered head has): the rows and
+    dL/ds bit for bit those of t + b made first, with and without the teacher's softcap; AKL and DKD, which read t
+    outside the three passes, refuse it (the core adds their bias in the GEMM)."""
+    s, t = _logits(5, 300, torch.float32, seed)
+    g = torch.Generator().manual_seed(seed)
+    b = torch.randn(300, generator=g)
+    b[::7] = -torch.inf
+    b = b.to(DEVICE)
+    labels = torch.tensor([3, -100, 0, 299, 150])
+    spec = LossSpec(loss=loss, temperature=0.8, weight_hard=0.3, weight_soft=0.7, teacher_softcap=softcap, **params)
+    scale = torch.tensor(0.5, device=DEVICE)
+    x, want_x = (s.clone().to(DEVICE) for _ in range(2))
+    got = triton_rows.rows(x, t.to(DEVICE), labels.to(DEVICE), spec, scale, True, t_bias=b.to(DEVICE))
+    want = triton_rows.rows(want_x, (t + b).to(DEVICE), labels.to(DEVICE), spec, scale, True)
+    for a, c in zip((*got, x), (*want, want_x)):  # NaN where they are NaN (reverse KL where p = 0 < q: inf)
+        torch.testing.assert_close(a, c, rtol=0, atol=0, equal_nan=True)
+    for other in ("akl", "dkd"):
+        with pytest.raises(ValueError, match=f"^t_bias: expected None for loss '{other}'"):
+            triton_rows.rows(s.clone().to(DEVICE), t.to(DEVICE), labels.clamp_min(0).to(DEVICE), LossSpec(loss=other),
+                             scale, True, t_bias=b.to(DEVICE))
+    with pytest.raises(ValueError, match=r"^t_bias: expected None or a \(300,\) float tensor"):
+        triton_rows.rows(s.clone().to(DEVICE), t.to(DEVICE), None, spec, scale, True, t_bias=b[:299].to(DEVICE))
+
+
+def test_heads_with_a_teacher_bias_hand_it_to_the_kernel(seed, monkeypatch):
+    """fused_linear_distill with teacher_bias on the Triton rows: the kernel gets the bias (no pass adding it over
+    the logits; AKL's call adds it in the GEMM instead), and the loss and gradients are the float64 torch
+    backend's to fp32 rounding (−inf bias entries, as a token map's: AKL's reverse KL is inf there, NaN alike)."""
+    import flashkd
+
+    seen = []
+    kernel = triton_rows.rows
+
+    def spy(*args, **kwargs):
+        seen.append(kwargs.get("t_bias") is not None)
+        return kernel(*args, **kwargs)
+
+    monkeypatch.setattr(triton_rows, "rows", spy)
+    g = torch.Generator().manual_seed(seed)
+    xs, xt = torch.randn(13, 24, generator=g), torch.randn(13, 16, generator=g)
+    ws, wt = torch.randn(97, 24, generator=g) / 5, torch.randn(97, 16, generator=g) / 4
+    bt = torch.randn(97, generator=g)
+    bt[5::9] = -torch.inf
+    labels = torch.randint(97, (13,), generator=g)
+    for loss in ("jsd", "akl"):
+        runs = []
+        for backend in ("triton", "torch"):
+            dev, dt = (DEVICE, torch.float32) if backend == "triton" else ("cpu", torch.float64)
+            x, w = (t.to(dev, dt).requires_grad_() for t in (xs, ws))
+            seen.clear()
+            out = flashkd.fused_linear_distill(x, w, *(t.to(dev, dt) for t in (xt, wt)), labels.to(dev), loss=loss,
+                                               teacher_bias=bt.to(dev, dt), backend=backend, chunk_size=5)
+            if backend == "triton":
+                assert seen and set(seen) == {loss == "jsd"}
+            runs.append([y.detach().cpu().double() for y in (out, *torch.autograd.grad(out, (x, w)))])
+        for a, c in zip(*runs):
+            torch.testing.assert_close(a, c, rtol=2e-5, atol=2e-5 * c.nan_to_num().abs().max().item(), equal_nan=True,
+                                       msg=lambda m: f"{loss}: {m}")

@@ -363,6 +363,27 @@ def _store_dlds(g_row, offs, mask, g, a, da, q, label, m_s, log2_l_c, log2e_ce, 
 
 
 @triton.jit
+def _learning_factors(f0, c_q, c_st, t_ratio, soft, k_jsd, PULL: tl.constexpr):
+    """mutual's and co_jeffreys' factors (run as Jeffreys): the student's f0 (mutual: forward KL's pull toward p̄,
+    c (q − p), and the CE's q part), and a learning teacher's (ft1, ft_lo, ft0): c_t = c_st σ_t / σ_s, and
+    co_jeffreys' KL(p‖q) = J − KL(q‖p) from pass 2's J (soft, nats) and K (log2 units)."""
+    if PULL:
+        f0 = c_q
+    ft1 = c_st * t_ratio
+    return f0, ft1, ft1 * LN2, -ft1 * (soft - LN2 * k_jsd)
+
+
+@triton.jit
+def _teacher_tile(t_row, tb_ptr, offs, mask, T_BIAS: tl.constexpr):
+    """A tile of the teacher's logits in fp32, its head's bias added where T_BIAS (the GEMM's z = x·w + b, made
+    here at load rather than in a pass of its own over the logits; −inf for an id the head rules out)."""
+    b = tl.load(t_row + offs, mask=mask, other=-float("inf")).to(tl.float32)
+    if T_BIAS:
+        b += tl.load(tb_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    return b
+
+
+@triton.jit
 def _fill_zeros(ptr, V, BLOCK_V: tl.constexpr):
     cols = tl.arange(0, BLOCK_V)
     for start in range(0, V, BLOCK_V):
@@ -375,11 +396,11 @@ def _fill_zeros(ptr, V, BLOCK_V: tl.constexpr):
 
 @triton.jit
 def _stats_pass(
-    s_row, t_row, V, cols, label,  # the row: its logits (t read when SOFT), its length, a tile's columns, its label
+    s_row, t_row, tb_ptr, V, cols, label,  # the row: its logits (t read when SOFT; its bias at tb_ptr), a tile's columns
     log2e_tau, log2e_tau_t, log2e_ce, kl_ratio, s_mul, t_mul,  # the row's constants (`_rows_kernel`)
     LOSS: tl.constexpr, SOFT: tl.constexpr, CE: tl.constexpr, CE_IS_Q: tl.constexpr, ONLINE_KL: tl.constexpr,
     S_HEAD: tl.constexpr, T_HEAD: tl.constexpr, SCALED: tl.constexpr, STATS: tl.constexpr, RCP_FMA: tl.constexpr,
-    BLOCK_V: tl.constexpr,
+    T_BIAS: tl.constexpr, BLOCK_V: tl.constexpr,
 ):
     """Pass 1: the row statistics, kept per lane (no cross-lane reduction, hence no barrier, inside the
     loop: the warps stream the row independently) and merged once after it. DKD leaves its label's column
@@ -407,8 +428,7 @@ def _stats_pass(
         if STATS:
             r_ent = lane_gap(r_ent, l_s, m_s, a, log2e_tau)
         if SOFT:
-            b = head(tl.load(t_row + offs, mask=mask, other=-float("inf")).to(tl.float32), t_mul, T_HEAD,
-                     (RCP_FMA >> 1) & 1)[0]
+            b = head(_teacher_tile(t_row, tb_ptr, offs, mask, T_BIAS), t_mul, T_HEAD, (RCP_FMA >> 1) & 1)[0]
             if LOSS == _COSINE:
                 a0 = tl.where(mask, a, 0.0)
                 b0 = tl.where(mask, b, 0.0)
@@ -438,7 +458,7 @@ def _stats_pass(
 
 @triton.jit
 def _loss_pass(
-    s_row, g_row, t_row, V, n_tiles, cols, label,  # the row, its tiles, its label (-1 without)
+    s_row, g_row, t_row, tb_ptr, V, n_tiles, cols, label,  # the row, its tiles, its label (-1 without)
     m_s, m_t, log2_l_s, log2_l_t, log2_l_c,  # pass 1's statistics, merged
     log2e_tau, log2e_tau_t, log2e_ce, s_mul, t_mul, log2_beta, log2_1mbeta,  # the row's constants
     pow_p, pow_q,  # the power family's powers of p and q
@@ -447,7 +467,7 @@ def _loss_pass(
     LOSS: tl.constexpr, SOFT: tl.constexpr, GRAD_SOFT: tl.constexpr, GRAD_CE: tl.constexpr,
     GRAD_PASS: tl.constexpr, CE_IS_Q: tl.constexpr, ONLINE_KL: tl.constexpr, S_HEAD: tl.constexpr,
     T_HEAD: tl.constexpr, RTNE_BITS: tl.constexpr, RCP_FMA: tl.constexpr, IN_PLACE: tl.constexpr,
-    PSI: tl.constexpr, SCALED: tl.constexpr, BLOCK_V: tl.constexpr,
+    PSI: tl.constexpr, SCALED: tl.constexpr, T_BIAS: tl.constexpr, BLOCK_V: tl.constexpr,
 ):
     """Pass 2, backwards over the row: the per-element loss terms, summed per lane and then over the row
     (acc, acc2, acc3, acc4: see `_divergence`), and dL/ds written over s when GRAD_PASS is 2."""
@@ -468,8 +488,7 @@ def _loss_pass(
             g = tl.zeros([BLOCK_V], tl.float32)  # dL/ds when GRAD_PASS == 2
             q = a  # q = softmax(s/τ) of the tile where a softmax loss computes it below
             if SOFT:
-                b = head(tl.load(t_row + offs, mask=mask, other=-float("inf")).to(tl.float32), t_mul, T_HEAD,
-                         (RCP_FMA >> 3) & 1)[0]
+                b = head(_teacher_tile(t_row, tb_ptr, offs, mask, T_BIAS), t_mul, T_HEAD, (RCP_FMA >> 3) & 1)[0]
                 if LOSS == _COSINE:
                     if GRAD_SOFT:
                         g = a * f_a + b * f_b
@@ -582,7 +601,7 @@ def _loss_pass(
 
 @triton.jit
 def _grad_pass(
-    s_row, g_row, t_row, V, cols, label,  # the row, a tile's columns, its label (-1 without)
+    s_row, g_row, t_row, tb_ptr, V, cols, label,  # the row, a tile's columns, its label (-1 without)
     m_s, m_t, log2_l_s, log2_l_t, log2_l_c,  # pass 1's statistics, merged
     log2e_tau, log2e_tau_t, log2e_ce, s_mul, t_mul, log2_beta, log2_1mbeta,  # the row's constants
     pow_p, pow_q,  # the power family's powers of p and q
@@ -591,7 +610,7 @@ def _grad_pass(
     LOSS: tl.constexpr, GRAD_SOFT: tl.constexpr, GRAD_CE: tl.constexpr, CE_IS_Q: tl.constexpr,
     S_HEAD: tl.constexpr, T_HEAD: tl.constexpr, RTNE_BITS: tl.constexpr, RCP_FMA: tl.constexpr,
     IN_PLACE: tl.constexpr, PSI: tl.constexpr, SCALED: tl.constexpr, PULL: tl.constexpr, T_GRAD: tl.constexpr,
-    BLOCK_V: tl.constexpr,
+    T_BIAS: tl.constexpr, BLOCK_V: tl.constexpr,
 ):
     """Pass 3, for jsd, tvd and the skew losses: dL/ds = q · (f1 · x + f0) written over s, x the element's
     log-ratio (or TVD's sign; skew KL: q · f0 + f1 · p u; skew reverse KL: q · (f1 · x + f0 + f_lo (1 − u)); module doc)."""
@@ -601,8 +620,7 @@ def _grad_pass(
         mask = offs < V
         a, da = head(tl.load(s_row + offs, mask=mask, other=-float("inf")).to(tl.float32), s_mul, S_HEAD,
                      (RCP_FMA >> 4) & 1)
-        b, db = head(tl.load(t_row + offs, mask=mask, other=-float("inf")).to(tl.float32), t_mul, T_HEAD,
-                     (RCP_FMA >> 5) & 1)
+        b, db = head(_teacher_tile(t_row, tb_ptr, offs, mask, T_BIAS), t_mul, T_HEAD, (RCP_FMA >> 5) & 1)
         lq = (a - m_s) * log2e_tau - log2_l_s
         lp = (b - m_t) * log2e_tau_t - log2_l_t
         q = tl.exp2(lq)
@@ -786,12 +804,12 @@ def _tile_stats(
 
 @triton.jit
 def _row_stats(
-    s_row, t_row, part_ptr, part_row, row, V, cols, label,  # the row (`_rows_kernel`), its label's column
+    s_row, t_row, tb_ptr, part_ptr, part_row, row, V, cols, label,  # the row (`_rows_kernel`), its label's column
     world, stride_part, stride_tile, stat_tiles,  # the ranks' parts (PHASE 2, 3) or the vocab tiles' (4)
     log2e_tau, log2e_tau_t, log2e_ce, kl_ratio, s_mul, t_mul,  # the row's constants (`_rows_kernel`)
     LOSS: tl.constexpr, SOFT: tl.constexpr, CE: tl.constexpr, CE_IS_Q: tl.constexpr, ONLINE_KL: tl.constexpr,
     S_HEAD: tl.constexpr, T_HEAD: tl.constexpr, SCALED: tl.constexpr, STATS: tl.constexpr, RCP_FMA: tl.constexpr,
-    PHASE: tl.constexpr, WORLD_BLOCK: tl.constexpr, BLOCK_V: tl.constexpr,
+    T_BIAS: tl.constexpr, PHASE: tl.constexpr, WORLD_BLOCK: tl.constexpr, BLOCK_V: tl.constexpr,
 ):
     """Pass 1's statistics of the row, merged, and the CE's logit (`_label_logit`): from a pass over the row
     (PHASE 0, 1: `_stats_pass`), from the logits GEMMs' per vocab tile (4: `_tile_stats`), or the ranks'
@@ -800,9 +818,9 @@ def _row_stats(
     if PHASE <= 1:
         s_y, in_range = _label_logit(s_row, label, V, s_mul, CE or LOSS == _DKD, S_HEAD, RCP_FMA)
         m_s, l_s, l_c, m_t, l_t, r_kl, ss, tt, st, r_ent = _stats_pass(
-            s_row, t_row, V, cols, label,
+            s_row, t_row, tb_ptr, V, cols, label,
             log2e_tau, log2e_tau_t, log2e_ce, kl_ratio, s_mul, t_mul,
-            LOSS, SOFT, CE, CE_IS_Q, ONLINE_KL, S_HEAD, T_HEAD, SCALED, STATS, RCP_FMA, BLOCK_V,
+            LOSS, SOFT, CE, CE_IS_Q, ONLINE_KL, S_HEAD, T_HEAD, SCALED, STATS, RCP_FMA, T_BIAS, BLOCK_V,
         )
         if LOSS == _DKD:  # the teacher's z_y, in the slot cosine's Σ s·t has (unused here)
             st = _label_logit(t_row, label, V, t_mul, True, T_HEAD, (RCP_FMA >> 1) & 1)[0]
@@ -1100,10 +1118,10 @@ def _dkd_value(nckd, tckd, log2_p, in_range, alpha, beta):
 
 @triton.jit
 def _rows_kernel(
-    # data
     s_ptr,  # (R, V) student logits
     g_ptr,  # (R, V) dL/ds out, rows stride_g apart, when GRAD_PASS != 0: s itself, or a narrower buffer
     t_ptr,  # (R, V) teacher logits, any float dtype, rows stride_t apart (not read unless SOFT)
+    tb_ptr,  # (V,) the teacher head's bias, added to t at load (read when T_BIAS)
     labels_ptr,  # (R,) int32 / int64 (not read unless LABELS)
     soft_ptr,  # (R,) fp32 out: unweighted divergence, 0 on ignored rows
     hard_ptr,  # (R,) fp32 out: untempered CE, 0 on ignored rows, NaN for a label outside [0, V)
@@ -1112,12 +1130,9 @@ def _rows_kernel(
     part_ptr,  # PHASE 1: (R, _PARTS) fp32 out, this rank's; 2, 3: (world, R, _PARTS), every rank's;
     # 4: the (5, R, n_tiles) vocab tiles' statistics (`_tile_stats`), rows stride_tile apart
     acc_ptr,  # PHASE 2: (R, 4) fp32 out, pass 2's sums over this rank's slice; 3: their sums over the ranks
-    # sizes
     V,
     stride_scale,  # 0 for one factor, 1 for one a row
-    stride_t,
-    stride_g,
-    ignore_index,
+    stride_t, stride_g, ignore_index,
     label_lo,  # the global id of column 0 (a label's column is label − label_lo)
     world,  # the ranks whose parts PHASE 2, 3 merge
     stride_part,  # R · _PARTS: from one rank's parts to the next; PHASE 4: from one plane of tiles to the next
@@ -1129,16 +1144,13 @@ def _rows_kernel(
     log2e_tau_t,  # log2(e)·fold_t / τ, for t
     log2e_ce,  # log2(e)·fold_s, for softmax(z) of the CE
     inv_tau,  # 1 / τ
-    fold_s,
-    fold_t,
+    fold_s, fold_t,
     kl_ratio,  # ONLINE_KL: fold_t / fold_s (reverse), fold_s / fold_t (forward)
-    s_mul,  # S_HEAD 1: σ; 2, 3: −2 log2(e)·|σ|/c (`head_mode`)
-    t_mul,
+    s_mul, t_mul,  # S_HEAD (T_HEAD) 1: σ; 2, 3: −2 log2(e)·|σ|/c (`head_mode`)
     beta,  # JSD mixture weight; cosine's factor
     log2_beta,  # log2 β        of the mixture (JSD; skew KL: β = α, skew reverse KL: β = 1 − α)
     log2_1mbeta,  # log2 (1 − β)  of the mixture
-    pow_p,  # the power family's powers of p and q in its cross term p^pow_p q^pow_q (`_power_term`)
-    pow_q,
+    pow_p, pow_q,  # the power family's powers of p and q in its cross term p^pow_p q^pow_q (`_power_term`)
     w_hard,  # weight of dCE/ds in dL/ds, times σ_s (dz/ds, but for a softcap's 1 − (z/c)²)
     w_soft,  # weight of dsoft/ds in dL/ds (spec.soft_scale), times σ_s
     t_ratio,  # T_GRAD: σ_t / σ_s, the teacher's dz/dt in its dL/dt where w_soft carries σ_s
@@ -1152,16 +1164,15 @@ def _rows_kernel(
     GRAD_PASS: tl.constexpr,  # pass that writes dL/ds: 2, 3, or 0 for no grad
     CE_IS_Q: tl.constexpr,  # τ = 1 and a softmax loss: softmax(s) is q, so the CE reuses q's statistics
     ONLINE_KL: tl.constexpr,  # a KL whose loss pass 1 takes online (reverse_kl; forward_kl without grad)
-    S_HEAD: tl.constexpr,  # the student's transform at load (`head`): 0 none (σ folded), 1 σ < 0, 2 softcap
-    T_HEAD: tl.constexpr,  # the teacher's
+    S_HEAD: tl.constexpr, T_HEAD: tl.constexpr,  # each side's transform at load (`head`): 0 none (σ folded), 1 σ < 0, 2 cap
     SCALED: tl.constexpr,  # a fold is not 1: the loops read log2e_tau_t, log2e_ce, kl_ratio
     STATS: tl.constexpr,  # write the entropy of q
     RTNE_BITS: tl.constexpr,  # `triton_common.store_grad`: under the interpreter, with a bf16 dL/ds
-    RCP_FMA: tl.constexpr,  # softcap loads whose reciprocal is on the FMA pipe, bit 2·(pass − 1) + side
-    # (0: s, 1: t); see SOFTCAP_RCP_FMA
+    RCP_FMA: tl.constexpr,  # softcap loads' reciprocal on the FMA pipe: bit 2·(pass − 1) + (0: s, 1: t), SOFTCAP_RCP_FMA
     IN_PLACE: tl.constexpr,  # dL/ds goes into s's own bytes (`grad_view`)
     PULL: tl.constexpr,  # mutual (LOSS jeffreys, its value): the student's dL/ds forward KL's, c (q − p)
     T_GRAD: tl.constexpr,  # a learning teacher (mutual, co_jeffreys; PHASE 0): dL/dt written over t, fp32
+    T_BIAS: tl.constexpr,  # tb_ptr holds the teacher head's bias: t + bias is its logits
     PSI: tl.constexpr,  # the power family: ψ's forms for its two powers (`_power_term`, `_psi_mode`)
     PHASE: tl.constexpr,  # 0: the whole row; a row sharded over ranks' vocab slices: 1, 2, 3 (`rows`);
     # 4: the whole row, pass 1's statistics given per vocab tile
@@ -1193,9 +1204,10 @@ def _rows_kernel(
     if valid:
         # -------- pass 1: row statistics per lane, merged once after it (or given: PHASE 2, 3, 4)
         m_s, l_s, l_c, m_t, l_t, r_kl, ss, tt, st, r_ent, s_y, in_range = _row_stats(
-            s_row, t_row, part_ptr, part_row, row, V, cols, label, world, stride_part, stride_tile, stat_tiles,
+            s_row, t_row, tb_ptr, part_ptr, part_row, row, V, cols, label, world, stride_part, stride_tile, stat_tiles,
             log2e_tau, log2e_tau_t, log2e_ce, kl_ratio, s_mul, t_mul,
-            LOSS, SOFT, CE, CE_IS_Q, ONLINE_KL, S_HEAD, T_HEAD, SCALED, STATS, RCP_FMA, PHASE, WORLD_BLOCK, BLOCK_V)
+            LOSS, SOFT, CE, CE_IS_Q, ONLINE_KL, S_HEAD, T_HEAD, SCALED, STATS, RCP_FMA, T_BIAS, PHASE, WORLD_BLOCK,
+            BLOCK_V)
         if PHASE == 1:
             _store_parts(part_row, m_s, l_s, l_c, m_t, l_t, r_kl, ss, tt, st, r_ent, s_y, in_range, CE or LOSS == _DKD)
         else:
@@ -1215,12 +1227,12 @@ def _rows_kernel(
                 acc, acc2, acc3, acc4 = tl.load(acc_row), tl.load(acc_row + 1), tl.load(acc_row + 2), tl.load(acc_row + 3)
             else:
                 acc, acc2, acc3, acc4 = _loss_pass(
-                    s_row, g_row, t_row, V, n_tiles, cols, label,
+                    s_row, g_row, t_row, tb_ptr, V, n_tiles, cols, label,
                     m_s, m_t, log2_l_s, log2_l_t, log2_l_c,
                     log2e_tau, log2e_tau_t, log2e_ce, s_mul, t_mul, mix_a, mix_b, pow_p, pow_q,
                     f_q, f_p, f1, f0, f_a, f_b, c_ce, c_q, part_ptr, row,
                     LOSS, SOFT, GRAD_SOFT, GRAD_CE, GRAD_PASS, CE_IS_Q, ONLINE_KL, S_HEAD, T_HEAD, RTNE_BITS,
-                    RCP_FMA, IN_PLACE, PSI, SCALED, BLOCK_V,
+                    RCP_FMA, IN_PLACE, PSI, SCALED, T_BIAS, BLOCK_V,
                 )
             if PHASE == 2:  # this rank's sums, added over the ranks before phase 3
                 tl.store(acc_row, acc)
@@ -1237,22 +1249,15 @@ def _rows_kernel(
             if GRAD_PASS == 3 and PHASE != 2:
                 f1, f0, f_lo, f_hi, f_eq = _pass3_factors(c_q, c_st, beta, log2_1mbeta, pow_p, pow_q, soft, k_jsd,
                                                           tvd_pos, tvd_neg, tvd_zero, LOSS, PSI)
-                # the teacher's factors: c_t = c_st σ_t / σ_s; co_jeffreys' KL(p‖q) = J − KL(q‖p), K in log2 units
-                ft1 = c_st * t_ratio
-                ft_lo = ft1 * LN2
-                ft0 = -ft1 * (soft - LN2 * k_jsd)
-                if PULL:  # mutual: the student pulled toward p̄ alone, forward KL's c (q − p) (and the CE's q part)
-                    f0 = c_q
+                f0, ft1, ft_lo, ft0 = _learning_factors(f0, c_q, c_st, t_ratio, soft, k_jsd, PULL)
                 _grad_pass(
-                    s_row, g_row, t_row, V, cols, label,
+                    s_row, g_row, t_row, tb_ptr, V, cols, label,
                     m_s, m_t, log2_l_s, log2_l_t, log2_l_c,
                     log2e_tau, log2e_tau_t, log2e_ce, s_mul, t_mul, log2_beta, log2_1mbeta, pow_p, pow_q,
                     f1, f0, f_lo, f_hi, f_eq, c_ce, ft1, ft_lo, ft0,
                     LOSS, GRAD_SOFT, GRAD_CE, CE_IS_Q, S_HEAD, T_HEAD, RTNE_BITS, RCP_FMA, IN_PLACE, PSI, SCALED,
-                    PULL, T_GRAD, BLOCK_V,
+                    PULL, T_GRAD, T_BIAS, BLOCK_V,
                 )
-            elif T_GRAD:  # no soft gradient written (a soft weight of 0): the teacher's is 0
-                _fill_zeros(t_row, V, BLOCK_V)
     elif GRAD_PASS != 0 and (PHASE == 0 or PHASE == 2 or PHASE == 4):
         _fill_zeros(g_row, V, BLOCK_V)
         if T_GRAD:
@@ -1493,16 +1498,16 @@ def akl_head_keys(t: torch.Tensor, spec: LossSpec, search: bool = False) -> torc
 
 
 def rows(s, t, labels, spec: LossSpec, scale: torch.Tensor, grad: bool, stats: bool = False, *, ds=None, tiles=None,
-         teacher_grad: bool = False):
+         teacher_grad: bool = False, t_bias=None):
     """`sliced_rows` of whole rows: per-row (soft, hard) losses of one block, with nothing to exchange.
     teacher_grad (a learning teacher, `losses.LEARNING_LOSSES`): dL/dt too, written over t (fp32 or fp64, its
     rows contiguous) as `flashkd.backends.torch_rows.rows` writes it; whole rows only."""
     return unexchanged(sliced_rows(s, t, labels, spec, scale, grad, stats, ds=ds, tiles=tiles,
-                                   teacher_grad=teacher_grad))
+                                   teacher_grad=teacher_grad, t_bias=t_bias))
 
 
 def sliced_rows(s, t, labels, spec: LossSpec, scale: torch.Tensor, grad: bool, stats: bool = False, *, ds=None,
-                tiles=None, start=None, teacher_grad: bool = False):
+                tiles=None, start=None, teacher_grad: bool = False, t_bias=None):
     """Per-row (soft, hard) losses of one block, (R,) fp32 each; with `grad`, ds (default: s, overwritten)
     gets dL/ds = scale · (w_hard · dCE/ds + soft_scale · dsoft/ds). See `flashkd.backends` for the contract.
 
@@ -1529,7 +1534,12 @@ def sliced_rows(s, t, labels, spec: LossSpec, scale: torch.Tensor, grad: bool, s
     """
     t, ds, in_place = _check(s, _check_teacher_grad(teacher_grad, s, t, spec, grad, start, tiles), labels, spec, scale,
                              grad, stats, ds, start, tiles)
+    # a learning teacher's dL/dt comes from the pass that writes the soft gradient; with none (a soft weight of 0)
+    # it is 0, set after the kernel has read t
     teacher_grad = teacher_grad and grad and spec.want_soft
+    zero_t = teacher_grad and _writing_pass(spec, grad) != 3
+    teacher_grad = teacher_grad and not zero_t
+    t_bias = _check_t_bias(t_bias, s, spec, tiles)
     # allocate: every program writes its row's soft and hard (and entropy)
     R = s.shape[0]
     soft = torch.empty(R, dtype=torch.float32, device=s.device)
@@ -1540,12 +1550,15 @@ def sliced_rows(s, t, labels, spec: LossSpec, scale: torch.Tensor, grad: bool, s
         return out
     if labels is not None:
         labels = labels.contiguous()  # R integers: a strided view costs a negligible copy
-    launch = _Launch(s, t, ds, labels, spec, scale, grad, stats, in_place, soft, hard, entropy, start, teacher_grad)
+    launch = _Launch(s, t, ds, labels, spec, scale, grad, stats, in_place, soft, hard, entropy, start, teacher_grad,
+                     t_bias)
     if tiles is not None:
         launch(4, parts=tiles, world=tiles.shape[2], stride_part=tiles.stride(0), stride_tile=tiles.stride(1))
         return out
     if start is None:
         launch(0, parts=akl_head_keys(t, spec) if spec.want_soft and kernel_kind(spec) == "akl" else None)
+        if zero_t:
+            t.zero_()
         return out
     # A row sharded over the ranks' vocab slices: pass 1 on each slice; its statistics (R · _PARTS fp32 a
     # rank) gathered from every rank, merged in phase 2 as a program's lanes are; pass 2; where the loss (or
@@ -1580,6 +1593,25 @@ def unexchanged(steps):
     except StopIteration as done:
         return done.value
     raise AssertionError("a row function of whole rows asked for an exchange over ranks")
+
+
+BIAS_LOSSES_APART = ("akl", "dkd")  # read t outside the three passes (AKL's head kernel, DKD's label logit)
+
+
+def _check_t_bias(t_bias, s, spec: LossSpec, tiles):
+    """t_bias: None, or the teacher head's bias over t's columns, (V,) float on s's device, unit stride, added to t
+    at every load (not for the losses of BIAS_LOSSES_APART, nor with tiles: their statistics came without it)."""
+    if t_bias is None or not spec.want_soft:
+        return None
+    V = s.shape[1]
+    if not isinstance(t_bias, torch.Tensor) or t_bias.shape != (V,) or t_bias.dtype not in _DTYPES \
+            or t_bias.device != s.device or (t_bias.stride(0) != 1 and V > 1):
+        raise ValueError(f"t_bias: expected None or a ({V},) float tensor with unit stride on {s.device}, got "
+                         f"{_describe(t_bias)}")
+    if kernel_kind(spec) in BIAS_LOSSES_APART or tiles is not None:
+        raise ValueError(f"t_bias: expected None for loss {spec.loss!r}{' with tiles' if tiles is not None else ''} "
+                         "(add the bias to t)")
+    return t_bias
 
 
 def _check_teacher_grad(teacher_grad, s, t, spec: LossSpec, grad: bool, start, tiles):
@@ -1677,7 +1709,7 @@ class _Launch:
     switches and the row's runtime floats), and a launch of a phase with its parts and sums."""
 
     def __init__(self, s, t, ds, labels, spec: LossSpec, scale, grad: bool, stats: bool, in_place: bool, soft, hard,
-                 entropy, start, teacher_grad: bool = False):
+                 entropy, start, teacher_grad: bool = False, t_bias=None):
         R, V = s.shape
         kind = kernel_kind(spec)
         use_soft = spec.want_soft
@@ -1711,6 +1743,7 @@ class _Launch:
             s,
             ds,
             t if use_soft else s,  # never read when not SOFT
+            s if t_bias is None else t_bias,  # never read when not T_BIAS
             labels if labels is not None else s,  # never read when not LABELS
             soft,
             hard,
@@ -1762,6 +1795,7 @@ class _Launch:
             IN_PLACE=in_place,
             PULL=use_soft and spec.kind == "mutual",
             T_GRAD=teacher_grad,
+            T_BIAS=t_bias is not None,
             # the entropy blend's KL terms are the power family's at powers (1, 0): ψ's modes for γ = 0 and 1 − γ = 1
             PSI=_psi_mode(pow_q / (pow_p + pow_q)) + 8 * _psi_mode(pow_p / (pow_p + pow_q)) if kind in _POWER_LOSSES
             else _psi_mode(0.0) + 8 * _psi_mode(1.0) if kind in ("entropy_adaptive", "dkd", "akl") else 0,

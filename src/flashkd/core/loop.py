@@ -186,6 +186,8 @@ def _chunk_loop(xs, ws, bs, y, rw, teacher, plan: Plan, want_dx, want_dw, want_d
                    new(wt.shape, device=device, dtype=accum_t) if want_dwt else None,
                    torch.zeros(v, **f32) if want_dbt else None)
     cute = backends.cute_fits(plan, xs, ws, bs, teacher, y is not None, grad)
+    t_bias = None if cute else _kernel_bias(plan, teacher)
+    block_teacher = teacher if t_bias is None else (teacher[0], teacher[1], None)  # the bias added at the kernel's loads
     if cute:
         from ..backends import cute_gemm, triton_rows
 
@@ -218,7 +220,7 @@ def _chunk_loop(xs, ws, bs, y, rw, teacher, plan: Plan, want_dx, want_dw, want_d
             b = slice(sub, min(sub + plan.teacher_chunk, c.stop))
             in_c = slice(b.start - c.start, b.stop - c.start)
             if tiles is None:
-                t = _teacher_block(plan, teacher, b, spec.temperature) if spec.want_soft else None
+                t = _teacher_block(plan, block_teacher, b, spec.temperature) if spec.want_soft else None
             else:
                 t = cute_gemm.logits(teacher[0][b], teacher[1], tiles[3:, in_c], k_t)
             s_b = s[in_c]  # rows of s: contiguous
@@ -228,6 +230,8 @@ def _chunk_loop(xs, ws, bs, y, rw, teacher, plan: Plan, want_dx, want_dw, want_d
                 out["tiles"] = tiles[:, in_c]
             if learn:
                 out["teacher_grad"] = True  # dL/dt written over t (`torch_rows.rows`)
+            if t_bias is not None:
+                out["t_bias"] = t_bias
             soft, hard, *extra = rows(s_b, t, None if y is None else y[b], spec, row_scale, grad, plan.stats, **out)
             if learn:
                 _teacher_gemms(learner, t, xt, wt, b, None if y is None else y[b] != spec.ignore_index)
@@ -316,6 +320,21 @@ def _teacher_head(teacher, precision):
         return teacher
     fp8.check_dtype(xt.dtype)
     return xt, fp8.head(wt, scaling), bt
+
+
+def _kernel_bias(plan, teacher):
+    """The teacher head's bias where the Triton rows add it to its logits at load (`triton_rows.rows(...,
+    t_bias=)`): one read of V numbers from L2 a tile instead of a pass of R·V·4 bytes read and written over the
+    block's fp32 logits. A heads-form teacher with a bias and a bf16 / fp16 / fp32 head, whole rows, a loss that
+    reads t only in the three passes; else None (the GEMM adds it, `linear`)."""
+    if plan.backend != "triton" or plan.form != "heads" or plan.vocab is not None or not plan.spec.want_soft:
+        return None
+    from ..backends import triton_rows
+
+    xt, wt, bt = teacher
+    if bt is None or isinstance(wt, fp8.Head) or triton_rows.kernel_kind(plan.spec) in triton_rows.BIAS_LOSSES_APART:
+        return None
+    return bt
 
 
 def _teacher_block(plan, teacher, c, tau):
