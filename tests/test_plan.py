@@ -119,3 +119,22 @@ def test_auto_runs_the_triton_rows_on_a_gpu(monkeypatch):
     assert core.backend.pick_backend("auto", _OnGpu()) == "triton"
     monkeypatch.setattr(core.backend, "_has_triton", lambda: False)
     assert core.backend.pick_backend("auto", _OnGpu()) == "torch"
+
+
+def test_routed_blocks_are_one_teachers_rows():
+    """The routed form's teacher blocks: at most the plan's rows, cut at every group's start inside the chunk as
+    well, covering it in order (so that a block's logits are one GEMM, and the plan's blocks are full size);
+    empty groups cut nothing."""
+    from flashkd.core import mixture
+
+    starts = [0, 5, 5, 12, 30]  # four teachers, the second with no rows
+    teacher = (None, None, None, starts, None, None)
+    for c in (slice(0, 30), slice(3, 13), slice(12, 20)):
+        for rows in (1, 4, 7, 100):
+            blocks = mixture.routed_blocks(teacher, c, rows)
+            assert blocks[0].start == c.start and blocks[-1].stop == c.stop
+            assert all(a.stop == b.start for a, b in zip(blocks, blocks[1:]))
+            for b in blocks:
+                assert 0 < b.stop - b.start <= rows
+                assert not any(b.start < x < b.stop for x in starts), (c, rows, b)
+    assert mixture.routed_blocks(teacher, slice(0, 30), 100) == [slice(0, 5), slice(5, 12), slice(12, 30)]

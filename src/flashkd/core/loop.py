@@ -216,8 +216,9 @@ def _chunk_loop(xs, ws, bs, y, rw, teacher, plan: Plan, want_dx, want_dw, want_d
             ds = triton_rows.grad_view(s, ws.dtype, spec, grad)
         elif narrow and plan.backend == "triton":
             ds = torch.empty(s.shape, device=device, dtype=ws.dtype)
-        for sub in range(c.start, c.stop, plan.teacher_chunk):
-            b = slice(sub, min(sub + plan.teacher_chunk, c.stop))
+        blocks = (mixture.routed_blocks(teacher, c, plan.teacher_chunk) if plan.form == "routed" else
+                  (slice(sub, min(sub + plan.teacher_chunk, c.stop)) for sub in range(c.start, c.stop, plan.teacher_chunk)))
+        for b in blocks:
             in_c = slice(b.start - c.start, b.stop - c.start)
             if tiles is None:
                 t = _teacher_block(plan, block_teacher, b, spec.temperature) if spec.want_soft else None

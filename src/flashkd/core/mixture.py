@@ -1,9 +1,9 @@
 """Several teachers in one call, two teacher forms of the chunk loop (`flashkd.teachers`):
 
-routed (combine="routed"): each row's own teacher, the rows grouped by teacher: a block's logits are its rows'
-segments, each from its teacher's head (`routed_block`): the teachers' GEMMs over their own rows only, the
-student's over all rows once, one dW accumulation; a block spanning a group boundary holds its (Rt, V) logits
-and one segment's beside them (the plan halves its blocks).
+routed (combine="routed"): each row's own teacher, the rows grouped by teacher: the loop cuts its teacher blocks at
+the groups' starts too (`routed_blocks`), so that a block's logits are one teacher's GEMM (`routed_block`): the
+teachers' GEMMs over their own rows only, the student's over all rows once, one dW accumulation; a block holds
+only its own (Rt, V) logits, as the heads form's does (the plan's blocks as large).
 
 arithmetic (combine="arithmetic"): p = Σ_m w_m softmax(z_m / τ), the teachers' distributions mixed per row.
 
@@ -94,18 +94,19 @@ def check_routed(xs, ws, t, vocab_size) -> tuple:
     return inputs, heads, biases, (0, *itertools.accumulate(t.counts)), tuple(t.scales), tuple(t.softcaps)
 
 
+def routed_blocks(teacher: tuple, c: slice, rows: int):
+    """The teacher blocks of chunk c: at most `rows` rows each, cut at the groups' starts as well (each block is
+    one teacher's rows)."""
+    starts = teacher[3]
+    cuts = sorted({*range(c.start, c.stop, rows), *(x for x in starts if c.start < x < c.stop), c.stop})
+    return [slice(a, b) for a, b in itertools.pairwise(cuts)]
+
+
 def routed_block(teacher: tuple, c: slice, linear) -> torch.Tensor:
-    """The teacher logits of rows c (grouped by teacher): each segment from its teacher's head and transform."""
+    """The teacher logits of rows c, all of one teacher's group (`routed_blocks`): its head's GEMM and transform."""
     inputs, heads, biases, starts, scales, softcaps = teacher
-    out = None
-    for m in range(len(heads)):
-        lo, hi = max(c.start, starts[m]), min(c.stop, starts[m + 1])
-        if lo >= hi:
-            continue
-        z = logit_transform(linear(inputs[m][lo - starts[m]:hi - starts[m]], heads[m], biases[m]), scales[m], softcaps[m])
-        if lo == c.start and hi == c.stop:
-            return z  # the block is one teacher's
-        if out is None:
-            out = z.new_empty(c.stop - c.start, z.shape[1])
-        out[lo - c.start:hi - c.start] = z
-    return out
+    m = max(i for i in range(len(heads)) if starts[i] <= c.start)
+    if c.stop > starts[m + 1]:
+        raise AssertionError(f"a routed block spans two teachers' rows: {c} across {starts[m + 1]}")
+    return logit_transform(linear(inputs[m][c.start - starts[m]:c.stop - starts[m]], heads[m], biases[m]), scales[m],
+                           softcaps[m])

@@ -131,10 +131,9 @@ def make(call, rows, backend: str, learning: bool, vocab: VocabSlice | None = No
         chunk, teacher_chunk = chunk_rows(options.chunk_size, xs, ws, backend, "heads", accum_bytes, v,
                                           sum(x.shape[-1] for x in rows.teacher[0]))
         teacher_chunk = -(-teacher_chunk // mixture.TEMPORARIES)
-    elif form == "routed":  # planned as the widest teacher's head, in blocks half as large (`flashkd.core.mixture`)
+    elif form == "routed":  # planned as the widest teacher's head (its blocks one teacher's, `mixture.routed_blocks`)
         chunk, teacher_chunk = chunk_rows(options.chunk_size, xs, ws, backend, "heads", accum_bytes, v,
                                           max(x.shape[-1] for x in rows.teacher[0]))
-        teacher_chunk = -(-teacher_chunk // 2)
     else:
         chunk, teacher_chunk = chunk_rows(options.chunk_size, xs, ws, backend, form, accum_bytes, v,
                                           rows.teacher[0].shape[-1] if form == "heads" else 0, learning)
