@@ -589,7 +589,8 @@ def test_every_dense_loss_runs_in_the_kernel():
 @pytest.mark.parametrize("softcap", [None, 5.0])
 def test_teacher_bias_added_at_load_is_t_plus_b(loss, params, softcap, seed):
     """t_bias (a teacher head's bias, −inf at ids it rules out, as a token map's gathered head has): the rows and
-    dL/ds bit for bit those of t + b made first, with and without the teacher's softcap; AKL and DKD, which read t
+    dL/ds those of t + b made first (bit for bit under the interpreter; compiled, to a few fp32 roundings, as the
+    compiler contracts differently around the extra add), with and without the teacher's softcap; AKL and DKD, which read t
     outside the three passes, refuse it (the core adds their bias in the GEMM)."""
     s, t = _logits(5, 300, torch.float32, seed)
     g = torch.Generator().manual_seed(seed)
@@ -603,7 +604,11 @@ def test_teacher_bias_added_at_load_is_t_plus_b(loss, params, softcap, seed):
     got = triton_rows.rows(x, t.to(DEVICE), labels.to(DEVICE), spec, scale, True, t_bias=b.to(DEVICE))
     want = triton_rows.rows(want_x, (t + b).to(DEVICE), labels.to(DEVICE), spec, scale, True)
     for a, c in zip((*got, x), (*want, want_x)):  # NaN where they are NaN (reverse KL where p = 0 < q: inf)
-        torch.testing.assert_close(a, c, rtol=0, atol=0, equal_nan=True)
+        if INTERPRET:  # the same fp32 operations, one by one
+            torch.testing.assert_close(a, c, rtol=0, atol=0, equal_nan=True)
+        else:  # compiled: the add at load moves the compiler's FMA contractions around it (a few roundings)
+            torch.testing.assert_close(a, c, rtol=1e-6, atol=1e-6 * c.nan_to_num(0, 0, 0).abs().max().item(),
+                                       equal_nan=True)
     for other in ("akl", "dkd"):
         with pytest.raises(ValueError, match=f"^t_bias: expected None for loss '{other}'"):
             triton_rows.rows(s.clone().to(DEVICE), t.to(DEVICE), labels.clamp_min(0).to(DEVICE), LossSpec(loss=other),
