@@ -339,7 +339,8 @@ def test_return_stats(case, seed):
 
 
 @pytest.mark.parametrize("grad", [True, False])
-@pytest.mark.parametrize("case", FIRST + [("renyi", dict(alpha=2.0)), ("renyi_reverse", dict(alpha=1.0))], ids=_ids)
+@pytest.mark.parametrize("case", FIRST + [("renyi", dict(alpha=2.0)), ("renyi_reverse", dict(alpha=1.0)), ("mutual", {}),
+                                  ("co_jeffreys", {})], ids=_ids)
 def test_rows_sharded_over_vocab_slices(case, grad, seed):
     """The vocab-parallel phases (each slice's pass 1, the statistics gathered, pass 2, its sums added over the
     ranks, pass 3; Jeffreys' online KL(q‖p) among the gathered statistics): the unsharded kernel's rows."""
@@ -599,3 +600,23 @@ def test_akl_on_a_vocab_slice_takes_the_torch_rows():
     s = _on(torch.zeros(2, 8))
     with pytest.raises(ValueError, match="loss='akl' runs here on whole rows"):
         next(triton_rows.sliced_rows(s, s.clone(), None, spec, torch.tensor(1.0, device=DEVICE), False, start=8))
+
+
+def test_constant_teacher_mutual_is_jeffreys_value_and_forward_kls_pull(seed, kernel_calls):
+    """mutual and co_jeffreys with a constant teacher in the kernel (fp32, on DEVICE): both report Jeffreys'
+    value; co_jeffreys' student gradients are jeffreys' bit for bit (the same passes), mutual's forward KL's to
+    fp32 rounding (forward KL's own passes sum in another order)."""
+    xs, ws, xt, wt, _, labels = _case(seed)
+    runs = {}
+    for loss in ("jeffreys", "forward_kl", "mutual", "co_jeffreys"):
+        x, w = (t.float().to(DEVICE).requires_grad_() for t in (xs, ws))
+        out = flashkd.fused_linear_distill(x, w, *_on(xt.float(), wt.float(), labels), loss=loss, backend="triton",
+                                           chunk_size=5, temperature=0.8)
+        runs[loss] = [y.detach().cpu() for y in (out, *torch.autograd.grad(out, (x, w)))]
+    assert set(kernel_calls) == {"jeffreys", "forward_kl", "mutual", "co_jeffreys"}
+    assert torch.equal(runs["mutual"][0], runs["jeffreys"][0]) and torch.equal(runs["co_jeffreys"][0], runs["jeffreys"][0])
+    for a, b in zip(runs["co_jeffreys"][1:], runs["jeffreys"][1:]):
+        assert torch.equal(a, b)
+    for a, b in zip(runs["mutual"][1:], runs["forward_kl"][1:]):
+        assert rel(a, b) <= RTOL
+    assert rel(runs["mutual"][1], runs["jeffreys"][1]) > 1e-3  # not Jeffreys' gradient
