@@ -1,4 +1,4 @@
-"""Seeds, and the Triton interpreter where there is no GPU.
+"""Seeds, the Triton interpreter where there is no GPU, and where each backend's tests run (`_device`).
 
 Every test runs seeded: torch's, Python's and numpy's global generators, and Hypothesis, all from one
 seed, which the `seed` fixture also returns. By default it is derived from a fixed base and the test's
@@ -31,6 +31,34 @@ def _has_triton():
 
 HAS_TRITON = _has_triton()
 BACKENDS = ["torch"] + (["triton"] if HAS_TRITON else [])
+
+# Where the tests that take a backend run it, defined once for every test file: the Triton backend needs CUDA
+# tensors on a machine with a GPU, and the interpreter's CPU tensors elsewhere (TRITON_INTERPRET=1, set above where
+# there is no GPU); where it can have neither, its cases are skipped. The torch backend and the references run on
+# the CPU.
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+DEVICE = "cpu" if INTERPRET else "cuda"  # where the Triton backend and its kernels run
+TRITON_RUNS = "triton" in BACKENDS and (INTERPRET or torch.cuda.is_available())
+needs_triton = pytest.mark.skipif(not TRITON_RUNS, reason="triton is not installed, or TRITON_INTERPRET is off "
+                                  "and there is no CUDA device")
+BACKEND_PARAMS = [pytest.param(b, marks=needs_triton) if b == "triton" else b for b in BACKENDS]
+
+
+def _device(backend):
+    """Where a test runs `backend`: the Triton one on DEVICE, any other (the torch one, None) on the CPU."""
+    return DEVICE if backend == "triton" else "cpu"
+
+
+def _on(device, *args):
+    """args on `device` (tensors, lists of them; None and anything else as is): themselves on the CPU, else
+    copies there (a tensor that requires grad a leaf there)."""
+    def move(t):
+        if isinstance(t, list):
+            return [move(u) for u in t]
+        return t.detach().to(device).requires_grad_(t.requires_grad) if torch.is_tensor(t) else t
+
+    return args if device == "cpu" else tuple(move(a) for a in args)
+
 
 SEED_BASE = 20260101  # change it and every derived seed changes
 SEED_KEY = pytest.StashKey[int]()  # on a test item: its seed

@@ -1,36 +1,15 @@
 """Bad input, edge cases and autograd behaviour of the public API. The Triton backend on DEVICE (the GPU, or
 the CPU under Triton's interpreter), the torch backend and the references on the CPU."""
 
-import os
-
 import pytest
 import torch
 
 import flashkd
 import flashkd.core
-from conftest import BACKENDS
+from conftest import BACKEND_PARAMS, _device, _on
 from helpers.integrations import error_without
 from helpers.ties import drop_tied_rows, logits64
 from oracle import distill_loss
-
-INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"  # set by conftest when there is no GPU
-DEVICE = "cpu" if INTERPRET else "cuda"  # where the Triton backend runs
-TRITON_RUNS = "triton" in BACKENDS and (INTERPRET or torch.cuda.is_available())
-needs_triton = pytest.mark.skipif(not TRITON_RUNS, reason="triton is not installed, or TRITON_INTERPRET is off "
-                                  "and there is no CUDA device")
-BACKEND_PARAMS = [pytest.param(b, marks=needs_triton) if b == "triton" else b for b in BACKENDS]
-
-
-def _device(backend):
-    """Where a test runs `backend`: the Triton one on DEVICE, the torch one on the CPU."""
-    return DEVICE if backend == "triton" else "cpu"
-
-
-def _on(device, *tensors):
-    """tensors on `device`: themselves on the CPU, else copies there (one that requires grad a leaf there)."""
-    if device == "cpu":
-        return tensors
-    return tuple(t.detach().to(device).requires_grad_(t.requires_grad) for t in tensors)
 
 
 def inputs(n=6, v=9, hs=4, ht=5, vt=None, dtype=torch.float32):

@@ -10,30 +10,16 @@ The Triton backend runs on DEVICE (the GPU, or the CPU under Triton's interprete
 truth and the fp32-logit pipeline on the CPU.
 """
 
-import os
-
 import pytest
 import torch
 
 import flashkd
-from conftest import BACKENDS
+from conftest import BACKEND_PARAMS, _device
 from helpers.exact import HT, N, OPTIONS, V, check, make_case, pipeline_grads, trained_head, truth_grads
 from helpers.ties import drop_tied_rows, logits64
 from oracle import distill_loss, head, topk_loss
 
 LOSSES = ["jsd", "forward_kl", "reverse_kl", "tvd", "cosine"]
-
-INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"  # set by conftest when there is no GPU
-DEVICE = "cpu" if INTERPRET else "cuda"  # where the Triton backend runs
-TRITON_RUNS = "triton" in BACKENDS and (INTERPRET or torch.cuda.is_available())
-needs_triton = pytest.mark.skipif(not TRITON_RUNS, reason="triton is not installed, or TRITON_INTERPRET is off "
-                                  "and there is no CUDA device")
-BACKEND_PARAMS = [pytest.param(b, marks=needs_triton) if b == "triton" else b for b in BACKENDS]
-
-
-def _device(backend):
-    """Where a test runs `backend`: the Triton one on DEVICE, the torch one on the CPU."""
-    return DEVICE if backend == "triton" else "cpu"
 
 
 @pytest.mark.parametrize("backend", BACKEND_PARAMS)

@@ -5,13 +5,12 @@ CPU under Triton's interpreter), the torch backend and the oracle on the CPU."""
 import dataclasses
 import itertools
 import math
-import os
 
 import pytest
 import torch
 
 import flashkd
-from conftest import BACKENDS
+from conftest import BACKEND_PARAMS, _device, _on
 from helpers.cases import V, check_against_oracle, make_inputs, make_topk, read, rel_err
 from helpers.ties import drop_tied_rows, logits64
 from oracle import distill_loss, student_stats, topk_loss
@@ -28,26 +27,6 @@ TRANSFORMS = [
 LOSSES = ["jsd", "forward_kl", "reverse_kl", "tvd", "cosine"]
 
 TOPK_LOSSES = LOSSES[:4]
-
-INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"  # set by conftest when there is no GPU
-DEVICE = "cpu" if INTERPRET else "cuda"  # where the Triton backend runs
-TRITON_RUNS = "triton" in BACKENDS and (INTERPRET or torch.cuda.is_available())
-needs_triton = pytest.mark.skipif(not TRITON_RUNS, reason="triton is not installed, or TRITON_INTERPRET is off "
-                                  "and there is no CUDA device")
-BACKEND_PARAMS = [pytest.param(b, marks=needs_triton) if b == "triton" else b for b in BACKENDS]
-
-
-def _device(backend):
-    """Where a test runs `backend`: the Triton one on DEVICE, the torch one on the CPU."""
-    return DEVICE if backend == "triton" else "cpu"
-
-
-def _on(device, *tensors):
-    """tensors on `device` (None kept): themselves on the CPU, else copies there (one that requires grad a
-    leaf there)."""
-    if device == "cpu":
-        return tensors
-    return tuple(None if t is None else t.detach().to(device).requires_grad_(t.requires_grad) for t in tensors)
 
 
 def _tolerance(backend):

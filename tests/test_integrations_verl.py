@@ -9,7 +9,6 @@ Triton's interpreter), their references on the CPU unless a test compares them b
 import importlib
 import importlib.util
 import math
-import os
 import sys
 import types
 from pathlib import Path
@@ -22,22 +21,10 @@ if importlib.util.find_spec("verl") is None:
 
 import flashkd.integrations.verl as fk_verl  # noqa: E402
 from flashkd.losses import LossSpec, topk_row_losses  # noqa: E402
-from conftest import BACKENDS  # noqa: E402
+from conftest import BACKENDS, BACKEND_PARAMS, DEVICE, TRITON_RUNS, _device, needs_triton  # noqa: E402
 from helpers.cases import read  # noqa: E402
 from helpers.integrations import check_refuses_version  # noqa: E402
 from helpers.ties import near, tied_rows  # noqa: E402
-
-INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"  # set by conftest when there is no GPU
-DEVICE = "cpu" if INTERPRET else "cuda"  # where the Triton backend and kernels run
-TRITON_RUNS = "triton" in BACKENDS and (INTERPRET or torch.cuda.is_available())
-needs_triton = pytest.mark.skipif(not TRITON_RUNS, reason="triton is not installed, or TRITON_INTERPRET is off "
-                                  "and there is no CUDA device")
-BACKEND_PARAMS = [pytest.param(b, marks=needs_triton) if b == "triton" else b for b in BACKENDS]
-
-
-def _device(backend):
-    """Where a test runs `backend`: the Triton one on DEVICE, the torch one on the CPU."""
-    return DEVICE if backend == "triton" else "cpu"
 
 
 def _load_reference():

@@ -12,30 +12,16 @@ The Triton backend runs on DEVICE (the GPU, or the CPU under Triton's interprete
 oracle on the CPU, unless a test compares the two backends bit for bit (then both on DEVICE).
 """
 
-import os
-
 import pytest
 import torch
 import torch.nn.functional as F
 
 import flashkd
-from conftest import BACKENDS, HAS_TRITON
+from conftest import BACKEND_PARAMS, DEVICE, _device, needs_triton
 from flashkd.losses import LEARNING_LOSSES, LOSSES
 
 N, V, HS, HT, CHUNK = 19, 37, 11, 6, 5
 IGNORED = (2, 11, 12)  # rows whose label is ignore_index; they hold NaN in the inputs
-
-INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"  # set by conftest when there is no GPU
-DEVICE = "cpu" if INTERPRET else "cuda"  # where the Triton backend runs
-TRITON_RUNS = "triton" in BACKENDS and (INTERPRET or torch.cuda.is_available())
-needs_triton = pytest.mark.skipif(not TRITON_RUNS, reason="triton is not installed, or TRITON_INTERPRET is off "
-                                  "and there is no CUDA device")
-BACKEND_PARAMS = [pytest.param(b, marks=needs_triton) if b == "triton" else b for b in BACKENDS]
-
-
-def _device(backend):
-    """Where a test runs `backend`: the Triton one on DEVICE, the torch one on the CPU."""
-    return DEVICE if backend == "triton" else "cpu"
 
 
 def _to(x, device):

@@ -3,40 +3,15 @@ summed, against float64 oracles over the full logits (tests/oracle.py's `distill
 routed teacher logits, or summed per teacher), value and student gradients, both backends: the Triton backend
 on DEVICE (the GPU, or the CPU under Triton's interpreter), the torch backend and the oracles on the CPU."""
 
-import os
-
 import pytest
 import torch
 
 import flashkd
-from conftest import BACKENDS
+from conftest import BACKEND_PARAMS, _device, _on
 from oracle import distill_loss
 
 N, V, HS = 19, 37, 11
 HTS = (6, 9, 6)
-
-INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"  # set by conftest when there is no GPU
-DEVICE = "cpu" if INTERPRET else "cuda"  # where the Triton backend runs
-TRITON_RUNS = "triton" in BACKENDS and (INTERPRET or torch.cuda.is_available())
-needs_triton = pytest.mark.skipif(not TRITON_RUNS, reason="triton is not installed, or TRITON_INTERPRET is off "
-                                  "and there is no CUDA device")
-BACKEND_PARAMS = [pytest.param(b, marks=needs_triton) if b == "triton" else b for b in BACKENDS]
-
-
-def _device(backend):
-    """Where a test runs `backend`: the Triton one on DEVICE, the torch one on the CPU."""
-    return DEVICE if backend == "triton" else "cpu"
-
-
-def _on(device, *args):
-    """args on `device` (tensors, lists of them; anything else as is): themselves on the CPU, else copies
-    there (a tensor that requires grad a leaf there)."""
-    def move(t):
-        if isinstance(t, list):
-            return [move(u) for u in t]
-        return t.detach().to(device).requires_grad_(t.requires_grad) if torch.is_tensor(t) else t
-
-    return args if device == "cpu" else tuple(move(a) for a in args)
 
 
 def _tolerance(backend):

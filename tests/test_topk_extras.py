@@ -3,31 +3,18 @@ against the float64 oracle, on both backends: the Triton backend on DEVICE (the 
 Triton's interpreter), the torch backend and the float64 oracle on the CPU."""
 
 import math
-import os
 
 import pytest
 import torch
 
 import flashkd
-from conftest import BACKENDS
+from conftest import BACKEND_PARAMS, _device
 from helpers.cases import K, check_against_oracle, make_student, make_topk, read, rel_err, tolerance
 from helpers.ties import drop_tied_rows, logits64
 from oracle import student_stats, topk_loss
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tiny tensors (conftest.py)
-
-INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"  # set by conftest when there is no GPU
-DEVICE = "cpu" if INTERPRET else "cuda"  # where the Triton backend runs
-TRITON_RUNS = "triton" in BACKENDS and (INTERPRET or torch.cuda.is_available())
-needs_triton = pytest.mark.skipif(not TRITON_RUNS, reason="triton is not installed, or TRITON_INTERPRET is off "
-                                  "and there is no CUDA device")
-BACKEND_PARAMS = [pytest.param(b, marks=needs_triton) if b == "triton" else b for b in BACKENDS]
-
-
-def _device(backend):
-    """Where a test runs `backend`: the Triton one on DEVICE, the torch one on the CPU."""
-    return DEVICE if backend == "triton" else "cpu"
 
 
 def _peaked_topk(lead, dtype, *, past_one=False):

@@ -2,24 +2,18 @@
 Jeffreys to DKD) share: one loss's call in each form at trained magnitudes against the float64 truth and the
 fp32-logit pipeline (tests/helpers/exact.py), every option in float64 against the oracle, masked ids, and
 the forms on a vocab split across ranks against the unsharded call. A call on backend "triton" runs on the
-GPU, or on the CPU under Triton's interpreter (`device`); every other call, and every reference, on the CPU."""
-
-import os
+GPU, or on the CPU under Triton's interpreter (`device`: conftest.py's `_device`); every other call, and every
+reference, on the CPU."""
 
 import torch
 
 import flashkd
+from conftest import _device as device  # test_divergences.py imports it by this name
 from helpers.cases import read
 from helpers.distributed import compare_sharded, leaf
 from helpers.exact import check, make_case, pipeline_grads, truth_grads
 from helpers.ties import drop_tied_rows, logits64
 from oracle import distill_loss, topk_loss
-
-
-def device(backend):
-    """Where a call on `backend` runs: "triton" on the GPU, or on the CPU where TRITON_INTERPRET=1 (conftest.py sets
-    it where there is no GPU); the others on the CPU."""
-    return ("cpu" if os.environ.get("TRITON_INTERPRET") == "1" else "cuda") if backend == "triton" else "cpu"
 
 
 def _on(dev, options):
