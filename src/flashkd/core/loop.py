@@ -216,9 +216,7 @@ def _chunk_loop(xs, ws, bs, y, rw, teacher, plan: Plan, want_dx, want_dw, want_d
             ds = triton_rows.grad_view(s, ws.dtype, spec, grad)
         elif narrow and plan.backend == "triton":
             ds = torch.empty(s.shape, device=device, dtype=ws.dtype)
-        blocks = (mixture.routed_blocks(teacher, c, plan.teacher_chunk) if plan.form == "routed" else
-                  (slice(sub, min(sub + plan.teacher_chunk, c.stop)) for sub in range(c.start, c.stop, plan.teacher_chunk)))
-        for b in blocks:
+        for b in _teacher_blocks(plan, teacher, c):
             in_c = slice(b.start - c.start, b.stop - c.start)
             if tiles is None:
                 t = _teacher_block(plan, block_teacher, b, spec.temperature) if spec.want_soft else None
@@ -321,6 +319,14 @@ def _teacher_head(teacher, precision):
         return teacher
     fp8.check_dtype(xt.dtype)
     return xt, fp8.head(wt, scaling), bt
+
+
+def _teacher_blocks(plan, teacher, c):
+    """The teacher blocks of chunk c: plan.teacher_chunk rows each, cut at the groups' starts too where rows are
+    routed (`mixture.routed_blocks`: each block one teacher's)."""
+    if plan.form == "routed":
+        return mixture.routed_blocks(teacher, c, plan.teacher_chunk)
+    return [slice(sub, min(sub + plan.teacher_chunk, c.stop)) for sub in range(c.start, c.stop, plan.teacher_chunk)]
 
 
 def _kernel_bias(plan, teacher):
