@@ -124,8 +124,8 @@ for stage in $stages; do
         && python3 benchmarks/bench_axolotl.py --ce --out "$OUT/axolotl-ce"; } 2>&1 | tee "$OUT/bench-axolotl.log" || status=1 ;;
     # several teachers (routed, geometric, sum, arithmetic where flashkd has it) against the one-teacher call and
     # their GEMM floors, the exact token map against the same-vocabulary call, and GOLD's hybrid ULD loss against
-    # TRL's ULDLoss (Llama-3 student <- Qwen3 teacher, 8192 aligned rows; checked first at a small shape), a few
-    # minutes; the GOLD part needs trl 1.16.0 from .whl/ (and `datasets` or the benchmark's stand-in): where trl is
+    # TRL's ULDLoss (Llama-3 student <- Qwen3 teacher, 8192 aligned rows; checked first at a small shape), and a
+    # teacher that learns (mutual, co_jeffreys) against its six GEMMs, a few minutes; the GOLD part needs trl 1.16.0 from .whl/ (and `datasets` or the benchmark's stand-in): where trl is
     # missing, TRL's rows are skipped with a note
     bench-teachers) python3 benchmarks/bench_teachers.py --out "$OUT/teachers" 2>&1 | tee "$OUT/bench-teachers.log" || status=1 ;;
     *) echo "unknown stage $stage"; status=2 ;;
