@@ -19,7 +19,8 @@ import sys
 
 import pytest
 
-_INTS = ("V", "stride_scale", "stride_t", "stride_g", "ignore_index", "label_lo", "world", "stride_part")
+_INTS = ("V", "stride_scale", "stride_t", "stride_g", "ignore_index", "label_lo", "world", "stride_part", "stride_tile",
+         "stat_tiles")
 # (loss, the pass that writes dL/ds, ONLINE_KL, PSI): the power family's PSI, ψ's forms for its two powers
 # (`triton_rows._psi_mode`), as Amari's α 0.3, Rényi's order 0.7 and 1.4, and the αβ-divergence at (2, 0.05) make them
 _LOSSES = (("jsd", 3, False, 0), ("tvd", 3, False, 0), ("forward_kl", 2, False, 0), ("forward_kl", 0, True, 0),
@@ -124,7 +125,7 @@ def _compile_topk() -> int:
     return len(variants)
 
 
-@pytest.mark.parametrize("phase", [0, 1, 2, 3, "topk"])
+@pytest.mark.parametrize("phase", [0, 1, 2, 3, 4, "topk"])
 def test_the_row_kernel_compiles_for_sm90_in_every_phase(phase, tmp_path):
     pytest.importorskip("triton")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
