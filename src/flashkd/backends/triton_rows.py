@@ -606,7 +606,7 @@ def _grad_pass(
     log2e_tau, log2e_tau_t, log2e_ce, s_mul, t_mul, log2_beta, log2_1mbeta,  # the row's constants
     pow_p, pow_q,  # the power family's powers of p and q
     f1, f0, f_lo, f_hi, f_eq, c_ce,  # the gradient's factors (JSD, skew: f1, f0; TVD: f_lo, f_hi, f_eq)
-    ft1, ft_lo, ft0,  # T_GRAD: the teacher's (`_teacher_factors`)
+    ft1, ft_lo, ft0,  # T_GRAD: the teacher's (`_learning_factors`)
     LOSS: tl.constexpr, GRAD_SOFT: tl.constexpr, GRAD_CE: tl.constexpr, CE_IS_Q: tl.constexpr,
     S_HEAD: tl.constexpr, T_HEAD: tl.constexpr, RTNE_BITS: tl.constexpr, RCP_FMA: tl.constexpr,
     IN_PLACE: tl.constexpr, PSI: tl.constexpr, SCALED: tl.constexpr, PULL: tl.constexpr, T_GRAD: tl.constexpr,
@@ -1534,11 +1534,10 @@ def sliced_rows(s, t, labels, spec: LossSpec, scale: torch.Tensor, grad: bool, s
     """
     t, ds, in_place = _check(s, _check_teacher_grad(teacher_grad, s, t, spec, grad, start, tiles), labels, spec, scale,
                              grad, stats, ds, start, tiles)
-    # a learning teacher's dL/dt comes from the pass that writes the soft gradient; with none (a soft weight of 0)
-    # it is 0, set after the kernel has read t
-    teacher_grad = teacher_grad and grad and spec.want_soft
-    zero_t = teacher_grad and _writing_pass(spec, grad) != 3
-    teacher_grad = teacher_grad and not zero_t
+    # a learning teacher's dL/dt comes from the pass that writes the soft gradient (write_t); with none (a soft
+    # weight of 0) it is 0, set after the kernel has read t
+    learns = teacher_grad and grad and spec.want_soft
+    write_t = learns and _writing_pass(spec, grad) == 3
     t_bias = _check_t_bias(t_bias, s, spec, tiles)
     # allocate: every program writes its row's soft and hard (and entropy)
     R = s.shape[0]
@@ -1550,14 +1549,13 @@ def sliced_rows(s, t, labels, spec: LossSpec, scale: torch.Tensor, grad: bool, s
         return out
     if labels is not None:
         labels = labels.contiguous()  # R integers: a strided view costs a negligible copy
-    launch = _Launch(s, t, ds, labels, spec, scale, grad, stats, in_place, soft, hard, entropy, start, teacher_grad,
-                     t_bias)
+    launch = _Launch(s, t, ds, labels, spec, scale, grad, stats, in_place, soft, hard, entropy, start, write_t, t_bias)
     if tiles is not None:
         launch(4, parts=tiles, world=tiles.shape[2], stride_part=tiles.stride(0), stride_tile=tiles.stride(1))
         return out
     if start is None:
         launch(0, parts=akl_head_keys(t, spec) if spec.want_soft and kernel_kind(spec) == "akl" else None)
-        if zero_t:
+        if learns and not write_t:
             t.zero_()
         return out
     # A row sharded over the ranks' vocab slices: pass 1 on each slice; its statistics (R · _PARTS fp32 a

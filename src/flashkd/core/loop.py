@@ -338,7 +338,7 @@ def _kernel_bias(plan, teacher):
         return None
     from ..backends import triton_rows
 
-    xt, wt, bt = teacher
+    _, wt, bt = teacher
     if bt is None or isinstance(wt, fp8.Head) or triton_rows.kernel_kind(plan.spec) in triton_rows.BIAS_LOSSES_APART:
         return None
     return bt
