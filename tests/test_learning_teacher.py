@@ -102,7 +102,7 @@ def run_oracle(t, labels, **opts):
 
 
 def grads_of(out, t):
-    names = [k for k in LEAVES if t[k] is not None]
+    names = [k for k in LEAVES if t[k] is not None and t[k].requires_grad]
     return dict(zip(names, torch.autograd.grad(out, [t[k] for k in names], allow_unused=True)))
 
 
@@ -359,3 +359,105 @@ def test_fp8_learning_teacher_is_refused(seed):
     t = leaves(tensors)
     with pytest.raises(ValueError, match="teacher_precision: expected None with loss='mutual'"):
         run_flashkd(t, labels, loss="mutual", teacher_precision="fp8")
+
+
+@pytest.mark.parametrize("loss", LEARNING_LOSSES)
+@pytest.mark.parametrize("student_view", [True, False], ids=["ds-view", "ds-buffer"])
+@pytest.mark.parametrize("shape", [(7, 300), (5, 1031)])
+@needs_triton
+def test_teacher_grad_into_a_view_of_t(loss, student_view, shape, seed):
+    """dL/dt of fp32 teacher logits written rounded to bf16 into half t's own bytes (`grad_view(t, ...)`, what the
+    chunk loop asks for with bf16 inputs) is, bit for bit, the kernel's fp32 dL/dt rounded after (what it wrote
+    before); dL/ds, soft and hard too, with dL/ds in s's own bytes or a buffer; ignored rows and a trained head's
+    magnitudes (std 4, one peak of 30 a row) among the rows; a soft weight of 0 gives zeros."""
+    from flashkd.backends import triton_rows
+    from flashkd.losses import LossSpec
+
+    r, v = shape
+    g = torch.Generator().manual_seed(seed)
+    s0 = torch.randn(r, v, generator=g) * 4
+    t0 = torch.randn(r, v, generator=g) * 4
+    t0[torch.arange(r), torch.randint(0, v, (r,), generator=g)] = 30.0
+    labels = torch.randint(0, v, (r,), generator=g)
+    labels[1] = -100
+    scale = torch.tensor(1.0 / r)
+    for w_soft in (0.5, 0.0):
+        spec = LossSpec(loss=loss, weight_hard=0.5, weight_soft=w_soft, want_hard=True, want_soft=True,
+                        temperature=1.3)
+        results = []
+        for into_view in (False, True):
+            s, t = s0.clone().to(DEVICE), t0.clone().to(DEVICE)
+            ds = triton_rows.grad_view(s, torch.bfloat16, spec, True) if student_view else \
+                torch.empty(r, v, dtype=torch.bfloat16, device=DEVICE)
+            gt = triton_rows.grad_view(t, torch.bfloat16, spec, True) if into_view else True
+            soft, hard = triton_rows.rows(s, t, labels.to(DEVICE), spec, scale.to(DEVICE), True, ds=ds,
+                                          teacher_grad=gt)
+            dt = gt.clone() if into_view else t.to(torch.bfloat16)
+            results.append((soft.cpu(), hard.cpu(), ds.clone().cpu(), dt.cpu()))
+        for name, before, now in zip(("soft", "hard", "dL/ds", "dL/dt"), *results):
+            assert torch.equal(before.view(torch.int16) if before.dtype == torch.bfloat16 else before,
+                               now.view(torch.int16) if now.dtype == torch.bfloat16 else now), (name, w_soft)
+        dt = results[1][3]
+        assert not dt[1].any()  # the ignored row
+        if w_soft == 0.0:
+            assert not dt.any()
+        else:
+            assert dt.float().abs().max() > 0
+
+
+@needs_triton
+def test_teacher_grad_refuses_other_views(seed):
+    """teacher_grad as a tensor: a buffer of its own or t's `grad_view`; a view of s, another view of t, a wrong
+    shape and a non-tensor are named errors."""
+    from flashkd.backends import triton_rows
+    from flashkd.losses import LossSpec
+
+    spec = LossSpec(loss="mutual", weight_hard=0.5, weight_soft=0.5, want_hard=True, want_soft=True)
+    s, t = torch.randn(3, 40, device=DEVICE), torch.randn(3, 40, device=DEVICE)
+    y, scale = torch.zeros(3, dtype=torch.long, device=DEVICE), torch.tensor(1.0, device=DEVICE)
+    half = 40 if triton_rows.grad_view(t, torch.bfloat16, spec, True).data_ptr() == t.data_ptr() else 0
+    bad = {"view of s": lambda s, t: s.view(torch.bfloat16)[:, :40],
+           "other view of t": lambda s, t: t.view(torch.bfloat16)[:, half:half + 40],
+           "shape": lambda s, t: torch.empty(3, 39, device=DEVICE), "a string": lambda s, t: "yes"}
+    for name, make in bad.items():
+        s1, t1 = s.clone(), t.clone()
+        with pytest.raises((ValueError, TypeError), match="teacher_grad"):
+            triton_rows.rows(s1, t1, y, spec, scale, True, teacher_grad=make(s1, t1))
+    buffer = torch.empty(3, 40, dtype=torch.bfloat16, device=DEVICE)
+    triton_rows.rows(s.clone(), t.clone(), y, spec, scale, True, teacher_grad=buffer)
+    assert buffer.float().abs().max() > 0
+
+
+@pytest.mark.parametrize("loss", LEARNING_LOSSES)
+@needs_triton
+def test_bf16_teacher_grad_in_its_logits_bytes(loss, seed, monkeypatch):
+    """bf16 inputs on the triton backend: each block's dL/dt is asked for in a bf16 view of its fp32 logits (no
+    cast after) where the teacher's bias does not learn (its gradient sums dL/dt in fp32); the gradients as near
+    the float64 oracle as the torch backend's (which rounds after)."""
+    from flashkd.backends import triton_rows
+
+    calls = []
+    kernel = triton_rows.rows
+
+    def spy(s, t, *args, **kwargs):
+        gt = kwargs.get("teacher_grad")
+        calls.append(isinstance(gt, torch.Tensor) and gt.dtype == torch.bfloat16 and gt.data_ptr() == t.data_ptr())
+        return kernel(s, t, *args, **kwargs)
+
+    monkeypatch.setattr(triton_rows, "rows", spy)
+    tensors, labels, opts = case(seed, "bias", torch.bfloat16)
+    bt = tensors.pop("bt")  # a constant bias: its gradient is not asked for
+    ref = leaves({k: None if x is None else x.double() for k, x in tensors.items()})
+    ref["bt"] = bt.double()
+    truth = grads_of(run_oracle(ref, labels, loss=loss, **opts), ref)
+    errors = {}
+    for backend in ("triton", "torch"):
+        mine = leaves(tensors, DEVICE if backend == "triton" else "cpu")
+        mine["bt"] = bt.to(mine["xs"].device)
+        out = run_flashkd(mine, _to(labels, mine["xs"].device), loss=loss, backend=backend, **opts)
+        got = _cpu(grads_of(out, mine))
+        errors[backend] = {k: ((got[k].double() - truth[k]).abs().max() / truth[k].abs().max()).item() for k in got}
+    assert calls and all(calls)
+    assert set(errors["triton"]) == {"xs", "ws", "bs", "xt", "wt"}
+    for name, err in errors["triton"].items():
+        assert err <= 1.5 * errors["torch"][name] + 2e-3, (name, errors)

@@ -19,7 +19,7 @@ import sys
 
 import pytest
 
-_INTS = ("V", "stride_scale", "stride_t", "stride_g", "ignore_index", "label_lo", "world", "stride_part", "stride_tile",
+_INTS = ("V", "stride_scale", "stride_t", "stride_g", "stride_gt", "ignore_index", "label_lo", "world", "stride_part", "stride_tile",
          "stat_tiles")
 # (loss, the pass that writes dL/ds, ONLINE_KL, PSI): the power family's PSI, ψ's forms for its two powers
 # (`triton_rows._psi_mode`), as Amari's α 0.3, Rényi's order 0.7 and 1.4, and the αβ-divergence at (2, 0.05) make them
@@ -30,7 +30,7 @@ _LOSSES = (("jsd", 3, False, 0), ("tvd", 3, False, 0), ("forward_kl", 2, False, 
            ("entropy_adaptive", 3, False, 8 * 4), ("dkd", 2, False, 8 * 4), ("akl", 3, False, 8 * 4),
            ("mutual", 3, False, 0), ("co_jeffreys", 3, False, 0))
 # AKL runs on whole rows only (phase 0), its head's keys in part_ptr (int64); a learning teacher's dL/dt is
-# written on whole rows only (phase 0: T_GRAD where there is a gradient, over fp32 teacher logits)
+# written on whole rows only (phase 0: T_GRAD where there is a gradient, in bf16 into its fp32 logits' bytes)
 _WHOLE_ONLY = ("akl",)
 _LEARNING = ("mutual", "co_jeffreys")
 
@@ -55,14 +55,14 @@ def _compile_phase(phase: int) -> int:
         grad = grad_pass != 0
         learns = loss in _LEARNING and phase == 0 and grad
         constexprs = dict(
-            LOSS=LOSS_ID["jeffreys" if loss in _LEARNING else loss], PULL=loss == "mutual", T_GRAD=learns, SOFT=True, CE=labels, LABELS=labels, GRAD_SOFT=grad, GRAD_CE=grad and labels,
+            LOSS=LOSS_ID["jeffreys" if loss in _LEARNING else loss], PULL=loss == "mutual", T_GRAD=learns, T_IN_PLACE=learns, T_RTNE_BITS=False, SOFT=True, CE=labels, LABELS=labels, GRAD_SOFT=grad, GRAD_CE=grad and labels,
             GRAD_PASS=grad_pass, CE_IS_Q=labels and loss != "cosine", ONLINE_KL=online, S_HEAD=2 if softcap else 0,
             T_HEAD=0, SCALED=softcap, STATS=stats, RTNE_BITS=False, RCP_FMA=0, IN_PLACE=grad, PSI=psi, PHASE=phase, WORLD_BLOCK=4,
             BLOCK_V=1024)
         signature = {}
         for name in names:
             if name.endswith("_ptr"):
-                signature[name] = {"s_ptr": "*bf16", "g_ptr": "*bf16", "t_ptr": "*fp32" if learns else "*bf16",
+                signature[name] = {"s_ptr": "*bf16", "g_ptr": "*bf16", "t_ptr": "*fp32" if learns else "*bf16", "gt_ptr": "*bf16",
                                    "labels_ptr": "*i64",
                                    "part_ptr": "*i64" if loss == "akl" else "*fp32"}.get(name, "*fp32")
             else:

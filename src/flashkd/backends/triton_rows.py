@@ -601,7 +601,8 @@ def _loss_pass(
 
 @triton.jit
 def _grad_pass(
-    s_row, g_row, t_row, tb_ptr, V, cols, label,  # the row, a tile's columns, its label (-1 without)
+    s_row, g_row, t_row, gt_row, tb_ptr, V, cols, label,  # the row (gt_row: a learning teacher's dL/dt), a tile's
+    # columns, its label (-1 without)
     m_s, m_t, log2_l_s, log2_l_t, log2_l_c,  # pass 1's statistics, merged
     log2e_tau, log2e_tau_t, log2e_ce, s_mul, t_mul, log2_beta, log2_1mbeta,  # the row's constants
     pow_p, pow_q,  # the power family's powers of p and q
@@ -610,7 +611,7 @@ def _grad_pass(
     LOSS: tl.constexpr, GRAD_SOFT: tl.constexpr, GRAD_CE: tl.constexpr, CE_IS_Q: tl.constexpr,
     S_HEAD: tl.constexpr, T_HEAD: tl.constexpr, RTNE_BITS: tl.constexpr, RCP_FMA: tl.constexpr,
     IN_PLACE: tl.constexpr, PSI: tl.constexpr, SCALED: tl.constexpr, PULL: tl.constexpr, T_GRAD: tl.constexpr,
-    T_BIAS: tl.constexpr, BLOCK_V: tl.constexpr,
+    T_IN_PLACE: tl.constexpr, T_RTNE_BITS: tl.constexpr, T_BIAS: tl.constexpr, BLOCK_V: tl.constexpr,
 ):
     """Pass 3, for jsd, tvd and the skew losses: dL/ds = q · (f1 · x + f0) written over s, x the element's
     log-ratio (or TVD's sign; skew KL: q · f0 + f1 · p u; skew reverse KL: q · (f1 · x + f0 + f_lo (1 − u)); module doc)."""
@@ -643,12 +644,12 @@ def _grad_pass(
                 g = tl.where(present, f1 * _gap(lq, lp, d), 0.0) + q * f0
             else:
                 g = tl.where(present, f1 * _gap(lq, lp, d), 0.0) + times(q, f_lo * d + f0)
-            if T_GRAD:  # the learning teacher's dL/dt over t's own bytes (this tile's, loaded above by these lanes)
+            if T_GRAD:  # the learning teacher's dL/dt, stored after dL/ds below
                 # mutual: c_t (p − q); co_jeffreys: c_t ((p − q) + p (log(p/q) − KL(p‖q))), the student's mirror
                 gt = tl.where(present, -ft1 * _gap(lq, lp, d), 0.0)
                 if not PULL:
                     gt += times(tl.exp2(lp), ft0 - ft_lo * d)
-                tl.store(t_row + offs, head_grad(gt, db, T_HEAD).to(t_row.dtype.element_ty), mask=mask)
+                gt = head_grad(gt, db, T_HEAD)
         elif LOSS == _ENTROPY_ADAPTIVE or LOSS == _AKL:  # Jeffreys' form with the weights; at w = 1 no reverse KL (d may be inf)
             present = (lq > -float("inf")) | (lp > -float("inf"))
             g = tl.where(present, f1 * _gap(lq, lp, d), 0.0) + times(q, tl.where(f_lo != 0.0, f_lo * d, 0.0) + f0)
@@ -674,6 +675,10 @@ def _grad_pass(
             g = tl.where(a == -float("inf"), 0.0, g)  # q = 0: dL/ds is 0 (no 0 · inf from the powers)
         _store_dlds(g_row, offs, mask, g, a, da, q, label, m_s, log2_l_c, log2e_ce, c_ce,
                     GRAD_SOFT, GRAD_CE, CE_IS_Q, S_HEAD, RTNE_BITS, IN_PLACE)
+        if T_GRAD:  # into t's own bytes (its fp32, or `grad_view(t, ...)`): after the barrier where IN_PLACE put one
+            if T_IN_PLACE and not IN_PLACE:  # the view's stores land on columns every warp must have loaded
+                tl.debug_barrier()
+            store_grad(gt_row + offs, gt, mask, T_RTNE_BITS)
 
 
 @triton.jit
@@ -1121,6 +1126,7 @@ def _rows_kernel(
     s_ptr,  # (R, V) student logits
     g_ptr,  # (R, V) dL/ds out, rows stride_g apart, when GRAD_PASS != 0: s itself, or a narrower buffer
     t_ptr,  # (R, V) teacher logits, any float dtype, rows stride_t apart (not read unless SOFT)
+    gt_ptr,  # (R, V) a learning teacher's dL/dt out, rows stride_gt apart, when T_GRAD: t itself, or a view of it
     tb_ptr,  # (V,) the teacher head's bias, added to t at load (read when T_BIAS)
     labels_ptr,  # (R,) int32 / int64 (not read unless LABELS)
     soft_ptr,  # (R,) fp32 out: unweighted divergence, 0 on ignored rows
@@ -1132,7 +1138,7 @@ def _rows_kernel(
     acc_ptr,  # PHASE 2: (R, 4) fp32 out, pass 2's sums over this rank's slice; 3: their sums over the ranks
     V,
     stride_scale,  # 0 for one factor, 1 for one a row
-    stride_t, stride_g, ignore_index,
+    stride_t, stride_g, stride_gt, ignore_index,
     label_lo,  # the global id of column 0 (a label's column is label − label_lo)
     world,  # the ranks whose parts PHASE 2, 3 merge
     stride_part,  # R · _PARTS: from one rank's parts to the next; PHASE 4: from one plane of tiles to the next
@@ -1171,7 +1177,9 @@ def _rows_kernel(
     RCP_FMA: tl.constexpr,  # softcap loads' reciprocal on the FMA pipe: bit 2·(pass − 1) + (0: s, 1: t), SOFTCAP_RCP_FMA
     IN_PLACE: tl.constexpr,  # dL/ds goes into s's own bytes (`grad_view`)
     PULL: tl.constexpr,  # mutual (LOSS jeffreys, its value): the student's dL/ds forward KL's, c (q − p)
-    T_GRAD: tl.constexpr,  # a learning teacher (mutual, co_jeffreys; PHASE 0): dL/dt written over t, fp32
+    T_GRAD: tl.constexpr,  # a learning teacher (mutual, co_jeffreys; PHASE 0): dL/dt written into gt
+    T_IN_PLACE: tl.constexpr,  # gt is t's `grad_view` (half its width: bf16 dL/dt of fp32 logits)
+    T_RTNE_BITS: tl.constexpr,  # RTNE_BITS of gt
     T_BIAS: tl.constexpr,  # tb_ptr holds the teacher head's bias: t + bias is its logits
     PSI: tl.constexpr,  # the power family: ψ's forms for its two powers (`_power_term`, `_psi_mode`)
     PHASE: tl.constexpr,  # 0: the whole row; a row sharded over ranks' vocab slices: 1, 2, 3 (`rows`);
@@ -1186,6 +1194,7 @@ def _rows_kernel(
     s_row = s_ptr + row.to(tl.int64) * V  # int64: R × V may exceed 2^31
     g_row = g_ptr + row.to(tl.int64) * stride_g
     t_row = t_ptr + row.to(tl.int64) * stride_t
+    gt_row = gt_ptr + row.to(tl.int64) * stride_gt
     labels_ptr += row
     soft_ptr += row
     hard_ptr += row
@@ -1251,17 +1260,17 @@ def _rows_kernel(
                                                           tvd_pos, tvd_neg, tvd_zero, LOSS, PSI)
                 f0, ft1, ft_lo, ft0 = _learning_factors(f0, c_q, c_st, t_ratio, soft, k_jsd, PULL)
                 _grad_pass(
-                    s_row, g_row, t_row, tb_ptr, V, cols, label,
+                    s_row, g_row, t_row, gt_row, tb_ptr, V, cols, label,
                     m_s, m_t, log2_l_s, log2_l_t, log2_l_c,
                     log2e_tau, log2e_tau_t, log2e_ce, s_mul, t_mul, log2_beta, log2_1mbeta, pow_p, pow_q,
                     f1, f0, f_lo, f_hi, f_eq, c_ce, ft1, ft_lo, ft0,
                     LOSS, GRAD_SOFT, GRAD_CE, CE_IS_Q, S_HEAD, T_HEAD, RTNE_BITS, RCP_FMA, IN_PLACE, PSI, SCALED,
-                    PULL, T_GRAD, T_BIAS, BLOCK_V,
+                    PULL, T_GRAD, T_IN_PLACE, T_RTNE_BITS, T_BIAS, BLOCK_V,
                 )
     elif GRAD_PASS != 0 and (PHASE == 0 or PHASE == 2 or PHASE == 4):
         _fill_zeros(g_row, V, BLOCK_V)
         if T_GRAD:
-            _fill_zeros(t_row, V, BLOCK_V)
+            _fill_zeros(gt_row, V, BLOCK_V)
     if PHASE != 1:
         tl.store(soft_ptr, soft)
         tl.store(hard_ptr, hard)
@@ -1498,16 +1507,18 @@ def akl_head_keys(t: torch.Tensor, spec: LossSpec, search: bool = False) -> torc
 
 
 def rows(s, t, labels, spec: LossSpec, scale: torch.Tensor, grad: bool, stats: bool = False, *, ds=None, tiles=None,
-         teacher_grad: bool = False, t_bias=None):
+         teacher_grad: bool | torch.Tensor = False, t_bias=None):
     """`sliced_rows` of whole rows: per-row (soft, hard) losses of one block, with nothing to exchange.
     teacher_grad (a learning teacher, `losses.LEARNING_LOSSES`): dL/dt too, written over t (fp32 or fp64, its
-    rows contiguous) as `flashkd.backends.torch_rows.rows` writes it; whole rows only."""
+    rows contiguous) as `flashkd.backends.torch_rows.rows` writes it where True; where a tensor, into it: a
+    buffer of its own or `grad_view(t, dtype, ...)`, dL/dt rounded once to bf16 in t's own bytes (t then spent),
+    as dL/ds is for the student's gradient GEMMs; whole rows only."""
     return unexchanged(sliced_rows(s, t, labels, spec, scale, grad, stats, ds=ds, tiles=tiles,
                                    teacher_grad=teacher_grad, t_bias=t_bias))
 
 
 def sliced_rows(s, t, labels, spec: LossSpec, scale: torch.Tensor, grad: bool, stats: bool = False, *, ds=None,
-                tiles=None, start=None, teacher_grad: bool = False, t_bias=None):
+                tiles=None, start=None, teacher_grad: bool | torch.Tensor = False, t_bias=None):
     """Per-row (soft, hard) losses of one block, (R,) fp32 each; with `grad`, ds (default: s, overwritten)
     gets dL/ds = scale · (w_hard · dCE/ds + soft_scale · dsoft/ds). See `flashkd.backends` for the contract.
 
@@ -1532,12 +1543,11 @@ def sliced_rows(s, t, labels, spec: LossSpec, scale: torch.Tensor, grad: bool, s
             softmax(s) is not q). The kernel then reads the row twice, not three times. Only where pass 1
             takes nothing else (`tiles_fit`); the whole vocab (start None)
     """
-    t, ds, in_place = _check(s, _check_teacher_grad(teacher_grad, s, t, spec, grad, start, tiles), labels, spec, scale,
-                             grad, stats, ds, start, tiles)
+    t, gt, t_in_place = _check_teacher_grad(teacher_grad, s, t, spec, grad, start, tiles)
+    t, ds, in_place = _check(s, t, labels, spec, scale, grad, stats, ds, start, tiles)
     # a learning teacher's dL/dt comes from the pass that writes the soft gradient (write_t); with none (a soft
     # weight of 0) it is 0, set after the kernel has read t
-    learns = teacher_grad and grad and spec.want_soft
-    write_t = learns and _writing_pass(spec, grad) == 3
+    write_t = gt is not None and _writing_pass(spec, grad) == 3
     t_bias = _check_t_bias(t_bias, s, spec, tiles)
     # allocate: every program writes its row's soft and hard (and entropy)
     R = s.shape[0]
@@ -1549,14 +1559,15 @@ def sliced_rows(s, t, labels, spec: LossSpec, scale: torch.Tensor, grad: bool, s
         return out
     if labels is not None:
         labels = labels.contiguous()  # R integers: a strided view costs a negligible copy
-    launch = _Launch(s, t, ds, labels, spec, scale, grad, stats, in_place, soft, hard, entropy, start, write_t, t_bias)
+    launch = _Launch(s, t, ds, labels, spec, scale, grad, stats, in_place, soft, hard, entropy, start,
+                     gt if write_t else None, t_in_place, t_bias)
     if tiles is not None:
         launch(4, parts=tiles, world=tiles.shape[2], stride_part=tiles.stride(0), stride_tile=tiles.stride(1))
         return out
     if start is None:
         launch(0, parts=akl_head_keys(t, spec) if spec.want_soft and kernel_kind(spec) == "akl" else None)
-        if learns and not write_t:
-            t.zero_()
+        if gt is not None and not write_t:
+            gt.zero_()
         return out
     # A row sharded over the ranks' vocab slices: pass 1 on each slice; its statistics (R · _PARTS fp32 a
     # rank) gathered from every rank, merged in phase 2 as a program's lanes are; pass 2; where the loss (or
@@ -1613,24 +1624,42 @@ def _check_t_bias(t_bias, s, spec: LossSpec, tiles):
 
 
 def _check_teacher_grad(teacher_grad, s, t, spec: LossSpec, grad: bool, start, tiles):
-    """t, checked for teacher_grad (the kernel then writes a learning teacher's dL/dt over it): the loss one of
-    LEARNING_LOSSES, whole rows, t an fp32 / fp64 contiguous tensor of its own (never a copy made here)."""
-    if not isinstance(teacher_grad, bool):
-        raise TypeError(f"teacher_grad: expected a bool, got {teacher_grad!r}")
-    if not teacher_grad:
-        return t
+    """(t, gt, in place) checked for teacher_grad, where the kernel writes a learning teacher's dL/dt: the loss one
+    of LEARNING_LOSSES, whole rows, t an fp32 / fp64 contiguous tensor of its own (never a copy made here). gt:
+    t itself (teacher_grad True), or the tensor teacher_grad, a buffer of its own or `grad_view(t, ...)` (in
+    place: bf16 dL/dt in t's bytes); None without dL/dt."""
+    if not isinstance(teacher_grad, (bool, torch.Tensor)):
+        raise TypeError(f"teacher_grad: expected a bool or a tensor for dL/dt, got {_describe(teacher_grad)}")
+    if teacher_grad is False:
+        return t, None, False
     if spec.kind not in LEARNING_LOSSES:
         raise ValueError(f"teacher_grad: the teacher learns from {', '.join(map(repr, LEARNING_LOSSES))} only, got "
                          f"loss {spec.loss!r}")
     if start is not None or tiles is not None:
         raise ValueError("teacher_grad: a learning teacher's rows run whole here (no vocab slice, no tile statistics)")
     if not (grad and spec.want_soft):
-        return t
+        return t, None, False
     if (not isinstance(t, torch.Tensor) or t.dtype not in (torch.float32, torch.float64) or not t.is_contiguous()
             or t.data_ptr() == s.data_ptr()):
         raise ValueError(f"t: expected an fp32 / fp64 contiguous tensor of its own for the teacher's gradient, got "
                          f"{_describe(t)}")
-    return t
+    if teacher_grad is True:
+        return t, t, False
+    gt = teacher_grad
+    R, V = t.shape
+    if gt.shape != t.shape or gt.dtype not in _DTYPES or gt.device != t.device or (gt.stride(1) != 1 and V > 1):
+        raise ValueError(f"teacher_grad: expected an ({R}, {V}) float tensor with unit vocab stride on {t.device} "
+                         f"for dL/dt, got {_describe(gt)}")
+    storage = gt.untyped_storage().data_ptr()
+    if R * V and storage == s.untyped_storage().data_ptr():
+        raise ValueError("teacher_grad: expected a buffer of its own or `grad_view(t, ...)`, got a view of s")
+    in_place = R * V > 0 and storage == t.untyped_storage().data_ptr()
+    if in_place:  # as ds: only t's own `grad_view` is safe
+        want = grad_view(t, gt.dtype, spec, grad) if gt.element_size() * 2 == t.element_size() else None
+        if want is None or gt.data_ptr() != want.data_ptr() or gt.stride() != want.stride():
+            raise ValueError("teacher_grad: expected a buffer of its own or `grad_view(t, ...)`, got another view of "
+                             "t's storage")
+    return t, gt, in_place
 
 
 def _check(s, t, labels, spec: LossSpec, scale, grad: bool, stats: bool, ds, start, tiles):
@@ -1707,7 +1736,7 @@ class _Launch:
     switches and the row's runtime floats), and a launch of a phase with its parts and sums."""
 
     def __init__(self, s, t, ds, labels, spec: LossSpec, scale, grad: bool, stats: bool, in_place: bool, soft, hard,
-                 entropy, start, teacher_grad: bool = False, t_bias=None):
+                 entropy, start, gt=None, t_in_place: bool = False, t_bias=None):
         R, V = s.shape
         kind = kernel_kind(spec)
         use_soft = spec.want_soft
@@ -1741,6 +1770,7 @@ class _Launch:
             s,
             ds,
             t if use_soft else s,  # never read when not SOFT
+            s if gt is None else gt,  # never written when not T_GRAD
             s if t_bias is None else t_bias,  # never read when not T_BIAS
             labels if labels is not None else s,  # never read when not LABELS
             soft,
@@ -1753,6 +1783,7 @@ class _Launch:
             scale.stride(0) if scale.dim() else 0,
             t.stride(0) if use_soft else V,
             ds.stride(0),
+            V if gt is None else gt.stride(0),
             spec.ignore_index,
             0 if start is None else start,
         )
@@ -1792,7 +1823,9 @@ class _Launch:
             RTNE_BITS=rtne_bits(ds),
             IN_PLACE=in_place,
             PULL=use_soft and spec.kind == "mutual",
-            T_GRAD=teacher_grad,
+            T_GRAD=gt is not None,
+            T_IN_PLACE=t_in_place,
+            T_RTNE_BITS=gt is not None and rtne_bits(gt),
             T_BIAS=t_bias is not None,
             # the entropy blend's KL terms are the power family's at powers (1, 0): ψ's modes for γ = 0 and 1 − γ = 1
             PSI=_psi_mode(pow_q / (pow_p + pow_q)) + 8 * _psi_mode(pow_p / (pow_p + pow_q)) if kind in _POWER_LOSSES

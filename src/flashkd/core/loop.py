@@ -227,13 +227,20 @@ def _chunk_loop(xs, ws, bs, y, rw, teacher, plan: Plan, want_dx, want_dw, want_d
             out = {} if ds is None else {"ds": ds[in_c]}
             if tiles is not None:
                 out["tiles"] = tiles[:, in_c]
-            if learn:
-                out["teacher_grad"] = True  # dL/dt written over t (`torch_rows.rows`)
+            dt = t
+            if learn:  # dL/dt written over t (`torch_rows.rows`); the Triton rows round fp32 logits' once, into
+                # half their bytes (`grad_view`), as dL/ds: no cast of R·V·6 bytes before the teacher's GEMMs.
+                # Not where the teacher's bias learns: dbt sums dL/dt in fp32, before it is rounded.
+                if plan.backend == "triton" and t.dtype == torch.float32 and xt.dtype in NARROW and not want_dbt:
+                    from ..backends import triton_rows
+
+                    dt = triton_rows.grad_view(t, xt.dtype, spec, grad)
+                out["teacher_grad"] = True if dt is t else dt
             if t_bias is not None:
                 out["t_bias"] = t_bias
             soft, hard, *extra = rows(s_b, t, None if y is None else y[b], spec, row_scale, grad, plan.stats, **out)
             if learn:
-                _teacher_gemms(learner, t, xt, wt, b, None if y is None else y[b] != spec.ignore_index)
+                _teacher_gemms(learner, dt, xt, wt, b, None if y is None else y[b] != spec.ignore_index)
             if rw is not None:
                 soft, hard = soft * rw[b], hard * rw[b]
             soft_sum += soft.sum()
@@ -250,7 +257,7 @@ def _chunk_loop(xs, ws, bs, y, rw, teacher, plan: Plan, want_dx, want_dw, want_d
                     of = plan.teacher_index[b, None] == teacher_ids
                     entropy_t = extra[2] if len(extra) > 2 else torch.zeros_like(soft)  # dense rows: none
                     per_teacher += torch.where(of[:, :, None], torch.stack([counted, soft, entropy_t], 1)[:, None], 0.0).sum(0)
-            del t, s_b, out  # a view left alive would keep this chunk's logits (or dL/ds) past `del s`
+            del t, dt, s_b, out  # a view left alive would keep this chunk's logits (or dL/ds) past `del s`
         if narrow:
             if ds is None:
                 s = s.to(ws.dtype)
@@ -296,7 +303,8 @@ def _chunk_loop(xs, ws, bs, y, rw, teacher, plan: Plan, want_dx, want_dw, want_d
 
 
 def _teacher_gemms(grads, t, xt, wt, b: slice, counted) -> None:
-    """A learning teacher's block b, as the student's chunk: t holds dL/dt (`torch_rows.rows`), and
+    """A learning teacher's block b, as the student's chunk: t holds dL/dt (`torch_rows.rows`; bf16 already where
+    the Triton rows rounded it), and
     dXt[b] = dT Wt, dWt += dTᵀ Xt[b] (its accumulator written, not read, at the first block), dbt += Σ_rows
     dT, into grads = (dxt, dwt, dbt) (None: not wanted). counted: the block's rows whose label is not ignored."""
     dxt, dwt, dbt = grads
