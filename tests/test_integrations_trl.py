@@ -318,3 +318,17 @@ def test_bench_trl_records_verify(tmp_path):
     assert [check_bundle(b) for b in bundles] == [[]] * len(bundles)
     trl_impl = [b["implementation"]["manifest"] for b in bundles if "· TRL" in b["implementation"]["manifest"]["metadata"]["title"]]
     assert len(trl_impl) == 1 and trl_impl[0]["spec"]["callable"]["symbol"] == "ChunkedDivergenceFunction"
+
+
+def test_a_refused_patch_keeps_the_last_options(monkeypatch):
+    """patch(teacher_precision=...) refused (an untested TRL) changes no option: the patch in place keeps its own."""
+    import importlib.metadata
+
+    with fk_trl.patch(teacher_precision="fp8"):
+        assert fk_trl._options == {"teacher_precision": "fp8"}
+        real = importlib.metadata.version
+        monkeypatch.setattr(importlib.metadata, "version", lambda name: "9.9.0" if name == "trl" else real(name))
+        with pytest.raises(RuntimeError, match="9.9.0"):
+            fk_trl.patch()
+        assert fk_trl._options == {"teacher_precision": "fp8"}
+        monkeypatch.undo()

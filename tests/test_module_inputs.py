@@ -217,3 +217,11 @@ def test_trainer_batch_tensors_checked_as_the_batch_holds_them(trainer):
     for change, error, message in cases:
         with pytest.raises(error, match="^" + message):
             made.compute_loss(made.model, {**batch, **change})
+
+
+@pytest.mark.parametrize("compiled", ["no", 0, None])
+def test_liger_drop_in_compiled_is_a_bool(compiled):
+    """Liger's `compiled` flag, kept and unused: anything but a bool (a string "no" is truthy) is refused."""
+    with pytest.raises(TypeError, match="compiled: expected a bool"):
+        flashkd.modules.FusedLinearJSDLoss(compiled=compiled)
+    assert flashkd.modules.FusedLinearJSDLoss(compiled=False).compiled is False

@@ -110,6 +110,8 @@ class _LigerDropIn(FusedLinearDistillLoss):
     ):
         # Liger's keywords are fused_linear_distill's, by the same names: its options, in the signature's order
         super().__init__(self._loss, **{name: value for name, value in locals().items() if name in _OPTIONS})
+        if not isinstance(compiled, bool):  # Liger's flag: a string ("no") would be kept as if it were True
+            raise TypeError(f"compiled: expected a bool, got {compiled!r}")
         self.compiled = compiled
 
     def forward(

@@ -429,13 +429,13 @@ def patch(*, teacher_precision: str | None = None):
     e.g. "fp8" for an FP8 teacher GEMM (docs/api.md, "FP8 teacher": faster, and not TRL's numbers); it
     applies to DistillationTrainer's teacher head (the on-policy trainers' teachers are served)."""
     fp8.check_precision(teacher_precision)
-    _options.clear()
-    if teacher_precision is not None:
-        _options["teacher_precision"] = teacher_precision
-    module = _check()
+    module = _check()  # the TRL checks first: a refused patch leaves the options of the last one as they were
     jsd_module = _check_jsd()
     server = _check_server()
     gold = _check_gold()
+    _options.clear()
+    if teacher_precision is not None:
+        _options["teacher_precision"] = teacher_precision
     if is_replaced(module, _HELPER):
         return _Undo(None)
     from trl.extras.profiling import profiling_decorator
