@@ -170,6 +170,7 @@ def _chunk_loop(xs, ws, bs, y, rw, teacher, plan: Plan, want_dx, want_dw, want_d
     mass_sum = torch.zeros((), **f32)
     teacher_entropy_sum = torch.zeros((), **f32)
     per_teacher = torch.zeros(plan.num_teachers, 3, **f32)
+    sums = (soft_sum, hard_sum, entropy_sum, mass_sum, teacher_entropy_sum, per_teacher)  # added to in place
     teacher_ids = None if plan.teacher_index is None else torch.arange(plan.num_teachers, device=device)
     dxs = torch.empty_like(xs, memory_format=torch.contiguous_format) if want_dx else None
     # With one chunk there is nothing to accumulate: the GEMM accumulates in fp32 and rounds once either
@@ -216,17 +217,16 @@ def _chunk_loop(xs, ws, bs, y, rw, teacher, plan: Plan, want_dx, want_dw, want_d
             ds = triton_rows.grad_view(s, ws.dtype, spec, grad)
         elif narrow and plan.backend == "triton":
             ds = torch.empty(s.shape, device=device, dtype=ws.dtype)
+        # dL/ds's rows (ds, or s where the rows write over it); with a side stream the rows of a block run there
+        # in pieces, each piece's dX GEMM on this stream beside the next piece's rows (`_side_stream`)
+        grads_of = ds if ds is not None else s
+        side = _side_stream(plan, device, want_dx, teacher_grad, tiles, narrow and ds is None)
         for b in _teacher_blocks(plan, teacher, c):
             in_c = slice(b.start - c.start, b.stop - c.start)
             if tiles is None:
                 t = _teacher_block(plan, block_teacher, b, spec.temperature) if spec.want_soft else None
             else:
                 t = cute_gemm.logits(teacher[0][b], teacher[1], tiles[3:, in_c], k_t)
-            s_b = s[in_c]  # rows of s: contiguous
-            row_scale = scale if rw is None else scale * rw[b]
-            out = {} if ds is None else {"ds": ds[in_c]}
-            if tiles is not None:
-                out["tiles"] = tiles[:, in_c]
             dt = t
             if learn:  # dL/dt written over t (`torch_rows.rows`); the Triton rows round fp32 logits' once, into
                 # half their bytes (`grad_view`), as dL/ds: no cast of R·V·6 bytes before the teacher's GEMMs.
@@ -235,29 +235,37 @@ def _chunk_loop(xs, ws, bs, y, rw, teacher, plan: Plan, want_dx, want_dw, want_d
                     from ..backends import triton_rows
 
                     dt = triton_rows.grad_view(t, xt.dtype, spec, grad)
-                out["teacher_grad"] = True if dt is t else dt
-            if t_bias is not None:
-                out["t_bias"] = t_bias
-            soft, hard, *extra = rows(s_b, t, None if y is None else y[b], spec, row_scale, grad, plan.stats, **out)
-            if learn:
-                _teacher_gemms(learner, dt, xt, wt, b, None if y is None else y[b] != spec.ignore_index)
-            if rw is not None:
-                soft, hard = soft * rw[b], hard * rw[b]
-            soft_sum += soft.sum()
-            hard_sum += hard.sum()
-            if plan.stats:
-                entropy_sum += extra[0].sum()
-                if len(extra) > 1:
-                    mass_sum += extra[1].sum()
-                    teacher_entropy_sum += extra[2].sum()
-                if teacher_ids is not None:
-                    counted = torch.ones_like(soft) if y is None else (y[b] != spec.ignore_index).to(soft.dtype)
-                    # (R, T) one-hot: an index outside [0, T) is in no teacher's sums (and no device assert);
-                    # a select, not a product, so that one row's NaN stays in its own teacher's sums
-                    of = plan.teacher_index[b, None] == teacher_ids
-                    entropy_t = extra[2] if len(extra) > 2 else torch.zeros_like(soft)  # dense rows: none
-                    per_teacher += torch.where(of[:, :, None], torch.stack([counted, soft, entropy_t], 1)[:, None], 0.0).sum(0)
-            del t, dt, s_b, out  # a view left alive would keep this chunk's logits (or dL/ds) past `del s`
+            pieces = [b] if side is None else _pieces(b, OVERLAP_PIECES)
+            if side is not None:
+                side.begin(t)
+            done = None
+            for p in pieces:
+                with contextlib.nullcontext() if side is None else side:
+                    in_p = slice(p.start - c.start, p.stop - c.start)
+                    t_p = t if p is b or t is None else t[p.start - b.start:p.stop - b.start]
+                    row_scale = scale if rw is None else scale * rw[p]
+                    out = {} if ds is None else {"ds": ds[in_p]}
+                    if tiles is not None:
+                        out["tiles"] = tiles[:, in_p]
+                    if learn:
+                        out["teacher_grad"] = True if dt is t else dt
+                    if t_bias is not None:
+                        out["t_bias"] = t_bias
+                    soft, hard, *extra = rows(s[in_p], t_p, None if y is None else y[p], spec, row_scale, grad,
+                                              plan.stats, **out)
+                    if learn:
+                        _teacher_gemms(learner, dt, xt, wt, p, None if y is None else y[p] != spec.ignore_index)
+                    _add_sums(sums, plan, spec, y, rw, p, soft, hard, extra, teacher_ids)
+                    del t_p, out
+                if side is not None:  # this piece's rows queued: the last piece's dX GEMM here, beside them
+                    if done is not None:
+                        _piece_dx(grads_of, ws, dxs, c, done)
+                    done = p
+                    side.hand_over()  # (ordered after the GEMM above)
+            if done is not None:
+                _piece_dx(grads_of, ws, dxs, c, done)
+            del t, dt  # a view left alive would keep this chunk's logits (or dL/ds) past `del s`
+        del grads_of
         if narrow:
             if ds is None:
                 s = s.to(ws.dtype)
@@ -268,8 +276,8 @@ def _chunk_loop(xs, ws, bs, y, rw, teacher, plan: Plan, want_dx, want_dw, want_d
             else:
                 s = ds
         del ds, tiles
-        if want_dx:
-            torch.mm(s, ws, out=dxs[c])
+        if want_dx and side is None:
+            torch.mm(_gemm_rows(s), ws, out=dxs[c])
             if plan.vocab is not None:
                 plan.vocab.exchange("dx", dxs[c])
         if want_dw:
@@ -302,6 +310,94 @@ def _chunk_loop(xs, ws, bs, y, rw, teacher, plan: Plan, want_dx, want_dw, want_d
     return logged, dxs, dws, dbs, dxt, None if dwt is None else dwt.to(wt.dtype), None if dbt is None else dbt.to(bt.dtype)
 
 
+def _add_sums(sums, plan, spec, y, rw, b: slice, soft, hard, extra, teacher_ids) -> None:
+    """Rows b's (soft, hard, *extra) of the row function added to the call's sums (`_chunk_loop`), in place."""
+    soft_sum, hard_sum, entropy_sum, mass_sum, teacher_entropy_sum, per_teacher = sums
+    if rw is not None:
+        soft, hard = soft * rw[b], hard * rw[b]
+    soft_sum += soft.sum()
+    hard_sum += hard.sum()
+    if plan.stats:
+        entropy_sum += extra[0].sum()
+        if len(extra) > 1:
+            mass_sum += extra[1].sum()
+            teacher_entropy_sum += extra[2].sum()
+        if teacher_ids is not None:
+            counted = torch.ones_like(soft) if y is None else (y[b] != spec.ignore_index).to(soft.dtype)
+            # (R, T) one-hot: an index outside [0, T) is in no teacher's sums (and no device assert);
+            # a select, not a product, so that one row's NaN stays in its own teacher's sums
+            of = plan.teacher_index[b, None] == teacher_ids
+            entropy_t = extra[2] if len(extra) > 2 else torch.zeros_like(soft)  # dense rows: none
+            per_teacher += torch.where(of[:, :, None], torch.stack([counted, soft, entropy_t], 1)[:, None], 0.0).sum(0)
+
+
+# The row pass beside the dX GEMM: a block's rows run on a second stream in OVERLAP_PIECES pieces, and each
+# piece's dX GEMM on the call's stream beside the next piece's rows; the GEMM leaves SMs idle (its tail, split-K's
+# reduction) that the memory-bound rows take. 1: off. No more memory (the pieces are rows of the block's logits).
+OVERLAP_PIECES = 4
+_OVERLAP_LEAST = 256  # rows a piece at least: a thinner dX GEMM loses more than the rows hide
+_SIDE_STREAMS = {}
+
+
+class _SideStream:
+    """A device's second stream for the rows (high priority: they are on the critical path). `with` it: work
+    queued there; `begin`: before a block's pieces, it waits for the call's stream (s, t made), and t is not
+    reused before its rows are done with it; `hand_over`: the call's stream waits for what is queued there."""
+
+    def __init__(self, device):
+        self.device = device
+        self.stream = torch.cuda.Stream(device, priority=-1)
+        self._context = None
+
+    def begin(self, t):
+        self.stream.wait_stream(torch.cuda.current_stream(self.device))
+        if t is not None:
+            t.record_stream(self.stream)
+
+    def hand_over(self):
+        torch.cuda.current_stream(self.device).wait_event(self.stream.record_event())
+
+    def __enter__(self):
+        self._context = torch.cuda.stream(self.stream)
+        return self._context.__enter__()
+
+    def __exit__(self, *exc):
+        return self._context.__exit__(*exc)
+
+
+def _side_stream(plan, device, want_dx, teacher_grad, tiles, cast_after):
+    """The rows' `_SideStream`, or None where the pieces do not apply: no CUDA, no dX, a vocab slice (its rows
+    exchange statistics), a learning teacher (its GEMMs follow the rows), the CuTe tiles, a top-k or mixed
+    teacher, or dL/ds cast after the rows."""
+    if (OVERLAP_PIECES < 2 or not want_dx or plan.backend != "triton" or plan.vocab is not None or teacher_grad
+            or tiles is not None or cast_after or plan.form not in ("heads", "logits")):
+        return None
+    return _device_side(device)
+
+
+def _device_side(device):
+    """The device's `_SideStream` (made once), None off CUDA."""
+    if device.type != "cuda":
+        return None
+    key = device.index if device.index is not None else torch.cuda.current_device()
+    if key not in _SIDE_STREAMS:
+        _SIDE_STREAMS[key] = _SideStream(torch.device("cuda", key))
+    return _SIDE_STREAMS[key]
+
+
+def _pieces(b: slice, parts: int) -> list[slice]:
+    """b cut into up to `parts` pieces of at least _OVERLAP_LEAST rows, multiples of 64 but the last."""
+    n = b.stop - b.start
+    k = max(1, min(parts, n // _OVERLAP_LEAST))
+    step = (-(-n // k) + 63) // 64 * 64
+    return [slice(i, min(i + step, b.stop)) for i in range(b.start, b.stop, step)]
+
+
+def _piece_dx(grads, ws, dxs, c: slice, p: slice) -> None:
+    """dX of rows p of chunk c (its dL/ds rows in grads)."""
+    torch.mm(_gemm_rows(grads[p.start - c.start:p.stop - c.start]), ws, out=dxs[p])
+
+
 def _teacher_gemms(grads, t, xt, wt, b: slice, counted) -> None:
     """A learning teacher's block b, as the student's chunk: t holds dL/dt (`torch_rows.rows`; bf16 already where
     the Triton rows rounded it), and
@@ -310,7 +406,7 @@ def _teacher_gemms(grads, t, xt, wt, b: slice, counted) -> None:
     dxt, dwt, dbt = grads
     dt = t.to(wt.dtype)  # rounded once to the inputs' dtype for the GEMMs, as dL/ds is
     if dxt is not None:
-        torch.mm(dt, wt, out=dxt[b])
+        torch.mm(_gemm_rows(dt), wt, out=dxt[b])
     if dwt is not None:
         # ignored rows' dT is 0, and their hidden states zeroed, as the student's: no 0 · NaN in dWt
         x = xt[b] if counted is None else torch.where(counted[:, None], xt[b], 0.0)
@@ -374,6 +470,16 @@ def _teacher_block(plan, teacher, c, tau):
     return ids[c], lp[c]
 
 
+def _gemm_rows(a):
+    """a, the first operand of a GEMM, as the GEMM may read it: on the CPU a bf16 matrix whose rows lie apart
+    (dL/ds in half its logits' bytes, `grad_view`) made contiguous. torch's CPU bf16 GEMM reads such rows past
+    their columns (torch 2.13): a NaN among the spent logits' bytes there came out in dX. CUDA's read what they
+    are given."""
+    if a.is_cuda or a.dtype != torch.bfloat16 or a.dim() != 2 or a.stride(1) != 1 or a.stride(0) <= a.shape[1]:
+        return a
+    return a.contiguous()
+
+
 def linear(x, w, b):
     """x @ w^T (+ b) at fp32 accuracy: fp32 for bf16 / fp16 operands (the GEMM's fp32 accumulator, not
     its rounding to the inputs' dtype), else in their dtype. A trained head's logits reach 20-40, where
@@ -392,6 +498,7 @@ def linear(x, w, b):
 def accumulate_mm(acc, a, b, beta):
     """acc = beta · acc + a @ b, accumulated in acc's dtype (fp32 for bf16 operands on CUDA).
     beta = 0 on the first chunk: acc is then never read, so it needs no zero-fill."""
+    a = _gemm_rows(a)
     if a.dtype == acc.dtype:
         acc.addmm_(a, b, beta=beta)
     elif acc.is_cuda:

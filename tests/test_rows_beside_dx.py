@@ -1,0 +1,93 @@
+"""The row pass beside the dX GEMM (`flashkd.core.loop`, OVERLAP_PIECES): on CUDA a block's rows run on a second
+stream in pieces, each piece's dX GEMM on the call's stream beside the next piece's rows. Here the pieces run
+in line (a side stream that queues nothing apart, the CPU's), so that what the pieces compute — each piece's
+rows, sums and dX — is checked against the call in one piece on every input that takes the path: the values,
+the statistics and all gradients equal, chunk and block edges cut irregularly, ignored rows, row weights."""
+
+import contextlib
+
+import pytest
+import torch
+
+import flashkd
+from conftest import DEVICE, needs_triton
+from flashkd.core import loop
+
+
+class _InLine(contextlib.nullcontext):
+    """A side stream whose work runs where it is queued."""
+
+    def begin(self, t):
+        pass
+
+    def hand_over(self):
+        pass
+
+
+def test_pieces_cover_a_block_in_order(monkeypatch):
+    for start, stop, parts, least in ((0, 1000, 4, 256), (37, 1061, 4, 256), (5, 300, 4, 256), (0, 64, 4, 16),
+                                      (10, 11, 3, 1)):
+        monkeypatch.setattr(loop, "_OVERLAP_LEAST", least)
+        got = loop._pieces(slice(start, stop), parts)
+        assert got[0].start == start and got[-1].stop == stop and len(got) <= parts
+        assert all(a.stop == b.start for a, b in zip(got, got[1:]))
+        assert all(p.stop - p.start >= min(least, stop - start) for p in got[:-1])
+        assert all((p.stop - p.start) % 64 == 0 for p in got[:-1])
+
+
+@pytest.mark.parametrize("form", ["heads", "logits"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("loss", ["jsd", "forward_kl", "tvd"])
+@needs_triton
+def test_pieces_equal_one_piece(form, dtype, loss, seed, monkeypatch):
+    g = torch.Generator().manual_seed(seed)
+    n, v, hs, ht = 203, 70, 12, 9
+    xs = torch.randn(n, hs, generator=g) * 2
+    ws = torch.randn(v, hs, generator=g)
+    xt = torch.randn(n, ht, generator=g) * 2
+    wt = torch.randn(v, ht, generator=g)
+    y = torch.randint(0, v, (n,), generator=g)
+    y[::7] = -100
+    rw = torch.rand(n, generator=g) + 0.5
+    teacher_logits = xt @ wt.t()
+    used = []
+    piece_dx = loop._piece_dx
+
+    def counted(*args):
+        used.append(args[-1])
+        return piece_dx(*args)
+
+    monkeypatch.setattr(loop, "_piece_dx", counted)
+    monkeypatch.setattr(loop, "_OVERLAP_LEAST", 16)
+    results = []
+    for pieces in (1, 3):
+        monkeypatch.setattr(loop, "OVERLAP_PIECES", pieces)
+        monkeypatch.setattr(loop, "_device_side", lambda device: _InLine())
+        a = xs.to(DEVICE, dtype).requires_grad_()
+        w = ws.to(DEVICE, dtype).requires_grad_()
+        opts = dict(labels=y.to(DEVICE), loss=loss, backend="triton", chunk_size=64, row_weight=rw.to(DEVICE),
+                    return_stats=True)
+        if form == "heads":
+            out, stats = flashkd.fused_linear_distill(a, w, xt.to(DEVICE, dtype), wt.to(DEVICE, dtype), **opts)
+        else:
+            out, stats = flashkd.fused_linear_distill_logits(a, w, teacher_logits.to(DEVICE, dtype), **opts)
+        out.backward()
+        results.append((out.detach().cpu(), stats, a.grad.cpu(), w.grad.cpu()))
+    assert used and len({(p.start, p.stop) for p in used}) > 3  # the pieces ran, dX a piece at a time
+    (l1, s1, dx1, dw1), (l3, s3, dx3, dw3) = results
+    torch.testing.assert_close(l3, l1, rtol=1e-6, atol=0)  # the sums' order moved with the pieces
+    for f in ("soft_loss", "hard_loss", "entropy"):
+        if getattr(s1, f, None) is not None:
+            torch.testing.assert_close(getattr(s3, f).cpu(), getattr(s1, f).cpu(), rtol=1e-6, atol=0)
+    assert torch.equal(dx3, dx1)  # each piece's rows of dL/ds and dX are the block's
+    assert torch.equal(dw3, dw1)
+    # and both are the loss's: the torch rows' (on the CPU) to the rounding of dL/ds to the inputs' dtype
+    a, w = xs.to(dtype).requires_grad_(), ws.to(dtype).requires_grad_()
+    opts = dict(labels=y, loss=loss, backend="torch", chunk_size=64, row_weight=rw)
+    ref = (flashkd.fused_linear_distill(a, w, xt.to(dtype), wt.to(dtype), **opts) if form == "heads" else
+           flashkd.fused_linear_distill_logits(a, w, teacher_logits.to(dtype), **opts))
+    ref.backward()
+    tol = dict(rtol=0, atol=1e-5) if dtype == torch.float32 else dict(rtol=0, atol=2e-2)
+    for got, want in ((dx1, a.grad), (dw1, w.grad)):
+        assert torch.isfinite(got).all()
+        torch.testing.assert_close(got.float(), want.float(), **{**tol, "atol": tol["atol"] * want.abs().max().item()})
