@@ -25,14 +25,19 @@ class _InLine(contextlib.nullcontext):
 
 
 def test_pieces_cover_a_block_in_order(monkeypatch):
-    for start, stop, parts, least in ((0, 1000, 4, 256), (37, 1061, 4, 256), (5, 300, 4, 256), (0, 64, 4, 16),
-                                      (10, 11, 3, 1)):
+    for start, stop, parts, least, align in ((0, 1000, 4, 256, 64), (37, 1061, 4, 256, 64), (5, 300, 4, 256, 64),
+                                             (0, 64, 4, 16, 64), (0, 64, 3, 16, 8), (10, 11, 3, 1, 1), (0, 2048, 4, 256, 64)):
         monkeypatch.setattr(loop, "_OVERLAP_LEAST", least)
+        monkeypatch.setattr(loop, "_PIECE_ALIGN", align)
         got = loop._pieces(slice(start, stop), parts)
         assert got[0].start == start and got[-1].stop == stop and len(got) <= parts
         assert all(a.stop == b.start for a, b in zip(got, got[1:]))
         assert all(p.stop - p.start >= min(least, stop - start) for p in got[:-1])
-        assert all((p.stop - p.start) % 64 == 0 for p in got[:-1])
+        assert all((p.stop - p.start) % align == 0 for p in got[:-1])
+    monkeypatch.setattr(loop, "_OVERLAP_LEAST", 256)
+    monkeypatch.setattr(loop, "_PIECE_ALIGN", 64)
+    assert [(p.start, p.stop) for p in loop._pieces(slice(0, 1024), 4)] == [(0, 256), (256, 512), (512, 768), (768, 1024)]
+    assert len(loop._pieces(slice(0, 300), 4)) == 1
 
 
 @pytest.mark.parametrize("form", ["heads", "logits"])
@@ -59,6 +64,7 @@ def test_pieces_equal_one_piece(form, dtype, loss, seed, monkeypatch):
 
     monkeypatch.setattr(loop, "_piece_dx", counted)
     monkeypatch.setattr(loop, "_OVERLAP_LEAST", 16)
+    monkeypatch.setattr(loop, "_PIECE_ALIGN", 8)
     results = []
     for pieces in (1, 3):
         monkeypatch.setattr(loop, "OVERLAP_PIECES", pieces)
@@ -73,7 +79,9 @@ def test_pieces_equal_one_piece(form, dtype, loss, seed, monkeypatch):
             out, stats = flashkd.fused_linear_distill_logits(a, w, teacher_logits.to(DEVICE, dtype), **opts)
         out.backward()
         results.append((out.detach().cpu(), stats, a.grad.cpu(), w.grad.cpu()))
-    assert used and len({(p.start, p.stop) for p in used}) > 3  # the pieces ran, dX a piece at a time
+    # the pieces ran, dX a piece at a time: 64-row chunks in three pieces (24, 24, 16), the last chunk's 11 in one
+    assert [(p.start, p.stop) for p in used[:4]] == [(0, 24), (24, 48), (48, 64), (64, 88)]
+    assert (used[-1].start, used[-1].stop) == (192, 203)
     (l1, s1, dx1, dw1), (l3, s3, dx3, dw3) = results
     torch.testing.assert_close(l3, l1, rtol=1e-6, atol=0)  # the sums' order moved with the pieces
     for f in ("soft_sum", "hard_sum", "entropy_sum"):
@@ -122,3 +130,22 @@ def test_side_stream_on_the_gpu(loss, seed, monkeypatch):
     torch.testing.assert_close(s4, s1, rtol=1e-6, atol=0)
     assert torch.equal(dw4, dw1)  # dL/ds the same bits: dW's GEMM reads it whole
     torch.testing.assert_close(dx4, dx1, rtol=0, atol=1e-2 * dx1.abs().max().item())
+
+
+@pytest.mark.parametrize("name, args", [("test_routed", ("triton", "mean")), ("test_geometric", ("triton", True, 3)),
+                                        ("test_arithmetic", ("triton", True, 3))])
+@needs_triton
+def test_several_teachers_in_pieces(name, args, seed, monkeypatch):
+    """The several-teacher forms' own tests (tests/test_teachers.py, against their float64 oracles) with their
+    blocks' rows cut in pieces of one to two rows."""
+    import test_teachers
+
+    used = []
+    piece_dx = loop._piece_dx
+    monkeypatch.setattr(loop, "_piece_dx", lambda *a: (used.append(a[-1]), piece_dx(*a))[1])
+    monkeypatch.setattr(loop, "_device_side", lambda device: _InLine())
+    monkeypatch.setattr(loop, "_OVERLAP_LEAST", 1)
+    monkeypatch.setattr(loop, "_PIECE_ALIGN", 1)
+    monkeypatch.setattr(loop, "OVERLAP_PIECES", 2)
+    getattr(test_teachers, name)(seed, *args)
+    assert used and min(p.stop - p.start for p in used) <= 2

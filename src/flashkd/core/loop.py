@@ -336,6 +336,7 @@ def _add_sums(sums, plan, spec, y, rw, b: slice, soft, hard, extra, teacher_ids)
 # reduction) that the memory-bound rows take. 1: off. No more memory (the pieces are rows of the block's logits).
 OVERLAP_PIECES = 4
 _OVERLAP_LEAST = 256  # rows a piece at least: a thinner dX GEMM loses more than the rows hide
+_PIECE_ALIGN = 64  # a piece's rows a multiple of this (but the last): whole tiles of the dX GEMM
 _SIDE_STREAMS = {}
 
 
@@ -367,10 +368,10 @@ class _SideStream:
 
 def _side_stream(plan, device, want_dx, teacher_grad, tiles, cast_after):
     """The rows' `_SideStream`, or None where the pieces do not apply: no CUDA, no dX, a vocab slice (its rows
-    exchange statistics), a learning teacher (its GEMMs follow the rows), the CuTe tiles, a top-k or mixed
-    teacher, or dL/ds cast after the rows."""
+    exchange statistics), a learning teacher (its GEMMs follow the rows), the CuTe tiles, a top-k teacher (its
+    own kernels), or dL/ds cast after the rows."""
     if (OVERLAP_PIECES < 2 or not want_dx or plan.backend != "triton" or plan.vocab is not None or teacher_grad
-            or tiles is not None or cast_after or plan.form not in ("heads", "logits")):
+            or tiles is not None or cast_after or plan.form == "topk"):
         return None
     return _device_side(device)
 
@@ -386,10 +387,10 @@ def _device_side(device):
 
 
 def _pieces(b: slice, parts: int) -> list[slice]:
-    """b cut into up to `parts` pieces of at least _OVERLAP_LEAST rows, multiples of 64 but the last."""
+    """b cut into up to `parts` pieces of at least _OVERLAP_LEAST rows, multiples of _PIECE_ALIGN but the last."""
     n = b.stop - b.start
     k = max(1, min(parts, n // _OVERLAP_LEAST))
-    step = (-(-n // k) + 63) // 64 * 64
+    step = -(-(-(-n // k)) // _PIECE_ALIGN) * _PIECE_ALIGN
     return [slice(i, min(i + step, b.stop)) for i in range(b.start, b.stop, step)]
 
 
