@@ -17,7 +17,7 @@ from flashkd.core import loop
 class _InLine(contextlib.nullcontext):
     """A side stream whose work runs where it is queued."""
 
-    def begin(self, t):
+    def begin(self):
         pass
 
     def hand_over(self):

@@ -237,7 +237,7 @@ def _chunk_loop(xs, ws, bs, y, rw, teacher, plan: Plan, want_dx, want_dw, want_d
                     dt = triton_rows.grad_view(t, xt.dtype, spec, grad)
             pieces = [b] if side is None else _pieces(b, OVERLAP_PIECES)
             if side is not None:
-                side.begin(t)
+                side.begin()
             done = None
             for p in pieces:
                 with contextlib.nullcontext() if side is None else side:
@@ -342,18 +342,18 @@ _SIDE_STREAMS = {}
 
 class _SideStream:
     """A device's second stream for the rows (high priority: they are on the critical path). `with` it: work
-    queued there; `begin`: before a block's pieces, it waits for the call's stream (s, t made), and t is not
-    reused before its rows are done with it; `hand_over`: the call's stream waits for what is queued there."""
+    queued there; `begin`: before a block's pieces, it waits for the call's stream (s, t made); `hand_over`: the
+    call's stream waits for what is queued there. The call's stream waits after a block's last piece, before its
+    logits are let go: the memory they free is then reused by work queued after the rows (no `record_stream`,
+    whose held blocks would add a block of logits to the peak while the host runs ahead)."""
 
     def __init__(self, device):
         self.device = device
         self.stream = torch.cuda.Stream(device, priority=-1)
         self._context = None
 
-    def begin(self, t):
+    def begin(self):
         self.stream.wait_stream(torch.cuda.current_stream(self.device))
-        if t is not None:
-            t.record_stream(self.stream)
 
     def hand_over(self):
         torch.cuda.current_stream(self.device).wait_event(self.stream.record_event())
