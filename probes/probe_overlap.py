@@ -47,7 +47,11 @@ def main():
     ap.add_argument("--reps", type=int, default=30)
     ap.add_argument("--whole", nargs="*", default=[], help="losses of the whole call at the seed")
     ap.add_argument("--pieces", type=int, nargs="+", default=[1, 2, 4])
+    ap.add_argument("--carveout", type=int, nargs="*", default=[16, 32], help="SMs the GEMMs leave (cuBLASLt)")
+    ap.add_argument("--blas", default=None, choices=["cublas", "cublaslt"], help="torch's preferred BLAS library")
     args = ap.parse_args()
+    if args.blas:
+        torch.backends.cuda.preferred_blas_library(args.blas)
     if args.whole:
         return whole(args)
     dev, bf = "cuda", torch.bfloat16
@@ -109,6 +113,20 @@ def main():
             lines[f"rows || grad GEMMs ({name})"] = at_once(rows, grads, stream)
             lines[f"rows || logits GEMMs ({name})"] = at_once(rows, logits, stream)
             lines[f"half rows || half dX ({name})"] = at_once(half_rows, half_dx, stream)
+        # the GEMMs told to leave SMs to the rows (cuBLASLt's SM count target, torch's experimental carveout)
+        for k in args.carveout:
+            def carved(fn, k=k):
+                def run():
+                    torch._C._set_sm_carveout_experimental(k)
+                    try:
+                        fn()
+                    finally:
+                        torch._C._set_sm_carveout_experimental(None)
+                return run
+            lines[f"grad GEMMs (carveout {k})"] = carved(grads)
+            lines[f"logits GEMMs (carveout {k})"] = carved(logits)
+            lines[f"rows || grad GEMMs (high, carveout {k})"] = carved(at_once(rows, grads, side["high"]))
+            lines[f"rows || logits GEMMs (high, carveout {k})"] = carved(at_once(rows, logits, side["high"]))
         for fn in lines.values():  # compile and warm
             for _ in range(3):
                 fn()
@@ -128,6 +146,11 @@ def main():
                 par = med[f"{work} || {other} ({name})"]
                 print(f"  hidden beside the {other}, {name} priority: {(seq - par) / med[work]:.2f} of the {work} "
                       f"({seq - par:.3f} ms of {med[work]:.3f})")
+            for k in args.carveout if work == "rows" else ():
+                par = med[f"{work} || {other} (high, carveout {k})"]
+                print(f"  hidden beside the {other}, carveout {k}: {(seq - par) / med[work]:.2f} of the {work} "
+                      f"({seq - par:.3f} ms; the GEMMs alone {med[f'{other} (carveout {k})']:.3f} against "
+                      f"{med[other]:.3f})")
 
 
 def whole(args):
