@@ -149,3 +149,25 @@ def test_several_teachers_in_pieces(name, args, seed, monkeypatch):
     monkeypatch.setattr(loop, "OVERLAP_PIECES", 2)
     getattr(test_teachers, name)(seed, *args)
     assert used and min(p.stop - p.start for p in used) <= 2
+
+
+@pytest.mark.parametrize("name, args", [("test_float32_in_the_row_kernel", ("co_jeffreys", "bias")),
+                                        ("test_float32_in_the_row_kernel", ("mutual", "row_weight")),
+                                        ("test_float32_in_the_row_kernel", ("mutual", "no_soft")),
+                                        ("test_bf16_teacher_grad_in_its_logits_bytes", ("co_jeffreys",))])
+@needs_triton
+def test_learning_teacher_in_pieces(name, args, seed, monkeypatch):
+    """A learning teacher's own tests (tests/test_learning_teacher.py, float64 oracles) with the blocks' rows in
+    pieces: each piece's dXt made beside the next piece's rows, dWt and db_t after the block."""
+    import test_learning_teacher
+
+    used = []
+    piece_dx = loop._piece_dx
+    monkeypatch.setattr(loop, "_piece_dx", lambda *a: (used.append(a), piece_dx(*a))[1])
+    monkeypatch.setattr(loop, "_device_side", lambda device: _InLine())
+    monkeypatch.setattr(loop, "_OVERLAP_LEAST", 1)
+    monkeypatch.setattr(loop, "_PIECE_ALIGN", 1)
+    monkeypatch.setattr(loop, "OVERLAP_PIECES", 2)
+    getattr(test_learning_teacher, name)(*args, seed, monkeypatch)
+    assert used and min(a[4].stop - a[4].start for a in used) <= 3
+    assert args[1:2] == ("no_soft",) or all(a[5] is not None for a in used)  # the teacher's dXt in the pieces

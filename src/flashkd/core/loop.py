@@ -220,7 +220,7 @@ def _chunk_loop(xs, ws, bs, y, rw, teacher, plan: Plan, want_dx, want_dw, want_d
         # dL/ds's rows (ds, or s where the rows write over it); with a side stream the rows of a block run there
         # in pieces, each piece's dX GEMM on this stream beside the next piece's rows (`_side_stream`)
         grads_of = ds if ds is not None else s
-        side = _side_stream(plan, device, want_dx, teacher_grad, tiles, narrow and ds is None)
+        side = _side_stream(plan, device, want_dx, tiles, narrow and ds is None)
         for b in _teacher_blocks(plan, teacher, c):
             in_c = slice(b.start - c.start, b.stop - c.start)
             if tiles is None:
@@ -236,6 +236,7 @@ def _chunk_loop(xs, ws, bs, y, rw, teacher, plan: Plan, want_dx, want_dw, want_d
 
                     dt = triton_rows.grad_view(t, xt.dtype, spec, grad)
             pieces = [b] if side is None else _pieces(b, OVERLAP_PIECES)
+            learner_dx = (dt, wt, learner[0], b) if learn and side is not None and learner[0] is not None else None
             if side is not None:
                 side.begin()
             done = None
@@ -248,22 +249,24 @@ def _chunk_loop(xs, ws, bs, y, rw, teacher, plan: Plan, want_dx, want_dw, want_d
                     if tiles is not None:
                         out["tiles"] = tiles[:, in_p]
                     if learn:
-                        out["teacher_grad"] = True if dt is t else dt
+                        out["teacher_grad"] = True if dt is t else dt if p is b else dt[p.start - b.start:p.stop - b.start]
                     if t_bias is not None:
                         out["t_bias"] = t_bias
                     soft, hard, *extra = rows(s[in_p], t_p, None if y is None else y[p], spec, row_scale, grad,
                                               plan.stats, **out)
-                    if learn:
-                        _teacher_gemms(learner, dt, xt, wt, p, None if y is None else y[p] != spec.ignore_index)
+                    if learn and side is None:
+                        _teacher_gemms(learner, dt, xt, wt, b, None if y is None else y[b] != spec.ignore_index)
                     _add_sums(sums, plan, spec, y, rw, p, soft, hard, extra, teacher_ids)
                     del t_p, out
-                if side is not None:  # this piece's rows queued: the last piece's dX GEMM here, beside them
+                if side is not None:  # this piece's rows queued: the last piece's dX GEMMs here, beside them
                     if done is not None:
-                        _piece_dx(grads_of, ws, dxs, c, done)
+                        _piece_dx(grads_of, ws, dxs, c, done, learner_dx)
                     done = p
-                    side.hand_over()  # (ordered after the GEMM above)
+                    side.hand_over()  # (ordered after the GEMMs above)
             if done is not None:
-                _piece_dx(grads_of, ws, dxs, c, done)
+                _piece_dx(grads_of, ws, dxs, c, done, learner_dx)
+                if learn:  # the teacher's dWt and dbt of the whole block (its dXt made by the pieces)
+                    _teacher_gemms((None, *learner[1:]), dt, xt, wt, b, None if y is None else y[b] != spec.ignore_index)
             del t, dt  # a view left alive would keep this chunk's logits (or dL/ds) past `del s`
         del grads_of
         if narrow:
@@ -366,11 +369,10 @@ class _SideStream:
         return self._context.__exit__(*exc)
 
 
-def _side_stream(plan, device, want_dx, teacher_grad, tiles, cast_after):
+def _side_stream(plan, device, want_dx, tiles, cast_after):
     """The rows' `_SideStream`, or None where the pieces do not apply: no CUDA, no dX, a vocab slice (its rows
-    exchange statistics), a learning teacher (its GEMMs follow the rows), the CuTe tiles, a top-k teacher (its
-    own kernels), or dL/ds cast after the rows."""
-    if (OVERLAP_PIECES < 2 or not want_dx or plan.backend != "triton" or plan.vocab is not None or teacher_grad
+    exchange statistics), the CuTe tiles, a top-k teacher (its own kernels), or dL/ds cast after the rows."""
+    if (OVERLAP_PIECES < 2 or not want_dx or plan.backend != "triton" or plan.vocab is not None
             or tiles is not None or cast_after or plan.form == "topk"):
         return None
     return _device_side(device)
@@ -394,9 +396,13 @@ def _pieces(b: slice, parts: int) -> list[slice]:
     return [slice(i, min(i + step, b.stop)) for i in range(b.start, b.stop, step)]
 
 
-def _piece_dx(grads, ws, dxs, c: slice, p: slice) -> None:
-    """dX of rows p of chunk c (its dL/ds rows in grads)."""
+def _piece_dx(grads, ws, dxs, c: slice, p: slice, teacher=None) -> None:
+    """dX of rows p of chunk c (its dL/ds rows in grads); a learning teacher's dXt of them too, teacher = (dL/dt of
+    block b, wt, dxt, b)."""
     torch.mm(_gemm_rows(grads[p.start - c.start:p.stop - c.start]), ws, out=dxs[p])
+    if teacher is not None:
+        dt, wt, dxt, b = teacher
+        torch.mm(_gemm_rows(dt[p.start - b.start:p.stop - b.start].to(wt.dtype)), wt, out=dxt[p])
 
 
 def _teacher_gemms(grads, t, xt, wt, b: slice, counted) -> None:
