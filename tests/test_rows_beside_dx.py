@@ -59,7 +59,7 @@ def test_pieces_equal_one_piece(form, dtype, loss, seed, monkeypatch):
     piece_dx = loop._piece_dx
 
     def counted(*args):
-        used.append(args[-1])
+        used.append(args[4])
         return piece_dx(*args)
 
     monkeypatch.setattr(loop, "_piece_dx", counted)
@@ -142,7 +142,7 @@ def test_several_teachers_in_pieces(name, args, seed, monkeypatch):
 
     used = []
     piece_dx = loop._piece_dx
-    monkeypatch.setattr(loop, "_piece_dx", lambda *a: (used.append(a[-1]), piece_dx(*a))[1])
+    monkeypatch.setattr(loop, "_piece_dx", lambda *a: (used.append(a[4]), piece_dx(*a))[1])
     monkeypatch.setattr(loop, "_device_side", lambda device: _InLine())
     monkeypatch.setattr(loop, "_OVERLAP_LEAST", 1)
     monkeypatch.setattr(loop, "_PIECE_ALIGN", 1)
