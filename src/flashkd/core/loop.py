@@ -335,9 +335,10 @@ def _add_sums(sums, plan, spec, y, rw, b: slice, soft, hard, extra, teacher_ids)
 
 
 # The row pass beside the dX GEMM: a block's rows run on a second stream in OVERLAP_PIECES pieces, and each
-# piece's dX GEMM on the call's stream beside the next piece's rows; the GEMM leaves SMs idle (its tail, split-K's
-# reduction) that the memory-bound rows take. 1: off. No more memory (the pieces are rows of the block's logits).
-OVERLAP_PIECES = 4
+# piece's dX GEMM on the call's stream beside the next piece's rows, where the GEMM leaves SMs idle (its tail,
+# split-K's reduction) for the memory-bound rows. No more memory (the pieces are rows of the block's logits).
+# 1: off, the default until measured on a GPU (`bash scripts/gpu_check.sh overlap` times 1, 2, 4 and 8).
+OVERLAP_PIECES = 1
 _OVERLAP_LEAST = 256  # rows a piece at least: a thinner dX GEMM loses more than the rows hide
 _PIECE_ALIGN = 64  # a piece's rows a multiple of this (but the last): whole tiles of the dX GEMM
 _SIDE_STREAMS = {}
