@@ -162,6 +162,7 @@ def whole(args):
     from flashkd.core import loop
 
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}")
+    default = loop.OVERLAP_PIECES
     for loss in args.whole:
         w = dataclasses.replace(PRESETS["seed"][0], loss=loss)
         x = make_inputs(w, torch.device("cuda"))
@@ -202,7 +203,7 @@ def whole(args):
                 dw = (grads[name][1] - first[1]).abs().max() / first[1].abs().max()
                 diff = f"   dX, dW against the first: {dx:.1e}, {dw:.1e}"
             print(f"  {name:<22}{med:9.3f}  ({q[0]:.3f}–{q[3]:.3f})  {med / base:6.3f}×{diff}")
-        loop.OVERLAP_PIECES = 4
+        loop.OVERLAP_PIECES = default
         del x, floor, fused
         torch.cuda.empty_cache()
 
