@@ -1,43 +1,32 @@
-"""The row pass beside the dX GEMM (`flashkd.core.loop`, OVERLAP_PIECES): on CUDA a block's rows run on a second
+"""The row pass beside the dX GEMM (`flashkd.core.pieces`, OVERLAP_PIECES): on CUDA a block's rows run on a second
 stream in pieces, each piece's dX GEMM on the call's stream beside the next piece's rows. Here the pieces run
 in line (a side stream that queues nothing apart, the CPU's), so that what the pieces compute — each piece's
 rows, sums and dX — is checked against the call in one piece on every input that takes the path: the values,
 the statistics and all gradients equal, chunk and block edges cut irregularly, ignored rows, row weights."""
-
-import contextlib
 
 import pytest
 import torch
 
 import flashkd
 from conftest import DEVICE, needs_triton
-from flashkd.core import loop
-
-
-class _InLine(contextlib.nullcontext):
-    """A side stream whose work runs where it is queued."""
-
-    def begin(self):
-        pass
-
-    def hand_over(self):
-        pass
+from flashkd.core import pieces
+from helpers.pieces import in_pieces
 
 
 def test_pieces_cover_a_block_in_order(monkeypatch):
     for start, stop, parts, least, align in ((0, 1000, 4, 256, 64), (37, 1061, 4, 256, 64), (5, 300, 4, 256, 64),
                                              (0, 64, 4, 16, 64), (0, 64, 3, 16, 8), (10, 11, 3, 1, 1), (0, 2048, 4, 256, 64)):
-        monkeypatch.setattr(loop, "_OVERLAP_LEAST", least)
-        monkeypatch.setattr(loop, "_PIECE_ALIGN", align)
-        got = loop._pieces(slice(start, stop), parts)
+        monkeypatch.setattr(pieces, "LEAST", least)
+        monkeypatch.setattr(pieces, "ALIGN", align)
+        got = pieces.cut(slice(start, stop), parts)
         assert got[0].start == start and got[-1].stop == stop and len(got) <= parts
         assert all(a.stop == b.start for a, b in zip(got, got[1:]))
         assert all(p.stop - p.start >= min(least, stop - start) for p in got[:-1])
         assert all((p.stop - p.start) % align == 0 for p in got[:-1])
-    monkeypatch.setattr(loop, "_OVERLAP_LEAST", 256)
-    monkeypatch.setattr(loop, "_PIECE_ALIGN", 64)
-    assert [(p.start, p.stop) for p in loop._pieces(slice(0, 1024), 4)] == [(0, 256), (256, 512), (512, 768), (768, 1024)]
-    assert len(loop._pieces(slice(0, 300), 4)) == 1
+    monkeypatch.setattr(pieces, "LEAST", 256)
+    monkeypatch.setattr(pieces, "ALIGN", 64)
+    assert [(p.start, p.stop) for p in pieces.cut(slice(0, 1024), 4)] == [(0, 256), (256, 512), (512, 768), (768, 1024)]
+    assert len(pieces.cut(slice(0, 300), 4)) == 1
 
 
 @pytest.mark.parametrize("form", ["heads", "logits"])
@@ -55,20 +44,9 @@ def test_pieces_equal_one_piece(form, dtype, loss, seed, monkeypatch):
     y[::7] = -100
     rw = torch.rand(n, generator=g) + 0.5
     teacher_logits = xt @ wt.t()
-    used = []
-    piece_dx = loop._piece_dx
-
-    def counted(*args):
-        used.append(args[4])
-        return piece_dx(*args)
-
-    monkeypatch.setattr(loop, "_piece_dx", counted)
-    monkeypatch.setattr(loop, "_OVERLAP_LEAST", 16)
-    monkeypatch.setattr(loop, "_PIECE_ALIGN", 8)
     results = []
-    for pieces in (1, 3):
-        monkeypatch.setattr(loop, "OVERLAP_PIECES", pieces)
-        monkeypatch.setattr(loop, "_device_side", lambda device: _InLine())
+    for parts in (1, 3):
+        used = in_pieces(monkeypatch, parts, least=16, align=8)
         a = xs.to(DEVICE, dtype).requires_grad_()
         w = ws.to(DEVICE, dtype).requires_grad_()
         opts = dict(labels=y.to(DEVICE), loss=loss, backend="triton", chunk_size=64, row_weight=rw.to(DEVICE),
@@ -80,8 +58,8 @@ def test_pieces_equal_one_piece(form, dtype, loss, seed, monkeypatch):
         out.backward()
         results.append((out.detach().cpu(), stats, a.grad.cpu(), w.grad.cpu()))
     # the pieces ran, dX a piece at a time: 64-row chunks in three pieces (24, 24, 16), the last chunk's 11 in one
-    assert [(p.start, p.stop) for p in used[:4]] == [(0, 24), (24, 48), (48, 64), (64, 88)]
-    assert (used[-1].start, used[-1].stop) == (192, 203)
+    cuts = [(a[4].start, a[4].stop) for a in used]
+    assert cuts[:4] == [(0, 24), (24, 48), (48, 64), (64, 88)] and cuts[-1] == (192, 203)
     (l1, s1, dx1, dw1), (l3, s3, dx3, dw3) = results
     torch.testing.assert_close(l3, l1, rtol=1e-6, atol=0)  # the sums' order moved with the pieces
     for f in ("soft_sum", "hard_sum", "entropy_sum"):
@@ -116,8 +94,8 @@ def test_side_stream_on_the_gpu(loss, seed, monkeypatch):
     y = torch.randint(0, v, (n,), generator=g)
     y[::11] = -100
     results = []
-    for pieces in (1, 4):
-        monkeypatch.setattr(loop, "OVERLAP_PIECES", pieces)
+    for parts in (1, 4):
+        monkeypatch.setattr(pieces, "OVERLAP_PIECES", parts)
         a = xs.cuda().bfloat16().requires_grad_()
         w = ws.cuda().bfloat16().requires_grad_()
         out, stats = flashkd.fused_linear_distill(a, w, xt.cuda().bfloat16(), wt.cuda().bfloat16(), y.cuda(), loss=loss,
@@ -130,44 +108,3 @@ def test_side_stream_on_the_gpu(loss, seed, monkeypatch):
     torch.testing.assert_close(s4, s1, rtol=1e-6, atol=0)
     assert torch.equal(dw4, dw1)  # dL/ds the same bits: dW's GEMM reads it whole
     torch.testing.assert_close(dx4, dx1, rtol=0, atol=1e-2 * dx1.abs().max().item())
-
-
-@pytest.mark.parametrize("name, args", [("test_routed", ("triton", "mean")), ("test_geometric", ("triton", True, 3)),
-                                        ("test_arithmetic", ("triton", True, 3))])
-@needs_triton
-def test_several_teachers_in_pieces(name, args, seed, monkeypatch):
-    """The several-teacher forms' own tests (tests/test_teachers.py, against their float64 oracles) with their
-    blocks' rows cut in pieces of one to two rows."""
-    import test_teachers
-
-    used = []
-    piece_dx = loop._piece_dx
-    monkeypatch.setattr(loop, "_piece_dx", lambda *a: (used.append(a[4]), piece_dx(*a))[1])
-    monkeypatch.setattr(loop, "_device_side", lambda device: _InLine())
-    monkeypatch.setattr(loop, "_OVERLAP_LEAST", 1)
-    monkeypatch.setattr(loop, "_PIECE_ALIGN", 1)
-    monkeypatch.setattr(loop, "OVERLAP_PIECES", 2)
-    getattr(test_teachers, name)(seed, *args)
-    assert used and min(p.stop - p.start for p in used) <= 2
-
-
-@pytest.mark.parametrize("name, args", [("test_float32_in_the_row_kernel", ("co_jeffreys", "bias")),
-                                        ("test_float32_in_the_row_kernel", ("mutual", "row_weight")),
-                                        ("test_float32_in_the_row_kernel", ("mutual", "no_soft")),
-                                        ("test_bf16_teacher_grad_in_its_logits_bytes", ("co_jeffreys",))])
-@needs_triton
-def test_learning_teacher_in_pieces(name, args, seed, monkeypatch):
-    """A learning teacher's own tests (tests/test_learning_teacher.py, float64 oracles) with the blocks' rows in
-    pieces: each piece's dXt made beside the next piece's rows, dWt and db_t after the block."""
-    import test_learning_teacher
-
-    used = []
-    piece_dx = loop._piece_dx
-    monkeypatch.setattr(loop, "_piece_dx", lambda *a: (used.append(a), piece_dx(*a))[1])
-    monkeypatch.setattr(loop, "_device_side", lambda device: _InLine())
-    monkeypatch.setattr(loop, "_OVERLAP_LEAST", 1)
-    monkeypatch.setattr(loop, "_PIECE_ALIGN", 1)
-    monkeypatch.setattr(loop, "OVERLAP_PIECES", 2)
-    getattr(test_learning_teacher, name)(*args, seed, monkeypatch)
-    assert used and min(a[4].stop - a[4].start for a in used) <= 3
-    assert args[1:2] == ("no_soft",) or all(a[5] is not None for a in used)  # the teacher's dXt in the pieces

@@ -1178,8 +1178,7 @@ def _rows_kernel(
     IN_PLACE: tl.constexpr,  # dL/ds goes into s's own bytes (`grad_view`)
     PULL: tl.constexpr,  # mutual (LOSS jeffreys, its value): the student's dL/ds forward KL's, c (q − p)
     T_GRAD: tl.constexpr,  # a learning teacher (mutual, co_jeffreys; PHASE 0): dL/dt written into gt
-    T_IN_PLACE: tl.constexpr,  # gt is t's `grad_view` (half its width: bf16 dL/dt of fp32 logits)
-    T_RTNE_BITS: tl.constexpr,  # RTNE_BITS of gt
+    T_IN_PLACE: tl.constexpr, T_RTNE_BITS: tl.constexpr,  # gt is t's `grad_view` (bf16 in fp32's bytes); gt's RTNE_BITS
     T_BIAS: tl.constexpr,  # tb_ptr holds the teacher head's bias: t + bias is its logits
     PSI: tl.constexpr,  # the power family: ψ's forms for its two powers (`_power_term`, `_psi_mode`)
     PHASE: tl.constexpr,  # 0: the whole row; a row sharded over ranks' vocab slices: 1, 2, 3 (`rows`);
@@ -1195,10 +1194,7 @@ def _rows_kernel(
     g_row = g_ptr + row.to(tl.int64) * stride_g
     t_row = t_ptr + row.to(tl.int64) * stride_t
     gt_row = gt_ptr + row.to(tl.int64) * stride_gt
-    labels_ptr += row
-    soft_ptr += row
-    hard_ptr += row
-    ent_ptr += row
+    labels_ptr, soft_ptr, hard_ptr, ent_ptr = labels_ptr + row, soft_ptr + row, hard_ptr + row, ent_ptr + row
     scale_ptr += row * stride_scale
     part_row = part_ptr + row * _PARTS
     acc_row = acc_ptr + row * 4

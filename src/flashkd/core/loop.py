@@ -37,9 +37,10 @@ import functools
 import torch
 
 from .. import fp8
-from . import backend as backends, mixture
+from . import backend as backends, learning, mixture, pieces
 from ..losses import DistillStats
 from .checks import NARROW
+from .gemms import accumulate_mm, gemm_rows, linear  # noqa: F401 (linear, accumulate_mm: the loop's, for its users)
 from .plan import Plan
 
 def run(call, rows, plan: Plan):
@@ -164,13 +165,8 @@ def _chunk_loop(xs, ws, bs, y, rw, teacher, plan: Plan, want_dx, want_dw, want_d
         scale = 1.0 / (y != spec.ignore_index).sum().clamp_min(1).to(f32["dtype"])
     if rw is not None:
         rw = rw.to(f32["dtype"])  # N numbers, read in the loss math's precision
-    soft_sum = torch.zeros((), **f32)
-    hard_sum = torch.zeros((), **f32)
-    entropy_sum = torch.zeros((), **f32)
-    mass_sum = torch.zeros((), **f32)
-    teacher_entropy_sum = torch.zeros((), **f32)
-    per_teacher = torch.zeros(plan.num_teachers, 3, **f32)
-    sums = (soft_sum, hard_sum, entropy_sum, mass_sum, teacher_entropy_sum, per_teacher)  # added to in place
+    # soft, hard, entropy, mass, teacher entropy (0-d) and per teacher (T, 3) sums, added to in place (`_add_sums`)
+    sums = tuple(torch.zeros(shape, **f32) for shape in ((),) * 5 + ((plan.num_teachers, 3),))
     teacher_ids = None if plan.teacher_index is None else torch.arange(plan.num_teachers, device=device)
     dxs = torch.empty_like(xs, memory_format=torch.contiguous_format) if want_dx else None
     # With one chunk there is nothing to accumulate: the GEMM accumulates in fp32 and rounds once either
@@ -181,11 +177,7 @@ def _chunk_loop(xs, ws, bs, y, rw, teacher, plan: Plan, want_dx, want_dw, want_d
     dbs = torch.zeros(v, **f32) if want_db else None
     if teacher_grad:  # the learning teacher's [dxt, dwt, dbt], as the student's (`learns`); 0 without dL/dt
         xt, wt, bt = teacher
-        new, filled = (torch.empty, True) if learn and n else (torch.zeros, False)  # filled by the blocks' GEMMs
-        accum_t = plan.grad_accum_dtype if n > plan.teacher_chunk and filled else wt.dtype
-        learner = (new(xt.shape, device=device, dtype=xt.dtype) if want_dxt else None,
-                   new(wt.shape, device=device, dtype=accum_t) if want_dwt else None,
-                   torch.zeros(v, **f32) if want_dbt else None)
+        learner = learning.buffers(plan, teacher, v, learn, want_dxt, want_dwt, want_dbt, f32)
     cute = backends.cute_fits(plan, xs, ws, bs, teacher, y is not None, grad)
     t_bias = None if cute else _kernel_bias(plan, teacher)
     block_teacher = teacher if t_bias is None else (teacher[0], teacher[1], None)  # the bias added at the kernel's loads
@@ -218,29 +210,22 @@ def _chunk_loop(xs, ws, bs, y, rw, teacher, plan: Plan, want_dx, want_dw, want_d
         elif narrow and plan.backend == "triton":
             ds = torch.empty(s.shape, device=device, dtype=ws.dtype)
         # dL/ds's rows (ds, or s where the rows write over it); with a side stream the rows of a block run there
-        # in pieces, each piece's dX GEMM on this stream beside the next piece's rows (`_side_stream`)
+        # in pieces, each piece's dX GEMM on this stream beside the next piece's rows (`flashkd.core.pieces`)
         grads_of = ds if ds is not None else s
-        side = _side_stream(plan, device, want_dx, tiles, narrow and ds is None)
+        side = pieces.side_stream(plan, device, want_dx, tiles, narrow and ds is None)
         for b in _teacher_blocks(plan, teacher, c):
             in_c = slice(b.start - c.start, b.stop - c.start)
             if tiles is None:
                 t = _teacher_block(plan, block_teacher, b, spec.temperature) if spec.want_soft else None
             else:
                 t = cute_gemm.logits(teacher[0][b], teacher[1], tiles[3:, in_c], k_t)
-            dt = t
-            if learn:  # dL/dt written over t (`torch_rows.rows`); the Triton rows round fp32 logits' once, into
-                # half their bytes (`grad_view`), as dL/ds: no cast of R·V·6 bytes before the teacher's GEMMs.
-                # Not where the teacher's bias learns: dbt sums dL/dt in fp32, before it is rounded.
-                if plan.backend == "triton" and t.dtype == torch.float32 and xt.dtype in NARROW and not want_dbt:
-                    from ..backends import triton_rows
-
-                    dt = triton_rows.grad_view(t, xt.dtype, spec, grad)
-            pieces = [b] if side is None else _pieces(b, OVERLAP_PIECES)
-            learner_dx = (dt, wt, learner[0], b) if learn and side is not None and learner[0] is not None else None
+            dt = learning.grad_out(plan, t, xt.dtype, grad, want_dbt) if learn else t  # dL/dt's place
+            dx = functools.partial(pieces.dx, grads_of, ws, dxs, c,
+                                   teacher=(dt, wt, learner[0], b) if learn and learner[0] is not None else None)
             if side is not None:
                 side.begin()
             done = None
-            for p in pieces:
+            for p in [b] if side is None else pieces.cut(b, pieces.OVERLAP_PIECES):
                 with contextlib.nullcontext() if side is None else side:
                     in_p = slice(p.start - c.start, p.stop - c.start)
                     t_p = t if p is b or t is None else t[p.start - b.start:p.stop - b.start]
@@ -255,18 +240,15 @@ def _chunk_loop(xs, ws, bs, y, rw, teacher, plan: Plan, want_dx, want_dw, want_d
                     soft, hard, *extra = rows(s[in_p], t_p, None if y is None else y[p], spec, row_scale, grad,
                                               plan.stats, **out)
                     if learn and side is None:
-                        _teacher_gemms(learner, dt, xt, wt, b, None if y is None else y[b] != spec.ignore_index)
+                        learning.gemms(learner, dt, xt, wt, b, None if y is None else y[b] != spec.ignore_index)
                     _add_sums(sums, plan, spec, y, rw, p, soft, hard, extra, teacher_ids)
                     del t_p, out
                 if side is not None:  # this piece's rows queued: the last piece's dX GEMMs here, beside them
-                    if done is not None:
-                        _piece_dx(grads_of, ws, dxs, c, done, learner_dx)
-                    done = p
-                    side.hand_over()  # (ordered after the GEMMs above)
+                    done = side.after(done, p, dx)
             if done is not None:
-                _piece_dx(grads_of, ws, dxs, c, done, learner_dx)
+                dx(done)
                 if learn:  # the teacher's dWt and dbt of the whole block (its dXt made by the pieces)
-                    _teacher_gemms((None, *learner[1:]), dt, xt, wt, b, None if y is None else y[b] != spec.ignore_index)
+                    learning.gemms((None, *learner[1:]), dt, xt, wt, b, None if y is None else y[b] != spec.ignore_index)
             del t, dt  # a view left alive would keep this chunk's logits (or dL/ds) past `del s`
         del grads_of
         if narrow:
@@ -280,7 +262,7 @@ def _chunk_loop(xs, ws, bs, y, rw, teacher, plan: Plan, want_dx, want_dw, want_d
                 s = ds
         del ds, tiles
         if want_dx and side is None:
-            torch.mm(_gemm_rows(s), ws, out=dxs[c])
+            torch.mm(gemm_rows(s), ws, out=dxs[c])
             if plan.vocab is not None:
                 plan.vocab.exchange("dx", dxs[c])
         if want_dw:
@@ -294,6 +276,7 @@ def _chunk_loop(xs, ws, bs, y, rw, teacher, plan: Plan, want_dx, want_dw, want_d
         if want_db:
             dbs += s.sum(0, dtype=dbs.dtype)
         del s, x  # before the next chunk's GEMM allocates, and before dWs is cast below
+    soft_sum, hard_sum, entropy_sum, mass_sum, teacher_entropy_sum, per_teacher = sums
     soft_total = soft_sum * scale * (spec.temperature**2 if spec.temperature_squared else 1.0)
     hard_total = hard_sum * scale
     loss = spec.total(soft_sum, hard_sum) * scale
@@ -332,95 +315,6 @@ def _add_sums(sums, plan, spec, y, rw, b: slice, soft, hard, extra, teacher_ids)
             of = plan.teacher_index[b, None] == teacher_ids
             entropy_t = extra[2] if len(extra) > 2 else torch.zeros_like(soft)  # dense rows: none
             per_teacher += torch.where(of[:, :, None], torch.stack([counted, soft, entropy_t], 1)[:, None], 0.0).sum(0)
-
-
-# The row pass beside the dX GEMM: a block's rows run on a second stream in OVERLAP_PIECES pieces, and each
-# piece's dX GEMM on the call's stream beside the next piece's rows, where the GEMM leaves SMs idle (its tail,
-# split-K's reduction) for the memory-bound rows. No more memory (the pieces are rows of the block's logits).
-# 1: off, the default until measured on a GPU (`bash scripts/gpu_check.sh overlap` times 1, 2, 4 and 8).
-OVERLAP_PIECES = 1
-_OVERLAP_LEAST = 256  # rows a piece at least: a thinner dX GEMM loses more than the rows hide
-_PIECE_ALIGN = 64  # a piece's rows a multiple of this (but the last): whole tiles of the dX GEMM
-_SIDE_STREAMS = {}
-
-
-class _SideStream:
-    """A device's second stream for the rows (high priority: they are on the critical path). `with` it: work
-    queued there; `begin`: before a block's pieces, it waits for the call's stream (s, t made); `hand_over`: the
-    call's stream waits for what is queued there. The call's stream waits after a block's last piece, before its
-    logits are let go: the memory they free is then reused by work queued after the rows (no `record_stream`,
-    whose held blocks would add a block of logits to the peak while the host runs ahead)."""
-
-    def __init__(self, device):
-        self.device = device
-        self.stream = torch.cuda.Stream(device, priority=-1)
-        self._context = None
-
-    def begin(self):
-        self.stream.wait_stream(torch.cuda.current_stream(self.device))
-
-    def hand_over(self):
-        torch.cuda.current_stream(self.device).wait_event(self.stream.record_event())
-
-    def __enter__(self):
-        self._context = torch.cuda.stream(self.stream)
-        return self._context.__enter__()
-
-    def __exit__(self, *exc):
-        return self._context.__exit__(*exc)
-
-
-def _side_stream(plan, device, want_dx, tiles, cast_after):
-    """The rows' `_SideStream`, or None where the pieces do not apply: no CUDA, no dX, a vocab slice (its rows
-    exchange statistics), the CuTe tiles, a top-k teacher (its own kernels), or dL/ds cast after the rows."""
-    if (OVERLAP_PIECES < 2 or not want_dx or plan.backend != "triton" or plan.vocab is not None
-            or tiles is not None or cast_after or plan.form == "topk"):
-        return None
-    return _device_side(device)
-
-
-def _device_side(device):
-    """The device's `_SideStream` (made once), None off CUDA."""
-    if device.type != "cuda":
-        return None
-    key = device.index if device.index is not None else torch.cuda.current_device()
-    if key not in _SIDE_STREAMS:
-        _SIDE_STREAMS[key] = _SideStream(torch.device("cuda", key))
-    return _SIDE_STREAMS[key]
-
-
-def _pieces(b: slice, parts: int) -> list[slice]:
-    """b cut into up to `parts` pieces of at least _OVERLAP_LEAST rows, multiples of _PIECE_ALIGN but the last."""
-    n = b.stop - b.start
-    k = max(1, min(parts, n // _OVERLAP_LEAST))
-    step = -(-(-(-n // k)) // _PIECE_ALIGN) * _PIECE_ALIGN
-    return [slice(i, min(i + step, b.stop)) for i in range(b.start, b.stop, step)]
-
-
-def _piece_dx(grads, ws, dxs, c: slice, p: slice, teacher=None) -> None:
-    """dX of rows p of chunk c (its dL/ds rows in grads); a learning teacher's dXt of them too, teacher = (dL/dt of
-    block b, wt, dxt, b)."""
-    torch.mm(_gemm_rows(grads[p.start - c.start:p.stop - c.start]), ws, out=dxs[p])
-    if teacher is not None:
-        dt, wt, dxt, b = teacher
-        torch.mm(_gemm_rows(dt[p.start - b.start:p.stop - b.start].to(wt.dtype)), wt, out=dxt[p])
-
-
-def _teacher_gemms(grads, t, xt, wt, b: slice, counted) -> None:
-    """A learning teacher's block b, as the student's chunk: t holds dL/dt (`torch_rows.rows`; bf16 already where
-    the Triton rows rounded it), and
-    dXt[b] = dT Wt, dWt += dTᵀ Xt[b] (its accumulator written, not read, at the first block), dbt += Σ_rows
-    dT, into grads = (dxt, dwt, dbt) (None: not wanted). counted: the block's rows whose label is not ignored."""
-    dxt, dwt, dbt = grads
-    dt = t.to(wt.dtype)  # rounded once to the inputs' dtype for the GEMMs, as dL/ds is
-    if dxt is not None:
-        torch.mm(_gemm_rows(dt), wt, out=dxt[b])
-    if dwt is not None:
-        # ignored rows' dT is 0, and their hidden states zeroed, as the student's: no 0 · NaN in dWt
-        x = xt[b] if counted is None else torch.where(counted[:, None], xt[b], 0.0)
-        accumulate_mm(dwt, dt.t(), x, beta=0.0 if b.start == 0 else 1.0)
-    if dbt is not None:
-        dbt += t.sum(0, dtype=dbt.dtype)
 
 
 def _teacher_head(teacher, precision):
@@ -476,40 +370,3 @@ def _teacher_block(plan, teacher, c, tau):
         return teacher[0][c]
     ids, lp = teacher
     return ids[c], lp[c]
-
-
-def _gemm_rows(a):
-    """a, the first operand of a GEMM, as the GEMM may read it: on the CPU a bf16 matrix whose rows lie apart
-    (dL/ds in half its logits' bytes, `grad_view`) made contiguous. torch's CPU bf16 GEMM reads such rows past
-    their columns (torch 2.13): a NaN among the spent logits' bytes there came out in dX. CUDA's read what they
-    are given."""
-    if a.is_cuda or a.dtype != torch.bfloat16 or a.dim() != 2 or a.stride(1) != 1 or a.stride(0) <= a.shape[1]:
-        return a
-    return a.contiguous()
-
-
-def linear(x, w, b):
-    """x @ w^T (+ b) at fp32 accuracy: fp32 for bf16 / fp16 operands (the GEMM's fp32 accumulator, not
-    its rounding to the inputs' dtype), else in their dtype. A trained head's logits reach 20-40, where
-    bf16's ulp is 1/8: a logit stored in bf16 moves a top token's probability by up to ~6 %."""
-    if x.dtype not in NARROW:
-        return x @ w.t() if b is None else torch.addmm(b, x, w.t())
-    if x.is_cuda:  # cuBLAS writes its fp32 accumulator: 1.05-1.1x the narrow output's time (BENCHMARKS.md)
-        if b is not None:  # the bias added by the GEMM (the same bits as add_ after it, ~0.3 ms less a 4096-row chunk)
-            return torch.addmm(b.float(), x, w.t(), out_dtype=torch.float32)
-        z = torch.mm(x, w.t(), out_dtype=torch.float32)
-    else:  # the CPU GEMM has no fp32 output for narrow operands: exact products, fp32 sums
-        z = x.float() @ w.float().t()
-    return z if b is None else z.add_(b)
-
-
-def accumulate_mm(acc, a, b, beta):
-    """acc = beta · acc + a @ b, accumulated in acc's dtype (fp32 for bf16 operands on CUDA).
-    beta = 0 on the first chunk: acc is then never read, so it needs no zero-fill."""
-    a = _gemm_rows(a)
-    if a.dtype == acc.dtype:
-        acc.addmm_(a, b, beta=beta)
-    elif acc.is_cuda:
-        torch.addmm(acc, a, b, beta=beta, out_dtype=acc.dtype, out=acc)
-    else:
-        acc.addmm_(a.to(acc.dtype), b.to(acc.dtype), beta=beta)
