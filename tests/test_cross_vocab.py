@@ -450,3 +450,18 @@ def test_uld_alignment_errors_name_the_argument(change, error, words, seed):
     with pytest.raises(error, match=words) as info:
         uld_alignment(**kwargs)
     assert "\n" not in str(info.value)
+
+
+def test_uld_checks_labels_it_does_not_read_and_return_parts(seed):
+    """labels given with ce_weight 0 (the loss reads none): still checked as given, shape and dtype; return_parts
+    a bool."""
+    xs, ws, bs, xt, wt, bt, s_lab, t_lab, s_ids, t_ids, s_off, t_off = _batch(seed)
+    al = uld_alignment(s_lab, t_lab, s_ids, t_ids, s_off, t_off)
+    with pytest.raises(TypeError, match="labels: expected an integer dtype"):
+        fused_linear_uld(xs, ws, xt, wt, al, labels=torch.zeros(xs.shape[:-1]))
+    with pytest.raises(ValueError, match="labels: expected a tensor of student_input's leading dims"):
+        fused_linear_uld(xs, ws, xt, wt, al, labels=torch.zeros(3, dtype=torch.long))
+    with pytest.raises(TypeError, match="return_parts: expected a bool, got 'no'"):
+        fused_linear_uld(xs, ws, xt, wt, al, return_parts="no")
+    fine = fused_linear_uld(xs, ws, xt, wt, al, labels=torch.zeros(xs.shape[:-1], dtype=torch.long))
+    torch.testing.assert_close(fine, fused_linear_uld(xs, ws, xt, wt, al))

@@ -225,3 +225,27 @@ def test_liger_drop_in_compiled_is_a_bool(compiled):
     with pytest.raises(TypeError, match="compiled: expected a bool"):
         flashkd.modules.FusedLinearJSDLoss(compiled=compiled)
     assert flashkd.modules.FusedLinearJSDLoss(compiled=False).compiled is False
+
+
+def test_a_misspelt_option_or_forward_argument_set_as_an_attribute_is_refused():
+    """`m.temprature = 5.0` (near an option's name) or `m.row_weight = w` (forward's per-call data) would make an
+    attribute no forward reads; other attributes of the user's own stay settable, `compiled` a bool."""
+    m = flashkd.FusedLinearDistillLoss()
+    with pytest.raises(TypeError, match="temprature: not an option.*'temperature'"):
+        m.temprature = 5.0
+    with pytest.raises(TypeError, match="row_weight: an argument of forward"):
+        m.row_weight = torch.ones(3)
+    m.step_count = 3
+    assert m.step_count == 3 and m.options == {"loss": "jsd"}
+    jsd = flashkd.modules.FusedLinearJSDLoss()
+    with pytest.raises(TypeError, match="compiled: expected a bool"):
+        jsd.compiled = "no"
+    jsd.compiled = False
+    assert jsd.compiled is False
+
+
+def test_liger_drop_in_errors_name_true_labels():
+    """An error that names labels in its text names them as Liger's forward does: true_labels."""
+    m = flashkd.modules.FusedLinearJSDLoss()
+    with pytest.raises(ValueError, match=r"^weight_hard_loss: expected 0 when true_labels is None"):
+        m(torch.randn(4, 6), torch.randn(10, 6), torch.randn(4, 5), torch.randn(10, 5), None)

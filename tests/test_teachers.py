@@ -364,3 +364,31 @@ def test_in_pieces(name, args, seed, monkeypatch):
     used = in_pieces(monkeypatch)
     globals()[f"test_{name}"](seed, *args)
     assert used and min(a[4].stop - a[4].start for a in used) <= 2
+
+
+@pytest.mark.parametrize("combine", ["sum", "routed", "geometric", "arithmetic"])
+def test_return_flags_are_bools(combine, seed):
+    """return_stats / return_soft_hard_loss of every combine: a "no" is refused, not taken as True."""
+    g = torch.Generator().manual_seed(seed)
+    xs, ws, bs, xts, wts, bts, labels = make(g, 2, torch.float64)
+    extra = dict(teacher_index=torch.zeros(N, dtype=torch.long)) if combine == "routed" else \
+        dict(teacher_weights=[0.5, 0.5])
+    for flag in ("return_stats", "return_soft_hard_loss"):
+        with pytest.raises(TypeError, match=f"{flag}: expected a bool, got 'no'"):
+            flashkd.fused_linear_distill_teachers(xs, ws, xts, wts, labels, combine=combine, **extra, **{flag: "no"})
+
+
+def test_routed_checks_the_labels_of_rows_without_a_teacher(seed):
+    """A label out of range on a row routed to no teacher (−1) is refused as one call refuses it (on the CPU;
+    check_labels=False skips it)."""
+    g = torch.Generator().manual_seed(seed)
+    xs, ws, bs, xts, wts, bts, labels = make(g, 2, torch.float64)
+    index = torch.zeros(N, dtype=torch.long)
+    index[4] = -1
+    labels = labels.clone()
+    labels[4] = 10**6
+    with pytest.raises(ValueError, match=r"labels: expected values in \[0, "):
+        flashkd.fused_linear_distill_teachers(xs, ws, xts, wts, labels, combine="routed", teacher_index=index)
+    out = flashkd.fused_linear_distill_teachers(xs, ws, xts, wts, labels, combine="routed", teacher_index=index,
+                                                check_labels=False)
+    assert torch.isfinite(out)

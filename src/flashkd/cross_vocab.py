@@ -584,6 +584,8 @@ def fused_linear_uld(
     of the student's head and hidden states. chunk_size: rows per chunk (None: 2^24 / max(Vs, Vt), at
     least 1). The sort per row is torch's, per chunk; ties are broken as torch sorts them (as in TRL).
     """
+    if not isinstance(return_parts, bool):
+        raise TypeError(f"return_parts: expected a bool, got {return_parts!r}")
     plan = _plan(student_input, student_weight, teacher_input, teacher_weight, alignment, student_bias, teacher_bias,
                  student_temperature, teacher_temperature, matched, matched_weight, unmatched_weight, beta, labels,
                  ce_weight, ignore_index, student_logit_scale, student_softcap, teacher_logit_scale, teacher_softcap,
@@ -724,7 +726,7 @@ def _plan(xs, ws, xt, wt, al, bs, bt, s_tau, t_tau, matched, a, b, beta, labels,
         raise ValueError("matched_weight, unmatched_weight: only with matched= (the hybrid loss)")
     p.labels = None
     p.ce_weight = float(ce_weight)
-    if labels is not None and p.ce_weight != 0.0:
+    if labels is not None:  # checked as given even where ce_weight is 0 and the loss does not read them
         if not isinstance(labels, torch.Tensor) or labels.shape != xs.shape[:-1]:
             got = tuple(labels.shape) if isinstance(labels, torch.Tensor) else type(labels).__name__
             raise ValueError(f"labels: expected a tensor of student_input's leading dims {tuple(xs.shape[:-1])}, "
@@ -735,6 +737,7 @@ def _plan(xs, ws, xt, wt, al, bs, bt, s_tau, t_tau, matched, a, b, beta, labels,
         if labels.device != xs.device:  # not copied across devices unasked, as the other tensors
             raise ValueError(f"labels: expected a tensor on {xs.device} (the device of student_input), got "
                              f"{labels.device}")
+    if labels is not None and p.ce_weight != 0.0:
         y = labels.reshape(-1).to(device)
         rows = (y != ignore_index).nonzero().flatten()
         _check_index("labels", y[rows], vs)

@@ -7,9 +7,10 @@
 
 from __future__ import annotations
 
-import torch
-
+import difflib
 import inspect
+
+import torch
 
 from .core import keywords
 from .core.checks import renamed
@@ -73,8 +74,15 @@ class FusedLinearDistillLoss(torch.nn.Module):
         if name in _ATTRIBUTES and "options" in self.__dict__:
             check_options({**self.options, name: value})
             self.options[name] = value
-        else:
-            super().__setattr__(name, value)
+            return
+        if "options" in self.__dict__ and name not in self.__dict__ and not hasattr(type(self), name):
+            # a new attribute that no forward reads: forward's per-call data, or a misspelt option
+            if name in _PER_CALL:
+                raise TypeError(f"{name}: an argument of forward (per-call data), not an option to set on the module")
+            near = difflib.get_close_matches(name, sorted(_ATTRIBUTES), n=1, cutoff=0.8)
+            if near:
+                raise TypeError(f"{name}: not an option of {type(self).__name__} (did you mean {near[0]!r}?)")
+        super().__setattr__(name, value)
 
 
 # forward's arguments: per-call data; and the keyword options of fused_linear_distill (the keyword table's)
@@ -110,9 +118,12 @@ class _LigerDropIn(FusedLinearDistillLoss):
     ):
         # Liger's keywords are fused_linear_distill's, by the same names: its options, in the signature's order
         super().__init__(self._loss, **{name: value for name, value in locals().items() if name in _OPTIONS})
-        if not isinstance(compiled, bool):  # Liger's flag: a string ("no") would be kept as if it were True
-            raise TypeError(f"compiled: expected a bool, got {compiled!r}")
         self.compiled = compiled
+
+    def __setattr__(self, name, value):
+        if name == "compiled" and not isinstance(value, bool):  # Liger's flag: a "no" would be kept as if True
+            raise TypeError(f"compiled: expected a bool, got {value!r}")
+        super().__setattr__(name, value)
 
     def forward(
         self,

@@ -130,6 +130,9 @@ def fused_linear_distill_teachers(
     given = dict(locals())  # the arguments as passed: those of _PASSED go through to each call
     if combine not in COMBINES:
         raise ValueError(f"combine: expected one of {COMBINES}, got {combine!r}")
+    for name in ("return_soft_hard_loss", "return_stats"):  # read here by routed and sum, not only by the calls
+        if not isinstance(given[name], bool):
+            raise TypeError(f"{name}: expected a bool, got {given[name]!r}")
     if loss in LEARNING_LOSSES:
         raise ValueError(f"loss: {loss!r} trains the teacher; with several teachers the teachers are constants")
     if reduction not in REDUCTIONS:
@@ -156,6 +159,10 @@ def fused_linear_distill_teachers(
     if combine == "routed":
         # labels' shape checked above, as given: the calls below see only the rows that have a teacher, flattened
         index = _check_index(teacher_index, labels, lead, m, student_input.device)
+        # every row's labels, as one call checks them (on the CPU, or as check_labels says): −1 rows' too
+        if labels is not None and (check_labels if isinstance(check_labels, bool) else labels.device.type == "cpu") \
+                and isinstance(ignore_index, int):
+            checks.check_label_range(labels.reshape(-1), student_weight.shape[0], ignore_index)
         counts, order = _groups(index, m)
         parsed = {**options, **{name: given[name] for name in _PER_CALL}}
         if teacher_precision is None and counts[0] < index.numel():

@@ -198,7 +198,7 @@ def parse(student: Student | None, teacher: Heads | Logits | TopK | Mixture | No
     if not has_labels and spec.loss in LABEL_LOSSES:
         raise ValueError(f"labels: loss={spec.loss!r} reads each row's target class (labels), got labels=None")
     if not has_labels and w_hard != 0.0:
-        raise ValueError(f"weight_hard_loss: expected 0 when labels is None (no hard labels to train on), got {w_hard!r}")
+        raise ValueError(f"weight_hard_loss: expected 0 when labels is None (no targets for the hard loss), got {w_hard!r}")
     check_ignore_index(labels, spec.ignore_index)
     kw.run_checks(keywords, late=True)
     if teacher is not None and teacher.form == "topk":

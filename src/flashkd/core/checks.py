@@ -10,6 +10,7 @@ that need the vocab's size V (a slice's: only known after its ranks agree) are `
 from __future__ import annotations
 
 import dataclasses
+import re
 import sys
 
 import torch
@@ -116,9 +117,14 @@ def check_vocab_size(vocab_size, v) -> None:
 
 
 def renamed(error: Exception, names: dict) -> Exception:
-    """`error` with the argument its message starts with ("name: expected ...") renamed by `names`."""
-    field, sep, rest = str(error).partition(":")
-    return type(error)(f"{names[field]}{sep}{rest}") if field in names else error
+    """`error` with the arguments its message names ("name: expected ... when other is None") renamed by
+    `names`, each where it stands as a word of its own."""
+    message = str(error)
+    if not names:
+        return error
+    pattern = re.compile(r"(?<![\w.])(" + "|".join(map(re.escape, sorted(names, key=len, reverse=True))) + r")(?!\w)")
+    new = pattern.sub(lambda m: names[m.group(1)], message)
+    return error if new == message else type(error)(new)
 
 
 def any_dtensor(*xs) -> bool:
