@@ -600,6 +600,20 @@ class _Plan:
     pass
 
 
+def _check_labels(labels, xs):
+    """labels: None, or an int64 / int32 tensor of student_input's leading dims on its device (narrower ints
+    would wrap ignore_index: -100 is 156 in uint8; nothing is copied across devices unasked)."""
+    if labels is None:
+        return
+    if not isinstance(labels, torch.Tensor) or labels.shape != xs.shape[:-1]:
+        got = tuple(labels.shape) if isinstance(labels, torch.Tensor) else type(labels).__name__
+        raise ValueError(f"labels: expected a tensor of student_input's leading dims {tuple(xs.shape[:-1])}, got {got}")
+    if labels.dtype not in (torch.int64, torch.int32):
+        raise TypeError(f"labels: expected an integer dtype (torch.int64 or torch.int32), got {labels.dtype}")
+    if labels.device != xs.device:
+        raise ValueError(f"labels: expected a tensor on {xs.device} (the device of student_input), got {labels.device}")
+
+
 def _plan(xs, ws, xt, wt, al, bs, bt, s_tau, t_tau, matched, a, b, beta, labels, ce_weight, ignore_index,
           s_scale, s_cap, t_scale, t_cap, chunk_size):
     for name, t in (("student_input", xs), ("student_weight", ws), ("teacher_input", xt), ("teacher_weight", wt)):
@@ -726,17 +740,7 @@ def _plan(xs, ws, xt, wt, al, bs, bt, s_tau, t_tau, matched, a, b, beta, labels,
         raise ValueError("matched_weight, unmatched_weight: only with matched= (the hybrid loss)")
     p.labels = None
     p.ce_weight = float(ce_weight)
-    if labels is not None:  # checked as given even where ce_weight is 0 and the loss does not read them
-        if not isinstance(labels, torch.Tensor) or labels.shape != xs.shape[:-1]:
-            got = tuple(labels.shape) if isinstance(labels, torch.Tensor) else type(labels).__name__
-            raise ValueError(f"labels: expected a tensor of student_input's leading dims {tuple(xs.shape[:-1])}, "
-                             f"got {got}")
-        # narrower ones would wrap ignore_index (-100 is 156 in uint8)
-        if labels.dtype not in (torch.int64, torch.int32):
-            raise TypeError(f"labels: expected an integer dtype (torch.int64 or torch.int32), got {labels.dtype}")
-        if labels.device != xs.device:  # not copied across devices unasked, as the other tensors
-            raise ValueError(f"labels: expected a tensor on {xs.device} (the device of student_input), got "
-                             f"{labels.device}")
+    _check_labels(labels, xs)  # as given, even where ce_weight is 0 and the loss does not read them
     if labels is not None and p.ce_weight != 0.0:
         y = labels.reshape(-1).to(device)
         rows = (y != ignore_index).nonzero().flatten()

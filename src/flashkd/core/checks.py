@@ -117,14 +117,10 @@ def check_vocab_size(vocab_size, v) -> None:
 
 
 def renamed(error: Exception, names: dict) -> Exception:
-    """`error` with the arguments its message names ("name: expected ... when other is None") renamed by
-    `names`, each where it stands as a word of its own."""
-    message = str(error)
-    if not names:
-        return error
-    pattern = re.compile(r"(?<![\w.])(" + "|".join(map(re.escape, sorted(names, key=len, reverse=True))) + r")(?!\w)")
-    new = pattern.sub(lambda m: names[m.group(1)], message)
-    return error if new == message else type(error)(new)
+    """`error` with the arguments its message names ("name: expected ... when other is None") renamed by `names`."""
+    words = re.compile(r"(?<![\w.])(" + "|".join(map(re.escape, sorted(names, key=len, reverse=True))) + r")(?!\w)")
+    message = words.sub(lambda m: names[m.group(1)], str(error)) if names else str(error)
+    return error if message == str(error) else type(error)(message)
 
 
 def any_dtensor(*xs) -> bool:
