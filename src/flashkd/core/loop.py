@@ -249,7 +249,7 @@ def _chunk_loop(xs, ws, bs, y, rw, teacher, plan: Plan, want_dx, want_dw, want_d
                 dx(done)
                 if learn:  # the teacher's dWt and dbt of the whole block (its dXt made by the pieces)
                     learning.gemms((None, *learner[1:]), dt, xt, wt, b, None if y is None else y[b] != spec.ignore_index)
-            del t, dt  # a view left alive would keep this chunk's logits (or dL/ds) past `del s`
+            del t, dt, dx  # a view (the partial's too) left alive would keep this chunk's logits past `del s`
         del grads_of
         if narrow:
             if ds is None:
