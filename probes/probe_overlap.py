@@ -15,9 +15,9 @@ Each line is the median of --reps timed rounds (CUDA events around the whole rou
 round by round. hidden = (sequential − overlapped) / rows alone: the share of the row pass the second
 stream hides.
 
---whole: then the whole call at the seed (`flashkd bench`'s seed workload, forward + backward) with the chunk
-loop's pieces (`flashkd.core.loop.OVERLAP_PIECES`: 1 is off) against the four-GEMM floor, interleaved.
-Usage: python probes/probe_overlap.py [--rows 1024 2048] [--reps 30] [--whole jsd forward_kl] [--pieces 1 2 4]
+Measured on an H100 (BENCHMARKS.md, "The row pass beside the GEMMs, measured"): nothing hidden; beside the gradient
+GEMMs the pair runs slower than one after the other, and a carveout slows the GEMMs more than it frees.
+Usage: python probes/probe_overlap.py [--rows 1024 2048] [--reps 30] [--carveout 16 32] [--blas cublaslt]
 """
 
 import argparse
@@ -45,15 +45,11 @@ def main():
     ap.add_argument("--hidden", type=int, default=2048)
     ap.add_argument("--teacher-hidden", type=int, default=4096)
     ap.add_argument("--reps", type=int, default=30)
-    ap.add_argument("--whole", nargs="*", default=[], help="losses of the whole call at the seed")
-    ap.add_argument("--pieces", type=int, nargs="+", default=[1, 2, 4])
     ap.add_argument("--carveout", type=int, nargs="*", default=[16, 32], help="SMs the GEMMs leave (cuBLASLt)")
     ap.add_argument("--blas", default=None, choices=["cublas", "cublaslt"], help="torch's preferred BLAS library")
     args = ap.parse_args()
     if args.blas:
         torch.backends.cuda.preferred_blas_library(args.blas)
-    if args.whole:
-        return whole(args)
     dev, bf = "cuda", torch.bfloat16
     v, hs, ht = args.vocab, args.hidden, args.teacher_hidden
     torch.manual_seed(0)
@@ -151,61 +147,6 @@ def main():
                 print(f"  hidden beside the {other}, carveout {k}: {(seq - par) / med[work]:.2f} of the {work} "
                       f"({seq - par:.3f} ms; the GEMMs alone {med[f'{other} (carveout {k})']:.3f} against "
                       f"{med[other]:.3f})")
-
-
-def whole(args):
-    import dataclasses
-
-    from flashkd.bench import measure
-    from flashkd.bench.providers import PROVIDERS
-    from flashkd.bench.workloads import PRESETS, make_inputs
-    from flashkd.core import loop
-
-    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}")
-    default = loop.OVERLAP_PIECES
-    for loss in args.whole:
-        w = dataclasses.replace(PRESETS["seed"][0], loss=loss)
-        x = make_inputs(w, torch.device("cuda"))
-        floor = measure._step(PROVIDERS["floor"].make(w, x), x, "full")
-        fused = measure._step(PROVIDERS["flashkd"].make(w, x), x, "full")
-
-        def with_pieces(k):
-            def step():
-                loop.OVERLAP_PIECES = k
-                x.xs.grad = x.ws.grad = None
-                fused()
-            return step
-
-        def floor_step():
-            x.xs.grad = x.ws.grad = None
-            floor()
-
-        lines = {"floor": floor_step, **{f"flashkd, {k} piece{'s' * (k > 1)}": with_pieces(k) for k in args.pieces}}
-        grads = {}
-        for name, fn in lines.items():
-            for _ in range(2):
-                fn()
-            if name != "floor":
-                grads[name] = (x.xs.grad.float().clone(), x.ws.grad.float().clone())
-        times = {name: [] for name in lines}
-        for _ in range(args.reps):
-            for name, fn in lines.items():
-                times[name].append(timed(fn))
-        print(f"\n{w.tag}, N={w.n}, {w.describe()}: median ms of {args.reps} rounds (p20–p80), ÷ floor")
-        base = statistics.median(times["floor"])
-        first = next(iter(grads.values()))
-        for name, ts in times.items():
-            q = statistics.quantiles(ts, n=5)
-            med = statistics.median(ts)
-            diff = ""
-            if name in grads:
-                dx = (grads[name][0] - first[0]).abs().max() / first[0].abs().max()
-                dw = (grads[name][1] - first[1]).abs().max() / first[1].abs().max()
-                diff = f"   dX, dW against the first: {dx:.1e}, {dw:.1e}"
-            print(f"  {name:<22}{med:9.3f}  ({q[0]:.3f}–{q[3]:.3f})  {med / base:6.3f}×{diff}")
-        loop.OVERLAP_PIECES = default
-        del x, floor, fused
-        torch.cuda.empty_cache()
 
 
 if __name__ == "__main__":

@@ -18,7 +18,6 @@ import torch.nn.functional as F
 
 import flashkd
 from conftest import BACKEND_PARAMS, DEVICE, _device, needs_triton
-from helpers.pieces import in_pieces
 from flashkd.losses import LEARNING_LOSSES, LOSSES
 
 N, V, HS, HT, CHUNK = 19, 37, 11, 6, 5
@@ -462,17 +461,3 @@ def test_bf16_teacher_grad_in_its_logits_bytes(loss, seed, monkeypatch):
     assert set(errors["triton"]) == {"xs", "ws", "bs", "xt", "wt"}
     for name, err in errors["triton"].items():
         assert err <= 1.5 * errors["torch"][name] + 2e-3, (name, errors)
-
-
-@pytest.mark.parametrize("name, args", [("test_float32_in_the_row_kernel", ("co_jeffreys", "bias")),
-                                        ("test_float32_in_the_row_kernel", ("mutual", "row_weight")),
-                                        ("test_float32_in_the_row_kernel", ("mutual", "no_soft")),
-                                        ("test_bf16_teacher_grad_in_its_logits_bytes", ("co_jeffreys",))])
-@needs_triton
-def test_in_pieces(name, args, seed, monkeypatch):
-    """The tests above with each block's rows cut in pieces (`flashkd.core.pieces`, run in line): each piece's dXt
-    made with its dX, dWt and db_t after the block."""
-    used = in_pieces(monkeypatch)
-    globals()[name](*args, seed, monkeypatch)
-    assert used and min(a[4].stop - a[4].start for a in used) <= 3
-    assert args[1:2] == ("no_soft",) or all(a[5] is not None for a in used)  # the teacher's dXt in the pieces

@@ -8,7 +8,6 @@ import torch
 
 import flashkd
 from conftest import BACKEND_PARAMS, _device, _on, needs_triton
-from helpers.pieces import in_pieces
 from oracle import distill_loss
 
 N, V, HS = 19, 37, 11
@@ -353,17 +352,6 @@ def test_sum_per_row_without_ce(seed):
     ref = (parts[0][0] + parts[1][0], parts[0][1] + parts[1][1], torch.zeros((), dtype=torch.float64))
     check((loss, soft, hard), ref, [xs, ws], [xd, wd], 1e-9)
     assert stats.hard_sum.item() == 0
-
-
-@pytest.mark.parametrize("name, args", [("routed", ("triton", "mean")), ("geometric", ("triton", True, 3)),
-                                        ("arithmetic", ("triton", True, 3))])
-@needs_triton
-def test_in_pieces(name, args, seed, monkeypatch):
-    """Routed, geometric and arithmetic teachers (their tests above, against float64 oracles) with each block's
-    rows cut in pieces of a row or two (`flashkd.core.pieces`, run in line)."""
-    used = in_pieces(monkeypatch)
-    globals()[f"test_{name}"](seed, *args)
-    assert used and min(a[4].stop - a[4].start for a in used) <= 2
 
 
 @pytest.mark.parametrize("combine", ["sum", "routed", "geometric", "arithmetic"])

@@ -10,7 +10,6 @@
     backend  the backend choice and the row function of a plan, for the whole vocab or a slice
     loop     the chunk loop and its autograd Function
     gemms    its GEMMs: fp32 logits of narrow operands, the fp32 gradient accumulators, the CPU GEMM's operands
-    pieces   the row pass beside the dX GEMM: a block's rows on a second CUDA stream in pieces
     learning a teacher that learns: its gradient buffers, where dL/dt goes, its two GEMMs a block
     mixture  several teachers' forms: each row's own head (routed), their distributions mixed per row (arithmetic)
     topk     teacher_topk's loop
@@ -20,8 +19,7 @@ The layer below `flashkd.distributed`: it imports nothing of it, and runs a rank
 through the `flashkd.losses.VocabSlice` it is given.
 """
 
-from . import backend, call, checks, gemms, keywords, learning, loop, mixture, pieces, plan, topk
+from . import backend, call, checks, gemms, keywords, learning, loop, mixture, plan, topk
 from .entry import run
 
-__all__ = ["backend", "call", "checks", "gemms", "keywords", "learning", "loop", "mixture", "pieces", "plan", "run",
-           "topk"]
+__all__ = ["backend", "call", "checks", "gemms", "keywords", "learning", "loop", "mixture", "plan", "run", "topk"]

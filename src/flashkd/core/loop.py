@@ -37,7 +37,7 @@ import functools
 import torch
 
 from .. import fp8
-from . import backend as backends, learning, mixture, pieces
+from . import backend as backends, learning, mixture
 from ..losses import DistillStats
 from .checks import NARROW
 from .gemms import accumulate_mm, gemm_rows, linear  # noqa: F401 (linear, accumulate_mm: the loop's, for its users)
@@ -209,48 +209,26 @@ def _chunk_loop(xs, ws, bs, y, rw, teacher, plan: Plan, want_dx, want_dw, want_d
             ds = triton_rows.grad_view(s, ws.dtype, spec, grad)
         elif narrow and plan.backend == "triton":
             ds = torch.empty(s.shape, device=device, dtype=ws.dtype)
-        # dL/ds's rows (ds, or s where the rows write over it); with a side stream the rows of a block run there
-        # in pieces, each piece's dX GEMM on this stream beside the next piece's rows (`flashkd.core.pieces`)
-        grads_of = ds if ds is not None else s
-        side = pieces.side_stream(plan, device, want_dx, tiles, narrow and ds is None)
         for b in _teacher_blocks(plan, teacher, c):
             in_c = slice(b.start - c.start, b.stop - c.start)
             if tiles is None:
                 t = _teacher_block(plan, block_teacher, b, spec.temperature) if spec.want_soft else None
             else:
                 t = cute_gemm.logits(teacher[0][b], teacher[1], tiles[3:, in_c], k_t)
+            row_scale = scale if rw is None else scale * rw[b]
+            out = {} if ds is None else {"ds": ds[in_c]}
+            if tiles is not None:
+                out["tiles"] = tiles[:, in_c]
             dt = learning.grad_out(plan, t, xt.dtype, grad, want_dbt) if learn else t  # dL/dt's place
-            dx = functools.partial(pieces.dx, grads_of, ws, dxs, c,
-                                   teacher=(dt, wt, learner[0], b) if learn and learner[0] is not None else None)
-            if side is not None:
-                side.begin()
-            done = None
-            for p in [b] if side is None else pieces.cut(b, pieces.OVERLAP_PIECES):
-                with contextlib.nullcontext() if side is None else side:
-                    in_p = slice(p.start - c.start, p.stop - c.start)
-                    t_p = t if p is b or t is None else t[p.start - b.start:p.stop - b.start]
-                    row_scale = scale if rw is None else scale * rw[p]
-                    out = {} if ds is None else {"ds": ds[in_p]}
-                    if tiles is not None:
-                        out["tiles"] = tiles[:, in_p]
-                    if learn:
-                        out["teacher_grad"] = True if dt is t else dt if p is b else dt[p.start - b.start:p.stop - b.start]
-                    if t_bias is not None:
-                        out["t_bias"] = t_bias
-                    soft, hard, *extra = rows(s[in_p], t_p, None if y is None else y[p], spec, row_scale, grad,
-                                              plan.stats, **out)
-                    if learn and side is None:
-                        learning.gemms(learner, dt, xt, wt, b, None if y is None else y[b] != spec.ignore_index)
-                    _add_sums(sums, plan, spec, y, rw, p, soft, hard, extra, teacher_ids)
-                    del t_p, out
-                if side is not None:  # this piece's rows queued: the last piece's dX GEMMs here, beside them
-                    done = side.after(done, p, dx)
-            if done is not None:
-                dx(done)
-                if learn:  # the teacher's dWt and dbt of the whole block (its dXt made by the pieces)
-                    learning.gemms((None, *learner[1:]), dt, xt, wt, b, None if y is None else y[b] != spec.ignore_index)
-            del t, dt, dx  # a view (the partial's too) left alive would keep this chunk's logits past `del s`
-        del grads_of
+            if learn:
+                out["teacher_grad"] = True if dt is t else dt
+            if t_bias is not None:
+                out["t_bias"] = t_bias
+            soft, hard, *extra = rows(s[in_c], t, None if y is None else y[b], spec, row_scale, grad, plan.stats, **out)
+            if learn:
+                learning.gemms(learner, dt, xt, wt, b, None if y is None else y[b] != spec.ignore_index)
+            _add_sums(sums, plan, spec, y, rw, b, soft, hard, extra, teacher_ids)
+            del t, dt, out  # a view left alive would keep this chunk's logits (or dL/ds) past `del s`
         if narrow:
             if ds is None:
                 s = s.to(ws.dtype)
@@ -261,7 +239,7 @@ def _chunk_loop(xs, ws, bs, y, rw, teacher, plan: Plan, want_dx, want_dw, want_d
             else:
                 s = ds
         del ds, tiles
-        if want_dx and side is None:
+        if want_dx:
             torch.mm(gemm_rows(s), ws, out=dxs[c])
             if plan.vocab is not None:
                 plan.vocab.exchange("dx", dxs[c])
