@@ -28,7 +28,7 @@ for stage in $stages; do
   echo "=== $stage"
   case $stage in
     tests) { python3 -m pytest -q -m "gpu or not gpu" tests/test_gpu.py tests/test_triton_rows.py tests/test_softcap_tanh.py \
-        tests/test_triton_divergences.py tests/test_triton_mixture.py \
+        tests/test_triton_divergences.py tests/test_triton_mixture.py tests/test_learning_teacher.py \
         && python3 -m pytest -q -m gpu tests/test_exact.py; } 2>&1 | tee "$OUT/tests.log" | tail -25 || status=1 ;;
     # a trained head's logit magnitudes (std 4, peaks 32): every provider's errors against the fp32 truth, TRL's kernel
     # on the soft term alone
