@@ -1649,13 +1649,21 @@ def _check_teacher_grad(teacher_grad, s, t, spec: LossSpec, grad: bool, start, t
     storage = gt.untyped_storage().data_ptr()
     if R * V and storage == s.untyped_storage().data_ptr():
         raise ValueError("teacher_grad: expected a buffer of its own or `grad_view(t, ...)`, got a view of s")
-    in_place = R * V > 0 and storage == t.untyped_storage().data_ptr()
-    if in_place:  # as ds: only t's own `grad_view` is safe
-        want = grad_view(t, gt.dtype, spec, grad) if gt.element_size() * 2 == t.element_size() else None
-        if want is None or gt.data_ptr() != want.data_ptr() or gt.stride() != want.stride():
-            raise ValueError("teacher_grad: expected a buffer of its own or `grad_view(t, ...)`, got another view of "
-                             "t's storage")
-    return t, gt, in_place
+    return t, gt, _own_view(gt, t, "teacher_grad", "t", spec, grad)
+
+
+def _own_view(view, base, name, base_name, spec: LossSpec, grad: bool) -> bool:
+    """Whether a gradient buffer `view` lies in `base`'s own bytes; only base's `grad_view` may (its stores land on
+    columns the row has read): any other view of base's storage is an error naming it."""
+    if base.numel() == 0 or view.untyped_storage().data_ptr() != base.untyped_storage().data_ptr():
+        return False
+    want = grad_view(base, view.dtype, spec, grad)
+    if view.data_ptr() != want.data_ptr() or view.stride() != want.stride():
+        raise ValueError(f"{name}: expected a buffer of its own or `grad_view({base_name}, ...)` (a view at byte offset "
+                         f"{want.data_ptr() - base.data_ptr()} of {base_name} with strides {want.stride()}), got a view of "
+                         f"{base_name}'s storage at byte offset {view.data_ptr() - base.data_ptr()} with strides "
+                         f"{view.stride()}")
+    return True
 
 
 def _check(s, t, labels, spec: LossSpec, scale, grad: bool, stats: bool, ds, start, tiles):
@@ -1717,14 +1725,7 @@ def _check(s, t, labels, spec: LossSpec, scale, grad: bool, stats: bool, ds, sta
     elif not isinstance(ds, torch.Tensor) or ds.shape != s.shape or ds.dtype not in _DTYPES or ds.device != s.device \
             or (ds.stride(1) != 1 and V > 1):
         raise ValueError(f"ds: expected an ({R}, {V}) float tensor with unit vocab stride on {s.device}, got {_describe(ds)}")
-    in_place = grad and ds is not s and R * V > 0 and ds.untyped_storage().data_ptr() == s.untyped_storage().data_ptr()
-    if in_place:  # only s's own `grad_view` is safe: its stores land on columns the row has read
-        want = grad_view(s, ds.dtype, spec, grad)
-        if ds.data_ptr() != want.data_ptr() or ds.stride() != want.stride():
-            raise ValueError(f"ds: expected a buffer of its own or `grad_view(s, ...)` (a view at byte offset "
-                             f"{want.data_ptr() - s.data_ptr()} of s with strides {want.stride()}), got a view "
-                             f"of s's storage at byte offset {ds.data_ptr() - s.data_ptr()} with strides {ds.stride()}")
-    return t, ds, in_place
+    return t, ds, grad and ds is not s and _own_view(ds, s, "ds", "s", spec, grad)
 
 
 class _Launch:
