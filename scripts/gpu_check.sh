@@ -4,7 +4,7 @@
 #                             [bench-softonly] [memory] [bench-topk] [bench-logits] [bench-teacher-topk]
 #                             [bench-softcap] [bench-trl] [bench-trl-step] [bench-trl-onpolicy] [bench-fp8]
 #                             [dist-one-gpu] [cute] [bench-models] [bench-divergences] [bench-verl]
-#                             [bench-axolotl] [bench-teachers] [overlap]
+#                             [bench-axolotl] [bench-teachers] [overlap] [rows-in-gemm]
 # (default: all of them, about 20 minutes on an H200; each of the last five a minute or two, bench-trl-step
 # at most about five: it needs trl 1.16.0 and accelerate (from .whl/); no PYTHONPATH beyond this script's, as
 # benchmarks/bench_trl_step.py falls back to its own stand-in for `datasets` where that is not installed;
@@ -133,6 +133,8 @@ for stage in $stages; do
     overlap) { python3 probes/probe_overlap.py --rows 1024 2048 --reps 20 \
         && python3 probes/probe_overlap.py --rows 1024 --reps 15 --blas cublaslt --carveout 16 32 48; } 2>&1 \
       | grep -v "Warning: Setting the SM" | tee "$OUT/overlap.log" || status=1 ;;
+    # the row pass inside the logits GEMM's CTAs (warpgroup 0's idle warps) against the GEMM alone (CuTe DSL, a minute)
+    rows-in-gemm) python3 probes/probe_cute_rows.py --reps 20 2>&1 | tee "$OUT/rows-in-gemm.log" || status=1 ;;
     *) echo "unknown stage $stage"; status=2 ;;
   esac
 done

@@ -80,3 +80,13 @@ def test_the_compiled_gemm_is_kept_on_disk_and_loaded_by_the_next_process(tmp_pa
     assert [o.stdout.split() for o in outs] == [["compiled", "True"], ["cache", "True"]], outs[-1].stderr[-3000:]
     (folder,) = (tmp_path / "cute").iterdir()
     assert sorted(f.name for f in folder.iterdir()) == ["kernel.h", "kernel.o", "manifest.json"]
+
+
+def test_the_row_pass_beside_the_gemm_probe_compiles_for_sm_90a():
+    """probes/probe_cute_rows.py: the logits GEMM with a JSD row pass in warpgroup 0's idle warps (each variant:
+    rows idle, rows alone, both)."""
+    env = dict(os.environ, CUTE_DSL_ARCH="sm_90a")
+    probe = os.path.join(os.path.dirname(__file__), "..", "probes", "probe_cute_rows.py")
+    done = subprocess.run([sys.executable, probe, "--compile-only", "--rows", "77", "--vocab", "1000"],
+                          capture_output=True, text=True, timeout=300, env=env)
+    assert done.returncode == 0 and done.stdout.count("compiled") == 3, done.stderr[-3000:]

@@ -55,7 +55,7 @@ def test_the_probe_separates_the_exact_line_from_the_two_byte_ones(capsys):
     assert worst[("bf16rel", "soft")][0] > 1e-5  # a representation that fails the bar is reported as failing
 
 
-@pytest.mark.parametrize("name", ["probe_cute_gemm"])
+@pytest.mark.parametrize("name", ["probe_cute_gemm", "probe_cute_rows"])
 def test_the_cute_probes_say_what_they_need_where_they_cannot_run(name):
     """The CuTe probes are GPU only (CuTe DSL compiles for the GPU): without one, or without the package, each
     exits non-zero with one line saying so, not a traceback."""
