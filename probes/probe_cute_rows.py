@@ -18,6 +18,13 @@ CUDA events, lines in turn, median and p20-p80 of --reps:
   triton rows   flashkd's row kernel on the same block (JSD, the statistics found by its own pass), for scale
 The rows' output is checked against float64 first (loss and dJ/ds).
 
+--loop: the whole JSD seed call (N 8192, R 1024, 8 chunks, forward + backward, no CE) scheduled so that each
+chunk's rows run inside the next chunk's student logits GEMM (the last chunk's alone): S(c+1)+rows(c), T(c+1),
+dX(c) (cuBLAS), dW(c) (CuTe reduce-add), the row statistics merged from the GEMMs' planes by torch, dJ/ds in a
+buffer of its own (one more R·V·2 bytes, not in s's bytes) — against `flashkd.fused_linear_distill(...,
+backend="cute")` on the same inputs and the floor (cuBLAS: both logits GEMMs, dX, dW), in turn. A projection of
+the design: the rows are the probe's (JSD without CE), the losses checked against flashkd's.
+
     python probes/probe_cute_rows.py [--reps 20] [--side-regs 64] [--unroll 2]
     python probes/probe_cute_rows.py --compile-only      # sm_90a, no GPU needed (CUTE_DSL_ARCH=sm_90a)
 """
@@ -237,11 +244,14 @@ def main():
     p.add_argument("--unroll", type=int, default=2)
     p.add_argument("--sides", nargs="+", default=["none", "rows", "both"])
     p.add_argument("--compile-only", action="store_true")
+    p.add_argument("--loop", action="store_true")
     a = p.parse_args()
     if a.compile_only:
         os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
         return compile_only(a)
     run(a)
+    if a.loop:
+        loop(a)
 
 
 def run(a):
@@ -331,6 +341,109 @@ def run(a):
             base = med[f"gemm+regs K{hk}"]
             hidden = (base + med["rows"] - med[f"gemm+rows K{hk}"]) / med["rows"]
             print(f"K{hk}: regs cost {base - med[f'gemm K{hk}']:+.3f} ms; rows hidden {hidden:.2f} of {med['rows']:.3f} ms")
+
+
+def loop(a):
+    import torch
+    import cutlass.cute as cute
+    from cutlass.cute.runtime import from_dlpack
+
+    import flashkd
+    from flashkd.backends import cute_gemm
+    from flashkd.bench.measure import event_times
+
+    torch.manual_seed(1)
+    n, r, v, hs, ht = 8192, a.rows, a.vocab, 2048, 4096
+    dev = "cuda"
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    xs = torch.randn(n, hs, device=dev).to(torch.bfloat16)
+    xt = torch.randn(n, ht, device=dev).to(torch.bfloat16)
+    ws = (torch.randn(v, hs, device=dev) / math.sqrt(hs) * 4).to(torch.bfloat16)
+    wt = (torch.randn(v, ht, device=dev) / math.sqrt(ht) * 4).to(torch.bfloat16)
+    chunks = n // r
+    s_buf = [torch.empty(r, v, device=dev) for _ in range(2)]  # S(c) and S(c+1)
+    t_buf = [torch.empty(r, v, device=dev) for _ in range(2)]  # T(c) read by rows(c) while T(c+1) is written
+    planes = [torch.empty(2, r, cute_gemm.n_tiles(v), device=dev) for _ in range(4)]  # S, T planes, two chunks
+    g = torch.empty(r, v, device=dev, dtype=torch.bfloat16)
+    loss_rows = torch.empty(chunks, r, device=dev)
+    stat = torch.empty(r, 4, device=dev)
+    dx = torch.empty(n, hs, device=dev, dtype=torch.bfloat16)
+    dw = torch.empty(v, hs, device=dev)
+    dw_floor = torch.empty(v, hs, device=dev, dtype=torch.bfloat16)
+    blk = lambda z: from_dlpack(z.view(r, v // 4, 4), assumed_align=16)
+    compiled = {}
+
+    def merge(ps, pt):  # the row statistics from the planes: (max, log2 Σ 2^((z − max)·log2 e)) each side
+        out = []
+        for pl in (ps, pt):
+            m = pl[0].amax(1)
+            out += [m, torch.log2((pl[1] * torch.exp2((pl[0] - m[:, None]) * LOG2E)).sum(1))]
+        torch.stack(out, 1, out=stat)
+
+    def gemm_rows(side, x, w, z, pl, c_rows):
+        args = [cute_gemm._as_cute(x[:, :, None]), cute_gemm._as_cute(w[:, :, None]), cute_gemm._as_cute(z[:, :, None]),
+                cute_gemm._as_cute(pl[0], 4), cute_gemm._as_cute(pl[1], 4), cute_gemm._as_cute(pl[1], 4), LOG2E, LOG2E,
+                blk(s_buf[c_rows % 2]), blk(t_buf[c_rows % 2]), from_dlpack(stat, assumed_align=16), blk(g),
+                from_dlpack(loss_rows[c_rows], assumed_align=16), cute_gemm._stream(x.device)]
+        if side not in compiled:
+            compiled[side] = cute.compile(build(side, a.side_regs, a.unroll, sms), *args)
+        compiled[side](*args)
+
+    def pipelined():
+        for c in range(chunks + 1):
+            if c < chunks:
+                rows_c = slice(c * r, (c + 1) * r)
+                if c == 0:
+                    cute_gemm.logits(xs[rows_c], ws, planes[0], LOG2E, None, s_buf[0])
+                else:  # S(c) with rows(c − 1)
+                    merge(planes[(c - 1) % 2 * 2], planes[(c - 1) % 2 * 2 + 1])
+                    gemm_rows("both", xs[rows_c], ws, s_buf[c % 2], planes[c % 2 * 2], c - 1)
+                cute_gemm.logits(xt[rows_c], wt, planes[c % 2 * 2 + 1], LOG2E, None, t_buf[c % 2])
+            else:  # the last chunk's rows alone
+                merge(planes[(c - 1) % 2 * 2], planes[(c - 1) % 2 * 2 + 1])
+                gemm_rows("rows", xs[:r], ws, s_buf[c % 2], planes[c % 2 * 2], c - 1)
+            if c > 0:
+                prev = slice((c - 1) * r, c * r)
+                torch.mm(g, ws, out=dx[prev])
+                cute_gemm.accumulate(dw, g.t(), xs[prev].t(), add=c > 1)
+        return loss_rows.sum()
+
+    def product():
+        return flashkd.fused_linear_distill(xs, ws, xt, wt, weight_hard_loss=0.0, weight_soft_loss=1.0,
+                                            loss="jsd", beta=0.5, reduction="sum", chunk_size=r, backend="cute")
+
+    xs.requires_grad_(True)
+    ws.requires_grad_(True)
+
+    def product_step():
+        xs.grad = ws.grad = None
+        product().backward()
+
+    def floor():
+        sl = xs.detach() @ ws.detach().t()
+        tl = xt @ wt.t()
+        gs = sl.to(torch.bfloat16)
+        torch.mm(gs, ws.detach(), out=dx)
+        torch.mm(gs.t(), xs.detach(), out=dw_floor)
+        del tl
+
+    with torch.no_grad():
+        got = pipelined()
+        want = product()
+    torch.cuda.synchronize()
+    rel = abs(got.item() - want.item()) / abs(want.item())
+    print(f"loop: loss {got.item():.6f} against flashkd's {want.item():.6f} (rel {rel:.1e})")
+    if rel > 1e-4:
+        sys.exit("WRONG: the pipelined loop's loss is off")
+    lines = {"flashkd cute": product_step, "pipelined": lambda: pipelined() and None, "floor": floor}
+    times = {k: [] for k in lines}
+    for fn in lines.values():
+        fn()
+    for _ in range(max(3, a.reps // 4)):
+        for k, fn in lines.items():
+            times[k] += event_times(fn, 1)
+    for k, ts in times.items():
+        print(f"{k:14s} {statistics.median(ts):8.2f} ms  ({min(ts):.2f}-{max(ts):.2f})")
 
 
 if __name__ == "__main__":
