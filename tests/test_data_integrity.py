@@ -370,6 +370,90 @@ def test_ids_beyond_vocab_size_are_refused(copy):
         TopKTargets(copy)["a"]
 
 
+def sealed(path, rows, dtype=torch.float32):
+    """A directory of the format holding `rows` (key -> (ids, logprobs)) in one shard, its digests right:
+    targets written by another tool, whose values only the per-example checks can refuse."""
+    import safetensors.torch
+
+    path.mkdir()
+    tensors = {}
+    for key, (ids, lp) in rows.items():
+        tensors[f"{key}.ids"], tensors[f"{key}.logprobs"] = ids.to(torch.int32), lp.to(dtype)
+    safetensors.torch.save_file(tensors, path / FILES[1], metadata={"format": "flashkd.topk/2"})
+    raw = (path / FILES[1]).read_bytes()
+    (path / "index.json").write_bytes(seal({
+        "format": "flashkd.topk", "version": 2, "k": K, "temperature": 1.0, "vocab_size": V,
+        "logprob_dtype": str(dtype).removeprefix("torch."), "teacher_description": None,
+        "shards": [{"file": FILES[1], "bytes": len(raw), "sha256": hashlib.sha256(raw).hexdigest()}],
+        "examples": {key: {"shard": 0, "length": ids.shape[0]} for key, (ids, _) in rows.items()}}))
+    return TopKTargets(path)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rows_that_are_no_top_k_of_a_distribution_are_refused(tmp_path, dtype):
+    """Repeated ids in a row, or probabilities summing past 1, were served: the loss, unchecked on a GPU,
+    then counted an id twice or renormalised the bucket in silence."""
+    p = torch.tensor([[0.5, 0.2, 0.1, 0.05], [0.4, 0.4, 0.1, 0.1]])
+    ids = torch.tensor([[3, 7, 9, 1], [5, 6, 8, 2]])
+    cases = {"dup": (torch.tensor([[3, 7, 9, 1], [5, 6, 5, 2]]), p.log()),
+             "mass": (ids, torch.tensor([[0.5, 0.2, 0.1, 0.05], [0.6, 0.4, 0.1, 0.1]]).log())}
+    targets = sealed(tmp_path / "t", {"ok": (ids, p.log()), **cases}, dtype)
+    with pytest.raises(TargetsError, match=rf"{FILES[1]}: dup\.ids: expected distinct ids in a row \(the top k\), "
+                                           r"got id 5 twice in row 1"):
+        targets["dup"]
+    with pytest.raises(TargetsError, match=rf"{FILES[1]}: mass\.logprobs: expected probabilities summing to at most 1 "
+                                           r"in a row .*got 1\.(2|19)\d* in row 1"):
+        targets["mass"]
+    assert torch.allclose(targets["ok"][1].exp(), p, rtol=2**-5)  # bf16: |log p|·2^-8
+    # unused slots (-1, -inf) repeat, and a row may sum to 1 up to the rounding of its dtype
+    full = torch.tensor([[0.7, 0.1, 0.1, 0.1]]).log().to(dtype)
+    again = sealed(tmp_path / "u", {"pad": (torch.tensor([[4, -1, 6, -1]]), torch.tensor([[-0.5, -torch.inf, -1.0, -torch.inf]])),
+                                    "full": (torch.tensor([[1, 2, 3, 4]]), full)}, dtype)
+    again.verify()
+
+
+def test_a_shard_replaced_between_its_check_and_its_open_is_refused(copy, tmp_path, monkeypatch):
+    """The digest was taken from one open of the path and the tensors read from another: a shard renamed
+    over it in between (another write's) was served as the one checked."""
+    import flashkd.data
+
+    other = tmp_path / "other"
+    write(other, seed=1)
+    digest = flashkd.data._file_sha256
+
+    def then_replace(fd):
+        got = digest(fd)
+        shutil.copy(other / FILES[2], copy / "new")
+        os.replace(copy / "new", copy / FILES[2])
+        return got
+
+    monkeypatch.setattr(flashkd.data, "_file_sha256", then_replace)
+    with pytest.raises(TargetsError, match=rf"{FILES[2]}: expected the shard that was checked, got another file at its "
+                                           "path: it was replaced while it was opened"):
+        TopKTargets(copy)["c"]
+
+
+@pytest.mark.parametrize("check_digests", [True, False])
+def test_targets_replaced_under_an_open_reader_are_refused(copy, reference, check_digests):
+    """An overwrite of the directory (same examples, another teacher: shards of the same sizes and
+    headers) after a reader read its index: without digests the reader served the new shards as the
+    old index's, two teachers mixed in one epoch."""
+    import pickle
+
+    targets = TopKTargets(copy, check_digests=check_digests)
+    early = TopKTargets(copy, check_digests=check_digests)
+    assert same({"a": targets["a"]}, {"a": reference[2]["a"]})
+    early.verify() if check_digests else contents(early)  # every shard open before the overwrite
+    write(copy, seed=1, overwrite=True)
+    for reader in (targets, pickle.loads(pickle.dumps(targets))):  # a DataLoader worker's copy too
+        with pytest.raises(TargetsError, match=r"index\.json: expected the index this reader opened, got another "
+                                               r"file: the targets were replaced \(an overwrite\?\) since"):
+            reader["c"]
+    assert same({"a": targets["a"]}, {"a": reference[2]["a"]})  # its shard opened before: the old targets
+    assert same(contents(early), reference[2])  # shards opened before: the old targets, whole
+    assert not same(contents(TopKTargets(copy)), reference[2])  # (the new ones differ)
+
+
 # Damage at random: Hypothesis.
 
 

@@ -34,9 +34,11 @@ Each shard is a regular file (not a symbolic link) in the directory, a safetenso
 {"format": "flashkd.topk/2"} (one key: safetensors writes several in a random order, and a write's
 bytes are meant to be reproducible) holding, for each example the index places in it, and nothing else,
 
-    <key>.ids        (L, K) int32           vocab ids in [0, V); -1 marks an unused slot
+    <key>.ids        (L, K) int32           vocab ids in [0, V), distinct in a row; -1 marks an unused slot
     <key>.logprobs   (L, K) logprob_dtype   log p at those ids, log p = logit/τ − logsumexp(logits/τ)
-                                            over the whole vocab: <= 0, never NaN, −inf at unused slots
+                                            over the whole vocab: <= 0, never NaN, −inf at unused slots;
+                                            a row's probabilities sum to at most 1 (up to the rounding of
+                                            logprob_dtype: K^u − 1 + u + 1e-5, u = 2^-24, 2^-11, 2^-8)
 
 The writer here fills all K slots of every row, sorted by decreasing log-prob; -1 slots exist for
 targets that come from elsewhere (a served teacher that returned fewer than K).
@@ -48,13 +50,17 @@ are kept out.
 Integrity. `TopKTargets` checks index.json in full when it opens a directory (its digest, every field,
 that each shard is a regular file of the listed size), a shard's SHA-256 and its safetensors header
 (exactly the tensors, shapes and dtypes the index lists) the first time the shard is opened, and
-each example's ids and log-probs (the ranges above) when it is read. A failure raises `TargetsError`
-(a ValueError) naming the file and the field or key; no other error comes out of a damaged
-directory. The digest costs one extra read of each shard per process that opens it (SHA-256 runs at
+each example's ids and log-probs (the ranges, distinct ids and sums above) when it is read. A
+failure raises `TargetsError` (a ValueError) naming the file and the field or key; no other error
+comes out of a damaged directory. The digest costs one extra read of each shard per process that opens it (SHA-256 runs at
 roughly 0.5-2 GB/s on one core, by CPU; DataLoader workers each check the shards they open, again
 every epoch unless persistent_workers=True); `check_digests=False` skips it where `verify()` (every
 shard and every example, one read of the whole directory) has been run once and the files are trusted
-from then on. A shard changed after it was checked and memory-mapped is not noticed.
+from then on. A shard is checked through the descriptor that reads it, and refused if another file
+is at its path once safetensors has opened it; a directory replaced (overwrite=True by another
+process) after a reader read its index is refused at the next shard it opens (shards opened before
+keep serving the old targets whole). A shard changed in place after it was checked and memory-mapped
+is not noticed (flashkd's writer never changes a file in place).
 
 Writing is safe against concurrent writers, crashes and failed overwrites. For out_dir ".../NAME"
 the writer uses three siblings of it:
@@ -407,7 +413,7 @@ class TopKTargets(collections.abc.Mapping):
         if not isinstance(check_digests, bool):
             raise TypeError(f"check_digests: expected a bool, got {type(check_digests).__name__}")
         self.path = _path("path", path)
-        index = _read_index(self.path)
+        index, self._index_id = _read_index(self.path)
         self.k = index["k"]
         self.temperature = index["temperature"]
         self.vocab_size = index["vocab_size"]
@@ -460,8 +466,24 @@ class TopKTargets(collections.abc.Mapping):
         if i not in self._open or (digest and not self._open[i][1]):
             entry, keys = self._shards[i], self._keys[i]
             lengths = [(key, self._examples[key]["length"]) for key in keys]
-            self._open[i] = _open_shard(self.path / entry["file"], entry, lengths, self.k, self._dtype_name, digest), digest
+            self._same_index()  # before: no digest of another directory's shard
+            f = _open_shard(self.path / entry["file"], entry, lengths, self.k, self._dtype_name, digest)
+            self._same_index()  # after: the shard opened is of this index's directory
+            self._open[i] = f, digest
         return self._open[i][0]
+
+    def _same_index(self):
+        """An overwrite (another process's write_topk_targets) since the index was read puts a new
+        directory at path, whose shards, of the same examples, can have the same sizes and headers:
+        without digests they were served as this index's."""
+        try:
+            now = _identity(os.stat(self.path / _INDEX))
+        except OSError:
+            now = None
+        if now != self._index_id:
+            raise TargetsError(f"{self.path / _INDEX}: expected the index this reader opened, got "
+                               f"{'none' if now is None else 'another file'}: the targets were replaced (an "
+                               "overwrite?) since; open the directory again")
 
     def _entry(self, key):
         entry = self._examples.get(key) if isinstance(key, str) else None
@@ -702,7 +724,7 @@ def _start(partial: Path, index: dict, writer: dict, resume: bool) -> bool:
             "resume=True to continue it (with the same examples and options), or remove that directory"
         )
     if finished:
-        state = _read_index(partial)
+        state, _ = _read_index(partial)
         _check_same(state, None, index, writer, partial)
         for entry in state["shards"]:
             _check_shard_file(partial / entry["file"], entry["bytes"], entry["sha256"])
@@ -791,7 +813,8 @@ def _index_bytes(index: dict) -> bytes:
 # Reading: strict JSON, the index, the shards.
 
 
-def _read_index(path: Path) -> dict:
+def _read_index(path: Path) -> tuple[dict, tuple]:
+    """The checked index of the directory at `path`, and the identity of the index.json read (`_identity`)."""
     file = path / _INDEX
     if not os.path.lexists(file):
         partial = _sibling(path.resolve(), "partial", checked=False)  # only named in the message
@@ -804,12 +827,18 @@ def _read_index(path: Path) -> dict:
         else:
             why = "not a directory of top-k targets, or a write that did not finish"
         raise TargetsError(f"path: expected a directory with {_INDEX}, got {path} ({why})")
-    raw = _read_regular(file)
+    raw, identity = _read_regular(file)
     index = _loads(raw, str(file))
     _check_index(index, raw, file)
     for entry in index["shards"]:
         _check_shard_file(path / entry["file"], entry["bytes"])
-    return index
+    return index, identity
+
+
+def _identity(s: os.stat_result) -> tuple:
+    """What tells one file from the one that replaced it at its path (a new file of a later write):
+    no st_dev, which differs between the hosts that mount one network file system."""
+    return s.st_ino, s.st_size, s.st_mtime_ns
 
 
 def _read_regular(file: Path) -> bytes:
@@ -830,7 +859,7 @@ def _read_regular(file: Path) -> bytes:
         os.close(fd)
         raise TargetsError(f"{file}: expected a regular file, got {files.kind(mode)}")
     with os.fdopen(fd, "rb") as f:
-        return f.read()
+        return f.read(), _identity(os.fstat(f.fileno()))
 
 
 def _loads(raw: bytes, where: str):
@@ -917,29 +946,45 @@ def _check_shard_entry(entry, i: int, where: str):
 def _check_shard_file(file: Path, size: int, sha256: str | None = None):
     """A shard is a regular file in the directory (a link could lead anywhere) of the listed size and,
     where given, digest."""
+    os.close(_shard_fd(file, size, sha256))
+
+
+def _shard_fd(file: Path, size: int, sha256: str | None) -> int:
+    """A descriptor of the shard `_check_shard_file` checks: its size and digest are those of what it
+    reads, whatever is put at the path meanwhile."""
     try:
         s = os.lstat(file)
     except FileNotFoundError:
         raise TargetsError(f"{file}: expected the shard the index lists, got no such file") from None
     if not stat.S_ISREG(s.st_mode):  # lstat: a link is one
         raise TargetsError(f"{file}: expected a regular file, got {files.kind(s.st_mode)}")
-    if s.st_size != size:
-        raise TargetsError(f"{file}: expected {size} bytes (the index), got {s.st_size}: the file is truncated or changed")
-    if sha256 is None:
-        return
-    try:
-        got = _file_sha256(file)
+    try:  # O_NOFOLLOW, O_NONBLOCK: a link or a FIFO put there since the lstat is not followed or waited on
+        fd = os.open(file, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_NOFOLLOW", 0))
     except FileNotFoundError:
         raise TargetsError(f"{file}: expected the shard the index lists, got no such file") from None
     except OSError as e:
         raise TargetsError(f"{file}: cannot read it: {e.strerror}") from None
-    if got != sha256:
-        raise TargetsError(f"{file}: expected SHA-256 {sha256} (the index), got {got}: the file changed or is damaged")
+    try:
+        s = os.fstat(fd)
+        if not stat.S_ISREG(s.st_mode):
+            raise TargetsError(f"{file}: expected a regular file, got {files.kind(s.st_mode)}")
+        if s.st_size != size:
+            raise TargetsError(f"{file}: expected {size} bytes (the index), got {s.st_size}: the file is truncated or changed")
+        if sha256 is not None and (got := _file_sha256(fd)) != sha256:
+            raise TargetsError(f"{file}: expected SHA-256 {sha256} (the index), got {got}: the file changed or is damaged")
+    except BaseException as e:
+        os.close(fd)
+        if isinstance(e, OSError):
+            raise TargetsError(f"{file}: cannot read it: {e.strerror}") from None
+        raise
+    return fd
 
 
-def _file_sha256(file: Path) -> str:
+def _file_sha256(file: Path | int) -> str:
+    """The SHA-256 of a file, by path or from the start of a descriptor (left open)."""
     h = hashlib.sha256()
-    with open(file, "rb") as f:
+    with open(file, "rb", closefd=isinstance(file, Path)) as f:
+        f.seek(0)
         while chunk := f.read(1 << 20):
             h.update(chunk)
     return h.hexdigest()
@@ -948,16 +993,27 @@ def _file_sha256(file: Path) -> str:
 def _open_shard(file: Path, entry: dict, lengths, k: int, dtype_name: str, digest: bool):
     """Open a shard (safetensors memory-maps it) after checking the file, and its header against the
     index: exactly the tensors of `lengths` ((key, L) pairs), each (L, k) of its dtype."""
-    _check_shard_file(file, entry["bytes"], entry["sha256"] if digest else None)
+    fd = _shard_fd(file, entry["bytes"], entry["sha256"] if digest else None)
     st = _safetensors()
     try:
         f = st.safe_open(file, framework="pt")
         meta = f.metadata()
         header = {n: (f.get_slice(n).get_shape(), f.get_slice(n).get_dtype()) for n in f.keys()}
+        # safetensors opens the path again, and torch once more: a file put there since the one checked
+        # above (a rename over it) is not the one whose size and digest passed
+        try:
+            same = os.path.samestat(os.fstat(fd), os.stat(file))
+        except FileNotFoundError:
+            same = False
     except PermissionError as e:
         raise TargetsError(f"{file}: cannot read it: {e.strerror}") from None
     except (st.SafetensorError, OSError, RuntimeError) as e:  # RuntimeError: torch's second open of the file
         raise TargetsError(f"{file}: expected a safetensors file, got: {e}") from None
+    finally:
+        os.close(fd)  # held open until now: its inode cannot be reused by a file put at the path
+    if not same:
+        raise TargetsError(f"{file}: expected the shard that was checked, got another file at its path: it was "
+                           "replaced while it was opened (a write into the directory?)")
     if meta != {"format": f"{FORMAT}/{VERSION}"}:
         raise TargetsError(f"{file}: metadata: expected {{'format': '{FORMAT}/{VERSION}'}}, got {meta!r}")
     want = {}
@@ -982,4 +1038,21 @@ def _rows_problem(ids: torch.Tensor, lp: torch.Tensor, vocab_size: int) -> str |
     bad = (ids == -1) & (lp != -torch.inf)
     if bad.any():
         return f"logprobs: expected -inf at unused slots (id -1), got {float(lp[bad][0])}"
+    # Top-k ids of one distribution: distinct (the loss counts a repeated id twice, unchecked on a GPU),
+    # and their probabilities sum to at most 1 (the bucket would renormalise a larger sum, unchecked on
+    # a GPU), but for the rounding of log-probs stored in fewer bits: by up to u·|log p| each, which
+    # lifts the sum by at most K^u − 1 (+ u, and 1e-5 for the fp32 log-softmax, as the loss allows)
+    ordered = torch.where(ids >= 0, ids, -1 - torch.arange(ids.shape[-1], dtype=ids.dtype)).sort(-1).values
+    bad = ordered[:, 1:] == ordered[:, :-1]
+    if bad.any():
+        row = int(bad.any(-1).nonzero()[0, 0])
+        return f"ids: expected distinct ids in a row (the top k), got id {int(ordered[:, 1:][bad][0])} twice in row {row}"
+    u = {torch.float16: 2.0**-11, torch.bfloat16: 2.0**-8}.get(lp.dtype, 2.0**-24)
+    tol = ids.shape[-1] ** u - 1.0 + u + 1e-5
+    mass = lp.double().exp().sum(-1)  # exp(-inf) = 0 at unused slots
+    bad = mass > 1.0 + tol
+    if bad.any():
+        row = int(bad.nonzero()[0, 0])
+        return (f"logprobs: expected probabilities summing to at most 1 in a row (log-probs over the whole vocab; "
+                f"tolerance {tol:.2g} for their rounding), got {float(mass[row]):.6g} in row {row}")
     return None
