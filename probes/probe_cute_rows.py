@@ -41,7 +41,7 @@ THREADS = 96  # warps 1-3 of warpgroup 0
 ROWS_BAR = 5  # named barrier: the GEMM's epilogue takes 1-2, its ping-pong 3-4
 
 
-def build(side: str, side_regs: int, unroll: int, sms: int):
+def build(side: str, side_regs: int, unroll: int, sms: int, feed: str = "regs", depth: int = 8):
     import cutlass
     import cutlass.cute as cute
     import cutlass.pipeline as pipeline
@@ -53,7 +53,9 @@ def build(side: str, side_regs: int, unroll: int, sms: int):
     from flashkd.backends.cute_gemm_sm90 import EPI_N, TILE_K, TILE_M, Gemm
 
     f32 = cutlass.Float32
-    cfg = cute_gemm.LOGITS
+    cfg = dict(cute_gemm.LOGITS)
+    if feed == "async":  # the rows' ring (depth · 96 threads · 32 bytes) takes one operand stage's shared memory
+        cfg["stages"] -= 1
     mma_regs = (512 - side_regs) // 2 // 8 * 8
 
     class RowsBeside(Gemm):
@@ -111,6 +113,75 @@ def build(side: str, side_regs: int, unroll: int, sms: int):
                     out.store(rg.load().to(cutlass.BFloat16))
                     cute.autovec_copy(out, mG[row, g, None])
 
+        @cute.jit
+        def rows_async(self, tidx: cutlass.Int32, first: cutlass.Int32, step: cutlass.Int32, mS: cute.Tensor,
+                       mT: cute.Tensor, mStat: cute.Tensor, mG: cute.Tensor, mLoss: cute.Tensor,
+                       sRed: cute.Tensor, sRing: cute.Tensor):
+            """`rows` with each thread's next `depth` steps of s and t in flight by cp.async into its own slots
+            of a shared-memory ring (no registers held by loads in flight; a thread reads only what it copied, so
+            no barrier but its own wait)."""
+            i = tidx - 32
+            w = cute.arch.make_warp_uniform(i // 32)
+            lane = cute.arch.lane_idx()
+            n_rows = mS.shape[0]
+            groups = mS.shape[1]
+            atom = cute.make_copy_atom(cute.nvgpu.cpasync.CopyG2SOp(cute.nvgpu.cpasync.LoadCacheMode.GLOBAL), f32,
+                                        num_bits_per_copy=128)  # .cg: through L2 only
+            rs = cute.make_rmem_tensor((4,), f32)
+            rt = cute.make_rmem_tensor((4,), f32)
+            rg = cute.make_rmem_tensor((4,), f32)
+            steps = (groups - i + THREADS - 1) // THREADS
+            parity = 0
+            for row in cutlass.range(first, n_rows, step, unroll=1):
+                ms, ls, mt, lt = mStat[row, 0], mStat[row, 1], mStat[row, 2], mStat[row, 3]
+                k2 = f32(0.0)
+                for phase in cutlass.range_constexpr(2):
+                    a1 = f32(0.0)
+                    a2 = f32(0.0)
+                    for d in cutlass.range_constexpr(depth):
+                        g = cutlass.min(i + THREADS * d, groups - 1)
+                        cute.copy(atom, mS[row, g, None], sRing[(None, i, 0, d)])
+                        cute.copy(atom, mT[row, g, None], sRing[(None, i, 1, d)])
+                        cute.arch.cp_async_commit_group()
+                    for it in cutlass.range(steps, unroll=1):
+                        slot = it % depth
+                        cute.arch.cp_async_wait_group(depth - 1)
+                        rs.store(sRing[(None, i, 0, slot)].load())
+                        rt.store(sRing[(None, i, 1, slot)].load())
+                        for c in cutlass.range_constexpr(4):
+                            lq = (rs[c] - ms) * LOG2E - ls
+                            lp = (rt[c] - mt) * LOG2E - lt
+                            q = cute.math.exp2(lq, fastmath=True)
+                            p = cute.math.exp2(lp, fastmath=True)
+                            lm = cute.math.log2(0.5 * q + 0.5 * p, fastmath=True)
+                            if cutlass.const_expr(phase == 0):
+                                a1 = a1 + p * (lp - lm)
+                                a2 = a2 + q * (lq - lm)
+                            else:
+                                rg[c] = (0.5 * LN2) * q * ((lq - lm) - k2)
+                        if cutlass.const_expr(phase == 1):
+                            out = cute.make_rmem_tensor((4,), cutlass.BFloat16)
+                            out.store(rg.load().to(cutlass.BFloat16))
+                            cute.autovec_copy(out, mG[row, i + THREADS * it, None])
+                        g = cutlass.min(i + THREADS * (it + depth), groups - 1)  # this slot's next step
+                        cute.copy(atom, mS[row, g, None], sRing[(None, i, 0, slot)])
+                        cute.copy(atom, mT[row, g, None], sRing[(None, i, 1, slot)])
+                        cute.arch.cp_async_commit_group()
+                    cute.arch.cp_async_wait_group(0)  # the ring's last copies landed before the next pass's
+                    if cutlass.const_expr(phase == 0):
+                        for off in cutlass.range_constexpr(5):
+                            a1 = a1 + cute.arch.shuffle_sync_bfly(a1, offset=16 >> off)
+                            a2 = a2 + cute.arch.shuffle_sync_bfly(a2, offset=16 >> off)
+                        if lane == 0:
+                            sRed[parity * 8 + 2 * w] = a1
+                            sRed[parity * 8 + 2 * w + 1] = a2
+                        cute.arch.barrier(barrier_id=ROWS_BAR, number_of_threads=THREADS)
+                        k1 = sRed[parity * 8] + sRed[parity * 8 + 2] + sRed[parity * 8 + 4]
+                        k2 = sRed[parity * 8 + 1] + sRed[parity * 8 + 3] + sRed[parity * 8 + 5]
+                        parity = 1 - parity
+                        if i == 0:
+                            mLoss[row] = 0.5 * LN2 * (k1 + k2)
+
         @cute.kernel
         def kernel_side(self, tma_a: cute.CopyAtom, mA: cute.Tensor, tma_b: cute.CopyAtom, mB: cute.Tensor,
                         tma_c: cute.CopyAtom, mCt: cute.Tensor, mC: cute.Tensor, mM: cute.Tensor, mL1: cute.Tensor,
@@ -138,6 +209,9 @@ def build(side: str, side_regs: int, unroll: int, sms: int):
             sA = storage.sA.get_tensor(a_layout.outer, swizzle=a_layout.inner)
             sB = storage.sB.get_tensor(b_layout.outer, swizzle=b_layout.inner)
             sRed = storage.red.get_tensor(cute.make_layout(16))
+            # (4 columns, thread, s or t, step): a thread's 16 bytes of s beside its neighbours' (no bank conflict)
+            sRing = storage.ring.get_tensor(cute.make_layout((4, THREADS, 2, depth),
+                                                             stride=(1, 4, 4 * THREADS, 8 * THREADS)))
             tiler = (TILE_M, self.tile_n, TILE_K)
             every = (None, None, None, 0)
             gA = cute.local_tile(mA, tiler, every, proj=(1, None, 1))
@@ -156,7 +230,9 @@ def build(side: str, side_regs: int, unroll: int, sms: int):
                         self.load(tma_a, tma_b, sA, sB, gA, gB, pipe, first, step, tiles, m_tiles, n_tiles,
                                   k_tiles)
                 else:
-                    if cutlass.const_expr(side != "none"):
+                    if cutlass.const_expr(side != "none" and feed == "async"):
+                        self.rows_async(tidx, first, step, mS, mT, mStat, mG, mLoss, sRed, sRing)
+                    if cutlass.const_expr(side != "none" and feed == "regs"):
                         self.rows(tidx, first, step, mS, mT, mStat, mG, mLoss, sRed)
             else:
                 cute.arch.setmaxregister_increase(mma_regs)
@@ -192,6 +268,7 @@ def build(side: str, side_regs: int, unroll: int, sms: int):
             class Storage:
                 bars: cute.struct.MemRange[cutlass.Int64, stages * 2]
                 red: cute.struct.MemRange[f32, 16]
+                ring: cute.struct.Align[cute.struct.MemRange[f32, 8 * THREADS * (depth if feed == "async" else 1)], 128]
                 sA: cute.struct.Align[cute.struct.MemRange[ab, cute.cosize(a_layout)], 1024]
                 sB: cute.struct.Align[cute.struct.MemRange[ab, cute.cosize(b_layout)], 1024]
                 sC: cute.struct.Align[cute.struct.MemRange[f32, cute.cosize(c_layout)], 1024]
@@ -230,9 +307,9 @@ def compile_only(a):
     import cutlass.cute as cute
 
     for side in a.sides:
-        kernel = build(side, a.side_regs, a.unroll, 132)
+        kernel = build(side, a.side_regs, a.unroll, 132, a.feed, a.depth)
         cute.compile(kernel, *fake_args(a.rows, a.vocab, 2048, a.rows))
-        print("compiled", side, "side_regs", a.side_regs, "unroll", a.unroll)
+        print("compiled", side, "side_regs", a.side_regs, "unroll", a.unroll, "feed", a.feed, "depth", a.depth)
 
 
 def main():
@@ -242,6 +319,9 @@ def main():
     p.add_argument("--reps", type=int, default=20)
     p.add_argument("--side-regs", type=int, default=64)
     p.add_argument("--unroll", type=int, default=2)
+    p.add_argument("--feed", choices=["regs", "async"], default="regs",
+                   help="the rows' loads: into registers (unrolled), or cp.async into a shared-memory ring")
+    p.add_argument("--depth", type=int, default=8, help="--feed async: steps in flight a thread")
     p.add_argument("--sides", nargs="+", default=["none", "rows", "both"])
     p.add_argument("--compile-only", action="store_true")
     p.add_argument("--loop", action="store_true")
@@ -295,7 +375,7 @@ def run(a):
                      cute_gemm._stream(x.device)]
         lines[f"gemm K{hk}"] = lambda x=x, w=w, z=z, planes=planes: cute_gemm.logits(x, w, planes, LOG2E, None, z)
         for side in a.sides:
-            kernel = build(side, a.side_regs, a.unroll, sms)
+            kernel = build(side, a.side_regs, a.unroll, sms, a.feed, a.depth)
             args = gemm_args[:8] + side_args + gemm_args[8:]
             fn = cute.compile(kernel, *args)
             if side == "rows" and hk == 4096:
@@ -386,7 +466,7 @@ def loop(a):
                 blk(s_buf[c_rows % 2]), blk(t_buf[c_rows % 2]), from_dlpack(stat, assumed_align=16), blk(g),
                 from_dlpack(loss_rows[c_rows], assumed_align=16), cute_gemm._stream(x.device)]
         if side not in compiled:
-            compiled[side] = cute.compile(build(side, a.side_regs, a.unroll, sms), *args)
+            compiled[side] = cute.compile(build(side, a.side_regs, a.unroll, sms, a.feed, a.depth), *args)
         compiled[side](*args)
 
     def pipelined():
