@@ -52,6 +52,21 @@ def _usage_error(capsys, argv) -> str:
     (["--device", "nope"], "flashkd bench: --device: expected cpu, cuda or cuda:N, got 'nope'"),
     (["--preset", "seed", "--teacher-precision", "fp8"],
      "flashkd bench: --teacher-precision fp8: needs a CUDA GPU with FP8 tensor cores (sm_89 or newer), not --device cpu"),
+    # a list option given twice: argparse kept the last list in silence (N=16 alone, tvd alone)
+    (["-n", "8", "--n", "16"], "flashkd bench: error: argument -n/--n: expected once, got -n 8 and --n 16; give its "
+                               "values together: -n 8 16"),
+    (["--loss", "jsd", "--loss", "tvd"], "argument --loss: expected once, got --loss jsd and --loss tvd; give its "
+                                         "values together: --loss jsd tvd"),
+    (["--modes", "full", "--modes", "forward"], "argument --modes: expected once"),
+    # an option no workload reads: Workload.canonical dropped it in silence
+    (["--form", "logits", "--k", "4"], "flashkd bench: --k: no workload of this run reads it: it is for form(s) topk, "
+                                       "teacher_topk, and this run (preset small, --form logits) has form(s) logits"),
+    (["--form", "heads", "--tail", "renormalize"], "flashkd bench: --tail: no workload of this run reads it: it is for "
+                                                   "form(s) topk,"),
+    (["--form", "teacher_topk", "--loss", "tvd"], "flashkd bench: --loss: no workload of this run reads it"),
+    (["--preset", "teacher-topk", "--weight-soft", "1"], "flashkd bench: --weight-soft: no workload of this run reads "
+                                                         "it: it is for form(s) heads, logits, topk, and this run "
+                                                         "(preset teacher-topk) has form(s) teacher_topk"),
 ])
 def test_bench_usage_errors_exit_2_naming_the_option(tmp_path, capsys, argv, message):
     err = _usage_error(capsys, [*FAST, *argv, "--out", str(tmp_path / "run")])
@@ -209,7 +224,9 @@ def test_bench_huge_n(tmp_path, capsys):
     assert f"argument -n/--n: expected at most 2^53 - 1 (what a record carries), got {2**64}" in err
     out = tmp_path / "b"
     # --large-on-cpu: without it such an N is refused before anything runs (see the test of GPU-sized presets)
-    assert cli.main(["bench", *TINY_RUN[:-1], "-n", "7", str(2**50), "--large-on-cpu", "--out", str(out)]) == 1
+    i = TINY_RUN.index("-n")
+    run = TINY_RUN[:i] + TINY_RUN[i + 2:-1]  # -n once: a list option given twice is refused
+    assert cli.main(["bench", *run, "-n", "7", str(2**50), "--large-on-cpu", "--out", str(out)]) == 1
     said = capsys.readouterr().out
     assert "inputs or fp32 reference not made: RuntimeError:" in said and "not written" not in said
     rows = [line.split(",") for line in (out / "errors.csv").read_text().splitlines()[1:]]

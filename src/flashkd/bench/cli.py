@@ -68,6 +68,8 @@ presets:
   refused unless --large-on-cpu: hours of GEMMs there; a CPU's times are wall-clock checks that
   each provider runs and is right, not a speed comparison.
   forms: heads (the teacher's hidden states and head), logits, topk (--k, --tail), teacher_topk.
+  An option that no workload of the run reads (--k with --form logits) is refused, and so is a list
+  option given twice (-n 1024 -n 4096: write -n 1024 4096).
 
 examples:
   flashkd bench
@@ -101,13 +103,37 @@ _OPTIONS = {
 }
 
 
+class _Once(argparse._StoreAction):
+    """argparse's store action, refusing a list option (-n, --loss, --modes, --providers) given twice:
+    argparse keeps the last list in silence, so `-n 1024 -n 4096` timed N=4096 alone and `--loss jsd
+    --loss tvd` tvd alone. An option of one value given again replaces it, as in most commands (a
+    script's defaults overridden after them)."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        seen = parser.__dict__.setdefault("_stored", {})  # reset by each parse (_Parser.parse_known_args)
+        if self.nargs in ("+", "*") and self.option_strings and self.dest in seen:
+            first, old = seen[self.dest]
+            parser.error(f"argument {'/'.join(self.option_strings)}: expected once, got {first} {' '.join(map(str, old))} "
+                         f"and {option_string} {' '.join(map(str, values))}; give its values together: {first} "
+                         f"{' '.join(map(str, [*old, *values]))}")
+        seen[self.dest] = (option_string, values)
+        super().__call__(parser, namespace, values, option_string)
+
+
 class _Parser(argparse.ArgumentParser):
     """argparse's parser with its usage errors in one line, as flashkd's own are: "flashkd bench: error:
     argument --loss: invalid choice: 'foo' (choose from ...)", exit status 2, with where to look for
-    the options rather than the whole usage block. Its subparsers are of this class too."""
+    the options rather than the whole usage block; a list option given twice is one (_Once). Its
+    subparsers are of this class too."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.register("action", None, _Once)
+        self.register("action", "store", _Once)
 
     def parse_known_args(self, args=None, namespace=None):
         self._given = list(sys.argv[1:] if args is None else args)
+        self._stored = {}
         return super().parse_known_args(args, namespace)
 
     def error(self, message):
@@ -359,6 +385,7 @@ def plan(args: argparse.Namespace) -> Plan:
             message = (f"--form {args.form}: a loss of preset {preset} is not one of this form's: "
                        f"{message.removeprefix('--loss: ')}; name the losses with --loss")
         raise UsageError(f"flashkd bench: {message}") from None
+    _check_read(args, preset, workloads)
     for w in workloads:
         if w.h < 2:
             raise UsageError(f"flashkd bench: --h: expected at least 2 (the student's is H//2), got {w.h}")
@@ -409,6 +436,20 @@ def gemm_flops(w: Workload) -> int:
     if w.form == "teacher_topk":
         return 2 * w.n * w.v * w.h
     return 2 * w.n * w.v * (3 * w.hs + (w.h if w.form == "heads" else 0))
+
+
+def _check_read(args: argparse.Namespace, preset: str, workloads: list[Workload]) -> None:
+    """An option that no workload of the run reads is a UsageError: Workload.canonical drops the fields a
+    form does not read, so `--form logits --k 4` or `--preset teacher-topk --loss tvd` ran without it."""
+    from .workloads import UNREAD
+
+    forms = sorted({w.form for w in workloads})
+    for field in ("k", "tail", "teacher_precision", "loss", "beta", "weight_hard", "weight_soft"):
+        if getattr(args, field) is not None and all(field in UNREAD[form] for form in forms):
+            readers = [form for form in FORMS if field not in UNREAD[form]]
+            raise UsageError(f"flashkd bench: {_OPTIONS[field]}: no workload of this run reads it: it is for form(s) "
+                             f"{', '.join(readers)}, and this run (preset {preset}"
+                             f"{f', --form {args.form}' if args.form else ''}) has form(s) {', '.join(forms)}")
 
 
 def _named(message: str) -> str:

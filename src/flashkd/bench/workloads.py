@@ -38,6 +38,14 @@ INPUTS = ("bench", "trained")
 TRAINED_STD, TRAINED_PEAK, TRAINED_EVERY = 4.0, 32.0, 4
 
 
+# The fields each form does not read (Workload.canonical sets them to their defaults): an option that
+# sets one for a run of such forms alone is refused by the command line, not dropped.
+UNREAD = {
+    "heads": ("k", "tail"), "logits": ("k", "tail", "teacher_precision"), "topk": ("teacher_precision",),
+    "teacher_topk": ("loss", "beta", "weight_hard", "weight_soft", "ignore_index", "tail"),
+}
+
+
 @dataclasses.dataclass(frozen=True)
 class Workload:
     loss: str = "jsd"
@@ -114,11 +122,7 @@ class Workload:
         base = Workload()
         # a student of hidden h // 2 given by size is the same case as one given by default
         same = {"student_h": None} if self.student_h == self.h // 2 else {}
-        unused = {
-            "heads": ("k", "tail"), "logits": ("k", "tail", "teacher_precision"), "topk": ("teacher_precision",),
-            "teacher_topk": ("loss", "beta", "weight_hard", "weight_soft", "ignore_index", "tail"),
-        }[self.form]
-        return dataclasses.replace(self, **{name: getattr(base, name) for name in unused}, **same)
+        return dataclasses.replace(self, **{name: getattr(base, name) for name in UNREAD[self.form]}, **same)
 
     def spec(self) -> LossSpec:
         """The LossSpec that flashkd builds for this call (labels given, terms not returned)."""
