@@ -171,6 +171,15 @@ def _bad_inputs(rank, world, group, start, stop, device, gen):
     _raises(ValueError, r"student_input: expected the same tensor on every rank .* rank\(s\) \[1\]",
             call, moved, ws[start:stop], xt, wt[start:stop], labels, process_group=group, vocab_start=start,
             check_replicas=True)
+    # the same non-finite rows on every rank are the same rows (NaN == NaN was False: every rank "differed")
+    odd = xs.clone()
+    odd[0, 0], odd[1, :2] = float("nan"), torch.tensor([torch.inf, -torch.inf], dtype=odd.dtype)
+    got = call(odd, ws[start:stop], xt, wt[start:stop], labels, process_group=group, vocab_start=start,
+               check_replicas=True)
+    assert torch.isnan(got), "NaN rows: a NaN loss"
+    _raises(ValueError, r"student_input: expected the same tensor on every rank .* rank\(s\) \[1\]",
+            call, odd + (rank == 1) * 1e-3, ws[start:stop], xt, wt[start:stop], labels, process_group=group,
+            vocab_start=start, check_replicas=True)
 
 
 @pytest.mark.parametrize("world", [2, 3])

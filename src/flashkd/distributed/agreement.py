@@ -286,7 +286,8 @@ def _check_layout(layout, rank) -> int:
 
 def check_replicas(group, named: dict):
     """Raise, on every rank, when a tensor that must be the same on every rank is not: one
-    all-gather of a few fp64 fingerprints per tensor (sum, sum of squares, a position-weighted sum)."""
+    all-gather of a few fp64 fingerprints per tensor (of its finite values: sum, sum of squares, a
+    position-weighted sum; its size; position-weighted sums of where it is NaN, +inf and -inf)."""
     names = [k for k, x in named.items() if x is not None]
     if not names:
         return
@@ -294,14 +295,21 @@ def check_replicas(group, named: dict):
     for k in names:
         x = named[k].detach().reshape(-1).double()
         pos = torch.arange(x.numel(), device=x.device, dtype=torch.float64).remainder_(1009).add_(1)
-        prints.append(torch.stack([x.sum(), (x * x).sum(), (x * pos).sum(), torch.tensor(float(x.numel()), device=x.device, dtype=torch.float64)]))
+        # the non-finite values apart: one NaN made every sum NaN, hiding any other difference in the tensor
+        finite = torch.where(torch.isfinite(x), x, 0.0)
+        odd = [(torch.isnan(x) * pos).sum(), ((x == torch.inf) * pos).sum(), ((x == -torch.inf) * pos).sum()]
+        size = torch.tensor(float(x.numel()), device=x.device, dtype=torch.float64)
+        prints.append(torch.stack([finite.sum(), (finite * finite).sum(), (finite * pos).sum(), size, *odd]))
     mine = torch.stack(prints).reshape(-1)
     world = dist.get_world_size(group)
     every = torch.empty(world * mine.numel(), dtype=mine.dtype, device=mine.device)
     all_gather(every, mine, group)
     every = every.view(world, len(names), -1).cpu()
+    # NaN == NaN is False (huge finite values can still sum to one): where both are NaN they agree, so that the
+    # same tensor on every rank is never reported as differing, rank 0 from itself
+    same = (every == every[:1]) | (every.isnan() & every[:1].isnan())
     for i, k in enumerate(names):
-        differ = [r for r in range(world) if not torch.equal(every[r, i], every[0, i])]
+        differ = [r for r in range(world) if not bool(same[r, i].all())]
         if differ:
             raise ValueError(
                 f"{k}: expected the same tensor on every rank of process_group (the rows of a vocab-parallel "
