@@ -165,6 +165,17 @@ def test_a_stale_context_exit_leaves_a_later_patch_alone():
     assert trl_dt._chunked_divergence_loss is original
 
 
+def test_a_nested_context_puts_back_the_options_it_replaced():
+    with fk_trl.patch():
+        with fk_trl.patch(teacher_precision="fp8"):
+            assert fk_trl._options == {"teacher_precision": "fp8"}
+        assert fk_trl._options == {}  # the outer patch is TRL's numbers again, not FP8
+        with fk_trl.patch(teacher_precision="fp8"), fk_trl.patch():
+            assert fk_trl._options == {}
+        assert fk_trl._options == {} and fk_trl.is_patched()
+    assert not fk_trl.is_patched()
+
+
 def test_refuses_untested_version(monkeypatch):
     check_refuses_version(fk_trl, monkeypatch, "trl", "9.9.0", r"installed TRL is 9\.9\.0.*tested with TRL 1\.16\.0")
 

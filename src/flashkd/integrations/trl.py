@@ -425,7 +425,8 @@ def patch(*, teacher_precision: str | None = None):
     """Make TRL's distillation trainers (DistillationTrainer, AsyncDistillationTrainer,
     ServerDistillationTrainer, and GOLDTrainer with use_uld_loss) compute their loss with flashkd; returns a context manager whose exit
     undoes this call's patch (`with patch(): ...`). Patching twice is a no-op (but for
-    teacher_precision, which the latest call sets). teacher_precision: `fused_linear_distill`'s,
+    teacher_precision, which the latest call sets; as a context, its exit puts back the options it replaced).
+    teacher_precision: `fused_linear_distill`'s,
     e.g. "fp8" for an FP8 teacher GEMM (docs/api.md, "FP8 teacher": faster, and not TRL's numbers); it
     applies to DistillationTrainer's teacher head (the on-policy trainers' teachers are served)."""
     fp8.check_precision(teacher_precision)
@@ -433,11 +434,12 @@ def patch(*, teacher_precision: str | None = None):
     jsd_module = _check_jsd()
     server = _check_server()
     gold = _check_gold()
+    before = dict(_options)
     _options.clear()
     if teacher_precision is not None:
         _options["teacher_precision"] = teacher_precision
     if is_replaced(module, _HELPER):
-        return _Undo(None)
+        return _Undo(None, before)
     from trl.extras.profiling import profiling_decorator
 
     record = replace(module, _HELPER, chunked_divergence_loss)
@@ -477,14 +479,20 @@ def _own_compute_loss(module_name, class_name):
 class _Undo(contextlib.AbstractContextManager):
     """Undoes its patch() call's install, if that install is still the one in place: after an unpatch()
     and a later, independent patch(), a stale context's exit leaves the later patch alone. `record`: what
-    the install's `replace` returned, which `restore` empties (None: the call installed nothing)."""
+    the install's `replace` returned, which `restore` empties (None: the call installed nothing). options:
+    those in place before a call that installed nothing (it only set them), put back at its exit: a nested
+    `with patch(teacher_precision="fp8"):` left the outer patch on FP8 after it."""
 
-    def __init__(self, record):
+    def __init__(self, record, options=None):
         self._record = record
+        self._options = options
 
     def __exit__(self, *exc):
         if self._record:
             unpatch()
+        elif self._options is not None and is_patched():
+            _options.clear()
+            _options.update(self._options)
 
 
 def _check():
