@@ -249,3 +249,38 @@ def test_liger_drop_in_errors_name_true_labels():
     m = flashkd.modules.FusedLinearJSDLoss()
     with pytest.raises(ValueError, match=r"^weight_hard_loss: expected 0 when true_labels is None"):
         m(torch.randn(4, 6), torch.randn(10, 6), torch.randn(4, 5), torch.randn(10, 5), None)
+
+
+def test_an_option_set_on_a_shallow_copy_leaves_the_original_alone():
+    """copy.copy(module) shared its `options` dict, and `copy.temperature = 3.0` changed the original's
+    temperature too (a plain attribute, as on torch's own loss modules, would not)."""
+    import copy
+
+    xs, ws, xt, wt, y = _dense()
+    for module in (flashkd.FusedLinearDistillLoss("jsd", temperature=2.0), flashkd.FusedLinearJSDLoss(temperature=2.0)):
+        before = module(xs, ws, xt, wt, y)
+        other = copy.copy(module)
+        other.temperature = 3.0
+        assert module.temperature == 2.0 and other.temperature == 3.0
+        assert torch.equal(module(xs, ws, xt, wt, y), before)
+
+
+def test_liger_fused_linear_jsd_attributes_checked_when_set():
+    """FusedLinearJSD (LigerFusedLinearJSD's drop-in): `.beta = 0.9` (flashkd's name of its jsd_beta) or a
+    misspelt attribute made one no forward reads, the loss unchanged; a bad jsd_beta was kept until the next
+    forward. Now refused where set, the value before kept."""
+    xs, ws, xt, wt, y = _dense()
+    m = flashkd.modules.FusedLinearJSD(jsd_beta=0.3)
+    want = m(xs, ws, xt, wt, y)
+    with pytest.raises(TypeError, match=r"^beta: not an option of FusedLinearJSD \(did you mean 'jsd_beta'\?\)"):
+        m.beta = 0.9
+    with pytest.raises(TypeError, match=r"^temprature: not an option.*'temperature'"):
+        m.temprature = 2.0
+    with pytest.raises(ValueError, match=r"^jsd_beta: expected a value in \[0, 1\]"):
+        m.jsd_beta = 2.0
+    assert m.jsd_beta == 0.3 and torch.equal(m(xs, ws, xt, wt, y), want)
+    m.jsd_beta = 0.7  # its own attributes stay settable, read by the next forward
+    assert torch.equal(m(xs, ws, xt, wt, y), flashkd.fused_linear_distill(
+        xs, ws, xt, wt, y, beta=0.7, weight_hard_loss=0.0, weight_soft_loss=1.0))
+    m.step_count = 1
+    assert m.step_count == 1

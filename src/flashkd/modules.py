@@ -72,8 +72,11 @@ class FusedLinearDistillLoss(torch.nn.Module):
 
     def __setattr__(self, name, value):
         if name in _ATTRIBUTES and "options" in self.__dict__:
-            check_options({**self.options, name: value})
-            self.options[name] = value
+            options = {**self.options, name: value}
+            check_options(options)
+            # a new dict, not the shared one changed in place: a copy.copy of the module shares `options`, and
+            # setting an option on the copy changed the original's too (a plain attribute would not)
+            self.__dict__["options"] = options
             return
         if "options" in self.__dict__ and name not in self.__dict__ and not hasattr(type(self), name):
             # a new attribute that no forward reads: forward's per-call data, or a misspelt option
@@ -172,10 +175,39 @@ class FusedLinearJSD(torch.nn.Module):
         super().__init__()
         self.jsd_beta, self.ignore_index, self.temperature, self.accum_dtype = jsd_beta, ignore_index, temperature, accum_dtype
         self.vocab_size = vocab_size  # flashkd's (not Liger's): declares a teacher head past V rows padding
+        self._check()
+        self.__dict__["_constructed"] = True
+
+    _OWN = ("jsd_beta", "ignore_index", "temperature", "accum_dtype", "vocab_size")  # the attributes forward reads
+
+    def _check(self):
         try:  # checked here, as the forward's call will check them
             check_options(self._keywords())
         except (TypeError, ValueError) as e:
             raise renamed(e, self._LIGER) from None
+
+    def __setattr__(self, name, value):
+        # Once built, an attribute the forward reads is checked when set (a bad one is not kept), and a new one
+        # that only looks like an option is refused: `.beta = 0.9` (flashkd's name for jsd_beta) or a misspelt
+        # `.temprature` made an attribute no forward reads, the loss unchanged.
+        if self.__dict__.get("_constructed"):
+            if name in self._OWN:
+                before = self.__dict__[name]
+                self.__dict__[name] = value
+                try:
+                    self._check()
+                except (TypeError, ValueError):
+                    self.__dict__[name] = before
+                    raise
+                return
+            if name not in self.__dict__ and not hasattr(type(self), name):
+                near = self._LIGER.get(name) or next(
+                    iter(difflib.get_close_matches(name, self._OWN, n=1, cutoff=0.8)), None)
+                if near is not None or name in _ATTRIBUTES:
+                    hint = f" (did you mean {near!r}?)" if near else ""
+                    raise TypeError(f"{name}: not an option of {type(self).__name__}{hint}; its options: "
+                                    f"{', '.join(self._OWN)}")
+        super().__setattr__(name, value)
 
     def _keywords(self) -> dict:
         """fused_linear_distill's keywords of this module's Liger constructor (Liger's names mapped to flashkd's)."""
