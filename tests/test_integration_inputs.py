@@ -293,3 +293,23 @@ def test_axolotl_constructor_flags():
     loss = fk_ax.FusedLinearKLTopKLogprobLoss(beta=0.0, normalize_topk=None)
     assert loss.normalize_topk is False
     torch.testing.assert_close(loss(*args), _ax_oracle(*args, beta=0.0, normalize=False), rtol=1e-10, atol=1e-10)
+
+
+def test_axolotl_attributes_set_after_construction_are_checked():
+    """forward reads the loss's attributes; set after construction they skipped the constructor's checks:
+    `beta = 0.5` beside normalize_topk False (a loss axolotl does not compute), a weight past 1, a flag "yes"
+    read by its truth value, a temperature below 0, an option set by forward itself. Refused, the value kept."""
+    args = _ax_problem()
+    loss = fk_ax.FusedLinearKLTopKLogprobLoss(beta=0.0, normalize_topk=False)
+    for name, value, error, message in (
+            ("beta", 0.5, ValueError, r"normalize_topk: expected True with beta=0\.5"),
+            ("weight_soft_loss", 2.0, ValueError, r"weight_soft_loss: expected a value in \[0, 1\]"),
+            ("normalize_topk", "yes", TypeError, r"normalize_topk: expected a bool"),
+            ("temperature", -1.0, ValueError, r"temperature: expected a float > 0"),
+            ("flashkd_options", {"loss": "tvd"}, TypeError, r"loss: expected a keyword of axolotl's loss")):
+        with pytest.raises(error, match="^" + message):
+            setattr(loss, name, value)
+    assert (loss.beta, loss.weight_soft_loss, loss.normalize_topk, loss.temperature, loss.flashkd_options) == (
+        0.0, 0.5, False, 1.0, {})
+    loss.normalize_topk, loss.beta = True, 1.0  # a valid change is read by the next forward
+    torch.testing.assert_close(loss(*args), _ax_oracle(*args, beta=1.0, normalize=True), rtol=1e-10, atol=1e-10)

@@ -144,6 +144,23 @@ class FusedLinearKLTopKLogprobLoss(torch.nn.Module):
         self.ignore_index = ignore_index
         self.compiled, self.chunk_size = compiled, chunk_size
         self.flashkd_options = flashkd_options
+        self.__dict__["_built"] = True
+
+    _CHECKED = ("weight_hard_loss", "weight_soft_loss", "temperature", "beta", "ignore_index", "compiled", "chunk_size",
+                "compute_ce_loss", "normalize_topk")
+
+    def __setattr__(self, name, value):
+        # forward reads these attributes (as Liger's module's are read); set after construction they skipped its
+        # checks: `loss.beta = 0.5` beside normalize_topk False computed a loss axolotl does not, a flag "no" read
+        # as True. Set now, they are checked by the constructor's own checks (its value kept as it made it).
+        if self.__dict__.get("_built") and name in self._CHECKED:
+            settings = {k: getattr(self, k) for k in self._CHECKED}
+            value = getattr(type(self)(**{**settings, name: value}, **self.flashkd_options), name)
+        elif self.__dict__.get("_built") and name == "flashkd_options":
+            if not isinstance(value, dict):
+                raise TypeError(f"flashkd_options: expected a dict of keyword options, got {type(value).__name__}")
+            type(self)(**{k: getattr(self, k) for k in self._CHECKED}, **value)
+        super().__setattr__(name, value)
 
     def forward(
         self,
