@@ -175,7 +175,12 @@ def _normalisation_slack(s, t, loss, params, temperature, labels=None):
     """Per row, how far the loss moves where q and p are each scaled by 1 + O(fp32 eps), as a softmax's
     normaliser summed in fp32 is: 0 to first order for the losses that are 0 at q = p on any scale, but the
     αβ-divergence of c = α + β ≠ 1, whose terms are homogeneous of degree c: there the first-order change
-    ε Σ q^β (q^α − p^α)/α (and p's likewise) is not small beside a loss of (q − p)²."""
+    ε Σ q^β (q^α − p^α)/α (and p's likewise) is not small beside a loss of (q − p)².
+    To second order every loss moves by about ε²/2: log q − log p shifted by ε on a whole row adds
+    Σ p (δ + ε)²/2 − Σ p δ²/2 ≈ ε²/2 near p = q. That is ~1e-14 where ε is a few fp32 roundings of the
+    row's log2 normalisers (`second`), nothing beside a loss of ~1e-7, but a row whose loss is ~4e-10 (its
+    mass on ids where δ ~ 3e-5) moves by it relatively 4e-5 on a GPU (its lg2.approx) and 4e-6 in numpy."""
+    second = _second_order_slack(s, t, temperature)
     if loss == "dkd" and params["alpha"] != 0.0:
         # TCKD's log(q_y / p_y) carries the difference of the two rows' fp32 logsumexps, whose rounding no sum
         # over the vocab cancels (the binary's other log-ratio follows from it: P − Q = q_y − p_y); the loss
@@ -184,14 +189,25 @@ def _normalisation_slack(s, t, loss, params, temperature, labels=None):
         y = labels.clamp_min(0)[:, None]
         lq, lp = torch.log_softmax(a, -1).gather(1, y)[:, 0], torch.log_softmax(b, -1).gather(1, y)[:, 0]
         rounding = 8 * torch.finfo(torch.float32).eps * (a.logsumexp(-1).abs() + b.logsumexp(-1).abs() + 1.0)
-        return params["alpha"] * (lq.exp() - lp.exp()).abs() / -torch.expm1(lq) * rounding
+        return params["alpha"] * (lq.exp() - lp.exp()).abs() / -torch.expm1(lq) * rounding + second
     if loss != "ab_divergence" or params["alpha"] + params["beta"] == 1.0:
-        return 0.0
+        return second
     q = torch.softmax(s.double() / temperature, -1)
     p = torch.softmax(t.double() / temperature, -1)
     al, be = params["alpha"], params["beta"]
     first = ((q**be * (q**al - p**al)).abs().sum(-1) / al + (p**al * (p**be - q**be)).abs().sum(-1) / be)
-    return 16 * torch.finfo(torch.float32).eps * first
+    return 16 * torch.finfo(torch.float32).eps * first + second
+
+
+def _second_order_slack(s, t, temperature):
+    """ε² per row (`_normalisation_slack`), ε = 4 fp32 roundings of what a row's log q − log p shift is made of:
+    log2 l_s, log2 l_t (each row's sum of 2^((z − m)·log2 e / τ)) and (m_s − m_t)·log2 e / τ, in natural units."""
+    k = 1.0 / (math.log(2.0) * temperature)
+    a, b = s.double(), t.double()
+    m_s, m_t = a.amax(-1, keepdim=True), b.amax(-1, keepdim=True)
+    log2_l = lambda z, m: torch.log2(torch.exp2((z - m) * k).sum(-1))
+    size = log2_l(a, m_s) + log2_l(b, m_t) + ((m_s - m_t)[:, 0] * k).abs() + 1.0
+    return (4 * torch.finfo(torch.float32).eps * math.log(2.0) * size) ** 2
 
 
 @pytest.mark.parametrize("case", CASES, ids=_ids)
