@@ -7,7 +7,7 @@ while the GEMM runs: per row, pass 1 reads s and t and sums KL(p‖M) and KL(q�
 them again and writes dJ/ds = ½ q ln2 (log2(q/M) − KL(q‖M)) in bf16: the row kernel's 18 bytes an element.
 The row statistics (max and log2 of the sum-exp of each side) are given, as the GEMM epilogue's planes give
 them. Warpgroup 0 gets `side_regs` registers a thread (the GEMM's 40 are too few for a row loop), the
-multiplying warpgroups 256 less half of that.
+multiplying warpgroups 252 less half of that (setmaxnreg moves registers within the CTA's 3 × 168 a thread).
 
 What it measures (one chunk of the JSD seed: R 1024, V 128256, the student's K 2048 and the teacher's 4096),
 CUDA events, lines in turn, median and p20-p80 of --reps:
@@ -25,7 +25,7 @@ buffer of its own (one more R·V·2 bytes, not in s's bytes) — against `flashk
 backend="cute")` on the same inputs and the floor (cuBLAS: both logits GEMMs, dX, dW), in turn. A projection of
 the design: the rows are the probe's (JSD without CE), the losses checked against flashkd's.
 
-    python probes/probe_cute_rows.py [--reps 20] [--side-regs 64] [--unroll 2]
+    python probes/probe_cute_rows.py [--reps 20] [--side-regs 56] [--unroll 2]
     python probes/probe_cute_rows.py --compile-only      # sm_90a, no GPU needed (CUTE_DSL_ARCH=sm_90a)
 """
 
@@ -56,7 +56,10 @@ def build(side: str, side_regs: int, unroll: int, sms: int, feed: str = "regs", 
     cfg = dict(cute_gemm.LOGITS)
     if feed == "async":  # the rows' ring (depth · 96 threads · 32 bytes) takes one operand stage's shared memory
         cfg["stages"] -= 1
-    mma_regs = (512 - side_regs) // 2 // 8 * 8
+    # setmaxnreg moves registers within the CTA's own: 384 threads at the launch's 168 each (65536 / 384, to
+    # a multiple of 8); the multiplying warpgroups may take what warpgroup 0 gives up, no more (an increase past
+    # the pool waits for registers that never come back while the other warpgroups run: a hang)
+    mma_regs = (3 * 168 - side_regs) // 2 // 8 * 8
 
     class RowsBeside(Gemm):
         @cute.jit
@@ -268,7 +271,7 @@ def build(side: str, side_regs: int, unroll: int, sms: int, feed: str = "regs", 
             class Storage:
                 bars: cute.struct.MemRange[cutlass.Int64, stages * 2]
                 red: cute.struct.MemRange[f32, 16]
-                ring: cute.struct.Align[cute.struct.MemRange[f32, 8 * THREADS * (depth if feed == "async" else 1)], 128]
+                ring: cute.struct.Align[cute.struct.MemRange[f32, 8 * THREADS * depth if feed == "async" else 4], 128]
                 sA: cute.struct.Align[cute.struct.MemRange[ab, cute.cosize(a_layout)], 1024]
                 sB: cute.struct.Align[cute.struct.MemRange[ab, cute.cosize(b_layout)], 1024]
                 sC: cute.struct.Align[cute.struct.MemRange[f32, cute.cosize(c_layout)], 1024]
@@ -317,7 +320,7 @@ def main():
     p.add_argument("--rows", type=int, default=1024)
     p.add_argument("--vocab", type=int, default=128256)
     p.add_argument("--reps", type=int, default=20)
-    p.add_argument("--side-regs", type=int, default=64)
+    p.add_argument("--side-regs", type=int, default=56)
     p.add_argument("--unroll", type=int, default=2)
     p.add_argument("--feed", choices=["regs", "async"], default="regs",
                    help="the rows' loads: into registers (unrolled), or cp.async into a shared-memory ring")
