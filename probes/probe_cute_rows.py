@@ -464,6 +464,7 @@ def loop(a):
         torch.stack(out, 1, out=stat)
 
     def gemm_rows(side, x, w, z, pl, c_rows):
+        x, w = x.detach(), w.detach()  # DLPack exports no tensor that requires grad (the product's timing sets it)
         args = [cute_gemm._as_cute(x[:, :, None]), cute_gemm._as_cute(w[:, :, None]), cute_gemm._as_cute(z[:, :, None]),
                 cute_gemm._as_cute(pl[0], 4), cute_gemm._as_cute(pl[1], 4), cute_gemm._as_cute(pl[1], 4), LOG2E, LOG2E,
                 blk(s_buf[c_rows % 2]), blk(t_buf[c_rows % 2]), from_dlpack(stat, assumed_align=16), blk(g),
@@ -477,7 +478,7 @@ def loop(a):
             if c < chunks:
                 rows_c = slice(c * r, (c + 1) * r)
                 if c == 0:
-                    cute_gemm.logits(xs[rows_c], ws, planes[0], LOG2E, None, s_buf[0])
+                    cute_gemm.logits(xs[rows_c].detach(), ws.detach(), planes[0], LOG2E, None, s_buf[0])
                 else:  # S(c) with rows(c − 1)
                     merge(planes[(c - 1) % 2 * 2], planes[(c - 1) % 2 * 2 + 1])
                     gemm_rows("both", xs[rows_c], ws, s_buf[c % 2], planes[c % 2 * 2], c - 1)
@@ -487,8 +488,8 @@ def loop(a):
                 gemm_rows("rows", xs[:r], ws, s_buf[c % 2], planes[c % 2 * 2], c - 1)
             if c > 0:
                 prev = slice((c - 1) * r, c * r)
-                torch.mm(g, ws, out=dx[prev])
-                cute_gemm.accumulate(dw, g.t(), xs[prev].t(), add=c > 1)
+                torch.mm(g, ws.detach(), out=dx[prev])
+                cute_gemm.accumulate(dw, g.t(), xs[prev].detach().t(), add=c > 1)
         return loss_rows.sum()
 
     def product():
