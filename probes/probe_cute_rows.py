@@ -19,7 +19,8 @@ CUDA events, lines in turn, median and p20-p80 of --reps:
 The rows' output is checked against float64 first (loss and dJ/ds).
 
 --loop: the whole JSD seed call (N 8192, R 1024, 8 chunks, forward + backward, no CE) scheduled so that each
-chunk's rows run inside the next chunk's student logits GEMM (the last chunk's alone): S(c+1)+rows(c), T(c+1),
+chunk's rows run inside the next chunk's student logits GEMM (`--inside t`: its teacher GEMM; the last chunk's
+alone): S(c+1)+rows(c), T(c+1),
 dX(c) (cuBLAS), dW(c) (CuTe reduce-add), the row statistics merged from the GEMMs' planes by torch, dJ/ds in a
 buffer of its own (one more R·V·2 bytes, not in s's bytes) — against `flashkd.fused_linear_distill(...,
 backend="cute")` on the same inputs and the floor (cuBLAS: both logits GEMMs, dX, dW), in turn. A projection of
@@ -328,6 +329,8 @@ def main():
     p.add_argument("--sides", nargs="+", default=["none", "rows", "both"])
     p.add_argument("--compile-only", action="store_true")
     p.add_argument("--loop", action="store_true")
+    p.add_argument("--inside", choices=["s", "t"], default="s",
+                   help="--loop: the GEMM each chunk's rows run in, the next chunk's student (s) or teacher (t) GEMM")
     a = p.parse_args()
     if a.compile_only:
         os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
@@ -477,12 +480,16 @@ def loop(a):
         for c in range(chunks + 1):
             if c < chunks:
                 rows_c = slice(c * r, (c + 1) * r)
-                if c == 0:
-                    cute_gemm.logits(xs[rows_c].detach(), ws.detach(), planes[0], LOG2E, None, s_buf[0])
-                else:  # S(c) with rows(c − 1)
+                if c == 0 or a.inside == "t":
+                    cute_gemm.logits(xs[rows_c].detach(), ws.detach(), planes[c % 2 * 2], LOG2E, None, s_buf[c % 2])
+                if c > 0:  # S(c) or T(c) with rows(c − 1)
                     merge(planes[(c - 1) % 2 * 2], planes[(c - 1) % 2 * 2 + 1])
-                    gemm_rows("both", xs[rows_c], ws, s_buf[c % 2], planes[c % 2 * 2], c - 1)
-                cute_gemm.logits(xt[rows_c], wt, planes[c % 2 * 2 + 1], LOG2E, None, t_buf[c % 2])
+                    if a.inside == "s":
+                        gemm_rows("both", xs[rows_c], ws, s_buf[c % 2], planes[c % 2 * 2], c - 1)
+                    else:
+                        gemm_rows("both", xt[rows_c], wt, t_buf[c % 2], planes[c % 2 * 2 + 1], c - 1)
+                if c == 0 or a.inside == "s":
+                    cute_gemm.logits(xt[rows_c], wt, planes[c % 2 * 2 + 1], LOG2E, None, t_buf[c % 2])
             else:  # the last chunk's rows alone
                 merge(planes[(c - 1) % 2 * 2], planes[(c - 1) % 2 * 2 + 1])
                 gemm_rows("rows", xs[:r], ws, s_buf[c % 2], planes[c % 2 * 2], c - 1)
