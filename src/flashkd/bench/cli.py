@@ -220,7 +220,8 @@ def add_bench_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", help="cuda, cuda:1, cpu (default: cuda when available)")
     p.add_argument("-n", "--n", type=_positive, nargs="+", metavar="N", help="rows B·T, several allowed")
     p.add_argument("--h", type=_positive, metavar="H", help="teacher hidden size; the student's is H//2")
-    p.add_argument("--v", type=_positive, metavar="V", help="vocab size")
+    p.add_argument("--v", type=_positive, metavar="V",
+                   help="vocab size (a preset's K above it becomes V, as each workload's k reports; a --k given must fit)")
     p.add_argument("--dtype", choices=DTYPE_NAMES)
     p.add_argument("--loss", nargs="+", choices=LOSSES, metavar="LOSS", help=f"of {', '.join(LOSSES)}")
     p.add_argument("--form", choices=FORMS, help=f"the teacher's form, of {', '.join(FORMS)} (default: the preset's)")
