@@ -380,3 +380,18 @@ def test_routed_checks_the_labels_of_rows_without_a_teacher(seed):
     out = flashkd.fused_linear_distill_teachers(xs, ws, xts, wts, labels, combine="routed", teacher_index=index,
                                                 check_labels=False)
     assert torch.isfinite(out)
+
+
+@pytest.mark.parametrize("index", [-1, None], ids=["no-row-has-a-teacher", "no-rows"])
+def test_routed_fp8_on_a_device_without_it_is_refused_with_no_routed_row(index, seed):
+    # routed runs one call a group with an FP8 head, and a group only for a teacher with rows: with none, the
+    # device was never checked and the call returned 0 on the CPU
+    g = torch.Generator().manual_seed(seed)
+    kw = _base(g)
+    if index is None:
+        kw = {**kw, "student_input": kw["student_input"][:0], "labels": kw["labels"][:0],
+              "teacher_inputs": [x[:0] for x in kw["teacher_inputs"]]}
+    teacher_index = torch.full(kw["labels"].shape, -1 if index is not None else 0, dtype=torch.long)
+    with pytest.raises(ValueError, match="teacher_precision: 'fp8' needs a CUDA GPU"):
+        flashkd.fused_linear_distill_teachers(**kw, combine="routed", teacher_index=teacher_index,
+                                              teacher_precision="fp8", backend="torch")

@@ -49,7 +49,7 @@ from typing import NamedTuple, Sequence
 
 import torch
 
-from . import core
+from . import core, fp8
 from .core import call as calls
 from .core import checks, mixture
 from .core import keywords
@@ -168,6 +168,10 @@ def fused_linear_distill_teachers(
         if teacher_precision is None and counts[0] < index.numel():
             return core.run(_routed_call(student_input, student_weight, student_bias, teachers, labels, row_weight,
                                          index, counts, order, parsed))
+        if teacher_precision is not None and fp8.scaling_of(teacher_precision, student_input.device) is not None:
+            # as one call checks it (a device with FP8 tensor cores, a student dtype it takes): the calls a group
+            # below run only for teachers with rows, so with none it would otherwise pass unchecked, as a 0
+            fp8.check_dtype(student_input.dtype)
         # no one call runs (no row has a teacher, or one call a group, a teacher without rows having none):
         # every teacher's tensors checked as the one call checks them, on no rows (nothing copied)
         none = [index.numel()] + [0] * (m + 1)
