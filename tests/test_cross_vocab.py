@@ -103,6 +103,11 @@ def test_pairs_override_and_sizes():
     (lambda s, t: TokenMap(torch.tensor([0, -2])), ValueError, "index"),
     (lambda s, t: TokenMap(torch.tensor([0, 5]), teacher_vocab_size=5), ValueError, "index"),
     (lambda s, t: TokenMap(torch.tensor([1, 1, -1])), ValueError, "one-to-one"),
+    # a tokenizer whose get_vocab() is no {token: id} dict: refused by name, not an AttributeError on its items
+    (lambda s, t: token_map(types.SimpleNamespace(get_vocab=lambda: list(s.items())), t), TypeError,
+     "student_tokenizer: expected get_vocab"),
+    (lambda s, t: token_map(s, types.SimpleNamespace(get_vocab=lambda: None)), TypeError,
+     "teacher_tokenizer: expected get_vocab"),
 ])
 def test_map_errors_name_the_argument(call, error, words):
     student, teacher = _vocabs()
@@ -415,6 +420,9 @@ def test_align_by_byte_offsets_is_trls():
      "alignment.student_factor_ids"),
     (lambda a: dict(alignment=type(a)(**{**vars(a), "teacher_rows": a.teacher_rows.float()})), TypeError,
      "alignment.teacher_rows"),
+    # a weight that requires grad would have its gradient dropped unseen: the loss takes none to it
+    (lambda a: dict(alignment=type(a)(**{**vars(a), "weight": a.weight.clone().requires_grad_()})), TypeError,
+     "alignment.weight: expected a constant"),
     (lambda a: dict(matched=(torch.tensor([0, 1]), torch.tensor([0, 99]))), ValueError, "matched teacher ids"),
     (lambda a: dict(matched=TokenMap(torch.arange(40))), ValueError, "matched"),
     (lambda a: dict(matched=torch.tensor([0, 1])), TypeError, "matched"),

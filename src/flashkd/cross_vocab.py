@@ -250,6 +250,9 @@ def _vocab(name, tokenizer) -> dict[str, int]:
         vocab = dict(tokenizer)
     elif callable(getattr(tokenizer, "get_vocab", None)):
         vocab = tokenizer.get_vocab()
+        if not isinstance(vocab, Mapping):  # read as {token: id} below: anything else fails there, unnamed
+            raise TypeError(f"{name}: expected get_vocab() to return a {{token: id}} dict, got {type(vocab).__name__}")
+        vocab = dict(vocab)
     else:
         raise TypeError(f"{name}: expected a tokenizer with get_vocab() or a {{token: id}} dict, got {type(tokenizer).__name__}")
     bad = next(((k, v) for k, v in vocab.items() if not isinstance(k, str) or isinstance(v, bool)
@@ -691,6 +694,9 @@ def _plan(xs, ws, xt, wt, al, bs, bt, s_tau, t_tau, matched, a, b, beta, labels,
     if not isinstance(al.weight, torch.Tensor) or not al.weight.is_floating_point():
         got = al.weight.dtype if isinstance(al.weight, torch.Tensor) else type(al.weight).__name__
         raise TypeError(f"alignment.weight: expected a float tensor, got {got}")
+    if al.weight.requires_grad:  # a constant of the loss: no gradient flows to it, and none should be dropped unseen
+        raise TypeError("alignment.weight: expected a constant tensor (requires_grad=False): no gradient flows to it; "
+                        "got one that requires grad (pass weight.detach())")
     if al.weight.device.type == "cpu" and not bool(al.weight.isfinite().all()):
         raise ValueError("alignment.weight: expected finite values")
     if not isinstance(al.item, torch.Tensor) or al.item.dtype not in (torch.int64, torch.int32):
