@@ -354,7 +354,7 @@ def test_uld_matches_trl(case, chunk_size, seed):
     got, m_parts, u_parts = fused_linear_uld(
         xs, ws, xt, wt, al, student_bias=bs, teacher_bias=bt, student_temperature=cfg.uld_student_temperature,
         teacher_temperature=cfg.uld_teacher_temperature, matched=matched, matched_weight=cfg.uld_hybrid_matched_weight,
-        unmatched_weight=cfg.uld_hybrid_unmatched_weight, beta=cfg.beta, labels=labels,
+        unmatched_weight=cfg.uld_hybrid_unmatched_weight, beta=cfg.beta if matched is not None else None, labels=labels,
         ce_weight=cfg.uld_crossentropy_weight, chunk_size=chunk_size, return_parts=True)
     assert got.dtype == F64
     torch.testing.assert_close(got, ref, rtol=1e-12, atol=1e-14)
@@ -429,6 +429,7 @@ def test_align_by_byte_offsets_is_trls():
     (lambda a: dict(matched_weight=0.5), ValueError, "matched_weight"),
     (lambda a: dict(matched=(torch.tensor([0]), torch.tensor([0])), matched_weight=0.5), ValueError, "unmatched_weight"),
     (lambda a: dict(student_temperature=0.0), ValueError, "student_temperature"),
+    (lambda a: dict(beta=0.3), ValueError, "beta: only with matched"),  # plain ULD has no JSD to take it
     (lambda a: dict(ce_weight=1.0), ValueError, "labels"),
     (lambda a: dict(ce_weight=1.0, labels=torch.zeros(3, dtype=torch.long)), ValueError, "labels"),
     (lambda a: dict(student_bias=torch.zeros(3, dtype=F64)), ValueError, "student_bias"),

@@ -557,7 +557,7 @@ def fused_linear_uld(
     matched: TokenMap | tuple[torch.Tensor, torch.Tensor] | None = None,
     matched_weight: float | None = None,
     unmatched_weight: float | None = None,
-    beta: float = 0.5,
+    beta: float | None = None,
     labels: torch.Tensor | None = None,
     ce_weight: float = 0.0,
     ignore_index: int = -100,
@@ -573,7 +573,8 @@ def fused_linear_uld(
 
     matched: None (ULD: the sorted L1 over the whole vocabs), or the shared tokens for the hybrid loss:
     a TokenMap, or (student ids, teacher ids) (K,) int64, each teacher id once; matched_weight /
-    unmatched_weight (a, b): floats, both or neither (then a = K / Vt, b = 1 − a, as GOLD); beta: the hybrid JSD's β.
+    unmatched_weight (a, b): floats, both or neither (then a = K / Vt, b = 1 − a, as GOLD); beta: the hybrid JSD's β
+    (None: 0.5, GOLD's default; like the weights, only with `matched`: plain ULD has no JSD to take it).
     labels (...) like student_input's leading dims, ignore_index where none, and ce_weight: GOLD's
     cross-entropy term, ce_weight · the mean CE of the student's rows with a label (labels already
     shifted: the row's next token). The logit transform (scale, then softcap) applies before the
@@ -665,9 +666,10 @@ def _plan(xs, ws, xt, wt, al, bs, bt, s_tau, t_tau, matched, a, b, beta, labels,
     check_finite_float("ce_weight", ce_weight)
     if isinstance(ignore_index, bool) or not isinstance(ignore_index, int):
         raise TypeError(f"ignore_index: expected an int, got {ignore_index!r}")
-    check_finite_float("beta", beta)
-    if not 0.0 <= beta <= 1.0:
-        raise ValueError(f"beta: expected a float in [0, 1], got {beta!r}")
+    if beta is not None:
+        check_finite_float("beta", beta)
+        if not 0.0 <= beta <= 1.0:
+            raise ValueError(f"beta: expected a float in [0, 1], got {beta!r}")
     for name, w in (("matched_weight", a), ("unmatched_weight", b)):
         if w is not None:
             check_finite_float(name, w)
@@ -741,9 +743,12 @@ def _plan(xs, ws, xt, wt, al, bs, bt, s_tau, t_tau, matched, a, b, beta, labels,
         s_un[sid] = False
         t_un = torch.ones(vt, dtype=torch.bool, device=device)
         t_un[tid] = False
-        p.hybrid = (sid, tid, s_un.nonzero().flatten(), t_un.nonzero().flatten(), float(a), float(b), float(beta))
+        p.hybrid = (sid, tid, s_un.nonzero().flatten(), t_un.nonzero().flatten(), float(a), float(b),
+                    0.5 if beta is None else float(beta))
     elif a is not None or b is not None:
         raise ValueError("matched_weight, unmatched_weight: only with matched= (the hybrid loss)")
+    elif beta is not None:  # the plain ULD loss has no JSD: a β given there would change nothing, unseen
+        raise ValueError(f"beta: only with matched= (the hybrid loss's JSD), got {beta!r} without it")
     p.labels = None
     p.ce_weight = float(ce_weight)
     _check_labels(labels, xs)  # as given, even where ce_weight is 0 and the loss does not read them

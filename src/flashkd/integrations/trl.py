@@ -415,7 +415,7 @@ def _gold_loss(trainer, unwrapped, inputs, t_ids, t_mask, alignment):
             teacher_temperature=float(uld.teacher_temperature), matched=matched,
             matched_weight=uld.hybrid_matched_weight if matched is not None else None,
             unmatched_weight=uld.hybrid_unmatched_weight if matched is not None else None,
-            beta=float(uld.beta), labels=labels, ce_weight=float(uld.crossentropy_weight),
+            beta=float(uld.beta) if matched is not None else None, labels=labels, ce_weight=float(uld.crossentropy_weight),
             student_logit_scale=s_scale, student_softcap=s_cap, teacher_logit_scale=t_scale, teacher_softcap=t_cap,
             return_parts=True)
     return loss, matched_parts, unmatched_parts
