@@ -274,3 +274,30 @@ def _vocab_parallel_worker(rank, world, seed):
 @pytest.mark.parametrize("world", [2, 3])
 def test_vocab_parallel_equals_unsharded(world, seed):
     spawn(_vocab_parallel_worker, world, seed)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_triangular_where_both_sides_round_to_zero_is_finite(backend, dtype):
+    """An id whose log-probs are finite on both sides but whose p and q both underflow to 0 (a sharp row at
+    trained magnitudes: logit gaps past ~104 in fp32, ~745 in fp64) adds 0, not 0/0."""
+    big = 120.0 if dtype == torch.float32 else 1200.0
+    a = torch.tensor([[0.0, -big, 1.0]], dtype=dtype, requires_grad=True)
+    b = torch.tensor([[0.5, -1.1 * big, 1.0]], dtype=dtype)
+    loss = flashkd.fused_linear_distill_logits(a, torch.eye(3, dtype=dtype), b, torch.tensor([0]), loss="triangular",
+                                               weight_hard_loss=0.0, weight_soft_loss=1.0, backend=backend)
+    loss.backward()
+    p, q = torch.softmax(b.double(), -1), torch.softmax(a.detach().double(), -1)
+    want = torch.where(p + q > 0, (p - q).square() / (p + q), 0.0).sum()  # the id at 0 on both sides adds 0
+    assert torch.isfinite(a.grad).all()
+    assert loss.item() == pytest.approx(want.item(), rel=1e-5)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_dkd_with_both_weights_zero_and_no_ce_is_zero_with_a_zero_gradient(backend):
+    x = torch.randn(4, 5, requires_grad=True)
+    w = torch.randn(7, 5, requires_grad=True)
+    loss = flashkd.fused_linear_distill(x, w, torch.randn(4, 5), torch.randn(7, 5), torch.tensor([1, 2, 3, 4]),
+                                        loss="dkd", alpha=0.0, beta=0.0, weight_hard_loss=0.0, backend=backend)
+    loss.backward()
+    assert loss.item() == 0.0 and (x.grad == 0).all() and (w.grad == 0).all()

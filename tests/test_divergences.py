@@ -314,3 +314,28 @@ def _vocab_parallel_worker(rank, world, seed):
 @pytest.mark.parametrize("world", [2, 3])
 def test_vocab_parallel_equals_unsharded(world, seed):
     spawn(_vocab_parallel_worker, world, seed)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_ends_where_the_teacher_rules_ids_out(backend, dtype):
+    """Teacher ids at −inf (a masked or cross-vocab teacher; a top-k teacher whose ids hold all its mass):
+    skew KL at α = 1 is 0 with a zero gradient, AKL at μ = 1 is the forward KL (its reverse KL, infinite
+    there, has weight 0), not NaN."""
+    a = torch.tensor([[2.0, 1.0, 0.0, -1.0, 0.5, 0.0]], dtype=dtype)
+    b = torch.tensor([[1.0, 0.0] + [-math.inf] * 4], dtype=dtype)
+    eye = torch.eye(6, dtype=dtype)
+    ids, lps = torch.tensor([[0, 1]]), torch.log(torch.tensor([[0.75, 0.25]], dtype=dtype))
+    kw = dict(weight_hard_loss=0.0, weight_soft_loss=1.0, backend=backend)
+    calls = [lambda x, **o: flashkd.fused_linear_distill_logits(x, eye, b, torch.tensor([0]), **o, **kw),
+             lambda x, **o: flashkd.fused_linear_distill_topk(x, eye, ids, lps, torch.tensor([0]), **o, **kw)]
+    for call in calls:
+        x = a.clone().requires_grad_()
+        skew = call(x, loss="skew_kl", alpha=1.0)
+        skew.backward()
+        assert skew.item() == 0.0 and (x.grad == 0).all()
+        got, want = a.clone().requires_grad_(), a.clone().requires_grad_()
+        akl, fkl = call(got, loss="akl", head_mass=1.0), call(want, loss="forward_kl")
+        akl.backward(), fkl.backward()
+        assert math.isfinite(akl.item()) and akl.item() == pytest.approx(fkl.item(), rel=1e-6)
+        torch.testing.assert_close(got.grad, want.grad, rtol=1e-5, atol=1e-7)

@@ -756,10 +756,15 @@ def divergence(log_q: torch.Tensor, log_p: torch.Tensor, spec: LossSpec, vocab=N
     if kind == "dkd":
         return decoupled_kl(log_q, log_p, labels, spec.alpha, spec.beta, vocab)
     if kind in ("jeffreys", "co_jeffreys", "mutual", "triangular"):
+        if kind == "triangular":  # (p − q)²/(p + q) = e^m expm1(−|u|)² / (1 + e^−|u|), m = max(log p, log q),
+            # u = log q − log p: no 0/0 where both sides round to 0 at finite log-probs
+            present = (log_p > -torch.inf) | (log_q > -torch.inf)
+            lp, lq = torch.where(present, log_p, 0.0), torch.where(present, log_q, 0.0)
+            d = -(lq - lp).abs()
+            term = torch.maximum(lp, lq).exp() * torch.expm1(d).square() / (1.0 + d.exp())
+            return torch.where(present, term, 0.0).sum(-1)
         lq, lp = (log_q.detach(), log_p.detach()) if kind == "mutual" else (log_q, log_p)
         gap, log_ratio, present = _gap(lq, lp)
-        if kind == "triangular":
-            return (gap.square() / torch.where(present, log_p.exp() + log_q.exp(), 1.0)).sum(-1)
         value = (gap * log_ratio).sum(-1)  # Σ (q − p)(log q − log p): every term ≥ 0, none cancels where p ≈ q
         if kind == "mutual":  # Jeffreys' value; each side's gradient that of its KL toward the other, detached
             value = value + _Pull.apply(log_q, lp.exp()) + _Pull.apply(log_p, lq.exp())
@@ -906,6 +911,8 @@ def decoupled_kl(log_q: torch.Tensor, log_p: torch.Tensor, labels, alpha: float,
     (other,) = vocab.merge(sums=(torch.where(has_p[:, 0], _kl_terms(lp_hat, lq_hat).sum(-1), 0.0),))[2]
     value = (alpha * target if alpha != 0.0 else 0.0) + (beta * other if beta != 0.0 else 0.0)
     value = value + torch.zeros_like(lp_y)
+    if alpha == 0.0 and beta == 0.0:  # 0 with a (zero) gradient: the rows' autograd needs a graph to log q
+        value = value + _Pull.apply(log_q, torch.zeros_like(log_q))
     v = vocab.size(log_q)
     return torch.where((labels >= 0) & (labels < v), value, torch.nan)
 
@@ -988,6 +995,9 @@ def _log_mixture(log_p: torch.Tensor, log_q: torch.Tensor, beta: float) -> torch
     """log M, M = β p + (1 − β) q, for β in [0, 1] (an end drops its side: log(0) is −inf, not
     math.log's error). A category at −inf on both sides is absent (−inf); logaddexp(−inf, −inf)
     would backpropagate NaN."""
+    if beta >= 1.0 or beta <= 0.0:  # M = p (q): logaddexp with a side at −inf backpropagates NaN where p (q) is 0;
+        keep, drop = (log_p, log_q) if beta >= 1.0 else (log_q, log_p)  # the dropped side kept in the graph, weight 0
+        return keep + 0.0 * torch.where(drop > -torch.inf, drop, 0.0)
     absent = (log_p == -torch.inf) & (log_q == -torch.inf)
     log_b = math.log(beta) if beta > 0.0 else -math.inf
     log_1mb = math.log1p(-beta) if beta < 1.0 else -math.inf
@@ -1014,6 +1024,8 @@ def adaptive_kl(log_q: torch.Tensor, log_p: torch.Tensor, head_mass: float, voca
     some = g_all > 0
     w_head = torch.where(some, g_head / torch.where(some, g_all, 1.0), 0.5)
     w_tail = torch.where(some, g_tail / torch.where(some, g_all, 1.0), 0.5)
+    if head_mass >= 1.0:  # the head is the whole row: g_tail = 0, the forward KL (0 · an infinite KL(q‖p) is no NaN)
+        return forward
     return w_head * forward + w_tail * reverse
 
 
