@@ -232,6 +232,34 @@ def test_rows_near_p_equals_q(case, gap, seed):
     assert ((ds.double() - want_ds).abs() <= RTOL * want_ds.abs().max() + _grad_slack(s, t, 0.9, 0.5, loss, params, labels)).all()
 
 
+@pytest.mark.parametrize("temperature", [1.0, 0.25])
+def test_dkd_where_the_label_leaves_the_rest_below_fp32(temperature, seed):
+    """DKD's non-target part where the student's label logit is so far above the rest that Q = 1 − q_y is below
+    fp32's range (2^−170 here): q̂ = q / Q is formed from its logs, not as 0 · (1/0), so dL/ds off the label keeps
+    β (q̂ − p̂) (it came out without it, or NaN at τ ¼); and the teacher's P likewise in the second row."""
+    g = torch.Generator().manual_seed(seed)
+    s = torch.randn(3, V, generator=g) * 4
+    t = torch.randn(3, V, generator=g) * 4
+    s[0, 0], t[0, 2] = 120.0, 120.0  # the student on its label, the teacher elsewhere
+    s[1, 3], t[1, 1] = 30.0, 120.0  # the teacher on the label
+    labels = torch.tensor([0, 1, 5])
+    params = dict(alpha=1.0, beta=8.0)
+    soft, ds = _kernel_rows(s, t, labels, "dkd", params, temperature, 0.5)
+    # the reference: the torch rows in float64 (the 40-digit oracle's 1 − q_y is 0 here), whose DKD takes Q from
+    # the off-label logits' own logsumexp
+    x = s.double().requires_grad_()
+    total = flashkd.fused_linear_distill_logits(x, torch.eye(V, dtype=torch.float64), t.double(), labels, loss="dkd",
+                                                temperature=temperature, weight_hard_loss=0.0, weight_soft_loss=1.0,
+                                                reduction="sum", backend="torch", **params)
+    (want_ds,) = torch.autograd.grad(total * 0.5, x)
+    assert torch.isfinite(soft).all() and torch.isfinite(ds).all()
+    torch.testing.assert_close(soft.double().sum(), total.detach(), rtol=RTOL, atol=0.0)
+    # within 1e-4 of the largest element (3e-6 measured: the rows' logs near −170 carry ulps of 2e-5 there; the
+    # lost non-target part was O(1) of it)
+    err = ((ds.double() - want_ds).abs().max() / want_ds.abs().max()).item()
+    assert err <= 1e-4, err
+
+
 @pytest.mark.parametrize("case", CASES, ids=_ids)
 def test_rows_at_trained_magnitudes(case, seed):
     """Logits of std 4 with peaks of 30, the teacher's and the student's on different ids in some rows, on

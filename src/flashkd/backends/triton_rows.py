@@ -576,14 +576,16 @@ def _loss_pass(
                             acc3 -= times(tl.exp2(lp), lp)
                             acc4 += tl.where(present, 1.0, 0.0)
                     elif LOSS == _DKD:  # NCKD's terms ≥ 0 off y, of p̂ = p / P, q̂ = q / Q (log2 P and log2(P/Q) in
-                        # log2_beta, log2_1mbeta); dL/ds = q f_q + p f_p off y, q c_q + f0 at y (`_dkd_factors`)
-                        p = tl.exp2(lp)
+                        # log2_beta, log2_1mbeta); dL/ds = q̂ f_q + p̂ f_p + q c_q off y, q c_q + f0 at y
+                        # (`_dkd_factors`)
                         off = offs != label
                         d = _log2_ratio(a, b, lq, lp, row_gap, log2e_tau, SCALED) + log2_1mbeta  # log2(q̂/p̂)
-                        acc += tl.where(off, _power_term(lp - log2_beta, lq - (log2_beta - log2_1mbeta), d, 1.0, 0.0,
-                                                         PSI), 0.0)
+                        lp_hat = lp - log2_beta
+                        lq_hat = lq - (log2_beta - log2_1mbeta)
+                        acc += tl.where(off, _power_term(lp_hat, lq_hat, d, 1.0, 0.0, PSI), 0.0)
                         if GRAD_SOFT:
-                            g = tl.where(off, times(q, f_q) + times(p, f_p), q * c_q + f0)
+                            p_part = tl.where(f_p != 0.0, times(tl.exp2(lp_hat), f_p), 0.0)  # P = 0: no p̂ (inf · 0)
+                            g = tl.where(off, times(tl.exp2(lq_hat), f_q) + p_part + q * c_q, q * c_q + f0)
                     else:  # _TVD: acc2, acc3, acc4 = the mass of q where q < p, q > p, q = p
                         p = tl.exp2(lp)
                         acc += tl.abs(q - p)
@@ -1082,8 +1084,9 @@ def _dkd_factors(m_s, m_t, log2_l_s, log2_l_t, s_y, t_y, log2_p, log2_q, c_q, c_
         dL/dz_j = c (β (q̂_j − p̂_j) − α (q_y − p_y) q_j / Q)  (j ≠ y),   c α (q_y − p_y)  (j = y)
     (q_y − p_y exact from the logits' difference), TCKD = KL((p_y, P) ‖ (q_y, Q)) in its terms ≥ 0; the β
     part left out where P = 0 (NCKD is 0 there). log(P/Q) = log1p((q_y − p_y) / Q) where P ≈ Q (P − Q is
-    q_y − p_y), not the difference of the two rounded logs. Returns (f_q, f_p, f_y, TCKD, log2(P/Q)), f_q with
-    the CE's c_q."""
+    q_y − p_y), not the difference of the two rounded logs. Returns (f_q, f_p, f_y, TCKD, log2(P/Q)): f_q and
+    f_p the factors of q̂ = 2^(log2 q − log2 Q) and p̂ = 2^(log2 p − log2 P), each formed from its logs (q · f_q / Q
+    was 0 · inf where the label's mass leaves Q below fp32's range, e.g. q_y ≈ 1 − 2^−170: the NCKD part lost)."""
     lq_y = (s_y - m_s) * log2e_tau - log2_l_s
     lp_y = (t_y - m_t) * log2e_tau_t - log2_l_t
     d_y = _log2_ratio(s_y, t_y, lq_y, lp_y, _row_gap(m_s, m_t, log2_l_s, log2_l_t, log2e_tau), log2e_tau, SCALED)
@@ -1091,8 +1094,8 @@ def _dkd_factors(m_s, m_t, log2_l_s, log2_l_t, s_y, t_y, log2_p, log2_q, c_q, c_
     some = log2_p > -float("inf")
     nc = tl.where(some, beta, 0.0)
     q_off = tl.exp2(log2_q)  # Q
-    f_q = c_st * (nc - alpha * gap_y) / q_off + c_q
-    f_p = tl.where(some, -c_st * beta / tl.exp2(log2_p), 0.0)
+    f_q = c_st * (nc - alpha * gap_y)
+    f_p = tl.where(some, -c_st * beta, 0.0)
     f_y = c_st * alpha * gap_y
     x = gap_y / q_off
     near = tl.abs(x) <= 0.5
