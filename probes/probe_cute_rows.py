@@ -63,6 +63,31 @@ def build(side: str, side_regs: int, unroll: int, sms: int, feed: str = "regs", 
     mma_regs = (3 * 168 - side_regs) // 2 // 8 * 8
 
     class RowsBeside(Gemm):
+        def terms(self, s, t, ms, ls, mt, lt):
+            """One column's log2 q, log2 p, q, p and log2 M (M = (p + q) / 2), from the rows' statistics (traced
+            inline)."""
+            lq = (s - ms) * LOG2E - ls
+            lp = (t - mt) * LOG2E - lt
+            q = cute.math.exp2(lq, fastmath=True)
+            p = cute.math.exp2(lp, fastmath=True)
+            return lq, lp, q, p, cute.math.log2(0.5 * q + 0.5 * p, fastmath=True)
+
+        @cute.jit
+        def row_sums(self, a1: cutlass.Float32, a2: cutlass.Float32, w: cutlass.Int32, lane: cutlass.Int32,
+                     parity: cutlass.Int32, sRed: cute.Tensor):
+            """The 96 threads' two sums of a row: over each warp by shuffles, then the three warps' through
+            sRed's half `parity` (a row's reads of one half finish before the row after next writes it: each
+            row passes the barrier)."""
+            for off in cutlass.range_constexpr(5):
+                a1 = a1 + cute.arch.shuffle_sync_bfly(a1, offset=16 >> off)
+                a2 = a2 + cute.arch.shuffle_sync_bfly(a2, offset=16 >> off)
+            if lane == 0:
+                sRed[parity * 8 + 2 * w] = a1
+                sRed[parity * 8 + 2 * w + 1] = a2
+            cute.arch.barrier(barrier_id=ROWS_BAR, number_of_threads=THREADS)
+            return (sRed[parity * 8] + sRed[parity * 8 + 2] + sRed[parity * 8 + 4],
+                    sRed[parity * 8 + 1] + sRed[parity * 8 + 3] + sRed[parity * 8 + 5])
+
         @cute.jit
         def rows(self, tidx: cutlass.Int32, first: cutlass.Int32, step: cutlass.Int32, mS: cute.Tensor,
                  mT: cute.Tensor, mStat: cute.Tensor, mG: cute.Tensor, mLoss: cute.Tensor, sRed: cute.Tensor):
@@ -84,22 +109,10 @@ def build(side: str, side_regs: int, unroll: int, sms: int, feed: str = "regs", 
                     cute.autovec_copy(mS[row, g, None], rs)
                     cute.autovec_copy(mT[row, g, None], rt)
                     for c in cutlass.range_constexpr(4):
-                        lq = (rs[c] - ms) * LOG2E - ls
-                        lp = (rt[c] - mt) * LOG2E - lt
-                        q = cute.math.exp2(lq, fastmath=True)
-                        p = cute.math.exp2(lp, fastmath=True)
-                        lm = cute.math.log2(0.5 * q + 0.5 * p, fastmath=True)
+                        lq, lp, q, p, lm = self.terms(rs[c], rt[c], ms, ls, mt, lt)
                         a1 = a1 + p * (lp - lm)
                         a2 = a2 + q * (lq - lm)
-                for off in cutlass.range_constexpr(5):
-                    a1 = a1 + cute.arch.shuffle_sync_bfly(a1, offset=16 >> off)
-                    a2 = a2 + cute.arch.shuffle_sync_bfly(a2, offset=16 >> off)
-                if lane == 0:
-                    sRed[parity * 8 + 2 * w] = a1
-                    sRed[parity * 8 + 2 * w + 1] = a2
-                cute.arch.barrier(barrier_id=ROWS_BAR, number_of_threads=THREADS)
-                k1 = sRed[parity * 8] + sRed[parity * 8 + 2] + sRed[parity * 8 + 4]
-                k2 = sRed[parity * 8 + 1] + sRed[parity * 8 + 3] + sRed[parity * 8 + 5]
+                k1, k2 = self.row_sums(a1, a2, w, lane, parity, sRed)
                 parity = 1 - parity
                 if i == 0:
                     mLoss[row] = 0.5 * LN2 * (k1 + k2)
@@ -107,11 +120,7 @@ def build(side: str, side_regs: int, unroll: int, sms: int, feed: str = "regs", 
                     cute.autovec_copy(mS[row, g, None], rs)
                     cute.autovec_copy(mT[row, g, None], rt)
                     for c in cutlass.range_constexpr(4):
-                        lq = (rs[c] - ms) * LOG2E - ls
-                        lp = (rt[c] - mt) * LOG2E - lt
-                        q = cute.math.exp2(lq, fastmath=True)
-                        p = cute.math.exp2(lp, fastmath=True)
-                        lm = cute.math.log2(0.5 * q + 0.5 * p, fastmath=True)
+                        lq, lp, q, p, lm = self.terms(rs[c], rt[c], ms, ls, mt, lt)
                         rg[c] = (0.5 * LN2) * q * ((lq - lm) - k2)
                     out = cute.make_rmem_tensor((4,), cutlass.BFloat16)
                     out.store(rg.load().to(cutlass.BFloat16))
@@ -153,11 +162,7 @@ def build(side: str, side_regs: int, unroll: int, sms: int, feed: str = "regs", 
                         rs.store(sRing[(None, i, 0, slot)].load())
                         rt.store(sRing[(None, i, 1, slot)].load())
                         for c in cutlass.range_constexpr(4):
-                            lq = (rs[c] - ms) * LOG2E - ls
-                            lp = (rt[c] - mt) * LOG2E - lt
-                            q = cute.math.exp2(lq, fastmath=True)
-                            p = cute.math.exp2(lp, fastmath=True)
-                            lm = cute.math.log2(0.5 * q + 0.5 * p, fastmath=True)
+                            lq, lp, q, p, lm = self.terms(rs[c], rt[c], ms, ls, mt, lt)
                             if cutlass.const_expr(phase == 0):
                                 a1 = a1 + p * (lp - lm)
                                 a2 = a2 + q * (lq - lm)
@@ -173,15 +178,7 @@ def build(side: str, side_regs: int, unroll: int, sms: int, feed: str = "regs", 
                         cute.arch.cp_async_commit_group()
                     cute.arch.cp_async_wait_group(0)  # the ring's last copies landed before the next pass's
                     if cutlass.const_expr(phase == 0):
-                        for off in cutlass.range_constexpr(5):
-                            a1 = a1 + cute.arch.shuffle_sync_bfly(a1, offset=16 >> off)
-                            a2 = a2 + cute.arch.shuffle_sync_bfly(a2, offset=16 >> off)
-                        if lane == 0:
-                            sRed[parity * 8 + 2 * w] = a1
-                            sRed[parity * 8 + 2 * w + 1] = a2
-                        cute.arch.barrier(barrier_id=ROWS_BAR, number_of_threads=THREADS)
-                        k1 = sRed[parity * 8] + sRed[parity * 8 + 2] + sRed[parity * 8 + 4]
-                        k2 = sRed[parity * 8 + 1] + sRed[parity * 8 + 3] + sRed[parity * 8 + 5]
+                        k1, k2 = self.row_sums(a1, a2, w, lane, parity, sRed)
                         parity = 1 - parity
                         if i == 0:
                             mLoss[row] = 0.5 * LN2 * (k1 + k2)
