@@ -575,6 +575,37 @@ def test_akl_head_bins_settle_the_rows_a_search_is_kept_for(mu, seed):
         assert 0 < int(head[6].sum()) < V and head[6].equal(torch.arange(V) < int(head[6].sum()))
 
 
+@pytest.mark.parametrize("softcap", [None, 30.0])
+def test_akl_head_of_a_top_id_over_mu_is_the_searchs(softcap, seed):
+    """Rows whose top id alone holds more than μ are settled after the kernel's first read: the same (κ, κ_v,
+    cut) as its search's, the first id of the top key where several share it (in one lane of the scan or in
+    two; a softcap saturating the top logits, so that they round to one p while their keys differ)."""
+    g = torch.Generator().manual_seed(seed)
+    V = 3000
+    t = torch.randn(6, V, generator=g) * 4
+    t[0, 2500] = 40.0
+    t[1, 5] = t[1, 1029] = 40.0  # one lane of a 1024-wide scan
+    t[2, 2000] = t[2, 700] = 40.0  # two lanes
+    t[3, 17] = 500.0  # a softcap of 30 takes both to 30.0 in fp32: one p, two keys
+    t[3, 18] = 400.0
+    t[4] = t[4].round()
+    t[4, 99] = t[4, 3] = t[4].max() + 20.0
+    t[5, ::3] = -torch.inf
+    t[5, 6] = 45.0
+    spec = LossSpec(loss="akl", head_mass=0.3, temperature=0.9, teacher_softcap=softcap)
+    fast = triton_rows.akl_head_keys(_on(t), spec).cpu()
+    slow = triton_rows.akl_head_keys(_on(t), spec, search=True).cpu()
+    p = torch.softmax(spec.teacher(t.double()) / spec.temperature, -1)
+    settled = (p.max(-1).values > 0.3).tolist()
+    assert settled[:3] == [True] * 3 and settled[5]
+    for r in range(6):
+        assert fast[r, :3].tolist() == slow[r, :3].tolist(), r
+        assert fast[r, 3] == (0 if settled[r] else fast[r, 3])
+    assert fast[1, 2] == 5 and fast[2, 2] == 700 and fast[3, 2] == 17 and fast[5, 2] == 6
+    want, sure = _sorted_prefix(t, spec)
+    assert (_akl_head_of_keys(t, spec) == want)[sure].all()
+
+
 @pytest.mark.parametrize("mu", [0.5, 0.2, 1.0])
 @pytest.mark.parametrize("case", ["trained", "ties", "near", "softcap", "negative", "masked"])
 def test_akl_rows_against_float64(case, mu, seed):

@@ -1338,31 +1338,13 @@ def _akl_tile(t_row, offs, V, m_t, log2_l, log2e_tau_t, t_mul, T_HEAD: tl.conste
     return tl.exp2(z - log2_l), tl.where(offs < V, _akl_key(raw, T_HEAD), _KEY_FLOOR), z
 
 
-@triton.jit(do_not_specialize=["search"])  # one compiled kernel for both (a search of 1 made a constant fails to build)
-def _akl_head_kernel(t_ptr, out_ptr, keep_ptr, V, stride_t, mu, log2e_tau_t, t_mul, search, T_HEAD: tl.constexpr,
-                     PARTS: tl.constexpr, BLOCK_V: tl.constexpr, SCAN: tl.constexpr, BINS: tl.constexpr = 256,
-                     CAP: tl.constexpr = 256, LEVELS: tl.constexpr = 3):
-    """One row's (κ, κ_v, cut, searched) of AKL's head (above), int64, into out_ptr (R, 4): searched 1 where
-    the search settled it (always where search is 1, the bins' passes skipped: a runtime flag, so that both
-    run the one compiled kernel); p as the row kernel's pass 2
-    makes it (the teacher's max and sum at τ, lanes merged once); keep_ptr: the row's CAP int32 of scratch.
-    The scans walk the row SCAN columns a step, their sums kept per lane and reduced once after the walk (a
-    reduction a step is a barrier a step); the search's (PARTS, BLOCK_V) tiles are narrower."""
-    row = tl.program_id(0)
-    t_row = t_ptr + row.to(tl.int64) * stride_t
+@triton.jit
+def _akl_bracket(t_row, keep, k_lane, m_t, log2_l, V, mu, log2e_tau_t, t_mul, search, T_HEAD: tl.constexpr,
+                 PARTS: tl.constexpr, BLOCK_V: tl.constexpr, SCAN: tl.constexpr, BINS: tl.constexpr,
+                 CAP: tl.constexpr, LEVELS: tl.constexpr):
+    """A row's (κ, κ_v, cut, searched) from its lanes' largest keys k_lane and the teacher's m_t, log2 l: the
+    bins' bracket, the kept ids sorted, and where those miss the prefix's end, the search."""
     cols = tl.arange(0, SCAN)
-    m = tl.full([SCAN], M_START, tl.float32)
-    l = tl.zeros([SCAN], tl.float32)
-    k_lane = tl.full([SCAN], _KEY_FLOOR, tl.int32)  # each lane's largest key
-    for start in range(0, V, SCAN):
-        offs = start + cols
-        raw = tl.load(t_row + offs, mask=offs < V, other=-float("inf")).to(tl.float32)
-        b = head(raw, t_mul, T_HEAD)[0]
-        l = lane_sum(l, m, b, log2e_tau_t)
-        m = tl.maximum(m, b)
-        k_lane = tl.maximum(k_lane, tl.where(offs < V, _akl_key(raw, T_HEAD), _KEY_FLOOR))
-    m_t = tl.max(m, 0)
-    log2_l = tl.log2(tl.sum(l * tl.exp2((m - m_t) * log2e_tau_t), 0))
     # the lanes' largest keys, distinct columns, bound F(key) = Σ_{keys >= key} p from below: where those at or
     # over a key pass μ, the head ends above it (a teacher whose top id holds more than μ: at the top)
     k_top = tl.sort(k_lane, descending=True)
@@ -1407,7 +1389,6 @@ def _akl_head_kernel(t_ptr, out_ptr, keep_ptr, V, stride_t, mu, log2e_tau_t, t_m
         zh = zh_new
         level += 1
     # keep the ids in [zl, zh) (their first CAP), sum p over zh exactly
-    keep = keep_ptr + row.to(tl.int64) * CAP
     n = V * 0
     n_up_lane = tl.zeros([SCAN], tl.int32)
     up_lane = tl.zeros([SCAN], tl.float32)
@@ -1438,46 +1419,98 @@ def _akl_head_kernel(t_ptr, out_ptr, keep_ptr, V, stride_t, mu, log2e_tau_t, t_m
     k_v = kappa - 1
     cut = tl.where(last >= 0, tl.max(tl.where(slots == last, id_s, -1), 0), -1)
     searched = (search != 0) | (n > CAP) | (up > mu) | (fits >= n)
-    if searched:  # the bracket missed the prefix's end: the search
-        parts = tl.arange(0, PARTS)
-        lanes = tl.arange(0, BLOCK_V)
-        lo = tl.zeros([PARTS], tl.int64) + k_lo
-        hi = tl.zeros([PARTS], tl.int64) + tl.max(k_top, 0) + 1
-        f_hi = tl.zeros([PARTS], tl.float32)
-        while tl.max(hi - lo, 0) > 1:
-            th = (lo + ((hi - lo) * (parts + 1)) // PARTS).to(tl.int32)  # th[PARTS − 1] = hi; keys are int32
-            mass = tl.zeros([PARTS], tl.float32)
-            for start in range(0, V, BLOCK_V):
-                p2, key2, _z2 = _akl_tile(t_row, start + lanes, V, m_t, log2_l, log2e_tau_t, t_mul, T_HEAD)
-                mass += tl.sum(tl.where(key2[None, :] >= th[:, None], p2[None, :], 0.0), 1)
-            fit = (mass <= mu) | (parts == PARTS - 1)
-            new_hi = tl.min(tl.where(fit, th, _KEY_CEIL), 0).to(tl.int64)
-            f_hi = tl.zeros([PARTS], tl.float32) + tl.max(tl.where(fit & (th == new_hi), mass, -1.0), 0)
-            lo = tl.zeros([PARTS], tl.int64) + tl.max(tl.where(fit, lo, th.to(tl.int64)), 0)
-            hi = tl.zeros([PARTS], tl.int64) + new_hi
-        kappa = tl.max(hi, 0).to(tl.int32)
-        f_k = tl.max(f_hi, 0)
-        # κ_v: the largest key below κ, and its p
-        k_below = tl.full([BLOCK_V], _KEY_FLOOR, tl.int32)
-        p_below = tl.zeros([BLOCK_V], tl.float32)
+    if searched:
+        kappa, k_v, cut = _akl_search(t_row, k_lo, tl.max(k_top, 0) + 1, m_t, log2_l, V, mu, log2e_tau_t, t_mul,
+                                      T_HEAD, PARTS, BLOCK_V)
+    return kappa, k_v, cut, searched
+
+
+@triton.jit
+def _akl_search(t_row, k_lo, k_hi, m_t, log2_l, V, mu, log2e_tau_t, t_mul, T_HEAD: tl.constexpr,
+                PARTS: tl.constexpr, BLOCK_V: tl.constexpr):
+    """A row's (κ, κ_v, cut) by the search over the keys in [k_lo, k_hi), where the bins' bracket missed."""
+    parts = tl.arange(0, PARTS)
+    lanes = tl.arange(0, BLOCK_V)
+    lo = tl.zeros([PARTS], tl.int64) + k_lo
+    hi = tl.zeros([PARTS], tl.int64) + k_hi
+    f_hi = tl.zeros([PARTS], tl.float32)
+    while tl.max(hi - lo, 0) > 1:
+        th = (lo + ((hi - lo) * (parts + 1)) // PARTS).to(tl.int32)  # th[PARTS − 1] = hi; keys are int32
+        mass = tl.zeros([PARTS], tl.float32)
         for start in range(0, V, BLOCK_V):
             p2, key2, _z2 = _akl_tile(t_row, start + lanes, V, m_t, log2_l, log2e_tau_t, t_mul, T_HEAD)
-            higher = (key2 < kappa) & (key2 > k_below)
-            p_below = tl.where(higher, p2, p_below)
-            k_below = tl.where(higher, key2, k_below)
-        k_v = tl.max(k_below, 0)
-        p_v = tl.max(tl.where(k_below == k_v, p_below, 0.0), 0)
-        need = tl.floor((mu - f_k) / tl.where(p_v > 0.0, p_v, 1.0))
-        need = tl.maximum(need, tl.where(f_k == 0.0, 1.0, 0.0))
-        need = tl.minimum(need, V + 1.0).to(tl.int32)  # the group's first `need` ids by id
-        cut = tl.where(need > 0, V, -1)  # V: the group's ids all (fewer than need)
-        seen = need * 0
-        for start in range(0, V, BLOCK_V):
-            offs2 = start + lanes
-            group = (offs2 < V) & (_akl_tile(t_row, offs2, V, m_t, log2_l, log2e_tau_t, t_mul, T_HEAD)[1] == k_v)
-            rank = seen + tl.cumsum(group.to(tl.int32), 0)
-            cut = tl.minimum(cut, tl.min(tl.where(group & (rank == need), offs2, V), 0))
-            seen += tl.sum(group.to(tl.int32), 0)
+            mass += tl.sum(tl.where(key2[None, :] >= th[:, None], p2[None, :], 0.0), 1)
+        fit = (mass <= mu) | (parts == PARTS - 1)
+        new_hi = tl.min(tl.where(fit, th, _KEY_CEIL), 0).to(tl.int64)
+        f_hi = tl.zeros([PARTS], tl.float32) + tl.max(tl.where(fit & (th == new_hi), mass, -1.0), 0)
+        lo = tl.zeros([PARTS], tl.int64) + tl.max(tl.where(fit, lo, th.to(tl.int64)), 0)
+        hi = tl.zeros([PARTS], tl.int64) + new_hi
+    kappa = tl.max(hi, 0).to(tl.int32)
+    f_k = tl.max(f_hi, 0)
+    # κ_v: the largest key below κ, and its p
+    k_below = tl.full([BLOCK_V], _KEY_FLOOR, tl.int32)
+    p_below = tl.zeros([BLOCK_V], tl.float32)
+    for start in range(0, V, BLOCK_V):
+        p2, key2, _z2 = _akl_tile(t_row, start + lanes, V, m_t, log2_l, log2e_tau_t, t_mul, T_HEAD)
+        higher = (key2 < kappa) & (key2 > k_below)
+        p_below = tl.where(higher, p2, p_below)
+        k_below = tl.where(higher, key2, k_below)
+    k_v = tl.max(k_below, 0)
+    p_v = tl.max(tl.where(k_below == k_v, p_below, 0.0), 0)
+    need = tl.floor((mu - f_k) / tl.where(p_v > 0.0, p_v, 1.0))
+    need = tl.maximum(need, tl.where(f_k == 0.0, 1.0, 0.0))
+    need = tl.minimum(need, V + 1.0).to(tl.int32)  # the group's first `need` ids by id
+    cut = tl.where(need > 0, V, -1)  # V: the group's ids all (fewer than need)
+    seen = need * 0
+    for start in range(0, V, BLOCK_V):
+        offs2 = start + lanes
+        group = (offs2 < V) & (_akl_tile(t_row, offs2, V, m_t, log2_l, log2e_tau_t, t_mul, T_HEAD)[1] == k_v)
+        rank = seen + tl.cumsum(group.to(tl.int32), 0)
+        cut = tl.minimum(cut, tl.min(tl.where(group & (rank == need), offs2, V), 0))
+        seen += tl.sum(group.to(tl.int32), 0)
+    return kappa, k_v, cut
+
+
+@triton.jit(do_not_specialize=["search"])  # one compiled kernel for both (a search of 1 made a constant fails to build)
+def _akl_head_kernel(t_ptr, out_ptr, keep_ptr, V, stride_t, mu, log2e_tau_t, t_mul, search, T_HEAD: tl.constexpr,
+                     PARTS: tl.constexpr, BLOCK_V: tl.constexpr, SCAN: tl.constexpr, BINS: tl.constexpr = 256,
+                     CAP: tl.constexpr = 256, LEVELS: tl.constexpr = 3):
+    """One row's (κ, κ_v, cut, searched) of AKL's head (above), int64, into out_ptr (R, 4): searched 1 where
+    the search settled it (always where search is 1, the bins' passes skipped: a runtime flag, so that both
+    run the one compiled kernel); p as the row kernel's pass 2
+    makes it (the teacher's max and sum at τ, lanes merged once); keep_ptr: the row's CAP int32 of scratch.
+    The scans walk the row SCAN columns a step, their sums kept per lane and reduced once after the walk (a
+    reduction a step is a barrier a step); the search's (PARTS, BLOCK_V) tiles are narrower."""
+    row = tl.program_id(0)
+    t_row = t_ptr + row.to(tl.int64) * stride_t
+    cols = tl.arange(0, SCAN)
+    m = tl.full([SCAN], M_START, tl.float32)
+    l = tl.zeros([SCAN], tl.float32)
+    k_lane = tl.full([SCAN], _KEY_FLOOR, tl.int32)  # each lane's largest key
+    i_lane = tl.zeros([SCAN], tl.int32) + V  # and its first column
+    for start in range(0, V, SCAN):
+        offs = start + cols
+        raw = tl.load(t_row + offs, mask=offs < V, other=-float("inf")).to(tl.float32)
+        b = head(raw, t_mul, T_HEAD)[0]
+        l = lane_sum(l, m, b, log2e_tau_t)
+        m = tl.maximum(m, b)
+        key = tl.where(offs < V, _akl_key(raw, T_HEAD), _KEY_FLOOR)
+        i_lane = tl.where(key > k_lane, offs, i_lane)
+        k_lane = tl.maximum(k_lane, key)
+    m_t = tl.max(m, 0)
+    log2_l = tl.log2(tl.sum(l * tl.exp2((m - m_t) * log2e_tau_t), 0))
+    # a teacher whose top id alone holds more than μ (most rows of a trained one): the head is that id, the first
+    # of the top key's (p = 2^(0 − log2 l), as the fast path below makes it: the same outputs), in one read
+    k_max = tl.max(k_lane, 0)
+    if (tl.exp2(-log2_l) > mu) & (search == 0):
+        kappa = k_max + 1
+        k_v = k_max
+        cut = tl.min(tl.where(k_lane == k_max, i_lane, V), 0)
+        searched = search != 0
+    else:
+        kappa, k_v, cut, searched = _akl_bracket(t_row, keep_ptr + row.to(tl.int64) * CAP, k_lane, m_t, log2_l, V,
+                                                 mu, log2e_tau_t, t_mul, search, T_HEAD, PARTS, BLOCK_V, SCAN, BINS,
+                                                 CAP, LEVELS)
     out = out_ptr + row.to(tl.int64) * 4
     tl.store(out, kappa.to(tl.int64))
     tl.store(out + 1, k_v.to(tl.int64))
