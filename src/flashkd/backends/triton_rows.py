@@ -427,7 +427,7 @@ def _stats_pass(
                  RCP_FMA & 1)[0]
         if STATS:
             r_ent = lane_gap(r_ent, l_s, m_s, a, log2e_tau)
-        if SOFT:
+        if SOFT and LOSS != _AKL:  # AKL's teacher max and sum come from its head's kernel (`_akl_keys`)
             b = head(_teacher_tile(t_row, tb_ptr, offs, mask, T_BIAS), t_mul, T_HEAD, (RCP_FMA >> 1) & 1)[0]
             if LOSS == _COSINE:
                 a0 = tl.where(mask, a, 0.0)
@@ -449,6 +449,8 @@ def _stats_pass(
                 else:
                     l_t = lane_sum(l_t, m_t, b, log2e_tau_t)
                 m_t = tl.maximum(m_t, b)
+        elif SOFT:  # AKL: the student's sum alone
+            l_s = lane_sum(l_s, m_s, a, log2e_tau)
         if CE and not CE_IS_Q:
             l_c = lane_sum(l_c, m_s, a, log2e_ce)
         m_s = tl.maximum(m_s, a)
@@ -831,6 +833,8 @@ def _row_stats(
         )
         if LOSS == _DKD:  # the teacher's z_y, in the slot cosine's Σ s·t has (unused here)
             st = _label_logit(t_row, label, V, t_mul, True, T_HEAD, (RCP_FMA >> 1) & 1)[0]
+        if LOSS == _AKL and SOFT:  # the teacher's max and sum from its head's kernel: one read of t fewer
+            m_t, l_t = _akl_teacher_stats(part_ptr, row)
     elif PHASE == 4:
         s_y, in_range = _label_logit(s_row, label, V, s_mul, CE, S_HEAD, RCP_FMA)
         m_s, l_s, l_c, m_t, l_t, r_kl, ss, tt, st, r_ent = _tile_stats(
@@ -1110,9 +1114,18 @@ def _akl_keys(part_ptr, row, LOSS: tl.constexpr):
     other losses (pass 2 takes them as arguments: the GPU compiler keeps a name's type across a branch)."""
     zero = row * 0
     if LOSS == _AKL:  # each within int32: the keys between the floor and the ceiling, cut in [−1, V]
-        akl_row = part_ptr + row * 4
+        akl_row = part_ptr + row * _AKL_OUT
         return tl.load(akl_row).to(tl.int32), tl.load(akl_row + 1).to(tl.int32), tl.load(akl_row + 2).to(tl.int32)
     return zero, zero, zero
+
+
+@triton.jit
+def _akl_teacher_stats(part_ptr, row):
+    """The teacher's (max, sum) at τ over the row as `_akl_head_kernel` wrote them (fp32 bits in int64):
+    pass 1's m_t and l_t, merged."""
+    akl_row = part_ptr + row * _AKL_OUT
+    return (tl.load(akl_row + 4).to(tl.int32).to(tl.float32, bitcast=True),
+            tl.load(akl_row + 5).to(tl.int32).to(tl.float32, bitcast=True))
 
 
 @triton.jit
@@ -1303,6 +1316,7 @@ _AKL_PARTS = 16
 _AKL_BINS = 256
 _AKL_CAP = 256
 _AKL_LEVELS = 3
+_AKL_OUT: tl.constexpr = tl.constexpr(6)  # a row's (κ, κ_v, cut, searched, m_t bits, l_t bits), int64
 
 
 _KEY_FLOOR: tl.constexpr = tl.constexpr(-2139095042)  # below every order key: the key of −inf, less one
@@ -1475,7 +1489,8 @@ def _akl_search(t_row, k_lo, k_hi, m_t, log2_l, V, mu, log2e_tau_t, t_mul, T_HEA
 def _akl_head_kernel(t_ptr, out_ptr, keep_ptr, V, stride_t, mu, log2e_tau_t, t_mul, search, T_HEAD: tl.constexpr,
                      PARTS: tl.constexpr, BLOCK_V: tl.constexpr, SCAN: tl.constexpr, BINS: tl.constexpr = 256,
                      CAP: tl.constexpr = 256, LEVELS: tl.constexpr = 3):
-    """One row's (κ, κ_v, cut, searched) of AKL's head (above), int64, into out_ptr (R, 4): searched 1 where
+    """One row's (κ, κ_v, cut, searched) of AKL's head (above) and the teacher's (m_t, l_t) as fp32 bits, int64,
+    into out_ptr (R, _AKL_OUT); μ >= 1: the whole row (κ, κ_v the floor, cut −1); searched 1 where
     the search settled it (always where search is 1, the bins' passes skipped: a runtime flag, so that both
     run the one compiled kernel); p as the row kernel's pass 2
     makes it (the teacher's max and sum at τ, lanes merged once); keep_ptr: the row's CAP int32 of scratch.
@@ -1498,11 +1513,17 @@ def _akl_head_kernel(t_ptr, out_ptr, keep_ptr, V, stride_t, mu, log2e_tau_t, t_m
         i_lane = tl.where(key > k_lane, offs, i_lane)
         k_lane = tl.maximum(k_lane, key)
     m_t = tl.max(m, 0)
-    log2_l = tl.log2(tl.sum(l * tl.exp2((m - m_t) * log2e_tau_t), 0))
+    l_t = tl.sum(l * tl.exp2((m - m_t) * log2e_tau_t), 0)
+    log2_l = tl.log2(l_t)
     # a teacher whose top id alone holds more than μ (most rows of a trained one): the head is that id, the first
     # of the top key's (p = 2^(0 − log2 l), as the fast path below makes it: the same outputs), in one read
     k_max = tl.max(k_lane, 0)
-    if (tl.exp2(-log2_l) > mu) & (search == 0):
+    if mu >= 1.0:  # every prefix sums to at most 1: the whole row (κ below every key), where rounding may not say so
+        kappa = k_max * 0 + _KEY_FLOOR
+        k_v = kappa
+        cut = k_max * 0 - 1
+        searched = search != search
+    elif (tl.exp2(-log2_l) > mu) & (search == 0):
         kappa = k_max + 1
         k_v = k_max
         cut = tl.min(tl.where(k_lane == k_max, i_lane, V), 0)
@@ -1511,21 +1532,21 @@ def _akl_head_kernel(t_ptr, out_ptr, keep_ptr, V, stride_t, mu, log2e_tau_t, t_m
         kappa, k_v, cut, searched = _akl_bracket(t_row, keep_ptr + row.to(tl.int64) * CAP, k_lane, m_t, log2_l, V,
                                                  mu, log2e_tau_t, t_mul, search, T_HEAD, PARTS, BLOCK_V, SCAN, BINS,
                                                  CAP, LEVELS)
-    out = out_ptr + row.to(tl.int64) * 4
+    out = out_ptr + row.to(tl.int64) * _AKL_OUT
     tl.store(out, kappa.to(tl.int64))
     tl.store(out + 1, k_v.to(tl.int64))
     tl.store(out + 2, cut.to(tl.int64))
     tl.store(out + 3, searched.to(tl.int64))
+    tl.store(out + 4, m_t.to(tl.int32, bitcast=True).to(tl.int64))  # the row kernel's pass 1 reads only s then
+    tl.store(out + 5, l_t.to(tl.int32, bitcast=True).to(tl.int64))
 
 
 def akl_head_keys(t: torch.Tensor, spec: LossSpec, search: bool = False) -> torch.Tensor:
-    """(R, 4) int64 (κ, κ_v, cut, searched) of each row of the teacher logits t (R, V), unit vocab stride
-    (above); μ >= 1: every column (κ below every key). search: the search alone (the fast path skipped)."""
+    """(R, 6) int64 (κ, κ_v, cut, searched, m_t, l_t) of each row of the teacher logits t (R, V), unit vocab
+    stride (above), m_t and l_t the teacher's max and sum at τ as fp32 bits (the row kernel's pass 1 takes
+    them); μ >= 1: every column (κ below every key). search: the search alone (the fast path skipped)."""
     R, V = t.shape
-    out = torch.empty(R, 4, dtype=torch.int64, device=t.device)
-    if spec.head_mass >= 1.0:
-        out[:, 0], out[:, 1], out[:, 2], out[:, 3] = _KEY_FLOOR.value, _KEY_FLOOR.value, -1, 0
-        return out
+    out = torch.empty(R, _AKL_OUT.value, dtype=torch.int64, device=t.device)
     t_head, fold_t, t_mul = head_mode(spec.teacher_logit_scale, spec.teacher_softcap)
     if R:
         with launching():
