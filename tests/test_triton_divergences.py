@@ -408,19 +408,55 @@ def test_rows_sharded_over_vocab_slices(case, grad, seed):
         assert ((ds - x).double().abs() <= RTOL * x.abs().max() + slack).all()
 
 
+@pytest.mark.parametrize("grad", [True, False])
+@pytest.mark.parametrize("case", [c for c in CASES if c[0] != "dkd"], ids=_ids)
+def test_rows_from_the_statistics_per_vocab_tile(case, grad, seed):
+    """rows(..., tiles=...) (the CuTe logits GEMMs' per-tile statistics standing in for pass 1: the row read
+    twice) against the whole-row kernel, every case and parameter end; uneven tiles (7 columns, V 37), a row
+    near p = q, labels with an ignored row."""
+    from flashkd.backends import cute_gemm
+
+    loss, params = case
+    spec = LossSpec(loss=loss, temperature=0.7, weight_hard=0.4, weight_soft=0.6, **params)
+    assert triton_rows.tiles_fit(spec, grad, False, True)
+    g = torch.Generator().manual_seed(seed)
+    s, t = torch.randn(5, V, generator=g) * 4, torch.randn(5, V, generator=g) * 4
+    t[1] = s[1] + 1e-2 * torch.randn(V, generator=g)
+    labels = torch.tensor([16, 3, -100, 36, 15])
+    scale = torch.tensor(0.37, device=DEVICE)
+    k_s, k_ce, k_t = triton_rows.tile_constants(spec, True)
+    m_s, (l_s, l_c) = cute_gemm.tile_stats(s.double(), [k_s, k_ce], 7)
+    m_t, (l_t,) = cute_gemm.tile_stats(t.double(), [k_t], 7)
+    tiles = _on(torch.stack([m_s, l_s, l_c, m_t, l_t]).float().contiguous())
+    x = _on(s.clone())
+    soft, hard = (y.cpu() for y in triton_rows.rows(x, *_on(t, labels), spec, scale, grad, tiles=tiles))
+    ds = x.cpu()
+    x = _on(s.clone())
+    want_soft, want_hard = (y.cpu() for y in triton_rows.rows(x, *_on(t, labels), spec, scale, grad))
+    x = x.cpu()
+    slack = _normalisation_slack(s, t, loss, params, 0.7, labels)
+    assert ((soft.double() - want_soft.double()).abs() <= RTOL * want_soft.double().abs() + slack).all()
+    torch.testing.assert_close(hard, want_hard, rtol=RTOL, atol=0)
+    if grad:
+        slack = _grad_slack(s, t, 0.7, 0.37 * spec.weight_soft, loss, params, labels)
+        assert ((ds - x).double().abs() <= RTOL * x.abs().max() + slack).all()
+
+
 def test_routing():
     """The moved losses' dense rows run in the kernel on "triton" (and "auto" on a GPU), also under a process
     group (the sharded phases above); AKL's whole rows too (its slices: the torch rows); fp64 on the torch rows; the CuTe path's
-    per-tile statistics are not offered to them."""
+    per-tile statistics stand in for pass 1 of all but DKD, AKL and a learning teacher (backend "cute"), and
+    "auto" keeps them on cuBLAS's GEMMs."""
     x32, x64 = torch.zeros(2, 3, device=DEVICE), torch.zeros(2, 3, dtype=torch.float64, device=DEVICE)
     for loss in MOVED:
         assert loss in triton_rows.KERNEL_LOSSES
         assert core.backend.pick_backend("triton", x32) == "triton"
         assert core.backend.pick_backend("triton", x64) == "torch"
         assert loss not in core.backend.AUTO_CUTE_LOSSES
-        assert not triton_rows.tiles_fit(LossSpec(loss=loss), True, False, True)
+        assert triton_rows.tiles_fit(LossSpec(loss=loss), True, False, True) == (loss != "dkd")
     assert "akl" in triton_rows.KERNEL_LOSSES
-    assert not triton_rows.tiles_fit(LossSpec(loss="akl"), True, False, True)
+    for loss in ("akl", "mutual", "co_jeffreys"):  # AKL's teacher statistics come with its head; dL/dt on whole rows
+        assert not triton_rows.tiles_fit(LossSpec(loss=loss), True, False, True)
 
 
 @pytest.mark.parametrize("loss", MOVED)

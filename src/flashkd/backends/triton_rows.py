@@ -1925,9 +1925,10 @@ def _writing_pass(spec: LossSpec, grad: bool) -> int:
 KERNEL_LOSSES = ("jsd", "forward_kl", "reverse_kl", "tvd", "cosine", "skew_kl", "skew_reverse_kl", "jeffreys",
                  "triangular", "alpha_divergence", "renyi", "renyi_reverse", "ab_divergence", "entropy_adaptive", "dkd",
                  "akl", "mutual", "co_jeffreys")
-# the kernel's losses whose statistics per vocab tile (`tiles_fit`) are not offered: those the CuTe path had
-_NO_TILES = ("jeffreys", "triangular", "alpha_divergence", "renyi", "renyi_reverse", "ab_divergence", "entropy_adaptive",
-             "dkd", "akl")
+# the kernel's losses whose pass 1 is more than each side's softmax statistics, so that the statistics per vocab
+# tile (`tiles_fit`) cannot stand in for it: DKD's sums leave the label's column out (taking it off a tile's sum
+# would cancel where the label holds nearly all the mass), AKL's teacher statistics come with its head
+_NO_TILES = ("dkd", "akl")
 
 
 def kernel_kind(spec: LossSpec) -> str:
@@ -2009,6 +2010,8 @@ def tiles_fit(spec: LossSpec, grad: bool, stats: bool, labels: bool) -> bool:
     whose loss pass 1 does not take online, no transform at load (softcap, negative scale), no stats."""
     kind = kernel_kind(spec)
     if stats or not spec.want_soft or kind in ("cosine", "reverse_kl") or kind in _NO_TILES:
+        return False
+    if spec.kind in LEARNING_LOSSES:  # a learning teacher's dL/dt is written on whole rows only
         return False
     if kind == "forward_kl" and not grad:  # its loss is then taken online in pass 1
         return False
