@@ -198,6 +198,43 @@ def test_gpu_exact_at_irregular_shapes(backend, loss, option, seed, monkeypatch)
     check(out, grads, truth, pipeline_grads(of_logits, xs, ws))
 
 
+# the divergences whose pass 1 the CuTe GEMMs' per-tile statistics stand in for on backend "cute" (`tiles_fit`)
+TILED = [("jeffreys", {}), ("triangular", {}), ("alpha_divergence", dict(alpha=0.3)), ("renyi", dict(alpha=0.7)),
+         ("renyi_reverse", dict(alpha=1.4)), ("ab_divergence", dict(alpha=0.6, beta=1.3)),
+         ("entropy_adaptive", dict(gate_min=0.1, gate_max=0.8, gate_center=0.4, gate_width=0.2))]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", ["triton", "cute"])
+@pytest.mark.parametrize("case", TILED, ids=[c[0] for c in TILED])
+@pytest.mark.parametrize("option", ["plain", "tau"])
+def test_gpu_divergences_exact_on_either_gemm(backend, case, option, seed, monkeypatch):
+    """The α / Rényi / αβ family, Jeffreys, triangular and the entropy blend on the GPU at the irregular shapes
+    above, trained-head magnitudes: within 1.3x the fp32-logit pipeline, on cuBLAS's GEMMs and the rows' three
+    passes ("triton") and on the CuTe GEMMs whose per-tile statistics stand in for pass 1 ("cute", counted)."""
+    backend = _gpu_backend(backend)
+    xs, ws, xt, wt, labels = (t.cuda() for t in make_case(seed))
+    opts = dict(OPTIONS[option], loss=case[0], **case[1])
+    xs_, ws_ = xs.clone().requires_grad_(), ws.clone().requires_grad_()
+    launches = []
+    if backend == "cute":
+        from flashkd.backends import cute_gemm
+
+        launch = cute_gemm._launch
+        monkeypatch.setattr(cute_gemm, "_launch",
+                            lambda *a, **k: (launches.append(a[3] is not None), launch(*a, **k))[1])
+    out = flashkd.fused_linear_distill(xs_, ws_, xt, wt, labels, backend=backend, chunk_size=16, **opts)
+    grads = torch.autograd.grad(out, (xs_, ws_))
+    assert sum(launches) == (4 if backend == "cute" else 0)  # two chunks: two student and two teacher GEMMs
+    zt = (xt.double() @ wt.double().T).float()
+
+    def of_logits(zs):
+        return distill_loss(None, None, None, None, labels, teacher_logits=zt, plain=True, student_logits=zs, **opts)[0]
+
+    truth = truth_grads(lambda x, w: distill_loss(x, w, xt, wt, labels, **opts)[0], xs, ws)
+    check(out, grads, truth, pipeline_grads(of_logits, xs, ws))
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("backend", ["triton", "cute"])
 @pytest.mark.parametrize("loss", LOSSES)
