@@ -73,10 +73,10 @@ def oracle(xs, ws, xt, wt, labels=None, *, loss, bs=None, bt=None, temperature=1
     return total / max(len(rows), 1) if reduction == "mean" else total
 
 
-def make(seed, dtype=torch.float64, vt=V, bias=False):
+def make(seed, dtype=torch.float64, vt=V, bias=False, ht=HT):
     g = torch.Generator().manual_seed(seed)
     r = lambda *shape: torch.randn(*shape, generator=g, dtype=torch.float64).to(dtype)  # noqa: E731
-    xs, ws, xt, wt = r(N, HS), r(V, HS) / 2, r(N, HT), r(vt, HT) / 2
+    xs, ws, xt, wt = r(N, HS), r(V, HS) / 2, r(N, ht), r(vt, ht) / 2
     labels = torch.randint(0, V, (N,), generator=g)
     labels[list(IGNORED)] = -100
     xs[IGNORED[0]], xt[IGNORED[1]] = torch.nan, torch.inf  # padding: whatever it holds, it adds nothing
@@ -461,3 +461,40 @@ def test_bf16_teacher_grad_in_its_logits_bytes(loss, seed, monkeypatch):
     assert set(errors["triton"]) == {"xs", "ws", "bs", "xt", "wt"}
     for name, err in errors["triton"].items():
         assert err <= 1.5 * errors["torch"][name] + 2e-3, (name, errors)
+
+
+@pytest.mark.parametrize("backend,dtype", [("torch", torch.float64), ("triton", torch.float32),
+                                           ("triton", torch.bfloat16)], ids=["torch-fp64", "triton-fp32", "triton-bf16"])
+@pytest.mark.parametrize("loss", LEARNING_LOSSES)
+def test_dwt_in_one_gemm_where_every_rows_dl_dt_is_held(loss, backend, dtype, seed, monkeypatch):
+    """Where holding every row's dL/dT (N·V·E bytes) takes no more than dWt's accumulator (V·Ht·A: N·E ≤ Ht·A, a
+    teacher 24 wide here), dWt is one GEMM over all rows after the loop (`core.learning.defers`): all six
+    gradients as near the float64 oracle as the accumulated path's, ignored rows' NaN / inf hidden states kept
+    out, the held path taken (and not taken where forced off)."""
+    if backend == "triton" and not flashkd.core.backend._has_triton():
+        pytest.skip("triton is not installed")
+    from flashkd.core import learning
+
+    tensors, labels = make(seed, dtype, bias=True, ht=24)
+    ref = leaves({k: None if x is None else x.double() for k, x in tensors.items()})
+    truth = grads_of(run_oracle(ref, labels, loss=loss), ref)
+    dev = DEVICE if backend == "triton" else "cpu"
+    errors, held = {}, []
+    finish = learning.finish
+    monkeypatch.setattr(learning, "finish", lambda grads, *a: (held.append(grads[3] is not None), finish(grads, *a))[1])
+    for path in ("held", "accumulated"):
+        if path == "accumulated":
+            monkeypatch.setattr(learning, "defers", lambda *a: False)
+        mine = leaves(tensors, dev)
+        mine["bt"].requires_grad_(False)  # db_t would take dL/dt in fp32 over the logits: the bf16 view is tried
+        out = run_flashkd(mine, _to(labels, dev), loss=loss, backend=backend)
+        got = _cpu(grads_of(out, mine))
+        assert set(got) == {"xs", "ws", "bs", "xt", "wt"}
+        assert not got["xt"][list(IGNORED)].any()
+        errors[path] = {k: ((got[k].double() - truth[k]).abs().max() / truth[k].abs().max()).item() for k in got}
+    assert held == [True, False]
+    bar = 2e-6 if dtype != torch.bfloat16 else 0.0
+    for name, err in errors["held"].items():
+        assert err <= 1.5 * errors["accumulated"][name] + max(bar, 1e-12), (name, errors)
+    if dtype != torch.bfloat16:
+        assert max(errors["held"].values()) <= 2e-6

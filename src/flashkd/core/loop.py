@@ -219,7 +219,7 @@ def _chunk_loop(xs, ws, bs, y, rw, teacher, plan: Plan, want_dx, want_dw, want_d
             out = {} if ds is None else {"ds": ds[in_c]}
             if tiles is not None:
                 out["tiles"] = tiles[:, in_c]
-            dt = learning.grad_out(plan, t, xt.dtype, grad, want_dbt) if learn else t  # dL/dt's place
+            dt = learning.grad_out(plan, t, xt.dtype, grad, want_dbt, learner, b) if learn else t  # dL/dt's place
             if learn:
                 out["teacher_grad"] = True if dt is t else dt
             if t_bias is not None:
@@ -270,7 +270,7 @@ def _chunk_loop(xs, ws, bs, y, rw, teacher, plan: Plan, want_dx, want_dw, want_d
         logged += (soft_sum, hard_sum, count, entropy_sum, mass_sum, teacher_entropy_sum, per_teacher)
     if not teacher_grad:
         return logged, dxs, dws, dbs
-    dxt, dwt, dbt = learner
+    dxt, dwt, dbt = learning.finish(learner, xt, None if y is None else y != spec.ignore_index)
     return logged, dxs, dws, dbs, dxt, None if dwt is None else dwt.to(wt.dtype), None if dbt is None else dbt.to(bt.dtype)
 
 

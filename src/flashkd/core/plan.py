@@ -22,7 +22,8 @@ else E: the logits' element size):
              chunks      N·Hs·E + max(logits + V·Hs·A,  V·Hs·(A + E))    (second term only when A ≠ E)
              (`peak_bytes`; without dW wanted, V·Hs terms are 0)
     a learning teacher (losses.LEARNING_LOSSES, teacher tensors requiring grad; dL/dT written over its logits), on top:
-             N·Ht·E (dXt) + V·Ht·A (dWt accumulator; A = E when all rows fit one block) + V·4 (dbt), held for
+             N·Ht·E (dXt) + V·Ht·A (dWt accumulator; A = E when all rows fit one block; or, where N·E ≤ Ht·A,
+             N·V·E: every row's dL/dT, dWt one GEMM after the loop, `learning.defers`) + V·4 (dbt), held for
              the loop, + Rt·V·E for a block's dL/dT rounded to the inputs' dtype when L ≠ E (an upper bound:
              made once the rows' temporaries are freed); the torch rows' autograd temporaries no more than the
              loss's own with a constant teacher (co_jeffreys: jeffreys' peak; mutual: less), the Triton rows none.
@@ -54,6 +55,7 @@ import torch
 
 from ..losses import LEARNING_LOSSES, LossSpec, VocabSlice
 from . import backend as backends, mixture
+from .learning import defers
 
 
 # Default memory for one chunk's logits. Bigger chunks make the GEMMs more efficient; past a few
@@ -135,8 +137,10 @@ def make(call, rows, backend: str, learning: bool, vocab: VocabSlice | None = No
         chunk, teacher_chunk = chunk_rows(options.chunk_size, xs, ws, backend, "heads", accum_bytes, v,
                                           max(x.shape[-1] for x in rows.teacher[0]))
     else:
-        chunk, teacher_chunk = chunk_rows(options.chunk_size, xs, ws, backend, form, accum_bytes, v,
-                                          rows.teacher[0].shape[-1] if form == "heads" else 0, learning)
+        ht = rows.teacher[0].shape[-1] if form == "heads" else 0
+        # a learning teacher whose dWt is made once after the loop (`learning.defers`) adds no accumulator traffic
+        accumulates = learning and not defers(xs.shape[0], ht, xs.element_size(), grad_accum_dtype.itemsize, True)
+        chunk, teacher_chunk = chunk_rows(options.chunk_size, xs, ws, backend, form, accum_bytes, v, ht, accumulates)
     return Plan(spec, chunk, backend, grad_accum_dtype, form, teacher_chunk, options.return_stats, vocab, rows.index,
                 rows.teachers, backends.gemm_of(call, backend, xs), learning)
 
