@@ -287,9 +287,14 @@ def small_loss(tensors, labels, loss, **opts):
 
 
 @pytest.mark.parametrize("opts", [{}, dict(temperature=1.7, temperature_squared=True, reduction="sum")])
-def test_gradcheck_co_jeffreys(opts, seed):
-    """co_jeffreys differentiates its value on both sides: float64 gradcheck of all six leaves."""
-    fn, inputs = small_loss(*small_case(seed), "co_jeffreys", **opts)
+@pytest.mark.parametrize("ht", [3, 8], ids=["accumulated", "held"])
+def test_gradcheck_co_jeffreys(opts, ht, seed):
+    """co_jeffreys differentiates its value on both sides: float64 gradcheck of all six leaves, with dWt
+    accumulated a block at a time and (a teacher 8 wide: N·E ≤ Ht·A) made once from every row's dL/dT."""
+    from flashkd.core import learning
+
+    assert learning.defers(6, ht, 8, 8, True) == (ht == 8)
+    fn, inputs = small_loss(*small_case(seed, ht=ht), "co_jeffreys", **opts)
     assert torch.autograd.gradcheck(fn, inputs)
 
 
