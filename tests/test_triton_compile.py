@@ -88,7 +88,7 @@ def _compile_topk() -> int:
     pointers = {"s_ptr": "*fp32", "g_ptr": "*bf16", "x_ptr": "*bf16", "ids_ptr": "*i64", "labels_ptr": "*i64", "redo_ptr": "*i8",
                 "scratch_ptr": "*i64", "own_ptr": "*i8", "out_ptr": "*i64", "count_ptr": "*i32",
                 "keep_ptr": "*i32", "const_ptr": "*fp64", "weight_ptr": "*fp64", "bounds_ptr": "*fp32",
-                "pred_ptr": "*fp32", "u_ptr": "*fp32", "kept_ptr": "*i8"}
+                "pred_ptr": "*fp32", "u_ptr": "*fp32", "kept_ptr": "*i8", "lanes_ptr": "*i32"}
     variants = [(triton_topk.stats_kernel, dict(STREAM=stream, ONE=one, HEAD=head, STATS=stats, BLOCK_V=1024, BLOCK_K=64))
                 for stream, one, head, stats in ((True, True, 0, True), (True, False, 2, False), (False, False, 0, False))]
     variants += [(triton_topk.expand_kernel, dict(REST=rest, CE=ce, HEAD=head, RTNE_BITS=False, BLOCK_V=1024, BLOCK_K=64))
@@ -102,6 +102,8 @@ def _compile_topk() -> int:
     variants += [(triton_topk.rank_kernel, dict(CAP=512, CH=32, BLOCK_K=block_k)) for block_k in (32, 128)]
     # AKL's head, the teacher bf16 and fp32, with and without a transform at load
     variants += [(triton_rows._akl_head_kernel, dict(T_HEAD=head, PARTS=16, BLOCK_V=256, SCAN=1024, t_dtype=t_dtype))
+                 for head, t_dtype in ((0, "*bf16"), (3, "*fp32"))]
+    variants += [(triton_rows._akl_top_kernel, dict(T_HEAD=head, SCAN=1024, t_dtype=t_dtype))
                  for head, t_dtype in ((0, "*bf16"), (3, "*fp32"))]
     # verl's forward KL row math (float64), with and without the clamp and the gradient
     variants += [(triton_topk._clamped_kl_kernel, dict(CLAMP=clamp, GRAD=grad, WEIGHTS=weights, LO=True, HI=False,
@@ -133,7 +135,7 @@ def test_the_row_kernel_compiles_for_sm90_in_every_phase(phase, tmp_path):
     done = subprocess.run([sys.executable, __file__, str(phase)], env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-4000:]
     every = 2 * (len(_LOSSES) - (len(_WHOLE_ONLY) if phase != 0 else 0))
-    assert done.stdout.strip() == f"compiled {18 if phase == 'topk' else every}", done.stdout
+    assert done.stdout.strip() == f"compiled {20 if phase == 'topk' else every}", done.stdout
 
 
 if __name__ == "__main__":

@@ -1485,17 +1485,14 @@ def _akl_search(t_row, k_lo, k_hi, m_t, log2_l, V, mu, log2e_tau_t, t_mul, T_HEA
     return kappa, k_v, cut
 
 
-@triton.jit(do_not_specialize=["search"])  # one compiled kernel for both (a search of 1 made a constant fails to build)
-def _akl_head_kernel(t_ptr, out_ptr, keep_ptr, V, stride_t, mu, log2e_tau_t, t_mul, search, T_HEAD: tl.constexpr,
-                     PARTS: tl.constexpr, BLOCK_V: tl.constexpr, SCAN: tl.constexpr, BINS: tl.constexpr = 256,
-                     CAP: tl.constexpr = 256, LEVELS: tl.constexpr = 3):
-    """One row's (κ, κ_v, cut, searched) of AKL's head (above) and the teacher's (m_t, l_t) as fp32 bits, int64,
-    into out_ptr (R, _AKL_OUT); μ >= 1: the whole row (κ, κ_v the floor, cut −1); searched 1 where
-    the search settled it (always where search is 1, the bins' passes skipped: a runtime flag, so that both
-    run the one compiled kernel); p as the row kernel's pass 2
-    makes it (the teacher's max and sum at τ, lanes merged once); keep_ptr: the row's CAP int32 of scratch.
-    The scans walk the row SCAN columns a step, their sums kept per lane and reduced once after the walk (a
-    reduction a step is a barrier a step); the search's (PARTS, BLOCK_V) tiles are narrower."""
+@triton.jit(do_not_specialize=["search"])
+def _akl_top_kernel(t_ptr, out_ptr, lanes_ptr, V, stride_t, mu, log2e_tau_t, t_mul, search, T_HEAD: tl.constexpr,
+                    SCAN: tl.constexpr):
+    """The first read of a row of AKL's head (above): the teacher's (m_t, l_t) at τ as fp32 bits into out_ptr
+    (R, _AKL_OUT) columns 4, 5, and the row's (κ, κ_v, cut, 0) where that read settles it (μ >= 1: the whole row,
+    κ and κ_v the floor, cut −1; the top id alone over μ); else searched −1 and the lanes' largest keys into
+    lanes_ptr (R, SCAN) for `_akl_head_kernel`. The walk SCAN columns a step, the sums kept per lane and
+    reduced once after it (a reduction a step is a barrier a step); a small kernel, many rows an SM at once."""
     row = tl.program_id(0)
     t_row = t_ptr + row.to(tl.int64) * stride_t
     cols = tl.arange(0, SCAN)
@@ -1514,31 +1511,53 @@ def _akl_head_kernel(t_ptr, out_ptr, keep_ptr, V, stride_t, mu, log2e_tau_t, t_m
         k_lane = tl.maximum(k_lane, key)
     m_t = tl.max(m, 0)
     l_t = tl.sum(l * tl.exp2((m - m_t) * log2e_tau_t), 0)
-    log2_l = tl.log2(l_t)
     # a teacher whose top id alone holds more than μ (most rows of a trained one): the head is that id, the first
-    # of the top key's (p = 2^(0 − log2 l), as the fast path below makes it: the same outputs), in one read
+    # of the top key's (p = 2^(0 − log2 l), as `_akl_bracket` makes it: the same outputs)
     k_max = tl.max(k_lane, 0)
+    kappa = k_max + 1
+    k_v = k_max
+    cut = tl.min(tl.where(k_lane == k_max, i_lane, V), 0)
+    settled = k_max * 0
     if mu >= 1.0:  # every prefix sums to at most 1: the whole row (κ below every key), where rounding may not say so
         kappa = k_max * 0 + _KEY_FLOOR
         k_v = kappa
         cut = k_max * 0 - 1
-        searched = search != search
-    elif (tl.exp2(-log2_l) > mu) & (search == 0):
-        kappa = k_max + 1
-        k_v = k_max
-        cut = tl.min(tl.where(k_lane == k_max, i_lane, V), 0)
-        searched = search != 0
-    else:
-        kappa, k_v, cut, searched = _akl_bracket(t_row, keep_ptr + row.to(tl.int64) * CAP, k_lane, m_t, log2_l, V,
-                                                 mu, log2e_tau_t, t_mul, search, T_HEAD, PARTS, BLOCK_V, SCAN, BINS,
-                                                 CAP, LEVELS)
+    elif (tl.exp2(-tl.log2(l_t)) <= mu) | (search != 0):
+        settled = settled - 1
+        tl.store(lanes_ptr + row.to(tl.int64) * SCAN + cols, k_lane)
     out = out_ptr + row.to(tl.int64) * _AKL_OUT
     tl.store(out, kappa.to(tl.int64))
     tl.store(out + 1, k_v.to(tl.int64))
     tl.store(out + 2, cut.to(tl.int64))
-    tl.store(out + 3, searched.to(tl.int64))
+    tl.store(out + 3, settled.to(tl.int64))
     tl.store(out + 4, m_t.to(tl.int32, bitcast=True).to(tl.int64))  # the row kernel's pass 1 reads only s then
     tl.store(out + 5, l_t.to(tl.int32, bitcast=True).to(tl.int64))
+
+
+@triton.jit(do_not_specialize=["search"])  # one compiled kernel for both (a search of 1 made a constant fails to build)
+def _akl_head_kernel(t_ptr, out_ptr, keep_ptr, lanes_ptr, V, stride_t, mu, log2e_tau_t, t_mul, search,
+                     T_HEAD: tl.constexpr, PARTS: tl.constexpr, BLOCK_V: tl.constexpr, SCAN: tl.constexpr,
+                     BINS: tl.constexpr = 256, CAP: tl.constexpr = 256, LEVELS: tl.constexpr = 3):
+    """The rows `_akl_top_kernel` left unsettled (searched −1): their (κ, κ_v, cut, searched) of AKL's head
+    (above) into out_ptr (R, _AKL_OUT), from its (m_t, l_t) there and the lanes' largest keys in lanes_ptr;
+    searched 1 where the search settled it (always where search is 1, the bins' passes skipped: a runtime flag,
+    so that both run the one compiled kernel); p as the row kernel's pass 2 makes it; keep_ptr: the row's CAP
+    int32 of scratch. The bins' scans walk the row SCAN columns a step, the search's (PARTS, BLOCK_V) tiles are
+    narrower. A settled row's program reads one number and ends."""
+    row = tl.program_id(0)
+    out = out_ptr + row.to(tl.int64) * _AKL_OUT
+    if tl.load(out + 3) < 0:
+        t_row = t_ptr + row.to(tl.int64) * stride_t
+        m_t = tl.load(out + 4).to(tl.int32).to(tl.float32, bitcast=True)
+        log2_l = tl.log2(tl.load(out + 5).to(tl.int32).to(tl.float32, bitcast=True))
+        k_lane = tl.load(lanes_ptr + row.to(tl.int64) * SCAN + tl.arange(0, SCAN))
+        kappa, k_v, cut, searched = _akl_bracket(t_row, keep_ptr + row.to(tl.int64) * CAP, k_lane, m_t, log2_l, V,
+                                                 mu, log2e_tau_t, t_mul, search, T_HEAD, PARTS, BLOCK_V, SCAN, BINS,
+                                                 CAP, LEVELS)
+        tl.store(out, kappa.to(tl.int64))
+        tl.store(out + 1, k_v.to(tl.int64))
+        tl.store(out + 2, cut.to(tl.int64))
+        tl.store(out + 3, searched.to(tl.int64))
 
 
 def akl_head_keys(t: torch.Tensor, spec: LossSpec, search: bool = False) -> torch.Tensor:
@@ -1550,12 +1569,16 @@ def akl_head_keys(t: torch.Tensor, spec: LossSpec, search: bool = False) -> torc
     t_head, fold_t, t_mul = head_mode(spec.teacher_logit_scale, spec.teacher_softcap)
     if R:
         with launching():
-            keep = torch.empty(R, _AKL_CAP, dtype=torch.int32, device=t.device)
             scan = min(BLOCK_V, max(16, triton.next_power_of_2(V)))
-            _akl_head_kernel[(R,)](t, out, keep, V, t.stride(0), float(spec.head_mass),
-                                   math.log2(math.e) * fold_t / spec.temperature, t_mul, int(search), T_HEAD=t_head,
-                                   PARTS=_AKL_PARTS, BLOCK_V=min(256, max(16, triton.next_power_of_2(V))), SCAN=scan,
-                                   BINS=_AKL_BINS, CAP=_AKL_CAP, LEVELS=_AKL_LEVELS, num_warps=4)
+            lanes = torch.empty(R, scan, dtype=torch.int32, device=t.device)
+            args = (V, t.stride(0), float(spec.head_mass), math.log2(math.e) * fold_t / spec.temperature, t_mul,
+                    int(search))
+            _akl_top_kernel[(R,)](t, out, lanes, *args, T_HEAD=t_head, SCAN=scan, num_warps=4)
+            if spec.head_mass < 1.0:  # else every row is settled
+                keep = torch.empty(R, _AKL_CAP, dtype=torch.int32, device=t.device)
+                _akl_head_kernel[(R,)](t, out, keep, lanes, *args, T_HEAD=t_head, PARTS=_AKL_PARTS,
+                                       BLOCK_V=min(256, max(16, triton.next_power_of_2(V))), SCAN=scan,
+                                       BINS=_AKL_BINS, CAP=_AKL_CAP, LEVELS=_AKL_LEVELS, num_warps=4)
     return out
 
 
