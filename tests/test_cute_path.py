@@ -113,14 +113,16 @@ def test_cute_path_keeps_to_triton_where_its_gemm_does_not_fit(cute_on_cpu, seed
 @pytest.mark.parametrize("here", [True, False])
 def test_auto_takes_the_cute_gemms_for_the_losses_measured_faster(cute_on_cpu, monkeypatch, seed, here):
     """backend="auto" on an sm_90 GPU with nvidia-cutlass-dsl installed (stood in for: `_cute_here`): the CuTe
-    GEMMs for JSD, TVD and forward KL (`core.backend.AUTO_CUTE_LOSSES`), not for reverse KL or cosine (which do not
-    fit) nor forward KL without grad; elsewhere none. The results are the Triton backend's either way."""
+    GEMMs for JSD, TVD, forward KL, Rényi, Jeffreys (`core.backend.AUTO_CUTE_LOSSES`), not for reverse KL or cosine
+    (which do not fit), DKD or AKL (whose pass 1 is more than the tiles give) nor forward KL without grad; elsewhere
+    none. The results are the Triton backend's either way."""
     real_pick = core.backend.pick_backend
     monkeypatch.setattr(core.backend, "pick_backend", lambda b, x, *loss: "triton" if b in ("cute", "auto") else real_pick(b, x, *loss))
     monkeypatch.setattr(core.backend, "_cute_here", lambda x: here)
     xs, ws, xt, wt, y = _case(seed)
     xs, ws = xs.requires_grad_(), ws.requires_grad_()
-    for loss, takes in (("jsd", here), ("tvd", here), ("forward_kl", here), ("reverse_kl", False)):
+    for loss, takes in (("jsd", here), ("tvd", here), ("forward_kl", here), ("reverse_kl", False), ("renyi", here),
+                        ("jeffreys", here), ("dkd", False), ("akl", False)):
         del cute_on_cpu[:]
         got = flashkd.fused_linear_distill(xs, ws, xt, wt, y, loss=loss, backend="auto", chunk_size=16)
         assert len([c for c in cute_on_cpu if c[0] != "accumulate"]) == (6 if takes else 0), loss

@@ -445,14 +445,14 @@ def test_rows_from_the_statistics_per_vocab_tile(case, grad, seed):
 def test_routing():
     """The moved losses' dense rows run in the kernel on "triton" (and "auto" on a GPU), also under a process
     group (the sharded phases above); AKL's whole rows too (its slices: the torch rows); fp64 on the torch rows; the CuTe path's
-    per-tile statistics stand in for pass 1 of all but DKD, AKL and a learning teacher (backend "cute"), and
-    "auto" keeps them on cuBLAS's GEMMs."""
+    per-tile statistics stand in for pass 1 of all but DKD, AKL and a learning teacher (backend "cute", and
+    "auto" where the CuTe DSL is there)."""
     x32, x64 = torch.zeros(2, 3, device=DEVICE), torch.zeros(2, 3, dtype=torch.float64, device=DEVICE)
     for loss in MOVED:
         assert loss in triton_rows.KERNEL_LOSSES
         assert core.backend.pick_backend("triton", x32) == "triton"
         assert core.backend.pick_backend("triton", x64) == "torch"
-        assert loss not in core.backend.AUTO_CUTE_LOSSES
+        assert (loss in core.backend.AUTO_CUTE_LOSSES) == (loss != "dkd")
         assert triton_rows.tiles_fit(LossSpec(loss=loss), True, False, True) == (loss != "dkd")
     assert "akl" in triton_rows.KERNEL_LOSSES
     for loss in ("akl", "mutual", "co_jeffreys"):  # AKL's teacher statistics come with its head; dL/dt on whole rows
