@@ -105,6 +105,7 @@ def _compile_topk() -> int:
                  for head, t_dtype in ((0, "*bf16"), (3, "*fp32"))]
     variants += [(triton_rows._akl_top_kernel, dict(T_HEAD=head, SCAN=1024, t_dtype=t_dtype))
                  for head, t_dtype in ((0, "*bf16"), (3, "*fp32"))]
+    variants += [(triton_rows._akl_candidates_kernel, dict(T_HEAD=head, SCAN=1024)) for head in (0, 3)]
     # verl's forward KL row math (float64), with and without the clamp and the gradient
     variants += [(triton_topk._clamped_kl_kernel, dict(CLAMP=clamp, GRAD=grad, WEIGHTS=weights, LO=True, HI=False,
                                                        BLOCK_R=16, BLOCK_K=32))
@@ -135,7 +136,7 @@ def test_the_row_kernel_compiles_for_sm90_in_every_phase(phase, tmp_path):
     done = subprocess.run([sys.executable, __file__, str(phase)], env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-4000:]
     every = 2 * (len(_LOSSES) - (len(_WHOLE_ONLY) if phase != 0 else 0))
-    assert done.stdout.strip() == f"compiled {20 if phase == 'topk' else every}", done.stdout
+    assert done.stdout.strip() == f"compiled {22 if phase == 'topk' else every}", done.stdout
 
 
 if __name__ == "__main__":

@@ -642,6 +642,43 @@ def test_akl_head_of_a_top_id_over_mu_is_the_searchs(softcap, seed):
     assert (_akl_head_of_keys(t, spec) == want)[sure].all()
 
 
+@pytest.mark.parametrize("mu", [0.5, 0.2])
+@pytest.mark.parametrize("scale", [1.0, -0.6])
+def test_akl_head_within_the_lanes_four_largest_keys(mu, scale, seed, monkeypatch):
+    """Rows of trained magnitudes (std 3: a head of tens of ids, the top one under μ) are settled from the lanes'
+    four largest keys, before the bins' kernel reads any row (none left to it); the sorted prefix in float64 all
+    the same, and on an integer grid (ties in the head, settled by either kernel). Flat rows go to the bins."""
+    left = []
+
+    class Spy:  # the rows still unsettled when `_akl_head_kernel` is launched
+        def __init__(self, kernel):
+            self.kernel = kernel
+
+        def __getitem__(self, grid):
+            def launch(t, out, *args, **kwargs):
+                left.append(int((out[:, 3] < 0).sum()))
+                return self.kernel[grid](t, out, *args, **kwargs)
+            return launch
+
+    monkeypatch.setattr(triton_rows, "_akl_head_kernel", Spy(triton_rows._akl_head_kernel))
+    g = torch.Generator().manual_seed(seed)
+    t = torch.randn(7, 20000, generator=g) * (3 / abs(scale))  # z of std 3; lanes of ~20 columns, four a fifth
+    t[6, ::3] = -torch.inf
+    spec = LossSpec(loss="akl", head_mass=mu, temperature=1.0, teacher_logit_scale=scale)
+    p = torch.softmax(spec.teacher(t.double()), -1)
+    assert (p.max(-1).values < mu).sum() >= 4  # the top id alone does not settle them
+    head = _akl_head_of_keys(t, spec)
+    assert left == [0]
+    ties = (torch.randn(3, 20000, generator=g) * (3 / abs(scale))).round()  # a prefix ending in a tied group
+    for rows in (t, ties):
+        want, sure = _sorted_prefix(rows, spec)
+        head = _akl_head_of_keys(rows, spec)
+        assert (head == want)[sure].all() and head.any(-1).all()
+    flat = torch.randn(2, 20000, generator=g) * 0.5
+    _akl_head_of_keys(flat, spec)
+    assert left[-1] == 2
+
+
 @pytest.mark.parametrize("mu", [0.5, 0.2, 1.0])
 @pytest.mark.parametrize("case", ["trained", "ties", "near", "softcap", "negative", "masked"])
 def test_akl_rows_against_float64(case, mu, seed):

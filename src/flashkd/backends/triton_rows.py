@@ -1294,13 +1294,17 @@ def _rows_kernel(
 
 
 # AKL's head (`flashkd.losses.akl_head`): the teacher's ids in the order of p descending, ties by id ascending;
-# the longest prefix whose p sums to at most μ, and the first id always. The kernel below finds it without a
+# the longest prefix whose p sums to at most μ, and the first id always. The kernels below find it without a
 # sort of the row, in the order of the teacher's logits (p's own order, before p is rounded: where two logits
 # round to one p, the larger logit comes first), as three numbers a row that pass 2 compares each column with:
 #   κ       an order key: every column at or above it is in the head
 #   κ_v     the key of the group of ids, one logit, that the head ends in
 #   cut     the largest id of that group in the head (−1: none)
-# First a pass for the teacher's max and sum and each lane's largest key. Then the fast path: the exponent
+# First a pass for the teacher's max and sum and each lane's four largest keys (`_akl_top_kernel`): it settles a
+# row whose top id alone holds more than μ. Then, from those keys alone, a row whose head lies within them: the
+# candidates sorted, their p summed, where the one after the head lies above every lane's fourth key
+# (`_akl_candidates_kernel`: a trained teacher's row, its head a few to a few hundred ids). The rows left (a
+# flat teacher's, its head thousands of ids) take the bins (`_akl_head_kernel`): the exponent
 # z = log2 of p's numerator (≤ 0, the same for equal keys, never decreasing as the key grows) is binned, BINS
 # bins a pass over a range of z, starting below the lanes' maxima whose p passes μ (none of the head lies
 # lower); each bin's mass lies between its count times p at its ends, which brackets where the prefix's mass
@@ -1485,21 +1489,50 @@ def _akl_search(t_row, k_lo, k_hi, m_t, log2_l, V, mu, log2e_tau_t, t_mul, T_HEA
     return kappa, k_v, cut
 
 
+@triton.jit
+def _akl_candidates(k1, k2, k3, k4, i1, i2, i3, i4, m_t, log2_l, mu, log2e_tau_t, t_mul, T_HEAD: tl.constexpr,
+                    SCAN: tl.constexpr):
+    """The head from the lanes' four largest keys (k1 ≥ k2 ≥ k3 ≥ k4 a lane, their columns i1..i4): the candidates
+    sorted by (key, id), their p summed in that order; the head is the first max(fits, 1) of them, where the
+    one after it lies above every lane's fourth key (every column outside the candidates is at or below that
+    bound, so the candidates hold every column at or over the one after the head: the order is the row's).
+    A trained teacher's row (a head of tens of ids) nearly always. Returns (key, id of the head's last, ok)."""
+    keys = tl.reshape(tl.join(tl.join(k1, k2), tl.join(k3, k4)), [4 * SCAN])
+    ids = tl.reshape(tl.join(tl.join(i1, i2), tl.join(i3, i4)), [4 * SCAN])
+    order = tl.sort((keys.to(tl.int64) << 32) | (4294967295 - ids.to(tl.int64)), descending=True)
+    key_s = (order >> 32).to(tl.int32)
+    id_s = (4294967295 - (order & 4294967295)).to(tl.int32)
+    valid = key_s > _KEY_FLOOR
+    z = tl.where(valid, (head(_akl_logit(key_s, T_HEAD), t_mul, T_HEAD)[0] - m_t) * log2e_tau_t, -float("inf"))
+    fits = tl.sum(((tl.cumsum(tl.exp2(z - log2_l), 0) <= mu) & valid).to(tl.int32), 0)
+    slots = tl.arange(0, 4 * SCAN)
+    last = tl.maximum(fits - 1, 0)
+    key_last = tl.max(tl.where(slots == last, key_s, _KEY_FLOOR), 0)
+    id_last = tl.max(tl.where(slots == last, id_s, -1), 0)
+    key_next = tl.max(tl.where(slots == tl.maximum(fits, 1), key_s, _KEY_FLOOR), 0)
+    return key_last, id_last, key_next > tl.max(k4, 0)
+
+
 @triton.jit(do_not_specialize=["search"])
 def _akl_top_kernel(t_ptr, out_ptr, lanes_ptr, V, stride_t, mu, log2e_tau_t, t_mul, search, T_HEAD: tl.constexpr,
                     SCAN: tl.constexpr):
     """The first read of a row of AKL's head (above): the teacher's (m_t, l_t) at τ as fp32 bits into out_ptr
     (R, _AKL_OUT) columns 4, 5, and the row's (κ, κ_v, cut, 0) where that read settles it (μ >= 1: the whole row,
-    κ and κ_v the floor, cut −1; the top id alone over μ); else searched −1 and the lanes' largest keys into
-    lanes_ptr (R, SCAN) for `_akl_head_kernel`. The walk SCAN columns a step, the sums kept per lane and
-    reduced once after it (a reduction a step is a barrier a step); a small kernel, many rows an SM at once."""
+    κ and κ_v the floor, cut −1; the top id alone over μ); else searched −1 and each lane's four largest keys
+    and their columns into lanes_ptr (R, 8, SCAN) for `_akl_candidates_kernel` and `_akl_head_kernel`. The walk
+    SCAN columns a step, the sums kept per lane and reduced once after it (a reduction a step is a barrier a
+    step); a small kernel, many rows an SM at once."""
     row = tl.program_id(0)
     t_row = t_ptr + row.to(tl.int64) * stride_t
     cols = tl.arange(0, SCAN)
     m = tl.full([SCAN], M_START, tl.float32)
     l = tl.zeros([SCAN], tl.float32)
-    k_lane = tl.full([SCAN], _KEY_FLOOR, tl.int32)  # each lane's largest key
-    i_lane = tl.zeros([SCAN], tl.int32) + V  # and its first column
+    # each lane's four largest keys, descending, and their columns (a key equal to one kept goes below it: its
+    # column is later, and ties go by id)
+    k1 = tl.full([SCAN], _KEY_FLOOR, tl.int32)
+    k2, k3, k4 = k1, k1, k1
+    i1 = tl.zeros([SCAN], tl.int32) + V
+    i2, i3, i4 = i1, i1, i1
     for start in range(0, V, SCAN):
         offs = start + cols
         raw = tl.load(t_row + offs, mask=offs < V, other=-float("inf")).to(tl.float32)
@@ -1507,24 +1540,36 @@ def _akl_top_kernel(t_ptr, out_ptr, lanes_ptr, V, stride_t, mu, log2e_tau_t, t_m
         l = lane_sum(l, m, b, log2e_tau_t)
         m = tl.maximum(m, b)
         key = tl.where(offs < V, _akl_key(raw, T_HEAD), _KEY_FLOOR)
-        i_lane = tl.where(key > k_lane, offs, i_lane)
-        k_lane = tl.maximum(k_lane, key)
+        c1, c2, c3, c4 = key > k1, key > k2, key > k3, key > k4
+        k4, i4 = tl.where(c3, k3, tl.where(c4, key, k4)), tl.where(c3, i3, tl.where(c4, offs, i4))
+        k3, i3 = tl.where(c2, k2, tl.where(c3, key, k3)), tl.where(c2, i2, tl.where(c3, offs, i3))
+        k2, i2 = tl.where(c1, k1, tl.where(c2, key, k2)), tl.where(c1, i1, tl.where(c2, offs, i2))
+        k1, i1 = tl.where(c1, key, k1), tl.where(c1, offs, i1)
     m_t = tl.max(m, 0)
     l_t = tl.sum(l * tl.exp2((m - m_t) * log2e_tau_t), 0)
+    log2_l = tl.log2(l_t)
     # a teacher whose top id alone holds more than μ (most rows of a trained one): the head is that id, the first
     # of the top key's (p = 2^(0 − log2 l), as `_akl_bracket` makes it: the same outputs)
-    k_max = tl.max(k_lane, 0)
+    k_max = tl.max(k1, 0)
     kappa = k_max + 1
     k_v = k_max
-    cut = tl.min(tl.where(k_lane == k_max, i_lane, V), 0)
+    cut = tl.min(tl.where(k1 == k_max, i1, V), 0)
     settled = k_max * 0
     if mu >= 1.0:  # every prefix sums to at most 1: the whole row (κ below every key), where rounding may not say so
         kappa = k_max * 0 + _KEY_FLOOR
         k_v = kappa
         cut = k_max * 0 - 1
-    elif (tl.exp2(-tl.log2(l_t)) <= mu) | (search != 0):
+    elif (tl.exp2(-log2_l) <= mu) | (search != 0):  # left to `_akl_head_kernel`, with the lanes' keys
         settled = settled - 1
-        tl.store(lanes_ptr + row.to(tl.int64) * SCAN + cols, k_lane)
+        lanes = lanes_ptr + row.to(tl.int64) * (8 * SCAN) + cols
+        tl.store(lanes, k1)
+        tl.store(lanes + SCAN, k2)
+        tl.store(lanes + 2 * SCAN, k3)
+        tl.store(lanes + 3 * SCAN, k4)
+        tl.store(lanes + 4 * SCAN, i1)
+        tl.store(lanes + 5 * SCAN, i2)
+        tl.store(lanes + 6 * SCAN, i3)
+        tl.store(lanes + 7 * SCAN, i4)
     out = out_ptr + row.to(tl.int64) * _AKL_OUT
     tl.store(out, kappa.to(tl.int64))
     tl.store(out + 1, k_v.to(tl.int64))
@@ -1534,12 +1579,34 @@ def _akl_top_kernel(t_ptr, out_ptr, lanes_ptr, V, stride_t, mu, log2e_tau_t, t_m
     tl.store(out + 5, l_t.to(tl.int32, bitcast=True).to(tl.int64))
 
 
+@triton.jit
+def _akl_candidates_kernel(out_ptr, lanes_ptr, mu, log2e_tau_t, t_mul, T_HEAD: tl.constexpr, SCAN: tl.constexpr):
+    """The rows `_akl_top_kernel` left (searched −1) whose head lies within the lanes' four largest keys
+    (`_akl_candidates`): their (κ, κ_v, cut, 0) into out_ptr, from lanes_ptr alone (no read of the row); the
+    others stay −1 for `_akl_head_kernel`."""
+    row = tl.program_id(0)
+    out = out_ptr + row.to(tl.int64) * _AKL_OUT
+    if tl.load(out + 3) < 0:
+        m_t = tl.load(out + 4).to(tl.int32).to(tl.float32, bitcast=True)
+        log2_l = tl.log2(tl.load(out + 5).to(tl.int32).to(tl.float32, bitcast=True))
+        lanes = lanes_ptr + row.to(tl.int64) * (8 * SCAN) + tl.arange(0, SCAN)
+        key_last, id_last, ok = _akl_candidates(
+            tl.load(lanes), tl.load(lanes + SCAN), tl.load(lanes + 2 * SCAN), tl.load(lanes + 3 * SCAN),
+            tl.load(lanes + 4 * SCAN), tl.load(lanes + 5 * SCAN), tl.load(lanes + 6 * SCAN), tl.load(lanes + 7 * SCAN),
+            m_t, log2_l, mu, log2e_tau_t, t_mul, T_HEAD, SCAN)
+        if ok:
+            tl.store(out, (key_last + 1).to(tl.int64))
+            tl.store(out + 1, key_last.to(tl.int64))
+            tl.store(out + 2, id_last.to(tl.int64))
+            tl.store(out + 3, (key_last * 0).to(tl.int64))
+
+
 @triton.jit(do_not_specialize=["search"])  # one compiled kernel for both (a search of 1 made a constant fails to build)
 def _akl_head_kernel(t_ptr, out_ptr, keep_ptr, lanes_ptr, V, stride_t, mu, log2e_tau_t, t_mul, search,
                      T_HEAD: tl.constexpr, PARTS: tl.constexpr, BLOCK_V: tl.constexpr, SCAN: tl.constexpr,
                      BINS: tl.constexpr = 256, CAP: tl.constexpr = 256, LEVELS: tl.constexpr = 3):
-    """The rows `_akl_top_kernel` left unsettled (searched −1): their (κ, κ_v, cut, searched) of AKL's head
-    (above) into out_ptr (R, _AKL_OUT), from its (m_t, l_t) there and the lanes' largest keys in lanes_ptr;
+    """The rows the kernels before it left (searched −1): their (κ, κ_v, cut, searched) of AKL's head (above)
+    into out_ptr (R, _AKL_OUT), from its (m_t, l_t) there and the lanes' largest keys in lanes_ptr;
     searched 1 where the search settled it (always where search is 1, the bins' passes skipped: a runtime flag,
     so that both run the one compiled kernel); p as the row kernel's pass 2 makes it; keep_ptr: the row's CAP
     int32 of scratch. The bins' scans walk the row SCAN columns a step, the search's (PARTS, BLOCK_V) tiles are
@@ -1550,7 +1617,7 @@ def _akl_head_kernel(t_ptr, out_ptr, keep_ptr, lanes_ptr, V, stride_t, mu, log2e
         t_row = t_ptr + row.to(tl.int64) * stride_t
         m_t = tl.load(out + 4).to(tl.int32).to(tl.float32, bitcast=True)
         log2_l = tl.log2(tl.load(out + 5).to(tl.int32).to(tl.float32, bitcast=True))
-        k_lane = tl.load(lanes_ptr + row.to(tl.int64) * SCAN + tl.arange(0, SCAN))
+        k_lane = tl.load(lanes_ptr + row.to(tl.int64) * (8 * SCAN) + tl.arange(0, SCAN))  # the lanes' largest
         kappa, k_v, cut, searched = _akl_bracket(t_row, keep_ptr + row.to(tl.int64) * CAP, k_lane, m_t, log2_l, V,
                                                  mu, log2e_tau_t, t_mul, search, T_HEAD, PARTS, BLOCK_V, SCAN, BINS,
                                                  CAP, LEVELS)
@@ -1570,10 +1637,12 @@ def akl_head_keys(t: torch.Tensor, spec: LossSpec, search: bool = False) -> torc
     if R:
         with launching():
             scan = min(BLOCK_V, max(16, triton.next_power_of_2(V)))
-            lanes = torch.empty(R, scan, dtype=torch.int32, device=t.device)
+            lanes = torch.empty(R, 8, scan, dtype=torch.int32, device=t.device)  # the lanes' four largest keys, ids
             args = (V, t.stride(0), float(spec.head_mass), math.log2(math.e) * fold_t / spec.temperature, t_mul,
                     int(search))
-            _akl_top_kernel[(R,)](t, out, lanes, *args, T_HEAD=t_head, SCAN=scan, num_warps=4)
+            _akl_top_kernel[(R,)](t, out, lanes, *args, T_HEAD=t_head, SCAN=scan, num_warps=8)
+            if spec.head_mass < 1.0 and not search:  # the search alone: every row to `_akl_head_kernel`
+                _akl_candidates_kernel[(R,)](out, lanes, *args[2:5], T_HEAD=t_head, SCAN=scan, num_warps=8)
             if spec.head_mass < 1.0:  # else every row is settled
                 keep = torch.empty(R, _AKL_CAP, dtype=torch.int32, device=t.device)
                 _akl_head_kernel[(R,)](t, out, keep, lanes, *args, T_HEAD=t_head, PARTS=_AKL_PARTS,
