@@ -4,7 +4,7 @@
 #                             [bench-softonly] [memory] [bench-topk] [bench-logits] [bench-teacher-topk]
 #                             [bench-softcap] [bench-trl] [bench-trl-step] [bench-trl-onpolicy] [bench-fp8]
 #                             [dist-one-gpu] [cute] [bench-models] [bench-divergences] [bench-verl]
-#                             [bench-axolotl] [bench-teachers] [overlap] [rows-in-gemm]
+#                             [bench-axolotl] [bench-teachers] [overlap] [rows-in-gemm] [akl-head]
 # (default: all of them, about 20 minutes on an H200; each of the last five a minute or two, bench-trl-step
 # at most about five: it needs trl 1.16.0 and accelerate (from .whl/); no PYTHONPATH beyond this script's, as
 # benchmarks/bench_trl_step.py falls back to its own stand-in for `datasets` where that is not installed;
@@ -135,6 +135,11 @@ for stage in $stages; do
       | grep -v "Warning: Setting the SM" | tee "$OUT/overlap.log" || status=1 ;;
     # the row pass inside the logits GEMM's CTAs (warpgroup 0's idle warps) against the GEMM alone (CuTe DSL, a minute)
     rows-in-gemm) python3 probes/probe_cute_rows.py --reps 20 2>&1 | tee "$OUT/rows-in-gemm.log" || status=1 ;;
+    # AKL's head kernels alone on one chunk (trained, mixed, flat teachers), then AKL beside JSD at the seed on
+    # trained-head logits (the bench's default inputs give a flat teacher: every row takes the bins)
+    akl-head) { python3 benchmarks/bench_akl_head.py && python3 -m flashkd bench --preset seed -n 8192 --loss jsd akl \
+        --inputs trained --providers flashkd-triton floor --modes full --out "$OUT/akl-trained"; } 2>&1 \
+        | tee "$OUT/akl-head.log" || status=1 ;;
     *) echo "unknown stage $stage"; status=2 ;;
   esac
 done
