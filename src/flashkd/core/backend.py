@@ -114,7 +114,7 @@ def pick_backend(backend, x):
 # The losses "auto" runs with the CuTe DSL logits GEMMs where they fit (`_cute_fits`: of these, forward KL
 # only with grad): each measured faster than the Triton backend's cuBLAS GEMMs in the same process (JSD at
 # every N of the sweep, TVD and forward KL at the seed; Jeffreys, triangular, Amari's α and Rényi at the seed on
-# an H100, 1.6-4 %: BENCHMARKS.md, "The CuTe DSL logits GEMM", "AKL's head in two kernels"). Skew KL, skew reverse
+# an H100, 1.6-4 %: BENCHMARKS.md, "The CuTe DSL logits GEMM", "AKL's head from one read, ..."). Skew KL, skew reverse
 # KL, reverse Rényi, the αβ-divergence and the entropy blend take the same path (the same GEMMs and epilogue
 # statistics, the row kernel reading the row twice, `triton_rows.rows(..., tiles=...)`), not timed on their own.
 AUTO_CUTE_LOSSES = ("jsd", "tvd", "forward_kl", "skew_kl", "skew_reverse_kl", "jeffreys", "triangular", "alpha_divergence",
