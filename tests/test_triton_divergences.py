@@ -388,18 +388,28 @@ def test_return_stats(case, seed):
 def test_rows_sharded_over_vocab_slices(case, grad, seed):
     """The vocab-parallel phases (each slice's pass 1, the statistics gathered, pass 2, its sums added over the
     ranks, pass 3; Jeffreys' online KL(q‖p) among the gathered statistics): the unsharded kernel's rows."""
-    loss, params = case
-    spec = LossSpec(loss=loss, temperature=0.7, weight_hard=0.4, weight_soft=0.6, **params)
+    spec, s, t, labels, scale = _rows_case(case, seed)
+    got = (x.cpu() for x in sharded(*_on(s, t, labels), spec, scale, grad, [(16, V), (0, 15), (15, 16)]))
+    _assert_whole_rows(*got, case, spec, s, t, labels, scale, grad)
+
+
+def _rows_case(case, seed):
+    """(spec, s, t, labels, scale) of a row-function case: τ 0.7, both weights, logits of std 4, row 1 near
+    p = q, an ignored row."""
+    spec = LossSpec(loss=case[0], temperature=0.7, weight_hard=0.4, weight_soft=0.6, **case[1])
     g = torch.Generator().manual_seed(seed)
     s, t = torch.randn(5, V, generator=g) * 4, torch.randn(5, V, generator=g) * 4
     t[1] = s[1] + 1e-2 * torch.randn(V, generator=g)  # a row near p = q
-    labels = torch.tensor([16, 3, -100, 36, 15])
-    scale = torch.tensor(0.37, device=DEVICE)
-    soft, hard, ds = (x.cpu() for x in sharded(*_on(s, t, labels), spec, scale, grad, [(16, V), (0, 15), (15, 16)]))
+    return spec, s, t, torch.tensor([16, 3, -100, 36, 15]), torch.tensor(0.37, device=DEVICE)
+
+
+def _assert_whole_rows(soft, hard, ds, case, spec, s, t, labels, scale, grad):
+    """(soft, hard, ds) on the CPU, made another way, against the unsharded kernel's rows of the same case: their
+    sums merge in another order, so the αβ-divergence's row near p = q moves by its normalisation slack."""
+    loss, params = case
     x = _on(s.clone())
     want_soft, want_hard = (y.cpu() for y in triton_rows.rows(x, *_on(t, labels), spec, scale, grad))
     x = x.cpu()
-    # the slices' sums merge in another order: the αβ-divergence's row near p = q moves by its normalisation slack
     slack = _normalisation_slack(s, t, loss, params, 0.7, labels)
     assert ((soft.double() - want_soft.double()).abs() <= RTOL * want_soft.double().abs() + slack).all()
     torch.testing.assert_close(hard, want_hard, rtol=RTOL, atol=0)
@@ -416,30 +426,15 @@ def test_rows_from_the_statistics_per_vocab_tile(case, grad, seed):
     near p = q, labels with an ignored row."""
     from flashkd.backends import cute_gemm
 
-    loss, params = case
-    spec = LossSpec(loss=loss, temperature=0.7, weight_hard=0.4, weight_soft=0.6, **params)
+    spec, s, t, labels, scale = _rows_case(case, seed)
     assert triton_rows.tiles_fit(spec, grad, False, True)
-    g = torch.Generator().manual_seed(seed)
-    s, t = torch.randn(5, V, generator=g) * 4, torch.randn(5, V, generator=g) * 4
-    t[1] = s[1] + 1e-2 * torch.randn(V, generator=g)
-    labels = torch.tensor([16, 3, -100, 36, 15])
-    scale = torch.tensor(0.37, device=DEVICE)
     k_s, k_ce, k_t = triton_rows.tile_constants(spec, True)
     m_s, (l_s, l_c) = cute_gemm.tile_stats(s.double(), [k_s, k_ce], 7)
     m_t, (l_t,) = cute_gemm.tile_stats(t.double(), [k_t], 7)
     tiles = _on(torch.stack([m_s, l_s, l_c, m_t, l_t]).float().contiguous())
     x = _on(s.clone())
     soft, hard = (y.cpu() for y in triton_rows.rows(x, *_on(t, labels), spec, scale, grad, tiles=tiles))
-    ds = x.cpu()
-    x = _on(s.clone())
-    want_soft, want_hard = (y.cpu() for y in triton_rows.rows(x, *_on(t, labels), spec, scale, grad))
-    x = x.cpu()
-    slack = _normalisation_slack(s, t, loss, params, 0.7, labels)
-    assert ((soft.double() - want_soft.double()).abs() <= RTOL * want_soft.double().abs() + slack).all()
-    torch.testing.assert_close(hard, want_hard, rtol=RTOL, atol=0)
-    if grad:
-        slack = _grad_slack(s, t, 0.7, 0.37 * spec.weight_soft, loss, params, labels)
-        assert ((ds - x).double().abs() <= RTOL * x.abs().max() + slack).all()
+    _assert_whole_rows(soft, hard, x.cpu(), case, spec, s, t, labels, scale, grad)
 
 
 def test_routing():
@@ -646,8 +641,10 @@ def test_akl_head_of_a_top_id_over_mu_is_the_searchs(softcap, seed):
 @pytest.mark.parametrize("scale", [1.0, -0.6])
 def test_akl_head_within_the_lanes_four_largest_keys(mu, scale, seed, monkeypatch):
     """Rows of trained magnitudes (std 3: a head of tens of ids, the top one under μ) are settled from the lanes'
-    four largest keys, before the bins' kernel reads any row (none left to it); the sorted prefix in float64 all
-    the same, and on an integer grid (ties in the head, settled by either kernel). Flat rows go to the bins."""
+    four largest keys before the bins' kernel reads any row: exactly the rows whose id after the head (in the
+    order of p, ties by id) lies above every lane's fourth largest logit, counted here in float64 — nearly all
+    of them; the sorted prefix in float64 all the same, and on an integer grid (ties in the head, settled by
+    either kernel). Flat rows go to the bins."""
     left = []
 
     class Spy:  # the rows still unsettled when `_akl_head_kernel` is launched
@@ -662,13 +659,22 @@ def test_akl_head_within_the_lanes_four_largest_keys(mu, scale, seed, monkeypatc
 
     monkeypatch.setattr(triton_rows, "_akl_head_kernel", Spy(triton_rows._akl_head_kernel))
     g = torch.Generator().manual_seed(seed)
-    t = torch.randn(7, 20000, generator=g) * (3 / abs(scale))  # z of std 3; lanes of ~20 columns, four a fifth
+    t = torch.randn(16, 20000, generator=g) * (3 / abs(scale))  # z of std 3
     t[6, ::3] = -torch.inf
     spec = LossSpec(loss="akl", head_mass=mu, temperature=1.0, teacher_logit_scale=scale)
-    p = torch.softmax(spec.teacher(t.double()), -1)
-    assert (p.max(-1).values < mu).sum() >= 4  # the top id alone does not settle them
-    head = _akl_head_of_keys(t, spec)
-    assert left == [0]
+    z = spec.teacher(t.double())
+    p = torch.softmax(z, -1)
+    unpeaked = p.max(-1).values <= mu  # the top id alone does not settle them
+    sorted_p, order = p.sort(dim=-1, descending=True, stable=True)
+    after = (sorted_p.cumsum(-1) <= mu).sum(-1).clamp_min(1)  # the id after the head, in the order of p
+    width = triton_rows.BLOCK_V  # the kernel's lanes: lane c holds columns c, c + width, ... (V ≥ width here)
+    lanes = torch.full((16, -(-20000 // width) * width), -torch.inf, dtype=torch.float64)
+    lanes[:, :20000] = z
+    fourth = lanes.view(16, -1, width).topk(4, dim=1).values[:, 3].amax(-1)
+    within = z.gather(1, order.gather(1, after[:, None]))[:, 0] > fourth
+    assert unpeaked.sum() >= 8 and (unpeaked & within).sum() >= unpeaked.sum() // 2
+    _akl_head_of_keys(t, spec)
+    assert left == [int((unpeaked & ~within).sum())]
     ties = (torch.randn(3, 20000, generator=g) * (3 / abs(scale))).round()  # a prefix ending in a tied group
     for rows in (t, ties):
         want, sure = _sorted_prefix(rows, spec)

@@ -1121,8 +1121,8 @@ def _akl_keys(part_ptr, row, LOSS: tl.constexpr):
 
 @triton.jit
 def _akl_teacher_stats(part_ptr, row):
-    """The teacher's (max, sum) at τ over the row as `_akl_head_kernel` wrote them (fp32 bits in int64):
-    pass 1's m_t and l_t, merged."""
+    """The teacher's (max, sum) at τ over the row as `_akl_top_kernel` wrote them (fp32 bits in int64): pass 1's
+    m_t and l_t, merged (the row kernel's, and the head's later kernels')."""
     akl_row = part_ptr + row * _AKL_OUT
     return (tl.load(akl_row + 4).to(tl.int32).to(tl.float32, bitcast=True),
             tl.load(akl_row + 5).to(tl.int32).to(tl.float32, bitcast=True))
@@ -1490,6 +1490,15 @@ def _akl_search(t_row, k_lo, k_hi, m_t, log2_l, V, mu, log2e_tau_t, t_mul, T_HEA
 
 
 @triton.jit
+def _akl_store_head(out, kappa, k_v, cut, searched):
+    """A row's (κ, κ_v, cut, searched) into its int64 slots of AKL's head (`akl_head_keys`)."""
+    tl.store(out, kappa.to(tl.int64))
+    tl.store(out + 1, k_v.to(tl.int64))
+    tl.store(out + 2, cut.to(tl.int64))
+    tl.store(out + 3, searched.to(tl.int64))
+
+
+@triton.jit
 def _akl_candidates(k1, k2, k3, k4, i1, i2, i3, i4, m_t, log2_l, mu, log2e_tau_t, t_mul, T_HEAD: tl.constexpr,
                     SCAN: tl.constexpr):
     """The head from the lanes' four largest keys (k1 ≥ k2 ≥ k3 ≥ k4 a lane, their columns i1..i4): the candidates
@@ -1559,7 +1568,7 @@ def _akl_top_kernel(t_ptr, out_ptr, lanes_ptr, V, stride_t, mu, log2e_tau_t, t_m
         kappa = k_max * 0 + _KEY_FLOOR
         k_v = kappa
         cut = k_max * 0 - 1
-    elif (tl.exp2(-log2_l) <= mu) | (search != 0):  # left to `_akl_head_kernel`, with the lanes' keys
+    elif (tl.exp2(-log2_l) <= mu) | (search != 0):  # left to the kernels after it, with the lanes' keys
         settled = settled - 1
         lanes = lanes_ptr + row.to(tl.int64) * (8 * SCAN) + cols
         tl.store(lanes, k1)
@@ -1571,10 +1580,7 @@ def _akl_top_kernel(t_ptr, out_ptr, lanes_ptr, V, stride_t, mu, log2e_tau_t, t_m
         tl.store(lanes + 6 * SCAN, i3)
         tl.store(lanes + 7 * SCAN, i4)
     out = out_ptr + row.to(tl.int64) * _AKL_OUT
-    tl.store(out, kappa.to(tl.int64))
-    tl.store(out + 1, k_v.to(tl.int64))
-    tl.store(out + 2, cut.to(tl.int64))
-    tl.store(out + 3, settled.to(tl.int64))
+    _akl_store_head(out, kappa, k_v, cut, settled)
     tl.store(out + 4, m_t.to(tl.int32, bitcast=True).to(tl.int64))  # the row kernel's pass 1 reads only s then
     tl.store(out + 5, l_t.to(tl.int32, bitcast=True).to(tl.int64))
 
@@ -1587,18 +1593,15 @@ def _akl_candidates_kernel(out_ptr, lanes_ptr, mu, log2e_tau_t, t_mul, T_HEAD: t
     row = tl.program_id(0)
     out = out_ptr + row.to(tl.int64) * _AKL_OUT
     if tl.load(out + 3) < 0:
-        m_t = tl.load(out + 4).to(tl.int32).to(tl.float32, bitcast=True)
-        log2_l = tl.log2(tl.load(out + 5).to(tl.int32).to(tl.float32, bitcast=True))
+        m_t, l_t = _akl_teacher_stats(out_ptr, row)
+        log2_l = tl.log2(l_t)
         lanes = lanes_ptr + row.to(tl.int64) * (8 * SCAN) + tl.arange(0, SCAN)
         key_last, id_last, ok = _akl_candidates(
             tl.load(lanes), tl.load(lanes + SCAN), tl.load(lanes + 2 * SCAN), tl.load(lanes + 3 * SCAN),
             tl.load(lanes + 4 * SCAN), tl.load(lanes + 5 * SCAN), tl.load(lanes + 6 * SCAN), tl.load(lanes + 7 * SCAN),
             m_t, log2_l, mu, log2e_tau_t, t_mul, T_HEAD, SCAN)
         if ok:
-            tl.store(out, (key_last + 1).to(tl.int64))
-            tl.store(out + 1, key_last.to(tl.int64))
-            tl.store(out + 2, id_last.to(tl.int64))
-            tl.store(out + 3, (key_last * 0).to(tl.int64))
+            _akl_store_head(out, key_last + 1, key_last, id_last, key_last * 0)
 
 
 @triton.jit(do_not_specialize=["search"])  # one compiled kernel for both (a search of 1 made a constant fails to build)
@@ -1615,16 +1618,13 @@ def _akl_head_kernel(t_ptr, out_ptr, keep_ptr, lanes_ptr, V, stride_t, mu, log2e
     out = out_ptr + row.to(tl.int64) * _AKL_OUT
     if tl.load(out + 3) < 0:
         t_row = t_ptr + row.to(tl.int64) * stride_t
-        m_t = tl.load(out + 4).to(tl.int32).to(tl.float32, bitcast=True)
-        log2_l = tl.log2(tl.load(out + 5).to(tl.int32).to(tl.float32, bitcast=True))
+        m_t, l_t = _akl_teacher_stats(out_ptr, row)
+        log2_l = tl.log2(l_t)
         k_lane = tl.load(lanes_ptr + row.to(tl.int64) * (8 * SCAN) + tl.arange(0, SCAN))  # the lanes' largest
         kappa, k_v, cut, searched = _akl_bracket(t_row, keep_ptr + row.to(tl.int64) * CAP, k_lane, m_t, log2_l, V,
                                                  mu, log2e_tau_t, t_mul, search, T_HEAD, PARTS, BLOCK_V, SCAN, BINS,
                                                  CAP, LEVELS)
-        tl.store(out, kappa.to(tl.int64))
-        tl.store(out + 1, k_v.to(tl.int64))
-        tl.store(out + 2, cut.to(tl.int64))
-        tl.store(out + 3, searched.to(tl.int64))
+        _akl_store_head(out, kappa, k_v, cut, searched)
 
 
 def akl_head_keys(t: torch.Tensor, spec: LossSpec, search: bool = False) -> torch.Tensor:
