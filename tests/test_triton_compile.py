@@ -22,11 +22,12 @@ import pytest
 _INTS = ("V", "stride_scale", "stride_t", "stride_g", "stride_gt", "ignore_index", "label_lo", "world", "stride_part", "stride_tile",
          "stat_tiles")
 # (loss, the pass that writes dL/ds, ONLINE_KL, PSI): the power family's PSI, ψ's forms for its two powers
-# (`triton_rows._psi_mode`), as Amari's α 0.3, Rényi's order 0.7 and 1.4, and the αβ-divergence at (2, 0.05) make them
+# (`triton_rows._psi_mode`), as Amari's α 0.3, Rényi's order 0.7, 1.4 and ½ (ψ's closed form), and the αβ-divergence
+# at (2, 0.05) make them
 _LOSSES = (("jsd", 3, False, 0), ("tvd", 3, False, 0), ("forward_kl", 2, False, 0), ("forward_kl", 0, True, 0),
            ("reverse_kl", 2, True, 0), ("reverse_kl", 0, True, 0), ("cosine", 2, False, 0), ("cosine", 0, False, 0),
            ("jeffreys", 3, False, 0), ("triangular", 3, False, 0), ("alpha_divergence", 3, False, 2 + 8 * 3),
-           ("renyi", 3, False, 3 + 8 * 2), ("renyi_reverse", 3, False, 5 + 8 * 1), ("ab_divergence", 0, False, 2 + 8 * 3),
+           ("renyi", 3, False, 3 + 8 * 2), ("renyi", 3, False, 6 + 8 * 6), ("renyi_reverse", 3, False, 5 + 8 * 1), ("ab_divergence", 0, False, 2 + 8 * 3),
            ("entropy_adaptive", 3, False, 8 * 4), ("dkd", 2, False, 8 * 4), ("akl", 3, False, 8 * 4),
            ("mutual", 3, False, 0), ("co_jeffreys", 3, False, 0))
 # AKL runs on whole rows only (phase 0), its head's keys in part_ptr (int64); a learning teacher's dL/dt is

@@ -285,8 +285,13 @@ def _psi(lb, y, beta, MODE: tl.constexpr):
     range, a constexpr from the host: `_psi_mode`), 0: β = 0, expm1(y) − y; 1: β < 0 and 2: 0 < β ≤ ½,
     (expm1(y) − expm1(β y)/β) / (1 − β) (for β < 0 the product b · expm1(β y), β y ≥ 0, taken as
     2^(lb + β y log2 e) − b where e^(β y) could overflow); 3: ½ < β < 1, 4: β = 1, 5: β > 1,
-    (ψ' − expm1(y)) / β with b ψ' = b (e^(β y) − e^y)/(β − 1) a product of exact factors. 0 where b is."""
+    (ψ' − expm1(y)) / β with b ψ' = b (e^(β y) − e^y)/(β − 1) a product of exact factors; 6: β = ½, 2 h²,
+    h = expm1(y / 2) (expm1(y) = h (h + 2): the difference cancels in closed form, b ψ = 2 (√b − √b')², no
+    series and one expm1 — Hellinger's and Bhattacharyya's order). 0 where b is."""
     b = tl.exp2(lb)
+    if MODE == 6:
+        h = _expm1(y * 0.5)
+        return tl.where(lb == -float("inf"), 0.0, 2.0 * b * (h * h))
     small = y >= -0.125
     ys = tl.where(small, y, 0.0)
     term = ys * ys * 0.5
@@ -2062,7 +2067,9 @@ def _psi_mode(beta: float) -> int:
         return 0
     if beta < 0.0:
         return 1
-    if beta <= 0.5:
+    if beta == 0.5:
+        return 6
+    if beta < 0.5:
         return 2
     if beta < 1.0:
         return 3
