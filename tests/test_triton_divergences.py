@@ -15,6 +15,7 @@ import pytest
 import torch
 
 triton = pytest.importorskip("triton")
+tl = pytest.importorskip("triton.language")
 
 import flashkd  # noqa: E402
 from flashkd import core  # noqa: E402
@@ -208,6 +209,63 @@ def _second_order_slack(s, t, temperature):
     log2_l = lambda z, m: torch.log2(torch.exp2((z - m) * k).sum(-1))
     size = log2_l(a, m_s) + log2_l(b, m_t) + ((m_s - m_t)[:, 0] * k).abs() + 1.0
     return (4 * torch.finfo(torch.float32).eps * math.log(2.0) * size) ** 2
+
+
+def _phi0(x):
+    """e^x − 1 − x in float64, by its series where the difference cancels."""
+    small = x.abs() < 0.1
+    xs = torch.where(small, x, 0.0)
+    series = sum(xs**n / math.factorial(n) for n in range(2, 14))
+    return torch.where(small, series, torch.expm1(x) - x)
+
+
+@triton.jit
+def _terms_kernel(lp_ptr, lq_ptr, u_ptr, out_ptr, n, BLOCK: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < n
+    lp, lq, u = tl.load(lp_ptr + offs, mask=mask), tl.load(lq_ptr + offs, mask=mask), tl.load(u_ptr + offs, mask=mask)
+    fkl, rkl = triton_rows._kl_pair(lp, lq, u)
+    tl.store(out_ptr + offs, fkl, mask=mask)
+    tl.store(out_ptr + n + offs, rkl, mask=mask)
+    tl.store(out_ptr + 2 * n + offs, triton_rows._power_term(lp, lq, u, 0.5, 0.5, 6 + 8 * 6), mask=mask)
+
+
+def test_row_terms_elementwise_against_float64(seed):
+    """The row kernel's per-element terms, each against its float64 value on the same fp32 log2 p, log2 q and
+    u = log2 q − log2 p: KL(p‖q)'s and KL(q‖p)'s (`_kl_pair`: the entropy blend, AKL, DKD) and the power
+    family's at γ = ½ (ψ's closed form): within 32 fp32 roundings of each term at every gap — from 0 through
+    the series' edge (|u| ln 2 = 1, the forms' switch: ~8 roundings there under the interpreter, and the GPU's
+    exp2 is good to 2) to far apart and one side absent (inf and the other side's mass, exactly)."""
+    g = torch.Generator().manual_seed(seed)
+    edge = 1 / math.log(2)
+    gaps = torch.cat([torch.tensor([0.0, 1e-30, 1e-7, 1e-4, 0.03, 0.3, edge * (1 - 1e-6), edge, edge * (1 + 1e-6),
+                                    0.9 * edge, 1.1 * edge, 3.0, 40.0, 300.0]),
+                      torch.rand(2000, generator=g) * 4, torch.rand(2000, generator=g).pow(4) * 60,
+                      10 ** (torch.rand(500, generator=g) * 8 - 9)]).double()
+    u = torch.cat([gaps, -gaps]).float()
+    big = (torch.rand(u.shape, generator=g) * -40).float()  # the larger side's log2, the other |u| below it
+    lq = torch.where(u >= 0, big, (big.double() + u.double()).float())
+    lp = torch.where(u >= 0, (big.double() - u.double()).float(), big)
+    u = (lq.double() - lp.double()).float()  # the kernel's u is the logs' difference, here exact in fp32
+    lp = torch.cat([lp, torch.tensor([-3.0, -torch.inf, -torch.inf])])
+    lq = torch.cat([lq, torch.tensor([-torch.inf, -5.0, -torch.inf])])
+    u = torch.cat([u, torch.tensor([-torch.inf, torch.inf, torch.nan])])
+    n = u.numel()
+    out = torch.empty(3 * n)
+    _terms_kernel[(triton.cdiv(n, 1024),)](*_on(lp, lq, u), _on(out), n, BLOCK=1024)
+    fkl, rkl, half = out.view(3, n).double()
+    # p and q as the kernel's inputs define them: the larger side 2^max(log2 p, log2 q), the other 2^−|u| times it
+    delta = u.double() * math.log(2)
+    big = torch.exp2(torch.maximum(lp, lq).double())
+    p, q = big * torch.exp((-delta).clamp_max(0.0)), big * torch.exp(delta.clamp_max(0.0))
+    want_f, want_r = p * _phi0(delta), q * _phi0(-delta)  # p log(p/q) − p + q = p φ0(δ), and its mirror
+    want_h = 2 * big * torch.expm1(-delta.abs() / 2) ** 2  # 2 (√p − √q)²
+    body = slice(0, n - 3)
+    for got, want in ((fkl, want_f), (rkl, want_r), (half, want_h)):
+        err = (got[body] - want[body]).abs()
+        assert (err <= 32 * 2.0**-24 * want[body] + 1e-45).all(), (err / want[body].clamp_min(1e-45)).max().item()
+    assert fkl[-3:].tolist() == [math.inf, 2.0**-5, 0.0] and rkl[-3:].tolist() == [2.0**-3, math.inf, 0.0]
+    assert half[-3:].tolist() == [2 * 2.0**-3, 2 * 2.0**-5, 0.0]
 
 
 @pytest.mark.parametrize("case", CASES, ids=_ids)

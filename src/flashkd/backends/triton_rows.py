@@ -323,6 +323,34 @@ def _psi(lb, y, beta, MODE: tl.constexpr):
 
 
 @triton.jit
+def _kl_pair(lp, lq, u):
+    """KL(p‖q)'s and KL(q‖p)'s terms, p log(p/q) − p + q and q log(q/p) − q + p ≥ 0 (`flashkd.losses._kl_terms`;
+    `_power_term` at powers (1, 0) and (0, 1)), elementwise from log2 p, log2 q and u = log2 q − log2 p
+    (`_log2_ratio`). Relative to the larger side B, y = −|u| ln 2: the side at B's power takes φ0(y) = e^y − 1 − y
+    (ψ at β = 0) and the other φ1(y) = y e^y − e^y + 1 (β = 1): F = B φ0, R = B φ1 where q ≤ p, swapped where
+    q > p. Both from one e^y: their Taylor series (to y^12, y^13) where |y| < 1, where the closed forms cancel,
+    and the closed forms beyond (within ~3 roundings of 1 there); B once. +inf where the formula is (q = 0 < p
+    for F), 0 where both sides are."""
+    y = tl.abs(u) * -LN2
+    small = y > -1.0
+    ys = tl.where(small, y, 0.0)
+    s0 = 1.0 / 2.0 + ys * (1.0 / 6.0 + ys * (1.0 / 24.0 + ys * (1.0 / 120.0 + ys * (1.0 / 720.0 + ys * (
+        1.0 / 5040.0 + ys * (1.0 / 40320.0 + ys * (1.0 / 362880.0 + ys * (1.0 / 3628800.0 + ys * (
+            1.0 / 39916800.0 + ys * (1.0 / 479001600.0))))))))))
+    s1 = 1.0 / 2.0 + ys * (2.0 / 6.0 + ys * (3.0 / 24.0 + ys * (4.0 / 120.0 + ys * (5.0 / 720.0 + ys * (
+        6.0 / 5040.0 + ys * (7.0 / 40320.0 + ys * (8.0 / 362880.0 + ys * (9.0 / 3628800.0 + ys * (
+            10.0 / 39916800.0 + ys * (11.0 / 479001600.0 + ys * (12.0 / 6227020800.0)))))))))))
+    e = tl.exp2(y * LOG2E)  # 0 at y = −inf
+    phi0 = tl.where(small, ys * ys * s0, e - 1.0 - y)  # +inf at y = −inf
+    phi1 = tl.where(small, ys * ys * s1, 1.0 + e * (tl.maximum(y, -2000.0) - 1.0))  # 1 there: no 0 · inf
+    low = u <= 0.0
+    big = tl.exp2(tl.maximum(lp, lq))
+    present = (lp > -float("inf")) | (lq > -float("inf"))
+    return (tl.where(present, big * tl.where(low, phi0, phi1), 0.0),
+            tl.where(present, big * tl.where(low, phi1, phi0), 0.0))
+
+
+@triton.jit
 def _power_term(lp, lq, u, pow_p, pow_q, PSI: tl.constexpr):
     """`flashkd.losses.power_terms` of p and q at powers pow_p, pow_q, elementwise from log2 p and log2 q:
     −(p^a q^b − (a/c) p^c − (b/c) q^c) / (a b) ≥ 0, c = a + b, taken relative to the larger side,
@@ -569,8 +597,9 @@ def _loss_pass(
                         # the blend: −Σ p log2 p, n present; AKL: Σ |p − q| on the head (order keys at or over κ,
                         # or κ_v's up to the id cut), on the tail
                         d = _log2_ratio(a, b, lq, lp, row_gap, log2e_tau, SCALED)
-                        acc += _power_term(lp, lq, d, 1.0, 0.0, PSI)  # `flashkd.losses._kl_terms`
-                        acc2 += _power_term(lq, lp, -d, 1.0, 0.0, PSI)
+                        fkl, rkl = _kl_pair(lp, lq, d)
+                        acc += fkl
+                        acc2 += rkl
                         present = (lq > -float("inf")) | (lp > -float("inf"))
                         if LOSS == _AKL:
                             gap = tl.where(present, tl.abs(_gap(lq, lp, d)), 0.0)
@@ -589,7 +618,7 @@ def _loss_pass(
                         d = _log2_ratio(a, b, lq, lp, row_gap, log2e_tau, SCALED) + log2_1mbeta  # log2(q̂/p̂)
                         lp_hat = lp - log2_beta
                         lq_hat = lq - (log2_beta - log2_1mbeta)
-                        acc += tl.where(off, _power_term(lp_hat, lq_hat, d, 1.0, 0.0, PSI), 0.0)
+                        acc += tl.where(off, _kl_pair(lp_hat, lq_hat, d)[0], 0.0)
                         if GRAD_SOFT:
                             p_part = tl.where(f_p != 0.0, times(tl.exp2(lp_hat), f_p), 0.0)  # P = 0: no p̂ (inf · 0)
                             g = tl.where(off, times(tl.exp2(lq_hat), f_q) + p_part + q * c_q, q * c_q + f0)
