@@ -224,15 +224,17 @@ def _terms_kernel(lp_ptr, lq_ptr, u_ptr, out_ptr, n, BLOCK: tl.constexpr):
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < n
     lp, lq, u = tl.load(lp_ptr + offs, mask=mask), tl.load(lq_ptr + offs, mask=mask), tl.load(u_ptr + offs, mask=mask)
-    fkl, rkl = triton_rows._kl_pair(lp, lq, u)
+    fkl, rkl, gap, p = triton_rows._kl_pair(lp, lq, u)
     tl.store(out_ptr + offs, fkl, mask=mask)
     tl.store(out_ptr + n + offs, rkl, mask=mask)
-    tl.store(out_ptr + 2 * n + offs, triton_rows._power_term(lp, lq, u, 0.5, 0.5, 6 + 8 * 6), mask=mask)
+    tl.store(out_ptr + 2 * n + offs, gap, mask=mask)
+    tl.store(out_ptr + 3 * n + offs, p, mask=mask)
+    tl.store(out_ptr + 4 * n + offs, triton_rows._power_term(lp, lq, u, 0.5, 0.5, 6 + 8 * 6), mask=mask)
 
 
 def test_row_terms_elementwise_against_float64(seed):
     """The row kernel's per-element terms, each against its float64 value on the same fp32 log2 p, log2 q and
-    u = log2 q − log2 p: KL(p‖q)'s and KL(q‖p)'s (`_kl_pair`: the entropy blend, AKL, DKD) and the power
+    u = log2 q − log2 p: KL(p‖q)'s and KL(q‖p)'s, |q − p| and p (`_kl_pair`: the entropy blend, AKL, DKD) and the power
     family's at γ = ½ (ψ's closed form): within 32 fp32 roundings of each term at every gap — from 0 through
     the series' edge (|u| ln 2 = 1, the forms' switch: ~8 roundings there under the interpreter, and the GPU's
     exp2 is good to 2) to far apart and one side absent (inf and the other side's mass, exactly)."""
@@ -251,9 +253,9 @@ def test_row_terms_elementwise_against_float64(seed):
     lq = torch.cat([lq, torch.tensor([-torch.inf, -5.0, -torch.inf])])
     u = torch.cat([u, torch.tensor([-torch.inf, torch.inf, torch.nan])])
     n = u.numel()
-    out = torch.empty(3 * n)
+    out = torch.empty(5 * n)
     _terms_kernel[(triton.cdiv(n, 1024),)](*_on(lp, lq, u), _on(out), n, BLOCK=1024)
-    fkl, rkl, half = out.view(3, n).double()
+    fkl, rkl, gap, p_got, half = out.view(5, n).double()
     # p and q as the kernel's inputs define them: the larger side 2^max(log2 p, log2 q), the other 2^−|u| times it
     delta = u.double() * math.log(2)
     big = torch.exp2(torch.maximum(lp, lq).double())
@@ -261,10 +263,12 @@ def test_row_terms_elementwise_against_float64(seed):
     want_f, want_r = p * _phi0(delta), q * _phi0(-delta)  # p log(p/q) − p + q = p φ0(δ), and its mirror
     want_h = 2 * big * torch.expm1(-delta.abs() / 2) ** 2  # 2 (√p − √q)²
     body = slice(0, n - 3)
-    for got, want in ((fkl, want_f), (rkl, want_r), (half, want_h)):
+    want_gap = -big * torch.expm1(-delta.abs())
+    for got, want in ((fkl, want_f), (rkl, want_r), (gap, want_gap), (p_got, p), (half, want_h)):
         err = (got[body] - want[body]).abs()
         assert (err <= 32 * 2.0**-24 * want[body] + 1e-45).all(), (err / want[body].clamp_min(1e-45)).max().item()
     assert fkl[-3:].tolist() == [math.inf, 2.0**-5, 0.0] and rkl[-3:].tolist() == [2.0**-3, math.inf, 0.0]
+    assert gap[-3:].tolist() == [2.0**-3, 2.0**-5, 0.0] and p_got[-3:-1].tolist() == [2.0**-3, 0.0]
     assert half[-3:].tolist() == [2 * 2.0**-3, 2 * 2.0**-5, 0.0]
 
 

@@ -324,13 +324,14 @@ def _psi(lb, y, beta, MODE: tl.constexpr):
 
 @triton.jit
 def _kl_pair(lp, lq, u):
-    """KL(p‖q)'s and KL(q‖p)'s terms, p log(p/q) − p + q and q log(q/p) − q + p ≥ 0 (`flashkd.losses._kl_terms`;
-    `_power_term` at powers (1, 0) and (0, 1)), elementwise from log2 p, log2 q and u = log2 q − log2 p
-    (`_log2_ratio`). Relative to the larger side B, y = −|u| ln 2: the side at B's power takes φ0(y) = e^y − 1 − y
-    (ψ at β = 0) and the other φ1(y) = y e^y − e^y + 1 (β = 1): F = B φ0, R = B φ1 where q ≤ p, swapped where
-    q > p. Both from one e^y: their Taylor series (to y^12, y^13) where |y| < 1, where the closed forms cancel,
-    and the closed forms beyond (within ~3 roundings of 1 there); B once. +inf where the formula is (q = 0 < p
-    for F), 0 where both sides are."""
+    """(F, R, |q − p|, p) elementwise from log2 p, log2 q and u = log2 q − log2 p (`_log2_ratio`): KL(p‖q)'s and
+    KL(q‖p)'s terms F = p log(p/q) − p + q and R = q log(q/p) − q + p ≥ 0 (`flashkd.losses._kl_terms`;
+    `_power_term` at powers (1, 0) and (0, 1)), the gap and p, all from one e = 2^−|u| and one power B of the larger
+    side. With y = −|u| ln 2, the larger side's term is B φ0(y), φ0(y) = e^y − 1 − y (ψ at β = 0), the smaller's
+    B φ1(y), φ1(y) = y e^y − e^y + 1 (β = 1): F = B φ0, R = B φ1 where q ≤ p, swapped where q > p; |q − p| =
+    −B expm1(y), expm1(y) = y + φ0(y). Where |y| < 1, where the closed forms cancel, φ0 and φ1 are their
+    series (to y^12, y^13); beyond, the closed forms (within ~3 roundings of 1 there). +inf where the formula
+    is (F where q = 0 < p), 0 where both sides are."""
     y = tl.abs(u) * -LN2
     small = y > -1.0
     ys = tl.where(small, y, 0.0)
@@ -340,14 +341,17 @@ def _kl_pair(lp, lq, u):
     s1 = 1.0 / 2.0 + ys * (2.0 / 6.0 + ys * (3.0 / 24.0 + ys * (4.0 / 120.0 + ys * (5.0 / 720.0 + ys * (
         6.0 / 5040.0 + ys * (7.0 / 40320.0 + ys * (8.0 / 362880.0 + ys * (9.0 / 3628800.0 + ys * (
             10.0 / 39916800.0 + ys * (11.0 / 479001600.0 + ys * (12.0 / 6227020800.0)))))))))))
-    e = tl.exp2(y * LOG2E)  # 0 at y = −inf
+    e = tl.exp2(-tl.abs(u))  # e^y, its exponent exact; 0 at y = −inf
     phi0 = tl.where(small, ys * ys * s0, e - 1.0 - y)  # +inf at y = −inf
     phi1 = tl.where(small, ys * ys * s1, 1.0 + e * (tl.maximum(y, -2000.0) - 1.0))  # 1 there: no 0 · inf
+    drop = tl.where(small, -(ys + ys * ys * s0), 1.0 - e)  # −expm1(y) ∈ [0, 1]
     low = u <= 0.0
     big = tl.exp2(tl.maximum(lp, lq))
     present = (lp > -float("inf")) | (lq > -float("inf"))
     return (tl.where(present, big * tl.where(low, phi0, phi1), 0.0),
-            tl.where(present, big * tl.where(low, phi1, phi0), 0.0))
+            tl.where(present, big * tl.where(low, phi1, phi0), 0.0),
+            tl.where(present, big * drop, 0.0),
+            tl.where(low, big, big * e))
 
 
 @triton.jit
@@ -597,20 +601,18 @@ def _loss_pass(
                         # the blend: −Σ p log2 p, n present; AKL: Σ |p − q| on the head (order keys at or over κ,
                         # or κ_v's up to the id cut), on the tail
                         d = _log2_ratio(a, b, lq, lp, row_gap, log2e_tau, SCALED)
-                        fkl, rkl = _kl_pair(lp, lq, d)
+                        fkl, rkl, gap, p = _kl_pair(lp, lq, d)
                         acc += fkl
                         acc2 += rkl
-                        present = (lq > -float("inf")) | (lp > -float("inf"))
                         if LOSS == _AKL:
-                            gap = tl.where(present, tl.abs(_gap(lq, lp, d)), 0.0)
                             key = _akl_key(tl.load(t_row + offs, mask=mask, other=-float("inf")).to(tl.float32),
                                            T_HEAD)
                             in_head = (key >= akl_k) | ((key == akl_v) & (offs <= akl_cut))
                             acc3 += tl.where(in_head, gap, 0.0)
                             acc4 += tl.where(in_head, 0.0, gap)
                         else:
-                            acc3 -= times(tl.exp2(lp), lp)
-                            acc4 += tl.where(present, 1.0, 0.0)
+                            acc3 -= times(p, lp)
+                            acc4 += tl.where((lq > -float("inf")) | (lp > -float("inf")), 1.0, 0.0)
                     elif LOSS == _DKD:  # NCKD's terms ≥ 0 off y, of p̂ = p / P, q̂ = q / Q (log2 P and log2(P/Q) in
                         # log2_beta, log2_1mbeta); dL/ds = q̂ f_q + p̂ f_p + q c_q off y, q c_q + f0 at y
                         # (`_dkd_factors`)
