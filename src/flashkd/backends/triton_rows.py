@@ -254,7 +254,8 @@ def _gap(lx, ly, d):
     −expm1(−|d| ln 2), exact where the two are close (no difference of near numbers) and bounded where
     they are far apart. NaN where both are −inf (d NaN): callers mask those columns."""
     e = _expm1(tl.abs(d) * -LN2)  # ≤ 0
-    return tl.where(d >= 0.0, -tl.exp2(lx) * e, tl.exp2(ly) * e)
+    big = tl.exp2(tl.where(d >= 0.0, lx, ly))  # one exp2 of the larger side, not both taken and one kept
+    return tl.where(d >= 0.0, -big * e, big * e)
 
 
 @triton.jit
