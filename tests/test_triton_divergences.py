@@ -266,7 +266,9 @@ def test_row_terms_elementwise_against_float64(seed):
     want_gap = -big * torch.expm1(-delta.abs())
     for got, want in ((fkl, want_f), (rkl, want_r), (gap, want_gap), (p_got, p), (half, want_h)):
         err = (got[body] - want[body]).abs()
-        assert (err <= 32 * 2.0**-24 * want[body] + 1e-45).all(), (err / want[body].clamp_min(1e-45)).max().item()
+        # below fp32's least normal (2^−126) the GPU's exp2 flushes to 0 (ex2.approx.ftz): p at u ≥ 126, say
+        bad = err > 32 * 2.0**-24 * want[body] + 2.0**-126
+        assert not bad.any(), (u[body][bad][:4].tolist(), got[body][bad][:4].tolist(), want[body][bad][:4].tolist())
     assert fkl[-3:].tolist() == [math.inf, 2.0**-5, 0.0] and rkl[-3:].tolist() == [2.0**-3, math.inf, 0.0]
     assert gap[-3:].tolist() == [2.0**-3, 2.0**-5, 0.0] and p_got[-3:-1].tolist() == [2.0**-3, 0.0]
     assert half[-3:].tolist() == [2 * 2.0**-3, 2 * 2.0**-5, 0.0]
