@@ -253,9 +253,9 @@ def test_row_terms_elementwise_against_float64(seed):
     lq = torch.cat([lq, torch.tensor([-torch.inf, -5.0, -torch.inf])])
     u = torch.cat([u, torch.tensor([-torch.inf, torch.inf, torch.nan])])
     n = u.numel()
-    out = torch.empty(5 * n)
-    _terms_kernel[(triton.cdiv(n, 1024),)](*_on(lp, lq, u), _on(out), n, BLOCK=1024)
-    fkl, rkl, gap, p_got, half = out.view(5, n).double()
+    out = _on(torch.empty(5 * n))
+    _terms_kernel[(triton.cdiv(n, 1024),)](*_on(lp, lq, u), out, n, BLOCK=1024)
+    fkl, rkl, gap, p_got, half = out.cpu().view(5, n).double()
     # p and q as the kernel's inputs define them: the larger side 2^max(log2 p, log2 q), the other 2^−|u| times it
     delta = u.double() * math.log(2)
     big = torch.exp2(torch.maximum(lp, lq).double())
