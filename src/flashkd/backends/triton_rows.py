@@ -283,7 +283,7 @@ def _psi(lb, y, beta, MODE: tl.constexpr):
     """b · ψ(β, y), b = 2^lb, y ≤ 0 (natural units, −inf allowed): the α-family's generator
     ψ(β, y) = (expm1(β y) − β expm1(y)) / (β (β − 1)) ≥ 0 of `flashkd.losses._PowerTerm`, in its forms:
     for −⅛ ≤ y the Taylor series Σ_(n ≥ 2) c_n y^n / n!, c_n = 1 + β c_(n−1), c_2 = 1; else, by MODE (β's
-    range, a constexpr from the host: `_psi_mode`), 0: β = 0, expm1(y) − y; 1: β < 0 and 2: 0 < β ≤ ½,
+    range, a constexpr from the host: `_psi_mode`), 0: β = 0, expm1(y) − y; 1: β < 0 and 2: 0 < β < ½,
     (expm1(y) − expm1(β y)/β) / (1 − β) (for β < 0 the product b · expm1(β y), β y ≥ 0, taken as
     2^(lb + β y log2 e) − b where e^(β y) could overflow); 3: ½ < β < 1, 4: β = 1, 5: β > 1,
     (ψ' − expm1(y)) / β with b ψ' = b (e^(β y) − e^y)/(β − 1) a product of exact factors; 6: β = ½, 2 h²,
